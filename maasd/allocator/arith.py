@@ -1,0 +1,72 @@
+"""Pure arithmetic of the allocator: page rounding, size validation, ledgers.
+
+Nothing here touches the kernel, so it is tested exhaustively on its own
+(``tests/unit/test_arith.py``, ``tests/property/test_pool_machine.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
+
+#: No size may reach 2^63 bytes (SPEC §4): it would not fit an off_t.
+MAX_SIZE = (1 << 63) - 1
+
+
+def check_size(size: object) -> int:
+    """Return ``size`` if it is a positive int below 2^63, else raise :class:`InvalidRequest`.
+
+    ``bool`` is refused even though it is an ``int`` subclass: ``True`` bytes is a bug.
+    """
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise InvalidRequest(f"size must be an integer number of bytes, got {type(size).__name__}")
+    if size <= 0:
+        raise InvalidRequest(f"size must be > 0, got {size}")
+    if size > MAX_SIZE:
+        raise InvalidRequest(f"size must be below 2^63 bytes, got {size}")
+    return size
+
+
+def round_up(size: int, page: int) -> int:
+    """Round ``size`` up to a whole number of ``page``-byte pages (``page`` a power of two).
+
+    >>> round_up(1, 4096), round_up(4096, 4096), round_up(4097, 4096)
+    (4096, 4096, 8192)
+    """
+    if page <= 0 or page & (page - 1):
+        raise InvalidRequest(f"page size must be a power of two, got {page}")
+    rounded = (check_size(size) + page - 1) & ~(page - 1)
+    if rounded > MAX_SIZE:  # e.g. 2^63 - 1 rounds to 2^63: no off_t holds it
+        raise InvalidRequest(f"size {size} rounded up to {page}-byte pages reaches 2^63 bytes")
+    return rounded
+
+
+@dataclass
+class Ledger:
+    """Capacity accounting of one pool: ``used + free == capacity`` always.
+
+    Not thread-safe by itself; :class:`maasd.allocator.pool.Pool` holds a lock
+    around it.
+    """
+
+    capacity: int
+    used: int = 0
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def take(self, size: int) -> None:
+        """Account ``size`` bytes as used, or raise without changing anything."""
+        if size > self.capacity:
+            raise TooLarge(f"{size} bytes exceed the pool's capacity of {self.capacity} bytes")
+        if size > self.free:
+            raise PoolExhausted(f"{size} bytes requested, {self.free} of {self.capacity} free")
+        self.used += size
+
+    def give(self, size: int) -> None:
+        """Return ``size`` bytes taken earlier."""
+        if size < 0 or size > self.used:
+            raise AssertionError(f"ledger underflow: giving back {size} of {self.used} used")
+        self.used -= size

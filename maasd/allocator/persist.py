@@ -1,0 +1,103 @@
+"""Persistence primitives: a region's bytes to a file and back, checksummed.
+
+Persistent pools are memfds like the others (a named tmpfs file cannot be
+sealed); their bytes survive a restart through these checkpoint files.
+Writes go to a temporary file that is fsync'd and renamed over the old one,
+and the directory is fsync'd, so a crash leaves the previous checkpoint or the
+new one — never half of each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from maasd.allocator.region import Region
+from maasd.errors import BackingError
+
+CHUNK = 8 << 20
+
+
+def checkpoint(region: Region, path: str | os.PathLike[str]) -> str:
+    """Write the region's bytes to ``path`` durably; return their SHA-256 (hex)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    digest = hashlib.sha256()
+    view = region.view()  # exactly the sealed size: nothing beyond it is ever read
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            for off in range(0, region.size, CHUNK):
+                chunk = view[off:off + CHUNK]
+                digest.update(chunk)
+                while chunk:
+                    n = os.write(fd, chunk)
+                    chunk = chunk[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise BackingError(f"checkpoint to {path}: {e.strerror}", e.errno) from e
+    finally:
+        view.release()
+    return digest.hexdigest()
+
+
+def file_checksum(path: str | os.PathLike[str]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def restore(path: str | os.PathLike[str], *, node: int, backing: str = "memfd",
+            page_bytes: int | None = None, size: int | None = None,
+            expected_checksum: str | None = None) -> Region:
+    """Load a checkpoint into a fresh sealed region; verify the checksum when given.
+
+    Raises :class:`BackingError` when the file is missing, shorter than ``size``,
+    or its checksum does not match (the region is closed, nothing leaks).
+    """
+    path = Path(path)
+    try:
+        file_size = path.stat().st_size
+    except OSError as e:
+        raise BackingError(f"restore from {path}: {e.strerror}", e.errno) from e
+    size = file_size if size is None else size
+    if file_size != size:
+        raise BackingError(f"restore from {path}: file holds {file_size} bytes, expected {size}")
+    region = Region.create(size, node=node, backing=backing, page_bytes=page_bytes, prefault=True)
+    try:
+        digest = hashlib.sha256()
+        view = region.view()
+        try:
+            with open(path, "rb", buffering=0) as f:
+                off = 0
+                while off < file_size:
+                    n = f.readinto(view[off:min(off + CHUNK, file_size)])
+                    if not n:
+                        raise BackingError(f"restore from {path}: short read at {off}")
+                    digest.update(view[off:off + n])
+                    off += n
+        finally:
+            view.release()
+        if expected_checksum is not None and digest.hexdigest() != expected_checksum:
+            raise BackingError(f"restore from {path}: checksum mismatch "
+                               f"(file {digest.hexdigest()[:16]}…, ledger {expected_checksum[:16]}…)")
+        return region
+    except BaseException:
+        region.scrub("punch")
+        region.close()
+        raise
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

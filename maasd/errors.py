@@ -1,0 +1,162 @@
+"""The one exception tree of maasd.
+
+Every failure that a caller can act on is a :class:`MaasdError`. The tree::
+
+    MaasdError                  base; never raised itself
+    ├── InvalidRequest          a malformed, out-of-range or contradictory argument
+    ├── Unauthorized            no credentials, an unknown key, or a revoked key
+    ├── Forbidden               valid credentials that may not do this (tenant key on admin work)
+    ├── NotFound                unknown id — or an id that belongs to another tenant
+    ├── Conflict                the request is well-formed but clashes with current state
+    │   ├── QuotaExceeded       the tenant's live buffers plus this one exceed its quota
+    │   ├── DuplicateKey        a live buffer of the tenant already carries this key
+    │   └── StateConflict       wrong state: pool not empty, volatile checkpoint, taken name …
+    ├── Unprocessable           no resource could ever satisfy the request as asked
+    │   ├── QosUnmet            no pool meets the latency / persistence / node asked for
+    │   ├── PlacementError      a NUMA node that does not exist (or cannot take the pages)
+    │   └── TooLarge            larger than the pool's whole capacity
+    ├── PoolExhausted           the pool could hold it, but not now
+    └── BackingError            the kernel refused a memory operation (errno and what was tried)
+
+This module knows nothing of HTTP. ``maasd.api.problems`` maps each class to a
+status code and an RFC 9457 problem in one place; the socket broker does the
+same for its error frames. ``code`` is the stable slug used as the last path
+segment of a problem's ``type`` URI.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackingError",
+    "Conflict",
+    "DuplicateKey",
+    "Forbidden",
+    "InvalidRequest",
+    "MaasdError",
+    "NotFound",
+    "PlacementError",
+    "PoolExhausted",
+    "QosUnmet",
+    "QuotaExceeded",
+    "StateConflict",
+    "TooLarge",
+    "Unauthorized",
+    "Unprocessable",
+]
+
+
+class MaasdError(Exception):
+    """Base of every error maasd raises on purpose.
+
+    ``detail`` is a sentence for a human that says what was wrong with *this*
+    request; ``title`` is the short, fixed summary of the class.
+    """
+
+    code = "error"
+    title = "maasd error"
+
+    def __init__(self, detail: str = "") -> None:
+        super().__init__(detail or self.title)
+        self.detail = detail or self.title
+
+
+class InvalidRequest(MaasdError):
+    """Raised for a bad argument: size ≤ 0, not an int, unknown enum, both or neither size field."""
+
+    code = "invalid-request"
+    title = "Invalid request"
+
+
+class Unauthorized(MaasdError):
+    """Raised when no key was given, or the key is unknown or revoked."""
+
+    code = "unauthorized"
+    title = "Unauthorized"
+
+
+class Forbidden(MaasdError):
+    """Raised when a tenant key is used for an admin-only operation."""
+
+    code = "forbidden"
+    title = "Forbidden"
+
+
+class NotFound(MaasdError):
+    """Raised for an unknown id, and for another tenant's id: the two are indistinguishable."""
+
+    code = "not-found"
+    title = "Not found"
+
+
+class Conflict(MaasdError):
+    """Raised when the request clashes with the current state of the ledger."""
+
+    code = "conflict"
+    title = "Conflict"
+
+
+class QuotaExceeded(Conflict):
+    """Raised when the tenant's live buffers plus the requested size would exceed its quota."""
+
+    code = "quota-exceeded"
+    title = "Quota exceeded"
+
+
+class DuplicateKey(Conflict):
+    """Raised when a live buffer of the same tenant already carries the requested ``key``."""
+
+    code = "duplicate-key"
+    title = "Duplicate key"
+
+
+class StateConflict(Conflict):
+    """Raised for an operation the object's state forbids (non-empty pool, volatile checkpoint, taken name)."""
+
+    code = "state-conflict"
+    title = "State conflict"
+
+
+class Unprocessable(MaasdError):
+    """Raised when the request is well-formed but no resource of this daemon could ever satisfy it."""
+
+    code = "unprocessable"
+    title = "Unprocessable request"
+
+
+class QosUnmet(Unprocessable):
+    """Raised when no pool meets the requested latency class, persistence or NUMA node."""
+
+    code = "qos-unmet"
+    title = "QoS cannot be met"
+
+
+class PlacementError(Unprocessable):
+    """Raised for a NUMA node this host does not have, or pages the kernel would not move there."""
+
+    code = "placement-error"
+    title = "Placement failed"
+
+
+class TooLarge(Unprocessable):
+    """Raised when the requested size exceeds the pool's whole capacity (it could never fit)."""
+
+    code = "too-large"
+    title = "Request larger than the pool"
+
+
+class PoolExhausted(MaasdError):
+    """Raised when the pool could hold the request in principle but has too little free now."""
+
+    code = "pool-exhausted"
+    title = "Pool exhausted"
+
+
+class BackingError(MaasdError):
+    """Raised when a memory syscall fails; carries the errno and the operation attempted."""
+
+    code = "backing-error"
+    title = "Memory backing failed"
+
+    def __init__(self, detail: str = "", errno: int | None = None) -> None:
+        super().__init__(detail)
+        self.errno = errno

@@ -1,0 +1,159 @@
+"""One :class:`Settings` object, built once from flags, ``MAASD_*`` env and a TOML file.
+
+Precedence, highest first: command-line flags, environment variables, the
+config file (``--config`` / ``MAASD_CONFIG``), built-in defaults. The config
+file may also hold ``[[pools]]`` tables (SPEC §1 fields plus ``spill_dir``);
+without any, the daemon makes one volatile memfd pool per NUMA node
+(:func:`default_pools`).
+
+Example ``maasd.toml``::
+
+    host = "127.0.0.1"
+    port = 7878
+    max_ttl_s = 86400
+
+    [[pools]]
+    name = "fast"
+    numa_node = 0
+    capacity_bytes = 8589934592
+    latency_us = 1
+
+    [[pools]]
+    name = "kv-persist"
+    numa_node = 0
+    capacity_bytes = 2147483648
+    persistence = "persistent"
+    spill_dir = "/var/lib/maasd/spill"
+"""
+
+from __future__ import annotations
+
+import os
+import socket as _socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from maasd.errors import InvalidRequest
+from maasd.models import PoolSpec
+from maasd.topology import Topology
+
+GiB = 1 << 30
+DEFAULT_POOL_CAP = 8 * GiB
+
+
+def default_data_dir() -> str:
+    if os.geteuid() == 0:
+        return "/var/lib/maasd"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "maasd")
+
+
+class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Everything the daemon is configured with. Field names double as TOML keys."""
+
+    host: str = "127.0.0.1"
+    port: int = 7878
+    socket: str | None = None          # default: DATA_DIR/maasd.sock
+    data_dir: str = msgspec.field(default_factory=default_data_dir)
+    db_url: str | None = None          # default: sqlite:///DATA_DIR/maasd.db
+    config: str | None = None
+    admin_key: str | None = None       # default: DATA_DIR/admin.key, generated once
+    node_name: str = msgspec.field(default_factory=_socket.gethostname)
+    default_pool_bytes: int | None = None
+    max_ttl_s: int = 7 * 24 * 3600
+    reaper_interval_s: float = 1.0
+    checkpoint_on_shutdown: bool = True
+    log_level: str = "info"
+    pools: list[PoolSpec] = msgspec.field(default_factory=list)
+
+    @property
+    def socket_path(self) -> str:
+        return self.socket or os.path.join(self.data_dir, "maasd.sock")
+
+    @property
+    def database_url(self) -> str:
+        return self.db_url or f"sqlite:///{os.path.join(self.data_dir, 'maasd.db')}"
+
+    @property
+    def admin_key_path(self) -> str:
+        return os.path.join(self.data_dir, "admin.key")
+
+
+#: environment variable → field
+ENV = {
+    "MAASD_HOST": "host",
+    "MAASD_PORT": "port",
+    "MAASD_SOCKET": "socket",
+    "MAASD_DATA_DIR": "data_dir",
+    "MAASD_DB_URL": "db_url",
+    "MAASD_CONFIG": "config",
+    "MAASD_ADMIN_KEY": "admin_key",
+    "MAASD_NODE_NAME": "node_name",
+    "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
+    "MAASD_MAX_TTL_S": "max_ttl_s",
+    "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
+    "MAASD_LOG_LEVEL": "log_level",
+}
+
+
+def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+    """Build the settings from ``flags`` (None values ignored), ``env`` and the config file.
+
+    Raises :class:`InvalidRequest` with a readable message for a bad value or file.
+    """
+    env = os.environ if env is None else env
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    from_env: dict[str, Any] = {field: env[var] for var, field in ENV.items() if env.get(var)}
+    config_path = flags.get("config") or from_env.get("config")
+    from_file: dict[str, Any] = {}
+    if config_path:
+        try:
+            with open(config_path, "rb") as f:
+                from_file = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise InvalidRequest(f"config file {config_path}: {e}") from e
+    merged = {**from_file, **from_env, **flags}
+    # PoolSpec also parses API bodies and so does not forbid unknown fields itself;
+    # a typo in a [[pools]] table (``scrubb = "punch"``) must not silently fall back
+    # to a default.
+    for i, pool in enumerate(merged.get("pools") or []):
+        unknown = sorted(set(pool) - set(PoolSpec.__struct_fields__)) if isinstance(pool, dict) else []
+        if unknown:
+            raise InvalidRequest(f"settings: unknown field(s) {unknown} - at $.pools[{i}]")
+    try:
+        # strict=False lets env strings such as "7878" convert to int fields.
+        settings = msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as e:
+        raise InvalidRequest(f"settings: {e}") from e
+    if not 0 < settings.port < 65536:
+        raise InvalidRequest(f"settings: port must be 1..65535, got {settings.port}")
+    if settings.max_ttl_s < 1:
+        raise InvalidRequest("settings: max_ttl_s must be ≥ 1")
+    names = [p.name for p in settings.pools]
+    if len(names) != len(set(names)):
+        raise InvalidRequest(f"settings: duplicate pool names in config: {names}")
+    settings.data_dir = str(Path(settings.data_dir).expanduser())
+    return settings
+
+
+def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[PoolSpec]:
+    """SPEC §3: one volatile memfd pool per node, ``node<N>``.
+
+    Size: ``pool_bytes`` when given, else a quarter of the node's free memory,
+    at most 8 GiB — rounded down to whole pages.
+    """
+    page = topology.page_bytes
+    pools = []
+    for node in topology.nodes:
+        size = pool_bytes if pool_bytes is not None else min(node.mem_free_bytes // 4, DEFAULT_POOL_CAP)
+        size -= size % page
+        if size <= 0:
+            continue
+        pools.append(PoolSpec(name=f"node{node.id}", numa_node=node.id, capacity_bytes=size,
+                              backing="memfd", persistence="volatile", latency_us=1,
+                              prefault=True, scrub="zero"))
+    return pools
