@@ -1,0 +1,224 @@
+"""The REST control plane: a litestar app over one :class:`maasd.service.Service`.
+
+Controllers are thin: authenticate, decode the body strictly, make one service
+call in a worker thread (the service may prefault or scrub gigabytes), return
+its record. Errors become problem details in :mod:`maasd.api.problems`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+from litestar import Litestar, Request, Response, delete, get, patch, post
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.spec import Components, SecurityScheme
+
+from maasd import __version__
+from maasd.api import problems
+from maasd.api.schemas import (
+    LookupBody,
+    PinBody,
+    QuotaBody,
+    RenewBody,
+    Status,
+    TenantBody,
+    decode,
+)
+from maasd.metrics import CONTENT_TYPE
+from maasd.models import (
+    BufferInfo,
+    Checkpoint,
+    KeyInfo,
+    LookupHit,
+    NewTenant,
+    PoolInfo,
+    PoolSpec,
+    Principal,
+    TenantInfo,
+    Usage,
+)
+from maasd.service import ReserveRequest, Service
+from maasd.topology import Topology
+
+R = TypeVar("R")
+
+#: Largest request body accepted; every valid body is far smaller.
+MAX_BODY = 64 * 1024
+
+
+def _token(request: Request) -> str | None:
+    header = request.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def create_app(service: Service, *, threads: int = 64) -> Litestar:
+    """Build the app. ``threads`` bounds concurrent service calls (each may scrub or prefault)."""
+    limiter = CapacityLimiter(threads)
+
+    async def call(request: Request, fn: Callable[..., R], *args: Any) -> R:
+        """Authenticate and run ``fn(principal, *args)`` in one worker-thread hop."""
+        token = _token(request)
+
+        def work() -> R:
+            who = service.authenticate(token)
+            return fn(who, *args)
+
+        return await anyio.to_thread.run_sync(work, limiter=limiter)
+
+    def admin(fn: Callable[..., R]) -> Callable[..., R]:
+        def wrapped(who: Principal, *args: Any) -> R:
+            service.require_admin(who)
+            return fn(*args)
+        return wrapped
+
+    # -- anyone ---------------------------------------------------------------------------
+
+    @get("/healthz", tags=["health"], summary="Liveness")
+    async def healthz() -> Status:
+        return Status(status="ok")
+
+    @get("/metrics", tags=["health"], summary="Prometheus metrics", media_type=CONTENT_TYPE)
+    async def metrics() -> Response[bytes]:
+        body = await anyio.to_thread.run_sync(service.metrics.render, limiter=limiter)
+        return Response(body, media_type=CONTENT_TYPE)
+
+    # -- any key --------------------------------------------------------------------------
+
+    @get("/v1/topology", tags=["topology"], summary="NUMA nodes, memory and huge pages")
+    async def topology(request: Request) -> Topology:
+        return await call(request, lambda who: service.refresh_topology())
+
+    @get("/v1/pools", tags=["pools"], summary="List pools with usage")
+    async def list_pools(request: Request) -> list[PoolInfo]:
+        return await call(request, lambda who: service.pools())
+
+    @get("/v1/pools/{pool_id:str}", tags=["pools"], summary="One pool (id or name)")
+    async def get_pool(request: Request, pool_id: str) -> PoolInfo:
+        return await call(request, lambda who: service.pool(pool_id))
+
+    # -- admin ----------------------------------------------------------------------------
+
+    @post("/v1/pools", tags=["pools"], summary="Create a pool (admin)", status_code=201)
+    async def create_pool(request: Request, data: PoolSpec) -> PoolInfo:
+        spec = await decode(request, PoolSpec)
+        return await call(request, admin(service.create_pool), spec)
+
+    @delete("/v1/pools/{pool_id:str}", tags=["pools"], summary="Delete a pool (admin)",
+            status_code=204)
+    async def delete_pool(request: Request, pool_id: str, drain: bool = False) -> None:
+        await call(request, admin(partial(service.delete_pool, drain=drain)), pool_id)
+
+    @post("/v1/tenants", tags=["tenants"], summary="Create a tenant (admin); shows its key once",
+          status_code=201)
+    async def create_tenant(request: Request, data: TenantBody) -> NewTenant:
+        body = await decode(request, TenantBody)
+        return await call(request, admin(service.create_tenant), body.name, body.quota_bytes)
+
+    @get("/v1/tenants", tags=["tenants"], summary="List tenants (admin)")
+    async def list_tenants(request: Request) -> list[TenantInfo]:
+        return await call(request, admin(service.tenants))
+
+    @get("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="One tenant (admin)")
+    async def get_tenant(request: Request, tenant_id: str) -> TenantInfo:
+        return await call(request, admin(service.tenant), tenant_id)
+
+    @patch("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="Set a tenant's quota (admin)")
+    async def set_quota(request: Request, tenant_id: str, data: QuotaBody) -> TenantInfo:
+        body = await decode(request, QuotaBody)
+        return await call(request, admin(service.set_quota), tenant_id, body.quota_bytes)
+
+    @delete("/v1/tenants/{tenant_id:str}", tags=["tenants"], status_code=204,
+            summary="Delete a tenant: release (scrub) its buffers, revoke its keys (admin)")
+    async def delete_tenant(request: Request, tenant_id: str) -> None:
+        await call(request, admin(service.delete_tenant), tenant_id)
+
+    @post("/v1/tenants/{tenant_id:str}/keys", tags=["tenants"], status_code=201,
+          summary="Issue an API key (admin); shown only here")
+    async def issue_key(request: Request, tenant_id: str) -> KeyInfo:
+        return await call(request, admin(service.issue_key), tenant_id)
+
+    @delete("/v1/tenants/{tenant_id:str}/keys/{key_id:str}", tags=["tenants"], status_code=204,
+            summary="Revoke an API key (admin)")
+    async def revoke_key(request: Request, tenant_id: str, key_id: str) -> None:
+        await call(request, admin(service.revoke_key), tenant_id, key_id)
+
+    # -- tenant ---------------------------------------------------------------------------
+
+    @get("/v1/usage", tags=["buffers"], summary="The calling tenant's quota and use")
+    async def usage(request: Request) -> Usage:
+        return await call(request, service.usage)
+
+    @post("/v1/pools/{pool_id:str}/reserve", tags=["buffers"], status_code=201,
+          summary="Reserve a buffer in this pool")
+    async def reserve_in(request: Request, pool_id: str, data: ReserveRequest) -> BufferInfo:
+        req = await decode(request, ReserveRequest)
+        return await call(request, lambda who: service.reserve(who, req, pool_id))
+
+    @post("/v1/reserve", tags=["buffers"], status_code=201,
+          summary="Reserve a buffer in the pool that meets the QoS with the most free space")
+    async def reserve(request: Request, data: ReserveRequest) -> BufferInfo:
+        req = await decode(request, ReserveRequest)
+        return await call(request, lambda who: service.reserve(who, req))
+
+    @get("/v1/buffers", tags=["buffers"], summary="Own buffers (admin: all, or ?tenant_id=)")
+    async def list_buffers(request: Request, tenant_id: str | None = None) -> list[BufferInfo]:
+        return await call(request, lambda who: service.buffers(who, tenant_id))
+
+    @get("/v1/buffers/{buffer_id:str}", tags=["buffers"], summary="One buffer")
+    async def get_buffer(request: Request, buffer_id: str) -> BufferInfo:
+        return await call(request, service.buffer, buffer_id)
+
+    @patch("/v1/buffers/{buffer_id:str}/pin", tags=["buffers"],
+           summary="Bind and migrate a buffer's pages to a NUMA node, then verify")
+    async def pin(request: Request, buffer_id: str, data: PinBody) -> BufferInfo:
+        body = await decode(request, PinBody)
+        return await call(request, service.pin, buffer_id, body.numa_node)
+
+    @post("/v1/buffers/{buffer_id:str}/renew", tags=["buffers"], status_code=200,
+          summary="Extend a buffer's lease")
+    async def renew(request: Request, buffer_id: str, data: RenewBody) -> BufferInfo:
+        body = await decode(request, RenewBody)
+        return await call(request, service.renew, buffer_id, body.ttl_s)
+
+    @post("/v1/buffers/{buffer_id:str}/checkpoint", tags=["buffers"], status_code=200,
+          summary="Write a persistent buffer to its pool's spill dir")
+    async def checkpoint(request: Request, buffer_id: str) -> Checkpoint:
+        return await call(request, service.checkpoint, buffer_id)
+
+    @delete("/v1/buffers/{buffer_id:str}", tags=["buffers"], status_code=204,
+            summary="Scrub and free a buffer")
+    async def release(request: Request, buffer_id: str) -> None:
+        await call(request, service.release, buffer_id)
+
+    @post("/v1/buffers/lookup", tags=["buffers"], status_code=200,
+          summary="The longest of the given keys that has a live buffer")
+    async def lookup(request: Request, data: LookupBody) -> LookupHit:
+        body = await decode(request, LookupBody)
+        return await call(request, service.lookup, list(body.keys))
+
+    return Litestar(
+        route_handlers=[
+            healthz, metrics, topology, list_pools, get_pool, create_pool, delete_pool,
+            create_tenant, list_tenants, get_tenant, set_quota, delete_tenant, issue_key,
+            revoke_key, usage, reserve_in, reserve, list_buffers, get_buffer, pin, renew,
+            checkpoint, release, lookup,
+        ],
+        exception_handlers=problems.HANDLERS,  # type: ignore[arg-type]
+        openapi_config=OpenAPIConfig(
+            title="maasd", version=__version__, path="/schema",
+            description="Memory-as-a-service control plane (see SPEC §4).",
+            components=Components(security_schemes={
+                "bearer": SecurityScheme(type="http", scheme="bearer")}),
+            security=[{"bearer": []}],
+        ),
+        request_max_body_size=MAX_BODY,
+        logging_config=None,
+        debug=False,
+    )

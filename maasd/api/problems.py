@@ -1,0 +1,93 @@
+"""The one mapping from :mod:`maasd.errors` (and framework errors) to RFC 9457 problems.
+
+Every error the API answers is ``application/problem+json`` with ``type``,
+``title``, ``status`` and ``detail``; ``type`` is ``PROBLEM_BASE + code`` so a
+client can branch on its last segment (``…/quota-exceeded``,
+``…/pool-exhausted``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from maasd import errors
+
+logger = logging.getLogger(__name__)
+
+PROBLEM_BASE = "https://maasd.dev/problems/"
+MEDIA_TYPE = "application/problem+json"
+
+#: error class → HTTP status; the first matching base class wins (most specific first).
+STATUS: tuple[tuple[type[errors.MaasdError], int], ...] = (
+    (errors.InvalidRequest, 400),
+    (errors.Unauthorized, 401),
+    (errors.Forbidden, 403),
+    (errors.NotFound, 404),
+    (errors.Conflict, 409),
+    (errors.Unprocessable, 422),
+    (errors.PoolExhausted, 507),
+    (errors.BackingError, 500),
+)
+
+_GENERIC = {400: ("bad-request", "Bad request"), 401: ("unauthorized", "Unauthorized"),
+            403: ("forbidden", "Forbidden"), 404: ("not-found", "Not found"),
+            405: ("method-not-allowed", "Method not allowed"),
+            413: ("too-large", "Request body too large"),
+            415: ("unsupported-media-type", "Unsupported media type"),
+            429: ("too-many-requests", "Too many requests")}
+
+
+class Problem(msgspec.Struct, frozen=True):
+    type: str
+    title: str
+    status: int
+    detail: str
+
+
+def status_of(exc: errors.MaasdError) -> int:
+    return next((status for cls, status in STATUS if isinstance(exc, cls)), 500)
+
+
+def problem(status: int, code: str, title: str, detail: str) -> Response[Problem]:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return Response(Problem(type=PROBLEM_BASE + code, title=title, status=status, detail=detail),
+                    status_code=status, media_type=MEDIA_TYPE, headers=headers)
+
+
+def from_maasd_error(_: Request, exc: errors.MaasdError) -> Response[Problem]:
+    status = status_of(exc)
+    if status >= 500 and status != 507:
+        logger.error("internal error: %s", exc.detail, exc_info=exc)
+    return problem(status, exc.code, exc.title, exc.detail)
+
+
+def from_http_exception(_: Request, exc: HTTPException) -> Response[Problem]:
+    status = exc.status_code
+    code, title = _GENERIC.get(status, ("http-error", "HTTP error"))
+    detail = exc.detail or title
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        detail = "; ".join(_describe(e) for e in exc.extra)
+    return problem(status, code, title, detail)
+
+
+def from_unexpected(_: Request, exc: Exception) -> Response[Problem]:
+    logger.exception("unhandled error", exc_info=exc)
+    return problem(500, "internal", "Internal error", "an unexpected error occurred; see the daemon log")
+
+
+def _describe(entry: object) -> str:
+    if isinstance(entry, dict):
+        msg, key = entry.get("message", ""), entry.get("key")
+        return f"{msg} - at {key}" if key and key != "data" else str(msg)
+    return str(entry)
+
+
+HANDLERS = {
+    errors.MaasdError: from_maasd_error,
+    HTTPException: from_http_exception,
+    Exception: from_unexpected,
+}

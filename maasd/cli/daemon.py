@@ -1,0 +1,275 @@
+"""``maasd``: run the daemon (``serve``), migrate its ledger (``migrate``), or look (``info``).
+
+Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
+
+    settings  flags > MAASD_* env > --config TOML > defaults
+    lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
+    service   migrate to head, recover(), provision pools, start the lease reaper
+    broker    the Unix socket for worker handles
+    serve     uvicorn in-process until SIGTERM/SIGINT
+    shutdown  stop accepting, finish in-flight requests (10 s grace),
+              close the socket, checkpoint persistent buffers, release
+              volatile ones (scrubbed), close the database, exit 0
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Generator
+from typing import Any
+
+import click
+
+from maasd import __version__
+from maasd.errors import MaasdError
+
+logger = logging.getLogger("maasd")
+
+_STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
+    "message", "asctime", "color_message"}
+
+
+class LogfmtFormatter(logging.Formatter):
+    """One line per event: ``ts=… level=… logger=… msg="…" key=value …`` (structured, greppable)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        fields.update({k: v for k, v in record.__dict__.items() if k not in _STD_ATTRS})
+        line = " ".join(f"{k}={_quote(v)}" for k, v in fields.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text) if (not text or any(c in text for c in ' "=\n')) else text
+
+
+def setup_logging(level: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LogfmtFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("uvicorn.access", "alembic.runtime.plugins"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def data_dir_lock(data_dir: str) -> Generator[None, None, None]:
+    """Hold ``DATA_DIR/maasd.lock`` for the daemon's life; a second daemon fails at once."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(data_dir, "maasd.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            raise click.ClickException(
+                f"another maasd (pid {holder}) is already serving data dir {data_dir}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _settings(**flags: Any):  # type: ignore[no-untyped-def]
+    from maasd.settings import load
+
+    try:
+        return load(flags)
+    except MaasdError as e:
+        raise click.ClickException(e.detail) from e
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="maasd")
+def cli() -> None:
+    """maasd — memory-as-a-service daemon for LLM inference hosts."""
+
+
+_common = [
+    click.option("--data-dir", help="State directory [env MAASD_DATA_DIR]."),
+    click.option("--db", "db_url", help="Ledger URL: sqlite:///… or postgresql+psycopg://… "
+                 "[env MAASD_DB_URL]."),
+    click.option("--config", type=click.Path(dir_okay=False), help="TOML config file "
+                 "[env MAASD_CONFIG]."),
+]
+
+
+def common(fn):  # type: ignore[no-untyped-def]
+    for opt in reversed(_common):
+        fn = opt(fn)
+    return fn
+
+
+@cli.command()
+@click.option("--host", help="REST listen address [env MAASD_HOST, default 127.0.0.1].")
+@click.option("--port", type=int, help="REST port [env MAASD_PORT, default 7878].")
+@click.option("--socket", "socket", help="Worker socket path [env MAASD_SOCKET, "
+              "default DATA_DIR/maasd.sock].")
+@common
+def serve(**flags: Any) -> None:
+    """Run the daemon: REST control plane + worker socket.
+
+    \b
+    Example:
+      maasd serve --data-dir /var/lib/maasd --port 7878
+    """
+    settings = _settings(**flags)
+    setup_logging(settings.log_level)
+    with data_dir_lock(settings.data_dir):
+        _serve(settings)
+
+
+def _serve(settings) -> None:  # type: ignore[no-untyped-def]
+    import uvicorn
+
+    from maasd.api.app import create_app
+    from maasd.broker import Broker
+    from maasd.service import Service
+
+    service = Service(settings)
+    try:
+        service.start()
+    except MaasdError as e:
+        raise click.ClickException(f"cannot start: {e.detail}") from e
+    if service.admin_key_generated:
+        # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
+        click.echo(f"admin key (saved to {settings.admin_key_path}, mode 0600): "
+                   f"{service.admin_key_generated}", err=True)
+    broker = Broker(service, settings.socket_path)
+    broker.start()
+    server = _Server(uvicorn.Config(create_app(service), host=settings.host, port=settings.port,
+                                    log_config=None, access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=10, server_header=False))
+    logger.info("serving", extra={"url": f"http://{settings.host}:{settings.port}",
+                                  "socket": settings.socket_path, "db": _redact(settings.database_url),
+                                  "pools": ",".join(p.name for p in service.pools())})
+    try:
+        server.run()
+    finally:
+        broker.stop()
+        service.close()
+        logger.info("stopped")
+    if not server.started:
+        raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
+
+
+class _Server:
+    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise."""
+
+    def __new__(cls, config):  # type: ignore[no-untyped-def]
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Generator[None, None, None]:
+                previous = {s: signal.signal(s, self.handle_exit)
+                            for s in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
+
+        return Server(config)
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@cli.command()
+@common
+def migrate(**flags: Any) -> None:
+    """Upgrade the ledger database to the newest schema, then exit.
+
+    \b
+    Example:
+      maasd migrate --db postgresql+psycopg://maasd@db/maasd
+    """
+    settings = _settings(**flags)
+    setup_logging(settings.log_level)
+    from maasd.store import Store
+
+    os.makedirs(settings.data_dir, mode=0o700, exist_ok=True)
+    store = Store(settings.database_url)
+    try:
+        store.upgrade()
+    finally:
+        store.dispose()
+    click.echo(f"ledger at {_redact(settings.database_url)} is at the newest schema")
+
+
+@cli.command()
+@common
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def info(as_json: bool, **flags: Any) -> None:
+    """Print the NUMA topology this host shows and the pools the daemon would create.
+
+    \b
+    Example:
+      maasd info --json
+    """
+    import msgspec
+
+    from maasd.settings import default_pools
+    from maasd.topology import discover, libnuma_view
+
+    settings = _settings(**flags)
+    topo = discover()
+    pools = settings.pools or default_pools(topo, settings.default_pool_bytes)
+    if as_json:
+        click.echo(msgspec.json.encode({"topology": topo, "libnuma": libnuma_view(),
+                                        "pools": pools}).decode())
+        return
+    click.echo(f"page size {topo.page_bytes} B, huge page {topo.hugepage_bytes >> 20} MiB, "
+               f"{topo.hugepages_free} huge pages free")
+    for n in topo.nodes:
+        click.echo(f"node {n.id}: cpus {_ranges(n.cpus)}, {n.mem_total_bytes / 2**30:.1f} GiB total, "
+                   f"{n.mem_free_bytes / 2**30:.1f} GiB free, distances {n.distances}, "
+                   f"huge pages {n.hugepages_free}/{n.hugepages_total} free")
+    numa = libnuma_view()
+    click.echo(f"libnuma: {numa if numa is not None else 'not available'}")
+    click.echo("pools to create:" if pools else "no pools to create")
+    for p in pools:
+        click.echo(f"  {p.name}: node {p.numa_node}, {p.capacity_bytes / 2**30:.2f} GiB, {p.backing}, "
+                   f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}")
+
+
+def _ranges(cpus: list[int]) -> str:
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(f"{start}-{c}" if c != start else f"{c}")
+            start = None
+    return ",".join(out)
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

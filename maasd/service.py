@@ -1,0 +1,710 @@
+"""The core use-cases of maasd: reserve, pin, renew, checkpoint, release, reap, recover.
+
+Called by the REST API, the socket broker and tests; synchronous and
+thread-safe (the API runs it in worker threads, so prefaulting and scrubbing
+never block the event loop). It owns the rules; the store owns the SQL, the
+allocator owns the memory.
+
+Every change that touches memory records its intent in the ledger first:
+
+    reserve  ledger: row ``reserving`` (quota + capacity checked atomically)
+             memory: region created, sealed, bound, prefaulted
+             ledger: row ``live``
+    release  ledger: row ``releasing``
+             memory: scrubbed (every byte zero), closed
+             ledger: row deleted, event recorded
+
+so a crash at any point leaves rows that :meth:`Service.recover` can settle:
+``reserving``/``releasing`` rows and volatile ``live`` rows of a previous run
+are released (their memory died with the process); persistent ``live`` rows
+are reloaded from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import re
+import stat
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from maasd import allocator
+from maasd.allocator import Pool, Region
+from maasd.errors import (
+    BackingError,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    PlacementError,
+    PoolExhausted,
+    QosUnmet,
+    StateConflict,
+    TooLarge,
+    Unauthorized,
+)
+from maasd.metrics import LedgerCollector, Metrics
+from maasd.models import (
+    MAX_BYTES,
+    MAX_NODE,
+    BufferInfo,
+    Checkpoint,
+    KeyInfo,
+    LookupHit,
+    NewTenant,
+    PoolInfo,
+    PoolSpec,
+    Principal,
+    TenantInfo,
+    Usage,
+    rfc3339,
+)
+from maasd.settings import Settings, default_pools
+from maasd.store import BufferRow, PoolRow, Store
+from maasd.tenancy import keys, leases
+from maasd.topology import Topology, discover
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_LOOKUP_KEYS = 256
+
+
+class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a tenant asks for (SPEC §4). The API decodes bodies straight into this."""
+
+    size_bytes: Annotated[int, msgspec.Meta(gt=0, le=MAX_BYTES)] | None = None
+    size_gb: Annotated[float, msgspec.Meta(gt=0, lt=2.0 ** 33)] | None = None
+    latency_us: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
+    persistence: Literal["volatile", "persistent"] | None = None
+    ttl_s: Annotated[int, msgspec.Meta(ge=1, le=2**31)] = 600
+    label: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    key: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
+    evictable: bool = False
+    numa_node: Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)] | None = None
+
+    def size(self) -> int:
+        """The requested size in bytes; ``size_gb`` is in GiB (2^30), rounded up to a byte."""
+        if (self.size_bytes is None) == (self.size_gb is None):
+            raise InvalidRequest("give exactly one of size_bytes and size_gb")
+        if self.size_bytes is not None:
+            if self.size_bytes <= 0 or self.size_bytes > MAX_BYTES:
+                raise InvalidRequest("size_bytes must be > 0 and below 2^63")
+            return self.size_bytes
+        gb = self.size_gb
+        assert gb is not None
+        if not math.isfinite(gb) or gb <= 0 or gb * GiB >= 2.0 ** 63:
+            raise InvalidRequest("size_gb must be > 0 and below 2^63 bytes")
+        return max(1, math.ceil(gb * GiB))
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A buffer as handed to a worker: ``fd`` is a dup the receiver of this object closes."""
+
+    fd: int
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
+@dataclass
+class _LivePool:
+    row: PoolRow
+    pool: Pool
+
+
+class Service:
+    """One daemon's use-cases over its ledger, its pools and its regions.
+
+    >>> svc = Service(settings); svc.start()                       # doctest: +SKIP
+    >>> who = svc.authenticate(api_key)                             # doctest: +SKIP
+    >>> buf = svc.reserve(who, ReserveRequest(size_bytes=1 << 20))  # doctest: +SKIP
+    >>> svc.release(who, buf.id); svc.close()                       # doctest: +SKIP
+    """
+
+    def __init__(self, settings: Settings, *, topology: Topology | None = None,
+                 store: Store | None = None) -> None:
+        self.settings = settings
+        self.host = settings.node_name
+        self.topology = topology or discover()
+        self.store = store or Store(settings.database_url)
+        self.metrics = Metrics()
+        self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
+        self._lock = threading.RLock()
+        self._pools: dict[str, _LivePool] = {}
+        self._regions: dict[str, Region] = {}
+        self._attached: Counter[str] = Counter()
+        self._admin_digest = b""
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.admin_key_generated: str | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self, *, reaper: bool = True) -> None:
+        """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
+        os.makedirs(self.settings.data_dir, mode=0o700, exist_ok=True)
+        self.store.upgrade()
+        self._admin_digest = keys.digest(self._admin_key())
+        for row in self.store.pools(self.host):
+            self._pools[row.id] = _LivePool(row, self._make_pool(row))
+        self.recover()
+        wanted = self.settings.pools or default_pools(self.topology, self.settings.default_pool_bytes)
+        existing = {lp.row.name for lp in self._pools.values()}
+        for spec in wanted:
+            if spec.name not in existing:
+                self.create_pool(spec)
+        if reaper:
+            self._reaper = threading.Thread(target=self._reap_loop, name="maasd-reaper", daemon=True)
+            self._reaper.start()
+
+    def close(self) -> None:
+        """Stop reaping; checkpoint persistent buffers; release volatile ones; close the store."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=10)
+        for buffer_id in list(self._regions):
+            row = self.store.buffer(buffer_id, None)
+            if row is None:
+                continue
+            try:
+                if row.persistence == "persistent" and self.settings.checkpoint_on_shutdown:
+                    self._checkpoint_row(row)
+                    self._drop_region(row, scrub=True)
+                else:
+                    self._release_row(row, reason="shutdown")
+            except Exception:
+                logger.exception("shutdown: could not settle buffer %s", buffer_id)
+        self.store.dispose()
+
+    def _admin_key(self) -> str:
+        if self.settings.admin_key:
+            return self.settings.admin_key
+        path = Path(self.settings.admin_key_path)
+        if path.exists():
+            mode = stat.S_IMODE(path.stat().st_mode)
+            if mode & 0o077:
+                raise InvalidRequest(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
+            return path.read_text().strip()
+        token = keys.new_token()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        self.admin_key_generated = token
+        return token
+
+    # -- authentication -------------------------------------------------------------------
+
+    def authenticate(self, token: str | None) -> Principal:
+        """Map a bearer token to a principal; :class:`Unauthorized` if unknown or revoked."""
+        if not token:
+            raise Unauthorized("missing API key (Authorization: Bearer <key>)")
+        d = keys.digest(token)
+        if keys.matches(token, self._admin_digest):
+            return Principal(is_admin=True)
+        row = self.store.key_by_digest(d)
+        if row is None or not keys.matches(token, row.digest):
+            raise Unauthorized("unknown or revoked API key")
+        return Principal(is_admin=False, tenant_id=row.tenant_id, key_id=row.id)
+
+    @staticmethod
+    def require_admin(who: Principal) -> None:
+        if not who.is_admin:
+            raise Forbidden("this operation needs the admin key")
+
+    @staticmethod
+    def require_tenant(who: Principal) -> str:
+        if who.tenant_id is None:
+            raise Forbidden("this operation needs a tenant key (the admin owns no buffers)")
+        return who.tenant_id
+
+    # -- topology and pools ---------------------------------------------------------------
+
+    def refresh_topology(self) -> Topology:
+        self.topology = discover()
+        return self.topology
+
+    def pools(self) -> list[PoolInfo]:
+        usage = self.store.usage_by_pool(self.host)
+        with self._lock:
+            live = list(self._pools.values())
+        return sorted((self._pool_info(lp.row, usage.get(lp.row.id, (0, 0))) for lp in live),
+                      key=lambda p: p.name)
+
+    def pool(self, id_or_name: str) -> PoolInfo:
+        lp = self._live_pool(id_or_name)
+        used = self.store.usage_by_pool(self.host).get(lp.row.id, (0, 0))
+        return self._pool_info(lp.row, used)
+
+    def create_pool(self, spec: PoolSpec) -> PoolInfo:
+        """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
+        self._check_name(spec.name, "pool name")
+        if spec.numa_node not in self.topology.node_ids:
+            raise PlacementError(f"NUMA node {spec.numa_node} does not exist on this host "
+                                 f"(nodes: {sorted(self.topology.node_ids)})")
+        if spec.latency_us < 0:
+            raise InvalidRequest("latency_us must be ≥ 0")
+        page = (self.topology.hugepage_bytes if spec.backing == "hugetlb"
+                else self.topology.page_bytes)
+        if spec.capacity_bytes <= 0 or spec.capacity_bytes > MAX_BYTES - page:
+            raise InvalidRequest("capacity_bytes must be > 0 and below 2^63")
+        capacity = -(-spec.capacity_bytes // page) * page
+        spill_dir = spec.spill_dir
+        if spec.persistence == "persistent":
+            spill_dir = spill_dir or os.path.join(self.settings.data_dir, "spill", spec.name)
+            os.makedirs(spill_dir, mode=0o700, exist_ok=True)
+        elif spill_dir is not None:
+            raise InvalidRequest("spill_dir only applies to persistent pools")
+        row = PoolRow(id=keys.new_id(), host=self.host, name=spec.name, numa_node=spec.numa_node,
+                      backing=spec.backing, persistence=spec.persistence,
+                      latency_us=spec.latency_us, capacity_bytes=capacity, page_bytes=page,
+                      prefault=spec.prefault, scrub=spec.scrub, spill_dir=spill_dir,
+                      created_at=time.time())
+        pool = self._make_pool(row)
+        with self._lock:
+            self.store.add_pool(row)
+            self._pools[row.id] = _LivePool(row, pool)
+        logger.info("pool %s created: node %d, %d bytes, %s/%s", row.name, row.numa_node,
+                    capacity, row.backing, row.persistence)
+        return self._pool_info(row, (0, 0))
+
+    def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
+        """Delete an empty pool; with ``drain`` release (scrub) its buffers first."""
+        lp = self._live_pool(id_or_name)
+        rows = self.store.buffers(pool_id=lp.row.id, states=("reserving", "live", "releasing"))
+        if rows and not drain:
+            raise StateConflict(f"pool {lp.row.name} holds {len(rows)} buffer(s); "
+                                "release them or delete with drain=true")
+        for row in rows:
+            self._release_row(row, reason="pool_drain")
+        with self._lock:
+            self.store.delete_pool(lp.row.id)
+            self._pools.pop(lp.row.id, None)
+
+    def _make_pool(self, row: PoolRow) -> Pool:
+        return Pool(row.name, numa_node=row.numa_node, capacity=row.capacity_bytes,
+                    backing=row.backing, persistence=row.persistence, latency_us=row.latency_us,
+                    prefault=row.prefault, scrub=row.scrub, page_bytes=row.page_bytes)
+
+    def _live_pool(self, id_or_name: str) -> _LivePool:
+        with self._lock:
+            lp = self._pools.get(id_or_name)
+            if lp is None:
+                lp = next((p for p in self._pools.values() if p.row.name == id_or_name), None)
+        if lp is None:
+            raise NotFound(f"no pool {id_or_name!r}")
+        return lp
+
+    @staticmethod
+    def _pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
+        return PoolInfo(id=row.id, name=row.name, numa_node=row.numa_node, backing=row.backing,
+                        persistence=row.persistence, latency_us=row.latency_us,
+                        capacity_bytes=row.capacity_bytes, used_bytes=used[0],
+                        free_bytes=row.capacity_bytes - used[0], page_bytes=row.page_bytes,
+                        prefault=row.prefault, scrub=row.scrub, buffers=used[1])
+
+    # -- tenants and keys -----------------------------------------------------------------
+
+    def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
+        self._check_name(name, "tenant name")
+        self._check_bytes(quota_bytes, "quota_bytes", allow_zero=True)
+        now = time.time()
+        tenant_id = keys.new_id()
+        token, key_id = keys.new_token(), keys.new_id()
+        self.store.add_tenant(tenant_id, name, quota_bytes, now)
+        self.store.add_key(key_id, tenant_id, keys.digest(token), now)
+        return NewTenant(id=tenant_id, name=name, quota_bytes=quota_bytes, used_bytes=0,
+                         api_key=token, key_id=key_id)
+
+    def tenants(self) -> list[TenantInfo]:
+        return [self._tenant_info(t) for t in self.store.tenants()]
+
+    def tenant(self, id_or_name: str) -> TenantInfo:
+        row = self.store.tenant(id_or_name)
+        if row is None:
+            raise NotFound(f"no tenant {id_or_name!r}")
+        return self._tenant_info(row)
+
+    def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
+        self._check_bytes(quota_bytes, "quota_bytes", allow_zero=True)
+        t = self.tenant(id_or_name)
+        self.store.set_quota(t.id, quota_bytes)
+        return self.tenant(t.id)
+
+    def delete_tenant(self, id_or_name: str) -> None:
+        """Revoke the tenant's keys, release (scrub) all its buffers, delete it."""
+        t = self.tenant(id_or_name)
+        self.store.revoke_keys(t.id)
+        for row in self.store.buffers(tenant_id=t.id, states=("reserving", "live", "releasing")):
+            self._release_row(row, reason="tenant_delete")
+        self.store.delete_tenant(t.id)
+
+    def issue_key(self, id_or_name: str) -> KeyInfo:
+        t = self.tenant(id_or_name)
+        now = time.time()
+        token, key_id = keys.new_token(), keys.new_id()
+        self.store.add_key(key_id, t.id, keys.digest(token), now)
+        return KeyInfo(id=key_id, api_key=token, created_at=rfc3339(now))
+
+    def revoke_key(self, id_or_name: str, key_id: str) -> None:
+        t = self.tenant(id_or_name)
+        if not self.store.revoke_key(t.id, key_id):
+            raise NotFound(f"no active key {key_id!r} for tenant {t.name}")
+
+    def usage(self, who: Principal) -> Usage:
+        t = self.tenant(self.require_tenant(who))
+        return Usage(tenant_id=t.id, quota_bytes=t.quota_bytes, used_bytes=t.used_bytes,
+                     buffers=t.buffers)
+
+    @staticmethod
+    def _tenant_info(row) -> TenantInfo:  # type: ignore[no-untyped-def]
+        return TenantInfo(id=row.id, name=row.name, quota_bytes=row.quota_bytes,
+                          used_bytes=row.used_bytes, buffers=row.buffers,
+                          created_at=rfc3339(row.created_at))
+
+    # -- buffers --------------------------------------------------------------------------
+
+    def reserve(self, who: Principal, req: ReserveRequest, pool: str | None = None) -> BufferInfo:
+        """Reserve a buffer in ``pool`` (id or name), or in the best pool meeting the QoS.
+
+        Raises InvalidRequest (bad field), QosUnmet/PlacementError/TooLarge (never
+        satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
+        """
+        tenant_id = self.require_tenant(who)
+        started = time.perf_counter()
+        try:
+            buf = self._reserve(tenant_id, req, pool)
+        except Exception as e:
+            self.metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
+            raise
+        self.metrics.reserve_total.labels(outcome="granted").inc()
+        self.metrics.reserve_seconds.observe(time.perf_counter() - started)
+        return buf
+
+    def _reserve(self, tenant_id: str, req: ReserveRequest, pool: str | None) -> BufferInfo:
+        size = req.size()
+        now = time.time()
+        expires = leases.expires_at(now, req.ttl_s, self.settings.max_ttl_s)
+        if req.label is not None and len(req.label) > 128:
+            raise InvalidRequest("label must be at most 128 characters")
+        if req.key is not None and not 0 < len(req.key) <= 512:
+            raise InvalidRequest("key must be 1..512 characters")
+        candidates = self._candidates(req, size, pool)
+        last_error: Exception | None = None
+        for lp in candidates:
+            rounded = lp.pool.rounded(size)
+            row = BufferRow(id=keys.new_id(), tenant_id=tenant_id, pool_id=lp.row.id,
+                            size_bytes=rounded, numa_node=lp.row.numa_node,
+                            persistence=lp.row.persistence, label=req.label, key=req.key,
+                            evictable=req.evictable, state="reserving", created_at=now,
+                            expires_at=expires, last_used_at=now)
+            try:
+                victims = self.store.begin_reserve(row)
+            except PoolExhausted as e:
+                last_error = e
+                continue
+            for victim in victims:
+                self._release_memory(victim, reason="evict")
+                self.store.finish_release(victim.id, kind="evict")
+                self.metrics.evictions.inc()
+            try:
+                region = lp.pool.reserve(rounded, name=f"maasd-{row.id[:8]}")
+            except PoolExhausted as e:  # in-process guard disagreed with the ledger
+                self.store.finish_release(row.id, kind="reserve_failed")
+                last_error = e
+                continue
+            except BackingError as e:
+                self.store.finish_release(row.id, kind="reserve_failed")
+                if e.errno in (errno.ENOMEM, errno.ENOSPC):
+                    raise PoolExhausted(f"the kernel has no memory for {rounded} bytes on node "
+                                        f"{lp.row.numa_node} ({e.detail})") from e
+                raise
+            with self._lock:
+                self._regions[row.id] = region
+            self.store.set_state(row.id, "live")
+            return self._buffer_info(msgspec.structs.replace(row, state="live"))
+        assert last_error is not None
+        raise last_error
+
+    def _candidates(self, req: ReserveRequest, size: int, pool: str | None) -> list[_LivePool]:
+        """The pools that could hold the request, most free space first."""
+        if req.numa_node is not None and req.numa_node not in self.topology.node_ids:
+            raise PlacementError(f"NUMA node {req.numa_node} does not exist on this host "
+                                 f"(nodes: {sorted(self.topology.node_ids)})")
+        with self._lock:
+            pools = [self._live_pool(pool)] if pool is not None else list(self._pools.values())
+        fit = [lp for lp in pools if self._meets(lp.row, req)]
+        if not fit:
+            raise QosUnmet(self._qos_text(req) + (f" in pool {pools[0].row.name}" if pool else ""))
+        big = [lp for lp in fit if lp.pool.rounded(size) <= lp.row.capacity_bytes]
+        if not big:
+            biggest = max(lp.row.capacity_bytes for lp in fit)
+            raise TooLarge(f"{size} bytes exceed the capacity of every pool that meets the QoS "
+                           f"(largest: {biggest} bytes)")
+        if len(big) > 1:
+            usage = self.store.usage_by_pool(self.host)
+            big.sort(key=lambda lp: lp.row.capacity_bytes - usage.get(lp.row.id, (0, 0))[0],
+                     reverse=True)
+        return big
+
+    @staticmethod
+    def _meets(row: PoolRow, req: ReserveRequest) -> bool:
+        return ((req.latency_us is None or row.latency_us <= req.latency_us)
+                and (req.persistence is None or row.persistence == req.persistence)
+                and (req.numa_node is None or row.numa_node == req.numa_node))
+
+    @staticmethod
+    def _qos_text(req: ReserveRequest) -> str:
+        parts = []
+        if req.latency_us is not None:
+            parts.append(f"latency_us ≤ {req.latency_us}")
+        if req.persistence is not None:
+            parts.append(f"persistence {req.persistence}")
+        if req.numa_node is not None:
+            parts.append(f"numa_node {req.numa_node}")
+        return "no pool meets " + (", ".join(parts) or "the request")
+
+    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
+        if not who.is_admin:
+            tenant_id = who.tenant_id
+        elif tenant_id is not None:
+            tenant_id = self.tenant(tenant_id).id
+        return [self._buffer_info(r) for r in self.store.buffers(tenant_id=tenant_id)]
+
+    def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
+        return self._buffer_info(self._own_row(who, buffer_id))
+
+    def pin(self, who: Principal, buffer_id: str, numa_node: int) -> BufferInfo:
+        """Bind and migrate the buffer's pages to ``numa_node``; return it with its measured placement."""
+        row = self._own_row(who, buffer_id, tenant_only=True)
+        region = self._region(row.id)
+        placement = region.pin(numa_node, self.topology.node_ids)
+        self.store.set_numa_node(row.id, numa_node)
+        info = self._buffer_info(msgspec.structs.replace(row, numa_node=numa_node))
+        return msgspec.structs.replace(info, placement={str(k): v for k, v in placement.items()})
+
+    def placement(self, who: Principal, buffer_id: str) -> dict[str, int]:
+        row = self._own_row(who, buffer_id)
+        return {str(k): v for k, v in self._region(row.id).placement().items()}
+
+    def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> BufferInfo:
+        tenant_id = self.require_tenant(who)
+        expires = leases.expires_at(time.time(), ttl_s, self.settings.max_ttl_s)
+        return self._buffer_info(self.store.renew(buffer_id, tenant_id, expires))
+
+    def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
+        row = self._own_row(who, buffer_id, tenant_only=True)
+        if row.persistence != "persistent":
+            raise StateConflict("only buffers of persistent pools can be checkpointed")
+        return self._checkpoint_row(row)
+
+    def _checkpoint_row(self, row: BufferRow) -> Checkpoint:
+        lp = self._pools[row.pool_id]
+        assert lp.row.spill_dir is not None
+        path = os.path.join(lp.row.spill_dir, f"{row.id}.ckpt")
+        checksum = allocator.checkpoint(self._region(row.id), path)
+        self.store.set_checkpoint(row.id, path, checksum, time.time())
+        self.metrics.checkpoints.inc()
+        self.metrics.checkpoint_bytes.inc(row.size_bytes)
+        return Checkpoint(checksum=checksum, bytes=row.size_bytes)
+
+    def release(self, who: Principal, buffer_id: str) -> None:
+        """Scrub and free a buffer; every byte is zero before this returns."""
+        tenant_id = None if who.is_admin else who.tenant_id
+        row = self.store.mark_releasing(buffer_id, tenant_id)
+        self._release_row(row, reason="release", marked=True)
+
+    def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:
+        tenant_id = self.require_tenant(who)
+        if not 0 < len(lookup_keys) <= MAX_LOOKUP_KEYS:
+            raise InvalidRequest(f"keys must hold 1..{MAX_LOOKUP_KEYS} entries")
+        if any(not 0 < len(k) <= 512 for k in lookup_keys):
+            raise InvalidRequest("every key must be 1..512 characters")
+        hit = self.store.lookup(tenant_id, lookup_keys)
+        if hit is None:
+            raise NotFound("no live buffer carries any of these keys")
+        return LookupHit(key=hit[0], buffer=self._buffer_info(hit[1]))
+
+    # -- data plane -----------------------------------------------------------------------
+
+    def open_handle(self, who: Principal, buffer_id: str) -> Handle:
+        """A dup of the buffer's sealed memfd for a worker; NotFound for foreign/unknown ids."""
+        tenant_id = self.require_tenant(who)
+        row = self.store.buffer(buffer_id, tenant_id)
+        if row is None or row.state != "live":
+            raise NotFound(f"no buffer {buffer_id!r}")
+        with self._lock:
+            region = self._regions.get(row.id)
+            if region is None or region.closed:
+                raise NotFound(f"no buffer {buffer_id!r}")
+            fd = region.dup_fd()
+            self._attached[tenant_id] += 1
+        self.metrics.attached.labels(tenant=tenant_id).set(self._attached[tenant_id])
+        self.store.touch(row.id, time.time())
+        return Handle(fd=fd, buffer_id=row.id, size_bytes=row.size_bytes, numa_node=row.numa_node)
+
+    def drop_handle(self, who: Principal, buffer_id: str) -> None:
+        tenant_id = who.tenant_id
+        if tenant_id is None:
+            return
+        with self._lock:
+            self._attached[tenant_id] = max(0, self._attached[tenant_id] - 1)
+            n = self._attached[tenant_id]
+        self.metrics.attached.labels(tenant=tenant_id).set(n)
+
+    # -- reaping and recovery -------------------------------------------------------------
+
+    def reap(self, now: float | None = None) -> int:
+        """Release every buffer of this host whose lease has ended. Returns how many."""
+        count = 0
+        for row in self.store.expired(time.time() if now is None else now, self.host):
+            try:
+                marked = self.store.mark_releasing(row.id, None)
+            except NotFound:
+                continue
+            self._release_row(marked, reason="expire", marked=True)
+            self.metrics.reaped.inc()
+            count += 1
+        return count
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.settings.reaper_interval_s):
+            try:
+                self.reap()
+            except Exception:
+                logger.exception("reaper pass failed; retrying")
+
+    def recover(self) -> dict[str, int]:
+        """Settle the ledger with what exists after a (possibly unclean) stop.
+
+        ``reserving``/``releasing`` rows and volatile ``live`` rows lost their memory
+        with the old process: released. Persistent ``live`` rows are reloaded from
+        their checkpoint (checksum verified); without a usable checkpoint they are
+        released too. Checkpoint files no row refers to are removed.
+        """
+        counts: Counter[str] = Counter()
+        keep: set[str] = set()
+        for row in self.store.buffers_on_host(self.host):
+            lp = self._pools.get(row.pool_id)
+            if row.state == "live" and row.persistence == "persistent" and lp is not None:
+                region = self._restore(row, lp)
+                if region is not None:
+                    lp.pool.adopt(region.size)
+                    with self._lock:
+                        self._regions[row.id] = region
+                    keep.add(os.path.realpath(row.checkpoint_path or ""))
+                    counts["restored"] += 1
+                    continue
+            self.store.finish_release(row.id, kind="recover")
+            self._remove_checkpoint(row)
+            counts["released"] += 1
+        for lp in self._pools.values():
+            spill = lp.row.spill_dir
+            if spill and os.path.isdir(spill):
+                for entry in os.scandir(spill):
+                    if entry.name.endswith((".ckpt", ".ckpt.tmp")) and \
+                            os.path.realpath(entry.path) not in keep:
+                        os.unlink(entry.path)
+                        counts["orphans"] += 1
+        if counts:
+            logger.info("recovered ledger: %s", dict(counts))
+        return dict(counts)
+
+    def _restore(self, row: BufferRow, lp: _LivePool) -> Region | None:
+        if not row.checkpoint_path or not row.checksum:
+            logger.warning("persistent buffer %s was never checkpointed; releasing it", row.id)
+            return None
+        try:
+            return allocator.restore(row.checkpoint_path, node=row.numa_node,
+                                     backing=lp.row.backing, page_bytes=lp.row.page_bytes,
+                                     size=row.size_bytes, expected_checksum=row.checksum)
+        except BackingError as e:
+            logger.error("persistent buffer %s cannot be restored: %s", row.id, e.detail)
+            return None
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _release_row(self, row: BufferRow, *, reason: str, marked: bool = False) -> None:
+        """Mark releasing (unless done), scrub and close the memory, delete the row."""
+        if not marked:
+            row = self.store.mark_releasing(row.id, None)
+        self._release_memory(row, reason=reason)
+        self.store.finish_release(row.id, kind=reason)
+
+    def _release_memory(self, row: BufferRow, *, reason: str) -> None:
+        started = time.perf_counter()
+        self._drop_region(row, scrub=True)
+        if row.persistence == "persistent":
+            self._remove_checkpoint(row)
+        self.metrics.release_total.labels(reason=reason).inc()
+        self.metrics.release_seconds.observe(time.perf_counter() - started)
+
+    def _drop_region(self, row: BufferRow, *, scrub: bool) -> None:
+        with self._lock:
+            region = self._regions.pop(row.id, None)
+            lp = self._pools.get(row.pool_id)
+        if region is None:
+            return
+        mode = lp.row.scrub if lp is not None else "zero"
+        started = time.perf_counter()
+        if lp is not None:
+            lp.pool.release(region) if scrub else region.close()
+        else:
+            region.scrub(mode)
+            region.close()
+        self.metrics.scrub_bytes.labels(mode=mode).inc(region.size)
+        self.metrics.scrub_seconds.labels(mode=mode).inc(time.perf_counter() - started)
+
+    def _remove_checkpoint(self, row: BufferRow) -> None:
+        if row.checkpoint_path:
+            try:
+                os.unlink(row.checkpoint_path)
+            except FileNotFoundError:
+                pass
+
+    def _own_row(self, who: Principal, buffer_id: str, *, tenant_only: bool = False) -> BufferRow:
+        if tenant_only:
+            self.require_tenant(who)
+        row = self.store.buffer(buffer_id, None if who.is_admin else who.tenant_id)
+        if row is None:
+            raise NotFound(f"no buffer {buffer_id!r}")
+        return row
+
+    def _region(self, buffer_id: str) -> Region:
+        with self._lock:
+            region = self._regions.get(buffer_id)
+        if region is None or region.closed:
+            raise StateConflict(f"buffer {buffer_id} is not live")
+        return region
+
+    @staticmethod
+    def _buffer_info(row: BufferRow) -> BufferInfo:
+        return BufferInfo(id=row.id, tenant_id=row.tenant_id, pool_id=row.pool_id,
+                          size_bytes=row.size_bytes, numa_node=row.numa_node,
+                          persistence=row.persistence, label=row.label, key=row.key,
+                          evictable=row.evictable, state=row.state,
+                          created_at=rfc3339(row.created_at), expires_at=rfc3339(row.expires_at),
+                          checksum=row.checksum)
+
+    @staticmethod
+    def _check_name(name: str, what: str) -> None:
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise InvalidRequest(f"{what} must be 1-64 characters of letters, digits, '.', '_' "
+                                 f"or '-', starting with a letter or digit; got {name!r}")
+
+    @staticmethod
+    def _check_bytes(value: int, what: str, *, allow_zero: bool = False) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"{what} must be an integer")
+        if value < 0 or (value == 0 and not allow_zero) or value > MAX_BYTES:
+            raise InvalidRequest(f"{what} must be {'≥' if allow_zero else '>'} 0 and below 2^63")

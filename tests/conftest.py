@@ -1,0 +1,160 @@
+"""Shared fixtures: a real ``maasd serve`` on a free port, in a temp data dir.
+
+``daemon`` is module-scoped (one daemon per test module, fast); tests that
+kill or restart it use ``fresh_daemon``. Tenant names get a random suffix so
+tests sharing a daemon never collide.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+MiB = 1 << 20
+DEFAULT_POOL_BYTES = 256 * MiB
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Daemon:
+    """A ``maasd serve`` subprocess and what a test needs to talk to it."""
+
+    def __init__(self, data_dir: Path, *, env: dict[str, str] | None = None,
+                 config: Path | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_key = "maasd_admin_" + secrets.token_urlsafe(24)
+        self.socket_path = str(data_dir / "maasd.sock")
+        self.log_path = data_dir / "daemon.log"
+        self.env = {
+            **os.environ,
+            "MAASD_DATA_DIR": str(data_dir),
+            "MAASD_PORT": str(self.port),
+            "MAASD_ADMIN_KEY": self.admin_key,
+            "MAASD_DEFAULT_POOL_BYTES": str(DEFAULT_POOL_BYTES),
+            "MAASD_REAPER_INTERVAL_S": "0.2",
+            "MAASD_LOG_LEVEL": "info",
+            **(env or {}),
+        }
+        if config is not None:
+            self.env["MAASD_CONFIG"] = str(config)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.admin = httpx.Client(base_url=self.url, timeout=30.0,
+                                  headers={"Authorization": f"Bearer {self.admin_key}"})
+
+    # -- process --------------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> Daemon:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        self.proc = subprocess.Popen([sys.executable, "-m", "maasd.cli.daemon", "serve"],
+                                     env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"maasd exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200 and \
+                        os.path.exists(self.socket_path):
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"maasd did not become healthy in {timeout}s:\n{self.log()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Signal the daemon and wait; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def restart(self) -> Daemon:
+        if self.proc is not None and self.proc.poll() is None:
+            self.stop()
+        return self.start()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-8000:]
+        except OSError:
+            return ""
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/healthz", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def tenant(self, name: str = "tenant", quota_bytes: int = 64 * MiB) -> tuple[str, str]:
+        """Create a tenant (name made unique); returns ``(tenant_id, api_key)``."""
+        r = self.admin.post("/v1/tenants", json={"name": f"{name}-{secrets.token_hex(3)}",
+                                                 "quota_bytes": quota_bytes})
+        assert r.status_code == 201, r.text
+        body = r.json()
+        return body["id"], body["api_key"]
+
+    def client(self, api_key: str) -> httpx.Client:
+        """A raw httpx client with this key (for tests that check HTTP itself)."""
+        return httpx.Client(base_url=self.url, timeout=30.0,
+                            headers={"Authorization": f"Bearer {api_key}"})
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The value of one sample in /metrics (0.0 when absent)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+    def close(self) -> None:
+        try:
+            if self.proc is not None and self.proc.poll() is None:
+                self.stop()
+        finally:
+            self.admin.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("maasd"))
+    d.start()
+    yield d
+    d.close()
+
+
+@pytest.fixture
+def fresh_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon of this test alone (for kills, restarts, config files)."""
+    d = Daemon(tmp_path / "maasd")
+    yield d
+    d.close()

@@ -1,0 +1,90 @@
+"""Pure parts around the service: the error tree, its HTTP mapping, timestamps, request sizing."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from maasd import errors
+from maasd.api.problems import PROBLEM_BASE, STATUS, status_of
+from maasd.models import rfc3339
+from maasd.service import ReserveRequest
+
+EXPECTED_STATUS = {
+    errors.InvalidRequest: 400,
+    errors.Unauthorized: 401,
+    errors.Forbidden: 403,
+    errors.NotFound: 404,
+    errors.Conflict: 409,
+    errors.QuotaExceeded: 409,
+    errors.DuplicateKey: 409,
+    errors.StateConflict: 409,
+    errors.Unprocessable: 422,
+    errors.QosUnmet: 422,
+    errors.PlacementError: 422,
+    errors.TooLarge: 422,
+    errors.PoolExhausted: 507,
+    errors.BackingError: 500,
+}
+
+
+@pytest.mark.parametrize(("cls", "status"), EXPECTED_STATUS.items(), ids=lambda v: getattr(v, "__name__", v))
+def test_every_error_maps_to_its_status(cls: type[errors.MaasdError], status: int) -> None:
+    assert status_of(cls("x")) == status
+
+
+def test_every_concrete_error_is_mapped() -> None:
+    def subclasses(c: type) -> list[type]:
+        return [c, *(s for sub in c.__subclasses__() for s in subclasses(sub))]
+
+    for cls in subclasses(errors.MaasdError)[1:]:
+        assert any(issubclass(cls, base) for base, _ in STATUS), cls
+        assert cls.code != errors.MaasdError.code, f"{cls.__name__} needs its own code"
+
+
+def test_problem_types_spec_names() -> None:
+    assert (PROBLEM_BASE + errors.QuotaExceeded.code).endswith("quota-exceeded")
+    assert (PROBLEM_BASE + errors.PoolExhausted.code).endswith("pool-exhausted")
+
+
+def test_backing_error_carries_errno() -> None:
+    e = errors.BackingError("mbind: [EINVAL] Invalid argument", errno=22)
+    assert e.errno == 22 and "mbind" in e.detail
+
+
+@pytest.mark.parametrize(("epoch", "text"), [
+    (0.0, "1970-01-01T00:00:00.000000Z"),
+    (0.5, "1970-01-01T00:00:00.500000Z"),
+    (1795956108.9999996, "2026-11-29T12:41:49.000000Z"),
+])
+def test_rfc3339_fixed_width(epoch: float, text: str) -> None:
+    assert rfc3339(epoch) == text
+
+
+def test_rfc3339_sorts_as_text() -> None:
+    stamps = [0.1, 9.9, 10.0, 99.5, 1e9, 1.7e9 + 0.25]
+    assert sorted(rfc3339(s) for s in stamps) == [rfc3339(s) for s in sorted(stamps)]
+
+
+def test_reserve_request_sizes() -> None:
+    assert ReserveRequest(size_bytes=5).size() == 5
+    assert ReserveRequest(size_gb=1.0).size() == 1 << 30
+    assert ReserveRequest(size_gb=1e-12).size() == 1   # rounds up to a whole byte
+    for bad in (ReserveRequest(), ReserveRequest(size_bytes=1, size_gb=1.0),
+                ReserveRequest(size_gb=math.inf), ReserveRequest(size_gb=2.0 ** 34)):
+        with pytest.raises(errors.InvalidRequest):
+            bad.size()
+
+
+@pytest.mark.parametrize("body", [
+    b'{"size_bytes": "5"}', b'{"size_bytes": 5.0}', b'{"size_bytes": true}', b'{"size_bytes": 0}',
+    b'{"size_bytes": -1}', b'{"size_bytes": 9223372036854775808}', b'{"size_bytes": 1, "x": 1}',
+    b'{"size_bytes": 1, "persistence": "forever"}', b'{"size_bytes": 1, "ttl_s": 0}',
+    b'{"size_bytes": 1, "label": "' + b"a" * 129 + b'"}', b'{"size_bytes": 1, "key": ""}',
+    b'{"size_bytes": 1, "evictable": 1}', b'{"size_bytes": 1, "numa_node": -1}',
+])
+def test_reserve_body_is_strict(body: bytes) -> None:
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(body, type=ReserveRequest)
