@@ -12,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from maasd.allocator.arith import Ledger, check_size, round_up
+from maasd.allocator.reclaim import reclaimer
 from maasd.allocator.region import BACKINGS, SCRUB_MODES, Region
 from maasd.errors import InvalidRequest
 
@@ -55,6 +56,9 @@ class Pool:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {self.scrub!r}")
         if not self.page_bytes:
             self.page_bytes = default_page_bytes(self.backing)
+        if self.page_bytes < 0 or self.page_bytes & (self.page_bytes - 1):
+            # else every reserve would fail later; refuse the pool now
+            raise InvalidRequest(f"page size must be a power of two, got {self.page_bytes}")
         check_size(self.capacity)
         if self.capacity % self.page_bytes:
             raise InvalidRequest(f"capacity {self.capacity} is not a multiple of the "
@@ -97,16 +101,27 @@ class Pool:
             self._ledger.take(self.rounded(size))
 
     def release(self, region: Region) -> None:
-        """Scrub the region with this pool's mode, close it, and give its bytes back.
+        """Scrub the region with this pool's mode, give its bytes back, close it.
+
+        Every byte reads zero when this returns. With ``scrub = "zero"`` only the
+        memset happens here; punching the pages out and closing the memfd is left
+        to the background :data:`~maasd.allocator.reclaim.reclaimer`. With
+        ``punch`` the punch *is* the scrub, so it happens here.
 
         Releasing an already released (closed) region changes nothing: giving its
         bytes back twice would let the pool over-commit.
         """
-        if region.closed:
-            return
-        try:
-            region.scrub(self.scrub)
-        finally:
-            if region.close():
-                with self._lock:
-                    self._ledger.give(region.size)
+        with self._lock:
+            if region.released or region.closed:
+                return
+            region.released = True
+        if self.scrub == "zero":
+            region.scrub("zero", punch=False)
+            reclaimer.submit(region)
+        else:
+            try:
+                region.scrub(self.scrub)
+            finally:
+                region.close()
+        with self._lock:
+            self._ledger.give(region.size)

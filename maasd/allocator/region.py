@@ -20,8 +20,10 @@ existing mapping avoids a map/unmap per release.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import logging
 import os
 import threading
 
@@ -30,6 +32,8 @@ import numpy as np
 from maasd.allocator import _sys
 from maasd.allocator.arith import round_up
 from maasd.errors import BackingError, InvalidRequest, PlacementError
+
+logger = logging.getLogger(__name__)
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
@@ -49,7 +53,8 @@ class Region:
     (8192, {0: 2})
     """
 
-    __slots__ = ("_addr", "_closed", "_lock", "backing", "fd", "name", "node", "page_bytes", "size")
+    __slots__ = ("_addr", "_closed", "_lock", "backing", "fd", "name", "node", "page_bytes", "released",
+                 "size")
 
     def __init__(self, fd: int, addr: int, size: int, node: int, backing: str, page_bytes: int,
                  name: str) -> None:
@@ -62,6 +67,8 @@ class Region:
         self.name = name
         self._lock = threading.Lock()
         self._closed = False
+        #: set by the owning pool once its bytes are given back (exactly once)
+        self.released = False
 
     @classmethod
     def create(cls, size: int, *, node: int, backing: str = "memfd", page_bytes: int | None = None,
@@ -158,13 +165,17 @@ class Region:
             raise PlacementError(f"after pinning to node {node}, pages remain elsewhere: {stray}")
         return placed
 
-    def scrub(self, mode: str = "zero") -> None:
+    def scrub(self, mode: str = "zero", *, punch: bool = True) -> None:
         """Make every byte read zero — through this mapping and any other process's.
 
         ``zero`` overwrites through the daemon's mapping (memset, not a Python loop),
-        then punches the pages out to give them back; ``punch`` only punches. After a
-        punch the pages are gone from every mapping of the file, so a stale worker
-        mapping faults in fresh zero pages.
+        then punches the pages out to give them back (unless ``punch=False``: the
+        caller gives them back later, off the request path, with :meth:`punch_hole`);
+        ``punch`` only punches. After a punch the pages are gone from every mapping
+        of the file, so a stale worker mapping faults in fresh zero pages.
+
+        The bytes are zero whenever this returns: a punch the kernel refuses falls
+        back to memset (and a refused give-back after a memset is only logged).
         """
         if mode not in SCRUB_MODES:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {mode!r}")
@@ -172,7 +183,26 @@ class Region:
             self._check_open()
             if mode == "zero":
                 _sys.memset(self._addr, 0, self.size)
-            _sys.fallocate(self.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, self.size)
+                if punch:
+                    self._punch(zeroed=True)
+            else:
+                self._punch(zeroed=False)
+
+    def punch_hole(self) -> None:
+        """Give the pages back to the kernel (the bytes read zero afterwards)."""
+        with self._lock:
+            self._check_open()
+            self._punch(zeroed=False)
+
+    def _punch(self, *, zeroed: bool) -> None:
+        try:
+            _sys.fallocate(self.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0,
+                           self.size)
+        except BackingError as e:
+            if not zeroed:
+                _sys.memset(self._addr, 0, self.size)
+            logger.warning("punching %r failed (%s); its bytes were zeroed with memset", self,
+                           e.detail)
 
     def close(self) -> bool:
         """Unmap and close the daemon's fd. Idempotent. Does not scrub: call :meth:`scrub` first.
@@ -210,10 +240,8 @@ class Region:
 
     def __del__(self) -> None:  # a safety net; the owner closes explicitly
         if not getattr(self, "_closed", True):
-            try:
+            with contextlib.suppress(Exception):
                 self.close()
-            except Exception:
-                pass
 
 
 def _count_by_node(status: np.ndarray) -> dict[int, int]:

@@ -1,0 +1,555 @@
+"""Regions against the real kernel: seals, scrub, placement, huge pages, checkpoints, errors.
+
+Nothing here mocks a syscall. Whatever another process could do with a buffer's
+fd is tried from another process, which received the fd the way a worker does
+(SCM_RIGHTS over a Unix socket) or re-opened it through ``/proc/<pid>/fd/N``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maasd.allocator import _sys
+from maasd.allocator.persist import checkpoint, file_checksum, restore
+from maasd.allocator.region import SEALS, Region
+from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
+from maasd.topology import discover
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+HUGE = 2 << 20
+MiB = 1 << 20
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def mapping_count() -> int:
+    """memfd mappings of this process (other mappings come and go with the Python heap)."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "/memfd:" in line)
+
+
+def as_array(region: Region) -> np.ndarray:
+    return np.frombuffer(region.view(), dtype=np.uint8)
+
+
+# -- another process ------------------------------------------------------------------------
+
+# Receives the fd (SCM_RIGHTS on the socket given in argv, or /proc/<pid>/fd/N), tries
+# everything the seals forbid and reports the errno of each attempt as JSON.
+SEAL_CHILD = textwrap.dedent("""
+    import ctypes, fcntl, json, mmap, os, socket, sys
+    how, arg, page = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if how == "scm":
+        sock = socket.socket(fileno=int(arg))
+        _, fds, _, _ = socket.recv_fds(sock, 16, 1)
+        fd = fds[0]
+    else:
+        sock = None
+        fd = os.open(arg, os.O_RDWR)
+    size = os.fstat(fd).st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    out = {"pid": os.getpid(), "size": size, "seals": fcntl.fcntl(fd, fcntl.F_GET_SEALS)}
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = 0
+        except OSError as e:
+            out[name] = e.errno
+    def falloc(off, length):
+        if libc.fallocate(fd, 0, off, length) != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e))
+    attempt("grow", lambda: os.ftruncate(fd, size + page))
+    attempt("shrink", lambda: os.ftruncate(fd, size - page))
+    attempt("truncate0", lambda: os.ftruncate(fd, 0))
+    attempt("fallocate_beyond", lambda: falloc(size, page))
+    attempt("fallocate_straddling", lambda: falloc(size - page, 2 * page))
+    attempt("add_seal_write", lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE))
+    attempt("add_seal_again", lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW))
+    m = mmap.mmap(fd, size)          # inside its bounds the buffer is an ordinary shared file
+    m[:5] = b"child"
+    m.close()
+    out["size_after"] = os.fstat(fd).st_size
+    print(json.dumps(out), flush=True)
+""")
+
+
+def seals_seen_by_child_over_scm(region: Region, page: int) -> dict:
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = region.dup_fd()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SEAL_CHILD, "scm", str(child.fileno()), str(page)],
+            pass_fds=(child.fileno(),), stdout=subprocess.PIPE, text=True)
+        child.close()
+        socket.send_fds(parent, [b"fd"], [fd])
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        os.close(fd)
+        parent.close()
+    assert proc.returncode == 0, out
+    return json.loads(out)
+
+
+def seals_seen_by_child_via_proc(region: Region, page: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", SEAL_CHILD, "proc", f"/proc/{os.getpid()}/fd/{region.fd}",
+         str(page)], capture_output=True, text=True, timeout=30, check=True).stdout
+    return json.loads(out)
+
+
+def assert_sealed_for(report: dict, size: int) -> None:
+    assert report["pid"] != os.getpid()
+    assert report["size"] == size
+    assert report["seals"] & SEALS == SEALS
+    for op in ("grow", "shrink", "truncate0", "fallocate_beyond", "fallocate_straddling",
+               "add_seal_write", "add_seal_again"):
+        assert report[op] == errno.EPERM, f"{op}: errno {report[op]}, expected EPERM"
+    assert report["size_after"] == size
+
+
+# Maps the fd it inherited, fills it with 0xA5, then answers "check" lines with what
+# its still-open mapping reads.
+SCRUB_CHILD = textwrap.dedent("""
+    import json, mmap, sys
+    import numpy as np
+    fd, size = int(sys.argv[1]), int(sys.argv[2])
+    m = mmap.mmap(fd, size)
+    a = np.frombuffer(m, dtype=np.uint8)
+    a.fill(0xA5)
+    print("filled", flush=True)
+    for line in sys.stdin:
+        print(json.dumps({"any": bool(a.any()), "all_a5": bool((a == 0xA5).all())}), flush=True)
+""")
+
+
+class ChildMapping:
+    """A child process holding its own MAP_SHARED mapping of a region's fd."""
+
+    def __init__(self, region: Region) -> None:
+        fd = region.dup_fd()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", SCRUB_CHILD, str(fd), str(region.size)],
+                pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        finally:
+            os.close(fd)  # the child has its own copy; the mapping outlives both fds
+        assert self.proc.stdout.readline().strip() == "filled"
+
+    def check(self) -> dict:
+        self.proc.stdin.write("check\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        self.proc.stdout.close()
+
+    def __enter__(self) -> ChildMapping:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def scrub_seen_by_child(region: Region, mode: str) -> None:
+    with ChildMapping(region) as child:
+        assert child.check() == {"any": True, "all_a5": True}
+        assert (as_array(region) == 0xA5).all()        # the daemon's mapping shares the page
+        region.scrub(mode)
+        assert child.check()["any"] is False, f"{mode}: stale mapping still reads data"
+        assert not as_array(region).any()
+        assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) == SEALS
+        assert os.fstat(region.fd).st_size == region.size
+
+
+# -- fixtures -------------------------------------------------------------------------------
+
+@pytest.fixture
+def region():
+    r = Region.create(64 * PAGE, node=0)
+    yield r
+    r.close()
+
+
+def _meminfo(field: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@pytest.fixture(scope="module")
+def hugepages():
+    """Configure a few 2 MiB huge pages for the test (root only); restore the old count after."""
+    need = 8
+    path = Path("/proc/sys/vm/nr_hugepages")
+    if _meminfo("Hugepagesize") != HUGE // 1024:
+        pytest.skip(f"default huge page size is {_meminfo('Hugepagesize')} kB, not 2048 kB")
+    try:
+        old = int(path.read_text())
+    except OSError as e:
+        pytest.skip(f"cannot read {path}: {e}")
+    if _meminfo("HugePages_Free") >= need:
+        yield need  # already there: nothing to configure or restore
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"huge pages: only {_meminfo('HugePages_Free')} free and not root to add {need}")
+    try:
+        try:
+            path.write_text(str(old + need))
+        except OSError as e:
+            pytest.skip(f"cannot configure huge pages via {path}: {e}")
+        free = _meminfo("HugePages_Free")
+        if free < need:
+            pytest.skip(f"asked for {need} huge pages, the kernel gave {free} free "
+                        "(memory too fragmented?)")
+        yield need
+    finally:
+        path.write_text(str(old))
+
+
+# -- creation and bounds --------------------------------------------------------------------
+
+class TestCreate:
+    def test_rounded_sealed_bound_and_zero(self):
+        r = Region.create(5000, node=0)
+        try:
+            assert r.size == 2 * PAGE
+            assert os.fstat(r.fd).st_size == r.size
+            assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == SEALS
+            assert fcntl.fcntl(r.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+            assert os.readlink(f"/proc/self/fd/{r.fd}").startswith("/memfd:maasd-buffer")
+            assert not as_array(r).any()
+        finally:
+            r.close()
+
+    def test_each_region_is_its_own_file(self):
+        a, b = Region.create(PAGE, node=0), Region.create(PAGE, node=0)
+        try:
+            assert os.fstat(a.fd).st_ino != os.fstat(b.fd).st_ino
+            as_array(a)[:] = 7
+            assert not as_array(b).any()
+        finally:
+            a.close()
+            b.close()
+
+    def test_close_is_idempotent_and_final(self, region):
+        fd = region.fd
+        region.close()
+        region.close()
+        assert region.closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+        for op in (region.view, region.placement, region.dup_fd, lambda: region.scrub("zero")):
+            with pytest.raises(BackingError) as exc:
+                op()
+            assert exc.value.errno == errno.EBADF
+
+    def test_no_leak_over_many_regions(self):
+        fds, maps = open_fds(), mapping_count()
+        for _ in range(50):
+            r = Region.create(3 * PAGE, node=0)
+            r.scrub("punch")
+            r.close()
+        assert (open_fds(), mapping_count()) == (fds, maps)
+
+    @pytest.mark.parametrize("size", [0, -1, 1.5, "4096", True, None])
+    def test_bad_size(self, size):
+        fds = open_fds()
+        with pytest.raises(InvalidRequest):
+            Region.create(size, node=0)
+        assert open_fds() == fds
+
+    def test_unknown_backing(self):
+        with pytest.raises(InvalidRequest, match="backing"):
+            Region.create(PAGE, node=0, backing="ramdisk")
+
+    def test_unknown_scrub_mode(self, region):
+        as_array(region)[:] = 1
+        with pytest.raises(InvalidRequest, match="scrub"):
+            region.scrub("shred")
+        assert (as_array(region) == 1).all()  # nothing happened
+
+
+class TestSeals:
+    def test_fd_has_shrink_grow_seal(self, region):
+        assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) == (
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+
+    def test_child_over_scm_rights_cannot_resize_or_reseal(self, region):
+        report = seals_seen_by_child_over_scm(region, PAGE)
+        assert_sealed_for(report, region.size)
+        assert bytes(region.view()[:5]) == b"child"   # and it did write inside its bounds
+
+    def test_child_via_proc_fd_cannot_resize_or_reseal(self, region):
+        report = seals_seen_by_child_via_proc(region, PAGE)
+        assert_sealed_for(report, region.size)
+
+    def test_daemon_itself_cannot_resize(self, region):
+        with pytest.raises(PermissionError):
+            os.ftruncate(region.fd, region.size * 2)
+        with pytest.raises(BackingError) as exc:
+            _sys.fallocate(region.fd, 0, region.size, PAGE)
+        assert exc.value.errno == errno.EPERM
+
+    def test_punch_still_works_when_sealed(self, region):
+        _sys.fallocate(region.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, PAGE)
+
+
+class TestScrub:
+    @pytest.mark.parametrize("mode", ["zero", "punch"])
+    def test_stale_mapping_in_child_reads_zeros(self, region, mode):
+        scrub_seen_by_child(region, mode)
+
+    @pytest.mark.parametrize("mode", ["zero", "punch"])
+    def test_scrub_twice_and_reuse_by_daemon(self, region, mode):
+        as_array(region)[:] = 0x5A
+        region.scrub(mode)
+        region.scrub(mode)
+        assert not as_array(region).any()
+        as_array(region)[:] = 3                       # still usable until closed
+        assert (as_array(region) == 3).all()
+
+    def test_punch_gives_pages_back(self):
+        r = Region.create(256 * PAGE, node=0)
+        try:
+            as_array(r)[:] = 1
+            assert os.fstat(r.fd).st_blocks * 512 >= r.size
+            r.scrub("punch")
+            assert os.fstat(r.fd).st_blocks == 0
+            r.scrub("zero")
+            assert os.fstat(r.fd).st_blocks == 0      # zero also returns the pages
+        finally:
+            r.close()
+
+    def test_new_region_of_same_size_is_zero(self):
+        sizes = []
+        for mode in ("zero", "punch"):
+            r = Region.create(64 * PAGE, node=0)
+            as_array(r)[:] = 0xA5
+            r.scrub(mode)
+            r.close()
+            fresh = Region.create(64 * PAGE, node=0)
+            try:
+                sizes.append(fresh.size)
+                assert not as_array(fresh).any()
+            finally:
+                fresh.close()
+        assert sizes == [64 * PAGE, 64 * PAGE]
+
+
+class TestPlacement:
+    def test_prefaulted_region_is_on_node_zero(self):
+        r = Region.create(4 * MiB, node=0, prefault=True)
+        try:
+            assert r.placement() == {0: 4 * MiB // PAGE}
+            line = next(line for line in Path("/proc/self/numa_maps").read_text().splitlines()
+                        if line.startswith(f"{r.address:x} "))
+            assert "bind:0" in line                       # the second witness
+            assert f"N0={4 * MiB // PAGE}" in line
+        finally:
+            r.close()
+
+    def test_not_prefaulted_is_faulted_for_the_count(self):
+        r = Region.create(16 * PAGE, node=0, prefault=False)
+        try:
+            assert os.fstat(r.fd).st_blocks == 0
+            assert r.placement() == {0: 16}
+        finally:
+            r.close()
+
+    def test_pin_to_node_zero(self, region):
+        as_array(region)[:] = 9
+        assert region.pin(0, discover().node_ids) == {0: region.size // PAGE}
+        assert region.node == 0
+        assert (as_array(region) == 9).all()           # migration keeps the bytes
+
+    def test_pin_to_missing_node(self, region):
+        missing = max(discover().node_ids) + 1
+        with pytest.raises(PlacementError, match=f"node {missing}"):
+            region.pin(missing, discover().node_ids)
+        assert region.node == 0
+
+    @pytest.mark.parametrize("node", [True, "0", 0.0, None, -1])
+    def test_pin_to_nonsense_node(self, region, node):
+        with pytest.raises(PlacementError):
+            region.pin(node, frozenset({0}))
+
+    def test_pin_to_node_the_kernel_lacks(self, region):
+        """The two-node fixture claims node 1; on a host without it, the kernel refuses."""
+        fixture = discover(sysfs_root=Path(__file__).resolve().parents[1] / "data" /
+                           "sysfs_two_nodes", hugepage_bytes=HUGE)
+        if 1 in discover().node_ids:
+            pytest.skip("this host really has node 1")
+        with pytest.raises(PlacementError) as exc:
+            region.pin(1, fixture.node_ids)
+        assert isinstance(exc.value.__cause__, BackingError)
+        assert exc.value.__cause__.errno in (errno.EINVAL, errno.ENODEV)
+        assert region.node == 0
+        assert region.placement() == {0: region.size // PAGE}
+
+
+class TestErrors:
+    def test_mbind_to_node_63_carries_errno_and_operation(self, region):
+        with pytest.raises(BackingError) as exc:
+            _sys.mbind(region.address, region.size, 63)
+        assert exc.value.errno == errno.EINVAL
+        assert "mbind" in exc.value.detail and "node 63" in exc.value.detail
+        assert "EINVAL" in exc.value.detail
+        assert isinstance(exc.value, MaasdError)
+
+    def test_pin_to_63_is_placement_error_from_a_backing_error(self, region):
+        with pytest.raises(PlacementError) as exc:
+            region.pin(63, frozenset({0, 63}))
+        assert exc.value.__cause__.errno == errno.EINVAL
+        assert "mbind" in exc.value.detail
+
+    def test_create_on_node_63_leaks_nothing(self):
+        fds, maps = open_fds(), mapping_count()
+        with pytest.raises(BackingError) as exc:
+            Region.create(PAGE, node=63)
+        assert exc.value.errno == errno.EINVAL
+        assert (open_fds(), mapping_count()) == (fds, maps)
+
+    def test_memfd_create_bad_flags(self):
+        with pytest.raises(BackingError) as exc:
+            _sys.memfd_create("x", 0xFFFF)
+        assert exc.value.errno == errno.EINVAL
+        assert "memfd_create" in exc.value.detail
+
+    def test_gigantic_pages_not_configured(self):
+        free = Path("/sys/kernel/mm/hugepages/hugepages-1048576kB/free_hugepages")
+        if not free.exists() or int(free.read_text()) > 0:
+            pytest.skip("1 GiB huge pages are configured (or unsupported) here")
+        fds, maps = open_fds(), mapping_count()
+        with pytest.raises(BackingError) as exc:
+            Region.create(1 << 30, node=0, backing="hugetlb", page_bytes=1 << 30)
+        assert exc.value.errno in (errno.ENOMEM, errno.EINVAL)
+        assert (open_fds(), mapping_count()) == (fds, maps)
+
+
+@pytest.mark.hugetlb
+class TestHugetlb:
+    def test_end_to_end(self, hugepages):
+        fds = open_fds()
+        r = Region.create(3 * MiB, node=0, backing="hugetlb")
+        try:
+            assert (r.size, r.page_bytes, r.backing) == (4 * MiB, HUGE, "hugetlb")
+            assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == SEALS
+            assert_sealed_for(seals_seen_by_child_over_scm(r, HUGE), r.size)
+            assert r.placement() == {0: 2}               # counted in 2 MiB pages
+            for mode in ("zero", "punch"):
+                scrub_seen_by_child(r, mode)
+            assert r.pin(0, discover().node_ids) == {0: 2}
+        finally:
+            r.close()
+        assert open_fds() == fds
+
+    def test_checkpoint_round_trip(self, hugepages, tmp_path):
+        r = Region.create(2 * MiB, node=0, backing="hugetlb")
+        as_array(r)[:] = np.arange(r.size, dtype=np.uint64).astype(np.uint8)
+        try:
+            digest = checkpoint(r, tmp_path / "h.ckpt")
+        finally:
+            r.scrub("punch")
+            r.close()
+        back = restore(tmp_path / "h.ckpt", node=0, backing="hugetlb", size=2 * MiB,
+                       expected_checksum=digest)
+        try:
+            assert (as_array(back) == np.arange(back.size, dtype=np.uint64).astype(np.uint8)).all()
+        finally:
+            back.close()
+
+
+class TestCheckpoint:
+    @pytest.fixture
+    def filled(self):
+        r = Region.create(3 * MiB + 100, node=0)
+        data = np.random.default_rng(7).integers(0, 256, r.size, dtype=np.uint8)
+        as_array(r)[:] = data
+        yield r, data
+        r.close()
+
+    def test_round_trip_byte_identical(self, filled, tmp_path):
+        r, data = filled
+        path = tmp_path / "buf.ckpt"
+        digest = checkpoint(r, path)
+        assert digest == hashlib.sha256(data.tobytes()).hexdigest() == file_checksum(path)
+        assert path.stat().st_size == r.size
+        assert not (tmp_path / "buf.ckpt.tmp").exists()
+        back = restore(path, node=0, size=r.size, expected_checksum=digest)
+        try:
+            assert back.size == r.size and back.fd != r.fd
+            assert np.array_equal(as_array(back), data)
+            assert fcntl.fcntl(back.fd, fcntl.F_GET_SEALS) == SEALS
+            assert back.placement() == {0: back.size // PAGE}
+        finally:
+            back.close()
+
+    def test_checkpoint_replaces_the_previous(self, filled, tmp_path):
+        r, _ = filled
+        path = tmp_path / "buf.ckpt"
+        first = checkpoint(r, path)
+        as_array(r)[0] ^= 0xFF
+        second = checkpoint(r, path)
+        assert first != second == file_checksum(path)
+
+    def test_corrupted_file_is_refused_without_leaks(self, filled, tmp_path):
+        r, _ = filled
+        path = tmp_path / "buf.ckpt"
+        digest = checkpoint(r, path)
+        with open(path, "r+b") as f:
+            f.seek(r.size // 2)
+            b = f.read(1)
+            f.seek(r.size // 2)
+            f.write(bytes([b[0] ^ 0x01]))
+        fds, maps = open_fds(), mapping_count()
+        with pytest.raises(BackingError, match="checksum mismatch"):
+            restore(path, node=0, size=r.size, expected_checksum=digest)
+        assert (open_fds(), mapping_count()) == (fds, maps)
+
+    @pytest.mark.parametrize("delta", [-PAGE, PAGE, -1])
+    def test_wrong_size_is_refused(self, filled, tmp_path, delta):
+        r, _ = filled
+        path = tmp_path / "buf.ckpt"
+        digest = checkpoint(r, path)
+        fds = open_fds()
+        with pytest.raises(BackingError, match="expected"):
+            restore(path, node=0, size=r.size + delta, expected_checksum=digest)
+        assert open_fds() == fds
+
+    def test_truncated_file_is_refused(self, filled, tmp_path):
+        r, _ = filled
+        path = tmp_path / "buf.ckpt"
+        digest = checkpoint(r, path)
+        os.truncate(path, r.size - PAGE)
+        with pytest.raises(BackingError):
+            restore(path, node=0, size=r.size, expected_checksum=digest)
+
+    def test_missing_file(self, tmp_path):
+        with pytest.raises(BackingError) as exc:
+            restore(tmp_path / "nope.ckpt", node=0, size=PAGE)
+        assert exc.value.errno == errno.ENOENT
+
+    def test_unwritable_directory(self, filled, tmp_path):
+        r, _ = filled
+        with pytest.raises(BackingError) as exc:
+            checkpoint(r, tmp_path / "no" / "such" / "dir" / "buf.ckpt")
+        assert exc.value.errno == errno.ENOENT

@@ -1,0 +1,145 @@
+"""A Hypothesis state machine over a real :class:`Pool` of 64 base pages.
+
+Random sequences of reserve / release / double release / bad requests must keep
+``used + free == capacity``, never over-commit, and give back exactly what was
+reserved. Regions are real (tiny) memfds, so the scrub on release is checked
+too, through a worker-style mapping of a dup'd fd.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from maasd.allocator import Pool
+from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
+
+# py-libnuma installs a top-level ``tests`` package: import the shared strategies by path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from strategies import bad_sizes, request_sizes
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PAGES = 64
+
+
+class PoolMachine(RuleBasedStateMachine):
+    regions = Bundle("regions")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool: Pool | None = None
+        self.live: dict[int, int] = {}         # id(region) -> size reserved for it
+        self.live_regions: dict[int, object] = {}
+        self.released: list = []
+
+    @rule(scrub=st.sampled_from(["zero", "punch"]), prefault=st.booleans())
+    @precondition(lambda self: self.pool is None)
+    def make_pool(self, scrub, prefault):
+        self.pool = Pool("machine", numa_node=0, capacity=PAGES * PAGE, scrub=scrub,
+                         prefault=prefault)
+
+    @rule(target=regions, size=request_sizes(PAGE, PAGES))
+    @precondition(lambda self: self.pool is not None)
+    def reserve(self, size):
+        rounded = -(-size // PAGE) * PAGE
+        before = self.pool.used
+        try:
+            region = self.pool.reserve(size)
+        except TooLarge:
+            assert rounded > self.pool.capacity
+            assert self.pool.used == before
+            return multiple()
+        except PoolExhausted:
+            assert rounded <= self.pool.capacity
+            assert rounded > self.pool.capacity - before
+            assert self.pool.used == before
+            return multiple()
+        assert rounded <= self.pool.capacity - before      # it did fit: no over-commit
+        assert region.size == rounded
+        assert self.pool.used == before + rounded
+        self.live[id(region)] = rounded
+        self.live_regions[id(region)] = region
+        return region
+
+    @rule(region=consumes(regions), fill=st.integers(1, 255))
+    def release(self, region, fill):
+        assert not region.closed
+        fd = region.dup_fd()                                   # a worker's stale handle
+        m = mmap.mmap(fd, region.size)
+        try:
+            a = np.frombuffer(m, dtype=np.uint8)
+            a.fill(fill)
+            before = self.pool.used
+            self.pool.release(region)
+            assert self.pool.used == before - self.live.pop(id(region))
+            del self.live_regions[id(region)]
+            assert not a.any()                                 # scrubbed under the worker
+            del a
+        finally:
+            m.close()
+            os.close(fd)
+        self.released.append(region)
+
+    @rule(data=st.data())
+    @precondition(lambda self: self.released)
+    def release_again(self, data):
+        region = data.draw(st.sampled_from(self.released))
+        before = self.pool.used
+        self.pool.release(region)
+        assert self.pool.used == before
+
+    @rule(size=bad_sizes)
+    @precondition(lambda self: self.pool is not None)
+    def bad_request(self, size):
+        before = self.pool.used
+        try:
+            self.pool.reserve(size)
+        except InvalidRequest:
+            pass
+        else:
+            raise AssertionError(f"reserve({size!r}) was accepted")
+        assert self.pool.used == before
+
+    @invariant()
+    def ledger_balances(self):
+        if self.pool is None:
+            return
+        assert self.pool.used + self.pool.free == self.pool.capacity
+        assert 0 <= self.pool.used <= self.pool.capacity
+        assert self.pool.used == sum(self.live.values())
+
+    def teardown(self):
+        # Regions not released by a rule are live: release them so no fd outlives the example.
+        if self.pool is not None:
+            for region in self.live_regions.values():
+                self.pool.release(region)
+            assert self.pool.used == 0
+
+
+PoolMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=20, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
+
+
+def test_no_fd_leak_across_the_machine():
+    """Run the machine once more and check every memfd it made was closed."""
+    before = len(os.listdir("/proc/self/fd"))
+    run_state_machine_as_test(PoolMachine, settings=settings(max_examples=10,
+                                                             stateful_step_count=20,
+                                                             deadline=None))
+    assert len(os.listdir("/proc/self/fd")) == before
