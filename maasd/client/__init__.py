@@ -1,0 +1,85 @@
+"""maasd's Python client: ``Client`` (REST control plane) and ``Worker`` (local data plane).
+
+Example::
+
+    from maasd.client import Client, Worker, QuotaExceeded
+
+    with Client("http://127.0.0.1:7878", api_key) as c:
+        buf = c.reserve(size_bytes=64 << 20, pool="node0")
+        with Worker("/var/lib/maasd/maasd.sock", api_key) as w:
+            m = w.attach(buf.id)
+            m.array[:4] = 7            # numpy uint8 over the shared memfd, zero-copy
+        c.release(buf.id)
+
+This package imports nothing from the daemon's side (only :mod:`maasd.protocol`,
+which is msgspec and the standard library). See ``docs/client.md``.
+"""
+
+from maasd.client.errors import (
+    BadRequest,
+    Conflict,
+    ConnectionFailed,
+    DuplicateKey,
+    Forbidden,
+    MaasdClientError,
+    NotFound,
+    PlacementError,
+    PoolExhausted,
+    ProtocolError,
+    QosUnmet,
+    QuotaExceeded,
+    ServerError,
+    StateConflict,
+    TooLarge,
+    Unauthorized,
+    Unprocessable,
+)
+from maasd.client.rest import Client
+from maasd.client.types import (
+    Buffer,
+    Checkpoint,
+    Health,
+    KeyInfo,
+    LookupHit,
+    NewTenant,
+    NumaNode,
+    Pool,
+    Tenant,
+    Topology,
+    Usage,
+)
+from maasd.client.worker import Mapping, Worker
+
+__all__ = [
+    "BadRequest",
+    "Buffer",
+    "Checkpoint",
+    "Client",
+    "Conflict",
+    "ConnectionFailed",
+    "DuplicateKey",
+    "Forbidden",
+    "Health",
+    "KeyInfo",
+    "LookupHit",
+    "MaasdClientError",
+    "Mapping",
+    "NewTenant",
+    "NotFound",
+    "NumaNode",
+    "PlacementError",
+    "Pool",
+    "PoolExhausted",
+    "ProtocolError",
+    "QosUnmet",
+    "QuotaExceeded",
+    "ServerError",
+    "StateConflict",
+    "Tenant",
+    "TooLarge",
+    "Topology",
+    "Unauthorized",
+    "Unprocessable",
+    "Usage",
+    "Worker",
+]

@@ -1,0 +1,128 @@
+"""The objects of SPEC §4 as the client sees them: frozen msgspec Structs.
+
+They mirror the daemon's records field for field but are defined here, so the
+client imports nothing from the server side. Decoding is lenient — unknown
+fields are ignored and fields a daemon may omit have defaults — so a newer
+daemon does not break an older client.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = [
+    "Buffer",
+    "Checkpoint",
+    "Health",
+    "KeyInfo",
+    "LookupHit",
+    "NewTenant",
+    "NumaNode",
+    "Pool",
+    "Tenant",
+    "Topology",
+    "Usage",
+]
+
+
+# Enumerations (backing, persistence, scrub, state) are plain ``str`` on purpose:
+# a value added by a newer daemon must not make a whole listing undecodable.
+
+
+class Pool(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    name: str
+    numa_node: int
+    backing: str
+    persistence: str
+    latency_us: int
+    capacity_bytes: int
+    used_bytes: int
+    free_bytes: int
+    page_bytes: int
+    scrub: str
+    prefault: bool = True
+    buffers: int = 0
+
+
+class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    name: str
+    quota_bytes: int
+    used_bytes: int = 0
+    buffers: int = 0
+    created_at: str | None = None
+
+
+class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer to tenant creation: the only time its first API key is shown."""
+
+    id: str
+    name: str
+    quota_bytes: int
+    api_key: str
+    used_bytes: int = 0
+    key_id: str | None = None
+
+
+class KeyInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Answer to key issue: the only time the key itself is shown."""
+
+    id: str
+    api_key: str
+    created_at: str | None = None
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    tenant_id: str
+    quota_bytes: int
+    used_bytes: int
+    buffers: int
+
+
+class Buffer(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    tenant_id: str
+    pool_id: str
+    size_bytes: int
+    numa_node: int
+    persistence: str
+    label: str | None = None
+    key: str | None = None
+    evictable: bool = False
+    state: str = "live"
+    created_at: str | None = None
+    expires_at: str | None = None
+    placement: dict[str, int] | None = None
+    checksum: str | None = None
+
+
+class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
+    checksum: str
+    bytes: int
+
+
+class LookupHit(msgspec.Struct, frozen=True, kw_only=True):
+    key: str
+    buffer: Buffer
+
+
+class NumaNode(msgspec.Struct, frozen=True, kw_only=True):
+    id: int
+    cpus: list[int]
+    mem_total_bytes: int
+    mem_free_bytes: int
+    distances: list[int]
+    hugepages_total: int = 0
+    hugepages_free: int = 0
+
+
+class Topology(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: list[NumaNode]
+    hugepage_bytes: int
+    hugepages_free: int
+    page_bytes: int = 4096
+
+
+class Health(msgspec.Struct, frozen=True, kw_only=True):
+    status: str

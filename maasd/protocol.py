@@ -1,0 +1,318 @@
+"""The wire protocol of the local data plane (SPEC §5), shared by broker and client.
+
+A frame is a 4-byte big-endian length followed by that many bytes of one
+msgpack map, a msgspec tagged union on ``"op"``::
+
+    worker                                   daemon
+    hello    {api_key}               ->
+                                     <-      welcome  {tenant_id, pid}
+    attach   {buffer_id}             ->
+                                     <-      attached {buffer_id, size_bytes, numa_node}
+                                             + the buffer's memfd (SCM_RIGHTS, same sendmsg)
+    detach   {buffer_id}             ->
+                                     <-      ok       {}
+    renew    {buffer_id, ttl_s}      ->
+                                     <-      ok       {}
+    (any)                            <-      error    {status, title, detail, type}
+
+This module imports only msgspec and the standard library so that the client
+(which must not import the server) can share it. The pure parts —
+:func:`encode_frame`, :class:`FrameReader`, :func:`decode_request`,
+:func:`decode_reply` — never touch a socket; :func:`send_message` and
+:func:`recv_message` are the small socket helpers both sides use.
+
+Example::
+
+    >>> frame = encode_frame(Attach(buffer_id="b1"))
+    >>> reader = FrameReader()
+    >>> [decode_request(body) for body in reader.feed(frame)]
+    [Attach(buffer_id='b1')]
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import struct
+from collections import deque
+from collections.abc import Iterable
+from typing import Annotated
+
+import msgspec
+
+__all__ = [
+    "HEADER",
+    "MAX_FD_PER_MESSAGE",
+    "MAX_FRAME",
+    "Attach",
+    "Attached",
+    "Detach",
+    "Error",
+    "FrameReader",
+    "FrameTooLarge",
+    "Hello",
+    "Ok",
+    "ProtocolError",
+    "Renew",
+    "Reply",
+    "Request",
+    "Welcome",
+    "decode_reply",
+    "decode_request",
+    "encode_frame",
+    "recv_message",
+    "send_message",
+]
+
+#: Largest frame body accepted or produced, in bytes (SPEC §5).
+MAX_FRAME = 64 * 1024
+#: The length prefix: 4 bytes, big-endian, unsigned.
+HEADER = struct.Struct(">I")
+#: A reply carries at most one fd; receivers make room for a few more so that a
+#: misbehaving peer's extra fds are received (and closed) instead of truncated.
+MAX_FD_PER_MESSAGE = 4
+
+# Strings are bounded so that a decoded frame can never make the service do
+# work proportional to an attacker-chosen size (the frame cap bounds it too).
+_Key = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class ProtocolError(Exception):
+    """Raised for bytes that are not a valid frame of this protocol."""
+
+
+class FrameTooLarge(ProtocolError):
+    """Raised when a length prefix announces more than :data:`MAX_FRAME` bytes.
+
+    Raised as soon as the 4-byte prefix is seen, before any of the body is read
+    or buffered, so a hostile length never costs memory.
+    """
+
+    def __init__(self, length: int) -> None:
+        super().__init__(f"frame of {length} bytes exceeds the {MAX_FRAME}-byte limit")
+        self.length = length
+
+
+# --- requests (worker -> daemon): strict, unknown fields are a bad frame -----
+
+
+class Hello(msgspec.Struct, tag="hello", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """First frame of every connection: authenticates it with a tenant key."""
+
+    api_key: _Key
+
+
+class Attach(msgspec.Struct, tag="attach", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Ask for the buffer's memfd; answered by :class:`Attached` plus the fd."""
+
+    buffer_id: _Id
+
+
+class Detach(msgspec.Struct, tag="detach", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Tell the daemon one attachment of this connection is over."""
+
+    buffer_id: _Id
+
+
+class Renew(msgspec.Struct, tag="renew", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Extend the buffer's lease to ``ttl_s`` seconds from now."""
+
+    buffer_id: _Id
+    ttl_s: int
+
+
+Request = Hello | Attach | Detach | Renew
+
+
+# --- replies (daemon -> worker): lenient, so a newer daemon may add fields ---
+
+
+class Welcome(msgspec.Struct, tag="welcome", tag_field="op", frozen=True):
+    """Answer to :class:`Hello`.
+
+    ``tenant_id`` is ``None`` for the admin key; ``pid`` is the peer pid the
+    daemon recorded with ``SO_PEERCRED`` (as seen in the daemon's pid namespace).
+    """
+
+    tenant_id: str | None
+    pid: int | None = None
+
+
+class Attached(msgspec.Struct, tag="attached", tag_field="op", frozen=True):
+    """Answer to :class:`Attach`; the memfd travels in the same ``sendmsg``."""
+
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
+class Ok(msgspec.Struct, tag="ok", tag_field="op", frozen=True):
+    """Answer to :class:`Detach` and :class:`Renew`."""
+
+
+class Error(msgspec.Struct, tag="error", tag_field="op", frozen=True):
+    """A failed request, shaped like an RFC 9457 problem (``type`` is optional)."""
+
+    status: int
+    title: str
+    detail: str = ""
+    type: str | None = None
+
+
+Reply = Welcome | Attached | Ok | Error
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode_frame(msg: Request | Reply) -> bytes:
+    """Return ``msg`` as one frame: length prefix plus msgpack body.
+
+    Raises :class:`FrameTooLarge` if the body would exceed :data:`MAX_FRAME`.
+    """
+    body = _encoder.encode(msg)
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(len(body))
+    return HEADER.pack(len(body)) + body
+
+
+def decode_request(body: bytes | memoryview) -> Request:
+    """Decode one frame body sent by a worker.
+
+    Raises ``msgspec.DecodeError`` (a ``ValidationError`` for a well-formed map
+    of the wrong shape) with msgspec's message, e.g.
+    ``Expected `str`, got `int` - at `$.buffer_id```.
+    """
+    return _request_decoder.decode(body)
+
+
+def decode_reply(body: bytes | memoryview) -> Reply:
+    """Decode one frame body sent by the daemon (raises ``msgspec.DecodeError``)."""
+    return _reply_decoder.decode(body)
+
+
+class FrameReader:
+    """Incremental frame splitter: feed it bytes as they arrive, get whole frame bodies.
+
+    >>> r = FrameReader()
+    >>> r.feed(b"\\x00\\x00")
+    []
+    >>> r.feed(b"\\x00\\x01\\x80")
+    [b'\\x80']
+
+    :meth:`feed` raises :class:`FrameTooLarge` as soon as a length prefix over
+    ``max_frame`` is complete; the reader is then unusable (the stream has no
+    way to resynchronise) and the connection should be closed.
+    """
+
+    __slots__ = ("_buf", "_failed", "_ready", "max_frame")
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._ready: deque[bytes] = deque()
+        self._failed = False
+
+    @property
+    def pending(self) -> int:
+        """Bytes received but not yet returned as part of a whole frame."""
+        return len(self._buf) + sum(HEADER.size + len(f) for f in self._ready)
+
+    def feed(self, data: bytes | bytearray | memoryview = b"") -> list[bytes]:
+        """Add ``data``; return every whole frame body not returned before, in order."""
+        self._split(data)
+        out = list(self._ready)
+        self._ready.clear()
+        return out
+
+    def next_frame(self, data: bytes | bytearray | memoryview = b"") -> bytes | None:
+        """Add ``data``; return the oldest whole frame body not returned before, or ``None``."""
+        self._split(data)
+        return self._ready.popleft() if self._ready else None
+
+    def _split(self, data: bytes | bytearray | memoryview) -> None:
+        if self._failed:
+            raise ProtocolError("stream already failed: an earlier frame was too large")
+        buf = self._buf
+        buf += data
+        pos = 0
+        size = HEADER.size
+        while len(buf) - pos >= size:
+            (length,) = HEADER.unpack_from(buf, pos)
+            if length > self.max_frame:
+                self._failed = True
+                buf.clear()
+                raise FrameTooLarge(length)
+            end = pos + size + length
+            if len(buf) < end:
+                break
+            self._ready.append(bytes(buf[pos + size : end]))
+            pos = end
+        if pos:
+            del buf[:pos]
+
+
+# --- socket helpers ----------------------------------------------------------
+
+
+def send_message(sock: socket.socket, msg: Request | Reply, fds: Iterable[int] = ()) -> None:
+    """Send one frame, with ``fds`` as SCM_RIGHTS ancillary data of the same ``sendmsg``.
+
+    The fds are duplicated into the peer by the kernel; the caller still owns
+    (and must close) its own copies.
+    """
+    frame = encode_frame(msg)
+    fd_list = list(fds)
+    if fd_list:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fd_list).tobytes())]
+        sent = sock.sendmsg([frame], anc)
+        if sent < len(frame):
+            # The ancillary data went with the first byte; the rest is plain data.
+            sock.sendall(frame[sent:])
+    else:
+        sock.sendall(frame)
+
+
+def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - (len(data) % arr.itemsize)])
+            fds.extend(arr)
+    return fds
+
+
+def recv_message(
+    sock: socket.socket, reader: FrameReader, *, bufsize: int = 65536
+) -> tuple[bytes | None, list[int]]:
+    """Read until ``reader`` yields one whole frame; return ``(body, fds)``.
+
+    ``fds`` are all descriptors that arrived while reading (close-on-exec); the
+    caller owns them. ``body`` is ``None`` when the peer closed the connection
+    before a whole frame arrived. Frames beyond the first in the same read stay
+    in ``reader`` for the next call. Raises
+    :class:`FrameTooLarge` (closing any fds received) and ``OSError``.
+    """
+    body = reader.next_frame()
+    fds: list[int] = []
+    cmsg_space = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * 4)
+    try:
+        while body is None:
+            data, ancdata, msg_flags, _addr = sock.recvmsg(
+                bufsize, cmsg_space, socket.MSG_CMSG_CLOEXEC
+            )
+            fds.extend(_fds_from_ancillary(ancdata))
+            if msg_flags & socket.MSG_CTRUNC:
+                raise ProtocolError("ancillary data truncated: peer sent too many fds")
+            if not data:
+                return None, fds
+            body = reader.next_frame(data)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return body, fds

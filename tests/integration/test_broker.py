@@ -1,0 +1,734 @@
+"""The Unix-socket handle server, spoken to over raw sockets written by the test.
+
+Every protocol test runs twice: against an in-process :class:`maasd.broker.Broker`
+over a small fake service (real sockets, real sealed memfds), and against the
+real daemon (the ``daemon`` fixture of ``tests/conftest.py``). A few tests of
+the broker's own lifecycle, and of ``Worker`` against it, use the fake only.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import fcntl
+import mmap
+import os
+import re
+import socket
+import stat
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+import numpy as np
+import pytest
+
+from maasd import errors
+from maasd.broker import Broker, status_for
+from maasd.client import ConnectionFailed, NotFound, Unauthorized, Worker
+from maasd.models import Principal
+from maasd.protocol import (
+    HEADER,
+    MAX_FRAME,
+    Attach,
+    Attached,
+    Detach,
+    Error,
+    FrameReader,
+    Hello,
+    Ok,
+    Renew,
+    Welcome,
+    decode_reply,
+    encode_frame,
+)
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MiB = 1 << 20
+
+
+# --- a raw client: the test's own socket code, not maasd.client -------------------
+
+
+class Raw:
+    """A bare connection to the handle socket: frames in, (reply, fds) out."""
+
+    def __init__(self, path: str, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.reader = FrameReader()
+
+    def send(self, msg) -> None:
+        self.sock.sendall(encode_frame(msg))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self):
+        """Next reply and the fds that came with it; (None, fds) at EOF."""
+        fds: list[int] = []
+        while True:
+            body = self.reader.next_frame()
+            if body is not None:
+                return decode_reply(body), fds
+            data, anc, flags, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
+            assert not flags & socket.MSG_CTRUNC
+            for level, kind, payload in anc:
+                assert (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+                fds.extend(array.array("i", payload))
+            if not data:
+                return None, fds
+            body = self.reader.next_frame(data)
+            if body is not None:
+                return decode_reply(body), fds
+
+    def call(self, msg):
+        self.send(msg)
+        return self.recv()
+
+    def hello(self, key: str) -> Welcome:
+        reply, fds = self.call(Hello(api_key=key))
+        assert fds == []
+        assert isinstance(reply, Welcome), reply
+        return reply
+
+    def closed_by_peer(self) -> bool:
+        """True once the daemon has closed its end (EOF, or a reset)."""
+        try:
+            while True:
+                reply, fds = self.recv()
+                for fd in fds:
+                    os.close(fd)
+                if reply is None:
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --- the fake service ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeHandle:
+    fd: int
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
+class FakeService:
+    """Enough of maasd.service.Service for the broker: keys, sealed memfds, a gauge."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: dict[str, Principal] = {}
+        self.buffers: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, fd, size)
+        self.attached: collections.Counter[str] = collections.Counter()
+        self.renewals: list[tuple[str, int]] = []
+
+    def add_key(self, tenant_id: str) -> str:
+        key = uuid.uuid4().hex
+        self.keys[key] = Principal(is_admin=False, tenant_id=tenant_id, key_id=key[:8])
+        return key
+
+    def revoke(self, key: str) -> None:
+        self.keys.pop(key, None)
+
+    def reserve(self, tenant_id: str, size: int) -> str:
+        fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        bid = uuid.uuid4().hex
+        self.buffers[bid] = (tenant_id, fd, size)
+        return bid
+
+    def release(self, bid: str) -> None:
+        _tenant, fd, size = self.buffers.pop(bid)
+        with mmap.mmap(fd, size) as mm:
+            mm[:] = bytes(size)
+        os.close(fd)
+
+    # the four methods the broker calls
+    def authenticate(self, token: str) -> Principal:
+        p = self.keys.get(token)
+        if p is None:
+            raise errors.Unauthorized("unknown or revoked API key")
+        return p
+
+    def open_handle(self, who: Principal, buffer_id: str) -> FakeHandle:
+        if buffer_id == "boom":
+            raise RuntimeError("simulated bug")
+        with self.lock:
+            b = self.buffers.get(buffer_id)
+            if b is None or b[0] != who.tenant_id:
+                raise errors.NotFound(f"no buffer {buffer_id!r}")
+            self.attached[b[0]] += 1
+            return FakeHandle(fd=os.dup(b[1]), buffer_id=buffer_id, size_bytes=b[2], numa_node=0)
+
+    def drop_handle(self, who: Principal, buffer_id: str) -> None:
+        with self.lock:
+            assert who.tenant_id is not None
+            self.attached[who.tenant_id] -= 1
+
+    def renew(self, who: Principal, buffer_id: str, ttl_s: int):
+        b = self.buffers.get(buffer_id)
+        if b is None or b[0] != who.tenant_id:
+            raise errors.NotFound(f"no buffer {buffer_id!r}")
+        if ttl_s <= 0:
+            raise errors.InvalidRequest("ttl_s must be >= 1")
+        self.renewals.append((buffer_id, ttl_s))
+        return None
+
+
+# --- one interface over both back ends ------------------------------------------------
+
+
+class FakeEnv:
+    kind = "fake"
+
+    def __init__(self, tmp_path) -> None:
+        self.svc = FakeService()
+        self.socket_path = str(tmp_path / "maasd.sock")
+        self.broker = Broker(self.svc, self.socket_path)
+        self.broker.start()
+
+    def new_tenant(self) -> tuple[str, str]:
+        tid = "t-" + uuid.uuid4().hex[:8]
+        return tid, self.svc.add_key(tid)
+
+    def revocable_key(self, tenant_id: str) -> tuple[str, object]:
+        key = self.svc.add_key(tenant_id)
+        return key, lambda: self.svc.revoke(key)
+
+    def reserve(self, tenant: tuple[str, str], size: int = MiB) -> str:
+        return self.svc.reserve(tenant[0], size)
+
+    def release(self, tenant: tuple[str, str], bid: str) -> None:
+        self.svc.release(bid)
+
+    def healthy(self) -> bool:
+        with contextlib.closing(Raw(self.socket_path)) as r:
+            tid, key = self.new_tenant()
+            return isinstance(r.call(Hello(api_key=key))[0], Welcome)
+
+    def attached(self, tenant_id: str) -> float:
+        with self.svc.lock:
+            return float(self.svc.attached[tenant_id])
+
+    def close(self) -> None:
+        self.broker.stop()
+
+
+class DaemonEnv:
+    kind = "daemon"
+
+    def __init__(self, daemon) -> None:
+        from maasd.client import Client
+
+        self.daemon = daemon
+        self.socket_path = str(daemon.socket_path)
+        self.admin = Client(daemon.url, daemon.admin_key)
+        self._clients: dict[str, Client] = {}
+
+    def _client(self, key: str):
+        from maasd.client import Client
+
+        if key not in self._clients:
+            self._clients[key] = Client(self.daemon.url, key)
+        return self._clients[key]
+
+    def new_tenant(self) -> tuple[str, str]:
+        return self.daemon.tenant("raw-" + uuid.uuid4().hex[:8], 64 * MiB)
+
+    def revocable_key(self, tenant_id: str) -> tuple[str, object]:
+        info = self.admin.issue_key(tenant_id)
+        return info.api_key, lambda: self.admin.revoke_key(tenant_id, info.id)
+
+    def reserve(self, tenant: tuple[str, str], size: int = MiB) -> str:
+        return self._client(tenant[1]).reserve(size_bytes=size, ttl_s=300).id
+
+    def release(self, tenant: tuple[str, str], bid: str) -> None:
+        self._client(tenant[1]).release(bid)
+
+    def healthy(self) -> bool:
+        r = httpx.get(self.daemon.url + "/healthz", timeout=10)
+        return r.status_code == 200 and r.json() == {"status": "ok"}
+
+    def attached(self, tenant_id: str) -> float:
+        return attached_gauge(httpx.get(self.daemon.url + "/metrics", timeout=10).text, tenant_id)
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self.admin.close()
+
+
+def attached_gauge(metrics_text: str, tenant_id: str) -> float:
+    pat = re.compile(r'^maasd_attached_handles\{([^}]*)\}\s+(\S+)', re.M)
+    for labels, value in pat.findall(metrics_text):
+        if f'tenant="{tenant_id}"' in labels:
+            return float(value)
+    return 0.0
+
+
+def wait_until(pred, timeout: float = 10.0, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+@pytest.fixture(params=["fake", "daemon"])
+def env(request, tmp_path):
+    if request.param == "fake":
+        e = FakeEnv(tmp_path)
+    else:
+        try:
+            daemon = request.getfixturevalue("daemon")
+        except pytest.FixtureLookupError:
+            pytest.skip("the daemon fixture (tests/conftest.py) is not available")
+        e = DaemonEnv(daemon)
+    yield e
+    e.close()
+
+
+@pytest.fixture
+def fake(tmp_path):
+    e = FakeEnv(tmp_path)
+    yield e
+    e.close()
+
+
+# --- the protocol, against both back ends ------------------------------------------------
+
+
+def test_socket_file_mode_is_0660(env):
+    st = os.stat(env.socket_path)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_welcome_names_tenant_and_peer_pid(env):
+    tid, key = env.new_tenant()
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        w = r.hello(key)
+    assert w.tenant_id == tid
+    assert w.pid == os.getpid()
+
+
+def test_attach_sends_a_sealed_memfd_of_exactly_the_buffer(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant, 3 * MiB)
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        r.hello(tenant[1])
+        reply, fds = r.call(Attach(buffer_id=bid))
+        try:
+            assert isinstance(reply, Attached), reply
+            assert reply.buffer_id == bid
+            assert reply.size_bytes == 3 * MiB
+            assert len(fds) == 1
+            fd = fds[0]
+            assert os.fstat(fd).st_size == reply.size_bytes
+            assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+            assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+            # sealed: the worker can neither shrink nor grow it
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, reply.size_bytes * 2)
+            with mmap.mmap(fd, reply.size_bytes) as mm:
+                mm[:4] = b"abcd"
+        finally:
+            for fd in fds:
+                os.close(fd)
+        # a second attach of the same buffer is the same file
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached) and len(fds) == 1
+        assert os.pread(fds[0], 4, 0) == b"abcd"
+        os.close(fds[0])
+    env.release(tenant, bid)
+
+
+def test_foreign_and_unknown_ids_answer_404_and_no_fd(env):
+    owner, other = env.new_tenant(), env.new_tenant()
+    bid = env.reserve(owner)
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        r.hello(other[1])
+        for target in (bid, uuid.uuid4().hex, "x", "../" + bid):
+            r.send(Attach(buffer_id=target))
+            # recvmsg by hand: the ancillary data must be empty
+            data, anc, _flags, _ = r.sock.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
+            assert anc == []
+            (body,) = r.reader.feed(data)
+            reply = decode_reply(body)
+            assert isinstance(reply, Error) and reply.status == 404, reply
+        # the connection survived all that
+        reply, fds = r.call(Renew(buffer_id=bid, ttl_s=60))
+        assert isinstance(reply, Error) and reply.status == 404 and fds == []
+    env.release(owner, bid)
+
+
+def test_bad_key_answers_401_and_closes(env):
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        reply, fds = r.call(Hello(api_key="not-a-key-" + uuid.uuid4().hex))
+        assert isinstance(reply, Error) and reply.status == 401 and fds == []
+        assert r.closed_by_peer()
+
+
+def test_first_frame_must_be_hello(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Error) and reply.status == 400 and fds == []
+        assert r.closed_by_peer()
+    env.release(tenant, bid)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # a length of 0x47455420: oversize
+        HEADER.pack(3) + b"\xc1\xc1\xc1",  # a frame of invalid msgpack
+        HEADER.pack(MAX_FRAME + 1),  # oversize length, no body
+        b"\xff\xff\xff\xff" + os.urandom(64),
+        HEADER.pack(0),  # empty frame
+    ],
+    ids=["http", "bad-msgpack", "oversize", "ffff", "empty"],
+)
+def test_garbage_before_hello_closes_only_that_connection(env, garbage):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    with contextlib.closing(Raw(env.socket_path)) as good:
+        good.hello(tenant[1])
+        with contextlib.closing(Raw(env.socket_path)) as bad:
+            bad.send_raw(garbage)
+            reply, fds = bad.recv()
+            assert fds == []
+            if reply is not None:
+                assert isinstance(reply, Error) and reply.status == 400
+            assert bad.closed_by_peer()
+        assert env.healthy()
+        reply, fds = good.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached) and len(fds) == 1
+        os.close(fds[0])
+    env.release(tenant, bid)
+
+
+def test_oversize_after_hello_errors_then_closes(env):
+    tenant = env.new_tenant()
+    with contextlib.closing(Raw(env.socket_path)) as other:
+        other.hello(tenant[1])
+        with contextlib.closing(Raw(env.socket_path)) as r:
+            r.hello(tenant[1])
+            r.send_raw(HEADER.pack(MAX_FRAME + 1) + b"\x00" * 1024)
+            reply, fds = r.recv()
+            assert isinstance(reply, Error) and reply.status == 400 and fds == []
+            assert r.closed_by_peer()
+        assert env.healthy()
+        reply, _ = other.call(Renew(buffer_id=uuid.uuid4().hex, ttl_s=60))
+        assert isinstance(reply, Error) and reply.status == 404
+
+
+def test_bad_frames_after_hello_leave_the_connection_usable(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        r.hello(tenant[1])
+        bad_bodies = [
+            b"\xc1",
+            msgspec.msgpack.encode({"op": "attach"}),
+            msgspec.msgpack.encode({"op": "attach", "buffer_id": 7}),
+            msgspec.msgpack.encode({"op": "nope"}),
+            msgspec.msgpack.encode({"op": "attach", "buffer_id": bid, "x": 1}),
+            msgspec.msgpack.encode({"op": "welcome", "tenant_id": "t"}),
+            msgspec.msgpack.encode([1, 2]),
+            b"",
+        ]
+        for body in bad_bodies:
+            r.send_raw(HEADER.pack(len(body)) + body)
+            reply, fds = r.recv()
+            assert isinstance(reply, Error) and reply.status == 400, (body, reply)
+            assert reply.detail and fds == []
+        reply, _ = r.call(Hello(api_key=tenant[1]))  # a second hello is a bad frame too
+        assert isinstance(reply, Error) and reply.status == 400
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached) and len(fds) == 1
+        os.close(fds[0])
+    env.release(tenant, bid)
+
+
+def test_renew_and_detach(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        r.hello(tenant[1])
+        assert r.call(Renew(buffer_id=bid, ttl_s=120)) == (Ok(), [])
+        reply, _ = r.call(Renew(buffer_id=bid, ttl_s=0))
+        assert isinstance(reply, Error) and reply.status == 400
+        reply, fds = r.call(Attach(buffer_id=bid))
+        os.close(fds[0])
+        assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+        reply, _ = r.call(Detach(buffer_id=bid))  # no longer attached here
+        assert isinstance(reply, Error) and reply.status == 404
+    env.release(tenant, bid)
+
+
+def test_revoked_key_while_connected_answers_401_and_closes(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    key, revoke = env.revocable_key(tenant[0])
+    with contextlib.closing(Raw(env.socket_path)) as r:
+        r.hello(key)
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached)
+        os.close(fds[0])
+        revoke()
+        reply, fds = r.call(Renew(buffer_id=bid, ttl_s=60))
+        assert isinstance(reply, Error) and reply.status == 401 and fds == []
+        assert r.closed_by_peer()
+    # and the attachment it held was dropped
+    assert wait_until(lambda: env.attached(tenant[0]) == 0)
+    env.release(tenant, bid)
+
+
+def test_closing_a_connection_drops_its_attachments(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    base = env.attached(tenant[0])
+    r = Raw(env.socket_path)
+    r.hello(tenant[1])
+    for _ in range(3):
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached)
+        os.close(fds[0])
+    assert env.attached(tenant[0]) == base + 3
+    assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+    assert env.attached(tenant[0]) == base + 2
+    r.close()
+    assert wait_until(lambda: env.attached(tenant[0]) == base)
+    env.release(tenant, bid)
+
+
+def test_many_concurrent_connections(env):
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    failures: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            with contextlib.closing(Raw(env.socket_path, timeout=20)) as r:
+                r.hello(tenant[1])
+                for _ in range(5):
+                    reply, fds = r.call(Attach(buffer_id=bid))
+                    assert isinstance(reply, Attached) and len(fds) == 1
+                    os.close(fds[0])
+        except BaseException as exc:  # collected for the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert failures == []
+    assert wait_until(lambda: env.attached(tenant[0]) == 0)
+    env.release(tenant, bid)
+
+
+# --- the broker itself (fake service) -----------------------------------------------------
+
+
+def test_status_table():
+    assert status_for(errors.QuotaExceeded("x")) == 409
+    assert status_for(errors.QosUnmet("x")) == 422
+    assert status_for(errors.TooLarge("x")) == 422
+    assert status_for(errors.PoolExhausted("x")) == 507
+    assert status_for(errors.Forbidden("x")) == 403
+    assert status_for(errors.BackingError("x")) == 500
+    assert status_for(ValueError()) == 500
+
+
+def test_unexpected_exception_is_500_and_the_connection_survives(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant)
+    with contextlib.closing(Raw(fake.socket_path)) as r:
+        r.hello(tenant[1])
+        reply, fds = r.call(Attach(buffer_id="boom"))
+        assert isinstance(reply, Error) and reply.status == 500 and fds == []
+        assert "simulated" not in reply.detail  # internals stay in the log
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached)
+        os.close(fds[0])
+
+
+def test_stop_closes_connections_drops_attachments_and_unlinks(tmp_path):
+    e = FakeEnv(tmp_path)
+    tenant = e.new_tenant()
+    bid = e.reserve(tenant)
+    r = Raw(e.socket_path)
+    r.hello(tenant[1])
+    _, fds = r.call(Attach(buffer_id=bid))
+    os.close(fds[0])
+    assert e.broker.connections == 1
+    e.broker.stop()
+    assert not os.path.exists(e.socket_path)
+    assert r.closed_by_peer()
+    assert e.svc.attached[tenant[0]] == 0
+    assert e.broker.connections == 0
+    r.close()
+    e.broker.stop()  # idempotent
+
+
+def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path):
+    path = str(tmp_path / "s.sock")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)
+    stale.close()  # file left behind, nobody listening
+    svc = FakeService()
+    with Broker(svc, path) as b:
+        assert os.path.exists(path)
+        with pytest.raises(FileExistsError):
+            Broker(svc, path).start()
+        assert wait_until(lambda: b.connections == 0)
+    assert not os.path.exists(path)
+
+
+def test_idle_connection_without_hello_is_closed(fake, monkeypatch):
+    monkeypatch.setattr("maasd.broker.HELLO_TIMEOUT_S", 0.2)
+    e2 = FakeEnv.__new__(FakeEnv)
+    e2.svc = fake.svc
+    with contextlib.closing(Raw(fake.socket_path)) as r:
+        reply, _ = r.recv()
+        assert isinstance(reply, Error) and reply.status == 400
+        assert r.closed_by_peer()
+
+
+# --- Worker against the in-process broker ---------------------------------------------------
+
+
+def test_worker_attach_maps_the_memfd_zero_copy(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant, 2 * MiB)
+    with Worker(fake.socket_path, tenant[1], renew_interval_s=0) as w:
+        assert w.tenant_id == tenant[0]
+        m = w.attach(bid)
+        assert m.size == 2 * MiB and m.numa_node == 0 and m.buffer_id == bid
+        assert m.array.dtype == np.uint8 and m.array.shape == (2 * MiB,)
+        assert m.array.flags.writeable and not m.array.flags.owndata
+        m.array[:3] = [1, 2, 3]
+        m.array[-1] = 9
+        _t, fd, _s = fake.svc.buffers[bid]
+        assert os.pread(fd, 3, 0) == b"\x01\x02\x03"
+        assert os.pread(fd, 1, 2 * MiB - 1) == b"\x09"
+        assert fake.attached(tenant[0]) == 1
+        assert w.attached == [bid]
+    assert m.closed
+    with pytest.raises(ValueError):
+        _ = m.array
+    assert wait_until(lambda: fake.attached(tenant[0]) == 0)
+
+
+def test_worker_detach_and_mapping_close_tell_the_daemon(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant)
+    with Worker(fake.socket_path, tenant[1], renew_interval_s=0) as w:
+        m1, m2 = w.attach(bid), w.attach(bid)
+        assert fake.attached(tenant[0]) == 2
+        m1.close()
+        m1.close()  # idempotent
+        assert fake.attached(tenant[0]) == 1
+        w.detach(bid)
+        assert m2.closed and fake.attached(tenant[0]) == 0
+        with pytest.raises(NotFound):
+            w.detach(bid)
+        with pytest.raises(NotFound):
+            w.attach(uuid.uuid4().hex)
+
+
+def test_mapping_close_tolerates_live_numpy_views(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant)
+    with Worker(fake.socket_path, tenant[1], renew_interval_s=0) as w:
+        m = w.attach(bid)
+        view = m.array[10:20]
+        view[:] = 5
+        fd = m.fd
+        m.close()  # must not raise although `view` still exports the mmap
+        assert m.closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+        assert int(view.sum()) == 50  # still mapped until the view dies
+        del view
+
+
+def test_worker_renews_attached_leases_in_the_background(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant)
+    with Worker(fake.socket_path, tenant[1], ttl_s=30, renew_interval_s=0.05) as w:
+        w.attach(bid)
+        assert wait_until(lambda: len(fake.svc.renewals) >= 3, timeout=5)
+        assert set(fake.svc.renewals) == {(bid, 30)}
+    n = len(fake.svc.renewals)
+    time.sleep(0.2)
+    assert len(fake.svc.renewals) == n  # the thread stopped with the worker
+
+
+def test_worker_with_a_revoked_key(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant)
+    key, revoke = fake.revocable_key(tenant[0])
+    w = Worker(fake.socket_path, key, renew_interval_s=0)
+    m = w.attach(bid)
+    revoke()
+    with pytest.raises(Unauthorized) as info:
+        w.renew(bid)
+    assert info.value.status == 401 and info.value.problem["status"] == 401
+    with pytest.raises(ConnectionFailed):
+        w.attach(bid)
+    m.array[0] = 1  # the mapping itself stays valid
+    w.close()
+    assert m.closed
+    with pytest.raises(Unauthorized):
+        Worker(fake.socket_path, key)
+
+
+def test_worker_on_a_missing_socket(tmp_path):
+    with pytest.raises(ConnectionFailed):
+        Worker(str(tmp_path / "nothing.sock"), "k")
+
+
+def test_worker_is_thread_safe(fake):
+    tenant = fake.new_tenant()
+    bids = [fake.reserve(tenant, 64 * 1024) for _ in range(4)]
+    failures: list[BaseException] = []
+    with Worker(fake.socket_path, tenant[1], renew_interval_s=0.01) as w:
+
+        def loop(bid: str) -> None:
+            try:
+                for _ in range(25):
+                    with w.attach(bid) as m:
+                        m.array[0] = 1
+                    w.renew(bid, 60)
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=loop, args=(b,)) for b in bids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert failures == []
+    assert wait_until(lambda: fake.attached(tenant[0]) == 0)
