@@ -1,0 +1,32 @@
+"""The ledger: SQLAlchemy Core tables, the ``Store`` repository, Alembic plumbing.
+
+>>> from maasd.store import Store, BufferRow          # doctest: +SKIP
+>>> store = Store("sqlite:////var/lib/maasd/maasd.db")  # doctest: +SKIP
+>>> store.upgrade()                                   # doctest: +SKIP
+
+The schema is created and changed only by the Alembic migrations in the
+top-level ``migrations/`` directory (:meth:`Store.upgrade`).
+"""
+
+from __future__ import annotations
+
+from maasd.store.engine import alembic_config, create_engine, migrations_dir, normalize_url
+from maasd.store.records import BufferRow, EventRow, KeyRow, PoolRow, TenantRow
+from maasd.store.repository import Store
+from maasd.store.schema import ACCOUNTED_STATES, BUFFER_STATES, metadata
+
+__all__ = [
+    "ACCOUNTED_STATES",
+    "BUFFER_STATES",
+    "BufferRow",
+    "EventRow",
+    "KeyRow",
+    "PoolRow",
+    "Store",
+    "TenantRow",
+    "alembic_config",
+    "create_engine",
+    "metadata",
+    "migrations_dir",
+    "normalize_url",
+]

@@ -1,0 +1,178 @@
+"""Engine factory: URL normalisation, SQLite pragmas and ``BEGIN IMMEDIATE``,
+and the programmatic Alembic configuration.
+
+Why the store is synchronous, even for ``postgresql+asyncpg://`` URLs: the
+service runs every use-case in a worker thread (litestar's ``sync_to_thread``,
+the broker's connection threads), next to blocking memory work. A synchronous
+engine fits that; an async one would need an event loop per thread. SPEC §3
+still accepts asyncpg URLs (operators copy them from other services), so they
+are translated to the equivalent psycopg 3 URL — same server, same database,
+synchronous driver.
+
+SQLite transactions. Python's ``sqlite3`` module (before 3.12's ``autocommit``)
+starts transactions itself, lazily and DEFERRED, which lets two writers both
+read the ledger and then race for the write lock. As the SQLAlchemy pysqlite
+documentation recommends ("Enabling Non-Legacy SQLite Transactional Modes"),
+the driver's own BEGIN is switched off (``isolation_level = None``) and a
+``begin`` event emits ours: ``BEGIN IMMEDIATE`` (take the write lock first, so
+a quota check and its insert are one serial step), or nothing at all for
+connections tagged ``maasd_begin="none"`` (single-statement reads, which SQLite
+runs atomically on their own).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
+
+from maasd.errors import InvalidRequest
+
+__all__ = [
+    "BUSY_TIMEOUT_MS",
+    "alembic_config",
+    "create_engine",
+    "migrations_dir",
+    "normalize_url",
+]
+
+#: How long a SQLite writer waits for the write lock before giving up.
+BUSY_TIMEOUT_MS = 10_000
+
+_SQLITE_PRAGMAS = (
+    # First, so that even switching to WAL waits for a concurrent writer.
+    f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",
+    "PRAGMA journal_mode=WAL",
+    # FULL: a commit is on disk before it returns (crash safety, SPEC §2.6).
+    "PRAGMA synchronous=FULL",
+    "PRAGMA foreign_keys=ON",
+)
+
+# Drivers of other URLs that are rewritten to psycopg 3 (see module docstring).
+_PG_TO_PSYCOPG = {"", "asyncpg", "psycopg", "psycopg_async"}
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Validate a database URL and return the synchronous URL the store uses.
+
+    >>> str(normalize_url("postgresql+asyncpg://u:p@db:5432/maasd"))
+    'postgresql+psycopg://u:***@db:5432/maasd'
+    >>> str(normalize_url("sqlite:////var/lib/maasd/maasd.db"))
+    'sqlite:////var/lib/maasd/maasd.db'
+
+    ``postgresql://`` and ``postgres://`` (whose SQLAlchemy default would be
+    psycopg2) and ``postgresql+asyncpg://`` all become ``postgresql+psycopg://``;
+    asyncpg's ``ssl=`` query option becomes libpq's ``sslmode=``. SQLite must
+    be a file: an in-memory database is private to one connection, which the
+    pooled, multi-threaded store cannot honour.
+    """
+    try:
+        u = make_url(url)
+    except sa.exc.ArgumentError as exc:
+        raise InvalidRequest(f"not a database URL: {exc}") from None
+    backend, _, driver = u.drivername.partition("+")
+    if backend in ("postgresql", "postgres"):
+        if driver in _PG_TO_PSYCOPG:
+            query = dict(u.query)
+            if driver == "asyncpg" and "ssl" in query and "sslmode" not in query:
+                query["sslmode"] = query.pop("ssl")
+            u = u.set(drivername="postgresql+psycopg", query=query)
+        return u
+    if backend == "sqlite":
+        if u.database in (None, "", ":memory:") or u.query.get("mode") == "memory":
+            raise InvalidRequest("an in-memory SQLite database cannot be shared; use a file")
+        return u
+    raise InvalidRequest(
+        f"unsupported database {backend!r}: use sqlite:///PATH or postgresql+psycopg://…"
+    )
+
+
+def create_engine(
+    url: str | URL,
+    *,
+    pool_size: int = 8,
+    max_overflow: int = 32,
+    pool_timeout: float = 30.0,
+    echo: bool = False,
+) -> Engine:
+    """A synchronous engine for ``url`` (see :func:`normalize_url`), set up for the ledger.
+
+    On SQLite every new DBAPI connection gets the WAL/``synchronous=FULL``/
+    foreign-key pragmas, and every transaction starts with ``BEGIN IMMEDIATE``
+    unless its connection carries the execution option ``maasd_begin="none"``.
+    """
+    u = normalize_url(url)
+    kwargs: dict[str, Any] = {
+        "pool_size": pool_size,
+        "max_overflow": max_overflow,
+        "pool_timeout": pool_timeout,
+        "echo": echo,
+    }
+    if u.get_backend_name() == "postgresql":
+        kwargs["connect_args"] = {"application_name": "maasd"}
+        kwargs["pool_recycle"] = 3600
+        return sa.create_engine(u, **kwargs)
+
+    kwargs["connect_args"] = {"timeout": BUSY_TIMEOUT_MS / 1000}
+    engine = sa.create_engine(u, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
+        # The driver must not BEGIN on its own; _sqlite_begin below does.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        try:
+            for pragma in _SQLITE_PRAGMAS:
+                cursor.execute(pragma)
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _sqlite_begin(conn: sa.Connection) -> None:
+        if conn.get_execution_options().get("maasd_begin") == "none":
+            return
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def migrations_dir() -> Path:
+    """The Alembic script directory: ``migrations/`` next to the ``maasd`` package.
+
+    That is where it is in a checkout and in an editable install. A wheel may
+    instead ship it inside the package (``maasd/migrations``), which is tried
+    second.
+    """
+    import maasd
+
+    package = Path(maasd.__file__).resolve().parent
+    for candidate in (package.parent / "migrations", package / "migrations"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise RuntimeError(
+        f"Alembic migrations not found next to {package} (looked for migrations/env.py)"
+    )
+
+
+def alembic_config(
+    *, connection: sa.Connection | None = None, url: str | URL | None = None
+) -> Any:
+    """A programmatic ``alembic.config.Config`` (no ``alembic.ini``).
+
+    Pass ``connection`` to run migrations inside that connection's transaction
+    (what :meth:`maasd.store.Store.upgrade` does), or ``url`` to let
+    ``migrations/env.py`` open its own engine.
+    """
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    if url is not None:
+        rendered = normalize_url(url).render_as_string(hide_password=False)
+        cfg.set_main_option("sqlalchemy.url", rendered.replace("%", "%%"))
+    if connection is not None:
+        cfg.attributes["connection"] = connection
+    return cfg

@@ -1,0 +1,112 @@
+"""Rows of the ledger as frozen ``msgspec.Struct``s.
+
+These are the store's vocabulary, not the API's: they carry internal columns
+(``host``, ``digest``, ``last_used_at``, ``checkpoint_path`` …) that the service
+turns into :mod:`maasd.models` records. Field order equals the column order of
+the matching table in :mod:`maasd.store.schema`, so a result row converts
+positionally (``BufferRow(*row)``) — the cheapest conversion there is; an import-
+time check below keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from maasd.models import Backing, BufferState, Persistence, ScrubMode
+from maasd.store import schema
+
+__all__ = ["BufferRow", "EventRow", "KeyRow", "PoolRow", "TenantRow"]
+
+
+class PoolRow(msgspec.Struct, frozen=True):
+    """A pool of one daemon host (``host``), with its fixed properties."""
+
+    id: str
+    host: str
+    name: str
+    numa_node: int
+    backing: Backing
+    persistence: Persistence
+    latency_us: int
+    capacity_bytes: int
+    page_bytes: int
+    prefault: bool
+    scrub: ScrubMode
+    spill_dir: str | None
+    created_at: float
+
+
+class TenantRow(msgspec.Struct, frozen=True):
+    """A tenant, with its usage computed at read time.
+
+    ``used_bytes`` and ``buffers`` count the buffers in every state
+    (``reserving``, ``live``, ``releasing``) — exactly what quota checks count.
+    """
+
+    id: str
+    name: str
+    quota_bytes: int
+    created_at: float
+    used_bytes: int = 0
+    buffers: int = 0
+
+
+class KeyRow(msgspec.Struct, frozen=True):
+    """An API key: only its SHA-256 ``digest`` is stored, never the token."""
+
+    id: str
+    tenant_id: str
+    digest: bytes
+    created_at: float
+    revoked_at: float | None = None
+
+
+class BufferRow(msgspec.Struct, frozen=True):
+    """A buffer in the ledger.
+
+    ``last_used_at`` orders eviction (least recently used first). ``key`` is
+    cleared when the buffer starts releasing, so the key can be reused at once.
+    """
+
+    id: str
+    tenant_id: str
+    pool_id: str
+    size_bytes: int
+    numa_node: int
+    persistence: Persistence
+    label: str | None
+    key: str | None
+    evictable: bool
+    state: BufferState
+    created_at: float
+    expires_at: float
+    last_used_at: float
+    checkpoint_path: str | None = None
+    checksum: str | None = None
+    checkpointed_at: float | None = None
+
+
+class EventRow(msgspec.Struct, frozen=True):
+    """One entry of the audit trail (``reserve``, ``release``, ``evict``, ``expire`` …)."""
+
+    id: int
+    at: float
+    kind: str
+    tenant_id: str | None
+    buffer_id: str | None
+    pool_id: str | None
+    bytes: int | None
+    detail: str | None
+
+
+def _check(record: type[msgspec.Struct], table_columns: tuple[str, ...]) -> None:
+    fields = record.__struct_fields__[: len(table_columns)]
+    if fields != table_columns:  # pragma: no cover - a programming error, caught by any test
+        raise RuntimeError(f"{record.__name__} fields {fields} != columns {table_columns}")
+
+
+_check(PoolRow, tuple(schema.pools.c.keys()))
+_check(TenantRow, tuple(schema.tenants.c.keys()))
+_check(KeyRow, tuple(schema.api_keys.c.keys()))
+_check(BufferRow, tuple(schema.buffers.c.keys()))
+_check(EventRow, tuple(schema.events.c.keys()))

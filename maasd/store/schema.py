@@ -1,0 +1,154 @@
+"""The ledger's tables, as SQLAlchemy Core ``Table`` objects.
+
+This module is the *declaration* the code queries against; the database itself
+is only ever created and changed by the Alembic migrations in the top-level
+``migrations/`` directory. ``tests/integration/test_migrations.py`` checks that
+the two agree.
+
+Conventions: ids are random 32-character hex strings (``String(32)``); times are
+epoch seconds (``Float``); sizes are bytes (``BigInteger``). Usage is never a
+stored counter — it is always the sum of the sizes of a tenant's (or pool's)
+buffers, computed inside the write transaction that needs it.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+__all__ = [
+    "ACCOUNTED_STATES",
+    "BUFFER_STATES",
+    "NAMING_CONVENTION",
+    "api_keys",
+    "buffers",
+    "events",
+    "metadata",
+    "pools",
+    "tenants",
+]
+
+#: Deterministic constraint names, so migrations (and SQLite batch mode) can
+#: refer to constraints by name on every backend.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+#: A buffer is ``reserving`` between the ledger insert and the memfd being ready,
+#: ``live`` while a tenant may use it, ``releasing`` while it is being scrubbed.
+BUFFER_STATES = ("reserving", "live", "releasing")
+#: States whose sizes count against quota and capacity: all of them — memory
+#: being set up or being scrubbed is still memory in use.
+ACCOUNTED_STATES = BUFFER_STATES
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+# Column order matters: each table's columns are in the field order of its row
+# record in maasd.store.records, so a result row converts positionally.
+
+pools = Table(
+    "pools",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    # Several daemons may share one PostgreSQL: each owns the pools of its host.
+    Column("host", String(255), nullable=False),
+    Column("name", String(128), nullable=False),
+    Column("numa_node", Integer, nullable=False),
+    Column("backing", String(16), nullable=False),
+    Column("persistence", String(16), nullable=False),
+    Column("latency_us", Integer, nullable=False),
+    Column("capacity_bytes", BigInteger, nullable=False),
+    Column("page_bytes", BigInteger, nullable=False),
+    Column("prefault", Boolean, nullable=False),
+    Column("scrub", String(16), nullable=False),
+    Column("spill_dir", Text, nullable=True),
+    Column("created_at", Float, nullable=False),
+    UniqueConstraint("host", "name"),
+)
+
+tenants = Table(
+    "tenants",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("quota_bytes", BigInteger, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("tenant_id", String(32), ForeignKey("tenants.id"), nullable=False),
+    Column("digest", LargeBinary(32), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float, nullable=True),
+    Index(None, "digest", unique=True),
+    Index(None, "tenant_id"),
+)
+
+buffers = Table(
+    "buffers",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("tenant_id", String(32), ForeignKey("tenants.id"), nullable=False),
+    Column("pool_id", String(32), ForeignKey("pools.id"), nullable=False),
+    Column("size_bytes", BigInteger, nullable=False),
+    Column("numa_node", Integer, nullable=False),
+    Column("persistence", String(16), nullable=False),
+    Column("label", String(128), nullable=True),
+    Column("key", String(512), nullable=True),
+    Column("evictable", Boolean, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("last_used_at", Float, nullable=False),
+    Column("checkpoint_path", Text, nullable=True),
+    Column("checksum", String(128), nullable=True),
+    Column("checkpointed_at", Float, nullable=True),
+    Index(None, "tenant_id", "state"),
+    Index(None, "pool_id", "state"),
+    Index(None, "expires_at"),
+)
+# A key is unique among one tenant's buffers; NULL keys do not take part.
+# (Keys are cleared when a buffer starts releasing, so this is "among its
+# reserving and live buffers".)
+Index(
+    "uq_buffers_tenant_id_key",
+    buffers.c.tenant_id,
+    buffers.c.key,
+    unique=True,
+    sqlite_where=buffers.c.key.is_not(None),
+    postgresql_where=buffers.c.key.is_not(None),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("at", Float, nullable=False),
+    Column("kind", String(32), nullable=False),
+    # No foreign keys: the audit trail outlives the tenants, pools and buffers it names.
+    Column("tenant_id", String(32), nullable=True),
+    Column("buffer_id", String(32), nullable=True),
+    Column("pool_id", String(32), nullable=True),
+    Column("bytes", BigInteger, nullable=True),
+    Column("detail", Text, nullable=True),
+)
