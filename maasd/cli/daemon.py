@@ -156,7 +156,7 @@ def _serve(settings) -> None:  # type: ignore[no-untyped-def]
                    f"{service.admin_key_generated}", err=True)
     broker = Broker(service, settings.socket_path)
     broker.start()
-    server = _Server(uvicorn.Config(create_app(service), host=settings.host, port=settings.port,
+    server = _server(uvicorn.Config(create_app(service), host=settings.host, port=settings.port,
                                     log_config=None, access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=10, server_header=False))
     logger.info("serving", extra={"url": f"http://{settings.host}:{settings.port}",
@@ -172,24 +172,21 @@ def _serve(settings) -> None:  # type: ignore[no-untyped-def]
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
 
 
-class _Server:
+def _server(config):  # type: ignore[no-untyped-def]
     """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise."""
+    import uvicorn
 
-    def __new__(cls, config):  # type: ignore[no-untyped-def]
-        import uvicorn
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Generator[None, None, None]:
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
 
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self) -> Generator[None, None, None]:
-                previous = {s: signal.signal(s, self.handle_exit)
-                            for s in (signal.SIGINT, signal.SIGTERM)}
-                try:
-                    yield
-                finally:
-                    for s, handler in previous.items():
-                        signal.signal(s, handler)
-
-        return Server(config)
+    return Server(config)
 
 
 def _redact(url: str) -> str:
