@@ -1,0 +1,489 @@
+"""maasd.llama.KVStore against llama.cpp (a tiny random-weight llama GGUF).
+
+Two layers:
+
+* ``TestMechanics`` — the llama.cpp side in-process, over an in-memory fake of
+  the client and worker (real ``mmap`` buffers): save/restore/trim/refusals.
+* ``TestWithDaemon`` — the real ``maasd serve`` fixture (``daemon``, from
+  ``tests/conftest.py``): save in this process, restore in another process,
+  tenant isolation, corrupted and foreign entries.
+
+Logits are compared for the *next* token: a saved state carries the KV cache,
+not logits, so both sides evaluate at least one token after the restore.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import os
+import subprocess
+import sys
+import uuid
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.llama
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+from maasd import llama as L  # noqa: E402
+from maasd.errors import DuplicateKey, NotFound  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llama_model import tiny_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+N_CTX = 512
+THREADS = 2
+N_VOCAB_LO = 3  # first non-special token id
+
+
+def load(path: Path | str) -> Any:
+    return llama_cpp.Llama(
+        str(path),
+        n_ctx=N_CTX,
+        n_batch=N_CTX,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
+
+
+def logits(m: Any) -> np.ndarray:
+    ptr = llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),)).copy()
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [1] + rng.integers(N_VOCAB_LO, 494, n - 1).tolist()
+
+
+def recompute(path: Path, tokens: list[int]) -> np.ndarray:
+    m = load(path)
+    m.eval(tokens)
+    return logits(m)
+
+
+# ----------------------------------------------------------------------------- fakes
+
+
+@dataclass
+class FakeBuffer:
+    id: str
+    size_bytes: int
+    key: str | None
+
+
+class FakeMapping:
+    def __init__(self, mm: mmap.mmap) -> None:
+        self.array: Any = np.frombuffer(mm, dtype=np.uint8)
+        self.size = len(mm)
+        self.numa_node = 0
+
+    def close(self) -> None:
+        self.array = None
+
+
+class FakeDaemon:
+    """Client + Worker of one tenant, in memory (lookup returns the longest key, like §4)."""
+
+    def __init__(self) -> None:
+        self.bufs: dict[str, FakeBuffer] = {}
+        self.mem: dict[str, mmap.mmap] = {}
+        self._ids = itertools.count()
+        self.attaches = 0
+        self.renewed: list[str] = []
+
+    def reserve(
+        self, *, size_bytes: int, key: str | None = None, evictable: bool = False, ttl_s: int = 600
+    ) -> FakeBuffer:
+        assert evictable and key
+        if any(b.key == key for b in self.bufs.values()):
+            raise DuplicateKey(key)
+        size = -(-size_bytes // 4096) * 4096
+        b = FakeBuffer(f"b{next(self._ids)}", size, key)
+        self.bufs[b.id], self.mem[b.id] = b, mmap.mmap(-1, size)
+        return b
+
+    def lookup(self, keys: list[str]) -> FakeBuffer | None:
+        by_key = {b.key: b for b in self.bufs.values()}
+        return next((by_key[k] for k in reversed(keys) if k in by_key), None)
+
+    def release(self, buffer_id: str) -> None:
+        self.bufs.pop(buffer_id)
+        self.mem.pop(buffer_id)
+
+    def attach(self, buffer_id: str) -> FakeMapping:
+        if buffer_id not in self.mem:
+            raise NotFound(buffer_id)
+        self.attaches += 1
+        return FakeMapping(self.mem[buffer_id])
+
+    def detach(self, buffer_id: str) -> None:
+        pass
+
+    def renew(self, buffer_id: str, ttl_s: int | None = None) -> None:
+        self.renewed.append(buffer_id)
+
+    def raw(self, buffer_id: str) -> np.ndarray:
+        return np.frombuffer(self.mem[buffer_id], dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def path0() -> Path:
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def fake() -> FakeDaemon:
+    return FakeDaemon()
+
+
+class TestMechanics:
+    def test_save_then_restore_extension_equals_recompute(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(300)
+        a = load(path0)
+        a.eval(toks[:200])
+        buf = L.KVStore(d, d, a).save(0, toks[:200])
+        assert buf.key == L.KVStore(d, d, a).key(toks[:192])  # keyed at the chunk boundary
+        assert d.renewed == []
+        a.eval(toks[200:])
+
+        b = load(path0)
+        n = L.KVStore(d, d, b).restore(0, toks)
+        assert n == 200 and b.n_tokens == 200
+        assert d.renewed == [buf.id]  # a hit renews the entry's lease
+        assert b.input_ids[:200].tolist() == toks[:200]
+        b.eval(toks[n:])
+        np.testing.assert_array_equal(logits(b), logits(a))
+        np.testing.assert_allclose(logits(b), recompute(path0, toks), rtol=0, atol=1e-4)
+
+    def test_exact_prompt_and_max_tokens(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(130, seed=1)
+        a = load(path0)
+        a.eval(toks)
+        want = logits(a)
+        L.KVStore(d, d, a).save(0, toks)
+        b = load(path0)
+        kv = L.KVStore(d, d, b)
+        assert kv.restore(0, toks) == 130
+        # the caller that needs the last token's logits leaves one token to evaluate
+        assert kv.restore(0, toks, max_tokens=129) == 129
+        b.eval(toks[129:])
+        # one token alone vs. inside a 130-token batch: other kernels, not bit-equal
+        np.testing.assert_allclose(logits(b), want, rtol=0, atol=1e-4)
+        assert kv.restore(0, toks, max_tokens=0) == 0
+
+    def test_short_prompt_is_keyed_at_full_length(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(20, seed=2)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(d, d, a)
+        kv.save(0, toks)
+        assert kv.restore(0, toks) == 20
+        assert kv.restore(0, toks + [5]) == 0  # shorter than a chunk: exact matches only
+
+    def test_divergent_tail_is_trimmed(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(150, seed=3)
+        a = load(path0)
+        a.eval(toks)
+        L.KVStore(d, d, a).save(0, toks)  # keyed at 128, holds 150 tokens
+        other = toks[:140] + prompt(30, seed=4)[1:]
+        b = load(path0)
+        n = L.KVStore(d, d, b).restore(0, other)
+        assert n == 140  # the common prefix, the rest trimmed with seq_rm
+        b.eval(other[n:])
+        np.testing.assert_allclose(logits(b), recompute(path0, other), rtol=0, atol=1e-4)
+        # a prompt that differs before the first boundary misses
+        assert L.KVStore(d, d, b).restore(0, toks[:10] + [7] * 200) == 0
+
+    def test_duplicate_save_returns_existing(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(100, seed=5)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(d, d, a)
+        first = kv.save(0, toks)
+        again = kv.save(0, toks)
+        assert again.id == first.id and len(d.bufs) == 1
+
+    def test_save_checks_its_arguments(self, path0: Path) -> None:
+        d = FakeDaemon()
+        a = load(path0)
+        a.eval(prompt(50))
+        kv = L.KVStore(d, d, a)
+        with pytest.raises(ValueError, match="positions up to"):
+            kv.save(0, prompt(49))
+        with pytest.raises(ValueError, match="seq_id"):
+            kv.save(5, prompt(50))  # would GGML_ASSERT-abort inside llama.cpp
+        with pytest.raises(ValueError):
+            kv.save(0, [])
+        assert not d.bufs
+
+    def test_corrupted_entries_are_refused(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(100, seed=6)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(d, d, a)
+        buf = kv.save(0, toks)
+        raw = d.raw(buf.id)
+        clean = raw.copy()
+        hdr = L.parse_header(raw)
+        for pos in (0, 9, 40, 70, hdr.header_len + 3, hdr.header_len + hdr.state_len - 1):
+            raw[:] = clean
+            raw[pos] ^= 0x55
+            assert kv.restore(0, toks) == 0, pos
+            assert kv._seq_pos_range(0)[1] == -1  # left cleared
+        raw[:] = 0  # scrubbed by the daemon
+        assert kv.restore(0, toks) == 0
+        raw[:] = clean
+        assert kv.restore(0, toks) == 100
+
+    def test_garbage_state_with_valid_checksum_never_crashes(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(80, seed=7)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(d, d, a)
+        buf = kv.save(0, toks)
+        raw = d.raw(buf.id)
+        clean = raw.copy()
+        hdr = L.parse_header(raw)
+        rng = np.random.default_rng(0)
+        for _ in range(60):
+            raw[:] = clean
+            st = raw[hdr.header_len : hdr.header_len + hdr.state_len]
+            st[rng.integers(0, min(256, hdr.state_len), 2)] ^= rng.integers(1, 256, 2).astype(
+                np.uint8
+            )
+            header = L.pack_header(hdr.fingerprint, hdr.tokens, hdr.state_len, zlib.crc32(st.data))
+            L._write_header(raw, header)
+            assert kv.restore(0, toks) in (0, 80)
+        a.reset()
+        a.eval(toks[:5])  # the context is still usable
+        assert a.n_tokens == 5
+
+    def test_foreign_models_are_refused(self, path0: Path) -> None:
+        d = FakeDaemon()
+        toks = prompt(100, seed=8)
+        other = load(tiny_model(1))  # same shape, other weights
+        other.eval(toks)
+        L.KVStore(d, d, other).save(0, toks)
+        b = load(path0)
+        kv = L.KVStore(d, d, b)
+        assert kv.fingerprint != L.KVStore(d, d, other).fingerprint
+        assert kv.restore(0, toks) == 0  # other fingerprint → other keys: a miss
+
+        # A 3-layer model's state that lies about its fingerprint: llama.cpp refuses it.
+        deep = load(tiny_model(0, n_layer=3))
+        deep.eval(toks)
+        L.KVStore(d, d, deep, fingerprint=kv.fingerprint).save(0, toks)
+        assert kv.restore(0, toks) == 0
+        b.eval(toks[:3])
+        assert b.n_tokens == 3
+
+    def test_entry_gone_between_lookup_and_attach(self, path0: Path) -> None:
+        class Vanishing(FakeDaemon):
+            def attach(self, buffer_id: str) -> FakeMapping:
+                raise NotFound(buffer_id)
+
+        d = Vanishing()
+        toks = prompt(70, seed=9)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(d, d, a)
+        d.bufs["x"] = FakeBuffer("x", 4096, kv.key(toks))
+        assert kv.restore(0, toks) == 0
+
+    def test_other_sequence_ids(self, path0: Path) -> None:
+        d = FakeDaemon()
+        # Llama() only asks for several sequences in embedding mode; the KV cache is the same.
+        m = llama_cpp.Llama(
+            str(path0), n_ctx=N_CTX, n_threads=THREADS, embedding=True, verbose=False
+        )
+        toks = prompt(90, seed=10)
+        m.eval(toks)
+        kv = L.KVStore(d, d, m)
+        kv.save(0, toks)
+        assert kv.restore(1, toks) == 90
+        assert m.n_tokens == 90  # seq 0's bookkeeping untouched
+        assert kv._seq_pos_range(1) == (0, 89)
+
+
+# ----------------------------------------------------------------------------- real daemon
+
+CHILD = r"""
+import json, sys
+import numpy as np
+import llama_cpp
+from maasd.client import Client, Worker
+from maasd.llama import KVStore
+
+a = json.load(sys.stdin)
+m = llama_cpp.Llama(a["model"], n_ctx=a["n_ctx"], n_batch=a["n_ctx"], n_threads=a["threads"],
+                    n_threads_batch=a["threads"], verbose=False)
+with Client(a["url"], a["key"]) as c, Worker(a["socket"], a["key"]) as w:
+    n = KVStore(c, w, m).restore(0, a["tokens"])
+rest = a["tokens"][n:]
+out = {"n": n, "n_tokens": m.n_tokens}
+if rest:
+    m.eval(rest)
+    lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1), shape=(m.n_vocab(),))
+    out["logits"] = lg.astype(np.float32).tobytes().hex()
+print(json.dumps(out))
+"""
+
+
+def run_child(daemon: Any, key: str, model: Path, tokens: list[int]) -> dict[str, Any]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    args = {
+        "url": daemon.url,
+        "key": key,
+        "socket": str(daemon.socket_path),
+        "model": str(model),
+        "tokens": tokens,
+        "n_ctx": N_CTX,
+        "threads": THREADS,
+    }
+    p = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        input=json.dumps(args),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    out: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    if "logits" in out:
+        out["logits"] = np.frombuffer(bytes.fromhex(out["logits"]), dtype=np.float32)
+    return out
+
+
+@pytest.fixture
+def daemon_(request: pytest.FixtureRequest) -> Any:
+    try:
+        return request.getfixturevalue("daemon")
+    except pytest.FixtureLookupError:
+        pytest.skip("needs the `daemon` fixture of tests/conftest.py")
+
+
+@dataclass
+class Tenant:
+    key: str
+    client: Any
+    worker: Any
+
+
+@pytest.fixture
+def tenants(daemon_: Any) -> Iterator[tuple[Tenant, Tenant]]:
+    from maasd.client import Client, Worker
+
+    made = []
+    for who in ("a", "b"):
+        _tid, key = daemon_.tenant(f"kv-{who}-{uuid.uuid4().hex[:8]}", 64 << 20)
+        made.append(Tenant(key, Client(daemon_.url, key), Worker(daemon_.socket_path, key)))
+    yield made[0], made[1]
+    for t in made:
+        t.worker.close()
+        t.client.close()
+
+
+class TestWithDaemon:
+    def test_save_in_one_process_restore_in_another(
+        self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path
+    ) -> None:
+        t, _ = tenants
+        toks = prompt(300, seed=20)
+        tail = prompt(6, seed=21)[1:]
+        a = load(path0)
+        a.eval(toks)
+        buf = L.KVStore(t.client, t.worker, a).save(0, toks)
+        assert buf.key and buf.size_bytes >= L.header_len_for(300)
+        a.eval(tail)
+        out = run_child(daemon_, t.key, path0, toks + tail)
+        assert out["n"] == 300 and out["n_tokens"] == 300
+        np.testing.assert_allclose(out["logits"], logits(a), rtol=0, atol=1e-6)
+
+    def test_extension_equals_full_recompute(
+        self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path
+    ) -> None:
+        t, _ = tenants
+        toks = prompt(256, seed=22)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(t.client, t.worker, a)
+        saved = kv.save(0, toks)
+        expires = t.client.buffer(saved.id).expires_at
+        longer = toks + prompt(120, seed=23)[1:]
+        b = load(path0)
+        n = L.KVStore(t.client, t.worker, b).restore(0, longer)
+        assert n == 256
+        assert t.client.buffer(saved.id).expires_at > expires  # the hit renewed its lease
+        assert t.worker.attached == []  # restore leaves nothing mapped
+        b.eval(longer[n:])
+        np.testing.assert_allclose(logits(b), recompute(path0, longer), rtol=0, atol=1e-4)
+        # a second save of the same prefix answers 409 → the existing buffer
+        assert kv.save(0, toks).id == t.client.lookup([kv.key(toks)]).id
+
+    def test_another_tenant_restores_nothing(
+        self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path
+    ) -> None:
+        t, other = tenants
+        toks = prompt(200, seed=24)
+        a = load(path0)
+        a.eval(toks)
+        L.KVStore(t.client, t.worker, a).save(0, toks)
+        assert run_child(daemon_, other.key, path0, toks)["n"] == 0
+        assert L.KVStore(other.client, other.worker, load(path0)).restore(0, toks) == 0
+        assert run_child(daemon_, t.key, path0, toks)["n"] == 200
+
+    def test_corrupted_and_foreign_entries_are_refused(
+        self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path
+    ) -> None:
+        t, _ = tenants
+        toks = prompt(150, seed=25)
+        a = load(path0)
+        a.eval(toks)
+        kv = L.KVStore(t.client, t.worker, a)
+        buf = kv.save(0, toks)
+        with t.worker.attach(buf.id) as m:
+            hdr = L.parse_header(m.array)
+            m.array[hdr.header_len + hdr.state_len // 2] ^= 0xFF  # flip a state byte
+        assert run_child(daemon_, t.key, path0, toks)["n"] == 0
+        assert kv.restore(0, toks) == 0
+        with t.worker.attach(buf.id) as m:
+            m.array[hdr.header_len + hdr.state_len // 2] ^= 0xFF  # repaired
+            m.array[20] ^= 1  # now the header's fingerprint
+        assert kv.restore(0, toks) == 0
+        with t.worker.attach(buf.id) as m:
+            m.array[20] ^= 1
+        assert kv.restore(0, toks) == 150
+        t.client.release(buf.id)
+
+        # another tiny model's state, stored under this model's key and fingerprint
+        deep = load(tiny_model(0, n_layer=3))
+        deep.eval(toks)
+        L.KVStore(t.client, t.worker, deep, fingerprint=kv.fingerprint).save(0, toks)
+        assert run_child(daemon_, t.key, path0, toks)["n"] == 0
+        assert kv.restore(0, toks) == 0
+        a.eval(toks[:4])  # still a working context
+        assert a.n_tokens == 4

@@ -1,0 +1,183 @@
+"""Pure parts of maasd.llama: keys, header packing and checks, fingerprints (no llama.cpp)."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from maasd import llama as L
+
+FP = "0123456789abcdef0123456789abcdef"
+FP2 = "f" * 32
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def test_chunk_keys_boundaries_and_order() -> None:
+    keys = L.chunk_keys(FP, list(range(200)), 64)
+    assert [n for n, _ in keys] == [64, 128, 192, 200]
+    assert all(k.startswith(FP + ":") and len(k) == 32 + 1 + 32 for _, k in keys)
+    assert len({k for _, k in keys}) == 4
+    assert [n for n, _ in L.chunk_keys(FP, list(range(128)), 64)] == [64, 128]
+    assert [n for n, _ in L.chunk_keys(FP, [5, 6, 7], 64)] == [3]
+    assert L.chunk_keys(FP, [], 64) == []
+
+
+def test_chunk_keys_are_a_function_of_the_prefix() -> None:
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 32000, 300)
+    longer = np.concatenate([toks, rng.integers(0, 32000, 100)])
+    a = dict(L.chunk_keys(FP, toks, 64))
+    b = dict(L.chunk_keys(FP, longer, 64))
+    for n in (64, 128, 192, 256):
+        assert a[n] == b[n]
+    assert a[300] != b[320]
+    # list, numpy int64 and int32 give the same keys
+    assert L.chunk_keys(FP, toks.tolist(), 64) == L.chunk_keys(FP, toks.astype(np.int32), 64)
+
+
+def test_chunk_keys_differ_by_token_model_and_chunk() -> None:
+    toks = list(range(100))
+    changed = toks.copy()
+    changed[10] = 99999
+    base = dict(L.chunk_keys(FP, toks, 64))
+    assert dict(L.chunk_keys(FP, changed, 64))[64] != base[64]
+    assert dict(L.chunk_keys(FP2, toks, 64))[64].split(":")[1] != base[64].split(":")[1]
+    assert dict(L.chunk_keys(FP, toks, 32))[64] != base[64]
+    # a change after the first chunk leaves the first key alone
+    late = toks.copy()
+    late[80] = 7
+    assert dict(L.chunk_keys(FP, late, 64))[64] == base[64]
+    assert dict(L.chunk_keys(FP, late, 64))[100] != base[100]
+
+
+def test_chunk_keys_rejects_bad_input() -> None:
+    with pytest.raises(ValueError):
+        L.chunk_keys(FP, [1, 2], 0)
+    with pytest.raises(ValueError):
+        L.chunk_keys(FP, [[1, 2]], 64)  # type: ignore[list-item]
+
+
+def test_save_prefix_len() -> None:
+    assert L.save_prefix_len(600, 64) == 576
+    assert L.save_prefix_len(640, 64) == 640
+    assert L.save_prefix_len(30, 64) == 30
+    assert L.save_prefix_len(64, 64) == 64
+    # a save of n >= chunk tokens is found by the lookups of every prompt extending it
+    for n in (64, 65, 200, 600):
+        want = L.save_prefix_len(n, 64)
+        for extra in (0, 1, 70):
+            assert want in [m for m, _ in L.chunk_keys(FP, range(n + extra), 64)]
+
+
+# ----------------------------------------------------------------------------- header
+
+
+def _entry(tokens: list[int], state: bytes, fp: str = FP) -> np.ndarray:
+    hdr = L.pack_header(fp, tokens, len(state), zlib.crc32(state))
+    buf = np.zeros(len(hdr) + len(state) + 100, np.uint8)
+    L._write_header(buf, hdr)
+    buf[len(hdr) : len(hdr) + len(state)] = np.frombuffer(state, np.uint8)
+    return buf
+
+
+def test_header_roundtrip() -> None:
+    toks = list(range(1, 71))
+    state = bytes(range(256)) * 10
+    buf = _entry(toks, state)
+    h = L.parse_header(buf)
+    assert h.fingerprint == FP
+    assert h.n_tokens == 70
+    assert h.tokens.tolist() == toks
+    assert h.header_len == L.header_len_for(70) and h.header_len % 64 == 0
+    assert h.header_len >= 64 + 4 * 70
+    assert h.state_len == len(state)
+    assert h.chunk == L.DEFAULT_CHUNK
+    assert L.state_crc(buf, h) == h.state_crc == zlib.crc32(state)
+    # bytes and memoryview parse the same
+    assert L.parse_header(bytes(buf)).tokens.tolist() == toks
+    assert L.parse_header(memoryview(bytes(buf))).n_tokens == 70
+
+
+@pytest.mark.parametrize("pos", [0, 3, 8, 12, 20, 40, 50, 55, 64, 100])
+def test_any_flipped_header_byte_is_refused(pos: int) -> None:
+    buf = _entry(list(range(20)), b"x" * 1000)
+    buf[pos] ^= 0x40
+    with pytest.raises(L.HeaderError):
+        L.parse_header(buf)
+
+
+def test_flipped_state_byte_fails_the_checksum_only() -> None:
+    buf = _entry(list(range(20)), b"x" * 1000)
+    h = L.parse_header(buf)
+    buf[h.header_len + 500] ^= 1
+    h2 = L.parse_header(buf)  # header itself still fine
+    assert L.state_crc(buf, h2) != h2.state_crc
+
+
+def test_zeroed_truncated_and_other_versions_are_refused() -> None:
+    with pytest.raises(L.HeaderError, match="magic"):
+        L.parse_header(np.zeros(4096, np.uint8))  # a scrubbed buffer
+    with pytest.raises(L.HeaderError):
+        L.parse_header(np.zeros(10, np.uint8))
+    buf = _entry(list(range(20)), b"x" * 1000)
+    with pytest.raises(L.HeaderError, match="fit"):
+        L.parse_header(buf, size=L.header_len_for(20) + 999)  # state past the end
+    v2 = buf.copy()
+    v2[8] = 2  # format version
+    with pytest.raises(L.HeaderError, match="version"):
+        L.parse_header(v2)
+
+
+def test_magic_is_written_last() -> None:
+    hdr = L.pack_header(FP, [1, 2, 3], 10, 0)
+    dst = np.zeros(len(hdr), np.uint8)
+    seen: list[bytes] = []
+
+    class Spy(np.ndarray):
+        def __setitem__(self, key, value):  # type: ignore[no-untyped-def]
+            super().__setitem__(key, value)
+            seen.append(bytes(np.asarray(self)[:8]))
+
+    L._write_header(dst.view(Spy), hdr)
+    assert seen[0] == b"\0" * 8  # everything else first …
+    assert seen[-1] == L.MAGIC  # … then the magic
+    assert bytes(dst) == hdr
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def test_fingerprint_of_is_stable_and_sensitive() -> None:
+    parts = {"arch": "llama", "n_layer": 2, "metadata": {"a": "1"}, "file": {"size": 3}}
+    fp = L.fingerprint_of(parts)
+    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert L.fingerprint_of(dict(reversed(list(parts.items())))) == fp
+    for k, v in [
+        ("n_layer", 3),
+        ("arch", "gemma3"),
+        ("metadata", {"a": "2"}),
+        ("file", {"size": 4}),
+    ]:
+        assert L.fingerprint_of({**parts, k: v}) != fp
+
+
+def test_file_identity_sees_size_head_and_tail(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    p = tmp_path / "m.gguf"
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
+    p.write_bytes(data)
+    base = L.file_identity(p)
+    assert base["size"] == 3 << 20
+    for pos in (0, len(data) - 1):
+        changed = bytearray(data)
+        changed[pos] ^= 1
+        p.write_bytes(changed)
+        assert L.file_identity(p) != base
+    p.write_bytes(data + b"\0")
+    assert L.file_identity(p) != base
+    small = tmp_path / "s.gguf"
+    small.write_bytes(b"abc")
+    assert L.file_identity(small)["size"] == 3
