@@ -15,7 +15,7 @@ import anyio.to_thread
 from anyio import CapacityLimiter
 from litestar import Litestar, Request, Response, delete, get, patch, post
 from litestar.openapi import OpenAPIConfig
-from litestar.openapi.spec import Components, SecurityScheme
+from litestar.openapi.spec import Components, Schema, SecurityScheme
 
 from maasd import __version__
 from maasd.api import problems
@@ -45,6 +45,16 @@ from maasd.service import ReserveRequest, Service
 from maasd.topology import Topology
 
 R = TypeVar("R")
+
+# The problem answers each kind of route can give (declared in the OpenAPI document).
+# 400 everywhere: path and query parameters are validated as well as bodies.
+KEYED = (400, 401)              # any key
+ADMIN = (400, 401, 403)         # admin key only
+TENANT = (400, 401, 403)        # tenant key only
+BODY = (400, 413)               # a JSON body (strictly decoded, at most MAX_BODY bytes)
+
+#: The strictly decoded request bodies (unknown fields refused).
+BODIES = (PoolSpec, TenantBody, QuotaBody, ReserveRequest, PinBody, RenewBody, LookupBody)
 
 #: Largest request body accepted; every valid body is far smaller.
 MAX_BODY = 64 * 1024
@@ -91,119 +101,141 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
 
     # -- any key --------------------------------------------------------------------------
 
-    @get("/v1/topology", tags=["topology"], summary="NUMA nodes, memory and huge pages")
+    @get("/v1/topology", tags=["topology"], summary="NUMA nodes, memory and huge pages",
+         responses=problems.responses(*KEYED))
     async def topology(request: Request) -> Topology:
         return await call(request, lambda who: service.refresh_topology())
 
-    @get("/v1/pools", tags=["pools"], summary="List pools with usage")
+    @get("/v1/pools", tags=["pools"], summary="List pools with usage",
+         responses=problems.responses(*KEYED))
     async def list_pools(request: Request) -> list[PoolInfo]:
         return await call(request, lambda who: service.pools())
 
-    @get("/v1/pools/{pool_id:str}", tags=["pools"], summary="One pool (id or name)")
+    @get("/v1/pools/{pool_id:str}", tags=["pools"], summary="One pool (id or name)",
+         responses=problems.responses(*KEYED + (404,)))
     async def get_pool(request: Request, pool_id: str) -> PoolInfo:
         return await call(request, lambda who: service.pool(pool_id))
 
     # -- admin ----------------------------------------------------------------------------
 
-    @post("/v1/pools", tags=["pools"], summary="Create a pool (admin)", status_code=201)
+    @post("/v1/pools", tags=["pools"], summary="Create a pool (admin)", status_code=201,
+          responses=problems.responses(*ADMIN + BODY + (409, 422)))
     async def create_pool(request: Request, data: PoolSpec) -> PoolInfo:
         spec = await decode(request, PoolSpec)
         return await call(request, admin(service.create_pool), spec)
 
     @delete("/v1/pools/{pool_id:str}", tags=["pools"], summary="Delete a pool (admin)",
-            status_code=204)
+            status_code=204,
+            responses=problems.responses(*ADMIN + (404, 409)))
     async def delete_pool(request: Request, pool_id: str, drain: bool = False) -> None:
         await call(request, admin(partial(service.delete_pool, drain=drain)), pool_id)
 
     @post("/v1/tenants", tags=["tenants"], summary="Create a tenant (admin); shows its key once",
-          status_code=201)
+          status_code=201,
+          responses=problems.responses(*ADMIN + BODY + (409,)))
     async def create_tenant(request: Request, data: TenantBody) -> NewTenant:
         body = await decode(request, TenantBody)
         return await call(request, admin(service.create_tenant), body.name, body.quota_bytes)
 
-    @get("/v1/tenants", tags=["tenants"], summary="List tenants (admin)")
+    @get("/v1/tenants", tags=["tenants"], summary="List tenants (admin)",
+         responses=problems.responses(*ADMIN))
     async def list_tenants(request: Request) -> list[TenantInfo]:
         return await call(request, admin(service.tenants))
 
-    @get("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="One tenant (admin)")
+    @get("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="One tenant (admin)",
+         responses=problems.responses(*ADMIN + (404,)))
     async def get_tenant(request: Request, tenant_id: str) -> TenantInfo:
         return await call(request, admin(service.tenant), tenant_id)
 
-    @patch("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="Set a tenant's quota (admin)")
+    @patch("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="Set a tenant's quota (admin)",
+           responses=problems.responses(*ADMIN + BODY + (404,)))
     async def set_quota(request: Request, tenant_id: str, data: QuotaBody) -> TenantInfo:
         body = await decode(request, QuotaBody)
         return await call(request, admin(service.set_quota), tenant_id, body.quota_bytes)
 
     @delete("/v1/tenants/{tenant_id:str}", tags=["tenants"], status_code=204,
-            summary="Delete a tenant: release (scrub) its buffers, revoke its keys (admin)")
+            summary="Delete a tenant: release (scrub) its buffers, revoke its keys (admin)",
+            responses=problems.responses(*ADMIN + (404,)))
     async def delete_tenant(request: Request, tenant_id: str) -> None:
         await call(request, admin(service.delete_tenant), tenant_id)
 
     @post("/v1/tenants/{tenant_id:str}/keys", tags=["tenants"], status_code=201,
-          summary="Issue an API key (admin); shown only here")
+          summary="Issue an API key (admin); shown only here",
+          responses=problems.responses(*ADMIN + (404,)))
     async def issue_key(request: Request, tenant_id: str) -> KeyInfo:
         return await call(request, admin(service.issue_key), tenant_id)
 
     @delete("/v1/tenants/{tenant_id:str}/keys/{key_id:str}", tags=["tenants"], status_code=204,
-            summary="Revoke an API key (admin)")
+            summary="Revoke an API key (admin)",
+            responses=problems.responses(*ADMIN + (404,)))
     async def revoke_key(request: Request, tenant_id: str, key_id: str) -> None:
         await call(request, admin(service.revoke_key), tenant_id, key_id)
 
     # -- tenant ---------------------------------------------------------------------------
 
-    @get("/v1/usage", tags=["buffers"], summary="The calling tenant's quota and use")
+    @get("/v1/usage", tags=["buffers"], summary="The calling tenant's quota and use",
+         responses=problems.responses(*TENANT))
     async def usage(request: Request) -> Usage:
         return await call(request, service.usage)
 
     @post("/v1/pools/{pool_id:str}/reserve", tags=["buffers"], status_code=201,
-          summary="Reserve a buffer in this pool")
+          summary="Reserve a buffer in this pool",
+          responses=problems.responses(*TENANT + BODY + (404, 409, 422, 507)))
     async def reserve_in(request: Request, pool_id: str, data: ReserveRequest) -> BufferInfo:
         req = await decode(request, ReserveRequest)
         return await call(request, lambda who: service.reserve(who, req, pool_id))
 
     @post("/v1/reserve", tags=["buffers"], status_code=201,
-          summary="Reserve a buffer in the pool that meets the QoS with the most free space")
+          summary="Reserve a buffer in the pool that meets the QoS with the most free space",
+          responses=problems.responses(*TENANT + BODY + (409, 422, 507)))
     async def reserve(request: Request, data: ReserveRequest) -> BufferInfo:
         req = await decode(request, ReserveRequest)
         return await call(request, lambda who: service.reserve(who, req))
 
-    @get("/v1/buffers", tags=["buffers"], summary="Own buffers (admin: all, or ?tenant_id=)")
+    @get("/v1/buffers", tags=["buffers"], summary="Own buffers (admin: all, or ?tenant_id=)",
+         responses=problems.responses(*KEYED + (404,)))
     async def list_buffers(request: Request, tenant_id: str | None = None) -> list[BufferInfo]:
         return await call(request, lambda who: service.buffers(who, tenant_id))
 
-    @get("/v1/buffers/{buffer_id:str}", tags=["buffers"], summary="One buffer")
+    @get("/v1/buffers/{buffer_id:str}", tags=["buffers"], summary="One buffer",
+         responses=problems.responses(*KEYED + (404,)))
     async def get_buffer(request: Request, buffer_id: str) -> BufferInfo:
         return await call(request, service.buffer, buffer_id)
 
     @patch("/v1/buffers/{buffer_id:str}/pin", tags=["buffers"],
-           summary="Bind and migrate a buffer's pages to a NUMA node, then verify")
+           summary="Bind and migrate a buffer's pages to a NUMA node, then verify",
+           responses=problems.responses(*TENANT + BODY + (404, 409, 422)))
     async def pin(request: Request, buffer_id: str, data: PinBody) -> BufferInfo:
         body = await decode(request, PinBody)
         return await call(request, service.pin, buffer_id, body.numa_node)
 
     @post("/v1/buffers/{buffer_id:str}/renew", tags=["buffers"], status_code=200,
-          summary="Extend a buffer's lease")
+          summary="Extend a buffer's lease",
+          responses=problems.responses(*TENANT + BODY + (404,)))
     async def renew(request: Request, buffer_id: str, data: RenewBody) -> BufferInfo:
         body = await decode(request, RenewBody)
         return await call(request, service.renew, buffer_id, body.ttl_s)
 
     @post("/v1/buffers/{buffer_id:str}/checkpoint", tags=["buffers"], status_code=200,
-          summary="Write a persistent buffer to its pool's spill dir")
+          summary="Write a persistent buffer to its pool's spill dir",
+          responses=problems.responses(*TENANT + (404, 409)))
     async def checkpoint(request: Request, buffer_id: str) -> Checkpoint:
         return await call(request, service.checkpoint, buffer_id)
 
     @delete("/v1/buffers/{buffer_id:str}", tags=["buffers"], status_code=204,
-            summary="Scrub and free a buffer")
+            summary="Scrub and free a buffer",
+            responses=problems.responses(*KEYED + (404,)))
     async def release(request: Request, buffer_id: str) -> None:
         await call(request, service.release, buffer_id)
 
     @post("/v1/buffers/lookup", tags=["buffers"], status_code=200,
-          summary="The longest of the given keys that has a live buffer")
+          summary="The longest of the given keys that has a live buffer",
+          responses=problems.responses(*TENANT + BODY + (404,)))
     async def lookup(request: Request, data: LookupBody) -> LookupHit:
         body = await decode(request, LookupBody)
         return await call(request, service.lookup, list(body.keys))
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             healthz, metrics, topology, list_pools, get_pool, create_pool, delete_pool,
             create_tenant, list_tenants, get_tenant, set_quota, delete_tenant, issue_key,
@@ -222,3 +254,27 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
         logging_config=None,
         debug=False,
     )
+    _declare_strict_bodies(app)
+    return app
+
+
+def _declare_strict_bodies(app: Litestar) -> None:
+    """Make the OpenAPI document say what :func:`decode` enforces.
+
+    The generated schemas omit two rules of the body structs: unknown fields are
+    refused (``forbid_unknown_fields``), and the lower bounds of the optional reserve
+    fields (a ``gt=0``/``ge=0`` bound on an optional field is dropped by the generator). Without
+    them a client generator or a fuzzer believes ``{"size_bytes": 0, "x": 1}`` valid.
+    """
+    schemas = app.openapi_schema.components.schemas or {}
+    for body in BODIES:
+        schema = schemas.get(body.__name__)
+        if schema is not None:
+            schema.additional_properties = False
+    reserve = schemas.get(ReserveRequest.__name__)
+    if reserve is not None and reserve.properties:
+        for field, bound in (("size_bytes", "exclusive_minimum"), ("size_gb", "exclusive_minimum"),
+                             ("latency_us", "minimum"), ("numa_node", "minimum")):
+            prop = reserve.properties.get(field)
+            if isinstance(prop, Schema):
+                setattr(prop, bound, 0)

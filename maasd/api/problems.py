@@ -13,6 +13,7 @@ import logging
 import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
+from litestar.openapi.datastructures import ResponseSpec
 
 from maasd import errors
 
@@ -48,6 +49,27 @@ class Problem(msgspec.Struct, frozen=True):
     detail: str
 
 
+#: What each error status means on this API (the OpenAPI ``description`` of the response).
+MEANING = {
+    400: "Malformed body, bad field, unknown field or bad parameter",
+    401: "Missing, unknown or revoked API key",
+    403: "A tenant key on an admin route, or the admin key on a tenant-only route",
+    404: "Unknown id, or an id that belongs to another tenant (indistinguishable)",
+    409: "Quota exceeded, duplicate key, or a state conflict (taken name, non-empty pool, "
+         "volatile checkpoint)",
+    413: "Request body over 64 KiB",
+    422: "QoS no pool meets, a NUMA node that does not exist, or larger than the pool",
+    507: "The pool could hold the request but is full now",
+}
+
+
+def responses(*codes: int) -> dict[int, ResponseSpec]:
+    """OpenAPI declarations of the problem answers a route can give (``responses=`` of a handler)."""
+    return {code: ResponseSpec(data_container=Problem, description=MEANING[code],
+                               media_type=MEDIA_TYPE, generate_examples=False)
+            for code in codes}
+
+
 def status_of(exc: errors.MaasdError) -> int:
     return next((status for cls, status in STATUS if isinstance(exc, cls)), 500)
 
@@ -74,6 +96,19 @@ def from_http_exception(_: Request, exc: HTTPException) -> Response[Problem]:
     return problem(status, code, title, detail)
 
 
+def from_recursion(request: Request, exc: RecursionError) -> Response[Problem]:
+    """A JSON body nested deeper than the decoder's stack (``[[[[…]]]]`` well under 64 KiB).
+
+    The framework decodes the body before the handler runs, so this surfaces as a bare
+    ``RecursionError``; it is the client's input, not a fault of ours. Any other
+    ``RecursionError`` is still an internal error.
+    """
+    if "deserializ" in str(exc):
+        return problem(400, "bad-request", "Bad request",
+                       "malformed JSON: the body is nested too deeply")
+    return from_unexpected(request, exc)
+
+
 def from_unexpected(_: Request, exc: Exception) -> Response[Problem]:
     logger.exception("unhandled error", exc_info=exc)
     return problem(500, "internal", "Internal error", "an unexpected error occurred; see the daemon log")
@@ -82,6 +117,8 @@ def from_unexpected(_: Request, exc: Exception) -> Response[Problem]:
 def _describe(entry: object) -> str:
     if isinstance(entry, dict):
         msg, key = entry.get("message", ""), entry.get("key")
+        if key == "data" and msg == "'data'":  # the framework's KeyError for an absent body
+            return "the request body is empty; expected a JSON object"
         return f"{msg} - at {key}" if key and key != "data" else str(msg)
     return str(entry)
 
@@ -89,5 +126,6 @@ def _describe(entry: object) -> str:
 HANDLERS = {
     errors.MaasdError: from_maasd_error,
     HTTPException: from_http_exception,
+    RecursionError: from_recursion,
     Exception: from_unexpected,
 }
