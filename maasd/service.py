@@ -22,6 +22,7 @@ are reloaded from their last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -143,6 +144,9 @@ class Service:
         self._lock = threading.RLock()
         self._pools: dict[str, _LivePool] = {}
         self._regions: dict[str, Region] = {}
+        # Per-buffer locks: a checkpoint or pin reads/moves a region's pages through the
+        # daemon's mapping; releasing must wait for it, or it would unmap under the reader.
+        self._busy: dict[str, threading.Lock] = {}
         self._attached: Counter[str] = Counter()
         self._admin_digest = b""
         self._stop = threading.Event()
@@ -431,7 +435,13 @@ class Service:
                 raise
             with self._lock:
                 self._regions[row.id] = region
-            self.store.set_state(row.id, "live")
+            try:
+                self.store.set_state(row.id, "live")
+            except NotFound:
+                # Released while reserving (its tenant or pool was deleted meanwhile):
+                # the memory must not outlive its row.
+                self._drop_region(row, scrub=True)
+                raise
             return self._buffer_info(msgspec.structs.replace(row, state="live"))
         assert last_error is not None
         raise last_error
@@ -487,15 +497,16 @@ class Service:
     def pin(self, who: Principal, buffer_id: str, numa_node: int) -> BufferInfo:
         """Bind and migrate the buffer's pages to ``numa_node``; return it with its measured placement."""
         row = self._own_row(who, buffer_id, tenant_only=True)
-        region = self._region(row.id)
-        placement = region.pin(numa_node, self.topology.node_ids)
+        with self._buffer_lock(row.id):
+            placement = self._region(row.id).pin(numa_node, self.topology.node_ids)
         self.store.set_numa_node(row.id, numa_node)
         info = self._buffer_info(msgspec.structs.replace(row, numa_node=numa_node))
         return msgspec.structs.replace(info, placement={str(k): v for k, v in placement.items()})
 
     def placement(self, who: Principal, buffer_id: str) -> dict[str, int]:
         row = self._own_row(who, buffer_id)
-        return {str(k): v for k, v in self._region(row.id).placement().items()}
+        with self._buffer_lock(row.id):
+            return {str(k): v for k, v in self._region(row.id).placement().items()}
 
     def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> BufferInfo:
         tenant_id = self.require_tenant(who)
@@ -509,11 +520,27 @@ class Service:
         return self._checkpoint_row(row)
 
     def _checkpoint_row(self, row: BufferRow) -> Checkpoint:
+        """Write a new checkpoint file, record it, then remove the previous one.
+
+        Each checkpoint gets a file of its own: renaming over the previous file
+        before the ledger records the new checksum would leave, after a crash
+        between the two, a file that no longer matches the ledger's checksum —
+        and the buffer would be lost instead of coming back from its last
+        checkpoint.
+        """
         lp = self._pools[row.pool_id]
         assert lp.row.spill_dir is not None
-        path = os.path.join(lp.row.spill_dir, f"{row.id}.ckpt")
-        checksum = allocator.checkpoint(self._region(row.id), path)
-        self.store.set_checkpoint(row.id, path, checksum, time.time())
+        path = os.path.join(lp.row.spill_dir, f"{row.id}.{time.time_ns():x}.ckpt")
+        with self._buffer_lock(row.id):
+            checksum = allocator.checkpoint(self._region(row.id), path)
+            previous = self.store.buffer(row.id, None)
+            try:
+                self.store.set_checkpoint(row.id, path, checksum, time.time())
+            except NotFound:
+                os.unlink(path)
+                raise
+            if previous is not None and previous.checkpoint_path not in (None, path):
+                self._remove_checkpoint(previous)
         self.metrics.checkpoints.inc()
         self.metrics.checkpoint_bytes.inc(row.size_bytes)
         return Checkpoint(checksum=checksum, bytes=row.size_bytes)
@@ -590,12 +617,18 @@ class Service:
         ``reserving``/``releasing`` rows and volatile ``live`` rows lost their memory
         with the old process: released. Persistent ``live`` rows are reloaded from
         their checkpoint (checksum verified); without a usable checkpoint they are
-        released too. Checkpoint files no row refers to are removed.
+        released too. Checkpoint files no row refers to are removed. Meant for
+        :meth:`start`, before serving; buffers this process already holds are left alone.
         """
         counts: Counter[str] = Counter()
         keep: set[str] = set()
         for row in self.store.buffers_on_host(self.host):
             lp = self._pools.get(row.pool_id)
+            with self._lock:
+                region = self._regions.get(row.id)
+            if region is not None and row.state == "live":  # already ours (a second pass)
+                keep.add(os.path.realpath(row.checkpoint_path or ""))
+                continue
             if row.state == "live" and row.persistence == "persistent" and lp is not None:
                 region = self._restore(row, lp)
                 if region is not None:
@@ -645,14 +678,24 @@ class Service:
         started = time.perf_counter()
         self._drop_region(row, scrub=True)
         if row.persistence == "persistent":
+            # A checkpoint that finished while we waited in _drop_region may have
+            # recorded a newer file than the one ``row`` names: remove both.
+            latest = self.store.buffer(row.id, None)
+            if latest is not None and latest.checkpoint_path != row.checkpoint_path:
+                self._remove_checkpoint(latest)
             self._remove_checkpoint(row)
         self.metrics.release_total.labels(reason=reason).inc()
         self.metrics.release_seconds.observe(time.perf_counter() - started)
 
-    def _drop_region(self, row: BufferRow, *, scrub: bool) -> None:
+    def _buffer_lock(self, buffer_id: str) -> threading.Lock:
         with self._lock:
+            return self._busy.setdefault(buffer_id, threading.Lock())
+
+    def _drop_region(self, row: BufferRow, *, scrub: bool) -> None:
+        with self._buffer_lock(row.id), self._lock:  # waits for a checkpoint/pin in progress
             region = self._regions.pop(row.id, None)
             lp = self._pools.get(row.pool_id)
+            self._busy.pop(row.id, None)
         if region is None:
             return
         mode = lp.row.scrub if lp is not None else "zero"
@@ -667,10 +710,8 @@ class Service:
 
     def _remove_checkpoint(self, row: BufferRow) -> None:
         if row.checkpoint_path:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(row.checkpoint_path)
-            except FileNotFoundError:
-                pass
 
     def _own_row(self, who: Principal, buffer_id: str, *, tenant_only: bool = False) -> BufferRow:
         if tenant_only:

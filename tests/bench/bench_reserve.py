@@ -1,0 +1,171 @@
+"""Reserve + release latency and throughput against a real daemon, beside the framework's floor.
+
+Not run by CI (no assertion on timings). Run it from the project root::
+
+    .venv/bin/python tests/bench/bench_reserve.py [--seconds 3] [--clients 1,16,64] [--size 1048576]
+
+It starts a ``maasd serve`` of its own (temp data dir, SQLite) and, as the
+floor, a bare litestar app served by uvicorn in a subprocess the same way (one
+POST that decodes a small msgspec body). Each client is a thread with its own
+``httpx.Client`` doing reserve → release in a loop; the floor's clients POST in
+a loop. Both are measured in the same run on the same machine, and the table
+prints the ratios (absolute times on shared machines drift).
+
+Target (not asserted): reserve p50 within 3x the floor, p99 within 10x, at 64 clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest.Daemon
+from conftest import Daemon, free_port
+
+MiB = 1 << 20
+
+FLOOR_APP = textwrap.dedent("""
+    import msgspec, uvicorn, sys
+    from litestar import Litestar, post
+
+    class Body(msgspec.Struct, forbid_unknown_fields=True):
+        size_bytes: int
+
+    class Reply(msgspec.Struct):
+        id: str
+        size_bytes: int
+
+    @post("/floor", status_code=201)
+    async def floor(data: Body) -> Reply:
+        return Reply(id="0" * 32, size_bytes=data.size_bytes)
+
+    app = Litestar([floor], logging_config=None, debug=False)
+    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_config=None,
+                access_log=False, lifespan="off", server_header=False)
+""")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def drive(url: str, headers: dict[str, str], clients: int, seconds: float, step) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """Run ``step(client, samples)`` in ``clients`` threads for ``seconds``; gather samples."""
+    samples: dict[str, list[float]] = {}
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def run() -> None:
+        mine: dict[str, list[float]] = {}
+        with httpx.Client(base_url=url, headers=headers, timeout=60.0) as c:
+            step(c, {}, warmup=True)
+            start.wait()
+            while not stop.is_set():
+                try:
+                    step(c, mine)
+                except Exception as e:  # keep going; report at the end
+                    errors.append(repr(e))
+        with lock:
+            for k, v in mine.items():
+                samples.setdefault(k, []).extend(v)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    samples["_elapsed"] = [time.perf_counter() - began]
+    if errors:
+        print(f"  {len(errors)} errors, e.g. {errors[0]}", file=sys.stderr)
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--clients", default="1,16,64")
+    ap.add_argument("--size", type=int, default=MiB)
+    args = ap.parse_args()
+    levels = [int(x) for x in args.clients.split(",")]
+
+    tmp = Path(tempfile.mkdtemp(prefix="maasd-bench-"))
+    d = Daemon(tmp / "maasd", env={"MAASD_DEFAULT_POOL_BYTES": str(max(levels) * 4 * args.size),
+                                   "MAASD_LOG_LEVEL": "warning"})
+    port = free_port()
+    floor_script = tmp / "floor.py"
+    floor_script.write_text(FLOOR_APP)
+    floor = subprocess.Popen([sys.executable, str(floor_script), str(port)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        d.start()
+        _, key = d.tenant("bench", 1 << 40)
+        floor_url = f"http://127.0.0.1:{port}"
+        for _ in range(200):
+            try:
+                httpx.post(f"{floor_url}/floor", json={"size_bytes": 1}, timeout=1)
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        body = {"size_bytes": args.size}
+
+        def floor_step(c: httpx.Client, out: dict[str, list[float]], warmup: bool = False) -> None:
+            t = time.perf_counter()
+            r = c.post("/floor", json=body)
+            out.setdefault("floor", []).append(time.perf_counter() - t)
+            assert r.status_code == 201, r.text
+
+        def maasd_step(c: httpx.Client, out: dict[str, list[float]], warmup: bool = False) -> None:
+            t = time.perf_counter()
+            r = c.post("/v1/pools/node0/reserve", json=body)
+            t1 = time.perf_counter()
+            assert r.status_code == 201, r.text
+            c.delete(f"/v1/buffers/{r.json()['id']}")
+            t2 = time.perf_counter()
+            out.setdefault("reserve", []).append(t1 - t)
+            out.setdefault("release", []).append(t2 - t1)
+
+        print(f"maasd bench: {args.size} B buffers, {args.seconds:.0f} s per level, "
+              f"{os.cpu_count()} CPUs, SQLite ledger")
+        head = (f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} | "
+                f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} | "
+                f"{'p50 x':>6} {'p99 x':>6}")
+        print(head)
+        print("-" * len(head))
+        for n in levels:
+            f = drive(floor_url, {}, n, args.seconds, floor_step)
+            m = drive(d.url, {"Authorization": f"Bearer {key}"}, n, args.seconds, maasd_step)
+            fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
+            f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
+            r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
+            print(f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms {len(fl) / f['_elapsed'][0]:>7.0f} | "
+                  f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
+                  f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
+                  f"{len(rs) / m['_elapsed'][0]:>7.0f} | {r50 / f50:>6.1f} {r99 / f99:>6.1f}")
+        mean = d.metric("maasd_reserve_seconds_sum") / max(1.0, d.metric("maasd_reserve_seconds_count"))
+        print(f"(daemon-side reserve time, mean over all levels: {mean * 1e3:.2f} ms; data dir {tmp})")
+    finally:
+        floor.terminate()
+        floor.wait(10)
+        d.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""The service's rules, in-process: a real SQLite ledger in ``tmp_path``, real memfds.
+
+No daemon, no HTTP and no reaper thread (``start(reaper=False)``): the rules
+are called directly — QoS candidate choice, eviction, the reserve/release
+flow, checkpoints, and ``recover()`` on a ledger crafted to look like what a
+crash leaves behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from maasd import errors
+from maasd.models import PoolSpec, Principal
+from maasd.service import ReserveRequest, Service
+from maasd.settings import Settings
+from maasd.store import BufferRow
+
+MiB = 1 << 20
+
+POOLS = [
+    PoolSpec(name="fast", numa_node=0, capacity_bytes=32 * MiB, latency_us=1),
+    PoolSpec(name="slow", numa_node=0, capacity_bytes=64 * MiB, latency_us=10),
+    PoolSpec(name="pers", numa_node=0, capacity_bytes=16 * MiB, latency_us=5,
+             persistence="persistent", scrub="punch"),
+]
+
+
+def settings(tmp_path: Path) -> Settings:
+    return Settings(data_dir=str(tmp_path / "data"), admin_key="admin-key-for-tests",
+                    pools=list(POOLS), node_name="unit-host")
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[Service]:
+    s = Service(settings(tmp_path))
+    s.start(reaper=False)
+    yield s
+    s.close()
+
+
+def tenant(svc: Service, quota: int = 256 * MiB, name: str = "t") -> Principal:
+    return svc.authenticate(svc.create_tenant(name, quota).api_key)
+
+
+def req(size: int, **kw) -> ReserveRequest:  # type: ignore[no-untyped-def]
+    return ReserveRequest(size_bytes=size, **kw)
+
+
+def pool_named(svc: Service, name: str):  # type: ignore[no-untyped-def]
+    return next(p for p in svc.pools() if p.name == name)
+
+
+def sample(svc: Service, name: str, **labels: str) -> float:
+    return svc.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def view(svc: Service, buffer_id: str) -> np.ndarray:
+    return np.frombuffer(svc._regions[buffer_id].view(), dtype=np.uint8)
+
+
+# -- QoS candidate choice -------------------------------------------------------------------
+
+
+def test_reserve_picks_the_pool_with_most_free_space_that_meets_the_qos(svc: Service) -> None:
+    who = tenant(svc)
+    slow, fast = pool_named(svc, "slow"), pool_named(svc, "fast")
+    assert svc.reserve(who, req(MiB)).pool_id == slow.id                # most free, no QoS asked
+    assert svc.reserve(who, req(MiB, latency_us=5)).pool_id == fast.id  # only fast is ≤ 5 µs
+    assert svc.reserve(who, req(MiB, latency_us=10)).pool_id == slow.id
+    assert svc.reserve(who, req(MiB, persistence="persistent")).pool_id == pool_named(svc, "pers").id
+    # Fill slow until fast has more room: the choice follows the free space.
+    svc.reserve(who, req(40 * MiB, persistence="volatile"))
+    assert pool_named(svc, "slow").free_bytes < pool_named(svc, "fast").free_bytes
+    assert svc.reserve(who, req(MiB, persistence="volatile")).pool_id == fast.id
+
+
+def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
+    who = tenant(svc)
+    with pytest.raises(errors.QosUnmet):
+        svc.reserve(who, req(MiB, latency_us=0))
+    with pytest.raises(errors.QosUnmet):
+        svc.reserve(who, req(MiB, persistence="persistent"), pool="fast")
+    with pytest.raises(errors.PlacementError):
+        svc.reserve(who, req(MiB, numa_node=999))
+    with pytest.raises(errors.TooLarge):
+        svc.reserve(who, req(65 * MiB))                 # larger than any pool
+    with pytest.raises(errors.TooLarge):
+        svc.reserve(who, req(33 * MiB), pool="fast")    # larger than this pool
+    with pytest.raises(errors.NotFound):
+        svc.reserve(who, req(MiB), pool="nope")
+    with pytest.raises(errors.InvalidRequest):
+        svc.reserve(who, ReserveRequest(size_bytes=MiB, size_gb=1.0))
+    with pytest.raises(errors.Forbidden):
+        svc.reserve(svc.authenticate("admin-key-for-tests"), req(MiB))
+    assert svc.store.buffers(states=None) == []  # nothing was admitted
+    assert sample(svc, "maasd_reserve_total", outcome="granted") == 0
+
+
+def test_sizes_are_rounded_to_pages_and_counted_rounded(svc: Service) -> None:
+    who = tenant(svc, quota=8192)
+    buf = svc.reserve(who, req(4097), pool="fast")
+    assert buf.size_bytes == 8192
+    assert svc.usage(who).used_bytes == 8192
+    with pytest.raises(errors.QuotaExceeded):
+        svc.reserve(who, req(1), pool="fast")
+    gb = svc.reserve(tenant(svc, name="g"), ReserveRequest(size_gb=0.001), pool="fast")
+    assert gb.size_bytes == -(-int(0.001 * (1 << 30) + 1) // 4096) * 4096
+
+
+def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
+    a, b = tenant(svc, name="a"), tenant(svc, name="b")
+    svc.reserve(a, req(30 * MiB), pool="fast")
+    with pytest.raises(errors.PoolExhausted):
+        svc.reserve(b, req(3 * MiB), pool="fast")
+    assert svc.usage(b).used_bytes == 0
+    assert pool_named(svc, "fast").used_bytes == 30 * MiB
+
+
+# -- reserve / release / renew ------------------------------------------------------------
+
+
+def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(2 * MiB), pool="fast")
+    handle = svc.open_handle(who, buf.id)
+    try:
+        import mmap
+
+        m = mmap.mmap(handle.fd, handle.size_bytes)
+        m[:] = b"\x5a" * handle.size_bytes
+        svc.release(who, buf.id)
+        assert m[:] == bytes(handle.size_bytes)  # the worker's stale mapping reads zeros
+        m.close()
+    finally:
+        os.close(handle.fd)
+    assert pool_named(svc, "fast").used_bytes == 0
+    assert svc._pools[pool_named(svc, "fast").id].pool.used == 0
+    with pytest.raises(errors.NotFound):
+        svc.release(who, buf.id)
+    assert sample(svc, "maasd_release_total", reason="release") == 1
+    assert sample(svc, "maasd_scrub_bytes_total", mode="zero") == 2 * MiB
+
+
+def test_foreign_buffers_are_not_found(svc: Service) -> None:
+    a, b = tenant(svc, name="a"), tenant(svc, name="b")
+    buf = svc.reserve(a, req(MiB))
+    for call in (lambda: svc.buffer(b, buf.id), lambda: svc.release(b, buf.id),
+                 lambda: svc.renew(b, buf.id, 60), lambda: svc.open_handle(b, buf.id),
+                 lambda: svc.checkpoint(b, buf.id), lambda: svc.pin(b, buf.id, 0)):
+        with pytest.raises(errors.NotFound):
+            call()
+    assert svc.buffer(a, buf.id).id == buf.id
+
+
+def test_reap_releases_expired_leases_only(svc: Service) -> None:
+    who = tenant(svc)
+    short = svc.reserve(who, req(MiB, ttl_s=1))
+    long = svc.reserve(who, req(MiB, ttl_s=600))
+    assert svc.reap(now=time.time()) == 0
+    assert svc.reap(now=time.time() + 5) == 1
+    assert [b.id for b in svc.buffers(who)] == [long.id]
+    assert sample(svc, "maasd_leases_reaped_total") == 1
+    renewed = svc.renew(who, long.id, 3600)
+    assert renewed.expires_at > long.expires_at
+    assert svc.reap(now=time.time() + 700) == 0
+    assert svc.store.buffer(short.id) is None
+
+
+def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(svc: Service,
+                                                                     monkeypatch) -> None:
+    who = tenant(svc)
+    real = svc.store.set_state
+
+    def deleted_meanwhile(buffer_id: str, state: str) -> None:
+        svc.store.finish_release(buffer_id, kind="tenant_delete")  # e.g. a tenant deletion won
+        real(buffer_id, state)
+
+    monkeypatch.setattr(svc.store, "set_state", deleted_meanwhile)
+    with pytest.raises(errors.NotFound):
+        svc.reserve(who, req(MiB), pool="fast")
+    assert svc._regions == {}
+    assert svc._pools[pool_named(svc, "fast").id].pool.used == 0
+
+
+# -- eviction -----------------------------------------------------------------------------
+
+
+def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
+    who = tenant(svc, quota=8 * MiB)
+    bufs = [svc.reserve(who, req(2 * MiB, evictable=True), pool="fast") for _ in range(4)]
+    for i, b in enumerate(bufs):
+        view(svc, b.id)[:] = i + 1
+    for i in (2, 0, 3, 1):  # attach order: 2 is now least recently used, then 0
+        os.close(svc.open_handle(who, bufs[i].id).fd)
+        svc.drop_handle(who, bufs[i].id)
+        time.sleep(0.002)
+    regions = {b.id: svc._regions[b.id] for b in bufs}
+    new = svc.reserve(who, req(3 * MiB), pool="fast")
+    left = {b.id for b in svc.buffers(who)}
+    assert left == {bufs[3].id, bufs[1].id, new.id}
+    assert regions[bufs[2].id].closed and regions[bufs[0].id].closed
+    assert sample(svc, "maasd_evictions_total") == 2
+    assert sample(svc, "maasd_release_total", reason="evict") == 2
+    assert svc.usage(who).used_bytes == 7 * MiB
+    assert [e.kind for e in svc.store.events(3)][:2] == ["reserve", "evict"] or \
+        "evict" in {e.kind for e in svc.store.events(10)}
+
+
+def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Service) -> None:
+    a, b = tenant(svc, name="a"), tenant(svc, quota=4 * MiB, name="b")
+    theirs = svc.reserve(a, req(4 * MiB, evictable=True), pool="fast")
+    mine = svc.reserve(b, req(4 * MiB), pool="fast")
+    with pytest.raises(errors.QuotaExceeded):
+        svc.reserve(b, req(MiB), pool="fast")
+    assert {x.id for x in svc.buffers(svc.authenticate("admin-key-for-tests"))} == {theirs.id, mine.id}
+    assert sample(svc, "maasd_evictions_total") == 0
+
+
+def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc: Service) -> None:
+    a, b = tenant(svc, name="a"), tenant(svc, name="b")
+    elsewhere = svc.reserve(a, req(MiB, evictable=True), pool="slow")
+    cache = [svc.reserve(a, req(8 * MiB, evictable=True), pool="fast") for _ in range(3)]
+    keep = svc.reserve(b, req(8 * MiB), pool="fast")
+    got = svc.reserve(b, req(12 * MiB), pool="fast")  # 12 MiB short: two 8 MiB victims
+    alive = {x.id for x in svc.store.buffers()}
+    assert alive == {elsewhere.id, cache[2].id, keep.id, got.id}
+    assert pool_named(svc, "fast").used_bytes == 28 * MiB
+    assert svc._pools[pool_named(svc, "fast").id].pool.used == 28 * MiB
+    with pytest.raises(errors.PoolExhausted):
+        svc.reserve(b, req(13 * MiB), pool="fast")  # 9 MiB short, 8 evictable: nothing goes
+    assert cache[2].id in {x.id for x in svc.store.buffers()}
+
+
+# -- checkpoints and shutdown ---------------------------------------------------------------
+
+
+def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(MiB, persistence="persistent"))
+    spill = Path(pool_named(svc, "pers").id and svc._pools[buf.pool_id].row.spill_dir or "")
+    paths = []
+    for v in (1, 2):
+        view(svc, buf.id)[:] = v
+        ck = svc.checkpoint(who, buf.id)
+        assert ck.checksum == hashlib.sha256(bytes([v]) * MiB).hexdigest()
+        row = svc.store.buffer(buf.id)
+        assert row is not None and row.checksum == ck.checksum
+        paths.append(row.checkpoint_path)
+    assert paths[0] != paths[1]
+    assert [str(p) for p in spill.iterdir()] == [paths[1]]
+    with pytest.raises(errors.StateConflict):
+        svc.checkpoint(who, svc.reserve(who, req(MiB), pool="fast").id)
+
+
+def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(16 * MiB, persistence="persistent"))
+    view(svc, buf.id)[:] = 3
+    outcome: list[object] = []
+
+    def checkpoint() -> None:
+        try:
+            outcome.append(svc.checkpoint(who, buf.id))
+        except errors.MaasdError as e:
+            outcome.append(e)
+
+    threads = [threading.Thread(target=checkpoint) for _ in range(3)]
+    for t in threads:
+        t.start()
+    svc.release(who, buf.id)  # must not unmap under a checkpoint that is reading
+    for t in threads:
+        t.join()
+    assert len(outcome) == 3
+    for o in outcome:
+        assert isinstance(o, (errors.StateConflict, errors.NotFound)) or \
+            o.checksum == hashlib.sha256(bytes([3]) * 16 * MiB).hexdigest()  # type: ignore[attr-defined]
+    spill = Path(svc._pools[buf.pool_id].row.spill_dir or "")
+    assert list(spill.iterdir()) == []
+
+
+def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> None:
+    s = Service(settings(tmp_path))
+    s.start(reaper=False)
+    who = tenant(s)
+    pers = s.reserve(who, req(MiB, persistence="persistent"))
+    vol = s.reserve(who, req(MiB), pool="fast")
+    view(s, pers.id)[:] = 77
+    s.close()
+
+    s2 = Service(settings(tmp_path))
+    s2.start(reaper=False)
+    try:
+        assert [b.id for b in s2.store.buffers(states=None)] == [pers.id]
+        assert np.all(view(s2, pers.id) == 77)
+        assert s2.store.buffer(vol.id) is None
+        assert s2._pools[pers.pool_id].pool.used == MiB
+    finally:
+        s2.close()
+
+
+# -- recover() on a crafted ledger ----------------------------------------------------------
+
+
+def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
+    s = Service(settings(tmp_path))
+    s.start(reaper=False)
+    t = s.create_tenant("crashed", 256 * MiB)
+    pools = {p.name: p for p in s.pools()}
+    spill = Path(s._pools[pools["pers"].id].row.spill_dir or "")
+    now = time.time()
+
+    def row(name: str, pool: str, state: str, **kw) -> BufferRow:  # type: ignore[no-untyped-def]
+        r = BufferRow(id=f"{name:0<32}", tenant_id=t.id, pool_id=pools[pool].id, size_bytes=MiB,
+                      numa_node=0, persistence=pools[pool].persistence, label=name, key=None,
+                      evictable=False, state="reserving", created_at=now, expires_at=now + 600,
+                      last_used_at=now)
+        s.store.begin_reserve(r)
+        if state != "reserving":
+            s.store.set_state(r.id, state)
+        for k, v in kw.items():
+            if k == "content":
+                path = spill / f"{r.id}.1.ckpt"
+                path.write_bytes(v)
+                s.store.set_checkpoint(r.id, str(path), kw.get("checksum") or
+                                       hashlib.sha256(v).hexdigest(), now)
+        return r
+
+    good = os.urandom(MiB)
+    restored = row("good", "pers", "live", content=good)
+    # The crash-between-rename-and-commit case: a newer file the ledger never recorded.
+    (spill / f"{restored.id}.2.ckpt").write_bytes(os.urandom(MiB))
+    lost = [
+        row("reserving", "fast", "reserving"),
+        row("releasing", "fast", "releasing"),
+        row("volatile", "slow", "live"),
+        row("unsaved", "pers", "live"),
+        row("corrupt", "pers", "live", content=os.urandom(MiB), checksum="0" * 64),
+        row("persreleasing", "pers", "releasing", content=os.urandom(MiB)),
+        row("short", "pers", "live", content=b"\x01" * 4096),
+    ]
+    (spill / "orphan.ckpt").write_bytes(b"x")
+    (spill / "half-written.ckpt.tmp").write_bytes(b"y")
+    s.store.dispose()  # no close(): the process "died" here
+
+    s2 = Service(settings(tmp_path))
+    s2.start(reaper=False)
+    try:
+        rows = s2.store.buffers(states=None)
+        assert [r.id for r in rows] == [restored.id]
+        assert rows[0].state == "live"
+        assert bytes(view(s2, restored.id)) == good
+        assert s2._pools[pools["pers"].id].pool.used == MiB
+        for p in s2.pools():
+            assert p.used_bytes == (MiB if p.name == "pers" else 0)
+        assert sorted(os.listdir(spill)) == [f"{restored.id}.1.ckpt"]
+        assert s2.tenant(t.id).used_bytes == MiB
+        kinds = [e.kind for e in s2.store.events(50)]
+        assert kinds.count("recover") == len(lost)
+        # Recovery is idempotent: a second pass has nothing to do.
+        assert s2.recover() == {}
+    finally:
+        s2.close()
