@@ -148,6 +148,7 @@ class Service:
         # daemon's mapping; releasing must wait for it, or it would unmap under the reader.
         self._busy: dict[str, threading.Lock] = {}
         self._attached: Counter[str] = Counter()
+        self._touched: dict[str, float] = {}
         self._admin_digest = b""
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -263,10 +264,23 @@ class Service:
         if spec.capacity_bytes <= 0 or spec.capacity_bytes > MAX_BYTES - page:
             raise InvalidRequest("capacity_bytes must be > 0 and below 2^63")
         capacity = -(-spec.capacity_bytes // page) * page
+        node = self.refresh_topology().node(spec.numa_node)
+        if spec.backing == "memfd" and node is not None and node.mem_total_bytes and \
+                capacity > node.mem_total_bytes:
+            raise TooLarge(f"capacity {capacity} bytes exceeds node {spec.numa_node}'s memory "
+                           f"({node.mem_total_bytes} bytes)")
         spill_dir = spec.spill_dir
         if spec.persistence == "persistent":
+            if spill_dir is not None and not os.path.isabs(spill_dir):
+                raise InvalidRequest(f"spill_dir must be an absolute path, got {spill_dir!r}")
             spill_dir = spill_dir or os.path.join(self.settings.data_dir, "spill", spec.name)
-            os.makedirs(spill_dir, mode=0o700, exist_ok=True)
+            try:
+                os.makedirs(spill_dir, mode=0o700, exist_ok=True)
+                if not os.access(spill_dir, os.W_OK | os.X_OK):
+                    raise PermissionError(13, "not writable")
+            except OSError as e:
+                raise InvalidRequest(f"spill_dir {spill_dir!r} cannot be used: "
+                                     f"{e.strerror or e}") from e
         elif spill_dir is not None:
             raise InvalidRequest("spill_dir only applies to persistent pools")
         row = PoolRow(id=keys.new_id(), host=self.host, name=spec.name, numa_node=spec.numa_node,
@@ -404,6 +418,7 @@ class Service:
         if req.key is not None and not 0 < len(req.key) <= 512:
             raise InvalidRequest("key must be 1..512 characters")
         candidates = self._candidates(req, size, pool)
+        self.flush_uses()  # eviction picks by last use: let it see the latest attaches
         last_error: Exception | None = None
         for lp in candidates:
             rounded = lp.pool.rounded(size)
@@ -548,7 +563,7 @@ class Service:
     def release(self, who: Principal, buffer_id: str) -> None:
         """Scrub and free a buffer; every byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
-        row = self.store.mark_releasing(buffer_id, tenant_id)
+        row = self.store.mark_releasing(buffer_id, tenant_id, only_live=True)
         self._release_row(row, reason="release", marked=True)
 
     def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:
@@ -557,7 +572,7 @@ class Service:
             raise InvalidRequest(f"keys must hold 1..{MAX_LOOKUP_KEYS} entries")
         if any(not 0 < len(k) <= 512 for k in lookup_keys):
             raise InvalidRequest("every key must be 1..512 characters")
-        hit = self.store.lookup(tenant_id, lookup_keys)
+        hit = self.store.lookup(tenant_id, lookup_keys, host=self.host)
         if hit is None:
             raise NotFound("no live buffer carries any of these keys")
         return LookupHit(key=hit[0], buffer=self._buffer_info(hit[1]))
@@ -577,7 +592,8 @@ class Service:
             fd = region.dup_fd()
             self._attached[tenant_id] += 1
         self.metrics.attached.labels(tenant=tenant_id).set(self._attached[tenant_id])
-        self.store.touch(row.id, time.time())
+        with self._lock:
+            self._touched[row.id] = time.time()
         return Handle(fd=fd, buffer_id=row.id, size_bytes=row.size_bytes, numa_node=row.numa_node)
 
     def drop_handle(self, who: Principal, buffer_id: str) -> None:
@@ -594,10 +610,11 @@ class Service:
     def reap(self, now: float | None = None) -> int:
         """Release every buffer of this host whose lease has ended. Returns how many."""
         count = 0
-        for row in self.store.expired(time.time() if now is None else now, self.host):
-            try:
-                marked = self.store.mark_releasing(row.id, None)
-            except NotFound:
+        now = time.time() if now is None else now
+        for row in self.store.expired(now, self.host):
+            # Compare-and-set: a lease renewed since the query above is left alone.
+            marked = self.store.mark_expired(row.id, now)
+            if marked is None:
                 continue
             self._release_row(marked, reason="expire", marked=True)
             self.metrics.reaped.inc()
@@ -607,9 +624,23 @@ class Service:
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.settings.reaper_interval_s):
             try:
+                self.flush_uses()
                 self.reap()
             except Exception:
                 logger.exception("reaper pass failed; retrying")
+
+    def flush_uses(self) -> None:
+        """Write the attach times gathered since the last flush (the LRU order) to the ledger.
+
+        An attach is on a worker's hot path; a synchronous commit there cost more
+        than the rest of the attach together. Uses are batched instead: written by
+        the reaper every interval, and before any reserve (which may evict by them).
+        """
+        with self._lock:
+            if not self._touched:
+                return
+            uses, self._touched = self._touched, {}
+        self.store.touch_many(uses)
 
     def recover(self) -> dict[str, int]:
         """Settle the ledger with what exists after a (possibly unclean) stop.

@@ -405,12 +405,17 @@ def test_odd_ids_are_404(daemon: Daemon, victim, buffer_id: str) -> None:
     assert snapshot(daemon, c, held["id"]) == before
 
 
-@pytest.mark.xfail(strict=True, reason="service.create_pool lets os.makedirs(spill_dir)'s OSError "
-                                       "escape as a 500 (reported to the service owner)")
-@pytest.mark.parametrize("spill_dir", ["/proc/maasd-no-such-dir", "/etc/hostname"])
+@pytest.mark.parametrize("spill_dir", ["/proc/maasd-no-such-dir", "/etc/hostname", "relative/dir"])
 def test_pool_unusable_spill_dir_is_4xx(daemon: Daemon, victim, spill_dir: str) -> None:
     _, c, held = victim
     before = snapshot(daemon, c, held["id"])
     r = daemon.admin.post("/v1/pools", json=_pool(persistence="persistent", spill_dir=spill_dir))
     assert snapshot(daemon, c, held["id"]) == before
     assert_problem_4xx(r)
+    assert r.status_code == 400 and "spill_dir" in r.json()["detail"]
+
+
+def test_pool_larger_than_the_node_is_422(daemon: Daemon) -> None:
+    r = daemon.admin.post("/v1/pools", json=_pool(capacity_bytes=1 << 50))
+    assert r.status_code == 422, r.text
+    assert r.json()["type"].endswith("too-large")

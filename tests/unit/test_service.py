@@ -369,3 +369,43 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
         assert s2.recover() == {}
     finally:
         s2.close()
+
+
+# -- batched uses and the reaper's compare-and-set ------------------------------------------
+
+
+def test_attach_times_are_batched_and_reach_the_ledger_before_a_reserve(svc: Service) -> None:
+    who = tenant(svc)
+    old = svc.reserve(who, req(MiB, evictable=True))
+    new = svc.reserve(who, req(MiB, evictable=True))
+    before = svc.store.buffer(old.id).last_used_at
+    handle = svc.open_handle(who, old.id)          # no ledger write on the attach path
+    os.close(handle.fd)
+    assert svc.store.buffer(old.id).last_used_at == before
+    assert old.id in svc._touched
+    svc.reserve(who, req(MiB))                     # a reserve flushes first: LRU sees the attach
+    assert svc.store.buffer(old.id).last_used_at > svc.store.buffer(new.id).last_used_at
+    assert svc._touched == {}
+
+
+def test_reap_leaves_a_lease_renewed_after_the_query(svc: Service, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    who = tenant(svc)
+    buf = svc.reserve(who, req(MiB, ttl_s=1))
+    expired = svc.store.expired
+
+    def expired_then_renewed(now: float, host: str):  # type: ignore[no-untyped-def]
+        rows = expired(now, host)
+        svc.renew(who, buf.id, 600)                # the tenant renews in between
+        return rows
+
+    monkeypatch.setattr(svc.store, "expired", expired_then_renewed)
+    assert svc.reap(time.time() + 5) == 0
+    assert svc.buffer(who, buf.id).state == "live"
+
+
+def test_a_second_release_of_the_same_buffer_is_not_found(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(MiB))
+    svc.release(who, buf.id)
+    with pytest.raises(errors.NotFound):
+        svc.release(who, buf.id)
