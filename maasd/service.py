@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import math
 import os
@@ -149,6 +150,9 @@ class Service:
         self._busy: dict[str, threading.Lock] = {}
         self._attached: Counter[str] = Counter()
         self._touched: dict[str, float] = {}
+        self._key_cache: dict[bytes, Principal] | None = (
+            None if self.store.is_postgres else {})
+        self._key_generation = 0
         self._admin_digest = b""
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -211,16 +215,43 @@ class Service:
     # -- authentication -------------------------------------------------------------------
 
     def authenticate(self, token: str | None) -> Principal:
-        """Map a bearer token to a principal; :class:`Unauthorized` if unknown or revoked."""
+        """Map a bearer token to a principal; :class:`Unauthorized` if unknown or revoked.
+
+        With SQLite the ledger has exactly one writer — this daemon (the data-dir
+        lock) — so a key, once checked, is remembered until this process revokes
+        any key; the check then costs one hash. With PostgreSQL another daemon may
+        revoke, so every call asks the database: a revocation bites at once anywhere.
+        """
         if not token:
             raise Unauthorized("missing API key (Authorization: Bearer <key>)")
         d = keys.digest(token)
-        if keys.matches(token, self._admin_digest):
+        if hmac.compare_digest(d, self._admin_digest):
             return Principal(is_admin=True)
+        cache = self._key_cache
+        if cache is not None:
+            who = cache.get(d)
+            if who is not None:
+                return who
+            generation = self._key_generation
         row = self.store.key_by_digest(d)
-        if row is None or not keys.matches(token, row.digest):
+        if row is None or not hmac.compare_digest(d, row.digest):
             raise Unauthorized("unknown or revoked API key")
-        return Principal(is_admin=False, tenant_id=row.tenant_id, key_id=row.id)
+        who = Principal(is_admin=False, tenant_id=row.tenant_id, key_id=row.id)
+        if cache is not None:
+            with self._lock:
+                # A revocation since the read above bumps the generation: don't cache.
+                if generation == self._key_generation:
+                    if len(cache) >= 4096:
+                        cache.clear()
+                    cache[d] = who
+        return who
+
+    def _forget_keys(self) -> None:
+        """Call after revoking any key (its commit done): no cached key outlives it."""
+        with self._lock:
+            self._key_generation += 1
+            if self._key_cache is not None:
+                self._key_cache.clear()
 
     @staticmethod
     def require_admin(who: Principal) -> None:
@@ -363,6 +394,7 @@ class Service:
         """Revoke the tenant's keys, release (scrub) all its buffers, delete it."""
         t = self.tenant(id_or_name)
         self.store.revoke_keys(t.id)
+        self._forget_keys()
         for row in self.store.buffers(tenant_id=t.id, states=("reserving", "live", "releasing")):
             self._release_row(row, reason="tenant_delete")
         self.store.delete_tenant(t.id)
@@ -376,7 +408,9 @@ class Service:
 
     def revoke_key(self, id_or_name: str, key_id: str) -> None:
         t = self.tenant(id_or_name)
-        if not self.store.revoke_key(t.id, key_id):
+        revoked = self.store.revoke_key(t.id, key_id)
+        self._forget_keys()
+        if not revoked:
             raise NotFound(f"no active key {key_id!r} for tenant {t.name}")
 
     def usage(self, who: Principal) -> Usage:

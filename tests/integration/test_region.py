@@ -553,3 +553,23 @@ class TestCheckpoint:
         with pytest.raises(BackingError) as exc:
             checkpoint(r, tmp_path / "no" / "such" / "dir" / "buf.ckpt")
         assert exc.value.errno == errno.ENOENT
+
+
+class TestPrefault:
+    """The file's pages exist (allocated, not just reserved) exactly when asked for."""
+
+    def test_prefault_allocates_every_page_and_punch_frees_them(self):
+        r = Region.create(1 * MiB, node=0, prefault=True)
+        try:
+            assert os.fstat(r.fd).st_blocks * 512 == r.size
+            r.scrub("punch")
+            assert os.fstat(r.fd).st_blocks == 0
+        finally:
+            r.close()
+
+    def test_no_prefault_allocates_nothing(self):
+        r = Region.create(1 * MiB, node=0, prefault=False)
+        try:
+            assert os.fstat(r.fd).st_blocks == 0
+        finally:
+            r.close()

@@ -409,3 +409,33 @@ def test_a_second_release_of_the_same_buffer_is_not_found(svc: Service) -> None:
     svc.release(who, buf.id)
     with pytest.raises(errors.NotFound):
         svc.release(who, buf.id)
+
+
+def test_a_revoked_key_is_refused_at_once_even_after_it_was_cached(svc: Service) -> None:
+    new = svc.create_tenant("cached", MiB)
+    assert svc.authenticate(new.api_key).tenant_id == new.id   # checked: now remembered
+    assert svc.authenticate(new.api_key).tenant_id == new.id
+    svc.revoke_key(new.id, new.key_id)
+    with pytest.raises(errors.Unauthorized):
+        svc.authenticate(new.api_key)
+    other = svc.create_tenant("deleted", MiB)
+    svc.authenticate(other.api_key)
+    svc.delete_tenant(other.id)
+    with pytest.raises(errors.Unauthorized):
+        svc.authenticate(other.api_key)
+
+
+def test_a_revocation_racing_a_first_check_is_not_cached(svc: Service, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    new = svc.create_tenant("racing", MiB)
+    read = svc.store.key_by_digest
+
+    def read_then_revoke(digest: bytes):  # type: ignore[no-untyped-def]
+        row = read(digest)                     # the check saw the key valid …
+        svc.revoke_key(new.id, new.key_id)     # … and the admin revoked it right after
+        return row
+
+    monkeypatch.setattr(svc.store, "key_by_digest", read_then_revoke)
+    svc.authenticate(new.api_key)              # in flight before the revocation: allowed once
+    monkeypatch.setattr(svc.store, "key_by_digest", read)
+    with pytest.raises(errors.Unauthorized):
+        svc.authenticate(new.api_key)          # but never remembered
