@@ -22,7 +22,8 @@ Buffer layout (little-endian)::
 
     offset 0   fixed header (HEADER_FIXED bytes, see ``_FIXED``)
                  magic "MAASDKV\\0", format version, header_len, model fingerprint
-                 (16 raw bytes), n_tokens, chunk, state_len, state crc32, header crc32
+                 (16 raw bytes), n_tokens, chunk, state_len, state checksum (XXH3-64, low
+                 32 bits), header crc32
     offset 64  n_tokens × int32: the tokens whose state follows
     header_len llama.cpp sequence state (state_len bytes), header_len 64-aligned
 
@@ -49,13 +50,16 @@ import json
 import logging
 import os
 import struct
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ __all__ = [
 ]
 
 MAGIC = b"MAASDKV\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: state checksum is XXH3-64's low 32 bits (1: crc32)
 DEFAULT_CHUNK = 64
 ALIGN = 64
 EDGE_BYTES = 1 << 20  # the file identity hashes the first and the last MiB
@@ -243,11 +247,26 @@ def parse_header(
     )
 
 
+def state_checksum(data: bytes | memoryview) -> int:
+    """The checksum a header keeps of the state: the low 32 bits of XXH3-64.
+
+    XXH3 runs at ~60 GB/s here against crc32's ~4 GB/s — 0.16 vs 2.4 ms for a
+    9 MiB Gemma state, on every restore.
+    """
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
 def state_crc(buf: npt.NDArray[np.uint8], header: Header) -> int:
-    """crc32 of the entry's state bytes, computed in place (no copy)."""
-    return (
-        zlib.crc32(buf[header.header_len : header.header_len + header.state_len].data) & 0xFFFFFFFF
-    )
+    """:func:`state_checksum` of the entry's state bytes, computed in place (no copy)."""
+    return state_checksum(buf[header.header_len : header.header_len + header.state_len].data)
+
+
+def _lease_left(buf: Any) -> float:
+    """Seconds left on a buffer's lease, from its RFC 3339 ``expires_at`` (0 if unknown)."""
+    try:
+        return datetime.fromisoformat(buf.expires_at).timestamp() - time.time()
+    except (AttributeError, TypeError, ValueError):
+        return 0.0
 
 
 def fingerprint_of(parts: dict[str, Any]) -> str:
@@ -513,7 +532,7 @@ class KVStore:
         )
         if written == 0 or written > state_len:
             raise RuntimeError(f"llama_state_seq_get_data wrote {written} of {state_len} bytes")
-        crc = zlib.crc32(view[hlen : hlen + written].data) & 0xFFFFFFFF
+        crc = state_checksum(view[hlen : hlen + written].data)
         _write_header(view, pack_header(self.fingerprint, arr, written, crc, self.chunk))
 
     def restore(
@@ -565,8 +584,9 @@ class KVStore:
             self._clear(seq_id)
             return 0
         self._set_model_tokens(seq_id, arr, n)
-        if self.renew_on_hit:
-            # A prefix in use keeps its lease (one socket round trip, best effort).
+        if self.renew_on_hit and _lease_left(buf) < self.ttl_s / 2:
+            # A prefix in use keeps its lease (one socket round trip, best effort) —
+            # only once half of it is gone, so a hot prefix costs no write per hit.
             with contextlib.suppress(Exception):
                 self.worker.renew(buf.id, self.ttl_s)
         return n
@@ -600,8 +620,15 @@ class KVStore:
         if got == 0:
             logger.warning("kv entry refused by llama.cpp (llama_state_seq_set_data returned 0)")
             return 0
-        # The daemon may have evicted (scrubbed) the buffer while llama.cpp read it.
-        if state_crc(view, hdr) != hdr.state_crc:
+        # The daemon may have evicted (scrubbed) the buffer while llama.cpp read it. A
+        # scrub runs from the first page to the last (memset, or a hole punched in page
+        # order), so if any byte read had been scrubbed, the header — first — no longer
+        # parses. Re-checking it costs microseconds; a second state checksum cost 2 ms.
+        try:
+            again = parse_header(view, mapping.size)
+        except HeaderError:
+            again = None
+        if again is None or again.state_crc != hdr.state_crc:
             logger.warning("kv entry changed while it was read (evicted?)")
             return 0
         pmin, pmax = self._seq_pos_range(seq_id)

@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import uuid
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,7 +269,7 @@ class TestMechanics:
             st[rng.integers(0, min(256, hdr.state_len), 2)] ^= rng.integers(1, 256, 2).astype(
                 np.uint8
             )
-            header = L.pack_header(hdr.fingerprint, hdr.tokens, hdr.state_len, zlib.crc32(st.data))
+            header = L.pack_header(hdr.fingerprint, hdr.tokens, hdr.state_len, L.state_checksum(st.data))
             L._write_header(raw, header)
             assert kv.restore(0, toks) in (0, 80)
         a.reset()
@@ -437,7 +436,11 @@ class TestWithDaemon:
         b = load(path0)
         n = L.KVStore(t.client, t.worker, b).restore(0, longer)
         assert n == 256
-        assert t.client.buffer(saved.id).expires_at > expires  # the hit renewed its lease
+        assert t.client.buffer(saved.id).expires_at == expires  # most of its lease left: no write
+        c = load(path0)
+        # a reader that keeps entries longer finds less than half its lease left: renews
+        assert L.KVStore(t.client, t.worker, c, ttl_s=kv.ttl_s * 4).restore(0, longer) == 256
+        assert t.client.buffer(saved.id).expires_at > expires
         assert t.worker.attached == []  # restore leaves nothing mapped
         b.eval(longer[n:])
         np.testing.assert_allclose(logits(b), recompute(path0, longer), rtol=0, atol=1e-4)
