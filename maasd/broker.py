@@ -50,6 +50,7 @@ import msgspec
 
 from maasd import errors
 from maasd.models import BufferInfo, Principal
+from maasd.problems import PROBLEM_BASE, status_of
 from maasd.protocol import (
     Attach,
     Attached,
@@ -72,20 +73,7 @@ __all__ = ["PROBLEM_TYPE_BASE", "Broker", "status_for"]
 logger = logging.getLogger(__name__)
 
 #: Prefix of the ``type`` of error frames; the last segment is ``MaasdError.code``.
-PROBLEM_TYPE_BASE = "https://maasd.dev/problems/"  # the same as maasd.api.problems
-
-#: The one mapping from the exception tree to error-frame statuses. Checked in
-#: order with ``isinstance``, so subclasses (QuotaExceeded, QosUnmet …) inherit
-#: their parent's status. Anything not listed is unexpected: 500, logged.
-STATUS_TABLE: tuple[tuple[type[errors.MaasdError], int], ...] = (
-    (errors.InvalidRequest, 400),
-    (errors.Unauthorized, 401),
-    (errors.Forbidden, 403),
-    (errors.NotFound, 404),
-    (errors.Conflict, 409),
-    (errors.Unprocessable, 422),
-    (errors.PoolExhausted, 507),
-)
+PROBLEM_TYPE_BASE = PROBLEM_BASE
 
 #: A connection that has not said hello within this many seconds is closed, so
 #: idle or hostile peers cannot pin connection threads forever.
@@ -98,10 +86,7 @@ _PEERCRED = struct.Struct("3i")
 
 def status_for(exc: BaseException) -> int:
     """Return the error-frame status for ``exc`` (500 if it is not an expected error)."""
-    for cls, status in STATUS_TABLE:
-        if isinstance(exc, cls):
-            return status
-    return 500
+    return status_of(exc)
 
 
 class Handle(Protocol):

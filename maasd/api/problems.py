@@ -1,4 +1,4 @@
-"""The one mapping from :mod:`maasd.errors` (and framework errors) to RFC 9457 problems.
+"""RFC 9457 problem answers for :mod:`maasd.errors` (via :mod:`maasd.problems`) and framework errors.
 
 Every error the API answers is ``application/problem+json`` with ``type``,
 ``title``, ``status`` and ``detail``; ``type`` is ``PROBLEM_BASE + code`` so a
@@ -16,23 +16,11 @@ from litestar.exceptions import HTTPException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
 
 from maasd import errors
+from maasd.problems import PROBLEM_BASE, status_of
 
 logger = logging.getLogger(__name__)
 
-PROBLEM_BASE = "https://maasd.dev/problems/"
 MEDIA_TYPE = "application/problem+json"
-
-#: error class → HTTP status; the first matching base class wins (most specific first).
-STATUS: tuple[tuple[type[errors.MaasdError], int], ...] = (
-    (errors.InvalidRequest, 400),
-    (errors.Unauthorized, 401),
-    (errors.Forbidden, 403),
-    (errors.NotFound, 404),
-    (errors.Conflict, 409),
-    (errors.Unprocessable, 422),
-    (errors.PoolExhausted, 507),
-    (errors.BackingError, 500),
-)
 
 _GENERIC = {400: ("bad-request", "Bad request"), 401: ("unauthorized", "Unauthorized"),
             403: ("forbidden", "Forbidden"), 404: ("not-found", "Not found"),
@@ -70,8 +58,6 @@ def responses(*codes: int) -> dict[int, ResponseSpec]:
             for code in codes}
 
 
-def status_of(exc: errors.MaasdError) -> int:
-    return next((status for cls, status in STATUS if isinstance(exc, cls)), 500)
 
 
 def problem(status: int, code: str, title: str, detail: str) -> Response[Problem]:

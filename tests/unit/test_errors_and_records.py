@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from maasd import errors
-from maasd.api.problems import PROBLEM_BASE, STATUS, status_of
+from maasd.problems import PROBLEM_BASE, STATUS, status_of
 from maasd.models import rfc3339
 from maasd.service import ReserveRequest
 
@@ -40,8 +40,18 @@ def test_every_concrete_error_is_mapped() -> None:
         return [c, *(s for sub in c.__subclasses__() for s in subclasses(sub))]
 
     for cls in subclasses(errors.MaasdError)[1:]:
-        assert any(issubclass(cls, base) for base, _ in STATUS), cls
+        # BackingError is the kernel refusing: not the caller's fault, so a 500.
+        assert cls is errors.BackingError or any(issubclass(cls, base) for base, _ in STATUS), cls
         assert cls.code != errors.MaasdError.code, f"{cls.__name__} needs its own code"
+
+
+def test_broker_and_api_share_the_one_table() -> None:
+    from maasd import broker
+    from maasd.api import problems as api_problems
+
+    for cls, status in EXPECTED_STATUS.items():
+        assert broker.status_for(cls("x")) == status == api_problems.status_of(cls("x"))
+    assert broker.PROBLEM_TYPE_BASE == api_problems.PROBLEM_BASE == PROBLEM_BASE
 
 
 def test_problem_types_spec_names() -> None:
