@@ -18,10 +18,10 @@ Every failure that a caller can act on is a :class:`MaasdError`. The tree::
     ├── PoolExhausted           the pool could hold it, but not now
     └── BackingError            the kernel refused a memory operation (errno and what was tried)
 
-This module knows nothing of HTTP. ``maasd.api.problems`` maps each class to a
-status code and an RFC 9457 problem in one place; the socket broker does the
-same for its error frames. ``code`` is the stable slug used as the last path
-segment of a problem's ``type`` URI.
+This module knows nothing of HTTP. ``maasd.problems`` maps each class to a
+status in one table, which the REST API turns into RFC 9457 problems and the
+socket broker into error frames. ``code`` is the stable slug used as the last
+path segment of a problem's ``type`` URI.
 """
 
 from __future__ import annotations
