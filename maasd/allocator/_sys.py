@@ -130,17 +130,23 @@ def mbind(addr: int, size: int, node: int, flags: int = 0) -> None:
         raise _fail(f"mbind(MPOL_BIND, node {node}, flags={flags:#x}) of {size} bytes")
 
 
-def move_pages_query(addr: int, size: int, page: int) -> np.ndarray:
+def move_pages_query(addr: int, size: int, page: int, sample: int | None = None) -> np.ndarray:
     """Ask the kernel on which node each page of ``[addr, addr+size)`` lives.
 
     ``move_pages(2)`` with ``nodes=NULL`` only reports; it moves nothing. The
     answer per page is a node id, or a negative errno (``-ENOENT``: not
-    present in this process's page tables).
+    present in this process's page tables). With ``sample``, only that many
+    pages, spread evenly from the first to the last, are asked about.
     """
     if _numa is None:
         raise BackingError("move_pages: libnuma is not available on this host", errno=_errno.ENOSYS)
-    count = size // page
-    pages = np.arange(count, dtype=np.uint64) * np.uint64(page) + np.uint64(addr)
+    total = size // page
+    if sample is not None and sample < total:
+        index = np.unique(np.linspace(0, total - 1, num=max(sample, 1)).astype(np.uint64))
+    else:
+        index = np.arange(total, dtype=np.uint64)
+    count = len(index)
+    pages = index * np.uint64(page) + np.uint64(addr)
     status = np.full(count, -1, dtype=np.int32)
     rc = _numa.numa_move_pages(0, count, pages.ctypes.data, None, status.ctypes.data, 0)
     if rc < 0:

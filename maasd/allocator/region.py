@@ -136,20 +136,34 @@ class Region:
         self._check_open()
         return self._addr
 
-    def placement(self) -> dict[int, int]:
+    def placement(self, sample: int | None = None) -> dict[int, int]:
         """Pages per NUMA node, as the kernel reports them (``move_pages``, query only).
 
         Pages not yet faulted in are faulted in for reading first
         (``MADV_POPULATE_READ``), so the answer covers every page of the region.
+        ``sample`` asks about that many evenly spread pages only: a constant-cost
+        check (a full count costs ~0.12 s per GiB here).
         """
         self._check_open()
-        try:
-            _sys.madvise(self._addr, self.size, _sys.MADV_POPULATE_READ)
-        except BackingError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                raise
-        status = _sys.move_pages_query(self._addr, self.size, self.page_bytes)
+        if sample is None:
+            try:
+                _sys.madvise(self._addr, self.size, _sys.MADV_POPULATE_READ)
+            except BackingError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+        status = _sys.move_pages_query(self._addr, self.size, self.page_bytes, sample)
         return _count_by_node(status)
+
+    def verify_node(self, sample: int = 64) -> None:
+        """Check (by a sample of pages) that the region's pages are on its node.
+
+        Raises :class:`PlacementError` naming where the strays are. Pages not
+        present (never faulted, e.g. without prefault) are not strays.
+        """
+        placed = self.placement(sample=sample)
+        stray = {n: c for n, c in placed.items() if n >= 0 and n != self.node}
+        if stray:
+            raise PlacementError(f"pages of a region bound to node {self.node} are on {stray}")
 
     def pin(self, node: int, known_nodes: set[int] | frozenset[int]) -> dict[int, int]:
         """Rebind to ``node``, migrate every page there, and return the measured placement.

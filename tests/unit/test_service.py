@@ -439,3 +439,28 @@ def test_a_revocation_racing_a_first_check_is_not_cached(svc: Service, monkeypat
     monkeypatch.setattr(svc.store, "key_by_digest", read)
     with pytest.raises(errors.Unauthorized):
         svc.authenticate(new.api_key)          # but never remembered
+
+
+def test_a_buffer_reports_its_measured_placement(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(3 * MiB))          # reserve itself checks a sample of pages
+    assert buf.placement is None                   # … but reports no full count (costly per GiB)
+    got = svc.buffer(who, buf.id)
+    assert got.placement == {"0": buf.size_bytes // os.sysconf("SC_PAGE_SIZE")}
+    assert [b.placement for b in svc.buffers(who)] == [None]   # lists stay cheap
+
+
+def test_reserve_refuses_pages_that_landed_off_node(svc: Service, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from maasd.allocator.region import Region
+
+    def elsewhere(self, sample=None):  # type: ignore[no-untyped-def]
+        return {self.node + 1: 16}
+
+    who = tenant(svc)
+    before = pool_named(svc, "slow").used_bytes
+    monkeypatch.setattr(Region, "placement", elsewhere)
+    with pytest.raises(errors.PlacementError):
+        svc.reserve(who, req(MiB))
+    monkeypatch.undo()
+    assert pool_named(svc, "slow").used_bytes == before
+    assert svc.buffers(who) == []
