@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from maasd import errors
-from maasd.problems import PROBLEM_BASE, STATUS, status_of
 from maasd.models import rfc3339
+from maasd.problems import PROBLEM_BASE, STATUS, status_of
 from maasd.service import ReserveRequest
 
 EXPECTED_STATUS = {
