@@ -14,6 +14,7 @@ import textwrap
 import time
 import uuid
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -110,7 +111,9 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(daemon, tenant):
     assert d.numa_node == 0
 
     assert {x.id for x in c.buffers()} == {a.id, b.id, d.id}
-    assert c.buffer(a.id) == a
+    got = c.buffer(a.id)
+    assert msgspec.structs.replace(got, placement=None) == a
+    assert got.placement == {"0": a.size_bytes // 4096}  # measured on GET
     usage = c.usage()
     assert usage.tenant_id == tid and usage.used_bytes == 8192 + MiB + 2 * MiB
     assert usage.buffers == 3
