@@ -169,10 +169,17 @@ class Service:
             self._pools[row.id] = _LivePool(row, self._make_pool(row))
         self.recover()
         wanted = self.settings.pools or default_pools(self.topology, self.settings.default_pool_bytes)
-        existing = {lp.row.name for lp in self._pools.values()}
+        existing = {lp.row.name: lp.row for lp in self._pools.values()}
         for spec in wanted:
-            if spec.name not in existing:
+            row = existing.get(spec.name)
+            if row is None:
                 self.create_pool(spec)
+            elif (row.numa_node, row.backing, row.persistence, row.latency_us, row.scrub) != (
+                    spec.numa_node, spec.backing, spec.persistence, spec.latency_us, spec.scrub) \
+                    or row.capacity_bytes < spec.capacity_bytes:
+                # The ledger's pool has live buffers bound to its properties: it wins.
+                logger.warning("pool %s in the ledger differs from its configuration; keeping "
+                               "the ledger's (delete the pool with drain to recreate it)", spec.name)
         if reaper:
             self._reaper = threading.Thread(target=self._reap_loop, name="maasd-reaper", daemon=True)
             self._reaper.start()
@@ -182,6 +189,7 @@ class Service:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=10)
+        self.flush_uses()
         for buffer_id in list(self._regions):
             row = self.store.buffer(buffer_id, None)
             if row is None:
