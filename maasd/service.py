@@ -171,12 +171,12 @@ class Service:
         wanted = self.settings.pools or default_pools(self.topology, self.settings.default_pool_bytes)
         existing = {lp.row.name: lp.row for lp in self._pools.values()}
         for spec in wanted:
-            row = existing.get(spec.name)
-            if row is None:
+            have = existing.get(spec.name)
+            if have is None:
                 self.create_pool(spec)
-            elif (row.numa_node, row.backing, row.persistence, row.latency_us, row.scrub) != (
+            elif (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
                     spec.numa_node, spec.backing, spec.persistence, spec.latency_us, spec.scrub) \
-                    or row.capacity_bytes < spec.capacity_bytes:
+                    or have.capacity_bytes < spec.capacity_bytes:
                 # The ledger's pool has live buffers bound to its properties: it wins.
                 logger.warning("pool %s in the ledger differs from its configuration; keeping "
                                "the ledger's (delete the pool with drain to recreate it)", spec.name)

@@ -16,6 +16,7 @@ from anyio import CapacityLimiter
 from litestar import Litestar, Request, Response, delete, get, patch, post
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, Schema, SecurityScheme
+from litestar.params import FromPath, FromQuery, JSONBody
 
 from maasd import __version__
 from maasd.api import problems
@@ -113,27 +114,27 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
 
     @get("/v1/pools/{pool_id:str}", tags=["pools"], summary="One pool (id or name)",
          responses=problems.responses(*KEYED + (404,)))
-    async def get_pool(request: Request, pool_id: str) -> PoolInfo:
+    async def get_pool(request: Request, pool_id: FromPath[str]) -> PoolInfo:
         return await call(request, lambda who: service.pool(pool_id))
 
     # -- admin ----------------------------------------------------------------------------
 
     @post("/v1/pools", tags=["pools"], summary="Create a pool (admin)", status_code=201,
           responses=problems.responses(*ADMIN + BODY + (409, 422)))
-    async def create_pool(request: Request, data: PoolSpec) -> PoolInfo:
+    async def create_pool(request: Request, data: JSONBody[PoolSpec]) -> PoolInfo:
         spec = await decode(request, PoolSpec)
         return await call(request, admin(service.create_pool), spec)
 
     @delete("/v1/pools/{pool_id:str}", tags=["pools"], summary="Delete a pool (admin)",
             status_code=204,
             responses=problems.responses(*ADMIN + (404, 409)))
-    async def delete_pool(request: Request, pool_id: str, drain: bool = False) -> None:
+    async def delete_pool(request: Request, pool_id: FromPath[str], drain: FromQuery[bool] = False) -> None:
         await call(request, admin(partial(service.delete_pool, drain=drain)), pool_id)
 
     @post("/v1/tenants", tags=["tenants"], summary="Create a tenant (admin); shows its key once",
           status_code=201,
           responses=problems.responses(*ADMIN + BODY + (409,)))
-    async def create_tenant(request: Request, data: TenantBody) -> NewTenant:
+    async def create_tenant(request: Request, data: JSONBody[TenantBody]) -> NewTenant:
         body = await decode(request, TenantBody)
         return await call(request, admin(service.create_tenant), body.name, body.quota_bytes)
 
@@ -144,31 +145,31 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
 
     @get("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="One tenant (admin)",
          responses=problems.responses(*ADMIN + (404,)))
-    async def get_tenant(request: Request, tenant_id: str) -> TenantInfo:
+    async def get_tenant(request: Request, tenant_id: FromPath[str]) -> TenantInfo:
         return await call(request, admin(service.tenant), tenant_id)
 
     @patch("/v1/tenants/{tenant_id:str}", tags=["tenants"], summary="Set a tenant's quota (admin)",
            responses=problems.responses(*ADMIN + BODY + (404,)))
-    async def set_quota(request: Request, tenant_id: str, data: QuotaBody) -> TenantInfo:
+    async def set_quota(request: Request, tenant_id: FromPath[str], data: JSONBody[QuotaBody]) -> TenantInfo:
         body = await decode(request, QuotaBody)
         return await call(request, admin(service.set_quota), tenant_id, body.quota_bytes)
 
     @delete("/v1/tenants/{tenant_id:str}", tags=["tenants"], status_code=204,
             summary="Delete a tenant: release (scrub) its buffers, revoke its keys (admin)",
             responses=problems.responses(*ADMIN + (404,)))
-    async def delete_tenant(request: Request, tenant_id: str) -> None:
+    async def delete_tenant(request: Request, tenant_id: FromPath[str]) -> None:
         await call(request, admin(service.delete_tenant), tenant_id)
 
     @post("/v1/tenants/{tenant_id:str}/keys", tags=["tenants"], status_code=201,
           summary="Issue an API key (admin); shown only here",
           responses=problems.responses(*ADMIN + (404,)))
-    async def issue_key(request: Request, tenant_id: str) -> KeyInfo:
+    async def issue_key(request: Request, tenant_id: FromPath[str]) -> KeyInfo:
         return await call(request, admin(service.issue_key), tenant_id)
 
     @delete("/v1/tenants/{tenant_id:str}/keys/{key_id:str}", tags=["tenants"], status_code=204,
             summary="Revoke an API key (admin)",
             responses=problems.responses(*ADMIN + (404,)))
-    async def revoke_key(request: Request, tenant_id: str, key_id: str) -> None:
+    async def revoke_key(request: Request, tenant_id: FromPath[str], key_id: FromPath[str]) -> None:
         await call(request, admin(service.revoke_key), tenant_id, key_id)
 
     # -- tenant ---------------------------------------------------------------------------
@@ -181,57 +182,57 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
     @post("/v1/pools/{pool_id:str}/reserve", tags=["buffers"], status_code=201,
           summary="Reserve a buffer in this pool",
           responses=problems.responses(*TENANT + BODY + (404, 409, 422, 507)))
-    async def reserve_in(request: Request, pool_id: str, data: ReserveRequest) -> BufferInfo:
+    async def reserve_in(request: Request, pool_id: FromPath[str], data: JSONBody[ReserveRequest]) -> BufferInfo:
         req = await decode(request, ReserveRequest)
         return await call(request, lambda who: service.reserve(who, req, pool_id))
 
     @post("/v1/reserve", tags=["buffers"], status_code=201,
           summary="Reserve a buffer in the pool that meets the QoS with the most free space",
           responses=problems.responses(*TENANT + BODY + (409, 422, 507)))
-    async def reserve(request: Request, data: ReserveRequest) -> BufferInfo:
+    async def reserve(request: Request, data: JSONBody[ReserveRequest]) -> BufferInfo:
         req = await decode(request, ReserveRequest)
         return await call(request, lambda who: service.reserve(who, req))
 
     @get("/v1/buffers", tags=["buffers"], summary="Own buffers (admin: all, or ?tenant_id=)",
          responses=problems.responses(*KEYED + (404,)))
-    async def list_buffers(request: Request, tenant_id: str | None = None) -> list[BufferInfo]:
+    async def list_buffers(request: Request, tenant_id: FromQuery[str | None] = None) -> list[BufferInfo]:
         return await call(request, lambda who: service.buffers(who, tenant_id))
 
     @get("/v1/buffers/{buffer_id:str}", tags=["buffers"], summary="One buffer",
          responses=problems.responses(*KEYED + (404,)))
-    async def get_buffer(request: Request, buffer_id: str) -> BufferInfo:
+    async def get_buffer(request: Request, buffer_id: FromPath[str]) -> BufferInfo:
         return await call(request, service.buffer, buffer_id)
 
     @patch("/v1/buffers/{buffer_id:str}/pin", tags=["buffers"],
            summary="Bind and migrate a buffer's pages to a NUMA node, then verify",
            responses=problems.responses(*TENANT + BODY + (404, 409, 422)))
-    async def pin(request: Request, buffer_id: str, data: PinBody) -> BufferInfo:
+    async def pin(request: Request, buffer_id: FromPath[str], data: JSONBody[PinBody]) -> BufferInfo:
         body = await decode(request, PinBody)
         return await call(request, service.pin, buffer_id, body.numa_node)
 
     @post("/v1/buffers/{buffer_id:str}/renew", tags=["buffers"], status_code=200,
           summary="Extend a buffer's lease",
           responses=problems.responses(*TENANT + BODY + (404,)))
-    async def renew(request: Request, buffer_id: str, data: RenewBody) -> BufferInfo:
+    async def renew(request: Request, buffer_id: FromPath[str], data: JSONBody[RenewBody]) -> BufferInfo:
         body = await decode(request, RenewBody)
         return await call(request, service.renew, buffer_id, body.ttl_s)
 
     @post("/v1/buffers/{buffer_id:str}/checkpoint", tags=["buffers"], status_code=200,
           summary="Write a persistent buffer to its pool's spill dir",
           responses=problems.responses(*TENANT + (404, 409)))
-    async def checkpoint(request: Request, buffer_id: str) -> Checkpoint:
+    async def checkpoint(request: Request, buffer_id: FromPath[str]) -> Checkpoint:
         return await call(request, service.checkpoint, buffer_id)
 
     @delete("/v1/buffers/{buffer_id:str}", tags=["buffers"], status_code=204,
             summary="Scrub and free a buffer",
             responses=problems.responses(*KEYED + (404,)))
-    async def release(request: Request, buffer_id: str) -> None:
+    async def release(request: Request, buffer_id: FromPath[str]) -> None:
         await call(request, service.release, buffer_id)
 
     @post("/v1/buffers/lookup", tags=["buffers"], status_code=200,
           summary="The longest of the given keys that has a live buffer",
           responses=problems.responses(*TENANT + BODY + (404,)))
-    async def lookup(request: Request, data: LookupBody) -> LookupHit:
+    async def lookup(request: Request, data: JSONBody[LookupBody]) -> LookupHit:
         body = await decode(request, LookupBody)
         return await call(request, service.lookup, list(body.keys))
 
