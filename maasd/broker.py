@@ -147,14 +147,16 @@ class Broker:
     """Serve worker handles on a Unix stream socket at ``path``.
 
     ``service`` is the daemon's :class:`maasd.service.Service` (or anything with
-    the same four methods). ``mode`` is applied to the socket file before it
-    accepts connections.
+    the same four methods). ``mode`` (and ``group``, a gid, when given) is applied
+    to the socket file before it accepts connections.
     """
 
-    def __init__(self, service: HandleService, path: str, mode: int = 0o660) -> None:
+    def __init__(self, service: HandleService, path: str, mode: int = 0o660,
+                 group: int | None = None) -> None:
         self.service = service
         self.path = os.fspath(path)
         self.mode = mode
+        self.group = group
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
@@ -180,6 +182,8 @@ class Broker:
             # chmod before listen(): until listen() nobody can connect, so there
             # is no window in which the umask's mode is the effective one.
             os.chmod(self.path, self.mode)
+            if self.group is not None:  # the workers' group: they connect through it (0660)
+                os.chown(self.path, -1, self.group)
             st = os.stat(self.path)
             self._inode = (st.st_dev, st.st_ino)
             sock.listen(128)

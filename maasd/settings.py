@@ -58,6 +58,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 7878
     socket: str | None = None          # default: DATA_DIR/maasd.sock
+    socket_group: str | None = None    # group (name or gid) given the socket, for workers
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     db_url: str | None = None          # default: sqlite:///DATA_DIR/maasd.db
     config: str | None = None
@@ -88,6 +89,7 @@ ENV = {
     "MAASD_HOST": "host",
     "MAASD_PORT": "port",
     "MAASD_SOCKET": "socket",
+    "MAASD_SOCKET_GROUP": "socket_group",
     "MAASD_DATA_DIR": "data_dir",
     "MAASD_DB_URL": "db_url",
     "MAASD_CONFIG": "config",
@@ -133,11 +135,24 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise InvalidRequest(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise InvalidRequest("settings: max_ttl_s must be ≥ 1")
+    group_id(settings.socket_group)  # an unknown group fails here, before anything starts
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):
         raise InvalidRequest(f"settings: duplicate pool names in config: {names}")
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings
+
+
+def group_id(group: str | None) -> int | None:
+    """The gid of ``group`` (a name or a number), or None; InvalidRequest if unknown."""
+    if group is None:
+        return None
+    import grp
+
+    try:
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise InvalidRequest(f"settings: no group named {group!r} (socket_group)") from None
 
 
 def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[PoolSpec]:

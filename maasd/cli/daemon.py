@@ -124,6 +124,8 @@ def common(fn):  # type: ignore[no-untyped-def]
 @click.option("--port", type=int, help="REST port [env MAASD_PORT, default 7878].")
 @click.option("--socket", "socket", help="Worker socket path [env MAASD_SOCKET, "
               "default DATA_DIR/maasd.sock].")
+@click.option("--socket-group", help="Group (name or gid) that owns the socket, so workers "
+              "of that group can connect [env MAASD_SOCKET_GROUP].")
 @common
 def serve(**flags: Any) -> None:
     """Run the daemon: REST control plane + worker socket.
@@ -144,6 +146,7 @@ def _serve(settings) -> None:  # type: ignore[no-untyped-def]
     from maasd.api.app import create_app
     from maasd.broker import Broker
     from maasd.service import Service
+    from maasd.settings import group_id
 
     service = Service(settings)
     try:
@@ -154,8 +157,13 @@ def _serve(settings) -> None:  # type: ignore[no-untyped-def]
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
         click.echo(f"admin key (saved to {settings.admin_key_path}, mode 0600): "
                    f"{service.admin_key_generated}", err=True)
-    broker = Broker(service, settings.socket_path)
-    broker.start()
+    try:
+        broker = Broker(service, settings.socket_path, group=group_id(settings.socket_group))
+        broker.start()
+    except (MaasdError, OSError) as e:
+        service.close()
+        raise click.ClickException(f"cannot open the worker socket {settings.socket_path}: "
+                                   f"{getattr(e, 'detail', None) or e}") from e
     server = _server(uvicorn.Config(create_app(service), host=settings.host, port=settings.port,
                                     log_config=None, access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=10, server_header=False))

@@ -69,3 +69,29 @@ def test_logfmt_lines(msg: str, expect: str) -> None:
     record.url = "http://127.0.0.1:1"
     line = LogfmtFormatter().format(record)
     assert expect in line and "level=info" in line and "url=http://127.0.0.1:1" in line
+
+
+def test_socket_group_owns_the_worker_socket(tmp_path: Path) -> None:
+    import grp
+    import stat
+
+    from conftest import Daemon
+
+    group = grp.getgrgid(65534).gr_name if 65534 in {g.gr_gid for g in grp.getgrall()} else None
+    if group is None:
+        pytest.skip("no group with gid 65534 on this host to hand the socket to")
+    d = Daemon(tmp_path / "maasd", env={"MAASD_SOCKET": str(tmp_path / "run" / "maasd.sock"),
+                                        "MAASD_SOCKET_GROUP": group})
+    d.socket_path = str(tmp_path / "run" / "maasd.sock")
+    try:
+        d.start()
+        st = os.stat(d.socket_path)
+        assert st.st_gid == 65534 and stat.S_IMODE(st.st_mode) == 0o660
+    finally:
+        d.close()
+
+
+def test_unknown_socket_group_is_refused_before_starting(tmp_path: Path) -> None:
+    r = run("serve", "--data-dir", str(tmp_path), "--socket-group", "no-such-group-maasd")
+    assert r.returncode != 0 and "no-such-group-maasd" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "maasd.db").exists()
