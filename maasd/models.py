@@ -143,3 +143,23 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
     is_admin: bool
     tenant_id: str | None = None
     key_id: str | None = None
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of the audit trail: what happened to which tenant, buffer or pool.
+
+    ``kind`` is one of ``reserve``, ``release``, ``evict``, ``expire``, ``pool_drain``,
+    ``shutdown``, ``recover``, ``reserve_failed`` (buffers), ``tenant_create``,
+    ``tenant_delete``, ``quota_set``, ``key_issue``, ``key_revoke`` (tenants),
+    ``pool_create``, ``pool_delete`` (pools). ``bytes`` is the buffer size (or quota,
+    capacity); ``detail`` a name or id the kind needs (never a key itself).
+    """
+
+    id: int
+    at: str
+    kind: str
+    tenant_id: str | None
+    buffer_id: str | None
+    pool_id: str | None
+    bytes: int | None
+    detail: str | None

@@ -59,6 +59,7 @@ from maasd.models import (
     MAX_NODE,
     BufferInfo,
     Checkpoint,
+    Event,
     KeyInfo,
     LookupHit,
     NewTenant,
@@ -433,6 +434,18 @@ class Service:
         self._forget_keys()
         if not revoked:
             raise NotFound(f"no active key {key_id!r} for tenant {t.name}")
+
+    def events(self, limit: int = 100, tenant: str | None = None,
+               before: int | None = None) -> list[Event]:
+        """The audit trail, newest first (admin): every reserve, release and why, key and quota change."""
+        if isinstance(limit, bool) or not 1 <= limit <= 1000:
+            raise InvalidRequest(f"limit must be 1..1000, got {limit!r}")
+        if before is not None and not 1 <= before <= MAX_BYTES:  # an id: below 2^63
+            raise InvalidRequest(f"before must be an event id (1..2^63-1), got {before!r}")
+        tenant_id = self.tenant(tenant).id if tenant is not None else None
+        return [Event(id=e.id, at=rfc3339(e.at), kind=e.kind, tenant_id=e.tenant_id,
+                      buffer_id=e.buffer_id, pool_id=e.pool_id, bytes=e.bytes, detail=e.detail)
+                for e in self.store.events(limit, tenant_id=tenant_id, before=before)]
 
     def usage(self, who: Principal) -> Usage:
         t = self.tenant(self.require_tenant(who))

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import anyio.to_thread
 from anyio import CapacityLimiter
 from litestar import Litestar, Request, Response, Router, delete, get, patch, post
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, Schema, SecurityScheme
-from litestar.params import FromPath, FromQuery, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from maasd import __version__
 from maasd.api import problems
@@ -33,6 +33,7 @@ from maasd.metrics import CONTENT_TYPE
 from maasd.models import (
     BufferInfo,
     Checkpoint,
+    Event,
     KeyInfo,
     LookupHit,
     NewTenant,
@@ -179,6 +180,14 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
     async def revoke_key(request: Request, tenant_id: FromPath[str], key_id: FromPath[str]) -> None:
         await call(request, admin(service.revoke_key), tenant_id, key_id)
 
+    @get("/events", tags=["tenants"], summary="The audit trail, newest first (admin)",
+         responses=problems.responses(*ADMIN + (404,)))
+    async def events(request: Request, limit: FromQuery[Annotated[int, Parameter(ge=1, le=1000)]] = 100,
+                     tenant_id: FromQuery[str | None] = None,
+                     before: FromQuery[Annotated[int, Parameter(ge=1, le=2**63 - 1)] | None] = None,
+                     ) -> list[Event]:
+        return await call(request, admin(service.events), limit, tenant_id, before)
+
     # -- tenant ---------------------------------------------------------------------------
 
     @get("/usage", tags=["buffers"], summary="The calling tenant's quota and use",
@@ -245,7 +254,7 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
 
     v1 = Router(path="/v1", before_request=authenticate, route_handlers=[
         topology, list_pools, get_pool, create_pool, delete_pool, create_tenant, list_tenants,
-        get_tenant, set_quota, delete_tenant, issue_key, revoke_key, usage, reserve_in, reserve,
+        get_tenant, set_quota, delete_tenant, issue_key, revoke_key, events, usage, reserve_in, reserve,
         list_buffers, get_buffer, pin, renew, checkpoint, release, lookup,
     ])
     app = Litestar(

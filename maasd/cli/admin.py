@@ -641,6 +641,36 @@ def keys_revoke(c: Ctx, tenant: str, key_id: str) -> None:
 # -- buffers ----------------------------------------------------------------------------------------
 
 
+@cli.command()
+@click.option("--tenant", metavar="NAME|ID", shell_complete=_complete("tenant"),
+              help="Only this tenant's events.")
+@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True,
+              help="How many of the newest events.")
+@click.option("--before", type=click.IntRange(min=1), help="Only events older than this # (to page back).")
+@pass_ctx
+def events(c: Ctx, tenant: str | None, limit: int, before: int | None) -> None:
+    """The audit trail, newest first: reserves, releases and why, keys, quotas, pools.
+
+    \b
+    Examples:
+      maasctl events
+      maasctl events --tenant acme --limit 200
+      maasctl --json events --before 1200
+    """
+    with c.api("admin") as api:
+        tenant_id = str(resolve_tenant(api, tenant)["id"]) if tenant else None
+        items = api.events(limit, tenant_id, before) or []
+        names = ({}, {}) if c.as_json else _names(api)
+    c.emit(
+        items,
+        lambda: (
+            fmt.events_table(items, tenant_names=names[0], pool_names=names[1])
+            if items
+            else Text("No events.", style="dim")
+        ),
+    )
+
+
 @cli.group(context_settings=CONTEXT_SETTINGS)
 def buffers() -> None:
     """List, show and release buffers.

@@ -299,6 +299,38 @@ def buffers_table(
     return t
 
 
+def events_table(
+    events: Iterable[Json],
+    *,
+    tenant_names: Mapping[str, str] | None = None,
+    pool_names: Mapping[str, str] | None = None,
+) -> Table:
+    tenant_names = tenant_names or {}
+    pool_names = pool_names or {}
+    t = _table()
+    t.add_column("#", justify="right")
+    t.add_column("AT", no_wrap=True)
+    t.add_column("EVENT", no_wrap=True)
+    t.add_column("TENANT", no_wrap=True)
+    t.add_column("POOL", no_wrap=True)
+    t.add_column("BUFFER", overflow="fold")
+    t.add_column("BYTES", justify="right")
+    t.add_column("DETAIL")
+    for e in events:
+        tid, pid = e.get("tenant_id"), e.get("pool_id")
+        t.add_row(
+            _opt(e.get("id")),
+            format_time(e.get("at")),
+            _opt(e.get("kind")),
+            tenant_names.get(str(tid), _opt(tid)),
+            pool_names.get(str(pid), _opt(pid)),
+            _id(e.get("buffer_id")) if e.get("buffer_id") else Text("-"),
+            _size(e.get("bytes")) if e.get("bytes") is not None else Text("-"),
+            _short(e.get("detail"), 40),
+        )
+    return t
+
+
 def _relative_only(value: Any, now: dt.datetime) -> str:
     t = _parse_time(value)
     return _ago((t - now).total_seconds()) if t else _opt(value)

@@ -258,6 +258,14 @@ class AdminApi:
     def usage(self) -> Any:
         return self.call("GET", "/v1/usage")
 
+    def events(self, limit: int, tenant_id: str | None = None, before: int | None = None) -> Any:
+        params: dict[str, Any] = {"limit": limit}
+        if tenant_id:
+            params["tenant_id"] = tenant_id
+        if before is not None:
+            params["before"] = before
+        return self.call("GET", "/v1/events", params=params)
+
     def buffers(self, tenant_id: str | None = None) -> Any:
         params = {"tenant_id": tenant_id} if tenant_id else None
         return self.call("GET", "/v1/buffers", params=params)

@@ -473,8 +473,11 @@ class Store:
         """Change a tenant's quota (lowering it below use is allowed). :class:`NotFound` if unknown."""
         if isinstance(quota_bytes, bool) or not isinstance(quota_bytes, int) or quota_bytes < 0:
             raise InvalidRequest(f"quota_bytes must be a non-negative integer, got {quota_bytes!r}")
-        if self._single_count(_set_quota, {"p_id": tenant_id, "quota": quota_bytes}) == 0:
-            raise NotFound(f"tenant {tenant_id} not found")
+        with self._writing() as conn:
+            if conn.execute(_set_quota, {"p_id": tenant_id, "quota": quota_bytes}).rowcount == 0:
+                raise NotFound(f"tenant {tenant_id} not found")
+            conn.execute(_ins_event, _event("quota_set", time.time(), tenant_id=tenant_id,
+                                            nbytes=quota_bytes))
 
     def delete_tenant(self, tenant_id: str, *, now: float | None = None) -> None:
         """Delete a tenant and its keys.
@@ -496,11 +499,12 @@ class Store:
     def add_key(self, id: str, tenant_id: str, digest: bytes, now: float) -> KeyRow:
         """Store a key's digest for a tenant. :class:`NotFound` if the tenant is unknown."""
         try:
-            with self._single.begin() as conn:
+            with self._wlock, self._single.begin() as conn:
                 conn.execute(
                     insert(_K),
                     {"id": id, "tenant_id": tenant_id, "digest": digest, "created_at": now, "revoked_at": None},
                 )
+                conn.execute(_ins_event, _event("key_issue", now, tenant_id=tenant_id, detail=id))
         except sa.exc.IntegrityError as exc:
             kind, message = _violation(exc)
             if kind == "foreign_key":
@@ -519,12 +523,22 @@ class Store:
 
     def revoke_key(self, tenant_id: str, key_id: str, *, now: float | None = None) -> bool:
         """Revoke one key of this tenant. ``False`` if unknown, foreign or already revoked."""
-        params = {"p_tenant": tenant_id, "key_id": key_id, "now": time.time() if now is None else now}
-        return self._single_count(_revoke_key, params) == 1
+        at = time.time() if now is None else now
+        params = {"p_tenant": tenant_id, "key_id": key_id, "now": at}
+        with self._writing() as conn:
+            if conn.execute(_revoke_key, params).rowcount != 1:
+                return False
+            conn.execute(_ins_event, _event("key_revoke", at, tenant_id=tenant_id, detail=key_id))
+        return True
 
     def revoke_keys(self, tenant_id: str, *, now: float | None = None) -> int:
         """Revoke every live key of a tenant; returns how many were revoked."""
-        return self._single_count(_revoke_keys, {"p_tenant": tenant_id, "now": time.time() if now is None else now})
+        at = time.time() if now is None else now
+        with self._writing() as conn:
+            n = int(conn.execute(_revoke_keys, {"p_tenant": tenant_id, "now": at}).rowcount)
+            if n:
+                conn.execute(_ins_event, _event("key_revoke", at, tenant_id=tenant_id, detail=f"all {n}"))
+        return n
 
     # ------------------------------------------------------------ buffers
     def begin_reserve(self, row: BufferRow, *, quota_check: bool = True) -> list[BufferRow]:
@@ -827,9 +841,19 @@ class Store:
             nbytes=nbytes,
             detail=detail,
         )
-        with self._single.begin() as conn:
+        with self._wlock, self._single.begin() as conn:
             conn.execute(_ins_event, ev)
 
-    def events(self, limit: int = 100) -> list[EventRow]:
-        """The newest ``limit`` events, newest first."""
-        return [EventRow(*r) for r in self._read_rows(_sel_events, {"limit": limit})]
+    def events(self, limit: int = 100, *, tenant_id: str | None = None,
+               before: int | None = None) -> list[EventRow]:
+        """The newest ``limit`` events, newest first; only ``tenant_id``'s when given, and
+        only those older than event id ``before`` (to page back)."""
+        stmt = _sel_events
+        params: dict[str, Any] = {"limit": limit}
+        if tenant_id is not None:
+            stmt = stmt.where(_E.c.tenant_id == bindparam("p_tenant"))
+            params["p_tenant"] = tenant_id
+        if before is not None:
+            stmt = stmt.where(_E.c.id < bindparam("before"))
+            params["before"] = before
+        return [EventRow(*r) for r in self._read_rows(stmt, params)]
