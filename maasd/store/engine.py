@@ -90,6 +90,30 @@ def normalize_url(url: str | URL) -> URL:
     )
 
 
+def _retry_locked(cursor: Any, sql: str, deadline_s: float = BUSY_TIMEOUT_MS / 1000) -> None:
+    """Run ``sql``, retrying while SQLite answers "database is locked".
+
+    Switching a new database to WAL needs an exclusive lock, and SQLite answers
+    that pragma with SQLITE_BUSY at once instead of calling the busy handler —
+    seen when several processes open a fresh ledger together (``maasd migrate``
+    beside ``maasd serve``). Everything else waits in the busy timeout already.
+    """
+    import sqlite3
+    import time
+
+    give_up = time.monotonic() + deadline_s
+    delay = 0.001
+    while True:
+        try:
+            cursor.execute(sql)
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > give_up:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+
 def create_engine(
     url: str | URL,
     *,
@@ -126,7 +150,7 @@ def create_engine(
         cursor = dbapi_connection.cursor()
         try:
             for pragma in _SQLITE_PRAGMAS:
-                cursor.execute(pragma)
+                _retry_locked(cursor, pragma)
         finally:
             cursor.close()
 
