@@ -6,8 +6,6 @@ database when ``MAASD_TEST_PG_URL`` is set (``scripts/pg-test-server``).
 
 from __future__ import annotations
 
-import os
-import secrets
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,22 +15,9 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from pgdb import BACKENDS, fresh_pg_database
 
-from maasd.store import Store, alembic_config, metadata, normalize_url
-
-PG_URL = os.environ.get("MAASD_TEST_PG_URL")
-
-BACKENDS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param(
-        "postgres",
-        id="postgres",
-        marks=[
-            pytest.mark.postgres,
-            pytest.mark.skipif(not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)"),
-        ],
-    ),
-]
+from maasd.store import Store, alembic_config, metadata
 
 
 @pytest.fixture(params=BACKENDS)
@@ -41,17 +26,8 @@ def empty_url(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'maasd.db'}"
         return
-    assert PG_URL
-    admin = sa.create_engine(normalize_url(PG_URL), isolation_level="AUTOCOMMIT")
-    name = f"maasd_test_{secrets.token_hex(6)}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield normalize_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture

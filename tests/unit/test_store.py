@@ -8,8 +8,6 @@ before each test.
 
 from __future__ import annotations
 
-import os
-import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import sqlalchemy as sa
+from pgdb import BACKENDS, fresh_pg_database
 
 from maasd.errors import (
     DuplicateKey,
@@ -31,38 +30,15 @@ from maasd.errors import (
 from maasd.store import BufferRow, PoolRow, Store, TenantRow, migrations_dir, normalize_url
 from maasd.tenancy.keys import digest, new_id, new_token
 
-PG_URL = os.environ.get("MAASD_TEST_PG_URL")
 HOST = "host-a"
 NOW = 1_700_000_000.0
-
-BACKENDS = [
-    pytest.param("sqlite", id="sqlite"),
-    pytest.param(
-        "postgres",
-        id="postgres",
-        marks=[
-            pytest.mark.postgres,
-            pytest.mark.skipif(not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)"),
-        ],
-    ),
-]
-
 
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def pg_database_url() -> Iterator[str]:
     """A fresh PostgreSQL database for this module, dropped afterwards."""
-    assert PG_URL
-    admin = sa.create_engine(normalize_url(PG_URL), isolation_level="AUTOCOMMIT")
-    name = f"maasd_test_{secrets.token_hex(6)}"
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
-    try:
-        yield normalize_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.dispose()
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(params=BACKENDS)
