@@ -137,6 +137,20 @@ class FakeDaemon:
         return np.frombuffer(self.mem[buffer_id], dtype=np.uint8)
 
 
+def saved_entry(
+    path: Path, n: int, seed: int
+) -> tuple[L.KVStore, list[int], np.ndarray, np.ndarray, L.Header]:
+    """Evaluate ``n`` tokens, save them in a fake daemon; return the store, the tokens, the
+    entry's live bytes (to corrupt), a clean copy of them, and its parsed header."""
+    d = FakeDaemon()
+    toks = prompt(n, seed=seed)
+    a = load(path)
+    a.eval(toks)
+    kv = L.KVStore(d, d, a)
+    raw = d.raw(kv.save(0, toks).id)
+    return kv, toks, raw, raw.copy(), L.parse_header(raw)
+
+
 @pytest.fixture(scope="module")
 def path0() -> Path:
     return tiny_model(0)
@@ -233,15 +247,7 @@ class TestMechanics:
         assert not d.bufs
 
     def test_corrupted_entries_are_refused(self, path0: Path) -> None:
-        d = FakeDaemon()
-        toks = prompt(100, seed=6)
-        a = load(path0)
-        a.eval(toks)
-        kv = L.KVStore(d, d, a)
-        buf = kv.save(0, toks)
-        raw = d.raw(buf.id)
-        clean = raw.copy()
-        hdr = L.parse_header(raw)
+        kv, toks, raw, clean, hdr = saved_entry(path0, 100, seed=6)
         for pos in (0, 9, 40, 70, hdr.header_len + 3, hdr.header_len + hdr.state_len - 1):
             raw[:] = clean
             raw[pos] ^= 0x55
@@ -253,15 +259,7 @@ class TestMechanics:
         assert kv.restore(0, toks) == 100
 
     def test_garbage_state_with_valid_checksum_never_crashes(self, path0: Path) -> None:
-        d = FakeDaemon()
-        toks = prompt(80, seed=7)
-        a = load(path0)
-        a.eval(toks)
-        kv = L.KVStore(d, d, a)
-        buf = kv.save(0, toks)
-        raw = d.raw(buf.id)
-        clean = raw.copy()
-        hdr = L.parse_header(raw)
+        kv, toks, raw, clean, hdr = saved_entry(path0, 80, seed=7)
         rng = np.random.default_rng(0)
         for _ in range(60):
             raw[:] = clean
@@ -272,9 +270,9 @@ class TestMechanics:
             header = L.pack_header(hdr.fingerprint, hdr.tokens, hdr.state_len, L.state_checksum(st.data))
             L._write_header(raw, header)
             assert kv.restore(0, toks) in (0, 80)
-        a.reset()
-        a.eval(toks[:5])  # the context is still usable
-        assert a.n_tokens == 5
+        kv.model.reset()
+        kv.model.eval(toks[:5])  # the context is still usable
+        assert kv.model.n_tokens == 5
 
     def test_foreign_models_are_refused(self, path0: Path) -> None:
         d = FakeDaemon()
