@@ -113,7 +113,15 @@ class _Close(Exception):
 
 class _Connection:
     __slots__ = (
-        "api_key", "attachments", "gid", "name", "pid", "principal", "reader", "sock", "uid",
+        "api_key",
+        "attachments",
+        "gid",
+        "name",
+        "pid",
+        "principal",
+        "reader",
+        "sock",
+        "uid",
     )
 
     def __init__(self, sock: socket.socket, name: str) -> None:
@@ -139,8 +147,13 @@ class _Connection:
 
     def fields(self, **more: object) -> dict[str, object]:
         """Structured-logging fields (``extra=``) that identify this connection."""
-        return {"conn": self.name, "peer_pid": self.pid, "peer_uid": self.uid,
-                "tenant": self.tenant, **more}
+        return {
+            "conn": self.name,
+            "peer_pid": self.pid,
+            "peer_uid": self.uid,
+            "tenant": self.tenant,
+            **more,
+        }
 
 
 class Broker:
@@ -151,8 +164,9 @@ class Broker:
     to the socket file before it accepts connections.
     """
 
-    def __init__(self, service: HandleService, path: str, mode: int = 0o660,
-                 group: int | None = None) -> None:
+    def __init__(
+        self, service: HandleService, path: str, mode: int = 0o660, group: int | None = None
+    ) -> None:
         self.service = service
         self.path = os.fspath(path)
         self.mode = mode
@@ -285,7 +299,9 @@ class Broker:
                         sock, _addr = listener.accept()
                     except OSError as exc:
                         # EMFILE and friends: log, keep serving the others.
-                        logger.warning("accept failed", extra={"path": self.path, "error": str(exc)})
+                        logger.warning(
+                            "accept failed", extra={"path": self.path, "error": str(exc)}
+                        )
                         continue
                     self._spawn(sock)
         except Exception:  # pragma: no cover - defensive: never die silently
@@ -313,8 +329,14 @@ class Broker:
                 try:
                     data = sock.recv(65536)
                 except TimeoutError:
-                    self._send(conn, Error(status=400, title="Hello expected",
-                                           detail=f"no hello within {HELLO_TIMEOUT_S:g} s"))
+                    self._send(
+                        conn,
+                        Error(
+                            status=400,
+                            title="Hello expected",
+                            detail=f"no hello within {HELLO_TIMEOUT_S:g} s",
+                        ),
+                    )
                     break
                 except OSError:
                     break
@@ -324,8 +346,15 @@ class Broker:
                     frames = conn.reader.feed(data)
                 except FrameTooLarge as exc:
                     logger.warning("frame too large", extra=conn.fields(length=exc.length))
-                    self._send(conn, Error(status=400, title="Frame too large", detail=str(exc),
-                                           type=PROBLEM_TYPE_BASE + "frame-too-large"))
+                    self._send(
+                        conn,
+                        Error(
+                            status=400,
+                            title="Frame too large",
+                            detail=str(exc),
+                            type=PROBLEM_TYPE_BASE + "frame-too-large",
+                        ),
+                    )
                     break
                 for body in frames:
                     self._handle_frame(conn, body)
@@ -344,11 +373,14 @@ class Broker:
                     try:
                         self.service.drop_handle(principal, buffer_id)
                     except Exception:
-                        logger.exception("drop_handle failed",
-                                         extra=conn.fields(buffer_id=buffer_id))
+                        logger.exception(
+                            "drop_handle failed", extra=conn.fields(buffer_id=buffer_id)
+                        )
             if conn.attachments:
-                logger.info("attachments dropped on close",
-                            extra=conn.fields(count=sum(conn.attachments.values())))
+                logger.info(
+                    "attachments dropped on close",
+                    extra=conn.fields(count=sum(conn.attachments.values())),
+                )
         conn.attachments.clear()
         with contextlib.suppress(OSError):
             conn.sock.close()
@@ -367,13 +399,26 @@ class Broker:
     def _error(self, conn: _Connection, exc: BaseException) -> None:
         status = status_for(exc)
         if isinstance(exc, errors.MaasdError) and status != 500:
-            self._send(conn, Error(status=status, title=exc.title, detail=exc.detail,
-                                   type=PROBLEM_TYPE_BASE + exc.code))
+            self._send(
+                conn,
+                Error(
+                    status=status,
+                    title=exc.title,
+                    detail=exc.detail,
+                    type=PROBLEM_TYPE_BASE + exc.code,
+                ),
+            )
         else:
             logger.error("unexpected error", exc_info=exc, extra=conn.fields())
-            self._send(conn, Error(status=500, title="Internal error",
-                                   detail="the daemon failed to handle this request; see its log",
-                                   type=PROBLEM_TYPE_BASE + "internal"))
+            self._send(
+                conn,
+                Error(
+                    status=500,
+                    title="Internal error",
+                    detail="the daemon failed to handle this request; see its log",
+                    type=PROBLEM_TYPE_BASE + "internal",
+                ),
+            )
         if status == 401:
             raise _Close
 
@@ -381,8 +426,15 @@ class Broker:
         try:
             req = decode_request(body)
         except msgspec.DecodeError as exc:
-            self._send(conn, Error(status=400, title="Invalid frame", detail=str(exc),
-                                   type=PROBLEM_TYPE_BASE + "invalid-request"))
+            self._send(
+                conn,
+                Error(
+                    status=400,
+                    title="Invalid frame",
+                    detail=str(exc),
+                    type=PROBLEM_TYPE_BASE + "invalid-request",
+                ),
+            )
             if conn.principal is None:
                 raise _Close from None
             return
@@ -390,9 +442,15 @@ class Broker:
             self._hello(conn, req)
             return
         if isinstance(req, Hello):
-            self._send(conn, Error(status=400, title="Invalid frame",
-                                   detail="already authenticated: hello is only valid first",
-                                   type=PROBLEM_TYPE_BASE + "invalid-request"))
+            self._send(
+                conn,
+                Error(
+                    status=400,
+                    title="Invalid frame",
+                    detail="already authenticated: hello is only valid first",
+                    type=PROBLEM_TYPE_BASE + "invalid-request",
+                ),
+            )
             return
         try:
             # Re-validate the key on every op: a key revoked while connected
@@ -409,16 +467,29 @@ class Broker:
 
     def _hello(self, conn: _Connection, req: Request) -> None:
         if not isinstance(req, Hello):
-            self._send(conn, Error(status=400, title="Hello expected",
-                                   detail=f"the first frame must be hello, got {type(req).__name__.lower()}",
-                                   type=PROBLEM_TYPE_BASE + "invalid-request"))
+            self._send(
+                conn,
+                Error(
+                    status=400,
+                    title="Hello expected",
+                    detail=f"the first frame must be hello, got {type(req).__name__.lower()}",
+                    type=PROBLEM_TYPE_BASE + "invalid-request",
+                ),
+            )
             raise _Close
         try:
             principal = self.service.authenticate(req.api_key)
         except errors.Unauthorized as exc:
             logger.info("hello refused", extra=conn.fields())
-            self._send(conn, Error(status=401, title=exc.title, detail=exc.detail,
-                                   type=PROBLEM_TYPE_BASE + exc.code))
+            self._send(
+                conn,
+                Error(
+                    status=401,
+                    title=exc.title,
+                    detail=exc.detail,
+                    type=PROBLEM_TYPE_BASE + exc.code,
+                ),
+            )
             raise _Close from None
         except Exception as exc:
             self._error(conn, exc)
@@ -436,12 +507,20 @@ class Broker:
                 # Count it before sending: if the peer is gone the send fails,
                 # and _cleanup still owes the service one drop_handle.
                 conn.attachments[req.buffer_id] += 1
-                self._send(conn, Attached(buffer_id=req.buffer_id, size_bytes=handle.size_bytes,
-                                          numa_node=handle.numa_node), (handle.fd,))
+                self._send(
+                    conn,
+                    Attached(
+                        buffer_id=req.buffer_id,
+                        size_bytes=handle.size_bytes,
+                        numa_node=handle.numa_node,
+                    ),
+                    (handle.fd,),
+                )
             finally:
                 os.close(handle.fd)
-            logger.debug("attach", extra=conn.fields(buffer_id=req.buffer_id,
-                                                   size_bytes=handle.size_bytes))
+            logger.debug(
+                "attach", extra=conn.fields(buffer_id=req.buffer_id, size_bytes=handle.size_bytes)
+            )
         elif isinstance(req, Detach):
             if conn.attachments[req.buffer_id] <= 0:
                 del conn.attachments[req.buffer_id]

@@ -33,24 +33,35 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class LedgerCollector(Collector):
-    def __init__(self, pools: Callable[[], Iterable[PoolInfo]],
-                 tenants: Callable[[], Iterable[TenantInfo]]) -> None:
+    def __init__(
+        self, pools: Callable[[], Iterable[PoolInfo]], tenants: Callable[[], Iterable[TenantInfo]]
+    ) -> None:
         self._pools = pools
         self._tenants = tenants
 
     def collect(self):  # type: ignore[no-untyped-def]
-        cap = GaugeMetricFamily("maasd_pool_capacity_bytes", "Pool capacity", labels=["pool", "node"])
-        used = GaugeMetricFamily("maasd_pool_used_bytes", "Bytes in live buffers of the pool",
-                                 labels=["pool", "node"])
-        nbuf = GaugeMetricFamily("maasd_pool_buffers", "Live buffers in the pool", labels=["pool", "node"])
+        cap = GaugeMetricFamily(
+            "maasd_pool_capacity_bytes", "Pool capacity", labels=["pool", "node"]
+        )
+        used = GaugeMetricFamily(
+            "maasd_pool_used_bytes", "Bytes in live buffers of the pool", labels=["pool", "node"]
+        )
+        nbuf = GaugeMetricFamily(
+            "maasd_pool_buffers", "Live buffers in the pool", labels=["pool", "node"]
+        )
         for p in self._pools():
             labels = [p.name, str(p.numa_node)]
             cap.add_metric(labels, p.capacity_bytes)
             used.add_metric(labels, p.used_bytes)
             nbuf.add_metric(labels, p.buffers)
-        tused = GaugeMetricFamily("maasd_tenant_used_bytes", "Bytes in live buffers of the tenant",
-                                  labels=["tenant", "name"])
-        tquota = GaugeMetricFamily("maasd_tenant_quota_bytes", "Tenant quota", labels=["tenant", "name"])
+        tused = GaugeMetricFamily(
+            "maasd_tenant_used_bytes",
+            "Bytes in live buffers of the tenant",
+            labels=["tenant", "name"],
+        )
+        tquota = GaugeMetricFamily(
+            "maasd_tenant_quota_bytes", "Tenant quota", labels=["tenant", "name"]
+        )
         for t in self._tenants():
             tused.add_metric([t.id, t.name], t.used_bytes)
             tquota.add_metric([t.id, t.name], t.quota_bytes)
@@ -62,26 +73,41 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)
-        self.reserve_total = Counter("maasd_reserve", "Reserve requests by outcome",
-                                     ["outcome"], registry=r)
-        self.reserve_seconds = Histogram("maasd_reserve_seconds", "Time to reserve a buffer",
-                                         buckets=LATENCY_BUCKETS, registry=r)
-        self.release_total = Counter("maasd_release", "Buffers released, by reason",
-                                     ["reason"], registry=r)
-        self.release_seconds = Histogram("maasd_release_seconds", "Time to release (scrub) a buffer",
-                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.reserve_total = Counter(
+            "maasd_reserve", "Reserve requests by outcome", ["outcome"], registry=r
+        )
+        self.reserve_seconds = Histogram(
+            "maasd_reserve_seconds", "Time to reserve a buffer", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.release_total = Counter(
+            "maasd_release", "Buffers released, by reason", ["reason"], registry=r
+        )
+        self.release_seconds = Histogram(
+            "maasd_release_seconds",
+            "Time to release (scrub) a buffer",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.scrub_bytes = Counter("maasd_scrub_bytes", "Bytes scrubbed", ["mode"], registry=r)
-        self.scrub_seconds = Counter("maasd_scrub_seconds", "Seconds spent scrubbing", ["mode"],
-                                     registry=r)
-        self.evictions = Counter("maasd_evictions", "Evictable buffers released to make room",
-                                 registry=r)
-        self.reaped = Counter("maasd_leases_reaped", "Buffers released because their lease ended",
-                              registry=r)
-        self.attached = Gauge("maasd_attached_handles", "Buffers attached by workers over the socket",
-                              ["tenant"], registry=r)
+        self.scrub_seconds = Counter(
+            "maasd_scrub_seconds", "Seconds spent scrubbing", ["mode"], registry=r
+        )
+        self.evictions = Counter(
+            "maasd_evictions", "Evictable buffers released to make room", registry=r
+        )
+        self.reaped = Counter(
+            "maasd_leases_reaped", "Buffers released because their lease ended", registry=r
+        )
+        self.attached = Gauge(
+            "maasd_attached_handles",
+            "Buffers attached by workers over the socket",
+            ["tenant"],
+            registry=r,
+        )
         self.checkpoints = Counter("maasd_checkpoints", "Checkpoints written", registry=r)
-        self.checkpoint_bytes = Counter("maasd_checkpoint_bytes", "Bytes written by checkpoints",
-                                        registry=r)
+        self.checkpoint_bytes = Counter(
+            "maasd_checkpoint_bytes", "Bytes written by checkpoints", registry=r
+        )
 
     def attach_ledger(self, collector: LedgerCollector) -> None:
         self.registry.register(collector)

@@ -86,7 +86,7 @@ class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """What a tenant asks for (SPEC §4). The API decodes bodies straight into this."""
 
     size_bytes: Annotated[int, msgspec.Meta(gt=0, le=MAX_BYTES)] | None = None
-    size_gb: Annotated[float, msgspec.Meta(gt=0, lt=2.0 ** 33)] | None = None
+    size_gb: Annotated[float, msgspec.Meta(gt=0, lt=2.0**33)] | None = None
     latency_us: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
     persistence: Literal["volatile", "persistent"] | None = None
     ttl_s: Annotated[int, msgspec.Meta(ge=1, le=2**31)] = 600
@@ -105,7 +105,7 @@ class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             return self.size_bytes
         gb = self.size_gb
         assert gb is not None
-        if not math.isfinite(gb) or gb <= 0 or gb * GiB >= 2.0 ** 63:
+        if not math.isfinite(gb) or gb <= 0 or gb * GiB >= 2.0**63:
             raise InvalidRequest("size_gb must be > 0 and below 2^63 bytes")
         return max(1, math.ceil(gb * GiB))
 
@@ -135,8 +135,9 @@ class Service:
     >>> svc.release(who, buf.id); svc.close()                       # doctest: +SKIP
     """
 
-    def __init__(self, settings: Settings, *, topology: Topology | None = None,
-                 store: Store | None = None) -> None:
+    def __init__(
+        self, settings: Settings, *, topology: Topology | None = None, store: Store | None = None
+    ) -> None:
         self.settings = settings
         self.host = settings.node_name
         self.topology = topology or discover()
@@ -151,8 +152,7 @@ class Service:
         self._busy: dict[str, threading.Lock] = {}
         self._attached: Counter[str] = Counter()
         self._touched: dict[str, float] = {}
-        self._key_cache: dict[bytes, Principal] | None = (
-            None if self.store.is_postgres else {})
+        self._key_cache: dict[bytes, Principal] | None = None if self.store.is_postgres else {}
         self._key_generation = 0
         self._admin_digest = b""
         self._stop = threading.Event()
@@ -169,20 +169,31 @@ class Service:
         for row in self.store.pools(self.host):
             self._pools[row.id] = _LivePool(row, self._make_pool(row))
         self.recover()
-        wanted = self.settings.pools or default_pools(self.topology, self.settings.default_pool_bytes)
+        wanted = self.settings.pools or default_pools(
+            self.topology, self.settings.default_pool_bytes
+        )
         existing = {lp.row.name: lp.row for lp in self._pools.values()}
         for spec in wanted:
             have = existing.get(spec.name)
             if have is None:
                 self.create_pool(spec)
             elif (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
-                    spec.numa_node, spec.backing, spec.persistence, spec.latency_us, spec.scrub) \
-                    or have.capacity_bytes < spec.capacity_bytes:
+                spec.numa_node,
+                spec.backing,
+                spec.persistence,
+                spec.latency_us,
+                spec.scrub,
+            ) or have.capacity_bytes < spec.capacity_bytes:
                 # The ledger's pool has live buffers bound to its properties: it wins.
-                logger.warning("pool %s in the ledger differs from its configuration; keeping "
-                               "the ledger's (delete the pool with drain to recreate it)", spec.name)
+                logger.warning(
+                    "pool %s in the ledger differs from its configuration; keeping "
+                    "the ledger's (delete the pool with drain to recreate it)",
+                    spec.name,
+                )
         if reaper:
-            self._reaper = threading.Thread(target=self._reap_loop, name="maasd-reaper", daemon=True)
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="maasd-reaper", daemon=True
+            )
             self._reaper.start()
 
     def close(self) -> None:
@@ -296,8 +307,10 @@ class Service:
         usage = self.store.usage_by_pool(self.host)
         with self._lock:
             live = list(self._pools.values())
-        return sorted((self._pool_info(lp.row, usage.get(lp.row.id, (0, 0))) for lp in live),
-                      key=lambda p: p.name)
+        return sorted(
+            (self._pool_info(lp.row, usage.get(lp.row.id, (0, 0))) for lp in live),
+            key=lambda p: p.name,
+        )
 
     def pool(self, id_or_name: str) -> PoolInfo:
         lp = self._live_pool(id_or_name)
@@ -308,20 +321,29 @@ class Service:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
         self._check_name(spec.name, "pool name")
         if spec.numa_node not in self.topology.node_ids:
-            raise PlacementError(f"NUMA node {spec.numa_node} does not exist on this host "
-                                 f"(nodes: {sorted(self.topology.node_ids)})")
+            raise PlacementError(
+                f"NUMA node {spec.numa_node} does not exist on this host "
+                f"(nodes: {sorted(self.topology.node_ids)})"
+            )
         if spec.latency_us < 0:
             raise InvalidRequest("latency_us must be ≥ 0")
-        page = (self.topology.hugepage_bytes if spec.backing == "hugetlb"
-                else self.topology.page_bytes)
+        page = (
+            self.topology.hugepage_bytes if spec.backing == "hugetlb" else self.topology.page_bytes
+        )
         if spec.capacity_bytes <= 0 or spec.capacity_bytes > MAX_BYTES - page:
             raise InvalidRequest("capacity_bytes must be > 0 and below 2^63")
         capacity = -(-spec.capacity_bytes // page) * page
         node = self.refresh_topology().node(spec.numa_node)
-        if spec.backing == "memfd" and node is not None and node.mem_total_bytes and \
-                capacity > node.mem_total_bytes:
-            raise TooLarge(f"capacity {capacity} bytes exceeds node {spec.numa_node}'s memory "
-                           f"({node.mem_total_bytes} bytes)")
+        if (
+            spec.backing == "memfd"
+            and node is not None
+            and node.mem_total_bytes
+            and capacity > node.mem_total_bytes
+        ):
+            raise TooLarge(
+                f"capacity {capacity} bytes exceeds node {spec.numa_node}'s memory "
+                f"({node.mem_total_bytes} bytes)"
+            )
         spill_dir = spec.spill_dir
         if spec.persistence == "persistent":
             if spill_dir is not None and not os.path.isabs(spill_dir):
@@ -332,21 +354,38 @@ class Service:
                 if not os.access(spill_dir, os.W_OK | os.X_OK):
                     raise PermissionError(13, "not writable")
             except OSError as e:
-                raise InvalidRequest(f"spill_dir {spill_dir!r} cannot be used: "
-                                     f"{e.strerror or e}") from e
+                raise InvalidRequest(
+                    f"spill_dir {spill_dir!r} cannot be used: {e.strerror or e}"
+                ) from e
         elif spill_dir is not None:
             raise InvalidRequest("spill_dir only applies to persistent pools")
-        row = PoolRow(id=keys.new_id(), host=self.host, name=spec.name, numa_node=spec.numa_node,
-                      backing=spec.backing, persistence=spec.persistence,
-                      latency_us=spec.latency_us, capacity_bytes=capacity, page_bytes=page,
-                      prefault=spec.prefault, scrub=spec.scrub, spill_dir=spill_dir,
-                      created_at=time.time())
+        row = PoolRow(
+            id=keys.new_id(),
+            host=self.host,
+            name=spec.name,
+            numa_node=spec.numa_node,
+            backing=spec.backing,
+            persistence=spec.persistence,
+            latency_us=spec.latency_us,
+            capacity_bytes=capacity,
+            page_bytes=page,
+            prefault=spec.prefault,
+            scrub=spec.scrub,
+            spill_dir=spill_dir,
+            created_at=time.time(),
+        )
         pool = self._make_pool(row)
         with self._lock:
             self.store.add_pool(row)
             self._pools[row.id] = _LivePool(row, pool)
-        logger.info("pool %s created: node %d, %d bytes, %s/%s", row.name, row.numa_node,
-                    capacity, row.backing, row.persistence)
+        logger.info(
+            "pool %s created: node %d, %d bytes, %s/%s",
+            row.name,
+            row.numa_node,
+            capacity,
+            row.backing,
+            row.persistence,
+        )
         return self._pool_info(row, (0, 0))
 
     def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
@@ -354,8 +393,10 @@ class Service:
         lp = self._live_pool(id_or_name)
         rows = self.store.buffers(pool_id=lp.row.id, states=("reserving", "live", "releasing"))
         if rows and not drain:
-            raise StateConflict(f"pool {lp.row.name} holds {len(rows)} buffer(s); "
-                                "release them or delete with drain=true")
+            raise StateConflict(
+                f"pool {lp.row.name} holds {len(rows)} buffer(s); "
+                "release them or delete with drain=true"
+            )
         for row in rows:
             self._release_row(row, reason="pool_drain")
         with self._lock:
@@ -363,9 +404,17 @@ class Service:
             self._pools.pop(lp.row.id, None)
 
     def _make_pool(self, row: PoolRow) -> Pool:
-        return Pool(row.name, numa_node=row.numa_node, capacity=row.capacity_bytes,
-                    backing=row.backing, persistence=row.persistence, latency_us=row.latency_us,
-                    prefault=row.prefault, scrub=row.scrub, page_bytes=row.page_bytes)
+        return Pool(
+            row.name,
+            numa_node=row.numa_node,
+            capacity=row.capacity_bytes,
+            backing=row.backing,
+            persistence=row.persistence,
+            latency_us=row.latency_us,
+            prefault=row.prefault,
+            scrub=row.scrub,
+            page_bytes=row.page_bytes,
+        )
 
     def _live_pool(self, id_or_name: str) -> _LivePool:
         with self._lock:
@@ -378,11 +427,21 @@ class Service:
 
     @staticmethod
     def _pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
-        return PoolInfo(id=row.id, name=row.name, numa_node=row.numa_node, backing=row.backing,
-                        persistence=row.persistence, latency_us=row.latency_us,
-                        capacity_bytes=row.capacity_bytes, used_bytes=used[0],
-                        free_bytes=row.capacity_bytes - used[0], page_bytes=row.page_bytes,
-                        prefault=row.prefault, scrub=row.scrub, buffers=used[1])
+        return PoolInfo(
+            id=row.id,
+            name=row.name,
+            numa_node=row.numa_node,
+            backing=row.backing,
+            persistence=row.persistence,
+            latency_us=row.latency_us,
+            capacity_bytes=row.capacity_bytes,
+            used_bytes=used[0],
+            free_bytes=row.capacity_bytes - used[0],
+            page_bytes=row.page_bytes,
+            prefault=row.prefault,
+            scrub=row.scrub,
+            buffers=used[1],
+        )
 
     # -- tenants and keys -----------------------------------------------------------------
 
@@ -394,8 +453,14 @@ class Service:
         token, key_id = keys.new_token(), keys.new_id()
         self.store.add_tenant(tenant_id, name, quota_bytes, now)
         self.store.add_key(key_id, tenant_id, keys.digest(token), now)
-        return NewTenant(id=tenant_id, name=name, quota_bytes=quota_bytes, used_bytes=0,
-                         api_key=token, key_id=key_id)
+        return NewTenant(
+            id=tenant_id,
+            name=name,
+            quota_bytes=quota_bytes,
+            used_bytes=0,
+            api_key=token,
+            key_id=key_id,
+        )
 
     def tenants(self) -> list[TenantInfo]:
         return [self._tenant_info(t) for t in self.store.tenants()]
@@ -435,28 +500,45 @@ class Service:
         if not revoked:
             raise NotFound(f"no active key {key_id!r} for tenant {t.name}")
 
-    def events(self, limit: int = 100, tenant: str | None = None,
-               before: int | None = None) -> list[Event]:
+    def events(
+        self, limit: int = 100, tenant: str | None = None, before: int | None = None
+    ) -> list[Event]:
         """The audit trail, newest first (admin): every reserve, release and why, key and quota change."""
         if isinstance(limit, bool) or not 1 <= limit <= 1000:
             raise InvalidRequest(f"limit must be 1..1000, got {limit!r}")
         if before is not None and not 1 <= before <= MAX_BYTES:  # an id: below 2^63
             raise InvalidRequest(f"before must be an event id (1..2^63-1), got {before!r}")
         tenant_id = self.tenant(tenant).id if tenant is not None else None
-        return [Event(id=e.id, at=rfc3339(e.at), kind=e.kind, tenant_id=e.tenant_id,
-                      buffer_id=e.buffer_id, pool_id=e.pool_id, bytes=e.bytes, detail=e.detail)
-                for e in self.store.events(limit, tenant_id=tenant_id, before=before)]
+        return [
+            Event(
+                id=e.id,
+                at=rfc3339(e.at),
+                kind=e.kind,
+                tenant_id=e.tenant_id,
+                buffer_id=e.buffer_id,
+                pool_id=e.pool_id,
+                bytes=e.bytes,
+                detail=e.detail,
+            )
+            for e in self.store.events(limit, tenant_id=tenant_id, before=before)
+        ]
 
     def usage(self, who: Principal) -> Usage:
         t = self.tenant(self.require_tenant(who))
-        return Usage(tenant_id=t.id, quota_bytes=t.quota_bytes, used_bytes=t.used_bytes,
-                     buffers=t.buffers)
+        return Usage(
+            tenant_id=t.id, quota_bytes=t.quota_bytes, used_bytes=t.used_bytes, buffers=t.buffers
+        )
 
     @staticmethod
     def _tenant_info(row) -> TenantInfo:  # type: ignore[no-untyped-def]
-        return TenantInfo(id=row.id, name=row.name, quota_bytes=row.quota_bytes,
-                          used_bytes=row.used_bytes, buffers=row.buffers,
-                          created_at=rfc3339(row.created_at))
+        return TenantInfo(
+            id=row.id,
+            name=row.name,
+            quota_bytes=row.quota_bytes,
+            used_bytes=row.used_bytes,
+            buffers=row.buffers,
+            created_at=rfc3339(row.created_at),
+        )
 
     # -- buffers --------------------------------------------------------------------------
 
@@ -490,11 +572,21 @@ class Service:
         last_error: Exception | None = None
         for lp in candidates:
             rounded = lp.pool.rounded(size)
-            row = BufferRow(id=keys.new_id(), tenant_id=tenant_id, pool_id=lp.row.id,
-                            size_bytes=rounded, numa_node=lp.row.numa_node,
-                            persistence=lp.row.persistence, label=req.label, key=req.key,
-                            evictable=req.evictable, state="reserving", created_at=now,
-                            expires_at=expires, last_used_at=now)
+            row = BufferRow(
+                id=keys.new_id(),
+                tenant_id=tenant_id,
+                pool_id=lp.row.id,
+                size_bytes=rounded,
+                numa_node=lp.row.numa_node,
+                persistence=lp.row.persistence,
+                label=req.label,
+                key=req.key,
+                evictable=req.evictable,
+                state="reserving",
+                created_at=now,
+                expires_at=expires,
+                last_used_at=now,
+            )
             try:
                 victims = self.store.begin_reserve(row)
             except PoolExhausted as e:
@@ -513,8 +605,10 @@ class Service:
             except BackingError as e:
                 self.store.finish_release(row.id, kind="reserve_failed")
                 if e.errno in (errno.ENOMEM, errno.ENOSPC):
-                    raise PoolExhausted(f"the kernel has no memory for {rounded} bytes on node "
-                                        f"{lp.row.numa_node} ({e.detail})") from e
+                    raise PoolExhausted(
+                        f"the kernel has no memory for {rounded} bytes on node "
+                        f"{lp.row.numa_node} ({e.detail})"
+                    ) from e
                 raise
             if lp.row.prefault:
                 # Placement is measured, not assumed (SPEC §2.5): a sample of pages, ~30 µs.
@@ -540,8 +634,10 @@ class Service:
     def _candidates(self, req: ReserveRequest, size: int, pool: str | None) -> list[_LivePool]:
         """The pools that could hold the request, most free space first."""
         if req.numa_node is not None and req.numa_node not in self.topology.node_ids:
-            raise PlacementError(f"NUMA node {req.numa_node} does not exist on this host "
-                                 f"(nodes: {sorted(self.topology.node_ids)})")
+            raise PlacementError(
+                f"NUMA node {req.numa_node} does not exist on this host "
+                f"(nodes: {sorted(self.topology.node_ids)})"
+            )
         with self._lock:
             pools = [self._live_pool(pool)] if pool is not None else list(self._pools.values())
         fit = [lp for lp in pools if self._meets(lp.row, req)]
@@ -550,19 +646,24 @@ class Service:
         big = [lp for lp in fit if lp.pool.rounded(size) <= lp.row.capacity_bytes]
         if not big:
             biggest = max(lp.row.capacity_bytes for lp in fit)
-            raise TooLarge(f"{size} bytes exceed the capacity of every pool that meets the QoS "
-                           f"(largest: {biggest} bytes)")
+            raise TooLarge(
+                f"{size} bytes exceed the capacity of every pool that meets the QoS "
+                f"(largest: {biggest} bytes)"
+            )
         if len(big) > 1:
             usage = self.store.usage_by_pool(self.host)
-            big.sort(key=lambda lp: lp.row.capacity_bytes - usage.get(lp.row.id, (0, 0))[0],
-                     reverse=True)
+            big.sort(
+                key=lambda lp: lp.row.capacity_bytes - usage.get(lp.row.id, (0, 0))[0], reverse=True
+            )
         return big
 
     @staticmethod
     def _meets(row: PoolRow, req: ReserveRequest) -> bool:
-        return ((req.latency_us is None or row.latency_us <= req.latency_us)
-                and (req.persistence is None or row.persistence == req.persistence)
-                and (req.numa_node is None or row.numa_node == req.numa_node))
+        return (
+            (req.latency_us is None or row.latency_us <= req.latency_us)
+            and (req.persistence is None or row.persistence == req.persistence)
+            and (req.numa_node is None or row.numa_node == req.numa_node)
+        )
 
     @staticmethod
     def _qos_text(req: ReserveRequest) -> str:
@@ -761,8 +862,10 @@ class Service:
             spill = lp.row.spill_dir
             if spill and os.path.isdir(spill):
                 for entry in os.scandir(spill):
-                    if entry.name.endswith((".ckpt", ".ckpt.tmp")) and \
-                            os.path.realpath(entry.path) not in keep:
+                    if (
+                        entry.name.endswith((".ckpt", ".ckpt.tmp"))
+                        and os.path.realpath(entry.path) not in keep
+                    ):
                         os.unlink(entry.path)
                         counts["orphans"] += 1
         if counts:
@@ -774,9 +877,14 @@ class Service:
             logger.warning("persistent buffer %s was never checkpointed; releasing it", row.id)
             return None
         try:
-            return allocator.restore(row.checkpoint_path, node=row.numa_node,
-                                     backing=lp.row.backing, page_bytes=lp.row.page_bytes,
-                                     size=row.size_bytes, expected_checksum=row.checksum)
+            return allocator.restore(
+                row.checkpoint_path,
+                node=row.numa_node,
+                backing=lp.row.backing,
+                page_bytes=lp.row.page_bytes,
+                size=row.size_bytes,
+                expected_checksum=row.checksum,
+            )
         except BackingError as e:
             logger.error("persistent buffer %s cannot be restored: %s", row.id, e.detail)
             return None
@@ -846,18 +954,29 @@ class Service:
 
     @staticmethod
     def _buffer_info(row: BufferRow) -> BufferInfo:
-        return BufferInfo(id=row.id, tenant_id=row.tenant_id, pool_id=row.pool_id,
-                          size_bytes=row.size_bytes, numa_node=row.numa_node,
-                          persistence=row.persistence, label=row.label, key=row.key,
-                          evictable=row.evictable, state=row.state,
-                          created_at=rfc3339(row.created_at), expires_at=rfc3339(row.expires_at),
-                          checksum=row.checksum)
+        return BufferInfo(
+            id=row.id,
+            tenant_id=row.tenant_id,
+            pool_id=row.pool_id,
+            size_bytes=row.size_bytes,
+            numa_node=row.numa_node,
+            persistence=row.persistence,
+            label=row.label,
+            key=row.key,
+            evictable=row.evictable,
+            state=row.state,
+            created_at=rfc3339(row.created_at),
+            expires_at=rfc3339(row.expires_at),
+            checksum=row.checksum,
+        )
 
     @staticmethod
     def _check_name(name: str, what: str) -> None:
         if not isinstance(name, str) or not NAME_RE.match(name):
-            raise InvalidRequest(f"{what} must be 1-64 characters of letters, digits, '.', '_' "
-                                 f"or '-', starting with a letter or digit; got {name!r}")
+            raise InvalidRequest(
+                f"{what} must be 1-64 characters of letters, digits, '.', '_' "
+                f"or '-', starting with a letter or digit; got {name!r}"
+            )
 
     @staticmethod
     def _check_bytes(value: int, what: str, *, allow_zero: bool = False) -> None:

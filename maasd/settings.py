@@ -57,12 +57,12 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     host: str = "127.0.0.1"
     port: int = 7878
-    socket: str | None = None          # default: DATA_DIR/maasd.sock
-    socket_group: str | None = None    # group (name or gid) given the socket, for workers
+    socket: str | None = None  # default: DATA_DIR/maasd.sock
+    socket_group: str | None = None  # group (name or gid) given the socket, for workers
     data_dir: str = msgspec.field(default_factory=default_data_dir)
-    db_url: str | None = None          # default: sqlite:///DATA_DIR/maasd.db
+    db_url: str | None = None  # default: sqlite:///DATA_DIR/maasd.db
     config: str | None = None
-    admin_key: str | None = None       # default: DATA_DIR/admin.key, generated once
+    admin_key: str | None = None  # default: DATA_DIR/admin.key, generated once
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
@@ -123,7 +123,9 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     # a typo in a [[pools]] table (``scrubb = "punch"``) must not silently fall back
     # to a default.
     for i, pool in enumerate(merged.get("pools") or []):
-        unknown = sorted(set(pool) - set(PoolSpec.__struct_fields__)) if isinstance(pool, dict) else []
+        unknown = (
+            sorted(set(pool) - set(PoolSpec.__struct_fields__)) if isinstance(pool, dict) else []
+        )
         if unknown:
             raise InvalidRequest(f"settings: unknown field(s) {unknown} - at $.pools[{i}]")
     try:
@@ -164,11 +166,24 @@ def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[Poo
     page = topology.page_bytes
     pools = []
     for node in topology.nodes:
-        size = pool_bytes if pool_bytes is not None else min(node.mem_free_bytes // 4, DEFAULT_POOL_CAP)
+        size = (
+            pool_bytes
+            if pool_bytes is not None
+            else min(node.mem_free_bytes // 4, DEFAULT_POOL_CAP)
+        )
         size -= size % page
         if size <= 0:
             continue
-        pools.append(PoolSpec(name=f"node{node.id}", numa_node=node.id, capacity_bytes=size,
-                              backing="memfd", persistence="volatile", latency_us=1,
-                              prefault=True, scrub="zero"))
+        pools.append(
+            PoolSpec(
+                name=f"node{node.id}",
+                numa_node=node.id,
+                capacity_bytes=size,
+                backing="memfd",
+                persistence="volatile",
+                latency_us=1,
+                prefault=True,
+                scrub="zero",
+            )
+        )
     return pools

@@ -84,8 +84,9 @@ def _default_hugepage_bytes() -> int:
     return 2 << 20
 
 
-def discover(sysfs_root: str | os.PathLike[str] = SYSFS_NODES, *,
-             hugepage_bytes: int | None = None) -> Topology:
+def discover(
+    sysfs_root: str | os.PathLike[str] = SYSFS_NODES, *, hugepage_bytes: int | None = None
+) -> Topology:
     """Read the host's NUMA topology. A host without NUMA sysfs is one node 0."""
     root = Path(sysfs_root)
     hp_bytes = hugepage_bytes or _default_hugepage_bytes()
@@ -96,24 +97,38 @@ def discover(sysfs_root: str | os.PathLike[str] = SYSFS_NODES, *,
         d = root / f"node{nid}"
         mem = parse_node_meminfo(_read(d / "meminfo"))
         distances = [int(x) for x in _read(d / "distance").split()] or [10]
-        nodes.append(Node(
-            id=nid,
-            cpus=parse_cpulist(_read(d / "cpulist")),
-            mem_total_bytes=mem.get("MemTotal", 0),
-            mem_free_bytes=mem.get("MemFree", 0),
-            distances=distances,
-            hugepages_total=int(_read(d / "hugepages" / hp_dir / "nr_hugepages", "0") or 0),
-            hugepages_free=int(_read(d / "hugepages" / hp_dir / "free_hugepages", "0") or 0),
-        ))
+        nodes.append(
+            Node(
+                id=nid,
+                cpus=parse_cpulist(_read(d / "cpulist")),
+                mem_total_bytes=mem.get("MemTotal", 0),
+                mem_free_bytes=mem.get("MemFree", 0),
+                distances=distances,
+                hugepages_total=int(_read(d / "hugepages" / hp_dir / "nr_hugepages", "0") or 0),
+                hugepages_free=int(_read(d / "hugepages" / hp_dir / "free_hugepages", "0") or 0),
+            )
+        )
     if not nodes:  # no NUMA in this kernel: the whole machine is node 0
-        meminfo = {k.rstrip(":"): int(v) * 1024
-                   for k, v, *_ in (line.split() for line in _read(Path("/proc/meminfo")).splitlines())
-                   if k in ("MemTotal:", "MemFree:")}
-        nodes.append(Node(id=0, cpus=list(range(os.cpu_count() or 1)),
-                          mem_total_bytes=meminfo.get("MemTotal", 0),
-                          mem_free_bytes=meminfo.get("MemFree", 0), distances=[10]))
-    return Topology(nodes=nodes, page_bytes=os.sysconf("SC_PAGE_SIZE"), hugepage_bytes=hp_bytes,
-                    hugepages_free=sum(n.hugepages_free for n in nodes))
+        meminfo = {
+            k.rstrip(":"): int(v) * 1024
+            for k, v, *_ in (line.split() for line in _read(Path("/proc/meminfo")).splitlines())
+            if k in ("MemTotal:", "MemFree:")
+        }
+        nodes.append(
+            Node(
+                id=0,
+                cpus=list(range(os.cpu_count() or 1)),
+                mem_total_bytes=meminfo.get("MemTotal", 0),
+                mem_free_bytes=meminfo.get("MemFree", 0),
+                distances=[10],
+            )
+        )
+    return Topology(
+        nodes=nodes,
+        page_bytes=os.sysconf("SC_PAGE_SIZE"),
+        hugepage_bytes=hp_bytes,
+        hugepages_free=sum(n.hugepages_free for n in nodes),
+    )
 
 
 def libnuma_view() -> dict[str, object] | None:
@@ -124,6 +139,9 @@ def libnuma_view() -> dict[str, object] | None:
         return None
     if not info.numa_available():
         return {"available": False}
-    return {"available": True, "max_node": info.get_max_node(),
-            "configured_nodes": info.get_num_configured_nodes(),
-            "distances": info.numa_hardware_info()["numa_node_distance"]}
+    return {
+        "available": True,
+        "max_node": info.get_max_node(),
+        "configured_nodes": info.get_num_configured_nodes(),
+        "distances": info.numa_hardware_info()["numa_node_distance"],
+    }

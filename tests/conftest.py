@@ -33,8 +33,9 @@ def free_port() -> int:
 class Daemon:
     """A ``maasd serve`` subprocess and what a test needs to talk to it."""
 
-    def __init__(self, data_dir: Path, *, env: dict[str, str] | None = None,
-                 config: Path | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, *, env: dict[str, str] | None = None, config: Path | None = None
+    ) -> None:
         self.data_dir = data_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -54,24 +55,30 @@ class Daemon:
         if config is not None:
             self.env["MAASD_CONFIG"] = str(config)
         self.proc: subprocess.Popen[bytes] | None = None
-        self.admin = httpx.Client(base_url=self.url, timeout=30.0,
-                                  headers={"Authorization": f"Bearer {self.admin_key}"})
+        self.admin = httpx.Client(
+            base_url=self.url, timeout=30.0, headers={"Authorization": f"Bearer {self.admin_key}"}
+        )
 
     # -- process --------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> Daemon:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen([sys.executable, "-m", "maasd.cli.daemon", "serve"],
-                                     env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"maasd exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200 and \
-                        os.path.exists(self.socket_path):
+                if httpx.get(
+                    f"{self.url}/healthz", timeout=1.0
+                ).status_code == 200 and os.path.exists(self.socket_path):
                     return self
             except httpx.TransportError:
                 pass
@@ -114,16 +121,19 @@ class Daemon:
 
     def tenant(self, name: str = "tenant", quota_bytes: int = 64 * MiB) -> tuple[str, str]:
         """Create a tenant (name made unique); returns ``(tenant_id, api_key)``."""
-        r = self.admin.post("/v1/tenants", json={"name": f"{name}-{secrets.token_hex(3)}",
-                                                 "quota_bytes": quota_bytes})
+        r = self.admin.post(
+            "/v1/tenants",
+            json={"name": f"{name}-{secrets.token_hex(3)}", "quota_bytes": quota_bytes},
+        )
         assert r.status_code == 201, r.text
         body = r.json()
         return body["id"], body["api_key"]
 
     def client(self, api_key: str) -> httpx.Client:
         """A raw httpx client with this key (for tests that check HTTP itself)."""
-        return httpx.Client(base_url=self.url, timeout=30.0,
-                            headers={"Authorization": f"Bearer {api_key}"})
+        return httpx.Client(
+            base_url=self.url, timeout=30.0, headers={"Authorization": f"Bearer {api_key}"}
+        )
 
     def metric(self, name: str, **labels: str) -> float:
         """The value of one sample in /metrics (0.0 when absent)."""
@@ -132,7 +142,9 @@ class Daemon:
         text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
                     return float(sample.value)
         return 0.0
 

@@ -25,7 +25,9 @@ BACKENDS = [
         id="postgres",
         marks=[
             pytest.mark.postgres,
-            pytest.mark.skipif(not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)"),
+            pytest.mark.skipif(
+                not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)"
+            ),
         ],
     ),
 ]

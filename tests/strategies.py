@@ -36,6 +36,7 @@ bad_page_sizes = st.integers(min_value=-4096, max_value=1 << 22).filter(
     lambda p: p <= 0 or p & (p - 1) != 0
 )
 
+
 #: Request sizes for a tiny pool of ``pages`` base pages: from one byte to a bit beyond it.
 def request_sizes(page: int, pages: int) -> st.SearchStrategy[int]:
     return st.one_of(

@@ -7,6 +7,14 @@ from maasd.allocator.pool import Pool, default_page_bytes
 from maasd.allocator.region import SEALS, Region
 
 __all__ = [
-    "SEALS", "Ledger", "Pool", "Region", "check_size", "checkpoint", "default_page_bytes",
-    "file_checksum", "restore", "round_up",
+    "SEALS",
+    "Ledger",
+    "Pool",
+    "Region",
+    "check_size",
+    "checkpoint",
+    "default_page_bytes",
+    "file_checksum",
+    "restore",
+    "round_up",
 ]

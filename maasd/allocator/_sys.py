@@ -42,7 +42,12 @@ MPOL_MF_MOVE_ALL = 1 << 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
-    ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_int,
+    ctypes.c_long,
 ]
 _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
@@ -64,12 +69,21 @@ def _load_libnuma() -> ctypes.CDLL | None:
             return None
     lib.mbind.restype = ctypes.c_long
     lib.mbind.argtypes = [
-        ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int,
-        ctypes.POINTER(ctypes.c_ulong), ctypes.c_ulong, ctypes.c_uint,
+        ctypes.c_void_p,
+        ctypes.c_ulong,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_ulong),
+        ctypes.c_ulong,
+        ctypes.c_uint,
     ]
     lib.numa_move_pages.restype = ctypes.c_int
     lib.numa_move_pages.argtypes = [
-        ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_ulong,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_int,
     ]
     return lib
 

@@ -29,7 +29,7 @@ def checkpoint(region: Region, path: str | os.PathLike[str]) -> str:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             for off in range(0, region.size, CHUNK):
-                chunk = view[off:off + CHUNK]
+                chunk = view[off : off + CHUNK]
                 digest.update(chunk)
                 while chunk:
                     n = os.write(fd, chunk)
@@ -54,9 +54,15 @@ def file_checksum(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def restore(path: str | os.PathLike[str], *, node: int, backing: str = "memfd",
-            page_bytes: int | None = None, size: int | None = None,
-            expected_checksum: str | None = None) -> Region:
+def restore(
+    path: str | os.PathLike[str],
+    *,
+    node: int,
+    backing: str = "memfd",
+    page_bytes: int | None = None,
+    size: int | None = None,
+    expected_checksum: str | None = None,
+) -> Region:
     """Load a checkpoint into a fresh sealed region; verify the checksum when given.
 
     Raises :class:`BackingError` when the file is missing, shorter than ``size``,
@@ -78,16 +84,18 @@ def restore(path: str | os.PathLike[str], *, node: int, backing: str = "memfd",
             with open(path, "rb", buffering=0) as f:
                 off = 0
                 while off < file_size:
-                    n = f.readinto(view[off:min(off + CHUNK, file_size)])
+                    n = f.readinto(view[off : min(off + CHUNK, file_size)])
                     if not n:
                         raise BackingError(f"restore from {path}: short read at {off}")
-                    digest.update(view[off:off + n])
+                    digest.update(view[off : off + n])
                     off += n
         finally:
             view.release()
         if expected_checksum is not None and digest.hexdigest() != expected_checksum:
-            raise BackingError(f"restore from {path}: checksum mismatch "
-                               f"(file {digest.hexdigest()[:16]}…, ledger {expected_checksum[:16]}…)")
+            raise BackingError(
+                f"restore from {path}: checksum mismatch "
+                f"(file {digest.hexdigest()[:16]}…, ledger {expected_checksum[:16]}…)"
+            )
         return region
     except BaseException:
         region.scrub("punch")

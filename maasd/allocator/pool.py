@@ -51,7 +51,9 @@ class Pool:
         if self.backing not in BACKINGS:
             raise InvalidRequest(f"backing must be one of {BACKINGS}, got {self.backing!r}")
         if self.persistence not in PERSISTENCES:
-            raise InvalidRequest(f"persistence must be one of {PERSISTENCES}, got {self.persistence!r}")
+            raise InvalidRequest(
+                f"persistence must be one of {PERSISTENCES}, got {self.persistence!r}"
+            )
         if self.scrub not in SCRUB_MODES:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {self.scrub!r}")
         if not self.page_bytes:
@@ -61,8 +63,9 @@ class Pool:
             raise InvalidRequest(f"page size must be a power of two, got {self.page_bytes}")
         check_size(self.capacity)
         if self.capacity % self.page_bytes:
-            raise InvalidRequest(f"capacity {self.capacity} is not a multiple of the "
-                                 f"{self.page_bytes}-byte page")
+            raise InvalidRequest(
+                f"capacity {self.capacity} is not a multiple of the {self.page_bytes}-byte page"
+            )
         self._ledger = Ledger(self.capacity)
 
     @property
@@ -88,8 +91,14 @@ class Pool:
         with self._lock:
             self._ledger.take(rounded)
         try:
-            return Region.create(rounded, node=self.numa_node, backing=self.backing,
-                                 page_bytes=self.page_bytes, prefault=self.prefault, name=name)
+            return Region.create(
+                rounded,
+                node=self.numa_node,
+                backing=self.backing,
+                page_bytes=self.page_bytes,
+                prefault=self.prefault,
+                name=name,
+            )
         except BaseException:
             with self._lock:
                 self._ledger.give(rounded)

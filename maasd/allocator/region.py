@@ -53,11 +53,22 @@ class Region:
     (8192, {0: 2})
     """
 
-    __slots__ = ("_addr", "_closed", "_lock", "backing", "fd", "name", "node", "page_bytes", "released",
-                 "size")
+    __slots__ = (
+        "_addr",
+        "_closed",
+        "_lock",
+        "backing",
+        "fd",
+        "name",
+        "node",
+        "page_bytes",
+        "released",
+        "size",
+    )
 
-    def __init__(self, fd: int, addr: int, size: int, node: int, backing: str, page_bytes: int,
-                 name: str) -> None:
+    def __init__(
+        self, fd: int, addr: int, size: int, node: int, backing: str, page_bytes: int, name: str
+    ) -> None:
         self.fd = fd
         self._addr = addr
         self.size = size
@@ -71,8 +82,16 @@ class Region:
         self.released = False
 
     @classmethod
-    def create(cls, size: int, *, node: int, backing: str = "memfd", page_bytes: int | None = None,
-               prefault: bool = True, name: str = "maasd-buffer") -> Region:
+    def create(
+        cls,
+        size: int,
+        *,
+        node: int,
+        backing: str = "memfd",
+        page_bytes: int | None = None,
+        prefault: bool = True,
+        name: str = "maasd-buffer",
+    ) -> Region:
         """Create, size, seal, map, bind and (optionally) populate a fresh region.
 
         ``size`` is rounded up to ``page_bytes`` (default: the base page size for
@@ -94,7 +113,9 @@ class Region:
                 os.ftruncate(fd, size)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             except OSError as e:
-                raise BackingError(f"sizing/sealing memfd to {size} bytes: {e.strerror}", e.errno) from e
+                raise BackingError(
+                    f"sizing/sealing memfd to {size} bytes: {e.strerror}", e.errno
+                ) from e
             addr = _sys.mmap_shared(fd, size)
             _sys.mbind(addr, size, node)
             region = cls(fd, addr, size, node, backing, page_bytes, name)
@@ -173,8 +194,9 @@ class Region:
         """
         self._check_open()
         if isinstance(node, bool) or not isinstance(node, int) or node not in known_nodes:
-            raise PlacementError(f"NUMA node {node!r} does not exist on this host "
-                                 f"(nodes: {sorted(known_nodes)})")
+            raise PlacementError(
+                f"NUMA node {node!r} does not exist on this host (nodes: {sorted(known_nodes)})"
+            )
         try:
             _sys.mbind(self._addr, self.size, node, _sys.MPOL_MF_MOVE | _sys.MPOL_MF_MOVE_ALL)
         except BackingError as e:
@@ -217,13 +239,15 @@ class Region:
 
     def _punch(self, *, zeroed: bool) -> None:
         try:
-            _sys.fallocate(self.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0,
-                           self.size)
+            _sys.fallocate(
+                self.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, self.size
+            )
         except BackingError as e:
             if not zeroed:
                 _sys.memset(self._addr, 0, self.size)
-            logger.warning("punching %r failed (%s); its bytes were zeroed with memset", self,
-                           e.detail)
+            logger.warning(
+                "punching %r failed (%s); its bytes were zeroed with memset", self, e.detail
+            )
 
     def close(self) -> bool:
         """Unmap and close the daemon's fd. Idempotent. Does not scrub: call :meth:`scrub` first.

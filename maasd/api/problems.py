@@ -22,12 +22,16 @@ logger = logging.getLogger(__name__)
 
 MEDIA_TYPE = "application/problem+json"
 
-_GENERIC = {400: ("bad-request", "Bad request"), 401: ("unauthorized", "Unauthorized"),
-            403: ("forbidden", "Forbidden"), 404: ("not-found", "Not found"),
-            405: ("method-not-allowed", "Method not allowed"),
-            413: ("too-large", "Request body too large"),
-            415: ("unsupported-media-type", "Unsupported media type"),
-            429: ("too-many-requests", "Too many requests")}
+_GENERIC = {
+    400: ("bad-request", "Bad request"),
+    401: ("unauthorized", "Unauthorized"),
+    403: ("forbidden", "Forbidden"),
+    404: ("not-found", "Not found"),
+    405: ("method-not-allowed", "Method not allowed"),
+    413: ("too-large", "Request body too large"),
+    415: ("unsupported-media-type", "Unsupported media type"),
+    429: ("too-many-requests", "Too many requests"),
+}
 
 
 class Problem(msgspec.Struct, frozen=True):
@@ -44,7 +48,7 @@ MEANING = {
     403: "A tenant key on an admin route, or the admin key on a tenant-only route",
     404: "Unknown id, or an id that belongs to another tenant (indistinguishable)",
     409: "Quota exceeded, duplicate key, or a state conflict (taken name, non-empty pool, "
-         "volatile checkpoint)",
+    "volatile checkpoint)",
     413: "Request body over 64 KiB",
     422: "QoS no pool meets, a NUMA node that does not exist, or larger than the pool",
     507: "The pool could hold the request but is full now",
@@ -53,17 +57,25 @@ MEANING = {
 
 def responses(*codes: int) -> dict[int, ResponseSpec]:
     """OpenAPI declarations of the problem answers a route can give (``responses=`` of a handler)."""
-    return {code: ResponseSpec(data_container=Problem, description=MEANING[code],
-                               media_type=MEDIA_TYPE, generate_examples=False)
-            for code in codes}
-
-
+    return {
+        code: ResponseSpec(
+            data_container=Problem,
+            description=MEANING[code],
+            media_type=MEDIA_TYPE,
+            generate_examples=False,
+        )
+        for code in codes
+    }
 
 
 def problem(status: int, code: str, title: str, detail: str) -> Response[Problem]:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return Response(Problem(type=PROBLEM_BASE + code, title=title, status=status, detail=detail),
-                    status_code=status, media_type=MEDIA_TYPE, headers=headers)
+    return Response(
+        Problem(type=PROBLEM_BASE + code, title=title, status=status, detail=detail),
+        status_code=status,
+        media_type=MEDIA_TYPE,
+        headers=headers,
+    )
 
 
 def from_maasd_error(_: Request, exc: errors.MaasdError) -> Response[Problem]:
@@ -90,14 +102,17 @@ def from_recursion(request: Request, exc: RecursionError) -> Response[Problem]:
     ``RecursionError`` is still an internal error.
     """
     if "deserializ" in str(exc):
-        return problem(400, "bad-request", "Bad request",
-                       "malformed JSON: the body is nested too deeply")
+        return problem(
+            400, "bad-request", "Bad request", "malformed JSON: the body is nested too deeply"
+        )
     return from_unexpected(request, exc)
 
 
 def from_unexpected(_: Request, exc: Exception) -> Response[Problem]:
     logger.exception("unhandled error", exc_info=exc)
-    return problem(500, "internal", "Internal error", "an unexpected error occurred; see the daemon log")
+    return problem(
+        500, "internal", "Internal error", "an unexpected error occurred; see the daemon log"
+    )
 
 
 def _describe(entry: object) -> str:

@@ -50,8 +50,8 @@ class Status(msgspec.Struct, frozen=True):
 
 
 _decoders: dict[type, msgspec.json.Decoder] = {
-    t: msgspec.json.Decoder(t) for t in (TenantBody, QuotaBody, PinBody, RenewBody, LookupBody,
-                                         PoolSpec, ReserveRequest)
+    t: msgspec.json.Decoder(t)
+    for t in (TenantBody, QuotaBody, PinBody, RenewBody, LookupBody, PoolSpec, ReserveRequest)
 }
 
 

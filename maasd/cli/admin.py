@@ -642,11 +642,22 @@ def keys_revoke(c: Ctx, tenant: str, key_id: str) -> None:
 
 
 @cli.command()
-@click.option("--tenant", metavar="NAME|ID", shell_complete=_complete("tenant"),
-              help="Only this tenant's events.")
-@click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True,
-              help="How many of the newest events.")
-@click.option("--before", type=click.IntRange(min=1), help="Only events older than this # (to page back).")
+@click.option(
+    "--tenant",
+    metavar="NAME|ID",
+    shell_complete=_complete("tenant"),
+    help="Only this tenant's events.",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1, 1000),
+    default=50,
+    show_default=True,
+    help="How many of the newest events.",
+)
+@click.option(
+    "--before", type=click.IntRange(min=1), help="Only events older than this # (to page back)."
+)
 @pass_ctx
 def events(c: Ctx, tenant: str | None, limit: int, before: int | None) -> None:
     """The audit trail, newest first: reserves, releases and why, keys, quotas, pools.

@@ -33,7 +33,10 @@ from maasd.errors import MaasdError
 logger = logging.getLogger("maasd")
 
 _STD_ATTRS = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {
-    "message", "asctime", "color_message"}
+    "message",
+    "asctime",
+    "color_message",
+}
 
 
 class LogfmtFormatter(logging.Formatter):
@@ -81,7 +84,8 @@ def data_dir_lock(data_dir: str) -> Generator[None, None, None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
             raise click.ClickException(
-                f"another maasd (pid {holder}) is already serving data dir {data_dir}") from None
+                f"another maasd (pid {holder}) is already serving data dir {data_dir}"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
@@ -106,10 +110,14 @@ def cli() -> None:
 
 _common = [
     click.option("--data-dir", help="State directory [env MAASD_DATA_DIR]."),
-    click.option("--db", "db_url", help="Ledger URL: sqlite:///… or postgresql+psycopg://… "
-                 "[env MAASD_DB_URL]."),
-    click.option("--config", type=click.Path(dir_okay=False), help="TOML config file "
-                 "[env MAASD_CONFIG]."),
+    click.option(
+        "--db",
+        "db_url",
+        help="Ledger URL: sqlite:///… or postgresql+psycopg://… [env MAASD_DB_URL].",
+    ),
+    click.option(
+        "--config", type=click.Path(dir_okay=False), help="TOML config file [env MAASD_CONFIG]."
+    ),
 ]
 
 
@@ -122,10 +130,14 @@ def common(fn):  # type: ignore[no-untyped-def]
 @cli.command()
 @click.option("--host", help="REST listen address [env MAASD_HOST, default 127.0.0.1].")
 @click.option("--port", type=int, help="REST port [env MAASD_PORT, default 7878].")
-@click.option("--socket", "socket", help="Worker socket path [env MAASD_SOCKET, "
-              "default DATA_DIR/maasd.sock].")
-@click.option("--socket-group", help="Group (name or gid) that owns the socket, so workers "
-              "of that group can connect [env MAASD_SOCKET_GROUP].")
+@click.option(
+    "--socket", "socket", help="Worker socket path [env MAASD_SOCKET, default DATA_DIR/maasd.sock]."
+)
+@click.option(
+    "--socket-group",
+    help="Group (name or gid) that owns the socket, so workers "
+    "of that group can connect [env MAASD_SOCKET_GROUP].",
+)
 @common
 def serve(**flags: Any) -> None:
     """Run the daemon: REST control plane + worker socket.
@@ -155,21 +167,41 @@ def _serve(settings) -> None:  # type: ignore[no-untyped-def]
         raise click.ClickException(f"cannot start: {e.detail}") from e
     if service.admin_key_generated:
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
-        click.echo(f"admin key (saved to {settings.admin_key_path}, mode 0600): "
-                   f"{service.admin_key_generated}", err=True)
+        click.echo(
+            f"admin key (saved to {settings.admin_key_path}, mode 0600): "
+            f"{service.admin_key_generated}",
+            err=True,
+        )
     try:
         broker = Broker(service, settings.socket_path, group=group_id(settings.socket_group))
         broker.start()
     except (MaasdError, OSError) as e:
         service.close()
-        raise click.ClickException(f"cannot open the worker socket {settings.socket_path}: "
-                                   f"{getattr(e, 'detail', None) or e}") from e
-    server = _server(uvicorn.Config(create_app(service), host=settings.host, port=settings.port,
-                                    log_config=None, access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=10, server_header=False))
-    logger.info("serving", extra={"url": f"http://{settings.host}:{settings.port}",
-                                  "socket": settings.socket_path, "db": _redact(settings.database_url),
-                                  "pools": ",".join(p.name for p in service.pools())})
+        raise click.ClickException(
+            f"cannot open the worker socket {settings.socket_path}: "
+            f"{getattr(e, 'detail', None) or e}"
+        ) from e
+    server = _server(
+        uvicorn.Config(
+            create_app(service),
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=10,
+            server_header=False,
+        )
+    )
+    logger.info(
+        "serving",
+        extra={
+            "url": f"http://{settings.host}:{settings.port}",
+            "socket": settings.socket_path,
+            "db": _redact(settings.database_url),
+            "pools": ",".join(p.name for p in service.pools()),
+        },
+    )
     try:
         server.run()
     finally:
@@ -187,7 +219,9 @@ def _server(config):  # type: ignore[no-untyped-def]
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
-            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            previous = {
+                s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)
+            }
             try:
                 yield
             finally:
@@ -244,21 +278,30 @@ def info(as_json: bool, **flags: Any) -> None:
     topo = discover()
     pools = settings.pools or default_pools(topo, settings.default_pool_bytes)
     if as_json:
-        click.echo(msgspec.json.encode({"topology": topo, "libnuma": libnuma_view(),
-                                        "pools": pools}).decode())
+        click.echo(
+            msgspec.json.encode(
+                {"topology": topo, "libnuma": libnuma_view(), "pools": pools}
+            ).decode()
+        )
         return
-    click.echo(f"page size {topo.page_bytes} B, huge page {topo.hugepage_bytes >> 20} MiB, "
-               f"{topo.hugepages_free} huge pages free")
+    click.echo(
+        f"page size {topo.page_bytes} B, huge page {topo.hugepage_bytes >> 20} MiB, "
+        f"{topo.hugepages_free} huge pages free"
+    )
     for n in topo.nodes:
-        click.echo(f"node {n.id}: cpus {_ranges(n.cpus)}, {n.mem_total_bytes / 2**30:.1f} GiB total, "
-                   f"{n.mem_free_bytes / 2**30:.1f} GiB free, distances {n.distances}, "
-                   f"huge pages {n.hugepages_free}/{n.hugepages_total} free")
+        click.echo(
+            f"node {n.id}: cpus {_ranges(n.cpus)}, {n.mem_total_bytes / 2**30:.1f} GiB total, "
+            f"{n.mem_free_bytes / 2**30:.1f} GiB free, distances {n.distances}, "
+            f"huge pages {n.hugepages_free}/{n.hugepages_total} free"
+        )
     numa = libnuma_view()
     click.echo(f"libnuma: {numa if numa is not None else 'not available'}")
     click.echo("pools to create:" if pools else "no pools to create")
     for p in pools:
-        click.echo(f"  {p.name}: node {p.numa_node}, {p.capacity_bytes / 2**30:.2f} GiB, {p.backing}, "
-                   f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}")
+        click.echo(
+            f"  {p.name}: node {p.numa_node}, {p.capacity_bytes / 2**30:.2f} GiB, {p.backing}, "
+            f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}"
+        )
 
 
 def _ranges(cpus: list[int]) -> str:

@@ -71,9 +71,16 @@ class MaasdClientError(Exception):
         self.title = title
         self.detail = detail
         self.type = type or "about:blank"
-        self.problem: dict[str, Any] = problem if problem is not None else {
-            "type": self.type, "title": title, "status": status, "detail": detail,
-        }
+        self.problem: dict[str, Any] = (
+            problem
+            if problem is not None
+            else {
+                "type": self.type,
+                "title": title,
+                "status": status,
+                "detail": detail,
+            }
+        )
         text = f"{status} {title}" if status else title
         if detail and detail != title:
             text += f": {detail}"

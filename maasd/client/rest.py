@@ -126,8 +126,9 @@ class Client:
         try:
             return msgspec.json.decode(resp.content, type=type)
         except msgspec.DecodeError as exc:
-            raise ProtocolError(f"{method} {path}: unexpected answer: {exc}",
-                                resp.status_code) from exc
+            raise ProtocolError(
+                f"{method} {path}: unexpected answer: {exc}", resp.status_code
+            ) from exc
 
     # --- anyone ----------------------------------------------------------------
 
@@ -192,8 +193,12 @@ class Client:
         """
         body: dict[str, Any] = {"ttl_s": ttl_s, "evictable": evictable}
         for name, value in (
-            ("size_bytes", size_bytes), ("size_gb", size_gb), ("persistence", persistence),
-            ("latency_us", latency_us), ("label", label), ("key", key),
+            ("size_bytes", size_bytes),
+            ("size_gb", size_gb),
+            ("persistence", persistence),
+            ("latency_us", latency_us),
+            ("label", label),
+            ("key", key),
         ):
             if value is not None:
                 body[name] = value
@@ -225,12 +230,14 @@ class Client:
 
     def pin(self, buffer_id: str, numa_node: int) -> Buffer:
         """Bind and migrate the buffer's pages to ``numa_node``; the answer has ``placement``."""
-        return self._call("PATCH", f"/v1/buffers/{_seg(buffer_id)}/pin", Buffer,
-                          json={"numa_node": numa_node})
+        return self._call(
+            "PATCH", f"/v1/buffers/{_seg(buffer_id)}/pin", Buffer, json={"numa_node": numa_node}
+        )
 
     def renew(self, buffer_id: str, ttl_s: int = 600) -> Buffer:
-        return self._call("POST", f"/v1/buffers/{_seg(buffer_id)}/renew", Buffer,
-                          json={"ttl_s": ttl_s})
+        return self._call(
+            "POST", f"/v1/buffers/{_seg(buffer_id)}/renew", Buffer, json={"ttl_s": ttl_s}
+        )
 
     def checkpoint(self, buffer_id: str) -> Checkpoint:
         """Persistent buffers only (409 ``StateConflict`` for volatile ones)."""
@@ -258,8 +265,9 @@ class Client:
     # --- admin -----------------------------------------------------------------
 
     def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
-        return self._call("POST", "/v1/tenants", NewTenant,
-                          json={"name": name, "quota_bytes": quota_bytes})
+        return self._call(
+            "POST", "/v1/tenants", NewTenant, json={"name": name, "quota_bytes": quota_bytes}
+        )
 
     def tenants(self) -> list[Tenant]:
         return self._call("GET", "/v1/tenants", list[Tenant])
@@ -268,8 +276,9 @@ class Client:
         return self._call("GET", f"/v1/tenants/{_seg(tenant_id)}", Tenant)
 
     def set_quota(self, tenant_id: str, quota_bytes: int) -> Tenant:
-        return self._call("PATCH", f"/v1/tenants/{_seg(tenant_id)}", Tenant,
-                          json={"quota_bytes": quota_bytes})
+        return self._call(
+            "PATCH", f"/v1/tenants/{_seg(tenant_id)}", Tenant, json={"quota_bytes": quota_bytes}
+        )
 
     def delete_tenant(self, tenant_id: str) -> None:
         self.request("DELETE", f"/v1/tenants/{_seg(tenant_id)}")

@@ -117,8 +117,10 @@ class Mapping:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"fd={self.fd}"
-        return (f"Mapping(buffer_id={self.buffer_id!r}, size={self.size}, "
-                f"numa_node={self.numa_node}, {state})")
+        return (
+            f"Mapping(buffer_id={self.buffer_id!r}, size={self.size}, "
+            f"numa_node={self.numa_node}, {state})"
+        )
 
 
 class Worker:
@@ -188,7 +190,8 @@ class Worker:
             self._detach_quietly(buffer_id, isinstance(reply, protocol.Attached))
             raise ProtocolError(
                 f"expected attached with one fd, got {type(reply).__name__.lower()} "
-                f"with {len(fds)} fds")
+                f"with {len(fds)} fds"
+            )
         fd = fds[0]
         try:
             st_size = os.fstat(fd).st_size
@@ -297,8 +300,10 @@ class Worker:
                 for fd in fds:
                     os.close(fd)
                 problem: dict[str, Any] = {
-                    "type": reply.type or "about:blank", "title": reply.title,
-                    "status": reply.status, "detail": reply.detail,
+                    "type": reply.type or "about:blank",
+                    "title": reply.title,
+                    "status": reply.status,
+                    "detail": reply.detail,
                 }
                 err = error_from_problem(reply.status, problem)
                 if isinstance(err, Unauthorized):

@@ -181,9 +181,7 @@ def migrations_dir() -> Path:
     )
 
 
-def alembic_config(
-    *, connection: sa.Connection | None = None, url: str | URL | None = None
-) -> Any:
+def alembic_config(*, connection: sa.Connection | None = None, url: str | URL | None = None) -> Any:
     """A programmatic ``alembic.config.Config`` (no ``alembic.ini``).
 
     Pass ``connection`` to run migrations inside that connection's transaction

@@ -105,7 +105,9 @@ _sel_pool_usage = (
     .where(_P.c.host == bindparam("host"))
     .group_by(_P.c.id)
 )
-_lock_pool = select(_P.c.capacity_bytes, _P.c.name).where(_P.c.id == bindparam("p_id")).with_for_update()
+_lock_pool = (
+    select(_P.c.capacity_bytes, _P.c.name).where(_P.c.id == bindparam("p_id")).with_for_update()
+)
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
 _count_pool_buffers = select(func.count()).select_from(_B).where(_B.c.pool_id == bindparam("p_id"))
 
@@ -120,7 +122,9 @@ _sel_tenants = _tenant_with_usage.group_by(_T.c.id).order_by(_T.c.name)
 _lock_tenant = select(_T.c.quota_bytes).where(_T.c.id == bindparam("p_id")).with_for_update()
 _set_quota = update(_T).where(_T.c.id == bindparam("p_id")).values(quota_bytes=bindparam("quota"))
 _del_tenant = delete(_T).where(_T.c.id == bindparam("p_id"))
-_count_tenant_buffers = select(func.count()).select_from(_B).where(_B.c.tenant_id == bindparam("p_id"))
+_count_tenant_buffers = (
+    select(func.count()).select_from(_B).where(_B.c.tenant_id == bindparam("p_id"))
+)
 
 # Keys
 _sel_key_by_digest = (
@@ -160,8 +164,12 @@ _reserve_facts = select(
 _evictable = and_(_B.c.evictable == true(), _B.c.state == "live")
 _lru = (_B.c.last_used_at, _B.c.id)
 _cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes)
-_sel_cand_tenant = select(*_cand_cols).where(_evictable, _B.c.tenant_id == bindparam("p_tenant")).order_by(*_lru)
-_sel_cand_pool = select(*_cand_cols).where(_evictable, _B.c.pool_id == bindparam("p_pool")).order_by(*_lru)
+_sel_cand_tenant = (
+    select(*_cand_cols).where(_evictable, _B.c.tenant_id == bindparam("p_tenant")).order_by(*_lru)
+)
+_sel_cand_pool = (
+    select(*_cand_cols).where(_evictable, _B.c.pool_id == bindparam("p_pool")).order_by(*_lru)
+)
 _sel_cand_both = (
     select(*_cand_cols)
     .where(
@@ -179,7 +187,10 @@ _mark_victims = (
     .returning(*_B.c)
 )
 _mark_releasing = (
-    update(_B).where(_B.c.id == bindparam("p_id")).values(state="releasing", key=None).returning(*_B.c)
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"))
+    .values(state="releasing", key=None)
+    .returning(*_B.c)
 )
 _mark_own_releasing = _mark_releasing.where(_B.c.tenant_id == bindparam("p_tenant"))
 _mark_live_releasing = _mark_releasing.where(_B.c.state == "live")
@@ -245,7 +256,9 @@ def _event(
     }
 
 
-def _buffer_event(kind: str, at: float, row: BufferRow, detail: str | None = None) -> dict[str, Any]:
+def _buffer_event(
+    kind: str, at: float, row: BufferRow, detail: str | None = None
+) -> dict[str, Any]:
     return _event(
         kind,
         at,
@@ -325,7 +338,8 @@ class Store:
         # poll with growing sleeps (up to 100 ms), which is what made the reserve p99
         # long under load. Other processes (migrations, tools) still meet the timeout.
         self._wlock: AbstractContextManager[Any] = (
-            nullcontext() if self.is_postgres else threading.RLock())
+            nullcontext() if self.is_postgres else threading.RLock()
+        )
 
     def __repr__(self) -> str:
         return f"Store({self.url.render_as_string(hide_password=True)!r})"
@@ -342,7 +356,9 @@ class Store:
 
         with self._write.begin() as conn:
             if self.is_postgres:
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
+                conn.execute(
+                    sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID}
+                )
             command.upgrade(alembic_config(connection=conn), revision)
 
     def downgrade(self, revision: str) -> None:
@@ -351,7 +367,9 @@ class Store:
 
         with self._write.begin() as conn:
             if self.is_postgres:
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
+                conn.execute(
+                    sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID}
+                )
             command.downgrade(alembic_config(connection=conn), revision)
 
     def current_revision(self) -> str | None:
@@ -409,7 +427,13 @@ class Store:
                 conn.execute(insert(_P), msgspec.structs.asdict(row))
                 conn.execute(
                     _ins_event,
-                    _event("pool_create", row.created_at, pool_id=row.id, nbytes=row.capacity_bytes, detail=row.name),
+                    _event(
+                        "pool_create",
+                        row.created_at,
+                        pool_id=row.id,
+                        nbytes=row.capacity_bytes,
+                        detail=row.name,
+                    ),
                 )
         except sa.exc.IntegrityError as exc:
             raise StateConflict(f"a pool named {row.name!r} already exists on {row.host}") from exc
@@ -440,7 +464,10 @@ class Store:
             if n:
                 raise StateConflict(f"pool {pool_id} still holds {n} buffer(s)")
             conn.execute(_del_pool, {"p_id": pool_id})
-            conn.execute(_ins_event, _event("pool_delete", time.time() if now is None else now, pool_id=pool_id))
+            conn.execute(
+                _ins_event,
+                _event("pool_delete", time.time() if now is None else now, pool_id=pool_id),
+            )
 
     # ------------------------------------------------------------ tenants
     def add_tenant(self, id: str, name: str, quota_bytes: int, now: float) -> TenantRow:
@@ -448,10 +475,12 @@ class Store:
         try:
             with self._writing() as conn:
                 conn.execute(
-                    insert(_T), {"id": id, "name": name, "quota_bytes": quota_bytes, "created_at": now}
+                    insert(_T),
+                    {"id": id, "name": name, "quota_bytes": quota_bytes, "created_at": now},
                 )
                 conn.execute(
-                    _ins_event, _event("tenant_create", now, tenant_id=id, nbytes=quota_bytes, detail=name)
+                    _ins_event,
+                    _event("tenant_create", now, tenant_id=id, nbytes=quota_bytes, detail=name),
                 )
         except sa.exc.IntegrityError as exc:
             raise StateConflict(f"a tenant named {name!r} already exists") from exc
@@ -476,8 +505,10 @@ class Store:
         with self._writing() as conn:
             if conn.execute(_set_quota, {"p_id": tenant_id, "quota": quota_bytes}).rowcount == 0:
                 raise NotFound(f"tenant {tenant_id} not found")
-            conn.execute(_ins_event, _event("quota_set", time.time(), tenant_id=tenant_id,
-                                            nbytes=quota_bytes))
+            conn.execute(
+                _ins_event,
+                _event("quota_set", time.time(), tenant_id=tenant_id, nbytes=quota_bytes),
+            )
 
     def delete_tenant(self, tenant_id: str, *, now: float | None = None) -> None:
         """Delete a tenant and its keys.
@@ -493,7 +524,10 @@ class Store:
                 raise StateConflict(f"tenant {tenant_id} still holds {n} buffer(s)")
             conn.execute(_del_keys, {"p_id": tenant_id})
             conn.execute(_del_tenant, {"p_id": tenant_id})
-            conn.execute(_ins_event, _event("tenant_delete", time.time() if now is None else now, tenant_id=tenant_id))
+            conn.execute(
+                _ins_event,
+                _event("tenant_delete", time.time() if now is None else now, tenant_id=tenant_id),
+            )
 
     # --------------------------------------------------------------- keys
     def add_key(self, id: str, tenant_id: str, digest: bytes, now: float) -> KeyRow:
@@ -502,7 +536,13 @@ class Store:
             with self._wlock, self._single.begin() as conn:
                 conn.execute(
                     insert(_K),
-                    {"id": id, "tenant_id": tenant_id, "digest": digest, "created_at": now, "revoked_at": None},
+                    {
+                        "id": id,
+                        "tenant_id": tenant_id,
+                        "digest": digest,
+                        "created_at": now,
+                        "revoked_at": None,
+                    },
                 )
                 conn.execute(_ins_event, _event("key_issue", now, tenant_id=tenant_id, detail=id))
         except sa.exc.IntegrityError as exc:
@@ -537,7 +577,9 @@ class Store:
         with self._writing() as conn:
             n = int(conn.execute(_revoke_keys, {"p_tenant": tenant_id, "now": at}).rowcount)
             if n:
-                conn.execute(_ins_event, _event("key_revoke", at, tenant_id=tenant_id, detail=f"all {n}"))
+                conn.execute(
+                    _ins_event, _event("key_revoke", at, tenant_id=tenant_id, detail=f"all {n}")
+                )
         return n
 
     # ------------------------------------------------------------ buffers
@@ -577,7 +619,9 @@ class Store:
                     raise NotFound(f"pool {row.pool_id} not found")
                 quota, (capacity, pool_name) = t[0], p
                 if size > capacity:
-                    raise TooLarge(f"{size} bytes exceed pool {pool_name!r}'s whole capacity of {capacity} bytes")
+                    raise TooLarge(
+                        f"{size} bytes exceed pool {pool_name!r}'s whole capacity of {capacity} bytes"
+                    )
                 tenant_used, pool_used, dup = conn.execute(
                     _reserve_facts,
                     {"p_tenant": row.tenant_id, "p_pool": row.pool_id, "p_key": row.key},
@@ -589,12 +633,21 @@ class Store:
                 victims: list[BufferRow] = []
                 if need_t > 0 or need_p > 0:
                     victims = self._evict(
-                        conn, row, need_t, need_p,
-                        quota=quota, tenant_used=tenant_used,
-                        capacity=capacity, pool_used=pool_used, pool_name=pool_name,
+                        conn,
+                        row,
+                        need_t,
+                        need_p,
+                        quota=quota,
+                        tenant_used=tenant_used,
+                        capacity=capacity,
+                        pool_used=pool_used,
+                        pool_name=pool_name,
                     )
                 conn.execute(_ins_buffer, msgspec.structs.asdict(row))
-                events = [_buffer_event("evict", row.created_at, v, detail=f"for {row.id}") for v in victims]
+                events = [
+                    _buffer_event("evict", row.created_at, v, detail=f"for {row.id}")
+                    for v in victims
+                ]
                 events.append(_buffer_event("reserve", row.created_at, row))
                 conn.execute(_ins_event, events)
         except sa.exc.IntegrityError as exc:
@@ -671,8 +724,9 @@ class Store:
         if self._single_count(_set_state, {"p_id": buffer_id, "p_state": state}) == 0:
             raise NotFound(f"buffer {buffer_id} not found")
 
-    def mark_releasing(self, buffer_id: str, tenant_id: str | None, *,
-                       only_live: bool = False) -> BufferRow:
+    def mark_releasing(
+        self, buffer_id: str, tenant_id: str | None, *, only_live: bool = False
+    ) -> BufferRow:
         """Mark a buffer ``releasing`` (clearing its key) and return it.
 
         ``tenant_id=None`` acts as the admin. Unknown or foreign ids raise
@@ -704,7 +758,12 @@ class Store:
         return None if row is None else BufferRow(*row)
 
     def finish_release(
-        self, buffer_id: str, kind: str = "release", *, now: float | None = None, detail: str | None = None
+        self,
+        buffer_id: str,
+        kind: str = "release",
+        *,
+        now: float | None = None,
+        detail: str | None = None,
     ) -> BufferRow | None:
         """Delete a buffer's row (its memory is scrubbed) and record a ``kind`` event.
 
@@ -715,7 +774,9 @@ class Store:
             if r is None:
                 return None
             row = BufferRow(*r)
-            conn.execute(_ins_event, _buffer_event(kind, time.time() if now is None else now, row, detail))
+            conn.execute(
+                _ins_event, _buffer_event(kind, time.time() if now is None else now, row, detail)
+            )
         return row
 
     def buffer(self, buffer_id: str, tenant_id: str | None = None) -> BufferRow | None:
@@ -844,8 +905,9 @@ class Store:
         with self._wlock, self._single.begin() as conn:
             conn.execute(_ins_event, ev)
 
-    def events(self, limit: int = 100, *, tenant_id: str | None = None,
-               before: int | None = None) -> list[EventRow]:
+    def events(
+        self, limit: int = 100, *, tenant_id: str | None = None, before: int | None = None
+    ) -> list[EventRow]:
         """The newest ``limit`` events, newest first; only ``tenant_id``'s when given, and
         only those older than event id ``before`` (to page back)."""
         stmt = _sel_events

@@ -22,7 +22,9 @@ def validate_ttl(ttl_s: object, max_ttl_s: int) -> int:
     ``bool`` is rejected although it subclasses ``int``: ``true`` is not a duration.
     """
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int):
-        raise InvalidRequest(f"ttl_s must be an integer number of seconds, got {type(ttl_s).__name__}")
+        raise InvalidRequest(
+            f"ttl_s must be an integer number of seconds, got {type(ttl_s).__name__}"
+        )
     if ttl_s < 1 or ttl_s > max_ttl_s:
         raise InvalidRequest(f"ttl_s must be between 1 and {max_ttl_s} seconds, got {ttl_s}")
     return ttl_s

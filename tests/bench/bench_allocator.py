@@ -49,8 +49,9 @@ def human(n: int) -> str:
     return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n // MiB} MiB"
 
 
-def median_time(fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None
-                ) -> float:
+def median_time(
+    fn: Callable[[], object], reps: int, setup: Callable[[], object] | None = None
+) -> float:
     times = []
     for _ in range(reps):
         if setup is not None:
@@ -65,10 +66,10 @@ def bench_memset(size: int, reps: int) -> float:
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arr: np.ndarray | None = np.frombuffer(m, dtype=np.uint8)
     try:
-        arr.fill(1)                                       # fault every page in first
+        arr.fill(1)  # fault every page in first
         return median_time(lambda: arr.fill(0), reps, setup=lambda: arr.fill(0xA5))
     finally:
-        arr = None                                        # drop the buffer export, then unmap
+        arr = None  # drop the buffer export, then unmap
         m.close()
 
 
@@ -76,8 +77,11 @@ def bench_region_memset(size: int, reps: int) -> float:
     """The write half of scrub ``zero`` alone: memset through the region's mapping."""
     r = Region.create(size, node=0, prefault=True)
     try:
-        return median_time(lambda: _sys.memset(r.address, 0, r.size), reps,
-                           setup=lambda: _sys.memset(r.address, 0xA5, r.size))
+        return median_time(
+            lambda: _sys.memset(r.address, 0, r.size),
+            reps,
+            setup=lambda: _sys.memset(r.address, 0xA5, r.size),
+        )
     finally:
         r.close()
 
@@ -85,8 +89,9 @@ def bench_region_memset(size: int, reps: int) -> float:
 def bench_scrub(size: int, mode: str, reps: int) -> float:
     r = Region.create(size, node=0, prefault=True)
     try:
-        return median_time(lambda: r.scrub(mode), reps,
-                           setup=lambda: _sys.memset(r.address, 0xA5, r.size))
+        return median_time(
+            lambda: r.scrub(mode), reps, setup=lambda: _sys.memset(r.address, 0xA5, r.size)
+        )
     finally:
         r.close()
 
@@ -94,6 +99,7 @@ def bench_scrub(size: int, mode: str, reps: int) -> float:
 def bench_create(size: int, reps: int) -> float:
     def once() -> None:
         Region.create(size, node=0, prefault=True).close()
+
     return median_time(once, reps)
 
 
@@ -101,9 +107,10 @@ def bench_anon_touch(size: int, reps: int) -> float:
     def once() -> None:
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         arr = np.frombuffer(m, dtype=np.uint8)
-        arr[::PAGE] = 1                                   # one write per page faults it in
+        arr[::PAGE] = 1  # one write per page faults it in
         del arr
         m.close()
+
     return median_time(once, reps)
 
 
@@ -115,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    print(f"# maasd allocator bench: python {sys.version.split()[0]}, numpy {np.__version__}, "
-          f"{os.cpu_count()} cpus, page {PAGE} B, reps {args.reps} (median)")
+    print(
+        f"# maasd allocator bench: python {sys.version.split()[0]}, numpy {np.__version__}, "
+        f"{os.cpu_count()} cpus, page {PAGE} B, reps {args.reps} (median)"
+    )
     if thp.exists():
         print(f"# transparent hugepages: {thp.read_text().strip()}")
     print()
@@ -124,15 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         reps = args.reps if size < GiB else max(3, args.reps // 2)
         base = bench_memset(size, reps)
-        print(f"{'numpy fill(0) (baseline)':<28}{human(size):>8}{base * 1e3:>11.1f}"
-              f"{size / base / 1e9:>9.1f}{'':>15}{'1.00':>8}")
+        print(
+            f"{'numpy fill(0) (baseline)':<28}{human(size):>8}{base * 1e3:>11.1f}"
+            f"{size / base / 1e9:>9.1f}{'':>15}{'1.00':>8}"
+        )
         t = bench_region_memset(size, reps)
-        print(f"{'  zero: memset part only':<28}{human(size):>8}{t * 1e3:>11.1f}"
-              f"{size / t / 1e9:>9.1f}{size / base / 1e9:>15.1f}{t / base:>7.2f}x")
+        print(
+            f"{'  zero: memset part only':<28}{human(size):>8}{t * 1e3:>11.1f}"
+            f"{size / t / 1e9:>9.1f}{size / base / 1e9:>15.1f}{t / base:>7.2f}x"
+        )
         for mode in ("zero", "punch"):
             t = bench_scrub(size, mode, reps)
-            print(f"{'scrub ' + mode:<28}{human(size):>8}{t * 1e3:>11.1f}{size / t / 1e9:>9.1f}"
-                  f"{size / base / 1e9:>15.1f}{t / base:>7.2f}x")
+            print(
+                f"{'scrub ' + mode:<28}{human(size):>8}{t * 1e3:>11.1f}{size / t / 1e9:>9.1f}"
+                f"{size / base / 1e9:>15.1f}{t / base:>7.2f}x"
+            )
     size = parse_size(args.create_size)
     reps = max(3, args.reps // 2)
     base = bench_anon_touch(size, reps)
@@ -140,10 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     per_gib = GiB / size
     print()
     print(f"{'what':<36}{'s per GiB':>10}{'GB/s':>8}{'ratio':>8}")
-    print(f"{'anon mmap + touch (baseline)':<36}{base * per_gib:>10.3f}{size / base / 1e9:>8.2f}"
-          f"{'1.00':>8}")
-    print(f"{'Region.create(prefault) + close':<36}{t * per_gib:>10.3f}{size / t / 1e9:>8.2f}"
-          f"{t / base:>7.2f}x")
+    print(
+        f"{'anon mmap + touch (baseline)':<36}{base * per_gib:>10.3f}{size / base / 1e9:>8.2f}"
+        f"{'1.00':>8}"
+    )
+    print(
+        f"{'Region.create(prefault) + close':<36}{t * per_gib:>10.3f}{size / t / 1e9:>8.2f}"
+        f"{t / base:>7.2f}x"
+    )
     print("\nratio = time / baseline time (lower is better; scrub ratio 1.0 = memset speed)")
     return 0
 

@@ -117,21 +117,31 @@ def throwaway_daemon() -> Iterator[tuple[str, str, str]]:
             port = s.getsockname()[1]
         admin_key = "bench_" + secrets.token_urlsafe(16)
         sock_path = str(Path(tmp) / "maasd.sock")
-        env = {**os.environ, "MAASD_DATA_DIR": tmp, "MAASD_PORT": str(port),
-               "MAASD_ADMIN_KEY": admin_key, "MAASD_DEFAULT_POOL_BYTES": str(64 * MiB),
-               "MAASD_LOG_LEVEL": "warning"}
+        env = {
+            **os.environ,
+            "MAASD_DATA_DIR": tmp,
+            "MAASD_PORT": str(port),
+            "MAASD_ADMIN_KEY": admin_key,
+            "MAASD_DEFAULT_POOL_BYTES": str(64 * MiB),
+            "MAASD_LOG_LEVEL": "warning",
+        }
         url = f"http://127.0.0.1:{port}"
         log = open(Path(tmp) / "daemon.log", "wb")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen([sys.executable, "-m", "maasd.cli.daemon", "serve"], env=env,
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             deadline = time.monotonic() + 30
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError("maasd exited: " + (Path(tmp) / "daemon.log").read_text())
                 with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(url + "/healthz", timeout=1).status_code == 200 and \
-                            os.path.exists(sock_path):
+                    if httpx.get(url + "/healthz", timeout=1).status_code == 200 and os.path.exists(
+                        sock_path
+                    ):
                         break
                 if time.monotonic() > deadline:
                     raise RuntimeError("maasd did not start")
@@ -162,10 +172,14 @@ def main() -> None:
         wrk = bench_worker(sock_path, key, bid, args.n)
         print(f"n = {args.n}")
         print(f"bare SCM_RIGHTS round trip (socketpair, forked peer): {base * 1e6:8.1f} us")
-        print(f"attach round trip via maasd (raw frames):             {raw * 1e6:8.1f} us"
-              f"   ratio {raw / base:6.1f}x")
-        print(f"Worker.attach + Mapping.close (mmap, detach):          {wrk * 1e6:8.1f} us"
-              f"   ratio {wrk / base:6.1f}x")
+        print(
+            f"attach round trip via maasd (raw frames):             {raw * 1e6:8.1f} us"
+            f"   ratio {raw / base:6.1f}x"
+        )
+        print(
+            f"Worker.attach + Mapping.close (mmap, detach):          {wrk * 1e6:8.1f} us"
+            f"   ratio {wrk / base:6.1f}x"
+        )
 
     if args.socket:
         if not (args.key and args.buffer):

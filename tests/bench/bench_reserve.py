@@ -61,7 +61,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def drive(url: str, headers: dict[str, str], clients: int, seconds: float, step) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+def drive(
+    url: str, headers: dict[str, str], clients: int, seconds: float, step
+) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
     """Run ``step(client, samples)`` in ``clients`` threads for ``seconds``; gather samples."""
     samples: dict[str, list[float]] = {}
     lock = threading.Lock()
@@ -107,13 +109,21 @@ def main() -> None:
     levels = [int(x) for x in args.clients.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="maasd-bench-"))
-    d = Daemon(tmp / "maasd", env={"MAASD_DEFAULT_POOL_BYTES": str(max(levels) * 4 * args.size),
-                                   "MAASD_LOG_LEVEL": "warning"})
+    d = Daemon(
+        tmp / "maasd",
+        env={
+            "MAASD_DEFAULT_POOL_BYTES": str(max(levels) * 4 * args.size),
+            "MAASD_LOG_LEVEL": "warning",
+        },
+    )
     port = free_port()
     floor_script = tmp / "floor.py"
     floor_script.write_text(FLOOR_APP)
-    floor = subprocess.Popen([sys.executable, str(floor_script), str(port)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    floor = subprocess.Popen(
+        [sys.executable, str(floor_script), str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         d.start()
         _, key = d.tenant("bench", 1 << 40)
@@ -142,11 +152,15 @@ def main() -> None:
             out.setdefault("reserve", []).append(t1 - t)
             out.setdefault("release", []).append(t2 - t1)
 
-        print(f"maasd bench: {args.size} B buffers, {args.seconds:.0f} s per level, "
-              f"{os.cpu_count()} CPUs, SQLite ledger")
-        head = (f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} | "
-                f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} | "
-                f"{'p50 x':>6} {'p99 x':>6}")
+        print(
+            f"maasd bench: {args.size} B buffers, {args.seconds:.0f} s per level, "
+            f"{os.cpu_count()} CPUs, SQLite ledger"
+        )
+        head = (
+            f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} | "
+            f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} | "
+            f"{'p50 x':>6} {'p99 x':>6}"
+        )
         print(head)
         print("-" * len(head))
         for n in levels:
@@ -155,12 +169,18 @@ def main() -> None:
             fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
             f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
             r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
-            print(f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms {len(fl) / f['_elapsed'][0]:>7.0f} | "
-                  f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
-                  f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
-                  f"{len(rs) / m['_elapsed'][0]:>7.0f} | {r50 / f50:>6.1f} {r99 / f99:>6.1f}")
-        mean = d.metric("maasd_reserve_seconds_sum") / max(1.0, d.metric("maasd_reserve_seconds_count"))
-        print(f"(daemon-side reserve time, mean over all levels: {mean * 1e3:.2f} ms; data dir {tmp})")
+            print(
+                f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms {len(fl) / f['_elapsed'][0]:>7.0f} | "
+                f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
+                f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
+                f"{len(rs) / m['_elapsed'][0]:>7.0f} | {r50 / f50:>6.1f} {r99 / f99:>6.1f}"
+            )
+        mean = d.metric("maasd_reserve_seconds_sum") / max(
+            1.0, d.metric("maasd_reserve_seconds_count")
+        )
+        print(
+            f"(daemon-side reserve time, mean over all levels: {mean * 1e3:.2f} ms; data dir {tmp})"
+        )
     finally:
         floor.terminate()
         floor.wait(10)

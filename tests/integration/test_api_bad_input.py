@@ -36,8 +36,12 @@ def send(c: httpx.Client, method: str, path: str, body: Any) -> httpx.Response:
     if isinstance(body, Raw):
         headers = {"content-type": body.content_type} if body.content_type else {}
         return c.request(method, path, content=body.content, headers=headers)
-    return c.request(method, path, content=json.dumps(body).encode(),
-                     headers={"content-type": "application/json"})
+    return c.request(
+        method,
+        path,
+        content=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
 
 
 def assert_problem_4xx(r: httpx.Response) -> dict:
@@ -151,10 +155,13 @@ def snapshot(daemon: Daemon, c: httpx.Client, buffer_id: str) -> dict[str, Any]:
     pools = daemon.admin.get("/v1/pools").json()
     return {
         "usage": c.get("/v1/usage").json(),
-        "pools": sorted((p["name"], p["capacity_bytes"], p["used_bytes"], p["buffers"])
-                        for p in pools),
-        "tenants": sorted((t["id"], t["name"], t["quota_bytes"], t["used_bytes"])
-                          for t in daemon.admin.get("/v1/tenants").json()),
+        "pools": sorted(
+            (p["name"], p["capacity_bytes"], p["used_bytes"], p["buffers"]) for p in pools
+        ),
+        "tenants": sorted(
+            (t["id"], t["name"], t["quota_bytes"], t["used_bytes"])
+            for t in daemon.admin.get("/v1/tenants").json()
+        ),
         "buffers": c.get("/v1/buffers").json(),
         "buffer": c.get(f"/v1/buffers/{buffer_id}").json(),
     }
@@ -185,7 +192,9 @@ def test_unknown_field_detail_names_the_field(daemon: Daemon, victim) -> None:
 def test_bad_input_without_a_valid_key_is_401_before_the_body_is_read(daemon: Daemon) -> None:
     for headers in ({}, {"Authorization": "Bearer maasd_not-a-key"}):
         for body in (Raw(b"{"), {"size_bytes": -1}, Raw(DEEP), Raw(b"")):
-            r = send(httpx.Client(base_url=daemon.url, headers=headers), "POST", "/v1/reserve", body)
+            r = send(
+                httpx.Client(base_url=daemon.url, headers=headers), "POST", "/v1/reserve", body
+            )
             assert r.status_code == 401, r.text
             assert_problem_4xx(r)
 
@@ -194,8 +203,12 @@ def test_bad_input_without_a_valid_key_is_401_before_the_body_is_read(daemon: Da
 
 
 def _pool(**over: Any) -> dict[str, Any]:
-    return {"name": f"bad-{secrets.token_hex(3)}", "numa_node": 0, "capacity_bytes": 1 * MiB,
-            **over}
+    return {
+        "name": f"bad-{secrets.token_hex(3)}",
+        "numa_node": 0,
+        "capacity_bytes": 1 * MiB,
+        **over,
+    }
 
 
 POOL_BAD: list[tuple[str, Any]] = [
@@ -396,10 +409,13 @@ def test_delete_pool_bad_drain(daemon: Daemon, victim, drain: str) -> None:
 def test_odd_ids_are_404(daemon: Daemon, victim, buffer_id: str) -> None:
     _, c, held = victim
     before = snapshot(daemon, c, held["id"])
-    for method, suffix, body in [("GET", "", None), ("DELETE", "", None),
-                                 ("POST", "/renew", {"ttl_s": 60}),
-                                 ("PATCH", "/pin", {"numa_node": 0}),
-                                 ("POST", "/checkpoint", None)]:
+    for method, suffix, body in [
+        ("GET", "", None),
+        ("DELETE", "", None),
+        ("POST", "/renew", {"ttl_s": 60}),
+        ("PATCH", "/pin", {"numa_node": 0}),
+        ("POST", "/checkpoint", None),
+    ]:
         r = c.request(method, f"/v1/buffers/{buffer_id}{suffix}", json=body)
         assert r.status_code in (404, 400), r.text
         assert_problem_4xx(r)

@@ -52,8 +52,10 @@ def race(daemon: Daemon, key: str, path: str, body: dict) -> list[httpx.Response
 
 
 def outcome(rs: list[httpx.Response]) -> Counter:
-    return Counter((r.status_code, r.json()["type"].rsplit("/", 1)[-1] if r.status_code >= 400
-                    else "granted") for r in rs)
+    return Counter(
+        (r.status_code, r.json()["type"].rsplit("/", 1)[-1] if r.status_code >= 400 else "granted")
+        for r in rs
+    )
 
 
 @pytest.mark.parametrize("granted", [1, 20])
@@ -61,8 +63,9 @@ def test_quota_race_grants_exactly_n(daemon: Daemon, granted: int) -> None:
     tid, key = daemon.tenant("race-quota", granted * SIZE)
     rs = race(daemon, key, "/v1/reserve", {"size_bytes": SIZE})
     assert not [r for r in rs if r.status_code >= 500], outcome(rs)
-    assert outcome(rs) == Counter({(201, "granted"): granted,
-                                   (409, "quota-exceeded"): REQUESTS - granted})
+    assert outcome(rs) == Counter(
+        {(201, "granted"): granted, (409, "quota-exceeded"): REQUESTS - granted}
+    )
     ids = {r.json()["id"] for r in rs if r.status_code == 201}
     assert len(ids) == granted
     with daemon.client(key) as c:
@@ -75,15 +78,22 @@ def test_quota_race_grants_exactly_n(daemon: Daemon, granted: int) -> None:
 
 @pytest.mark.parametrize("granted", [1, 20])
 def test_pool_capacity_race_grants_exactly_n(daemon: Daemon, granted: int) -> None:
-    r = daemon.admin.post("/v1/pools", json={"name": f"race-{secrets.token_hex(3)}",
-                                             "numa_node": 0, "capacity_bytes": granted * SIZE})
+    r = daemon.admin.post(
+        "/v1/pools",
+        json={
+            "name": f"race-{secrets.token_hex(3)}",
+            "numa_node": 0,
+            "capacity_bytes": granted * SIZE,
+        },
+    )
     assert r.status_code == 201, r.text
     pool = r.json()
     tid, key = daemon.tenant("race-pool", 1 << 40)
     rs = race(daemon, key, f"/v1/pools/{pool['id']}/reserve", {"size_bytes": SIZE})
     assert not [r for r in rs if r.status_code >= 500 and r.status_code != 507], outcome(rs)
-    assert outcome(rs) == Counter({(201, "granted"): granted,
-                                   (507, "pool-exhausted"): REQUESTS - granted})
+    assert outcome(rs) == Counter(
+        {(201, "granted"): granted, (507, "pool-exhausted"): REQUESTS - granted}
+    )
     after = daemon.admin.get(f"/v1/pools/{pool['id']}").json()
     assert (after["used_bytes"], after["free_bytes"]) == (granted * SIZE, 0)
     with daemon.client(key) as c:
@@ -95,8 +105,10 @@ def test_pool_capacity_race_grants_exactly_n(daemon: Daemon, granted: int) -> No
 
 def test_two_tenants_racing_for_one_pool(daemon: Daemon) -> None:
     """Quota and capacity at once: each tenant may take 12, the pool holds 16."""
-    r = daemon.admin.post("/v1/pools", json={"name": f"race2-{secrets.token_hex(3)}",
-                                             "numa_node": 0, "capacity_bytes": 16 * SIZE})
+    r = daemon.admin.post(
+        "/v1/pools",
+        json={"name": f"race2-{secrets.token_hex(3)}", "numa_node": 0, "capacity_bytes": 16 * SIZE},
+    )
     pool = r.json()
     tenants = [daemon.tenant("race-two", 12 * SIZE) for _ in range(2)]
     path = f"/v1/pools/{pool['id']}/reserve"

@@ -26,18 +26,32 @@ def world(daemon: Daemon):
     """Tenants A and B; A holds a volatile keyed buffer and a persistent one."""
     ta, ka = daemon.tenant("iso-a", 64 * MiB)
     tb, kb = daemon.tenant("iso-b", 64 * MiB)
-    p = daemon.admin.post("/v1/pools", json={"name": f"iso-{secrets.token_hex(3)}", "numa_node": 0,
-                                             "capacity_bytes": 4 * MiB,
-                                             "persistence": "persistent"})
+    p = daemon.admin.post(
+        "/v1/pools",
+        json={
+            "name": f"iso-{secrets.token_hex(3)}",
+            "numa_node": 0,
+            "capacity_bytes": 4 * MiB,
+            "persistence": "persistent",
+        },
+    )
     assert p.status_code == 201, p.text
     with daemon.client(ka) as a, daemon.client(kb) as b:
-        r = a.post("/v1/reserve", json={"size_bytes": MiB, "key": "model:prefix",
-                                        "label": "secret"})
+        r = a.post(
+            "/v1/reserve", json={"size_bytes": MiB, "key": "model:prefix", "label": "secret"}
+        )
         assert r.status_code == 201, r.text
         durable = a.post(f"/v1/pools/{p.json()['id']}/reserve", json={"size_bytes": PAGE})
         assert durable.status_code == 201, durable.text
-        yield {"a": a, "b": b, "ta": ta, "tb": tb, "buf": r.json(), "durable": durable.json(),
-               "pool": p.json()}
+        yield {
+            "a": a,
+            "b": b,
+            "ta": ta,
+            "tb": tb,
+            "buf": r.json(),
+            "durable": durable.json(),
+            "pool": p.json(),
+        }
     daemon.admin.delete(f"/v1/pools/{p.json()['id']}?drain=true")
     for t in (ta, tb):
         daemon.admin.delete(f"/v1/tenants/{t}")
@@ -57,8 +71,13 @@ def shape(r: httpx.Response, buffer_id: str) -> tuple:
     """What a 404 tells the caller, with the id it was given masked out."""
     assert r.headers["content-type"].startswith("application/problem+json")
     body = r.json()
-    return (r.status_code, body["type"], body["title"], body["status"],
-            body["detail"].replace(buffer_id, "<id>"))
+    return (
+        r.status_code,
+        body["type"],
+        body["title"],
+        body["status"],
+        body["detail"].replace(buffer_id, "<id>"),
+    )
 
 
 @pytest.mark.parametrize("which", ["buf", "durable"])
@@ -66,8 +85,9 @@ def test_foreign_buffer_is_404_like_an_unknown_one(daemon: Daemon, world, which:
     a, b, buf = world["a"], world["b"], world[which]
     before = a.get(f"/v1/buffers/{buf['id']}").json()
     unknown = secrets.token_hex(16)
-    for (method, path, body), (_, upath, _) in zip(operations(buf["id"]), operations(unknown),
-                                                    strict=True):
+    for (method, path, body), (_, upath, _) in zip(
+        operations(buf["id"]), operations(unknown), strict=True
+    ):
         r = b.request(method, path, json=body)
         assert r.status_code == 404, f"{method} {path}: {r.status_code} {r.text}"
         u = b.request(method, upath, json=body)
@@ -131,18 +151,29 @@ ADMIN_ROUTES = [
 ]
 
 
-@pytest.mark.parametrize(("method", "path", "body"), ADMIN_ROUTES,
-                         ids=[f"{m} {p}" for m, p, _ in ADMIN_ROUTES])
-def test_tenant_key_on_admin_route_is_403(daemon: Daemon, world, method: str, path: str,
-                                          body: dict | None) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "body"), ADMIN_ROUTES, ids=[f"{m} {p}" for m, p, _ in ADMIN_ROUTES]
+)
+def test_tenant_key_on_admin_route_is_403(
+    daemon: Daemon, world, method: str, path: str, body: dict | None
+) -> None:
     a, b = world["a"], world["b"]
     kid = "0" * 32
-    before = (daemon.admin.get("/v1/tenants").json(), daemon.admin.get("/v1/pools").json(),
-              a.get("/v1/buffers").json())
-    r = b.request(method, path.format(ta=world["ta"], tb=world["tb"], kid=kid,
-                                      pool=world["pool"]["id"]), json=body)
+    before = (
+        daemon.admin.get("/v1/tenants").json(),
+        daemon.admin.get("/v1/pools").json(),
+        a.get("/v1/buffers").json(),
+    )
+    r = b.request(
+        method,
+        path.format(ta=world["ta"], tb=world["tb"], kid=kid, pool=world["pool"]["id"]),
+        json=body,
+    )
     assert r.status_code == 403, r.text
     assert r.headers["content-type"].startswith("application/problem+json")
     assert r.json()["type"].endswith("forbidden")
-    assert (daemon.admin.get("/v1/tenants").json(), daemon.admin.get("/v1/pools").json(),
-            a.get("/v1/buffers").json()) == before
+    assert (
+        daemon.admin.get("/v1/tenants").json(),
+        daemon.admin.get("/v1/pools").json(),
+        a.get("/v1/buffers").json(),
+    ) == before

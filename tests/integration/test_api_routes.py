@@ -24,10 +24,33 @@ if TYPE_CHECKING:
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE = 4096
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
-BUFFER_FIELDS = {"id", "tenant_id", "pool_id", "size_bytes", "numa_node", "persistence", "label",
-                 "key", "evictable", "state", "created_at", "expires_at"}
-POOL_FIELDS = {"id", "name", "numa_node", "backing", "persistence", "latency_us",
-               "capacity_bytes", "used_bytes", "free_bytes", "page_bytes", "scrub"}
+BUFFER_FIELDS = {
+    "id",
+    "tenant_id",
+    "pool_id",
+    "size_bytes",
+    "numa_node",
+    "persistence",
+    "label",
+    "key",
+    "evictable",
+    "state",
+    "created_at",
+    "expires_at",
+}
+POOL_FIELDS = {
+    "id",
+    "name",
+    "numa_node",
+    "backing",
+    "persistence",
+    "latency_us",
+    "capacity_bytes",
+    "used_bytes",
+    "free_bytes",
+    "page_bytes",
+    "scrub",
+}
 
 
 def problem(r: httpx.Response, status: int, type_suffix: str | None = None) -> dict:
@@ -53,8 +76,9 @@ def uniq(prefix: str) -> str:
 
 
 def make_pool(daemon: Daemon, capacity: int, **fields: object) -> dict:
-    r = daemon.admin.post("/v1/pools", json={"name": uniq("p"), "numa_node": 0,
-                                             "capacity_bytes": capacity, **fields})
+    r = daemon.admin.post(
+        "/v1/pools", json={"name": uniq("p"), "numa_node": 0, "capacity_bytes": capacity, **fields}
+    )
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -65,7 +89,9 @@ def pool(daemon: Daemon, pool_id: str) -> dict:
     return r.json()
 
 
-def reserve(c: httpx.Client, size: int = 64 * KiB, pool_id: str | None = None, **fields: object) -> dict:
+def reserve(
+    c: httpx.Client, size: int = 64 * KiB, pool_id: str | None = None, **fields: object
+) -> dict:
     path = f"/v1/pools/{pool_id}/reserve" if pool_id else "/v1/reserve"
     r = c.post(path, json={"size_bytes": size, **fields})
     assert r.status_code == 201, r.text
@@ -114,8 +140,12 @@ def test_openapi_document_is_served(daemon: Daemon) -> None:
     assert r.status_code == 200
     doc = r.json()
     assert doc["openapi"].startswith("3.")
-    for path in ("/v1/reserve", "/v1/pools/{pool_id}/reserve", "/v1/buffers/lookup",
-                 "/v1/tenants/{tenant_id}/keys/{key_id}"):
+    for path in (
+        "/v1/reserve",
+        "/v1/pools/{pool_id}/reserve",
+        "/v1/buffers/lookup",
+        "/v1/tenants/{tenant_id}/keys/{key_id}",
+    ):
         assert path in doc["paths"], path
     reserve_responses = doc["paths"]["/v1/reserve"]["post"]["responses"]
     assert {"201", "400", "401", "409", "422", "507"} <= reserve_responses.keys()
@@ -150,8 +180,12 @@ def test_pools_list_any_key(daemon: Daemon, tenant) -> None:
         assert node0["capacity_bytes"] == 256 * MiB
         assert node0["page_bytes"] == PAGE
         assert node0["used_bytes"] + node0["free_bytes"] == node0["capacity_bytes"]
-        assert (node0["backing"], node0["persistence"], node0["latency_us"], node0["scrub"]) == \
-            ("memfd", "volatile", 1, "zero")
+        assert (node0["backing"], node0["persistence"], node0["latency_us"], node0["scrub"]) == (
+            "memfd",
+            "volatile",
+            1,
+            "zero",
+        )
 
 
 # -- pools (admin) --------------------------------------------------------------------------
@@ -159,26 +193,44 @@ def test_pools_list_any_key(daemon: Daemon, tenant) -> None:
 
 def test_pool_create_rounds_up_and_delete(daemon: Daemon) -> None:
     name = uniq("pc")
-    r = daemon.admin.post("/v1/pools", json={"name": name, "numa_node": 0,
-                                             "capacity_bytes": 5000, "latency_us": 7,
-                                             "scrub": "punch", "prefault": False})
+    r = daemon.admin.post(
+        "/v1/pools",
+        json={
+            "name": name,
+            "numa_node": 0,
+            "capacity_bytes": 5000,
+            "latency_us": 7,
+            "scrub": "punch",
+            "prefault": False,
+        },
+    )
     assert r.status_code == 201, r.text
     p = r.json()
     assert p.keys() >= POOL_FIELDS
     assert p["name"] == name
     assert p["capacity_bytes"] == 2 * PAGE  # rounded up to the page
-    assert (p["latency_us"], p["scrub"], p["persistence"], p["backing"]) == \
-        (7, "punch", "volatile", "memfd")
+    assert (p["latency_us"], p["scrub"], p["persistence"], p["backing"]) == (
+        7,
+        "punch",
+        "volatile",
+        "memfd",
+    )
     assert (p["used_bytes"], p["free_bytes"]) == (0, 2 * PAGE)
     assert name in {q["name"] for q in daemon.admin.get("/v1/pools").json()}
     # by name too
     assert pool(daemon, name)["id"] == p["id"]
     # name is unique
-    problem(daemon.admin.post("/v1/pools", json={"name": name, "numa_node": 0,
-                                                 "capacity_bytes": PAGE}), 409)
+    problem(
+        daemon.admin.post("/v1/pools", json={"name": name, "numa_node": 0, "capacity_bytes": PAGE}),
+        409,
+    )
     # a node that does not exist
-    problem(daemon.admin.post("/v1/pools", json={"name": uniq("p7"), "numa_node": 7,
-                                                 "capacity_bytes": PAGE}), 422)
+    problem(
+        daemon.admin.post(
+            "/v1/pools", json={"name": uniq("p7"), "numa_node": 7, "capacity_bytes": PAGE}
+        ),
+        422,
+    )
     r = daemon.admin.delete(f"/v1/pools/{p['id']}")
     assert r.status_code == 204 and r.content == b""
     assert name not in {q["name"] for q in daemon.admin.get("/v1/pools").json()}
@@ -281,8 +333,12 @@ def test_keys_issue_and_revoke(daemon: Daemon, tenant) -> None:
 
 def test_usage(daemon: Daemon, tenant) -> None:
     tid, _, c = tenant
-    assert c.get("/v1/usage").json() == {"tenant_id": tid, "quota_bytes": 64 * MiB,
-                                         "used_bytes": 0, "buffers": 0}
+    assert c.get("/v1/usage").json() == {
+        "tenant_id": tid,
+        "quota_bytes": 64 * MiB,
+        "used_bytes": 0,
+        "buffers": 0,
+    }
     a = reserve(c, 5000)  # rounded to two pages
     reserve(c, 1 * MiB)
     u = c.get("/v1/usage").json()
@@ -299,10 +355,19 @@ def test_reserve_in_pool_by_id_and_name(daemon: Daemon, tenant) -> None:
         before = time.time()
         a = reserve(c, 100, p["id"], ttl_s=120, label="kv layer 0", key="k-a", evictable=True)
         assert a.keys() >= BUFFER_FIELDS
-        assert (a["tenant_id"], a["pool_id"], a["size_bytes"], a["numa_node"]) == \
-            (tid, p["id"], PAGE, 0)
-        assert (a["persistence"], a["label"], a["key"], a["evictable"], a["state"]) == \
-            ("volatile", "kv layer 0", "k-a", True, "live")
+        assert (a["tenant_id"], a["pool_id"], a["size_bytes"], a["numa_node"]) == (
+            tid,
+            p["id"],
+            PAGE,
+            0,
+        )
+        assert (a["persistence"], a["label"], a["key"], a["evictable"], a["state"]) == (
+            "volatile",
+            "kv layer 0",
+            "k-a",
+            True,
+            "live",
+        )
         assert len(a["id"]) >= 32
         created, expires = ts(a["created_at"]), ts(a["expires_at"])
         assert before - 1 <= created <= time.time() + 1
@@ -310,8 +375,13 @@ def test_reserve_in_pool_by_id_and_name(daemon: Daemon, tenant) -> None:
         assert a["created_at"] < a["expires_at"]  # sorts as text
 
         b = reserve(c, 1 * MiB, p["name"])
-        assert (b["pool_id"], b["size_bytes"], b["label"], b["key"], b["evictable"]) == \
-            (p["id"], 1 * MiB, None, None, False)
+        assert (b["pool_id"], b["size_bytes"], b["label"], b["key"], b["evictable"]) == (
+            p["id"],
+            1 * MiB,
+            None,
+            None,
+            False,
+        )
         assert ts(b["expires_at"]) - ts(b["created_at"]) == pytest.approx(600, abs=1)  # default
         # size_gb is GiB (2^30 bytes): 1/1024 GiB is exactly 1 MiB
         g = c.post(f"/v1/pools/{p['id']}/reserve", json={"size_gb": 1 / 1024})
@@ -321,10 +391,19 @@ def test_reserve_in_pool_by_id_and_name(daemon: Daemon, tenant) -> None:
         problem(c.post(f"/v1/pools/{'0' * 32}/reserve", json={"size_bytes": PAGE}), 404)
         problem(c.post("/v1/pools/no-such-pool/reserve", json={"size_bytes": PAGE}), 404)
         # a pool's persistence must match
-        problem(c.post(f"/v1/pools/{p['id']}/reserve",
-                       json={"size_bytes": PAGE, "persistence": "persistent"}), 422, "qos-unmet")
-        problem(c.post(f"/v1/pools/{p['id']}/reserve",
-                       json={"size_bytes": PAGE, "latency_us": 2}), 422, "qos-unmet")
+        problem(
+            c.post(
+                f"/v1/pools/{p['id']}/reserve",
+                json={"size_bytes": PAGE, "persistence": "persistent"},
+            ),
+            422,
+            "qos-unmet",
+        )
+        problem(
+            c.post(f"/v1/pools/{p['id']}/reserve", json={"size_bytes": PAGE, "latency_us": 2}),
+            422,
+            "qos-unmet",
+        )
     finally:
         daemon.admin.delete(f"/v1/pools/{p['id']}?drain=true")
 
@@ -344,16 +423,22 @@ def test_auto_reserve_qos(daemon: Daemon, tenant) -> None:
         v = reserve(c, PAGE, persistence="volatile", latency_us=1000)
         assert v["pool_id"] == pool(daemon, "node0")["id"]
         # the persistent pool's latency (20) is above a 10 µs ceiling
-        problem(c.post("/v1/reserve", json={"size_bytes": PAGE, "persistence": "persistent",
-                                            "latency_us": 10}), 422, "qos-unmet")
+        problem(
+            c.post(
+                "/v1/reserve",
+                json={"size_bytes": PAGE, "persistence": "persistent", "latency_us": 10},
+            ),
+            422,
+            "qos-unmet",
+        )
         # larger than every pool that meets the QoS (the 8 MiB persistent one): 422
-        problem(c.post("/v1/reserve", json={"size_bytes": 9 * MiB, "persistence": "persistent"}),
-                422)
+        problem(
+            c.post("/v1/reserve", json={"size_bytes": 9 * MiB, "persistence": "persistent"}), 422
+        )
         n = reserve(c, PAGE, numa_node=0)
         assert n["numa_node"] == 0
         problem(c.post("/v1/reserve", json={"size_bytes": PAGE, "numa_node": 7}), 422)
-        problem(c.post("/v1/reserve", json={"size_bytes": PAGE, "latency_us": 0}), 422,
-                "qos-unmet")
+        problem(c.post("/v1/reserve", json={"size_bytes": PAGE, "latency_us": 0}), 422, "qos-unmet")
     finally:
         for p in (slow, durable):
             assert daemon.admin.delete(f"/v1/pools/{p['id']}?drain=true").status_code == 204
@@ -445,10 +530,13 @@ def test_release_then_404(daemon: Daemon, tenant) -> None:
     assert r.status_code == 204 and r.content == b""
     assert pool(daemon, "node0")["used_bytes"] == used
     assert c.get("/v1/usage").json()["used_bytes"] == 0
-    for r in (c.delete(f"/v1/buffers/{buf['id']}"), c.get(f"/v1/buffers/{buf['id']}"),
-              c.post(f"/v1/buffers/{buf['id']}/renew", json={"ttl_s": 60}),
-              c.patch(f"/v1/buffers/{buf['id']}/pin", json={"numa_node": 0}),
-              c.post(f"/v1/buffers/{buf['id']}/checkpoint")):
+    for r in (
+        c.delete(f"/v1/buffers/{buf['id']}"),
+        c.get(f"/v1/buffers/{buf['id']}"),
+        c.post(f"/v1/buffers/{buf['id']}/renew", json={"ttl_s": 60}),
+        c.patch(f"/v1/buffers/{buf['id']}/pin", json={"numa_node": 0}),
+        c.post(f"/v1/buffers/{buf['id']}/checkpoint"),
+    ):
         problem(r, 404, "not-found")
     assert buf["id"] not in {b["id"] for b in c.get("/v1/buffers").json()}
 
@@ -489,13 +577,20 @@ ADMIN_ROUTES = [
 
 @pytest.mark.parametrize("key", ["missing", "unknown", "basic", "empty-bearer"])
 def test_401_missing_or_unknown_key(daemon: Daemon, key: str) -> None:
-    headers = {"missing": {}, "unknown": {"Authorization": "Bearer maasd_nope"},
-               "basic": {"Authorization": "Basic dXNlcjpwdw=="},
-               "empty-bearer": {"Authorization": "Bearer"}}[key]
-    for method, path, body in [("GET", "/v1/usage", None), ("GET", "/v1/pools", None),
-                               ("GET", "/v1/tenants", None), ("GET", "/v1/buffers", None),
-                               ("POST", "/v1/reserve", {"size_bytes": 4096}),
-                               ("DELETE", f"/v1/buffers/{'0' * 32}", None)]:
+    headers = {
+        "missing": {},
+        "unknown": {"Authorization": "Bearer maasd_nope"},
+        "basic": {"Authorization": "Basic dXNlcjpwdw=="},
+        "empty-bearer": {"Authorization": "Bearer"},
+    }[key]
+    for method, path, body in [
+        ("GET", "/v1/usage", None),
+        ("GET", "/v1/pools", None),
+        ("GET", "/v1/tenants", None),
+        ("GET", "/v1/buffers", None),
+        ("POST", "/v1/reserve", {"size_bytes": 4096}),
+        ("DELETE", f"/v1/buffers/{'0' * 32}", None),
+    ]:
         r = httpx.request(method, daemon.url + path, json=body, headers=headers)
         problem(r, 401, "unauthorized")
         assert r.headers.get("www-authenticate", "").lower().startswith("bearer")
@@ -526,8 +621,9 @@ def test_409_quota_and_duplicate_key(daemon: Daemon) -> None:
     tid2, key2 = daemon.tenant("dup", 4 * MiB)
     with daemon.client(key2) as c:
         reserve(c, PAGE, key="dup")  # keys are per tenant
-        problem(c.post("/v1/reserve", json={"size_bytes": PAGE, "key": "dup"}), 409,
-                "duplicate-key")
+        problem(
+            c.post("/v1/reserve", json={"size_bytes": PAGE, "key": "dup"}), 409, "duplicate-key"
+        )
         assert c.get("/v1/usage").json()["buffers"] == 1
     for t in (tid, tid2):
         daemon.admin.delete(f"/v1/tenants/{t}")
@@ -537,8 +633,11 @@ def test_422_size_larger_than_pool(daemon: Daemon) -> None:
     tid, key = daemon.tenant("big", 1 << 40)
     p = make_pool(daemon, 1 * MiB)
     with daemon.client(key) as c:
-        problem(c.post(f"/v1/pools/{p['id']}/reserve", json={"size_bytes": 1 * MiB + 1}), 422,
-                "too-large")
+        problem(
+            c.post(f"/v1/pools/{p['id']}/reserve", json={"size_bytes": 1 * MiB + 1}),
+            422,
+            "too-large",
+        )
         problem(c.post("/v1/reserve", json={"size_bytes": 512 * MiB}), 422, "too-large")
         problem(c.post("/v1/reserve", json={"size_gb": 4.0}), 422, "too-large")
         assert c.get("/v1/usage").json()["used_bytes"] == 0
@@ -553,8 +652,9 @@ def test_507_pool_full_now(daemon: Daemon) -> None:
     with daemon.client(ka) as a, daemon.client(kb) as b:
         held = [reserve(a, 256 * KiB, p["id"]) for _ in range(4)]
         assert pool(daemon, p["id"])["free_bytes"] == 0
-        body = problem(b.post(f"/v1/pools/{p['id']}/reserve", json={"size_bytes": PAGE}), 507,
-                       "pool-exhausted")
+        body = problem(
+            b.post(f"/v1/pools/{p['id']}/reserve", json={"size_bytes": PAGE}), 507, "pool-exhausted"
+        )
         assert body["type"].endswith("/pool-exhausted")
         assert b.get("/v1/usage").json()["used_bytes"] == 0
         # once space is back, the same request succeeds

@@ -67,20 +67,26 @@ def api_schema(daemon: Daemon):
     return schemathesis.openapi.from_url(f"{daemon.url}/schema/openapi.json")
 
 
-@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
-                         ids=lambda m: m.value)
+@pytest.mark.parametrize(
+    "mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=lambda m: m.value
+)
 @pytest.mark.parametrize(("method", "path"), OPERATIONS, ids=[f"{m} {p}" for m, p in OPERATIONS])
-def test_no_5xx_and_responses_conform(daemon: Daemon, api_schema, auth: dict[str, str],
-                                      method: str, path: str, mode: GenerationMode) -> None:
+def test_no_5xx_and_responses_conform(
+    daemon: Daemon, api_schema, auth: dict[str, str], method: str, path: str, mode: GenerationMode
+) -> None:
     operation = api_schema[path][method]
 
     @hypothesis.given(case=operation.as_strategy(generation_mode=mode))
-    @hypothesis.settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
-                         database=None, suppress_health_check=list(hypothesis.HealthCheck),
-                         phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink])
+    @hypothesis.settings(
+        max_examples=MAX_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(hypothesis.HealthCheck),
+        phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+    )
     def run(case) -> None:  # type: ignore[no-untyped-def]
         response = case.call(base_url=daemon.url, headers=auth, timeout=30)
-        case.validate_response(response, checks=[not_a_server_error,
-                                                 response_schema_conformance])
+        case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 
     run()

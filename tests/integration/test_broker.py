@@ -274,7 +274,7 @@ class DaemonEnv:
 
 
 def attached_gauge(metrics_text: str, tenant_id: str) -> float:
-    pat = re.compile(r'^maasd_attached_handles\{([^}]*)\}\s+(\S+)', re.M)
+    pat = re.compile(r"^maasd_attached_handles\{([^}]*)\}\s+(\S+)", re.M)
     for labels, value in pat.findall(metrics_text):
         if f'tenant="{tenant_id}"' in labels:
             return float(value)

@@ -66,7 +66,9 @@ CHILD = textwrap.dedent(
 def run_child(daemon, key: str, bid: str, mode: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", CHILD, daemon.socket_path, key, bid, mode],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -126,7 +128,9 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(daemon, tenant):
     assert pinned.numa_node == 0 and pinned.placement is not None
     assert sum(pinned.placement.values()) == 2 * MiB // node0.page_bytes
 
-    assert c.lookup(["nope", a.key or ""]) == msgspec.structs.replace(c.buffer(a.id), placement=None)
+    assert c.lookup(["nope", a.key or ""]) == msgspec.structs.replace(
+        c.buffer(a.id), placement=None
+    )
     hit = c.lookup_hit([a.key or ""])
     assert hit is not None and hit.key == a.key
     assert c.lookup(["no-such-key"]) is None
@@ -157,8 +161,7 @@ def test_admin_helpers(daemon, admin):
     with Client(daemon.url, t.api_key) as tc:
         buf = tc.reserve(MiB)
         assert [b.id for b in admin.buffers(tenant_id=t.id)] == [buf.id]
-    pool = admin.create_pool(name=f"p-{uuid.uuid4().hex[:6]}", numa_node=0,
-                             capacity_bytes=8 * MiB)
+    pool = admin.create_pool(name=f"p-{uuid.uuid4().hex[:6]}", numa_node=0, capacity_bytes=8 * MiB)
     assert pool.capacity_bytes == 8 * MiB and pool.used_bytes == 0
     admin.delete_pool(pool.name)  # by name
     with pytest.raises(NotFound):
@@ -242,8 +245,9 @@ def test_422_unprocessable(tenant):
 
 def test_507_pool_exhausted(daemon, admin):
     _tid, key = daemon.tenant("full", 64 * MiB)
-    pool = admin.create_pool(name=f"small-{uuid.uuid4().hex[:6]}", numa_node=0,
-                             capacity_bytes=8 * MiB)
+    pool = admin.create_pool(
+        name=f"small-{uuid.uuid4().hex[:6]}", numa_node=0, capacity_bytes=8 * MiB
+    )
     try:
         with Client(daemon.url, key) as c:
             first = c.reserve(6 * MiB, pool=pool.name)
@@ -261,8 +265,10 @@ def test_connection_failed_for_a_dead_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with Client(f"http://127.0.0.1:{port}", "k", timeout=2) as c, \
-            pytest.raises(ConnectionFailed) as info:
+    with (
+        Client(f"http://127.0.0.1:{port}", "k", timeout=2) as c,
+        pytest.raises(ConnectionFailed) as info,
+    ):
         c.usage()
     assert isinstance(info.value, MaasdClientError) and info.value.status == 0
 

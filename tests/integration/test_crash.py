@@ -63,7 +63,11 @@ def ledger_totals(d) -> int:  # type: ignore[no-untyped-def]
         assert p["used_bytes"] + p["free_bytes"] == p["capacity_bytes"], p
         assert 0 <= p["used_bytes"] <= p["capacity_bytes"], p
     assert in_buffers == in_tenants == in_pools, (in_buffers, in_tenants, in_pools)
-    assert len(buffers.json()) == sum(t["buffers"] for t in tenants) == sum(p["buffers"] for p in pools)
+    assert (
+        len(buffers.json())
+        == sum(t["buffers"] for t in tenants)
+        == sum(p["buffers"] for p in pools)
+    )
     return in_buffers
 
 
@@ -90,8 +94,9 @@ class Churn:
         self.granted = 0
         self.errors: list[str] = []
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(url, key, i), daemon=True)
-                        for i in range(n)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(url, key, i), daemon=True) for i in range(n)
+        ]
 
     def __enter__(self) -> Churn:
         for t in self.threads:
@@ -106,17 +111,22 @@ class Churn:
     def _run(self, url: str, key: str, seed: int) -> None:
         rnd = random.Random(seed)
         held: list[str] = []
-        with httpx.Client(base_url=url, timeout=10.0,
-                          headers={"Authorization": f"Bearer {key}"}) as c:
+        with httpx.Client(
+            base_url=url, timeout=10.0, headers={"Authorization": f"Bearer {key}"}
+        ) as c:
             while not self.stop.is_set():
                 try:
                     if held and (len(held) > 3 or rnd.random() < 0.4):
                         r = c.delete(f"/v1/buffers/{held.pop(rnd.randrange(len(held)))}")
                         ok = r.status_code in (204, 404)
                     else:
-                        r = c.post("/v1/pools/vol/reserve",
-                                   json={"size_bytes": rnd.choice((4096, MiB, 3 * MiB + 5)),
-                                         "evictable": rnd.random() < 0.3})
+                        r = c.post(
+                            "/v1/pools/vol/reserve",
+                            json={
+                                "size_bytes": rnd.choice((4096, MiB, 3 * MiB + 5)),
+                                "evictable": rnd.random() < 0.3,
+                            },
+                        )
                         ok = r.status_code in (201, 409, 507)
                         if r.status_code == 201:
                             held.append(r.json()["id"])
@@ -161,12 +171,17 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
 
         stop_hot = threading.Event()
 
-        def checkpoint_hot(first: int, hot_id: str = hot_id, stop: threading.Event = stop_hot) -> None:
+        def checkpoint_hot(
+            first: int, hot_id: str = hot_id, stop: threading.Event = stop_hot
+        ) -> None:
             fill = first
             try:
-                with Worker(d.socket_path, key, renew_interval_s=0) as w, \
-                        httpx.Client(base_url=d.url, timeout=10.0,
-                                     headers={"Authorization": f"Bearer {key}"}) as c:
+                with (
+                    Worker(d.socket_path, key, renew_interval_s=0) as w,
+                    httpx.Client(
+                        base_url=d.url, timeout=10.0, headers={"Authorization": f"Bearer {key}"}
+                    ) as c,
+                ):
                     m = w.attach(hot_id)
                     while not stop.is_set():
                         m.array[:] = fill

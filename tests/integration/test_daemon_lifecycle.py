@@ -52,19 +52,23 @@ def test_graceful_stop_checkpoints_the_latest_content(fresh_daemon, tmp_path: Pa
     user = d.client(key)
     pers = user.post("/v1/pools/keep/reserve", json={"size_bytes": 3 * MiB, "ttl_s": 3600}).json()
     never = user.post("/v1/pools/keep/reserve", json={"size_bytes": MiB, "ttl_s": 3600}).json()
-    vol = d.admin.post("/v1/pools", json={"name": "scratch", "numa_node": 0,
-                                          "capacity_bytes": 8 * MiB})
+    vol = d.admin.post(
+        "/v1/pools", json={"name": "scratch", "numa_node": 0, "capacity_bytes": 8 * MiB}
+    )
     assert vol.status_code == 201, vol.text
     scratch = user.post("/v1/pools/scratch/reserve", json={"size_bytes": MiB}).json()
     rng = np.random.default_rng(1)
-    first, latest = rng.integers(0, 256, 3 * MiB, dtype=np.uint8), rng.integers(0, 256, 3 * MiB, dtype=np.uint8)
+    first, latest = (
+        rng.integers(0, 256, 3 * MiB, dtype=np.uint8),
+        rng.integers(0, 256, 3 * MiB, dtype=np.uint8),
+    )
     with Worker(d.socket_path, key, renew_interval_s=0) as w:
         m = w.attach(pers["id"])
         m.array[:] = first
         assert user.post(f"/v1/buffers/{pers['id']}/checkpoint").status_code == 200
         m.array[:] = latest  # only the shutdown checkpoint can save this
         n = w.attach(never["id"])
-        n.array[:] = 42      # never checkpointed by hand
+        n.array[:] = 42  # never checkpointed by hand
     user.close()
     assert d.stop(sig) == 0, d.log()
     assert "stopped" in d.log()
@@ -92,8 +96,13 @@ def test_a_second_daemon_on_the_same_data_dir_fails_at_once(fresh_daemon) -> Non
     d = fresh_daemon.start()
     env = {**d.env, "MAASD_PORT": str(d.port + 1 if d.port < 65535 else d.port - 1)}
     started = time.monotonic()
-    second = subprocess.run([sys.executable, "-m", "maasd.cli.daemon", "serve"], env=env,
-                            capture_output=True, text=True, timeout=30)
+    second = subprocess.run(
+        [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert second.returncode != 0
     assert time.monotonic() - started < 15
     assert "already serving" in second.stderr and str(d.data_dir) in second.stderr, second.stderr

@@ -24,12 +24,17 @@ def test_a_buffers_life_and_a_tenants_keys_are_on_the_record(daemon) -> None:  #
         assert c.delete(f"/v1/buffers/{buf['id']}").status_code == 204
     new_key = daemon.admin.post(f"/v1/tenants/{tenant_id}/keys").json()
     assert daemon.admin.delete(f"/v1/tenants/{tenant_id}/keys/{new_key['id']}").status_code == 204
-    assert daemon.admin.patch(f"/v1/tenants/{tenant_id}", json={"quota_bytes": 4 * MiB}).status_code == 200
+    assert (
+        daemon.admin.patch(f"/v1/tenants/{tenant_id}", json={"quota_bytes": 4 * MiB}).status_code
+        == 200
+    )
 
     r = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id})
     assert r.status_code == 200, r.text
     events = r.json()
-    assert [e["id"] for e in events] == sorted((e["id"] for e in events), reverse=True)  # newest first
+    assert [e["id"] for e in events] == sorted(
+        (e["id"] for e in events), reverse=True
+    )  # newest first
     assert all(e["tenant_id"] == tenant_id for e in events)
     assert kinds_for(events, buffer_id=buf["id"]) == ["release", "reserve"]
     assert [e["bytes"] for e in events if e["buffer_id"] == buf["id"]] == [MiB, MiB]
@@ -39,11 +44,15 @@ def test_a_buffers_life_and_a_tenants_keys_are_on_the_record(daemon) -> None:  #
 
     # paging back: `before` the oldest seen gives strictly older ones
     first = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id, "limit": 2}).json()
-    rest = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id, "before": first[-1]["id"]}).json()
+    rest = daemon.admin.get(
+        "/v1/events", params={"tenant_id": tenant_id, "before": first[-1]["id"]}
+    ).json()
     assert len(first) == 2 and [e["id"] for e in first + rest] == [e["id"] for e in events]
 
 
-@pytest.mark.parametrize("params", [{"limit": 0}, {"limit": 1001}, {"limit": "many"}, {"before": "x"}])
+@pytest.mark.parametrize(
+    "params", [{"limit": 0}, {"limit": 1001}, {"limit": "many"}, {"before": "x"}]
+)
 def test_bad_paging_is_a_400(daemon, params: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     r = daemon.admin.get("/v1/events", params=params)
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem+json")
@@ -64,16 +73,23 @@ def test_maasctl_events(daemon) -> None:  # type: ignore[no-untyped-def]
     name = daemon.admin.get(f"/v1/tenants/{tenant_id}").json()["name"]
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "maasd.cli.admin", *args], env=env,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "maasd.cli.admin", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     table = run("events", "--tenant", name)
     assert table.returncode == 0, table.stderr
     assert "reserve" in table.stdout and "tenant_create" in table.stdout and name in table.stdout
     as_json = run("--json", "events", "--tenant", tenant_id, "--limit", "1")
     assert as_json.returncode == 0, as_json.stderr
-    assert json.loads(as_json.stdout) == daemon.admin.get(
-        "/v1/events", params={"tenant_id": tenant_id, "limit": 1}).json()
+    assert (
+        json.loads(as_json.stdout)
+        == daemon.admin.get("/v1/events", params={"tenant_id": tenant_id, "limit": 1}).json()
+    )
     bad = run("events", "--limit", "0")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
 

@@ -106,7 +106,7 @@ def test_pool_capacity_shortfall_evicts_any_tenants_evictable_buffers(daemon) ->
     evictions = daemon.metric("maasd_evictions_total")
     a_bufs = [reserve(a, pool, 2 * MiB, evictable=True) for _ in range(3)]  # LRU: 0, 1, 2
     b_first = reserve(b, pool, 2 * MiB)  # the pool is full now
-    b_new = reserve(b, pool, 3 * MiB)    # 3 MiB short: a_bufs[0] and a_bufs[1] go
+    b_new = reserve(b, pool, 3 * MiB)  # 3 MiB short: a_bufs[0] and a_bufs[1] go
     assert [alive(a, x) for x in a_bufs] == [False, False, True]
     assert daemon.metric("maasd_evictions_total") == evictions + 2
     assert daemon.metric("maasd_release_total", reason="evict") >= 2

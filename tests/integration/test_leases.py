@@ -46,8 +46,9 @@ def test_expired_lease_is_reaped_and_scrubbed(daemon) -> None:
         m = w.attach(buf["id"])
         m.array[:] = 0xA5
         assert user.get("/v1/usage").json()["used_bytes"] == 2 * MiB
-        assert wait_for(lambda: user.get(f"/v1/buffers/{buf['id']}").status_code == 404, 5.0), \
+        assert wait_for(lambda: user.get(f"/v1/buffers/{buf['id']}").status_code == 404, 5.0), (
             "the lease ended but the buffer is still there"
+        )
         # The stale mapping still works, and reads nothing but zeros.
         assert not np.any(m.array)
     usage = user.get("/v1/usage").json()
@@ -106,8 +107,9 @@ def test_tenant_delete_releases_everything_and_revokes_keys(daemon) -> None:
     assert extra.status_code == 201, extra.text
     user = daemon.client(key)
     used_before = pool_used(daemon)
-    ids = [user.post("/v1/reserve", json={"size_bytes": s}).json()["id"]
-           for s in (MiB, 3 * MiB, 4096)]
+    ids = [
+        user.post("/v1/reserve", json={"size_bytes": s}).json()["id"] for s in (MiB, 3 * MiB, 4096)
+    ]
     assert pool_used(daemon) == used_before + 4 * MiB + 4096
     w = Worker(daemon.socket_path, key, renew_interval_s=0)
     m = w.attach(ids[1])

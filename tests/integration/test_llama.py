@@ -267,7 +267,9 @@ class TestMechanics:
             st[rng.integers(0, min(256, hdr.state_len), 2)] ^= rng.integers(1, 256, 2).astype(
                 np.uint8
             )
-            header = L.pack_header(hdr.fingerprint, hdr.tokens, hdr.state_len, L.state_checksum(st.data))
+            header = L.pack_header(
+                hdr.fingerprint, hdr.tokens, hdr.state_len, L.state_checksum(st.data)
+            )
             L._write_header(raw, header)
             assert kv.restore(0, toks) in (0, 80)
         kv.model.reset()

@@ -15,8 +15,13 @@ from maasd.cli.daemon import LogfmtFormatter, data_dir_lock
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "maasd.cli.daemon", *args], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "maasd.cli.daemon", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_info_reports_the_real_topology_and_default_pools() -> None:
@@ -41,7 +46,10 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
     db = tmp_path / "ledger.db"
     r = run("migrate", "--data-dir", str(tmp_path), "--db", f"sqlite:///{db}")
     assert r.returncode == 0, r.stderr
-    tables = {row[0] for row in sqlite3.connect(db).execute("select name from sqlite_master where type='table'")}
+    tables = {
+        row[0]
+        for row in sqlite3.connect(db).execute("select name from sqlite_master where type='table'")
+    }
     assert {"pools", "tenants", "api_keys", "buffers", "events", "alembic_version"} <= tables
     again = run("migrate", "--data-dir", str(tmp_path), "--db", f"sqlite:///{db}")
     assert again.returncode == 0, again.stderr
@@ -52,16 +60,26 @@ def test_data_dir_lock_is_exclusive(tmp_path: Path) -> None:
 
     with data_dir_lock(str(tmp_path)):
         holder = subprocess.run(
-            [sys.executable, "-c", "import sys; from maasd.cli.daemon import data_dir_lock\n"
-             "with data_dir_lock(sys.argv[1]): pass", str(tmp_path)],
-            capture_output=True, text=True, timeout=30)
+            [
+                sys.executable,
+                "-c",
+                "import sys; from maasd.cli.daemon import data_dir_lock\n"
+                "with data_dir_lock(sys.argv[1]): pass",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert holder.returncode != 0 and "already serving" in holder.stderr
     with data_dir_lock(str(tmp_path)):  # released: can be taken again
         pass
     assert click  # imported for the exception type the lock raises
 
 
-@pytest.mark.parametrize(("msg", "expect"), [("serving", "msg=serving"), ("two words", 'msg="two words"')])
+@pytest.mark.parametrize(
+    ("msg", "expect"), [("serving", "msg=serving"), ("two words", 'msg="two words"')]
+)
 def test_logfmt_lines(msg: str, expect: str) -> None:
     import logging
 
@@ -80,8 +98,10 @@ def test_socket_group_owns_the_worker_socket(tmp_path: Path) -> None:
     group = grp.getgrgid(65534).gr_name if 65534 in {g.gr_gid for g in grp.getgrall()} else None
     if group is None:
         pytest.skip("no group with gid 65534 on this host to hand the socket to")
-    d = Daemon(tmp_path / "maasd", env={"MAASD_SOCKET": str(tmp_path / "run" / "maasd.sock"),
-                                        "MAASD_SOCKET_GROUP": group})
+    d = Daemon(
+        tmp_path / "maasd",
+        env={"MAASD_SOCKET": str(tmp_path / "run" / "maasd.sock"), "MAASD_SOCKET_GROUP": group},
+    )
     d.socket_path = str(tmp_path / "run" / "maasd.sock")
     try:
         d.start()

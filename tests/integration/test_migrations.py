@@ -48,7 +48,11 @@ def indexes(store: Store) -> dict[str, set[str]]:
     # PostgreSQL also lists the index behind each UNIQUE constraint: those are compared
     # as constraints, in unique_constraints().
     return {
-        t: {ix["name"] for ix in insp.get_indexes(t) if ix["name"] and not ix.get("duplicates_constraint")}
+        t: {
+            ix["name"]
+            for ix in insp.get_indexes(t)
+            if ix["name"] and not ix.get("duplicates_constraint")
+        }
         for t in tables(store)
     }
 
@@ -103,18 +107,44 @@ def test_partial_unique_key_index(store: Store) -> None:
     store.upgrade()
     b = metadata.tables["buffers"]
     row = {
-        "tenant_id": "t1", "pool_id": "p1", "size_bytes": 1, "numa_node": 0, "persistence": "volatile",
-        "label": None, "evictable": False, "state": "live", "created_at": 0.0, "expires_at": 1.0,
+        "tenant_id": "t1",
+        "pool_id": "p1",
+        "size_bytes": 1,
+        "numa_node": 0,
+        "persistence": "volatile",
+        "label": None,
+        "evictable": False,
+        "state": "live",
+        "created_at": 0.0,
+        "expires_at": 1.0,
         "last_used_at": 0.0,
     }
     with store.engine.begin() as conn:
-        conn.execute(sa.insert(metadata.tables["tenants"]), {"id": "t1", "name": "t", "quota_bytes": 9, "created_at": 0.0})
-        conn.execute(sa.insert(metadata.tables["pools"]), {
-            "id": "p1", "host": "h", "name": "p", "numa_node": 0, "backing": "memfd", "persistence": "volatile",
-            "latency_us": 1, "capacity_bytes": 9, "page_bytes": 4096, "prefault": True, "scrub": "zero",
-            "spill_dir": None, "created_at": 0.0,
-        })
-        conn.execute(sa.insert(b), [{**row, "id": "a", "key": None}, {**row, "id": "b", "key": None}])
+        conn.execute(
+            sa.insert(metadata.tables["tenants"]),
+            {"id": "t1", "name": "t", "quota_bytes": 9, "created_at": 0.0},
+        )
+        conn.execute(
+            sa.insert(metadata.tables["pools"]),
+            {
+                "id": "p1",
+                "host": "h",
+                "name": "p",
+                "numa_node": 0,
+                "backing": "memfd",
+                "persistence": "volatile",
+                "latency_us": 1,
+                "capacity_bytes": 9,
+                "page_bytes": 4096,
+                "prefault": True,
+                "scrub": "zero",
+                "spill_dir": None,
+                "created_at": 0.0,
+            },
+        )
+        conn.execute(
+            sa.insert(b), [{**row, "id": "a", "key": None}, {**row, "id": "b", "key": None}]
+        )
         conn.execute(sa.insert(b), {**row, "id": "c", "key": "k"})
     with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as conn:
         conn.execute(sa.insert(b), {**row, "id": "d", "key": "k"})

@@ -19,8 +19,10 @@ MiB = 1 << 20
 
 
 def make_persistent_pool(d, name: str = "durable", cap: int = 16 * MiB) -> dict:  # type: ignore[no-untyped-def]
-    r = d.admin.post("/v1/pools", json={"name": name, "numa_node": 0, "capacity_bytes": cap,
-                                        "persistence": "persistent"})
+    r = d.admin.post(
+        "/v1/pools",
+        json={"name": name, "numa_node": 0, "capacity_bytes": cap, "persistence": "persistent"},
+    )
     assert r.status_code == 201, r.text
     assert r.json()["persistence"] == "persistent"
     return r.json()
@@ -45,8 +47,10 @@ def test_checkpoint_survives_sigkill_byte_identical(fresh_daemon) -> None:
     pool = make_persistent_pool(d)
     _, key = d.tenant("durable", 64 * MiB)
     user = d.client(key)
-    r = user.post("/v1/reserve", json={"size_bytes": 5 * MiB + 1, "persistence": "persistent",
-                                       "ttl_s": 3600, "label": "kv"})
+    r = user.post(
+        "/v1/reserve",
+        json={"size_bytes": 5 * MiB + 1, "persistence": "persistent", "ttl_s": 3600, "label": "kv"},
+    )
     assert r.status_code == 201, r.text
     buf = r.json()
     assert buf["pool_id"] == pool["id"] and buf["size_bytes"] == 5 * MiB + 4096
@@ -54,8 +58,10 @@ def test_checkpoint_survives_sigkill_byte_identical(fresh_daemon) -> None:
     fill(d, key, buf["id"], data)
     ck = user.post(f"/v1/buffers/{buf['id']}/checkpoint")
     assert ck.status_code == 200, ck.text
-    assert ck.json() == {"checksum": hashlib.sha256(data.tobytes()).hexdigest(),
-                         "bytes": buf["size_bytes"]}
+    assert ck.json() == {
+        "checksum": hashlib.sha256(data.tobytes()).hexdigest(),
+        "bytes": buf["size_bytes"],
+    }
     assert d.metric("maasd_checkpoints_total") == 1
     fill(d, key, buf["id"], np.zeros_like(data))  # after the checkpoint: lost on SIGKILL
     d.kill()
@@ -66,7 +72,10 @@ def test_checkpoint_survives_sigkill_byte_identical(fresh_daemon) -> None:
     body = got.json()
     assert body["checksum"] == ck.json()["checksum"]
     assert (body["label"], body["size_bytes"], body["expires_at"]) == (
-        "kv", buf["size_bytes"], buf["expires_at"])
+        "kv",
+        buf["size_bytes"],
+        buf["expires_at"],
+    )
     assert np.array_equal(contents(d, key, buf["id"]), data)
     assert len(spill_files(d)) == 1
     # Releasing a persistent buffer removes its checkpoint too.
@@ -97,7 +106,10 @@ def test_a_corrupt_checkpoint_is_never_served(fresh_daemon) -> None:
     assert np.all(contents(d, key, good["id"]) == 1)
     assert user.get("/v1/usage").json()["used_bytes"] == MiB
     pool = next(p for p in d.admin.get("/v1/pools").json() if p["name"] == "durable")
-    assert pool["used_bytes"] == MiB and pool["used_bytes"] + pool["free_bytes"] == pool["capacity_bytes"]
+    assert (
+        pool["used_bytes"] == MiB
+        and pool["used_bytes"] + pool["free_bytes"] == pool["capacity_bytes"]
+    )
     assert [p.name.split(".")[0] for p in spill_files(d)] == [good["id"]]
     assert "checksum mismatch" in d.log()
     user.close()
@@ -113,7 +125,11 @@ def test_never_checkpointed_buffer_does_not_survive_sigkill(fresh_daemon) -> Non
     d.start()
     assert user.get(f"/v1/buffers/{buf['id']}").status_code == 404
     assert user.get("/v1/usage").json() | {"tenant_id": None} == {
-        "tenant_id": None, "quota_bytes": 64 * MiB, "used_bytes": 0, "buffers": 0}
+        "tenant_id": None,
+        "quota_bytes": 64 * MiB,
+        "used_bytes": 0,
+        "buffers": 0,
+    }
     user.close()
 
 

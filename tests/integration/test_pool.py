@@ -36,8 +36,12 @@ def open_fds() -> int:
 
 class TestConstruction:
     def test_defaults(self, pool):
-        assert (pool.backing, pool.persistence, pool.scrub, pool.prefault) == \
-            ("memfd", "volatile", "zero", True)
+        assert (pool.backing, pool.persistence, pool.scrub, pool.prefault) == (
+            "memfd",
+            "volatile",
+            "zero",
+            True,
+        )
         assert pool.page_bytes == PAGE == default_page_bytes("memfd")
         assert (pool.used, pool.free) == (0, CAPACITY)
 
@@ -46,16 +50,19 @@ class TestConstruction:
         assert p.page_bytes == 2 << 20
         assert p.rounded(1) == 2 << 20
 
-    @pytest.mark.parametrize(("kwargs", "word"), [
-        ({"backing": "ramdisk"}, "backing"),
-        ({"persistence": "forever"}, "persistence"),
-        ({"scrub": "shred"}, "scrub"),
-        ({"capacity": 0}, "size"),
-        ({"capacity": -PAGE}, "size"),
-        ({"capacity": float(CAPACITY)}, "integer"),
-        ({"capacity": PAGE + 1}, "multiple"),
-        ({"capacity": 6 << 20, "backing": "hugetlb", "page_bytes": 3 << 20}, "power of two"),
-    ])
+    @pytest.mark.parametrize(
+        ("kwargs", "word"),
+        [
+            ({"backing": "ramdisk"}, "backing"),
+            ({"persistence": "forever"}, "persistence"),
+            ({"scrub": "shred"}, "scrub"),
+            ({"capacity": 0}, "size"),
+            ({"capacity": -PAGE}, "size"),
+            ({"capacity": float(CAPACITY)}, "integer"),
+            ({"capacity": PAGE + 1}, "multiple"),
+            ({"capacity": 6 << 20, "backing": "hugetlb", "page_bytes": 3 << 20}, "power of two"),
+        ],
+    )
     def test_bad_pool(self, kwargs, word):
         args = {"name": "p", "numa_node": 0, "capacity": CAPACITY, **kwargs}
         with pytest.raises(InvalidRequest, match=word):
@@ -96,7 +103,7 @@ class TestAccounting:
         a, b = pool.reserve(PAGE), pool.reserve(PAGE)
         pool.release(a)
         pool.release(a)
-        assert pool.used == PAGE          # b is still live: its bytes stay counted
+        assert pool.used == PAGE  # b is still live: its bytes stay counted
         pool.release(b)
         assert pool.used == 0
 
@@ -104,7 +111,7 @@ class TestAccounting:
         for mode in ("zero", "punch"):
             p = Pool(f"p-{mode}", numa_node=0, capacity=CAPACITY, scrub=mode)
             r = p.reserve(8 * PAGE)
-            worker_fd = r.dup_fd()                       # what a worker would hold
+            worker_fd = r.dup_fd()  # what a worker would hold
             m = mmap.mmap(worker_fd, r.size)
             try:
                 a = np.frombuffer(m, dtype=np.uint8)
@@ -175,8 +182,10 @@ class TestAccounting:
 
 
 class TestBadInput:
-    @pytest.mark.parametrize("size", [0, -1, -PAGE, 1.0, 4096.0, float("nan"), "4096", b"1",
-                                      True, False, None, [PAGE], 1 << 63])
+    @pytest.mark.parametrize(
+        "size",
+        [0, -1, -PAGE, 1.0, 4096.0, float("nan"), "4096", b"1", True, False, None, [PAGE], 1 << 63],
+    )
     def test_invalid_size_changes_nothing(self, pool, size):
         live = pool.reserve(PAGE)
         fds = open_fds()

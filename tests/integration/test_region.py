@@ -95,7 +95,10 @@ def seals_seen_by_child_over_scm(region: Region, page: int) -> dict:
     try:
         proc = subprocess.Popen(
             [sys.executable, "-c", SEAL_CHILD, "scm", str(child.fileno()), str(page)],
-            pass_fds=(child.fileno(),), stdout=subprocess.PIPE, text=True)
+            pass_fds=(child.fileno(),),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         child.close()
         socket.send_fds(parent, [b"fd"], [fd])
         out, _ = proc.communicate(timeout=30)
@@ -108,8 +111,19 @@ def seals_seen_by_child_over_scm(region: Region, page: int) -> dict:
 
 def seals_seen_by_child_via_proc(region: Region, page: int) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", SEAL_CHILD, "proc", f"/proc/{os.getpid()}/fd/{region.fd}",
-         str(page)], capture_output=True, text=True, timeout=30, check=True).stdout
+        [
+            sys.executable,
+            "-c",
+            SEAL_CHILD,
+            "proc",
+            f"/proc/{os.getpid()}/fd/{region.fd}",
+            str(page),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
     return json.loads(out)
 
 
@@ -117,8 +131,15 @@ def assert_sealed_for(report: dict, size: int) -> None:
     assert report["pid"] != os.getpid()
     assert report["size"] == size
     assert report["seals"] & SEALS == SEALS
-    for op in ("grow", "shrink", "truncate0", "fallocate_beyond", "fallocate_straddling",
-               "add_seal_write", "add_seal_again"):
+    for op in (
+        "grow",
+        "shrink",
+        "truncate0",
+        "fallocate_beyond",
+        "fallocate_straddling",
+        "add_seal_write",
+        "add_seal_again",
+    ):
         assert report[op] == errno.EPERM, f"{op}: errno {report[op]}, expected EPERM"
     assert report["size_after"] == size
 
@@ -146,7 +167,11 @@ class ChildMapping:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", SCRUB_CHILD, str(fd), str(region.size)],
-                pass_fds=(fd,), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                pass_fds=(fd,),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
         finally:
             os.close(fd)  # the child has its own copy; the mapping outlives both fds
         assert self.proc.stdout.readline().strip() == "filled"
@@ -171,7 +196,7 @@ class ChildMapping:
 def scrub_seen_by_child(region: Region, mode: str) -> None:
     with ChildMapping(region) as child:
         assert child.check() == {"any": True, "all_a5": True}
-        assert (as_array(region) == 0xA5).all()        # the daemon's mapping shares the page
+        assert (as_array(region) == 0xA5).all()  # the daemon's mapping shares the page
         region.scrub(mode)
         assert child.check()["any"] is False, f"{mode}: stale mapping still reads data"
         assert not as_array(region).any()
@@ -180,6 +205,7 @@ def scrub_seen_by_child(region: Region, mode: str) -> None:
 
 
 # -- fixtures -------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def region():
@@ -210,7 +236,9 @@ def hugepages():
         yield need  # already there: nothing to configure or restore
         return
     if os.geteuid() != 0:
-        pytest.skip(f"huge pages: only {_meminfo('HugePages_Free')} free and not root to add {need}")
+        pytest.skip(
+            f"huge pages: only {_meminfo('HugePages_Free')} free and not root to add {need}"
+        )
     try:
         try:
             path.write_text(str(old + need))
@@ -218,14 +246,16 @@ def hugepages():
             pytest.skip(f"cannot configure huge pages via {path}: {e}")
         free = _meminfo("HugePages_Free")
         if free < need:
-            pytest.skip(f"asked for {need} huge pages, the kernel gave {free} free "
-                        "(memory too fragmented?)")
+            pytest.skip(
+                f"asked for {need} huge pages, the kernel gave {free} free (memory too fragmented?)"
+            )
         yield need
     finally:
         path.write_text(str(old))
 
 
 # -- creation and bounds --------------------------------------------------------------------
+
 
 class TestCreate:
     def test_rounded_sealed_bound_and_zero(self):
@@ -291,12 +321,13 @@ class TestCreate:
 class TestSeals:
     def test_fd_has_shrink_grow_seal(self, region):
         assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) == (
-            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        )
 
     def test_child_over_scm_rights_cannot_resize_or_reseal(self, region):
         report = seals_seen_by_child_over_scm(region, PAGE)
         assert_sealed_for(report, region.size)
-        assert bytes(region.view()[:5]) == b"child"   # and it did write inside its bounds
+        assert bytes(region.view()[:5]) == b"child"  # and it did write inside its bounds
 
     def test_child_via_proc_fd_cannot_resize_or_reseal(self, region):
         report = seals_seen_by_child_via_proc(region, PAGE)
@@ -324,7 +355,7 @@ class TestScrub:
         region.scrub(mode)
         region.scrub(mode)
         assert not as_array(region).any()
-        as_array(region)[:] = 3                       # still usable until closed
+        as_array(region)[:] = 3  # still usable until closed
         assert (as_array(region) == 3).all()
 
     def test_punch_gives_pages_back(self):
@@ -335,7 +366,7 @@ class TestScrub:
             r.scrub("punch")
             assert os.fstat(r.fd).st_blocks == 0
             r.scrub("zero")
-            assert os.fstat(r.fd).st_blocks == 0      # zero also returns the pages
+            assert os.fstat(r.fd).st_blocks == 0  # zero also returns the pages
         finally:
             r.close()
 
@@ -360,9 +391,12 @@ class TestPlacement:
         r = Region.create(4 * MiB, node=0, prefault=True)
         try:
             assert r.placement() == {0: 4 * MiB // PAGE}
-            line = next(line for line in Path("/proc/self/numa_maps").read_text().splitlines()
-                        if line.startswith(f"{r.address:x} "))
-            assert "bind:0" in line                       # the second witness
+            line = next(
+                line
+                for line in Path("/proc/self/numa_maps").read_text().splitlines()
+                if line.startswith(f"{r.address:x} ")
+            )
+            assert "bind:0" in line  # the second witness
             assert f"N0={4 * MiB // PAGE}" in line
         finally:
             r.close()
@@ -379,7 +413,7 @@ class TestPlacement:
         as_array(region)[:] = 9
         assert region.pin(0, discover().node_ids) == {0: region.size // PAGE}
         assert region.node == 0
-        assert (as_array(region) == 9).all()           # migration keeps the bytes
+        assert (as_array(region) == 9).all()  # migration keeps the bytes
 
     def test_pin_to_missing_node(self, region):
         missing = max(discover().node_ids) + 1
@@ -394,8 +428,10 @@ class TestPlacement:
 
     def test_pin_to_node_the_kernel_lacks(self, region):
         """The two-node fixture claims node 1; on a host without it, the kernel refuses."""
-        fixture = discover(sysfs_root=Path(__file__).resolve().parents[1] / "data" /
-                           "sysfs_two_nodes", hugepage_bytes=HUGE)
+        fixture = discover(
+            sysfs_root=Path(__file__).resolve().parents[1] / "data" / "sysfs_two_nodes",
+            hugepage_bytes=HUGE,
+        )
         if 1 in discover().node_ids:
             pytest.skip("this host really has node 1")
         with pytest.raises(PlacementError) as exc:
@@ -454,7 +490,7 @@ class TestHugetlb:
             assert (r.size, r.page_bytes, r.backing) == (4 * MiB, HUGE, "hugetlb")
             assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == SEALS
             assert_sealed_for(seals_seen_by_child_over_scm(r, HUGE), r.size)
-            assert r.placement() == {0: 2}               # counted in 2 MiB pages
+            assert r.placement() == {0: 2}  # counted in 2 MiB pages
             for mode in ("zero", "punch"):
                 scrub_seen_by_child(r, mode)
             assert r.pin(0, discover().node_ids) == {0: 2}
@@ -470,8 +506,9 @@ class TestHugetlb:
         finally:
             r.scrub("punch")
             r.close()
-        back = restore(tmp_path / "h.ckpt", node=0, backing="hugetlb", size=2 * MiB,
-                       expected_checksum=digest)
+        back = restore(
+            tmp_path / "h.ckpt", node=0, backing="hugetlb", size=2 * MiB, expected_checksum=digest
+        )
         try:
             assert (as_array(back) == np.arange(back.size, dtype=np.uint64).astype(np.uint8)).all()
         finally:

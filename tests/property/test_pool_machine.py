@@ -45,15 +45,16 @@ class PoolMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.pool: Pool | None = None
-        self.live: dict[int, int] = {}         # id(region) -> size reserved for it
+        self.live: dict[int, int] = {}  # id(region) -> size reserved for it
         self.live_regions: dict[int, object] = {}
         self.released: list = []
 
     @rule(scrub=st.sampled_from(["zero", "punch"]), prefault=st.booleans())
     @precondition(lambda self: self.pool is None)
     def make_pool(self, scrub, prefault):
-        self.pool = Pool("machine", numa_node=0, capacity=PAGES * PAGE, scrub=scrub,
-                         prefault=prefault)
+        self.pool = Pool(
+            "machine", numa_node=0, capacity=PAGES * PAGE, scrub=scrub, prefault=prefault
+        )
 
     @rule(target=regions, size=request_sizes(PAGE, PAGES))
     @precondition(lambda self: self.pool is not None)
@@ -71,7 +72,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert rounded > self.pool.capacity - before
             assert self.pool.used == before
             return multiple()
-        assert rounded <= self.pool.capacity - before      # it did fit: no over-commit
+        assert rounded <= self.pool.capacity - before  # it did fit: no over-commit
         assert region.size == rounded
         assert self.pool.used == before + rounded
         self.live[id(region)] = rounded
@@ -81,7 +82,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(region=consumes(regions), fill=st.integers(1, 255))
     def release(self, region, fill):
         assert not region.closed
-        fd = region.dup_fd()                                   # a worker's stale handle
+        fd = region.dup_fd()  # a worker's stale handle
         m = mmap.mmap(fd, region.size)
         try:
             a = np.frombuffer(m, dtype=np.uint8)
@@ -90,7 +91,7 @@ class PoolMachine(RuleBasedStateMachine):
             self.pool.release(region)
             assert self.pool.used == before - self.live.pop(id(region))
             del self.live_regions[id(region)]
-            assert not a.any()                                 # scrubbed under the worker
+            assert not a.any()  # scrubbed under the worker
             del a
         finally:
             m.close()
@@ -140,8 +141,8 @@ TestPoolMachine = PoolMachine.TestCase
 def test_no_fd_leak_across_the_machine():
     """Run the machine once more and check every memfd it made was closed."""
     before = len(os.listdir("/proc/self/fd"))
-    run_state_machine_as_test(PoolMachine, settings=settings(max_examples=10,
-                                                             stateful_step_count=20,
-                                                             deadline=None))
+    run_state_machine_as_test(
+        PoolMachine, settings=settings(max_examples=10, stateful_step_count=20, deadline=None)
+    )
     reclaimer.drain()  # "zero" pools close their memfds in the background, after the release
     assert len(os.listdir("/proc/self/fd")) == before

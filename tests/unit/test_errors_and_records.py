@@ -30,7 +30,9 @@ EXPECTED_STATUS = {
 }
 
 
-@pytest.mark.parametrize(("cls", "status"), EXPECTED_STATUS.items(), ids=lambda v: getattr(v, "__name__", v))
+@pytest.mark.parametrize(
+    ("cls", "status"), EXPECTED_STATUS.items(), ids=lambda v: getattr(v, "__name__", v)
+)
 def test_every_error_maps_to_its_status(cls: type[errors.MaasdError], status: int) -> None:
     assert status_of(cls("x")) == status
 
@@ -64,11 +66,14 @@ def test_backing_error_carries_errno() -> None:
     assert e.errno == 22 and "mbind" in e.detail
 
 
-@pytest.mark.parametrize(("epoch", "text"), [
-    (0.0, "1970-01-01T00:00:00.000000Z"),
-    (0.5, "1970-01-01T00:00:00.500000Z"),
-    (1795956108.9999996, "2026-11-29T12:41:49.000000Z"),
-])
+@pytest.mark.parametrize(
+    ("epoch", "text"),
+    [
+        (0.0, "1970-01-01T00:00:00.000000Z"),
+        (0.5, "1970-01-01T00:00:00.500000Z"),
+        (1795956108.9999996, "2026-11-29T12:41:49.000000Z"),
+    ],
+)
 def test_rfc3339_fixed_width(epoch: float, text: str) -> None:
     assert rfc3339(epoch) == text
 
@@ -81,20 +86,35 @@ def test_rfc3339_sorts_as_text() -> None:
 def test_reserve_request_sizes() -> None:
     assert ReserveRequest(size_bytes=5).size() == 5
     assert ReserveRequest(size_gb=1.0).size() == 1 << 30
-    assert ReserveRequest(size_gb=1e-12).size() == 1   # rounds up to a whole byte
-    for bad in (ReserveRequest(), ReserveRequest(size_bytes=1, size_gb=1.0),
-                ReserveRequest(size_gb=math.inf), ReserveRequest(size_gb=2.0 ** 34)):
+    assert ReserveRequest(size_gb=1e-12).size() == 1  # rounds up to a whole byte
+    for bad in (
+        ReserveRequest(),
+        ReserveRequest(size_bytes=1, size_gb=1.0),
+        ReserveRequest(size_gb=math.inf),
+        ReserveRequest(size_gb=2.0**34),
+    ):
         with pytest.raises(errors.InvalidRequest):
             bad.size()
 
 
-@pytest.mark.parametrize("body", [
-    b'{"size_bytes": "5"}', b'{"size_bytes": 5.0}', b'{"size_bytes": true}', b'{"size_bytes": 0}',
-    b'{"size_bytes": -1}', b'{"size_bytes": 9223372036854775808}', b'{"size_bytes": 1, "x": 1}',
-    b'{"size_bytes": 1, "persistence": "forever"}', b'{"size_bytes": 1, "ttl_s": 0}',
-    b'{"size_bytes": 1, "label": "' + b"a" * 129 + b'"}', b'{"size_bytes": 1, "key": ""}',
-    b'{"size_bytes": 1, "evictable": 1}', b'{"size_bytes": 1, "numa_node": -1}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"size_bytes": "5"}',
+        b'{"size_bytes": 5.0}',
+        b'{"size_bytes": true}',
+        b'{"size_bytes": 0}',
+        b'{"size_bytes": -1}',
+        b'{"size_bytes": 9223372036854775808}',
+        b'{"size_bytes": 1, "x": 1}',
+        b'{"size_bytes": 1, "persistence": "forever"}',
+        b'{"size_bytes": 1, "ttl_s": 0}',
+        b'{"size_bytes": 1, "label": "' + b"a" * 129 + b'"}',
+        b'{"size_bytes": 1, "key": ""}',
+        b'{"size_bytes": 1, "evictable": 1}',
+        b'{"size_bytes": 1, "numa_node": -1}',
+    ],
+)
 def test_reserve_body_is_strict(body: bytes) -> None:
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(body, type=ReserveRequest)

@@ -49,11 +49,20 @@ requests = st.one_of(
 )
 replies = st.one_of(
     st.builds(Welcome, tenant_id=st.none() | ids, pid=st.none() | st.integers(0, 2**31)),
-    st.builds(Attached, buffer_id=ids, size_bytes=st.integers(0, 2**63 - 1),
-              numa_node=st.integers(0, 1024)),
+    st.builds(
+        Attached,
+        buffer_id=ids,
+        size_bytes=st.integers(0, 2**63 - 1),
+        numa_node=st.integers(0, 1024),
+    ),
     st.just(Ok()),
-    st.builds(Error, status=st.integers(100, 599), title=st.text(max_size=64),
-              detail=st.text(max_size=256), type=st.none() | st.text(max_size=64)),
+    st.builds(
+        Error,
+        status=st.integers(100, 599),
+        title=st.text(max_size=64),
+        detail=st.text(max_size=256),
+        type=st.none() | st.text(max_size=64),
+    ),
 )
 
 
@@ -78,9 +87,12 @@ class TestEncodeFrame:
 
     def test_every_message_is_a_map_tagged_op(self):
         for msg, op in [
-            (Hello(api_key="k"), "hello"), (Attach(buffer_id="b"), "attach"),
-            (Detach(buffer_id="b"), "detach"), (Renew(buffer_id="b", ttl_s=5), "renew"),
-            (Welcome(tenant_id="t", pid=3), "welcome"), (Ok(), "ok"),
+            (Hello(api_key="k"), "hello"),
+            (Attach(buffer_id="b"), "attach"),
+            (Detach(buffer_id="b"), "detach"),
+            (Renew(buffer_id="b", ttl_s=5), "renew"),
+            (Welcome(tenant_id="t", pid=3), "welcome"),
+            (Ok(), "ok"),
             (Attached(buffer_id="b", size_bytes=4096, numa_node=0), "attached"),
             (Error(status=404, title="Not found", detail="x"), "error"),
         ]:

@@ -29,14 +29,24 @@ MiB = 1 << 20
 POOLS = [
     PoolSpec(name="fast", numa_node=0, capacity_bytes=32 * MiB, latency_us=1),
     PoolSpec(name="slow", numa_node=0, capacity_bytes=64 * MiB, latency_us=10),
-    PoolSpec(name="pers", numa_node=0, capacity_bytes=16 * MiB, latency_us=5,
-             persistence="persistent", scrub="punch"),
+    PoolSpec(
+        name="pers",
+        numa_node=0,
+        capacity_bytes=16 * MiB,
+        latency_us=5,
+        persistence="persistent",
+        scrub="punch",
+    ),
 ]
 
 
 def settings(tmp_path: Path) -> Settings:
-    return Settings(data_dir=str(tmp_path / "data"), admin_key="admin-key-for-tests",
-                    pools=list(POOLS), node_name="unit-host")
+    return Settings(
+        data_dir=str(tmp_path / "data"),
+        admin_key="admin-key-for-tests",
+        pools=list(POOLS),
+        node_name="unit-host",
+    )
 
 
 @pytest.fixture
@@ -73,10 +83,12 @@ def view(svc: Service, buffer_id: str) -> np.ndarray:
 def test_reserve_picks_the_pool_with_most_free_space_that_meets_the_qos(svc: Service) -> None:
     who = tenant(svc)
     slow, fast = pool_named(svc, "slow"), pool_named(svc, "fast")
-    assert svc.reserve(who, req(MiB)).pool_id == slow.id                # most free, no QoS asked
+    assert svc.reserve(who, req(MiB)).pool_id == slow.id  # most free, no QoS asked
     assert svc.reserve(who, req(MiB, latency_us=5)).pool_id == fast.id  # only fast is ≤ 5 µs
     assert svc.reserve(who, req(MiB, latency_us=10)).pool_id == slow.id
-    assert svc.reserve(who, req(MiB, persistence="persistent")).pool_id == pool_named(svc, "pers").id
+    assert (
+        svc.reserve(who, req(MiB, persistence="persistent")).pool_id == pool_named(svc, "pers").id
+    )
     # Fill slow until fast has more room: the choice follows the free space.
     svc.reserve(who, req(40 * MiB, persistence="volatile"))
     assert pool_named(svc, "slow").free_bytes < pool_named(svc, "fast").free_bytes
@@ -92,9 +104,9 @@ def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
     with pytest.raises(errors.PlacementError):
         svc.reserve(who, req(MiB, numa_node=999))
     with pytest.raises(errors.TooLarge):
-        svc.reserve(who, req(65 * MiB))                 # larger than any pool
+        svc.reserve(who, req(65 * MiB))  # larger than any pool
     with pytest.raises(errors.TooLarge):
-        svc.reserve(who, req(33 * MiB), pool="fast")    # larger than this pool
+        svc.reserve(who, req(33 * MiB), pool="fast")  # larger than this pool
     with pytest.raises(errors.NotFound):
         svc.reserve(who, req(MiB), pool="nope")
     with pytest.raises(errors.InvalidRequest):
@@ -153,9 +165,14 @@ def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) 
 def test_foreign_buffers_are_not_found(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
     buf = svc.reserve(a, req(MiB))
-    for call in (lambda: svc.buffer(b, buf.id), lambda: svc.release(b, buf.id),
-                 lambda: svc.renew(b, buf.id, 60), lambda: svc.open_handle(b, buf.id),
-                 lambda: svc.checkpoint(b, buf.id), lambda: svc.pin(b, buf.id, 0)):
+    for call in (
+        lambda: svc.buffer(b, buf.id),
+        lambda: svc.release(b, buf.id),
+        lambda: svc.renew(b, buf.id, 60),
+        lambda: svc.open_handle(b, buf.id),
+        lambda: svc.checkpoint(b, buf.id),
+        lambda: svc.pin(b, buf.id, 0),
+    ):
         with pytest.raises(errors.NotFound):
             call()
     assert svc.buffer(a, buf.id).id == buf.id
@@ -175,8 +192,9 @@ def test_reap_releases_expired_leases_only(svc: Service) -> None:
     assert svc.store.buffer(short.id) is None
 
 
-def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(svc: Service,
-                                                                     monkeypatch) -> None:
+def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(
+    svc: Service, monkeypatch
+) -> None:
     who = tenant(svc)
     real = svc.store.set_state
 
@@ -211,8 +229,9 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
     assert sample(svc, "maasd_evictions_total") == 2
     assert sample(svc, "maasd_release_total", reason="evict") == 2
     assert svc.usage(who).used_bytes == 7 * MiB
-    assert [e.kind for e in svc.store.events(3)][:2] == ["reserve", "evict"] or \
-        "evict" in {e.kind for e in svc.store.events(10)}
+    assert [e.kind for e in svc.store.events(3)][:2] == ["reserve", "evict"] or "evict" in {
+        e.kind for e in svc.store.events(10)
+    }
 
 
 def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Service) -> None:
@@ -221,7 +240,10 @@ def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Servic
     mine = svc.reserve(b, req(4 * MiB), pool="fast")
     with pytest.raises(errors.QuotaExceeded):
         svc.reserve(b, req(MiB), pool="fast")
-    assert {x.id for x in svc.buffers(svc.authenticate("admin-key-for-tests"))} == {theirs.id, mine.id}
+    assert {x.id for x in svc.buffers(svc.authenticate("admin-key-for-tests"))} == {
+        theirs.id,
+        mine.id,
+    }
     assert sample(svc, "maasd_evictions_total") == 0
 
 
@@ -281,8 +303,10 @@ def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
         t.join()
     assert len(outcome) == 3
     for o in outcome:
-        assert isinstance(o, (errors.StateConflict, errors.NotFound)) or \
-            o.checksum == hashlib.sha256(bytes([3]) * 16 * MiB).hexdigest()  # type: ignore[attr-defined]
+        assert (
+            isinstance(o, (errors.StateConflict, errors.NotFound))
+            or o.checksum == hashlib.sha256(bytes([3]) * 16 * MiB).hexdigest()
+        )  # type: ignore[attr-defined]
     spill = Path(svc._pools[buf.pool_id].row.spill_dir or "")
     assert list(spill.iterdir()) == []
 
@@ -319,10 +343,21 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
     now = time.time()
 
     def row(name: str, pool: str, state: str, **kw) -> BufferRow:  # type: ignore[no-untyped-def]
-        r = BufferRow(id=f"{name:0<32}", tenant_id=t.id, pool_id=pools[pool].id, size_bytes=MiB,
-                      numa_node=0, persistence=pools[pool].persistence, label=name, key=None,
-                      evictable=False, state="reserving", created_at=now, expires_at=now + 600,
-                      last_used_at=now)
+        r = BufferRow(
+            id=f"{name:0<32}",
+            tenant_id=t.id,
+            pool_id=pools[pool].id,
+            size_bytes=MiB,
+            numa_node=0,
+            persistence=pools[pool].persistence,
+            label=name,
+            key=None,
+            evictable=False,
+            state="reserving",
+            created_at=now,
+            expires_at=now + 600,
+            last_used_at=now,
+        )
         s.store.begin_reserve(r)
         if state != "reserving":
             s.store.set_state(r.id, state)
@@ -330,8 +365,9 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
             if k == "content":
                 path = spill / f"{r.id}.1.ckpt"
                 path.write_bytes(v)
-                s.store.set_checkpoint(r.id, str(path), kw.get("checksum") or
-                                       hashlib.sha256(v).hexdigest(), now)
+                s.store.set_checkpoint(
+                    r.id, str(path), kw.get("checksum") or hashlib.sha256(v).hexdigest(), now
+                )
         return r
 
     good = os.urandom(MiB)
@@ -379,11 +415,11 @@ def test_attach_times_are_batched_and_reach_the_ledger_before_a_reserve(svc: Ser
     old = svc.reserve(who, req(MiB, evictable=True))
     new = svc.reserve(who, req(MiB, evictable=True))
     before = svc.store.buffer(old.id).last_used_at
-    handle = svc.open_handle(who, old.id)          # no ledger write on the attach path
+    handle = svc.open_handle(who, old.id)  # no ledger write on the attach path
     os.close(handle.fd)
     assert svc.store.buffer(old.id).last_used_at == before
     assert old.id in svc._touched
-    svc.reserve(who, req(MiB))                     # a reserve flushes first: LRU sees the attach
+    svc.reserve(who, req(MiB))  # a reserve flushes first: LRU sees the attach
     assert svc.store.buffer(old.id).last_used_at > svc.store.buffer(new.id).last_used_at
     assert svc._touched == {}
 
@@ -395,7 +431,7 @@ def test_reap_leaves_a_lease_renewed_after_the_query(svc: Service, monkeypatch) 
 
     def expired_then_renewed(now: float, host: str):  # type: ignore[no-untyped-def]
         rows = expired(now, host)
-        svc.renew(who, buf.id, 600)                # the tenant renews in between
+        svc.renew(who, buf.id, 600)  # the tenant renews in between
         return rows
 
     monkeypatch.setattr(svc.store, "expired", expired_then_renewed)
@@ -413,7 +449,7 @@ def test_a_second_release_of_the_same_buffer_is_not_found(svc: Service) -> None:
 
 def test_a_revoked_key_is_refused_at_once_even_after_it_was_cached(svc: Service) -> None:
     new = svc.create_tenant("cached", MiB)
-    assert svc.authenticate(new.api_key).tenant_id == new.id   # checked: now remembered
+    assert svc.authenticate(new.api_key).tenant_id == new.id  # checked: now remembered
     assert svc.authenticate(new.api_key).tenant_id == new.id
     svc.revoke_key(new.id, new.key_id)
     with pytest.raises(errors.Unauthorized):
@@ -430,24 +466,24 @@ def test_a_revocation_racing_a_first_check_is_not_cached(svc: Service, monkeypat
     read = svc.store.key_by_digest
 
     def read_then_revoke(digest: bytes):  # type: ignore[no-untyped-def]
-        row = read(digest)                     # the check saw the key valid …
-        svc.revoke_key(new.id, new.key_id)     # … and the admin revoked it right after
+        row = read(digest)  # the check saw the key valid …
+        svc.revoke_key(new.id, new.key_id)  # … and the admin revoked it right after
         return row
 
     monkeypatch.setattr(svc.store, "key_by_digest", read_then_revoke)
-    svc.authenticate(new.api_key)              # in flight before the revocation: allowed once
+    svc.authenticate(new.api_key)  # in flight before the revocation: allowed once
     monkeypatch.setattr(svc.store, "key_by_digest", read)
     with pytest.raises(errors.Unauthorized):
-        svc.authenticate(new.api_key)          # but never remembered
+        svc.authenticate(new.api_key)  # but never remembered
 
 
 def test_a_buffer_reports_its_measured_placement(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(3 * MiB))          # reserve itself checks a sample of pages
-    assert buf.placement is None                   # … but reports no full count (costly per GiB)
+    buf = svc.reserve(who, req(3 * MiB))  # reserve itself checks a sample of pages
+    assert buf.placement is None  # … but reports no full count (costly per GiB)
     got = svc.buffer(who, buf.id)
     assert got.placement == {"0": buf.size_bytes // os.sysconf("SC_PAGE_SIZE")}
-    assert [b.placement for b in svc.buffers(who)] == [None]   # lists stay cheap
+    assert [b.placement for b in svc.buffers(who)] == [None]  # lists stay cheap
 
 
 def test_reserve_refuses_pages_that_landed_off_node(svc: Service, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -18,7 +18,9 @@ def write(tmp_path, text: str, name: str = "maasd.toml") -> str:
 
 @pytest.fixture
 def config(tmp_path):
-    return write(tmp_path, f"""
+    return write(
+        tmp_path,
+        f"""
         host = "10.0.0.1"
         port = 3000
         data_dir = "{tmp_path}/from-file"
@@ -37,7 +39,8 @@ def config(tmp_path):
         persistence = "persistent"
         scrub = "punch"
         spill_dir = "/var/lib/maasd/spill"
-    """)
+    """,
+    )
 
 
 class TestPrecedence:
@@ -54,12 +57,14 @@ class TestPrecedence:
 
     def test_env_beats_file(self, config):
         s = load(flags={}, env={"MAASD_CONFIG": config, "MAASD_PORT": "4000"})
-        assert s.port == 4000               # env string converted to int
-        assert s.host == "10.0.0.1"         # untouched by env: from the file
+        assert s.port == 4000  # env string converted to int
+        assert s.host == "10.0.0.1"  # untouched by env: from the file
 
     def test_flags_beat_env_and_file(self, config):
-        s = load(flags={"config": config, "port": 5000, "host": "0.0.0.0"},
-                 env={"MAASD_PORT": "4000", "MAASD_HOST": "10.9.9.9"})
+        s = load(
+            flags={"config": config, "port": 5000, "host": "0.0.0.0"},
+            env={"MAASD_PORT": "4000", "MAASD_HOST": "10.9.9.9"},
+        )
         assert (s.port, s.host) == (5000, "0.0.0.0")
 
     def test_none_flags_are_ignored(self, config):
@@ -77,16 +82,29 @@ class TestPrecedence:
     def test_every_env_var_maps_to_a_field(self):
         fields = set(Settings.__struct_fields__)
         assert set(ENV.values()) <= fields
-        for var in ("MAASD_HOST", "MAASD_PORT", "MAASD_SOCKET", "MAASD_DATA_DIR",
-                    "MAASD_DB_URL", "MAASD_CONFIG", "MAASD_ADMIN_KEY",
-                    "MAASD_DEFAULT_POOL_BYTES", "MAASD_MAX_TTL_S"):
+        for var in (
+            "MAASD_HOST",
+            "MAASD_PORT",
+            "MAASD_SOCKET",
+            "MAASD_DATA_DIR",
+            "MAASD_DB_URL",
+            "MAASD_CONFIG",
+            "MAASD_ADMIN_KEY",
+            "MAASD_DEFAULT_POOL_BYTES",
+            "MAASD_MAX_TTL_S",
+        ):
             assert var in ENV
 
     def test_env_strings_convert(self, tmp_path):
-        s = load(flags={}, env={"MAASD_DEFAULT_POOL_BYTES": "1073741824",
-                                "MAASD_REAPER_INTERVAL_S": "0.5",
-                                "MAASD_SOCKET": str(tmp_path / "s.sock"),
-                                "MAASD_DB_URL": "postgresql+asyncpg://u@h/db"})
+        s = load(
+            flags={},
+            env={
+                "MAASD_DEFAULT_POOL_BYTES": "1073741824",
+                "MAASD_REAPER_INTERVAL_S": "0.5",
+                "MAASD_SOCKET": str(tmp_path / "s.sock"),
+                "MAASD_DB_URL": "postgresql+asyncpg://u@h/db",
+            },
+        )
         assert s.default_pool_bytes == 1 << 30
         assert s.reaper_interval_s == 0.5
         assert s.socket_path == str(tmp_path / "s.sock")
@@ -102,13 +120,25 @@ class TestPools:
         pools = load(flags={"config": config}, env={}).pools
         assert [p.name for p in pools] == ["fast", "kv-persist"]
         fast, persist = pools
-        assert (fast.numa_node, fast.capacity_bytes, fast.backing, fast.persistence,
-                fast.scrub, fast.prefault) == (0, 8 << 30, "memfd", "volatile", "zero", True)
-        assert (persist.numa_node, persist.persistence, persist.scrub, persist.spill_dir) == \
-            (1, "persistent", "punch", "/var/lib/maasd/spill")
+        assert (
+            fast.numa_node,
+            fast.capacity_bytes,
+            fast.backing,
+            fast.persistence,
+            fast.scrub,
+            fast.prefault,
+        ) == (0, 8 << 30, "memfd", "volatile", "zero", True)
+        assert (persist.numa_node, persist.persistence, persist.scrub, persist.spill_dir) == (
+            1,
+            "persistent",
+            "punch",
+            "/var/lib/maasd/spill",
+        )
 
     def test_duplicate_pool_names_refused(self, tmp_path):
-        path = write(tmp_path, """
+        path = write(
+            tmp_path,
+            """
             [[pools]]
             name = "a"
             numa_node = 0
@@ -117,17 +147,21 @@ class TestPools:
             name = "a"
             numa_node = 0
             capacity_bytes = 8192
-        """)
+        """,
+        )
         with pytest.raises(InvalidRequest, match="duplicate pool names"):
             load(flags={"config": path}, env={})
 
-    @pytest.mark.parametrize(("pool", "words"), [
-        ('backing = "ramdisk"', ["backing"]),
-        ('persistence = "forever"', ["persistence"]),
-        ('scrub = "shred"', ["scrub"]),
-        ('capacity_bytes = "lots"', ["capacity_bytes"]),
-        ('colour = "blue"', ["colour"]),
-    ])
+    @pytest.mark.parametrize(
+        ("pool", "words"),
+        [
+            ('backing = "ramdisk"', ["backing"]),
+            ('persistence = "forever"', ["persistence"]),
+            ('scrub = "shred"', ["scrub"]),
+            ('capacity_bytes = "lots"', ["capacity_bytes"]),
+            ('colour = "blue"', ["colour"]),
+        ],
+    )
     def test_bad_pool_field(self, tmp_path, pool, words):
         base = {"name": '"p"', "numa_node": "0", "capacity_bytes": "4096"}
         key = pool.split(" = ")[0]
@@ -146,16 +180,19 @@ class TestPools:
 
 
 class TestBadValues:
-    @pytest.mark.parametrize(("env", "word"), [
-        ({"MAASD_PORT": "seventy"}, "port"),
-        ({"MAASD_PORT": "0"}, "port"),
-        ({"MAASD_PORT": "70000"}, "port"),
-        ({"MAASD_PORT": "-1"}, "port"),
-        ({"MAASD_MAX_TTL_S": "0"}, "max_ttl_s"),
-        ({"MAASD_MAX_TTL_S": "soon"}, "max_ttl_s"),
-        ({"MAASD_DEFAULT_POOL_BYTES": "8GiB"}, "default_pool_bytes"),
-        ({"MAASD_REAPER_INTERVAL_S": "fast"}, "reaper_interval_s"),
-    ])
+    @pytest.mark.parametrize(
+        ("env", "word"),
+        [
+            ({"MAASD_PORT": "seventy"}, "port"),
+            ({"MAASD_PORT": "0"}, "port"),
+            ({"MAASD_PORT": "70000"}, "port"),
+            ({"MAASD_PORT": "-1"}, "port"),
+            ({"MAASD_MAX_TTL_S": "0"}, "max_ttl_s"),
+            ({"MAASD_MAX_TTL_S": "soon"}, "max_ttl_s"),
+            ({"MAASD_DEFAULT_POOL_BYTES": "8GiB"}, "default_pool_bytes"),
+            ({"MAASD_REAPER_INTERVAL_S": "fast"}, "reaper_interval_s"),
+        ],
+    )
     def test_bad_env(self, env, word):
         with pytest.raises(InvalidRequest) as exc:
             load(flags={}, env=env)

@@ -33,6 +33,7 @@ from maasd.tenancy.keys import digest, new_id, new_token
 HOST = "host-a"
 NOW = 1_700_000_000.0
 
+
 # ---------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def pg_database_url() -> Iterator[str]:
@@ -56,7 +57,9 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
         s.dispose()
 
 
-def make_pool(store: Store, name: str = "node0", capacity: int = 10_000, host: str = HOST) -> PoolRow:
+def make_pool(
+    store: Store, name: str = "node0", capacity: int = 10_000, host: str = HOST
+) -> PoolRow:
     return store.add_pool(
         PoolRow(
             id=new_id(),
@@ -536,7 +539,11 @@ def test_touch_numa_checkpoint(store: Store) -> None:
     got = store.buffer(row.id)
     assert got is not None
     assert (got.last_used_at, got.numa_node) == (NOW + 5, 1)
-    assert (got.checkpoint_path, got.checksum, got.checkpointed_at) == ("/spill/x", "sha256:abc", NOW + 6)
+    assert (got.checkpoint_path, got.checksum, got.checkpointed_at) == (
+        "/spill/x",
+        "sha256:abc",
+        NOW + 6,
+    )
     with pytest.raises(NotFound):
         store.set_numa_node(new_id(), 0)
     with pytest.raises(NotFound):
@@ -658,7 +665,9 @@ def test_concurrent_reserves_never_overcommit_quota(store: Store) -> None:
     results = hammer(32, 2, lambda i: store.begin_reserve(buf(t, pool, size)))
     granted = [r for r in results if r == []]
     refused = [r for r in results if isinstance(r, QuotaExceeded)]
-    assert len(granted) == fits, [r for r in results if r != [] and not isinstance(r, QuotaExceeded)]
+    assert len(granted) == fits, [
+        r for r in results if r != [] and not isinstance(r, QuotaExceeded)
+    ]
     assert len(refused) == 64 - fits
     tenant = store.tenant(t.id)
     assert tenant is not None
@@ -673,7 +682,9 @@ def test_concurrent_reserves_never_overcommit_pool(store: Store) -> None:
     results = hammer(32, 2, lambda i: store.begin_reserve(buf(tenants[i % 8], pool, size)))
     granted = [r for r in results if r == []]
     refused = [r for r in results if isinstance(r, PoolExhausted)]
-    assert len(granted) == fits, [r for r in results if r != [] and not isinstance(r, PoolExhausted)]
+    assert len(granted) == fits, [
+        r for r in results if r != [] and not isinstance(r, PoolExhausted)
+    ]
     assert len(refused) == 64 - fits
     assert store.usage_by_pool(HOST)[pool.id] == (fits * size, fits)
 

@@ -24,21 +24,27 @@ def two_nodes() -> Topology:
 
 
 class TestParsers:
-    @pytest.mark.parametrize(("text", "cpus"), [
-        ("0-3,8,10-11\n", [0, 1, 2, 3, 8, 10, 11]),
-        ("0\n", [0]),
-        ("", []),
-        ("\n", []),
-        ("0-1", [0, 1]),
-        ("5,7", [5, 7]),
-    ])
+    @pytest.mark.parametrize(
+        ("text", "cpus"),
+        [
+            ("0-3,8,10-11\n", [0, 1, 2, 3, 8, 10, 11]),
+            ("0\n", [0]),
+            ("", []),
+            ("\n", []),
+            ("0-1", [0, 1]),
+            ("5,7", [5, 7]),
+        ],
+    )
     def test_cpulist(self, text, cpus):
         assert parse_cpulist(text) == cpus
 
     def test_meminfo_kb_to_bytes_counts_as_is(self):
         text = "Node 1 MemTotal:  16 kB\nNode 1 MemFree:   8 kB\nNode 1 HugePages_Total:  4\n"
-        assert parse_node_meminfo(text) == {"MemTotal": 16 * KiB, "MemFree": 8 * KiB,
-                                            "HugePages_Total": 4}
+        assert parse_node_meminfo(text) == {
+            "MemTotal": 16 * KiB,
+            "MemFree": 8 * KiB,
+            "HugePages_Total": 4,
+        }
 
     def test_meminfo_ignores_junk(self):
         assert parse_node_meminfo("garbage\n\nNode x MemFree: 1 kB\n") == {}
@@ -83,14 +89,19 @@ class TestDefaultPoolsOnTwoNodes:
         pools = default_pools(two_nodes)
         assert [(p.name, p.numa_node) for p in pools] == [("node0", 0), ("node1", 1)]
         for p in pools:
-            assert (p.backing, p.persistence, p.latency_us, p.prefault, p.scrub) == \
-                ("memfd", "volatile", 1, True, "zero")
+            assert (p.backing, p.persistence, p.latency_us, p.prefault, p.scrub) == (
+                "memfd",
+                "volatile",
+                1,
+                True,
+                "zero",
+            )
 
     def test_quarter_of_free_capped_at_8_gib(self, two_nodes):
         pools = {p.name: p for p in default_pools(two_nodes)}
         assert DEFAULT_POOL_CAP == 8 << 30
-        assert pools["node0"].capacity_bytes == 8 * GiB      # 64 GiB free / 4 = 16 → cap 8
-        assert pools["node1"].capacity_bytes == 2 * GiB      # 8 GiB free / 4
+        assert pools["node0"].capacity_bytes == 8 * GiB  # 64 GiB free / 4 = 16 → cap 8
+        assert pools["node1"].capacity_bytes == 2 * GiB  # 8 GiB free / 4
 
     def test_explicit_size_overrides(self, two_nodes):
         pools = default_pools(two_nodes, pool_bytes=1 * GiB)
