@@ -8,7 +8,7 @@ from the ledger they describe.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -19,7 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class LedgerCollector(Collector):
         self._pools = pools
         self._tenants = tenants
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         cap = GaugeMetricFamily(
             "maasd_pool_capacity_bytes", "Pool capacity", labels=["pool", "node"]
         )

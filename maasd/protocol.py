@@ -286,6 +286,16 @@ def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+def _recv_chunk(sock: socket.socket, bufsize: int, cmsg_space: int, fds: list[int]) -> bytes:
+    """One ``recvmsg``: the descriptors that came with it go onto ``fds`` (so the caller
+    closes them on error too); truncated ancillary data is a :class:`ProtocolError`."""
+    data, ancdata, msg_flags, _addr = sock.recvmsg(bufsize, cmsg_space, socket.MSG_CMSG_CLOEXEC)
+    fds.extend(_fds_from_ancillary(ancdata))
+    if msg_flags & socket.MSG_CTRUNC:
+        raise ProtocolError("ancillary data truncated: peer sent too many fds")
+    return data
+
+
 def recv_message(
     sock: socket.socket, reader: FrameReader, *, bufsize: int = 65536
 ) -> tuple[bytes | None, list[int]]:
@@ -302,12 +312,7 @@ def recv_message(
     cmsg_space = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * 4)
     try:
         while body is None:
-            data, ancdata, msg_flags, _addr = sock.recvmsg(
-                bufsize, cmsg_space, socket.MSG_CMSG_CLOEXEC
-            )
-            fds.extend(_fds_from_ancillary(ancdata))
-            if msg_flags & socket.MSG_CTRUNC:
-                raise ProtocolError("ancillary data truncated: peer sent too many fds")
+            data = _recv_chunk(sock, bufsize, cmsg_space, fds)
             if not data:
                 return None, fds
             body = reader.next_frame(data)

@@ -71,7 +71,7 @@ from maasd.models import (
     rfc3339,
 )
 from maasd.settings import Settings, default_pools
-from maasd.store import BufferRow, PoolRow, Store
+from maasd.store import BufferRow, PoolRow, Store, TenantRow
 from maasd.tenancy import keys, leases
 from maasd.topology import Topology, discover
 
@@ -530,7 +530,7 @@ class Service:
         )
 
     @staticmethod
-    def _tenant_info(row) -> TenantInfo:  # type: ignore[no-untyped-def]
+    def _tenant_info(row: TenantRow) -> TenantInfo:
         return TenantInfo(
             id=row.id,
             name=row.name,
@@ -783,6 +783,7 @@ class Service:
         return Handle(fd=fd, buffer_id=row.id, size_bytes=row.size_bytes, numa_node=row.numa_node)
 
     def drop_handle(self, who: Principal, buffer_id: str) -> None:
+        del buffer_id  # part of the broker's interface: attachments are counted per tenant
         tenant_id = who.tenant_id
         if tenant_id is None:
             return
@@ -886,7 +887,8 @@ class Service:
                 expected_checksum=row.checksum,
             )
         except BackingError as e:
-            logger.error("persistent buffer %s cannot be restored: %s", row.id, e.detail)
+            # An expected outcome (missing or corrupt file): the detail says it all.
+            logger.error("persistent buffer %s cannot be restored: %s", row.id, e.detail)  # noqa: TRY400
             return None
 
     # -- internals ------------------------------------------------------------------------

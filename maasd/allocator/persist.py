@@ -78,29 +78,36 @@ def restore(
         raise BackingError(f"restore from {path}: file holds {file_size} bytes, expected {size}")
     region = Region.create(size, node=node, backing=backing, page_bytes=page_bytes, prefault=True)
     try:
-        digest = hashlib.sha256()
-        view = region.view()
-        try:
-            with open(path, "rb", buffering=0) as f:
-                off = 0
-                while off < file_size:
-                    n = f.readinto(view[off : min(off + CHUNK, file_size)])
-                    if not n:
-                        raise BackingError(f"restore from {path}: short read at {off}")
-                    digest.update(view[off : off + n])
-                    off += n
-        finally:
-            view.release()
-        if expected_checksum is not None and digest.hexdigest() != expected_checksum:
-            raise BackingError(
-                f"restore from {path}: checksum mismatch "
-                f"(file {digest.hexdigest()[:16]}…, ledger {expected_checksum[:16]}…)"
-            )
-        return region
+        _read_and_verify(path, region, file_size, expected_checksum)
     except BaseException:
         region.scrub("punch")
         region.close()
         raise
+    return region
+
+
+def _read_and_verify(
+    path: Path, region: Region, file_size: int, expected_checksum: str | None
+) -> None:
+    """Read ``file_size`` bytes of ``path`` into ``region``; check the sha256 if one is given."""
+    digest = hashlib.sha256()
+    view = region.view()
+    try:
+        with open(path, "rb", buffering=0) as f:
+            off = 0
+            while off < file_size:
+                n = f.readinto(view[off : min(off + CHUNK, file_size)])
+                if not n:
+                    raise BackingError(f"restore from {path}: short read at {off}")
+                digest.update(view[off : off + n])
+                off += n
+    finally:
+        view.release()
+    if expected_checksum is not None and digest.hexdigest() != expected_checksum:
+        raise BackingError(
+            f"restore from {path}: checksum mismatch "
+            f"(file {digest.hexdigest()[:16]}…, ledger {expected_checksum[:16]}…)"
+        )
 
 
 def _fsync_dir(path: Path) -> None:

@@ -121,12 +121,12 @@ class Region:
             region = cls(fd, addr, size, node, backing, page_bytes, name)
             if prefault:
                 region.populate()
-            return region
         except BaseException:
             if addr:
                 _sys.munmap(addr, size)
             os.close(fd)
             raise
+        return region
 
     # -- memory ---------------------------------------------------------------------------
 

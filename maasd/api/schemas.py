@@ -62,7 +62,7 @@ async def decode(request: Request, kind: type[T]) -> T:
         raise InvalidRequest(f"expected an application/json body, got {media or 'no content type'}")
     raw = await request.body()
     try:
-        return _decoders[kind].decode(raw)  # type: ignore[no-any-return]
+        return _decoders[kind].decode(raw)
     except msgspec.ValidationError as e:
         raise InvalidRequest(str(e)) from e
     except msgspec.DecodeError as e:

@@ -73,7 +73,7 @@ def _complete(kind: str) -> Callable[[click.Context, click.Parameter, str], list
     """Shell completion of tenant/pool names, asked of the daemon (best effort, 2 s)."""
 
     def complete(
-        ctx: click.Context, param: click.Parameter, incomplete: str
+        ctx: click.Context, _param: click.Parameter, incomplete: str
     ) -> list[CompletionItem]:
         root = ctx.find_root()
         url = root.params.get("url") or os.environ.get("MAASD_URL") or DEFAULT_URL

@@ -22,13 +22,18 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Generator
-from typing import Any
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from maasd import __version__
 from maasd.errors import MaasdError
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from maasd.settings import Settings
 
 logger = logging.getLogger("maasd")
 
@@ -93,7 +98,7 @@ def data_dir_lock(data_dir: str) -> Generator[None, None, None]:
         os.close(fd)
 
 
-def _settings(**flags: Any):  # type: ignore[no-untyped-def]
+def _settings(**flags: Any) -> Settings:
     from maasd.settings import load
 
     try:
@@ -121,7 +126,10 @@ _common = [
 ]
 
 
-def common(fn):  # type: ignore[no-untyped-def]
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def common(fn: _F) -> _F:
     for opt in reversed(_common):
         fn = opt(fn)
     return fn
@@ -152,7 +160,7 @@ def serve(**flags: Any) -> None:
         _serve(settings)
 
 
-def _serve(settings) -> None:  # type: ignore[no-untyped-def]
+def _serve(settings: Settings) -> None:
     import uvicorn
 
     from maasd.api.app import create_app
@@ -212,7 +220,7 @@ def _serve(settings) -> None:  # type: ignore[no-untyped-def]
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
 
 
-def _server(config):  # type: ignore[no-untyped-def]
+def _server(config: uvicorn.Config) -> uvicorn.Server:
     """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise."""
     import uvicorn
 

@@ -45,6 +45,13 @@ __all__ = ["Mapping", "Worker"]
 logger = logging.getLogger(__name__)
 
 
+def _check_memfd_size(fd: int, size_bytes: int) -> None:
+    """Mapping past the end of the file would SIGBUS on first touch: refuse a short memfd."""
+    st_size = os.fstat(fd).st_size
+    if st_size < size_bytes:
+        raise ProtocolError(f"memfd is {st_size} bytes, daemon said {size_bytes}")
+
+
 class Mapping:
     """One attachment of a buffer: its memfd, mapped read-write and shared.
 
@@ -194,10 +201,7 @@ class Worker:
             )
         fd = fds[0]
         try:
-            st_size = os.fstat(fd).st_size
-            if st_size < reply.size_bytes:
-                # Mapping past the end of the file would SIGBUS on first touch.
-                raise ProtocolError(f"memfd is {st_size} bytes, daemon said {reply.size_bytes}")
+            _check_memfd_size(fd, reply.size_bytes)
             m = Mapping(self, reply.buffer_id, fd, reply.size_bytes, reply.numa_node)
         except BaseException:
             os.close(fd)

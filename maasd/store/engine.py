@@ -106,12 +106,13 @@ def _retry_locked(cursor: Any, sql: str, deadline_s: float = BUSY_TIMEOUT_MS / 1
     while True:
         try:
             cursor.execute(sql)
-            return
         except sqlite3.OperationalError as exc:
             if "locked" not in str(exc) or time.monotonic() > give_up:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+        else:
+            return
 
 
 def create_engine(

@@ -64,12 +64,12 @@ def median_time(
 
 def bench_memset(size: int, reps: int) -> float:
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arr: np.ndarray | None = np.frombuffer(m, dtype=np.uint8)
+    arr = np.frombuffer(m, dtype=np.uint8)
     try:
         arr.fill(1)  # fault every page in first
         return median_time(lambda: arr.fill(0), reps, setup=lambda: arr.fill(0xA5))
     finally:
-        arr = None  # drop the buffer export, then unmap
+        arr = np.empty(0, dtype=np.uint8)  # drop the buffer export (the lambdas' too), then unmap
         m.close()
 
 

@@ -95,7 +95,8 @@ def bench_raw_attach(socket_path: str, key: str, buffer_id: str, n: int) -> floa
             for fd in fds:
                 os.close(fd)
         elapsed = time.perf_counter() - t0
-        assert isinstance(decode_reply(body), Attached) and len(fds) == 1
+        assert isinstance(decode_reply(body), Attached)
+        assert len(fds) == 1
         return elapsed / n
 
 

@@ -24,6 +24,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -61,10 +62,15 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+Step = Callable[[httpx.Client, dict[str, list[float]]], None]
+
+
 def drive(
-    url: str, headers: dict[str, str], clients: int, seconds: float, step
-) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
-    """Run ``step(client, samples)`` in ``clients`` threads for ``seconds``; gather samples."""
+    url: str, headers: dict[str, str], clients: int, seconds: float, step: Step
+) -> dict[str, list[float]]:
+    """Run ``step(client, samples)`` in ``clients`` threads for ``seconds``; gather samples.
+
+    Each thread first runs one step whose samples are dropped (connection set-up)."""
     samples: dict[str, list[float]] = {}
     lock = threading.Lock()
     start = threading.Barrier(clients + 1)
@@ -74,7 +80,7 @@ def drive(
     def run() -> None:
         mine: dict[str, list[float]] = {}
         with httpx.Client(base_url=url, headers=headers, timeout=60.0) as c:
-            step(c, {}, warmup=True)
+            step(c, {})  # warm-up: its samples are thrown away
             start.wait()
             while not stop.is_set():
                 try:
@@ -136,13 +142,13 @@ def main() -> None:
                 time.sleep(0.05)
         body = {"size_bytes": args.size}
 
-        def floor_step(c: httpx.Client, out: dict[str, list[float]], warmup: bool = False) -> None:
+        def floor_step(c: httpx.Client, out: dict[str, list[float]]) -> None:
             t = time.perf_counter()
             r = c.post("/floor", json=body)
             out.setdefault("floor", []).append(time.perf_counter() - t)
             assert r.status_code == 201, r.text
 
-        def maasd_step(c: httpx.Client, out: dict[str, list[float]], warmup: bool = False) -> None:
+        def maasd_step(c: httpx.Client, out: dict[str, list[float]]) -> None:
             t = time.perf_counter()
             r = c.post("/v1/pools/node0/reserve", json=body)
             t1 = time.perf_counter()

@@ -50,7 +50,8 @@ def assert_problem_4xx(r: httpx.Response) -> dict:
     body = r.json()
     assert {"type", "title", "status", "detail"} <= body.keys(), body
     assert body["status"] == r.status_code
-    assert isinstance(body["detail"], str) and body["detail"]
+    assert isinstance(body["detail"], str)
+    assert body["detail"]
     return body
 
 
@@ -181,7 +182,7 @@ def test_reserve_bad_body(daemon: Daemon, victim, path: str, case: str, body: An
     assert snapshot(daemon, c, held["id"]) == before
 
 
-def test_unknown_field_detail_names_the_field(daemon: Daemon, victim) -> None:
+def test_unknown_field_detail_names_the_field(victim) -> None:
     _, c, _ = victim
     r = c.post("/v1/reserve", json={"size_bytes": 4096, "colour": "red"})
     assert "colour" in assert_problem_4xx(r)["detail"]
@@ -277,8 +278,8 @@ TENANT_BAD: list[tuple[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "body"), TENANT_BAD, ids=[c for c, _ in TENANT_BAD])
-def test_tenant_create_bad_body(daemon: Daemon, victim, case: str, body: Any) -> None:
+@pytest.mark.parametrize("body", [b for _, b in TENANT_BAD], ids=[c for c, _ in TENANT_BAD])
+def test_tenant_create_bad_body(daemon: Daemon, victim, body: Any) -> None:
     _, c, held = victim
     before = snapshot(daemon, c, held["id"])
     assert_problem_4xx(send(daemon.admin, "POST", "/v1/tenants", body))
@@ -306,8 +307,8 @@ QUOTA_BAD: list[tuple[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize(("case", "body"), QUOTA_BAD, ids=[c for c, _ in QUOTA_BAD])
-def test_tenant_patch_bad_body(daemon: Daemon, victim, case: str, body: Any) -> None:
+@pytest.mark.parametrize("body", [b for _, b in QUOTA_BAD], ids=[c for c, _ in QUOTA_BAD])
+def test_tenant_patch_bad_body(daemon: Daemon, victim, body: Any) -> None:
     tid, c, held = victim
     before = snapshot(daemon, c, held["id"])
     assert_problem_4xx(send(daemon.admin, "PATCH", f"/v1/tenants/{tid}", body))
@@ -429,7 +430,8 @@ def test_pool_unusable_spill_dir_is_4xx(daemon: Daemon, victim, spill_dir: str) 
     r = daemon.admin.post("/v1/pools", json=_pool(persistence="persistent", spill_dir=spill_dir))
     assert snapshot(daemon, c, held["id"]) == before
     assert_problem_4xx(r)
-    assert r.status_code == 400 and "spill_dir" in r.json()["detail"]
+    assert r.status_code == 400
+    assert "spill_dir" in r.json()["detail"]
 
 
 def test_pool_larger_than_the_node_is_422(daemon: Daemon) -> None:

@@ -81,7 +81,7 @@ def shape(r: httpx.Response, buffer_id: str) -> tuple:
 
 
 @pytest.mark.parametrize("which", ["buf", "durable"])
-def test_foreign_buffer_is_404_like_an_unknown_one(daemon: Daemon, world, which: str) -> None:
+def test_foreign_buffer_is_404_like_an_unknown_one(world, which: str) -> None:
     a, b, buf = world["a"], world["b"], world[which]
     before = a.get(f"/v1/buffers/{buf['id']}").json()
     unknown = secrets.token_hex(16)
@@ -99,7 +99,7 @@ def test_foreign_buffer_is_404_like_an_unknown_one(daemon: Daemon, world, which:
     assert after.json() == before
 
 
-def test_foreign_buffer_never_listed(daemon: Daemon, world) -> None:
+def test_foreign_buffer_never_listed(world) -> None:
     b, buf = world["b"], world["buf"]
     assert buf["id"] not in {x["id"] for x in b.get("/v1/buffers").json()}
     # the admin-only filter is ignored for a tenant key: it still sees only its own
@@ -111,7 +111,7 @@ def test_foreign_buffer_never_listed(daemon: Daemon, world) -> None:
     assert usage["tenant_id"] == world["tb"]
 
 
-def test_lookup_never_crosses_tenants(daemon: Daemon, world) -> None:
+def test_lookup_never_crosses_tenants(world) -> None:
     a, b, buf = world["a"], world["b"], world["buf"]
     r = b.post("/v1/buffers/lookup", json={"keys": ["model", "model:prefix"]})
     assert r.status_code == 404, r.text
@@ -128,7 +128,7 @@ def test_lookup_never_crosses_tenants(daemon: Daemon, world) -> None:
     assert b.post("/v1/buffers/lookup", json={"keys": ["model:prefix"]}).status_code == 404
 
 
-def test_usage_and_quota_are_per_tenant(daemon: Daemon, world) -> None:
+def test_usage_and_quota_are_per_tenant(world) -> None:
     a, b = world["a"], world["b"]
     assert a.get("/v1/usage").json()["used_bytes"] == MiB + PAGE
     assert b.get("/v1/usage").json()["used_bytes"] == 0

@@ -60,7 +60,8 @@ def problem(r: httpx.Response, status: int, type_suffix: str | None = None) -> d
     body = r.json()
     assert {"type", "title", "status", "detail"} <= body.keys(), body
     assert body["status"] == status
-    assert body["detail"] and body["title"]
+    assert body["detail"]
+    assert body["title"]
     if type_suffix is not None:
         assert body["type"].endswith(type_suffix), body
     return body
@@ -165,7 +166,8 @@ def test_topology(daemon: Daemon, tenant) -> None:
         node0 = next(n for n in topo["nodes"] if n["id"] == 0)
         assert {"id", "cpus", "mem_total_bytes", "mem_free_bytes", "distances"} <= node0.keys()
         assert node0["mem_total_bytes"] >= node0["mem_free_bytes"] > 0
-        assert node0["cpus"] and node0["distances"]
+        assert node0["cpus"]
+        assert node0["distances"]
     problem(httpx.get(f"{daemon.url}/v1/topology"), 401, "unauthorized")
 
 
@@ -232,7 +234,8 @@ def test_pool_create_rounds_up_and_delete(daemon: Daemon) -> None:
         422,
     )
     r = daemon.admin.delete(f"/v1/pools/{p['id']}")
-    assert r.status_code == 204 and r.content == b""
+    assert r.status_code == 204
+    assert r.content == b""
     assert name not in {q["name"] for q in daemon.admin.get("/v1/pools").json()}
     problem(daemon.admin.delete(f"/v1/pools/{p['id']}"), 404, "not-found")
     problem(daemon.admin.get(f"/v1/pools/{p['id']}"), 404)
@@ -283,7 +286,8 @@ def test_tenant_lifecycle(daemon: Daemon) -> None:
 
         # quota up, then below use: allowed, blocks new reserves
         r = daemon.admin.patch(f"/v1/tenants/{t['id']}", json={"quota_bytes": 16 * MiB})
-        assert r.status_code == 200 and r.json()["quota_bytes"] == 16 * MiB
+        assert r.status_code == 200
+        assert r.json()["quota_bytes"] == 16 * MiB
         r = daemon.admin.patch(f"/v1/tenants/{t['id']}", json={"quota_bytes": 512 * KiB})
         assert r.status_code == 200, r.text
         assert (r.json()["quota_bytes"], r.json()["used_bytes"]) == (512 * KiB, 1 * MiB)
@@ -454,7 +458,8 @@ def test_buffers_list_and_get(daemon: Daemon, tenant) -> None:
         assert {b["id"] for b in listed} == {b["id"] for b in mine}
         assert all(b.keys() >= BUFFER_FIELDS for b in listed)
         got = c.get(f"/v1/buffers/{mine[0]['id']}")
-        assert got.status_code == 200 and got.json()["label"] == "m0"
+        assert got.status_code == 200
+        assert got.json()["label"] == "m0"
         # admin: all, or one tenant's
         every = {b["id"] for b in daemon.admin.get("/v1/buffers").json()}
         assert {b["id"] for b in mine} | {theirs["id"]} <= every
@@ -471,7 +476,7 @@ def test_buffers_list_and_get(daemon: Daemon, tenant) -> None:
     daemon.admin.delete(f"/v1/tenants/{oid}")
 
 
-def test_pin(daemon: Daemon, tenant) -> None:
+def test_pin(tenant) -> None:
     _, _, c = tenant
     buf = reserve(c, 1 * MiB)
     r = c.patch(f"/v1/buffers/{buf['id']}/pin", json={"numa_node": 0})
@@ -485,7 +490,7 @@ def test_pin(daemon: Daemon, tenant) -> None:
     problem(c.patch(f"/v1/buffers/{'0' * 32}/pin", json={"numa_node": 0}), 404)
 
 
-def test_renew_moves_expires_at(daemon: Daemon, tenant) -> None:
+def test_renew_moves_expires_at(tenant) -> None:
     _, _, c = tenant
     buf = reserve(c, PAGE, ttl_s=60)
     r = c.post(f"/v1/buffers/{buf['id']}/renew", json={"ttl_s": 3600})
@@ -513,7 +518,8 @@ def test_checkpoint(daemon: Daemon, tenant) -> None:
         assert r.status_code == 200, r.text
         ck = r.json()
         assert ck["bytes"] == 256 * KiB
-        assert isinstance(ck["checksum"], str) and ck["checksum"]
+        assert isinstance(ck["checksum"], str)
+        assert ck["checksum"]
         # a fresh buffer reads zeros: the checksum is stable across checkpoints
         assert c.post(f"/v1/buffers/{buf['id']}/checkpoint").json()["checksum"] == ck["checksum"]
         problem(c.post(f"/v1/buffers/{'0' * 32}/checkpoint"), 404)
@@ -527,7 +533,8 @@ def test_release_then_404(daemon: Daemon, tenant) -> None:
     buf = reserve(c, 2 * MiB)
     assert pool(daemon, "node0")["used_bytes"] == used + 2 * MiB
     r = c.delete(f"/v1/buffers/{buf['id']}")
-    assert r.status_code == 204 and r.content == b""
+    assert r.status_code == 204
+    assert r.content == b""
     assert pool(daemon, "node0")["used_bytes"] == used
     assert c.get("/v1/usage").json()["used_bytes"] == 0
     for r in (
@@ -541,7 +548,7 @@ def test_release_then_404(daemon: Daemon, tenant) -> None:
     assert buf["id"] not in {b["id"] for b in c.get("/v1/buffers").json()}
 
 
-def test_lookup_longest_key_wins(daemon: Daemon, tenant) -> None:
+def test_lookup_longest_key_wins(tenant) -> None:
     _, _, c = tenant
     short = reserve(c, PAGE, key="m:a")
     long = reserve(c, PAGE, key="m:a:b:c")

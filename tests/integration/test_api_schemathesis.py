@@ -85,7 +85,7 @@ def test_no_5xx_and_responses_conform(
         suppress_health_check=list(hypothesis.HealthCheck),
         phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
     )
-    def run(case) -> None:  # type: ignore[no-untyped-def]
+    def run(case: schemathesis.Case) -> None:
         response = case.call(base_url=daemon.url, headers=auth, timeout=30)
         case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 

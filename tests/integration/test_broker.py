@@ -175,7 +175,7 @@ class FakeService:
             self.attached[b[0]] += 1
             return FakeHandle(fd=os.dup(b[1]), buffer_id=buffer_id, size_bytes=b[2], numa_node=0)
 
-    def drop_handle(self, who: Principal, buffer_id: str) -> None:
+    def drop_handle(self, who: Principal, _buffer_id: str) -> None:
         with self.lock:
             assert who.tenant_id is not None
             self.attached[who.tenant_id] -= 1
@@ -213,7 +213,7 @@ class FakeEnv:
     def reserve(self, tenant: tuple[str, str], size: int = MiB) -> str:
         return self.svc.reserve(tenant[0], size)
 
-    def release(self, tenant: tuple[str, str], bid: str) -> None:
+    def release(self, _tenant: tuple[str, str], bid: str) -> None:
         self.svc.release(bid)
 
     def healthy(self) -> bool:
@@ -292,6 +292,7 @@ def wait_until(pred, timeout: float = 10.0, step: float = 0.02) -> bool:
 
 @pytest.fixture(params=["fake", "daemon"])
 def env(request, tmp_path):
+    e: FakeEnv | DaemonEnv
     if request.param == "fake":
         e = FakeEnv(tmp_path)
     else:
@@ -355,7 +356,8 @@ def test_attach_sends_a_sealed_memfd_of_exactly_the_buffer(env):
                 os.close(fd)
         # a second attach of the same buffer is the same file
         reply, fds = r.call(Attach(buffer_id=bid))
-        assert isinstance(reply, Attached) and len(fds) == 1
+        assert isinstance(reply, Attached)
+        assert len(fds) == 1
         assert os.pread(fds[0], 4, 0) == b"abcd"
         os.close(fds[0])
     env.release(tenant, bid)
@@ -373,17 +375,22 @@ def test_foreign_and_unknown_ids_answer_404_and_no_fd(env):
             assert anc == []
             (body,) = r.reader.feed(data)
             reply = decode_reply(body)
-            assert isinstance(reply, Error) and reply.status == 404, reply
+            assert isinstance(reply, Error), reply
+            assert reply.status == 404, reply
         # the connection survived all that
         reply, fds = r.call(Renew(buffer_id=bid, ttl_s=60))
-        assert isinstance(reply, Error) and reply.status == 404 and fds == []
+        assert isinstance(reply, Error)
+        assert reply.status == 404
+        assert fds == []
     env.release(owner, bid)
 
 
 def test_bad_key_answers_401_and_closes(env):
     with contextlib.closing(Raw(env.socket_path)) as r:
         reply, fds = r.call(Hello(api_key="not-a-key-" + uuid.uuid4().hex))
-        assert isinstance(reply, Error) and reply.status == 401 and fds == []
+        assert isinstance(reply, Error)
+        assert reply.status == 401
+        assert fds == []
         assert r.closed_by_peer()
 
 
@@ -392,7 +399,9 @@ def test_first_frame_must_be_hello(env):
     bid = env.reserve(tenant)
     with contextlib.closing(Raw(env.socket_path)) as r:
         reply, fds = r.call(Attach(buffer_id=bid))
-        assert isinstance(reply, Error) and reply.status == 400 and fds == []
+        assert isinstance(reply, Error)
+        assert reply.status == 400
+        assert fds == []
         assert r.closed_by_peer()
     env.release(tenant, bid)
 
@@ -418,11 +427,13 @@ def test_garbage_before_hello_closes_only_that_connection(env, garbage):
             reply, fds = bad.recv()
             assert fds == []
             if reply is not None:
-                assert isinstance(reply, Error) and reply.status == 400
+                assert isinstance(reply, Error)
+                assert reply.status == 400
             assert bad.closed_by_peer()
         assert env.healthy()
         reply, fds = good.call(Attach(buffer_id=bid))
-        assert isinstance(reply, Attached) and len(fds) == 1
+        assert isinstance(reply, Attached)
+        assert len(fds) == 1
         os.close(fds[0])
     env.release(tenant, bid)
 
@@ -435,11 +446,14 @@ def test_oversize_after_hello_errors_then_closes(env):
             r.hello(tenant[1])
             r.send_raw(HEADER.pack(MAX_FRAME + 1) + b"\x00" * 1024)
             reply, fds = r.recv()
-            assert isinstance(reply, Error) and reply.status == 400 and fds == []
+            assert isinstance(reply, Error)
+            assert reply.status == 400
+            assert fds == []
             assert r.closed_by_peer()
         assert env.healthy()
         reply, _ = other.call(Renew(buffer_id=uuid.uuid4().hex, ttl_s=60))
-        assert isinstance(reply, Error) and reply.status == 404
+        assert isinstance(reply, Error)
+        assert reply.status == 404
 
 
 def test_bad_frames_after_hello_leave_the_connection_usable(env):
@@ -460,12 +474,16 @@ def test_bad_frames_after_hello_leave_the_connection_usable(env):
         for body in bad_bodies:
             r.send_raw(HEADER.pack(len(body)) + body)
             reply, fds = r.recv()
-            assert isinstance(reply, Error) and reply.status == 400, (body, reply)
-            assert reply.detail and fds == []
+            assert isinstance(reply, Error), (body, reply)
+            assert reply.status == 400, (body, reply)
+            assert reply.detail
+            assert fds == []
         reply, _ = r.call(Hello(api_key=tenant[1]))  # a second hello is a bad frame too
-        assert isinstance(reply, Error) and reply.status == 400
+        assert isinstance(reply, Error)
+        assert reply.status == 400
         reply, fds = r.call(Attach(buffer_id=bid))
-        assert isinstance(reply, Attached) and len(fds) == 1
+        assert isinstance(reply, Attached)
+        assert len(fds) == 1
         os.close(fds[0])
     env.release(tenant, bid)
 
@@ -477,12 +495,14 @@ def test_renew_and_detach(env):
         r.hello(tenant[1])
         assert r.call(Renew(buffer_id=bid, ttl_s=120)) == (Ok(), [])
         reply, _ = r.call(Renew(buffer_id=bid, ttl_s=0))
-        assert isinstance(reply, Error) and reply.status == 400
+        assert isinstance(reply, Error)
+        assert reply.status == 400
         reply, fds = r.call(Attach(buffer_id=bid))
         os.close(fds[0])
         assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
         reply, _ = r.call(Detach(buffer_id=bid))  # no longer attached here
-        assert isinstance(reply, Error) and reply.status == 404
+        assert isinstance(reply, Error)
+        assert reply.status == 404
     env.release(tenant, bid)
 
 
@@ -497,7 +517,9 @@ def test_revoked_key_while_connected_answers_401_and_closes(env):
         os.close(fds[0])
         revoke()
         reply, fds = r.call(Renew(buffer_id=bid, ttl_s=60))
-        assert isinstance(reply, Error) and reply.status == 401 and fds == []
+        assert isinstance(reply, Error)
+        assert reply.status == 401
+        assert fds == []
         assert r.closed_by_peer()
     # and the attachment it held was dropped
     assert wait_until(lambda: env.attached(tenant[0]) == 0)
@@ -533,7 +555,8 @@ def test_many_concurrent_connections(env):
                 r.hello(tenant[1])
                 for _ in range(5):
                     reply, fds = r.call(Attach(buffer_id=bid))
-                    assert isinstance(reply, Attached) and len(fds) == 1
+                    assert isinstance(reply, Attached)
+                    assert len(fds) == 1
                     os.close(fds[0])
         except BaseException as exc:  # collected for the main thread
             failures.append(exc)
@@ -567,7 +590,9 @@ def test_unexpected_exception_is_500_and_the_connection_survives(fake):
     with contextlib.closing(Raw(fake.socket_path)) as r:
         r.hello(tenant[1])
         reply, fds = r.call(Attach(buffer_id="boom"))
-        assert isinstance(reply, Error) and reply.status == 500 and fds == []
+        assert isinstance(reply, Error)
+        assert reply.status == 500
+        assert fds == []
         assert "simulated" not in reply.detail  # internals stay in the log
         reply, fds = r.call(Attach(buffer_id=bid))
         assert isinstance(reply, Attached)
@@ -612,7 +637,8 @@ def test_idle_connection_without_hello_is_closed(fake, monkeypatch):
     e2.svc = fake.svc
     with contextlib.closing(Raw(fake.socket_path)) as r:
         reply, _ = r.recv()
-        assert isinstance(reply, Error) and reply.status == 400
+        assert isinstance(reply, Error)
+        assert reply.status == 400
         assert r.closed_by_peer()
 
 
@@ -625,9 +651,13 @@ def test_worker_attach_maps_the_memfd_zero_copy(fake):
     with Worker(fake.socket_path, tenant[1], renew_interval_s=0) as w:
         assert w.tenant_id == tenant[0]
         m = w.attach(bid)
-        assert m.size == 2 * MiB and m.numa_node == 0 and m.buffer_id == bid
-        assert m.array.dtype == np.uint8 and m.array.shape == (2 * MiB,)
-        assert m.array.flags.writeable and not m.array.flags.owndata
+        assert m.size == 2 * MiB
+        assert m.numa_node == 0
+        assert m.buffer_id == bid
+        assert m.array.dtype == np.uint8
+        assert m.array.shape == (2 * MiB,)
+        assert m.array.flags.writeable
+        assert not m.array.flags.owndata
         m.array[:3] = [1, 2, 3]
         m.array[-1] = 9
         _t, fd, _s = fake.svc.buffers[bid]
@@ -636,7 +666,7 @@ def test_worker_attach_maps_the_memfd_zero_copy(fake):
         assert fake.attached(tenant[0]) == 1
         assert w.attached == [bid]
     assert m.closed
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is closed"):
         _ = m.array
     assert wait_until(lambda: fake.attached(tenant[0]) == 0)
 
@@ -651,7 +681,8 @@ def test_worker_detach_and_mapping_close_tell_the_daemon(fake):
         m1.close()  # idempotent
         assert fake.attached(tenant[0]) == 1
         w.detach(bid)
-        assert m2.closed and fake.attached(tenant[0]) == 0
+        assert m2.closed
+        assert fake.attached(tenant[0]) == 0
         with pytest.raises(NotFound):
             w.detach(bid)
         with pytest.raises(NotFound):
@@ -668,7 +699,7 @@ def test_mapping_close_tolerates_live_numpy_views(fake):
         fd = m.fd
         m.close()  # must not raise although `view` still exports the mmap
         assert m.closed
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(fd)
         assert int(view.sum()) == 50  # still mapped until the view dies
         del view
@@ -695,7 +726,8 @@ def test_worker_with_a_revoked_key(fake):
     revoke()
     with pytest.raises(Unauthorized) as info:
         w.renew(bid)
-    assert info.value.status == 401 and info.value.problem["status"] == 401
+    assert info.value.status == 401
+    assert info.value.problem["status"] == 401
     with pytest.raises(ConnectionFailed):
         w.attach(bid)
     m.array[0] = 1  # the mapping itself stays valid

@@ -97,18 +97,22 @@ def admin(daemon):
 # --- REST ----------------------------------------------------------------------------------
 
 
-def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(daemon, tenant):
+def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(tenant):
     tid, _key, c = tenant
     pools = c.pools()
     node0 = next(p for p in pools if p.name == "node0")
-    assert node0.capacity_bytes == 256 * MiB and node0.numa_node == 0
+    assert node0.capacity_bytes == 256 * MiB
+    assert node0.numa_node == 0
 
     a = c.reserve(size_bytes=5000, pool="node0", label="a", key=f"k-{uuid.uuid4().hex}")
     assert isinstance(a, Buffer)
-    assert a.tenant_id == tid and a.pool_id == node0.id and a.state == "live"
+    assert a.tenant_id == tid
+    assert a.pool_id == node0.id
+    assert a.state == "live"
     assert a.size_bytes == 8192  # rounded up to the page size
     b = c.reserve(size_gb=1 / 1024, pool=node0.id, evictable=True)
-    assert b.size_bytes == MiB and b.evictable
+    assert b.size_bytes == MiB
+    assert b.evictable
     d = c.reserve(2 * MiB, latency_us=10, persistence="volatile", numa_node=0)
     assert d.numa_node == 0
 
@@ -117,22 +121,26 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(daemon, tenant):
     assert msgspec.structs.replace(got, placement=None) == a
     assert got.placement == {"0": a.size_bytes // 4096}  # measured on GET
     usage = c.usage()
-    assert usage.tenant_id == tid and usage.used_bytes == 8192 + MiB + 2 * MiB
+    assert usage.tenant_id == tid
+    assert usage.used_bytes == 8192 + MiB + 2 * MiB
     assert usage.buffers == 3
 
     renewed = c.renew(a.id, ttl_s=1200)
-    assert renewed.expires_at is not None and a.expires_at is not None
+    assert renewed.expires_at is not None
+    assert a.expires_at is not None
     assert renewed.expires_at > a.expires_at
 
     pinned = c.pin(d.id, numa_node=0)
-    assert pinned.numa_node == 0 and pinned.placement is not None
+    assert pinned.numa_node == 0
+    assert pinned.placement is not None
     assert sum(pinned.placement.values()) == 2 * MiB // node0.page_bytes
 
     assert c.lookup(["nope", a.key or ""]) == msgspec.structs.replace(
         c.buffer(a.id), placement=None
     )
     hit = c.lookup_hit([a.key or ""])
-    assert hit is not None and hit.key == a.key
+    assert hit is not None
+    assert hit.key == a.key
     assert c.lookup(["no-such-key"]) is None
 
     for x in (a, b, d):
@@ -140,7 +148,8 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(daemon, tenant):
     assert c.buffers() == []
     assert c.usage().used_bytes == 0
     topo = c.topology()
-    assert topo.nodes and topo.nodes[0].id == 0
+    assert topo.nodes
+    assert topo.nodes[0].id == 0
     assert c.health().status == "ok"
     assert "maasd_" in c.metrics()
 
@@ -148,7 +157,9 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(daemon, tenant):
 def test_admin_helpers(daemon, admin):
     name = f"adm-{uuid.uuid4().hex[:6]}"
     t = admin.create_tenant(name, 32 * MiB)
-    assert t.name == name and t.quota_bytes == 32 * MiB and t.api_key
+    assert t.name == name
+    assert t.quota_bytes == 32 * MiB
+    assert t.api_key
     assert any(x.id == t.id for x in admin.tenants())
     assert admin.set_quota(t.id, 16 * MiB).quota_bytes == 16 * MiB
     assert admin.tenant(t.id).quota_bytes == 16 * MiB
@@ -162,7 +173,8 @@ def test_admin_helpers(daemon, admin):
         buf = tc.reserve(MiB)
         assert [b.id for b in admin.buffers(tenant_id=t.id)] == [buf.id]
     pool = admin.create_pool(name=f"p-{uuid.uuid4().hex[:6]}", numa_node=0, capacity_bytes=8 * MiB)
-    assert pool.capacity_bytes == 8 * MiB and pool.used_bytes == 0
+    assert pool.capacity_bytes == 8 * MiB
+    assert pool.used_bytes == 0
     admin.delete_pool(pool.name)  # by name
     with pytest.raises(NotFound):
         admin.delete_pool(pool.id)
@@ -178,7 +190,8 @@ def test_400_bad_request(tenant):
     _tid, _key, c = tenant
     with pytest.raises(BadRequest) as info:
         c.request("POST", "/v1/reserve", content=b'{"size_bytes": ')
-    assert info.value.status == 400 and info.value.problem["status"] == 400
+    assert info.value.status == 400
+    assert info.value.problem["status"] == 400
     with pytest.raises(BadRequest) as info:
         c.request("POST", "/v1/reserve", json={"size_bytes": 4096, "colour": "red"})
     assert "colour" in info.value.detail
@@ -191,7 +204,8 @@ def test_400_bad_request(tenant):
 def test_401_unauthorized(daemon):
     with Client(daemon.url, "wrong-key") as c, pytest.raises(Unauthorized) as info:
         c.usage()
-    assert info.value.status == 401 and info.value.title
+    assert info.value.status == 401
+    assert info.value.title
 
 
 def test_403_forbidden(tenant):
@@ -222,11 +236,13 @@ def test_409_quota_exceeded_and_duplicate_key(daemon):
         buf = c.reserve(3 * MiB, key="dup")
         with pytest.raises(QuotaExceeded) as info:
             c.reserve(2 * MiB)
-        assert isinstance(info.value, Conflict) and info.value.status == 409
+        assert isinstance(info.value, Conflict)
+        assert info.value.status == 409
         assert info.value.type.endswith("quota-exceeded")
         with pytest.raises(DuplicateKey) as dup:
             c.reserve(4096, key="dup")
-        assert dup.value.type.endswith("duplicate-key") and dup.value.status == 409
+        assert dup.value.type.endswith("duplicate-key")
+        assert dup.value.status == 409
         with pytest.raises(StateConflict):
             c.checkpoint(buf.id)  # volatile
         c.release(buf.id)
@@ -236,7 +252,8 @@ def test_422_unprocessable(tenant):
     _tid, _key, c = tenant
     with pytest.raises(QosUnmet) as info:
         c.reserve(MiB, persistence="persistent")  # the default pools are volatile
-    assert info.value.status == 422 and info.value.type.endswith("qos-unmet")
+    assert info.value.status == 422
+    assert info.value.type.endswith("qos-unmet")
     with pytest.raises(Unprocessable):
         c.reserve(MiB, numa_node=99)
     with pytest.raises(Unprocessable):
@@ -253,7 +270,8 @@ def test_507_pool_exhausted(daemon, admin):
             first = c.reserve(6 * MiB, pool=pool.name)
             with pytest.raises(PoolExhausted) as info:
                 c.reserve(4 * MiB, pool=pool.name)
-            assert info.value.status == 507 and info.value.type.endswith("pool-exhausted")
+            assert info.value.status == 507
+            assert info.value.type.endswith("pool-exhausted")
             c.release(first.id)
     finally:
         admin.delete_pool(pool.id, drain=True)
@@ -270,7 +288,8 @@ def test_connection_failed_for_a_dead_port():
         pytest.raises(ConnectionFailed) as info,
     ):
         c.usage()
-    assert isinstance(info.value, MaasdClientError) and info.value.status == 0
+    assert isinstance(info.value, MaasdClientError)
+    assert info.value.status == 0
 
 
 def test_worker_errors_come_from_socket_error_frames(daemon, tenant):
@@ -278,7 +297,8 @@ def test_worker_errors_come_from_socket_error_frames(daemon, tenant):
     with Worker(daemon.socket_path, key) as w:
         with pytest.raises(NotFound) as info:
             w.attach(uuid.uuid4().hex)
-        assert info.value.type.endswith("not-found") and info.value.problem["status"] == 404
+        assert info.value.type.endswith("not-found")
+        assert info.value.problem["status"] == 404
         with pytest.raises(BadRequest):
             w.renew(uuid.uuid4().hex, ttl_s=-5)
     with pytest.raises(Unauthorized):
@@ -293,14 +313,17 @@ def test_worker_mapping_is_the_buffer(daemon, tenant):
     buf = c.reserve(4 * MiB)
     with Worker(daemon.socket_path, key) as w:
         m = w.attach(buf.id)
-        assert m.size == buf.size_bytes and m.numa_node == buf.numa_node
-        assert m.array.shape == (buf.size_bytes,) and not m.array.any()  # scrubbed/fresh
+        assert m.size == buf.size_bytes
+        assert m.numa_node == buf.numa_node
+        assert m.array.shape == (buf.size_bytes,)
+        assert not m.array.any()
         m.array[:] = 7
         m2 = w.attach(buf.id)
         assert int(m2.array[-1]) == 7  # same pages, no copy
         m2.array[0] = 9
         assert int(m.array[0]) == 9
-    assert m.closed and m2.closed
+    assert m.closed
+    assert m2.closed
     c.release(buf.id)
 
 

@@ -24,12 +24,16 @@ import random
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 import pytest
 
 from maasd.client import Worker
+
+if TYPE_CHECKING:
+    from conftest import Daemon
 
 MiB = 1 << 20
 ROUNDS = 4
@@ -50,7 +54,7 @@ persistence = "persistent"
 """
 
 
-def ledger_totals(d) -> int:  # type: ignore[no-untyped-def]
+def ledger_totals(d: Daemon) -> int:
     """Check ledger = live buffers on every view the API gives; return the bytes in use."""
     buffers = d.admin.get("/v1/buffers")
     assert buffers.status_code == 200, buffers.text
@@ -71,7 +75,7 @@ def ledger_totals(d) -> int:  # type: ignore[no-untyped-def]
     return in_buffers
 
 
-def read_buffer(d, key: str, buffer_id: str) -> bytes:  # type: ignore[no-untyped-def]
+def read_buffer(d: Daemon, key: str, buffer_id: str) -> bytes:
     with Worker(d.socket_path, key, renew_interval_s=0) as w:
         m = w.attach(buffer_id)
         data = m.array.tobytes()
@@ -79,7 +83,7 @@ def read_buffer(d, key: str, buffer_id: str) -> bytes:  # type: ignore[no-untype
     return data
 
 
-def write_buffer(d, key: str, buffer_id: str, data: bytes) -> None:  # type: ignore[no-untyped-def]
+def write_buffer(d: Daemon, key: str, buffer_id: str, data: bytes) -> None:
     with Worker(d.socket_path, key, renew_interval_s=0) as w:
         m = w.attach(buffer_id)
         m.array[:] = np.frombuffer(data, dtype=np.uint8)
@@ -220,9 +224,11 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
         if hot_now.status_code == 200:
             data = read_buffer(d, key, hot_id)
             assert hashlib.sha256(data).hexdigest() == hot_now.json()["checksum"]
-            assert len(set(data)) == 1 and data[0] in hot_fills, "a torn checkpoint came back"
+            assert len(set(data)) == 1, "a torn checkpoint came back"
+            assert data[0] in hot_fills, "a torn checkpoint came back"
         else:  # never checkpointed before the first kill: released, and not counted
-            assert hot_now.status_code == 404 and rnd_no == 0, hot_now.text
+            assert hot_now.status_code == 404, hot_now.text
+            assert rnd_no == 0, hot_now.text
             hot = user.post("/v1/pools/pers/reserve", json={"size_bytes": MiB, "ttl_s": 3600})
             assert hot.status_code == 201, hot.text
             hot_id = hot.json()["id"]
@@ -237,7 +243,8 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
     # Spill dir holds exactly the live checkpoints (no orphans, no temp files).
     spill = Path(d.data_dir) / "spill" / "pers"
     files = sorted(p.name for p in spill.iterdir())
-    assert len(files) == 2 and all(f.endswith(".ckpt") for f in files), files
+    assert len(files) == 2, files
+    assert all(f.endswith(".ckpt") for f in files), files
     assert {f.split(".")[0] for f in files} == {stable_id, hot_id}
     ledger_totals(d)
     assert d.stop() == 0

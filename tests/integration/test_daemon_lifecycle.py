@@ -87,7 +87,8 @@ def test_graceful_stop_checkpoints_the_latest_content(fresh_daemon, tmp_path: Pa
     assert pools["keep"]["used_bytes"] == 4 * MiB
     assert pools["scratch"]["used_bytes"] == 0  # the POSTed pool survived the restart, empty
     usage = user.get("/v1/usage").json()
-    assert usage["used_bytes"] == 4 * MiB and usage["buffers"] == 2
+    assert usage["used_bytes"] == 4 * MiB
+    assert usage["buffers"] == 2
     user.close()
     assert d.stop() == 0
 
@@ -105,10 +106,12 @@ def test_a_second_daemon_on_the_same_data_dir_fails_at_once(fresh_daemon) -> Non
     )
     assert second.returncode != 0
     assert time.monotonic() - started < 15
-    assert "already serving" in second.stderr and str(d.data_dir) in second.stderr, second.stderr
+    assert "already serving" in second.stderr, second.stderr
+    assert str(d.data_dir) in second.stderr, second.stderr
     assert f"pid {d.proc.pid}" in second.stderr, second.stderr
     # The first daemon is untouched: still serving, socket still there.
-    assert d.healthy() and os.path.exists(d.socket_path)
+    assert d.healthy()
+    assert os.path.exists(d.socket_path)
     _, key = d.tenant("still", 8 * MiB)
     with d.client(key) as c:
         assert c.post("/v1/reserve", json={"size_bytes": MiB}).status_code == 201

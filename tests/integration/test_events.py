@@ -6,9 +6,12 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Daemon
 
 MiB = 1 << 20
 
@@ -17,7 +20,7 @@ def kinds_for(events: list[dict[str, Any]], **match: str) -> list[str]:
     return [e["kind"] for e in events if all(e.get(k) == v for k, v in match.items())]
 
 
-def test_a_buffers_life_and_a_tenants_keys_are_on_the_record(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_a_buffers_life_and_a_tenants_keys_are_on_the_record(daemon: Daemon) -> None:
     tenant_id, key = daemon.tenant("audited", 8 * MiB)
     with daemon.client(key) as c:
         buf = c.post("/v1/reserve", json={"size_bytes": MiB, "label": "kv"}).json()
@@ -40,32 +43,35 @@ def test_a_buffers_life_and_a_tenants_keys_are_on_the_record(daemon) -> None:  #
     assert [e["bytes"] for e in events if e["buffer_id"] == buf["id"]] == [MiB, MiB]
     assert {"tenant_create", "key_issue", "key_revoke", "quota_set"} <= {e["kind"] for e in events}
     assert not any(key in json.dumps(e) for e in events)  # a key is never in the trail
-    assert events[0]["at"].endswith("Z") and len(events[0]["at"]) == 27
+    assert events[0]["at"].endswith("Z")
+    assert len(events[0]["at"]) == 27
 
     # paging back: `before` the oldest seen gives strictly older ones
     first = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id, "limit": 2}).json()
     rest = daemon.admin.get(
         "/v1/events", params={"tenant_id": tenant_id, "before": first[-1]["id"]}
     ).json()
-    assert len(first) == 2 and [e["id"] for e in first + rest] == [e["id"] for e in events]
+    assert len(first) == 2
+    assert [e["id"] for e in first + rest] == [e["id"] for e in events]
 
 
 @pytest.mark.parametrize(
     "params", [{"limit": 0}, {"limit": 1001}, {"limit": "many"}, {"before": "x"}]
 )
-def test_bad_paging_is_a_400(daemon, params: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+def test_bad_paging_is_a_400(daemon: Daemon, params: dict[str, Any]) -> None:
     r = daemon.admin.get("/v1/events", params=params)
-    assert r.status_code == 400 and r.headers["content-type"].startswith("application/problem+json")
+    assert r.status_code == 400
+    assert r.headers["content-type"].startswith("application/problem+json")
 
 
-def test_events_are_for_the_admin_only_and_unknown_tenants_are_404(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_events_are_for_the_admin_only_and_unknown_tenants_are_404(daemon: Daemon) -> None:
     _, key = daemon.tenant("curious", MiB)
     with daemon.client(key) as c:
         assert c.get("/v1/events").status_code == 403
     assert daemon.admin.get("/v1/events", params={"tenant_id": "nope"}).status_code == 404
 
 
-def test_maasctl_events(daemon) -> None:  # type: ignore[no-untyped-def]
+def test_maasctl_events(daemon: Daemon) -> None:
     tenant_id, key = daemon.tenant("cli-audit", 8 * MiB)
     with daemon.client(key) as c:
         c.post("/v1/reserve", json={"size_bytes": MiB})
@@ -83,7 +89,9 @@ def test_maasctl_events(daemon) -> None:  # type: ignore[no-untyped-def]
 
     table = run("events", "--tenant", name)
     assert table.returncode == 0, table.stderr
-    assert "reserve" in table.stdout and "tenant_create" in table.stdout and name in table.stdout
+    assert "reserve" in table.stdout
+    assert "tenant_create" in table.stdout
+    assert name in table.stdout
     as_json = run("--json", "events", "--tenant", tenant_id, "--limit", "1")
     assert as_json.returncode == 0, as_json.stderr
     assert (
@@ -91,10 +99,11 @@ def test_maasctl_events(daemon) -> None:  # type: ignore[no-untyped-def]
         == daemon.admin.get("/v1/events", params={"tenant_id": tenant_id, "limit": 1}).json()
     )
     bad = run("events", "--limit", "0")
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.returncode != 0
+    assert "Traceback" not in bad.stderr
 
 
 @pytest.mark.parametrize("before", [0, -1, 2**63, 72660684794466286960640])
-def test_out_of_range_before_is_a_400_not_a_500(daemon, before: int) -> None:  # type: ignore[no-untyped-def]
+def test_out_of_range_before_is_a_400_not_a_500(daemon: Daemon, before: int) -> None:
     r = daemon.admin.get("/v1/events", params={"before": before})
     assert r.status_code == 400, r.text

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
@@ -17,10 +18,13 @@ import pytest
 
 from maasd.client import ConnectionFailed, Unauthorized, Worker
 
+if TYPE_CHECKING:
+    from conftest import Daemon
+
 MiB = 1 << 20
 
 
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+def wait_for(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
@@ -29,7 +33,7 @@ def wait_for(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:  
     return predicate()
 
 
-def pool_used(d, name: str = "node0") -> int:  # type: ignore[no-untyped-def]
+def pool_used(d: Daemon, name: str = "node0") -> int:
     return next(p["used_bytes"] for p in d.admin.get("/v1/pools").json() if p["name"] == name)
 
 
@@ -52,7 +56,8 @@ def test_expired_lease_is_reaped_and_scrubbed(daemon) -> None:
         # The stale mapping still works, and reads nothing but zeros.
         assert not np.any(m.array)
     usage = user.get("/v1/usage").json()
-    assert usage["used_bytes"] == 0 and usage["buffers"] == 0
+    assert usage["used_bytes"] == 0
+    assert usage["buffers"] == 0
     assert pool_used(daemon) == used_before
     assert daemon.metric("maasd_leases_reaped_total") >= reaped_before + 1
     assert daemon.metric("maasd_release_total", reason="expire") >= 1
@@ -69,7 +74,8 @@ def test_renew_extends_the_lease(daemon) -> None:
     assert r.json()["expires_at"] > buf["expires_at"]
     time.sleep(3)
     again = user.get(f"/v1/buffers/{buf['id']}")
-    assert again.status_code == 200 and again.json()["state"] == "live"
+    assert again.status_code == 200
+    assert again.json()["state"] == "live"
     assert again.json()["expires_at"] == r.json()["expires_at"]
     assert user.delete(f"/v1/buffers/{buf['id']}").status_code == 204
     user.close()

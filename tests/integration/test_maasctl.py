@@ -119,9 +119,14 @@ def test_status_shows_pools_tenants_and_totals(daemon: Any) -> None:
     tid, name, key = tenant(daemon, "st", 64 << 20)
     reserve(daemon, key, pool_id(daemon, "node0"), 4 << 20)
     out = ok(maasctl(daemon, "status"))
-    assert "Pools" in out and "Tenants" in out and "Totals" in out
-    assert "node0" in out and name in out
-    assert "256 MiB" in out and "64 MiB" in out and "4 MiB" in out
+    assert "Pools" in out
+    assert "Tenants" in out
+    assert "Totals" in out
+    assert "node0" in out
+    assert name in out
+    assert "256 MiB" in out
+    assert "64 MiB" in out
+    assert "4 MiB" in out
     assert "█" in out or "#" in out  # usage bars
 
     data = ok_json(maasctl(daemon, "--json", "status"))
@@ -131,7 +136,9 @@ def test_status_shows_pools_tenants_and_totals(daemon: Any) -> None:
 
 def test_topology(daemon: Any) -> None:
     out = ok(maasctl(daemon, "topology"))
-    assert "NUMA nodes" in out and "MEM TOTAL" in out and "huge page" in out
+    assert "NUMA nodes" in out
+    assert "MEM TOTAL" in out
+    assert "huge page" in out
     data = ok_json(maasctl(daemon, "--json", "topology"))
     with api(daemon) as c:
         expected = c.get("/v1/topology").json()
@@ -146,7 +153,9 @@ def test_topology(daemon: Any) -> None:
 
 def test_pools_list_and_show(daemon: Any) -> None:
     out = ok(maasctl(daemon, "pools", "list"))
-    assert "node0" in out and "256 MiB" in out and "memfd" in out
+    assert "node0" in out
+    assert "256 MiB" in out
+    assert "memfd" in out
     data = ok_json(maasctl(daemon, "--json", "pools", "list"))
     with api(daemon) as c:
         assert data == c.get("/v1/pools").json()
@@ -163,11 +172,13 @@ def test_pools_list_and_show(daemon: Any) -> None:
 def test_tenant_lifecycle(daemon: Any) -> None:
     name = unique("acme")
     out = ok(maasctl(daemon, "tenants", "create", name, "--quota", "512MiB"))
-    assert "api key" in out and "shown only this once" in out
+    assert "api key" in out
+    assert "shown only this once" in out
 
     tenants = ok_json(maasctl(daemon, "--json", "tenants", "list"))
     mine = [t for t in tenants if t["name"] == name]
-    assert len(mine) == 1 and mine[0]["quota_bytes"] == 512 << 20
+    assert len(mine) == 1
+    assert mine[0]["quota_bytes"] == 512 << 20
     tid = mine[0]["id"]
     assert name in ok(maasctl(daemon, "tenants", "list"))
 
@@ -177,7 +188,8 @@ def test_tenant_lifecycle(daemon: Any) -> None:
             == c.get(f"/v1/tenants/{tid}").json()
         )
     shown = ok(maasctl(daemon, "tenants", "show", tid))
-    assert name in shown and "512 MiB" in shown
+    assert name in shown
+    assert "512 MiB" in shown
 
     ok(maasctl(daemon, "tenants", "set-quota", name, "1.5GiB"))
     assert ok_json(maasctl(daemon, "--json", "tenants", "show", tid))["quota_bytes"] == 3 << 29
@@ -194,7 +206,8 @@ def test_tenant_create_json_and_delete_with_buffers(daemon: Any) -> None:
     name = unique("j")
     created = ok_json(maasctl(daemon, "--json", "tenants", "create", name, "--quota", "64MiB"))
     assert {"id", "name", "quota_bytes", "used_bytes", "api_key"} <= set(created)
-    assert created["name"] == name and created["quota_bytes"] == 64 << 20
+    assert created["name"] == name
+    assert created["quota_bytes"] == 64 << 20
     buf = reserve(daemon, created["api_key"], pool_id(daemon, "node0"))
     # delete prints the API's answer (204: no body → null) with --json
     assert ok_json(maasctl(daemon, "--json", "tenants", "delete", created["id"])) is None
@@ -227,9 +240,11 @@ def test_keys_issue_revoke_and_usage(daemon: Any) -> None:
     usage = ok_json(maasctl(daemon, "--json", "usage", MAASD_KEY=new_key, MAASD_ADMIN_KEY=None))
     with api(daemon, new_key) as c:
         assert usage == c.get("/v1/usage").json()
-    assert usage["tenant_id"] == tid and usage["quota_bytes"] == 32 << 20
+    assert usage["tenant_id"] == tid
+    assert usage["quota_bytes"] == 32 << 20
     out = ok(maasctl(daemon, "usage", MAASD_KEY=first_key, MAASD_ADMIN_KEY=None))
-    assert "32 MiB" in out and tid in out
+    assert "32 MiB" in out
+    assert tid in out
 
     human = ok(maasctl(daemon, "keys", "issue", tid))
     assert "api key" in human
@@ -255,11 +270,13 @@ def test_revoke_unknown_key_is_a_404(daemon: Any) -> None:
 def test_pool_create_and_delete_empty(daemon: Any) -> None:
     name = unique("p")
     out = ok(maasctl(daemon, "pools", "create", name, "--node", "0", "--capacity", "32MiB"))
-    assert name in out and "32 MiB" in out
+    assert name in out
+    assert "32 MiB" in out
     pools = ok_json(maasctl(daemon, "--json", "pools", "list"))
     mine = [p for p in pools if p["name"] == name]
     assert len(mine) == 1
-    assert mine[0]["capacity_bytes"] == 32 << 20 and mine[0]["numa_node"] == 0
+    assert mine[0]["capacity_bytes"] == 32 << 20
+    assert mine[0]["numa_node"] == 0
     assert "deleted" in ok(maasctl(daemon, "pools", "delete", name))
     assert name not in {p["name"] for p in ok_json(maasctl(daemon, "--json", "pools", "list"))}
 
@@ -284,8 +301,11 @@ def test_pool_create_json_with_options(daemon: Any) -> None:
             "--no-prefault",
         )
     )
-    assert p["name"] == name and p["latency_us"] == 5 and p["scrub"] == "punch"
-    assert p["prefault"] is False and p["capacity_bytes"] == 16 << 20
+    assert p["name"] == name
+    assert p["latency_us"] == 5
+    assert p["scrub"] == "punch"
+    assert p["prefault"] is False
+    assert p["capacity_bytes"] == 16 << 20
     assert ok_json(maasctl(daemon, "--json", "pools", "delete", p["id"])) is None
 
 
@@ -301,7 +321,8 @@ def test_pool_delete_with_buffers_needs_drain(daemon: Any) -> None:
     assert name in {x["name"] for x in ok_json(maasctl(daemon, "--json", "pools", "list"))}
 
     out = ok(maasctl(daemon, "pools", "delete", name, "--drain"))
-    assert "deleted" in out and "2 buffer(s)" in out
+    assert "deleted" in out
+    assert "2 buffer(s)" in out
     with api(daemon, key) as c:
         for b in bufs:
             assert c.get(f"/v1/buffers/{b['id']}").status_code == 404
@@ -330,7 +351,10 @@ def test_buffers_list_show_release(daemon: Any) -> None:
     b2 = reserve(daemon, key, node0, 3 << 20)
 
     out = ok(maasctl(daemon, "buffers", "list"))
-    assert b1["id"] in out and b2["id"] in out and name in out and "3 MiB" in out
+    assert b1["id"] in out
+    assert b2["id"] in out
+    assert name in out
+    assert "3 MiB" in out
 
     mine = ok_json(maasctl(daemon, "--json", "buffers", "list", "--tenant", name))
     with api(daemon) as c:
@@ -349,7 +373,9 @@ def test_buffers_list_show_release(daemon: Any) -> None:
     }
 
     shown = ok(maasctl(daemon, "buffers", "show", b2["id"]))
-    assert "3 MiB" in shown and name in shown and "node0" in shown
+    assert "3 MiB" in shown
+    assert name in shown
+    assert "node0" in shown
 
     assert "released" in ok(maasctl(daemon, "buffers", "release", b1["id"]))
     assert ok_json(maasctl(daemon, "--json", "buffers", "release", b2["id"])) is None
@@ -385,15 +411,18 @@ def test_missing_key_and_bad_sizes(daemon: Any) -> None:
     fails(maasctl(daemon, "usage"), "MAASD_KEY", code=2)
     for junk in ("12XB", "-1GiB", "0.5", "8G", "lots"):
         r = maasctl(daemon, "tenants", "create", unique("s"), "--quota", junk)
-        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.returncode == 2
+        assert "Traceback" not in r.stderr
         assert "Invalid value for '--quota'" in r.stderr
     r = maasctl(daemon, "pools", "create", unique("z"), "--node", "0", "--capacity", "0")
-    assert r.returncode == 2 and "zero" in r.stderr
+    assert r.returncode == 2
+    assert "zero" in r.stderr
 
 
 def test_top_json_is_refused(daemon: Any) -> None:
     r = maasctl(daemon, "--json", "top")
-    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
 
 
 # -- top -----------------------------------------------------------------------------------------------------
@@ -401,7 +430,9 @@ def test_top_json_is_refused(daemon: Any) -> None:
 
 def test_top_once_without_a_terminal(daemon: Any) -> None:
     out = ok(maasctl(daemon, "top"))
-    assert "node0" in out and "Rates" in out and "reserve" in out
+    assert "node0" in out
+    assert "Rates" in out
+    assert "reserve" in out
 
 
 def _spawn_top(daemon: Any, *args: str) -> Any:

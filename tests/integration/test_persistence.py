@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from maasd.client import Worker
 
+if TYPE_CHECKING:
+    from conftest import Daemon
+
 MiB = 1 << 20
 
 
-def make_persistent_pool(d, name: str = "durable", cap: int = 16 * MiB) -> dict:  # type: ignore[no-untyped-def]
+def make_persistent_pool(d: Daemon, name: str = "durable", cap: int = 16 * MiB) -> dict:
     r = d.admin.post(
         "/v1/pools",
         json={"name": name, "numa_node": 0, "capacity_bytes": cap, "persistence": "persistent"},
@@ -28,17 +32,17 @@ def make_persistent_pool(d, name: str = "durable", cap: int = 16 * MiB) -> dict:
     return r.json()
 
 
-def fill(d, key: str, buffer_id: str, data: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+def fill(d: Daemon, key: str, buffer_id: str, data: np.ndarray) -> None:
     with Worker(d.socket_path, key, renew_interval_s=0) as w:
         w.attach(buffer_id).array[:] = data
 
 
-def contents(d, key: str, buffer_id: str) -> np.ndarray:  # type: ignore[no-untyped-def]
+def contents(d: Daemon, key: str, buffer_id: str) -> np.ndarray:
     with Worker(d.socket_path, key, renew_interval_s=0) as w:
         return w.attach(buffer_id).array.copy()
 
 
-def spill_files(d, pool: str = "durable") -> list[Path]:  # type: ignore[no-untyped-def]
+def spill_files(d: Daemon, pool: str = "durable") -> list[Path]:
     return sorted((Path(d.data_dir) / "spill" / pool).iterdir())
 
 
@@ -53,7 +57,8 @@ def test_checkpoint_survives_sigkill_byte_identical(fresh_daemon) -> None:
     )
     assert r.status_code == 201, r.text
     buf = r.json()
-    assert buf["pool_id"] == pool["id"] and buf["size_bytes"] == 5 * MiB + 4096
+    assert buf["pool_id"] == pool["id"]
+    assert buf["size_bytes"] == 5 * MiB + 4096
     data = np.random.default_rng(3).integers(0, 256, buf["size_bytes"], dtype=np.uint8)
     fill(d, key, buf["id"], data)
     ck = user.post(f"/v1/buffers/{buf['id']}/checkpoint")
@@ -106,10 +111,8 @@ def test_a_corrupt_checkpoint_is_never_served(fresh_daemon) -> None:
     assert np.all(contents(d, key, good["id"]) == 1)
     assert user.get("/v1/usage").json()["used_bytes"] == MiB
     pool = next(p for p in d.admin.get("/v1/pools").json() if p["name"] == "durable")
-    assert (
-        pool["used_bytes"] == MiB
-        and pool["used_bytes"] + pool["free_bytes"] == pool["capacity_bytes"]
-    )
+    assert pool["used_bytes"] == MiB
+    assert pool["used_bytes"] + pool["free_bytes"] == pool["capacity_bytes"]
     assert [p.name.split(".")[0] for p in spill_files(d)] == [good["id"]]
     assert "checksum mismatch" in d.log()
     user.close()
@@ -154,7 +157,8 @@ def test_checkpoint_rules(fresh_daemon) -> None:
         fill(d, key, pers["id"], np.full(MiB, v, dtype=np.uint8))
         assert user.post(f"/v1/buffers/{pers['id']}/checkpoint").status_code == 200
     files = spill_files(d)
-    assert len(files) == 1 and files[0].read_bytes() == bytes([7]) * MiB
+    assert len(files) == 1
+    assert files[0].read_bytes() == bytes([7]) * MiB
     # Deleting the pool with drain releases the buffer and its checkpoint.
     assert d.admin.delete("/v1/pools/durable").status_code == 409
     assert d.admin.delete("/v1/pools/durable?drain=true").status_code == 204

@@ -174,17 +174,21 @@ class ChildMapping:
             )
         finally:
             os.close(fd)  # the child has its own copy; the mapping outlives both fds
-        assert self.proc.stdout.readline().strip() == "filled"
+        stdin, stdout = self.proc.stdin, self.proc.stdout
+        assert stdin is not None
+        assert stdout is not None
+        self.stdin, self.stdout = stdin, stdout
+        assert self.stdout.readline().strip() == "filled"
 
     def check(self) -> dict:
-        self.proc.stdin.write("check\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        self.stdin.write("check\n")
+        self.stdin.flush()
+        return json.loads(self.stdout.readline())
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.stdin.close()
         self.proc.wait(timeout=30)
-        self.proc.stdout.close()
+        self.stdout.close()
 
     def __enter__(self) -> ChildMapping:
         return self
@@ -285,7 +289,7 @@ class TestCreate:
         region.close()
         region.close()
         assert region.closed
-        with pytest.raises(OSError):
+        with pytest.raises(OSError, match="Bad file descriptor"):
             os.fstat(fd)
         for op in (region.view, region.placement, region.dup_fd, lambda: region.scrub("zero")):
             with pytest.raises(BackingError) as exc:
@@ -447,14 +451,17 @@ class TestErrors:
         with pytest.raises(BackingError) as exc:
             _sys.mbind(region.address, region.size, 63)
         assert exc.value.errno == errno.EINVAL
-        assert "mbind" in exc.value.detail and "node 63" in exc.value.detail
+        assert "mbind" in exc.value.detail
+        assert "node 63" in exc.value.detail
         assert "EINVAL" in exc.value.detail
         assert isinstance(exc.value, MaasdError)
 
     def test_pin_to_63_is_placement_error_from_a_backing_error(self, region):
         with pytest.raises(PlacementError) as exc:
             region.pin(63, frozenset({0, 63}))
-        assert exc.value.__cause__.errno == errno.EINVAL
+        cause = exc.value.__cause__
+        assert isinstance(cause, BackingError)
+        assert cause.errno == errno.EINVAL
         assert "mbind" in exc.value.detail
 
     def test_create_on_node_63_leaks_nothing(self):
@@ -482,8 +489,9 @@ class TestErrors:
 
 
 @pytest.mark.hugetlb
+@pytest.mark.usefixtures("hugepages")
 class TestHugetlb:
-    def test_end_to_end(self, hugepages):
+    def test_end_to_end(self):
         fds = open_fds()
         r = Region.create(3 * MiB, node=0, backing="hugetlb")
         try:
@@ -498,7 +506,7 @@ class TestHugetlb:
             r.close()
         assert open_fds() == fds
 
-    def test_checkpoint_round_trip(self, hugepages, tmp_path):
+    def test_checkpoint_round_trip(self, tmp_path):
         r = Region.create(2 * MiB, node=0, backing="hugetlb")
         as_array(r)[:] = np.arange(r.size, dtype=np.uint64).astype(np.uint8)
         try:
@@ -533,7 +541,8 @@ class TestCheckpoint:
         assert not (tmp_path / "buf.ckpt.tmp").exists()
         back = restore(path, node=0, size=r.size, expected_checksum=digest)
         try:
-            assert back.size == r.size and back.fd != r.fd
+            assert back.size == r.size
+            assert back.fd != r.fd
             assert np.array_equal(as_array(back), data)
             assert fcntl.fcntl(back.fd, fcntl.F_GET_SEALS) == SEALS
             assert back.placement() == {0: back.size // PAGE}

@@ -27,7 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from maasd.allocator import Pool
+from maasd.allocator import Pool, Region
 from maasd.allocator.reclaim import reclaimer
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
 
@@ -46,8 +46,14 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool: Pool | None = None
         self.live: dict[int, int] = {}  # id(region) -> size reserved for it
-        self.live_regions: dict[int, object] = {}
-        self.released: list = []
+        self.live_regions: dict[int, Region] = {}
+        self.released: list[Region] = []
+
+    @property
+    def made_pool(self) -> Pool:
+        """The pool; the rules that reach it run only after ``make_pool``."""
+        assert self.pool is not None
+        return self.pool
 
     @rule(scrub=st.sampled_from(["zero", "punch"]), prefault=st.booleans())
     @precondition(lambda self: self.pool is None)
@@ -60,21 +66,21 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pool is not None)
     def reserve(self, size):
         rounded = -(-size // PAGE) * PAGE
-        before = self.pool.used
+        before = self.made_pool.used
         try:
-            region = self.pool.reserve(size)
+            region = self.made_pool.reserve(size)
         except TooLarge:
-            assert rounded > self.pool.capacity
-            assert self.pool.used == before
+            assert rounded > self.made_pool.capacity
+            assert self.made_pool.used == before
             return multiple()
         except PoolExhausted:
-            assert rounded <= self.pool.capacity
-            assert rounded > self.pool.capacity - before
-            assert self.pool.used == before
+            assert rounded <= self.made_pool.capacity
+            assert rounded > self.made_pool.capacity - before
+            assert self.made_pool.used == before
             return multiple()
-        assert rounded <= self.pool.capacity - before  # it did fit: no over-commit
+        assert rounded <= self.made_pool.capacity - before  # it did fit: no over-commit
         assert region.size == rounded
-        assert self.pool.used == before + rounded
+        assert self.made_pool.used == before + rounded
         self.live[id(region)] = rounded
         self.live_regions[id(region)] = region
         return region
@@ -87,9 +93,9 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             a = np.frombuffer(m, dtype=np.uint8)
             a.fill(fill)
-            before = self.pool.used
-            self.pool.release(region)
-            assert self.pool.used == before - self.live.pop(id(region))
+            before = self.made_pool.used
+            self.made_pool.release(region)
+            assert self.made_pool.used == before - self.live.pop(id(region))
             del self.live_regions[id(region)]
             assert not a.any()  # scrubbed under the worker
             del a
@@ -102,21 +108,21 @@ class PoolMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.released)
     def release_again(self, data):
         region = data.draw(st.sampled_from(self.released))
-        before = self.pool.used
-        self.pool.release(region)
-        assert self.pool.used == before
+        before = self.made_pool.used
+        self.made_pool.release(region)
+        assert self.made_pool.used == before
 
     @rule(size=bad_sizes)
     @precondition(lambda self: self.pool is not None)
     def bad_request(self, size):
-        before = self.pool.used
+        before = self.made_pool.used
         try:
-            self.pool.reserve(size)
+            self.made_pool.reserve(size)
         except InvalidRequest:
             pass
         else:
             raise AssertionError(f"reserve({size!r}) was accepted")
-        assert self.pool.used == before
+        assert self.made_pool.used == before
 
     @invariant()
     def ledger_balances(self):

@@ -141,7 +141,8 @@ class TestLedger:
         assert led.used == 4096
 
     def test_error_classes_are_maasd_errors(self):
-        assert issubclass(TooLarge, MaasdError) and issubclass(PoolExhausted, MaasdError)
+        assert issubclass(TooLarge, MaasdError)
+        assert issubclass(PoolExhausted, MaasdError)
         assert not issubclass(PoolExhausted, TooLarge)
 
     @hsettings(max_examples=200)

@@ -254,7 +254,9 @@ def test_sparkline() -> None:
     assert sparkline([]) == ""
     assert sparkline([0, 0]) == "▁▁"
     line = sparkline([0, 1, 2, 4, 8])
-    assert line[0] == "▁" and line[-1] == "█" and len(line) == 5
+    assert line[0] == "▁"
+    assert line[-1] == "█"
+    assert len(line) == 5
     assert len(sparkline([1.0] * 100, width=30)) == 30
 
 

@@ -38,7 +38,7 @@ def test_every_error_maps_to_its_status(cls: type[errors.MaasdError], status: in
 
 
 def test_every_concrete_error_is_mapped() -> None:
-    def subclasses(c: type) -> list[type]:
+    def subclasses(c: type[errors.MaasdError]) -> list[type[errors.MaasdError]]:
         return [c, *(s for sub in c.__subclasses__() for s in subclasses(sub))]
 
     for cls in subclasses(errors.MaasdError)[1:]:
@@ -63,7 +63,8 @@ def test_problem_types_spec_names() -> None:
 
 def test_backing_error_carries_errno() -> None:
     e = errors.BackingError("mbind: [EINVAL] Invalid argument", errno=22)
-    assert e.errno == 22 and "mbind" in e.detail
+    assert e.errno == 22
+    assert "mbind" in e.detail
 
 
 @pytest.mark.parametrize(

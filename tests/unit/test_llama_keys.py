@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -17,7 +20,8 @@ FP2 = "f" * 32
 def test_chunk_keys_boundaries_and_order() -> None:
     keys = L.chunk_keys(FP, list(range(200)), 64)
     assert [n for n, _ in keys] == [64, 128, 192, 200]
-    assert all(k.startswith(FP + ":") and len(k) == 32 + 1 + 32 for _, k in keys)
+    assert all(k.startswith(FP + ":") for _, k in keys)
+    assert all(len(k) == 32 + 1 + 32 for _, k in keys)
     assert len({k for _, k in keys}) == 4
     assert [n for n, _ in L.chunk_keys(FP, list(range(128)), 64)] == [64, 128]
     assert [n for n, _ in L.chunk_keys(FP, [5, 6, 7], 64)] == [3]
@@ -53,9 +57,9 @@ def test_chunk_keys_differ_by_token_model_and_chunk() -> None:
 
 
 def test_chunk_keys_rejects_bad_input() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="chunk must be > 0"):
         L.chunk_keys(FP, [1, 2], 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="flat sequence of token ids"):
         L.chunk_keys(FP, [[1, 2]], 64)  # type: ignore[list-item]
 
 
@@ -90,7 +94,8 @@ def test_header_roundtrip() -> None:
     assert h.fingerprint == FP
     assert h.n_tokens == 70
     assert h.tokens.tolist() == toks
-    assert h.header_len == L.header_len_for(70) and h.header_len % 64 == 0
+    assert h.header_len == L.header_len_for(70)
+    assert h.header_len % 64 == 0
     assert h.header_len >= 64 + 4 * 70
     assert h.state_len == len(state)
     assert h.chunk == L.DEFAULT_CHUNK
@@ -136,7 +141,7 @@ def test_magic_is_written_last() -> None:
     seen: list[bytes] = []
 
     class Spy(np.ndarray):
-        def __setitem__(self, key, value):  # type: ignore[no-untyped-def]
+        def __setitem__(self, key: Any, value: Any) -> None:
             super().__setitem__(key, value)
             seen.append(bytes(np.asarray(self)[:8]))
 
@@ -152,7 +157,8 @@ def test_magic_is_written_last() -> None:
 def test_fingerprint_of_is_stable_and_sensitive() -> None:
     parts = {"arch": "llama", "n_layer": 2, "metadata": {"a": "1"}, "file": {"size": 3}}
     fp = L.fingerprint_of(parts)
-    assert len(fp) == 32 and int(fp, 16) >= 0
+    assert len(fp) == 32
+    assert int(fp, 16) >= 0
     assert L.fingerprint_of(dict(reversed(list(parts.items())))) == fp
     for k, v in [
         ("n_layer", 3),
@@ -163,7 +169,7 @@ def test_fingerprint_of_is_stable_and_sensitive() -> None:
         assert L.fingerprint_of({**parts, k: v}) != fp
 
 
-def test_file_identity_sees_size_head_and_tail(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_file_identity_sees_size_head_and_tail(tmp_path: Path) -> None:
     p = tmp_path / "m.gguf"
     data = bytearray(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
     p.write_bytes(data)

@@ -30,6 +30,8 @@ from maasd.protocol import (
     Ok,
     ProtocolError,
     Renew,
+    Reply,
+    Request,
     Welcome,
     decode_reply,
     decode_request,
@@ -86,7 +88,7 @@ class TestEncodeFrame:
         assert msgspec.msgpack.decode(frame[4:]) == {"op": "attach", "buffer_id": "b1"}
 
     def test_every_message_is_a_map_tagged_op(self):
-        for msg, op in [
+        cases: list[tuple[Request | Reply, str]] = [
             (Hello(api_key="k"), "hello"),
             (Attach(buffer_id="b"), "attach"),
             (Detach(buffer_id="b"), "detach"),
@@ -95,7 +97,8 @@ class TestEncodeFrame:
             (Ok(), "ok"),
             (Attached(buffer_id="b", size_bytes=4096, numa_node=0), "attached"),
             (Error(status=404, title="Not found", detail="x"), "error"),
-        ]:
+        ]
+        for msg, op in cases:
             assert msgspec.msgpack.decode(encode_frame(msg)[4:])["op"] == op
 
     def test_oversized_body_is_refused(self):
@@ -118,7 +121,7 @@ class TestFrameReader:
     def test_any_chunking_yields_the_same_frames(self, msgs, cuts):
         stream = b"".join(encode_frame(m) for m in msgs)
         reader = FrameReader()
-        got = []
+        got: list[Request] = []
         for chunk in split_at(stream, cuts):
             got.extend(decode_request(b) for b in reader.feed(chunk))
         assert got == msgs

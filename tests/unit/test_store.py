@@ -123,6 +123,12 @@ def reserve_live(store: Store, row: BufferRow) -> BufferRow:
     return got
 
 
+def state_of(store: Store, buffer_id: str) -> str | None:
+    """The buffer's state in the ledger, ``None`` when it has no row."""
+    row = store.buffer(buffer_id)
+    return None if row is None else row.state
+
+
 def snapshot(store: Store) -> tuple[Any, ...]:
     return (
         msgspec.to_builtins(store.buffers(states=None)),
@@ -220,7 +226,8 @@ def test_tenants(store: Store) -> None:
     assert [x.name for x in store.tenants()] == ["acme", "beta"]
     store.set_quota(t.id, 5)
     tenant = store.tenant(t.id)
-    assert tenant is not None and tenant.quota_bytes == 5
+    assert tenant is not None
+    assert tenant.quota_bytes == 5
     with pytest.raises(NotFound):
         store.set_quota(new_id(), 5)
     with pytest.raises(InvalidRequest):
@@ -284,11 +291,14 @@ def test_quota_enforced_exactly_at_the_boundary(store: Store) -> None:
     before = snapshot(store)
     with pytest.raises(QuotaExceeded) as info:
         store.begin_reserve(buf(t, pool, 401))
-    assert "600" in info.value.detail and "1000" in info.value.detail and "401" in info.value.detail
+    assert "600" in info.value.detail
+    assert "1000" in info.value.detail
+    assert "401" in info.value.detail
     assert snapshot(store) == before
     reserve_live(store, buf(t, pool, 400))  # exactly the quota
     tenant = store.tenant(t.id)
-    assert tenant is not None and tenant.used_bytes == 1000
+    assert tenant is not None
+    assert tenant.used_bytes == 1000
     with pytest.raises(QuotaExceeded):
         store.begin_reserve(buf(t, pool, 1))
 
@@ -300,7 +310,8 @@ def test_pool_capacity_enforced_exactly_at_the_boundary(store: Store) -> None:
     before = snapshot(store)
     with pytest.raises(PoolExhausted) as info:
         store.begin_reserve(buf(b, pool, 301))
-    assert "300" in info.value.detail and "1000" in info.value.detail
+    assert "300" in info.value.detail
+    assert "1000" in info.value.detail
     assert snapshot(store) == before
     reserve_live(store, buf(b, pool, 300))
     assert store.usage_by_pool(HOST)[pool.id] == (1000, 2)
@@ -341,7 +352,8 @@ def test_duplicate_key(store: Store) -> None:
     reserve_live(store, buf(a, pool, 10, key=None))  # NULL keys never clash
     # A buffer being released gives its key up at once.
     released = store.mark_releasing(first.id, a.id)
-    assert released.key is None and released.state == "releasing"
+    assert released.key is None
+    assert released.state == "releasing"
     reserve_live(store, buf(a, pool, 10, key="k"))
 
 
@@ -396,7 +408,8 @@ def test_quota_eviction_takes_only_the_tenants_own(store: Store) -> None:
     victims = store.begin_reserve(buf(a, pool, 500))
     assert [v.id for v in victims] == [mine.id]
     still = store.buffer(theirs.id)
-    assert still is not None and still.state == "live"
+    assert still is not None
+    assert still.state == "live"
 
 
 def test_quota_eviction_fails_when_only_others_are_evictable(store: Store) -> None:
@@ -420,8 +433,8 @@ def test_pool_eviction_takes_any_tenants_buffers_in_that_pool(store: Store) -> N
     reserve_live(store, buf(b, pool, 400, evictable=False, last_used=0.1))
     victims = store.begin_reserve(buf(a, pool, 300))
     assert [v.id for v in victims] == [theirs.id]
-    assert store.buffer(mine.id).state == "live"  # type: ignore[union-attr]
-    assert store.buffer(other_pool.id).state == "live"  # type: ignore[union-attr]
+    assert state_of(store, mine.id) == "live"
+    assert state_of(store, other_pool.id) == "live"
     with pytest.raises(PoolExhausted, match="even after evicting 300"):
         store.begin_reserve(buf(a, pool, 700))
 
@@ -437,7 +450,7 @@ def test_eviction_for_quota_and_capacity_together(store: Store) -> None:
     # LRU order is a_in_q (helps quota), b_in_p (helps pool) — a_in_p survives.
     victims = store.begin_reserve(buf(a, p, 500))
     assert [v.id for v in victims] == [a_in_q.id, b_in_p.id]
-    assert store.buffer(a_in_p.id).state == "live"  # type: ignore[union-attr]
+    assert state_of(store, a_in_p.id) == "live"
 
 
 def test_eviction_skips_candidates_that_free_nothing_needed(store: Store) -> None:
@@ -450,7 +463,7 @@ def test_eviction_skips_candidates_that_free_nothing_needed(store: Store) -> Non
     in_q = reserve_live(store, buf(a, q, 400, evictable=True, last_used=1.0))
     victims = store.begin_reserve(buf(a, p, 300))  # only capacity is short
     assert [v.id for v in victims] == [in_p.id]
-    assert store.buffer(in_q.id).state == "live"  # type: ignore[union-attr]
+    assert state_of(store, in_q.id) == "live"
 
 
 # ---------------------------------------------------------------- buffer life
@@ -465,16 +478,19 @@ def test_release_cycle(store: Store) -> None:
     assert store.buffer(row.id, a.id) is not None
     first = store.mark_releasing(row.id, a.id)
     again = store.mark_releasing(row.id, a.id)  # idempotent
-    assert first == again and first.state == "releasing"
+    assert first == again
+    assert first.state == "releasing"
     assert store.mark_releasing(row.id, None).id == row.id  # admin
     gone = store.finish_release(row.id, "release")
-    assert gone is not None and gone.id == row.id
+    assert gone is not None
+    assert gone.id == row.id
     assert store.finish_release(row.id) is None
     assert store.buffer(row.id) is None
     ev = store.events(1)[0]
     assert (ev.kind, ev.buffer_id, ev.bytes, ev.tenant_id) == ("release", row.id, 100, a.id)
     tenant = store.tenant(a.id)
-    assert tenant is not None and tenant.used_bytes == 0
+    assert tenant is not None
+    assert tenant.used_bytes == 0
 
 
 def test_set_state(store: Store) -> None:
@@ -486,7 +502,9 @@ def test_set_state(store: Store) -> None:
     assert [b.id for b in store.buffers()] == [row.id]
     store.set_state(row.id, "releasing")
     got = store.buffer(row.id)
-    assert got is not None and got.state == "releasing" and got.key is None
+    assert got is not None
+    assert got.state == "releasing"
+    assert got.key is None
     with pytest.raises(InvalidRequest):
         store.set_state(row.id, "dead")
     with pytest.raises(NotFound):
@@ -518,7 +536,8 @@ def test_renew(store: Store) -> None:
     renewed = store.renew(row.id, a.id, NOW + 9999)
     assert renewed.expires_at == NOW + 9999
     stored = store.buffer(row.id)
-    assert stored is not None and stored.expires_at == NOW + 9999
+    assert stored is not None
+    assert stored.expires_at == NOW + 9999
     with pytest.raises(NotFound):
         store.renew(row.id, b.id, NOW)
     with pytest.raises(NotFound):
@@ -571,9 +590,10 @@ def test_mark_expired_is_a_compare_and_set(store: Store) -> None:
     assert [b.id for b in store.expired(NOW + 11, HOST)] == [row.id]
     store.renew(row.id, t.id, NOW + 100)  # renewed after the reaper looked
     assert store.mark_expired(row.id, NOW + 11) is None
-    assert store.buffer(row.id).state == "live"  # type: ignore[union-attr]
+    assert state_of(store, row.id) == "live"
     got = store.mark_expired(row.id, NOW + 101)
-    assert got is not None and got.state == "releasing"
+    assert got is not None
+    assert got.state == "releasing"
     assert store.mark_expired(row.id, NOW + 101) is None  # already releasing
     assert store.mark_expired(new_id(), NOW) is None
 
@@ -588,25 +608,35 @@ def test_lookup_longest_prefix_and_isolation(store: Store) -> None:
     reserve_live(store, buf(b, pool, 10, key="m:1:2:3:4"))
     keys = ["m:1", "m:1:2", "m:1:2:3", "m:1:2:3:4"]
     hit = store.lookup(a.id, keys)
-    assert hit is not None and hit[0] == "m:1:2:3" and hit[1].id == k3.id
+    assert hit is not None
+    assert hit[0] == "m:1:2:3"
+    assert hit[1].id == k3.id
     hit = store.lookup(a.id, keys[:2])
-    assert hit is not None and hit[1].id == k1.id
+    assert hit is not None
+    assert hit[1].id == k1.id
     hit_b = store.lookup(b.id, keys)
-    assert hit_b is not None and hit_b[0] == "m:1:2:3:4"
+    assert hit_b is not None
+    assert hit_b[0] == "m:1:2:3:4"
     assert store.lookup(a.id, ["x", "y"]) is None
     assert store.lookup(a.id, []) is None
     # not live → not found
     store.mark_releasing(k3.id, a.id)
     hit = store.lookup(a.id, keys)
-    assert hit is not None and hit[0] == "m:1"
+    assert hit is not None
+    assert hit[0] == "m:1"
     reserving = buf(a, pool, 10, key="m:1:2")
     store.begin_reserve(reserving)
     hit = store.lookup(a.id, keys)
-    assert hit is not None and hit[0] == "m:1"
+    assert hit is not None
+    assert hit[0] == "m:1"
     # host filter
     far = reserve_live(store, buf(a, remote, 10, key="m:1:2:3:4"))
-    assert store.lookup(a.id, keys)[1].id == far.id  # type: ignore[index]
-    assert store.lookup(a.id, keys, host=HOST)[1].id == k1.id  # type: ignore[index]
+    hit = store.lookup(a.id, keys)
+    assert hit is not None
+    assert hit[1].id == far.id
+    hit = store.lookup(a.id, keys, host=HOST)
+    assert hit is not None
+    assert hit[1].id == k1.id
 
 
 def test_buffers_on_host(store: Store) -> None:
@@ -662,7 +692,7 @@ def test_concurrent_reserves_never_overcommit_quota(store: Store) -> None:
     size, fits = 100, 10
     pool = make_pool(store, capacity=1_000_000)
     t = make_tenant(store, quota=size * fits)
-    results = hammer(32, 2, lambda i: store.begin_reserve(buf(t, pool, size)))
+    results = hammer(32, 2, lambda _i: store.begin_reserve(buf(t, pool, size)))
     granted = [r for r in results if r == []]
     refused = [r for r in results if isinstance(r, QuotaExceeded)]
     assert len(granted) == fits, [

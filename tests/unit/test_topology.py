@@ -8,6 +8,7 @@ import pytest
 
 from maasd.settings import DEFAULT_POOL_CAP, GiB, default_pools
 from maasd.topology import (
+    Node,
     Topology,
     discover,
     parse_cpulist,
@@ -16,6 +17,13 @@ from maasd.topology import (
 
 TWO_NODES = Path(__file__).resolve().parents[1] / "data" / "sysfs_two_nodes"
 KiB = 1024
+
+
+def node(topo: Topology, node_id: int) -> Node:
+    """``topo.node(node_id)``, which must exist."""
+    n = topo.node(node_id)
+    assert n is not None, f"no node {node_id} in {sorted(topo.node_ids)}"
+    return n
 
 
 @pytest.fixture
@@ -61,8 +69,10 @@ class TestTwoNodeFixture:
 
     def test_memory_in_bytes(self, two_nodes):
         n0, n1 = two_nodes.node(0), two_nodes.node(1)
-        assert n0.mem_total_bytes == 128 * GiB and n0.mem_free_bytes == 64 * GiB
-        assert n1.mem_total_bytes == 16 * GiB and n1.mem_free_bytes == 8 * GiB
+        assert n0.mem_total_bytes == 128 * GiB
+        assert n0.mem_free_bytes == 64 * GiB
+        assert n1.mem_total_bytes == 16 * GiB
+        assert n1.mem_free_bytes == 8 * GiB
 
     def test_distances(self, two_nodes):
         assert two_nodes.node(0).distances == [10, 21]
@@ -76,8 +86,8 @@ class TestTwoNodeFixture:
 
     def test_gigantic_pages_are_a_separate_pool(self):
         topo = discover(sysfs_root=TWO_NODES, hugepage_bytes=1 << 30)
-        assert topo.node(0).hugepages_free == 1
-        assert topo.node(1).hugepages_free == 0  # no such directory: zero, not an error
+        assert node(topo, 0).hugepages_free == 1
+        assert node(topo, 1).hugepages_free == 0  # no such directory: zero, not an error
         assert topo.hugepages_free == 1
 
     def test_unknown_node_is_none(self, two_nodes):
@@ -123,7 +133,7 @@ class TestRealHost:
     def test_discover_has_node_zero(self):
         topo = discover()
         assert 0 in topo.node_ids
-        n0 = topo.node(0)
+        n0 = node(topo, 0)
         assert n0.mem_total_bytes > 0
         assert 0 < n0.mem_free_bytes <= n0.mem_total_bytes
         assert n0.cpus
@@ -133,5 +143,5 @@ class TestRealHost:
     def test_missing_sysfs_is_one_node(self, tmp_path):
         topo = discover(sysfs_root=tmp_path / "absent")
         assert topo.node_ids == frozenset({0})
-        assert topo.node(0).mem_total_bytes > 0
-        assert topo.node(0).distances == [10]
+        assert node(topo, 0).mem_total_bytes > 0
+        assert node(topo, 0).distances == [10]
