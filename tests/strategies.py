@@ -1,6 +1,6 @@
 """Shared Hypothesis strategies for maasd's tests (one place, as in *attrs*).
 
-Import as ``from strategies import ...`` after putting ``tests/`` on ``sys.path``:
+Import as ``from strategies import ...`` (``tests/`` is on pytest's ``pythonpath``):
 py-libnuma installs a top-level ``tests`` package of its own, which shadows this
 directory as a namespace package, so ``tests.strategies`` does not resolve.
 """

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 TESTS = Path(__file__).resolve().parents[1]
+# A script, not collected by pytest (whose pythonpath has tests/): the helpers by path.
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS.parent))
 

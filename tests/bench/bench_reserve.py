@@ -29,7 +29,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest.Daemon
+# A script, not collected by pytest (whose pythonpath has tests/): conftest.Daemon by path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import Daemon, free_port
 
 MiB = 1 << 20

@@ -46,6 +46,7 @@ from maasd.protocol import (
     decode_reply,
     encode_frame,
 )
+from waiting import wait_until
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MiB = 1 << 20
@@ -281,15 +282,6 @@ def attached_gauge(metrics_text: str, tenant_id: str) -> float:
     return 0.0
 
 
-def wait_until(pred, timeout: float = 10.0, step: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
-
-
 @pytest.fixture(params=["fake", "daemon"])
 def env(request, tmp_path):
     e: FakeEnv | DaemonEnv
@@ -521,8 +513,7 @@ def test_revoked_key_while_connected_answers_401_and_closes(env):
         assert reply.status == 401
         assert fds == []
         assert r.closed_by_peer()
-    # and the attachment it held was dropped
-    assert wait_until(lambda: env.attached(tenant[0]) == 0)
+    wait_until(lambda: env.attached(tenant[0]) == 0, message="the attachment it held is dropped")
     env.release(tenant, bid)
 
 
@@ -540,7 +531,7 @@ def test_closing_a_connection_drops_its_attachments(env):
     assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
     assert env.attached(tenant[0]) == base + 2
     r.close()
-    assert wait_until(lambda: env.attached(tenant[0]) == base)
+    wait_until(lambda: env.attached(tenant[0]) == base, message="closing drops its attachments")
     env.release(tenant, bid)
 
 
@@ -567,7 +558,7 @@ def test_many_concurrent_connections(env):
     for t in threads:
         t.join(60)
     assert failures == []
-    assert wait_until(lambda: env.attached(tenant[0]) == 0)
+    wait_until(lambda: env.attached(tenant[0]) == 0, message="every attachment is dropped")
     env.release(tenant, bid)
 
 
@@ -627,7 +618,7 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path):
         assert os.path.exists(path)
         with pytest.raises(FileExistsError):
             Broker(svc, path).start()
-        assert wait_until(lambda: b.connections == 0)
+        wait_until(lambda: b.connections == 0, message="the refused broker's probe is closed")
     assert not os.path.exists(path)
 
 
@@ -668,7 +659,7 @@ def test_worker_attach_maps_the_memfd_zero_copy(fake):
     assert m.closed
     with pytest.raises(ValueError, match="is closed"):
         _ = m.array
-    assert wait_until(lambda: fake.attached(tenant[0]) == 0)
+    wait_until(lambda: fake.attached(tenant[0]) == 0, message="leaving the worker detaches")
 
 
 def test_worker_detach_and_mapping_close_tell_the_daemon(fake):
@@ -710,7 +701,7 @@ def test_worker_renews_attached_leases_in_the_background(fake):
     bid = fake.reserve(tenant)
     with Worker(fake.socket_path, tenant[1], ttl_s=30, renew_interval_s=0.05) as w:
         w.attach(bid)
-        assert wait_until(lambda: len(fake.svc.renewals) >= 3, timeout=5)
+        wait_until(lambda: len(fake.svc.renewals) >= 3, timeout=5, message="three renewals")
         assert set(fake.svc.renewals) == {(bid, 30)}
     n = len(fake.svc.renewals)
     time.sleep(0.2)
@@ -763,4 +754,4 @@ def test_worker_is_thread_safe(fake):
         for t in threads:
             t.join(60)
     assert failures == []
-    assert wait_until(lambda: fake.attached(tenant[0]) == 0)
+    wait_until(lambda: fake.attached(tenant[0]) == 0, message="every attachment is dropped")

@@ -36,6 +36,7 @@ from maasd.client import (
     Unprocessable,
     Worker,
 )
+from waiting import wait_until
 
 MiB = 1 << 20
 
@@ -70,15 +71,6 @@ def run_child(daemon, key: str, bid: str, mode: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-
-
-def wait_until(pred, timeout: float = 10.0, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 @pytest.fixture
@@ -374,7 +366,10 @@ def test_worker_sigkill_while_attached(daemon, tenant):
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        assert wait_until(lambda: daemon.metric("maasd_attached_handles", tenant=tid) == base)
+        wait_until(
+            lambda: daemon.metric("maasd_attached_handles", tenant=tid) == base,
+            message="the killed worker's attachment is dropped",
+        )
         assert daemon.healthy()
     # the buffer is intact for its owner
     assert c.buffer(buf.id).state == "live"
@@ -397,7 +392,10 @@ def test_revoked_key_while_a_worker_is_connected(daemon, admin, tenant):
         w.attach(buf.id)
     w.close()
     assert m.closed
-    assert wait_until(lambda: daemon.metric("maasd_attached_handles", tenant=tid) == 0)
+    wait_until(
+        lambda: daemon.metric("maasd_attached_handles", tenant=tid) == 0,
+        message="the revoked worker's attachment is dropped",
+    )
     c.release(buf.id)
 
 

@@ -17,20 +17,12 @@ import numpy as np
 import pytest
 
 from maasd.client import ConnectionFailed, Unauthorized, Worker
+from waiting import wait_until
 
 if TYPE_CHECKING:
     from conftest import Daemon
 
 MiB = 1 << 20
-
-
-def wait_for(predicate, timeout: float = 5.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def pool_used(d: Daemon, name: str = "node0") -> int:
@@ -50,8 +42,10 @@ def test_expired_lease_is_reaped_and_scrubbed(daemon) -> None:
         m = w.attach(buf["id"])
         m.array[:] = 0xA5
         assert user.get("/v1/usage").json()["used_bytes"] == 2 * MiB
-        assert wait_for(lambda: user.get(f"/v1/buffers/{buf['id']}").status_code == 404, 5.0), (
-            "the lease ended but the buffer is still there"
+        wait_until(
+            lambda: user.get(f"/v1/buffers/{buf['id']}").status_code == 404,
+            timeout=5.0,
+            message="the lease ended but the buffer is still there",
         )
         # The stale mapping still works, and reads nothing but zeros.
         assert not np.any(m.array)
@@ -144,7 +138,11 @@ def test_reaper_leaves_live_leases_alone(daemon) -> None:
     with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {key}"}) as user:
         short = user.post("/v1/reserve", json={"size_bytes": MiB, "ttl_s": 1}).json()
         long = user.post("/v1/reserve", json={"size_bytes": MiB, "ttl_s": 60}).json()
-        assert wait_for(lambda: user.get(f"/v1/buffers/{short['id']}").status_code == 404)
+        wait_until(
+            lambda: user.get(f"/v1/buffers/{short['id']}").status_code == 404,
+            timeout=5.0,
+            message="the 1 s lease is reaped",
+        )
         assert user.get(f"/v1/buffers/{long['id']}").status_code == 200
         assert user.get("/v1/usage").json()["used_bytes"] == MiB
         assert user.delete(f"/v1/buffers/{long['id']}").status_code == 204

@@ -33,11 +33,9 @@ pytestmark = pytest.mark.llama
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from llama_model import tiny_model  # noqa: E402
 from maasd import llama as L  # noqa: E402
 from maasd.errors import DuplicateKey, NotFound  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llama_model import tiny_model  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 512

@@ -15,9 +15,9 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from pgdb import BACKENDS, fresh_pg_database
 
 from maasd.store import Store, alembic_config, metadata
+from pgdb import BACKENDS, fresh_pg_database
 
 
 @pytest.fixture(params=BACKENDS)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
-from pathlib import Path
 
 import numpy as np
 from hypothesis import settings
@@ -30,9 +28,6 @@ from hypothesis.stateful import (
 from maasd.allocator import Pool, Region
 from maasd.allocator.reclaim import reclaimer
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
-
-# py-libnuma installs a top-level ``tests`` package: import the shared strategies by path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strategies import bad_sizes, request_sizes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from hypothesis import given
 from hypothesis import settings as hsettings
 
 from maasd.allocator.arith import MAX_SIZE, Ledger, check_size, round_up
 from maasd.errors import InvalidRequest, MaasdError, PoolExhausted, TooLarge
-
-# py-libnuma installs a top-level ``tests`` package, so ``tests.strategies`` cannot be
-# imported by package name: put tests/ itself on the path.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from strategies import (
     bad_page_sizes,
     bad_sizes,

@@ -16,7 +16,6 @@ from typing import Any
 import msgspec
 import pytest
 import sqlalchemy as sa
-from pgdb import BACKENDS, fresh_pg_database
 
 from maasd.errors import (
     DuplicateKey,
@@ -29,6 +28,7 @@ from maasd.errors import (
 )
 from maasd.store import BufferRow, PoolRow, Store, TenantRow, migrations_dir, normalize_url
 from maasd.tenancy.keys import digest, new_id, new_token
+from pgdb import BACKENDS, fresh_pg_database
 
 HOST = "host-a"
 NOW = 1_700_000_000.0
