@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
 
 from maasd.cli.daemon import LogfmtFormatter, data_dir_lock
@@ -59,10 +61,8 @@ def test_migrate_creates_the_schema(tmp_path: Path) -> None:
 
 
 def test_data_dir_lock_is_exclusive(tmp_path: Path) -> None:
-    import click
-
-    with data_dir_lock(str(tmp_path)):
-        holder = subprocess.run(
+    def take_in_a_child() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [
                 sys.executable,
                 "-c",
@@ -74,11 +74,21 @@ def test_data_dir_lock_is_exclusive(tmp_path: Path) -> None:
             text=True,
             timeout=30,
         )
+
+    refusal = f"another maasd (pid {os.getpid()}) is already serving data dir {tmp_path}"
+    with data_dir_lock(str(tmp_path)):
+        assert (tmp_path / "maasd.lock").read_text() == f"{os.getpid()}\n"
+        # A second holder, in this process or another, is refused at once, naming the first.
+        with (
+            pytest.raises(click.ClickException, match=re.escape(refusal)),
+            data_dir_lock(str(tmp_path)),
+        ):
+            pass
+        holder = take_in_a_child()
         assert holder.returncode != 0
-        assert "already serving" in holder.stderr
-    with data_dir_lock(str(tmp_path)):  # released: can be taken again
-        pass
-    assert click  # imported for the exception type the lock raises
+        assert refusal in holder.stderr
+    released = take_in_a_child()  # released: can be taken again
+    assert released.returncode == 0, released.stderr
 
 
 @pytest.mark.parametrize(
