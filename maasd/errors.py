@@ -9,35 +9,46 @@ Every failure that a caller can act on is a :class:`MaasdError`. The tree::
     ├── NotFound                unknown id — or an id that belongs to another tenant
     ├── Conflict                the request is well-formed but clashes with current state
     │   ├── QuotaExceeded       the tenant's live buffers plus this one exceed its quota
+    │   ├── BufferCountExceeded the tenant holds its ``max_buffers`` live buffers already
     │   ├── DuplicateKey        a live buffer of the tenant already carries this key
     │   └── StateConflict       wrong state: pool not empty, volatile checkpoint, taken name …
     ├── Unprocessable           no resource could ever satisfy the request as asked
     │   ├── QosUnmet            no pool meets the latency / persistence / node asked for
     │   ├── PlacementError      a NUMA node that does not exist (or cannot take the pages)
     │   └── TooLarge            larger than the pool's whole capacity
-    ├── PoolExhausted           the pool could hold it, but not now
-    └── BackingError            the kernel refused a memory operation (errno and what was tried)
+    ├── LimitExceeded           a per-tenant or per-peer cap (connections, requests in flight)
+    ├── InsufficientStorage     the request could be met, but not now
+    │   ├── PoolExhausted       the pool could hold it, but has too little free now
+    │   └── ResourceLimit       the daemon is at a limit of its own (open files, threads, …)
+    ├── BackingError            the kernel refused a memory operation (errno and what was tried)
+    └── ConfigError             the operator's configuration is unusable (never a request's fault)
 
 This module knows nothing of HTTP. ``maasd.problems`` maps each class to a
 status in one table, which the REST API turns into RFC 9457 problems and the
 socket broker into error frames. ``code`` is the stable slug used as the last
-path segment of a problem's ``type`` URI.
+path segment of a problem's ``type`` URI. ``ConfigError`` has no status: it
+stops the daemon (or a CLI command) before anything is served.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "BackingError",
+    "BufferCountExceeded",
+    "ConfigError",
     "Conflict",
     "DuplicateKey",
     "Forbidden",
+    "InsufficientStorage",
     "InvalidRequest",
+    "LimitExceeded",
     "MaasdError",
     "NotFound",
     "PlacementError",
     "PoolExhausted",
     "QosUnmet",
     "QuotaExceeded",
+    "ResourceLimit",
     "StateConflict",
     "TooLarge",
     "Unauthorized",
@@ -102,6 +113,14 @@ class QuotaExceeded(Conflict):
     title = "Quota exceeded"
 
 
+class BufferCountExceeded(Conflict):
+    """Raised when the tenant already holds its ``max_buffers`` live buffers (after evicting
+    what it could of its own evictable ones)."""
+
+    code = "buffer-count-exceeded"
+    title = "Buffer count exceeded"
+
+
 class DuplicateKey(Conflict):
     """Raised when a live buffer of the same tenant already carries the requested ``key``."""
 
@@ -144,11 +163,34 @@ class TooLarge(Unprocessable):
     title = "Request larger than the pool"
 
 
-class PoolExhausted(MaasdError):
+class LimitExceeded(MaasdError):
+    """Raised when a per-tenant or per-peer cap is reached: connections on the worker socket,
+    requests in flight. Others are not affected; the caller may retry after closing some."""
+
+    code = "limit-exceeded"
+    title = "Limit exceeded"
+
+
+class InsufficientStorage(MaasdError):
+    """Base of the "not now" errors: the request is valid and could be met, but not now."""
+
+    code = "insufficient-storage"
+    title = "Insufficient storage"
+
+
+class PoolExhausted(InsufficientStorage):
     """Raised when the pool could hold the request in principle but has too little free now."""
 
     code = "pool-exhausted"
     title = "Pool exhausted"
+
+
+class ResourceLimit(InsufficientStorage):
+    """Raised when the daemon is at a limit of its own — open files, threads, mappings — that
+    no single tenant's quota covers. ``detail`` names the limit."""
+
+    code = "resource-limit"
+    title = "Daemon resource limit"
 
 
 class BackingError(MaasdError):
@@ -160,3 +202,12 @@ class BackingError(MaasdError):
     def __init__(self, detail: str = "", errno: int | None = None) -> None:
         super().__init__(detail)
         self.errno = errno
+
+
+class ConfigError(MaasdError):
+    """Raised for an unusable operator configuration: a bad setting, config file, database
+    URL or admin key file. Never the fault of a request, so it has no HTTP status: it stops
+    ``maasd serve`` (or a CLI command) with the message, before anything is served."""
+
+    code = "config-error"
+    title = "Configuration error"

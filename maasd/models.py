@@ -8,9 +8,11 @@ under another thread. Field names are the contract of SPEC §4.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Literal
 
 import msgspec
+
+from maasd import bounds
 
 Backing = Literal["memfd", "hugetlb"]
 Persistence = Literal["volatile", "persistent"]
@@ -34,29 +36,41 @@ def rfc3339(epoch_s: float) -> str:
     return time.strftime(TIMESTAMP_FORMAT, time.gmtime(whole)).format(us=us)
 
 
-#: Largest byte count anywhere in the API (sizes are below 2^63).
-MAX_BYTES = (1 << 63) - 1
-#: Largest NUMA node id accepted in a request (Linux's MAX_NUMNODES is at most 1024).
-MAX_NODE = 1023
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-
-Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=64)]
-NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)]
-Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
-
-
 class PoolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The fixed properties of a pool (SPEC §1), as configured or POSTed."""
+    """The fixed properties of a pool (SPEC §1), as configured (TOML) or POSTed.
 
-    name: Name
-    numa_node: NodeId
-    capacity_bytes: Annotated[int, msgspec.Meta(gt=0, le=MAX_BYTES)]
+    Decoded strictly at either edge with the bounds of :mod:`maasd.bounds`; the
+    service checks only the rules (the node exists, the capacity fits the node).
+    """
+
+    name: bounds.Name
+    numa_node: bounds.NodeId
+    capacity_bytes: bounds.PositiveBytes
     backing: Backing = "memfd"
     persistence: Persistence = "volatile"
-    latency_us: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 1
+    latency_us: bounds.LatencyUs = 1
     prefault: bool = True
     scrub: ScrubMode = "zero"
-    spill_dir: Annotated[str, msgspec.Meta(min_length=1, max_length=4096)] | None = None
+    spill_dir: bounds.SpillDir | None = None
+
+
+class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reserve asks for, as the service takes it (built by an edge, never decoded).
+
+    ``size_bytes`` is exact (the edge turned ``size_gb`` into bytes); ``pool`` is an id
+    or name, or ``None`` for "the pool that meets the QoS with the most free space".
+    ``ttl_s`` is checked against the daemon's ``max_ttl_s`` by the service.
+    """
+
+    size_bytes: int
+    pool: str | None = None
+    latency_us: int | None = None
+    persistence: Persistence | None = None
+    numa_node: int | None = None
+    ttl_s: int = 600
+    label: str | None = None
+    key: str | None = None
+    evictable: bool = False
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):

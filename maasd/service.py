@@ -26,7 +26,6 @@ import contextlib
 import errno
 import hmac
 import logging
-import math
 import os
 import re
 import stat
@@ -35,12 +34,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
 
 import msgspec
 
 from maasd import allocator
 from maasd.allocator import Pool, Region
+from maasd.bounds import MAX_BYTES
 from maasd.errors import (
     BackingError,
     Forbidden,
@@ -55,8 +54,6 @@ from maasd.errors import (
 )
 from maasd.metrics import LedgerCollector, Metrics
 from maasd.models import (
-    MAX_BYTES,
-    MAX_NODE,
     BufferInfo,
     Checkpoint,
     Event,
@@ -66,6 +63,7 @@ from maasd.models import (
     PoolInfo,
     PoolSpec,
     Principal,
+    ReserveSpec,
     TenantInfo,
     Usage,
     rfc3339,
@@ -80,34 +78,6 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_LOOKUP_KEYS = 256
-
-
-class ReserveRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What a tenant asks for (SPEC §4). The API decodes bodies straight into this."""
-
-    size_bytes: Annotated[int, msgspec.Meta(gt=0, le=MAX_BYTES)] | None = None
-    size_gb: Annotated[float, msgspec.Meta(gt=0, lt=2.0**33)] | None = None
-    latency_us: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
-    persistence: Literal["volatile", "persistent"] | None = None
-    ttl_s: Annotated[int, msgspec.Meta(ge=1, le=2**31)] = 600
-    label: Annotated[str, msgspec.Meta(max_length=128)] | None = None
-    key: Annotated[str, msgspec.Meta(min_length=1, max_length=512)] | None = None
-    evictable: bool = False
-    numa_node: Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)] | None = None
-
-    def size(self) -> int:
-        """The requested size in bytes; ``size_gb`` is in GiB (2^30), rounded up to a byte."""
-        if (self.size_bytes is None) == (self.size_gb is None):
-            raise InvalidRequest("give exactly one of size_bytes and size_gb")
-        if self.size_bytes is not None:
-            if self.size_bytes <= 0 or self.size_bytes > MAX_BYTES:
-                raise InvalidRequest("size_bytes must be > 0 and below 2^63")
-            return self.size_bytes
-        gb = self.size_gb
-        assert gb is not None
-        if not math.isfinite(gb) or gb <= 0 or gb * GiB >= 2.0**63:
-            raise InvalidRequest("size_gb must be > 0 and below 2^63 bytes")
-        return max(1, math.ceil(gb * GiB))
 
 
 @dataclass(frozen=True)
@@ -131,7 +101,7 @@ class Service:
 
     >>> svc = Service(settings); svc.start()                       # doctest: +SKIP
     >>> who = svc.authenticate(api_key)                             # doctest: +SKIP
-    >>> buf = svc.reserve(who, ReserveRequest(size_bytes=1 << 20))  # doctest: +SKIP
+    >>> buf = svc.reserve(who, ReserveSpec(size_bytes=1 << 20))  # doctest: +SKIP
     >>> svc.release(who, buf.id); svc.close()                       # doctest: +SKIP
     """
 
@@ -542,7 +512,7 @@ class Service:
 
     # -- buffers --------------------------------------------------------------------------
 
-    def reserve(self, who: Principal, req: ReserveRequest, pool: str | None = None) -> BufferInfo:
+    def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
         """Reserve a buffer in ``pool`` (id or name), or in the best pool meeting the QoS.
 
         Raises InvalidRequest (bad field), QosUnmet/PlacementError/TooLarge (never
@@ -551,7 +521,7 @@ class Service:
         tenant_id = self.require_tenant(who)
         started = time.perf_counter()
         try:
-            buf = self._reserve(tenant_id, req, pool)
+            buf = self._reserve(tenant_id, req)
         except Exception as e:
             self.metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
             raise
@@ -559,15 +529,11 @@ class Service:
         self.metrics.reserve_seconds.observe(time.perf_counter() - started)
         return buf
 
-    def _reserve(self, tenant_id: str, req: ReserveRequest, pool: str | None) -> BufferInfo:
-        size = req.size()
+    def _reserve(self, tenant_id: str, req: ReserveSpec) -> BufferInfo:
+        size = req.size_bytes
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self.settings.max_ttl_s)
-        if req.label is not None and len(req.label) > 128:
-            raise InvalidRequest("label must be at most 128 characters")
-        if req.key is not None and not 0 < len(req.key) <= 512:
-            raise InvalidRequest("key must be 1..512 characters")
-        candidates = self._candidates(req, size, pool)
+        candidates = self._candidates(req, size)
         self.flush_uses()  # eviction picks by last use: let it see the latest attaches
         last_error: Exception | None = None
         for lp in candidates:
@@ -631,19 +597,22 @@ class Service:
         assert last_error is not None
         raise last_error
 
-    def _candidates(self, req: ReserveRequest, size: int, pool: str | None) -> list[_LivePool]:
+    def _candidates(self, req: ReserveSpec, size: int) -> list[_LivePool]:
         """The pools that could hold the request, most free space first."""
         if req.numa_node is not None and req.numa_node not in self.topology.node_ids:
             raise PlacementError(
                 f"NUMA node {req.numa_node} does not exist on this host "
                 f"(nodes: {sorted(self.topology.node_ids)})"
             )
+        pool = req.pool
         with self._lock:
             pools = [self._live_pool(pool)] if pool is not None else list(self._pools.values())
         fit = [lp for lp in pools if self._meets(lp.row, req)]
         if not fit:
             raise QosUnmet(self._qos_text(req) + (f" in pool {pools[0].row.name}" if pool else ""))
-        big = [lp for lp in fit if lp.pool.rounded(size) <= lp.row.capacity_bytes]
+        # Capacities are whole pages, so size ≤ capacity ⇔ rounded size ≤ capacity — and no
+        # size below 2^63 is refused for rounding past it: too large is too large (422).
+        big = [lp for lp in fit if size <= lp.row.capacity_bytes]
         if not big:
             biggest = max(lp.row.capacity_bytes for lp in fit)
             raise TooLarge(
@@ -658,7 +627,7 @@ class Service:
         return big
 
     @staticmethod
-    def _meets(row: PoolRow, req: ReserveRequest) -> bool:
+    def _meets(row: PoolRow, req: ReserveSpec) -> bool:
         return (
             (req.latency_us is None or row.latency_us <= req.latency_us)
             and (req.persistence is None or row.persistence == req.persistence)
@@ -666,7 +635,7 @@ class Service:
         )
 
     @staticmethod
-    def _qos_text(req: ReserveRequest) -> str:
+    def _qos_text(req: ReserveSpec) -> str:
         parts = []
         if req.latency_us is not None:
             parts.append(f"latency_us ≤ {req.latency_us}")

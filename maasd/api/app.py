@@ -25,6 +25,7 @@ from maasd.api.schemas import (
     PinBody,
     QuotaBody,
     RenewBody,
+    ReserveBody,
     Status,
     TenantBody,
     decode,
@@ -43,7 +44,7 @@ from maasd.models import (
     TenantInfo,
     Usage,
 )
-from maasd.service import ReserveRequest, Service
+from maasd.service import Service
 from maasd.topology import Topology
 
 R = TypeVar("R")
@@ -56,7 +57,7 @@ TENANT = (400, 401, 403)  # tenant key only
 BODY = (400, 413)  # a JSON body (strictly decoded, at most MAX_BODY bytes)
 
 #: The strictly decoded request bodies (unknown fields refused).
-BODIES = (PoolSpec, TenantBody, QuotaBody, ReserveRequest, PinBody, RenewBody, LookupBody)
+BODIES = (PoolSpec, TenantBody, QuotaBody, ReserveBody, PinBody, RenewBody, LookupBody)
 
 #: Largest request body accepted; every valid body is far smaller.
 MAX_BODY = 64 * 1024
@@ -267,10 +268,10 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
         responses=problems.responses(*TENANT + BODY + (404, 409, 422, 507)),
     )
     async def reserve_in(
-        request: Request, pool_id: FromPath[str], data: JSONBody[ReserveRequest]
+        request: Request, pool_id: FromPath[str], data: JSONBody[ReserveBody]
     ) -> BufferInfo:
-        req = await decode(request, ReserveRequest)
-        return await call(request, lambda who: service.reserve(who, req, pool_id))
+        spec = (await decode(request, ReserveBody)).to_spec(pool_id)
+        return await call(request, lambda who: service.reserve(who, spec))
 
     @post(
         "/reserve",
@@ -279,9 +280,9 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
         summary="Reserve a buffer in the pool that meets the QoS with the most free space",
         responses=problems.responses(*TENANT + BODY + (409, 422, 507)),
     )
-    async def reserve(request: Request, data: JSONBody[ReserveRequest]) -> BufferInfo:
-        req = await decode(request, ReserveRequest)
-        return await call(request, lambda who: service.reserve(who, req))
+    async def reserve(request: Request, data: JSONBody[ReserveBody]) -> BufferInfo:
+        spec = (await decode(request, ReserveBody)).to_spec()
+        return await call(request, lambda who: service.reserve(who, spec))
 
     @get(
         "/buffers",
@@ -422,7 +423,7 @@ def _declare_strict_bodies(app: Litestar) -> None:
         schema = schemas.get(body.__name__)
         if schema is not None:
             schema.additional_properties = False
-    reserve = schemas.get(ReserveRequest.__name__)
+    reserve = schemas.get(ReserveBody.__name__)
     if reserve is not None and reserve.properties:
         for field, bound in (
             ("size_bytes", "exclusive_minimum"),

@@ -9,40 +9,71 @@ schema in the OpenAPI document.
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import TypeVar
 
 import msgspec
 from litestar import Request
 
+from maasd import bounds
 from maasd.errors import InvalidRequest
-from maasd.models import Bytes, Name, NodeId, PoolSpec
-from maasd.service import ReserveRequest
+from maasd.models import Persistence, PoolSpec, ReserveSpec
 
 T = TypeVar("T")
 
 
+class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/reserve`` and ``POST /v1/pools/{pool_id}/reserve`` (SPEC §4)."""
+
+    size_bytes: bounds.PositiveBytes | None = None
+    size_gb: bounds.SizeGiB | None = None
+    latency_us: bounds.LatencyUs | None = None
+    persistence: Persistence | None = None
+    ttl_s: bounds.TtlS = 600
+    label: bounds.Label | None = None
+    key: bounds.EntryKey | None = None
+    evictable: bool = False
+    numa_node: bounds.NodeId | None = None
+
+    def to_spec(self, pool: str | None = None) -> ReserveSpec:
+        """The service's input; ``size_gb`` (GiB) becomes bytes. Exactly one size is given."""
+        if (self.size_bytes is None) == (self.size_gb is None):
+            raise InvalidRequest("give exactly one of size_bytes and size_gb")
+        size = self.size_bytes
+        if size is None:
+            assert self.size_gb is not None
+            size = bounds.bytes_of_gib(self.size_gb)
+        return ReserveSpec(
+            size_bytes=size,
+            pool=pool,
+            latency_us=self.latency_us,
+            persistence=self.persistence,
+            numa_node=self.numa_node,
+            ttl_s=self.ttl_s,
+            label=self.label,
+            key=self.key,
+            evictable=self.evictable,
+        )
+
+
 class TenantBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: Name
-    quota_bytes: Bytes
+    name: bounds.Name
+    quota_bytes: bounds.Bytes
 
 
 class QuotaBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    quota_bytes: Bytes
+    quota_bytes: bounds.Bytes
 
 
 class PinBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    numa_node: NodeId
+    numa_node: bounds.NodeId
 
 
 class RenewBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    ttl_s: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
-
-
-LookupKey = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+    ttl_s: bounds.TtlS
 
 
 class LookupBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    keys: Annotated[list[LookupKey], msgspec.Meta(min_length=1, max_length=256)]
+    keys: bounds.EntryKeys
 
 
 class Status(msgspec.Struct, frozen=True):
@@ -51,7 +82,7 @@ class Status(msgspec.Struct, frozen=True):
 
 _decoders: dict[type, msgspec.json.Decoder] = {
     t: msgspec.json.Decoder(t)
-    for t in (TenantBody, QuotaBody, PinBody, RenewBody, LookupBody, PoolSpec, ReserveRequest)
+    for t in (TenantBody, QuotaBody, PinBody, RenewBody, LookupBody, PoolSpec, ReserveBody)
 }
 
 

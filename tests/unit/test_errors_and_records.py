@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 import pytest
 
 from maasd import errors
+from maasd.api.schemas import ReserveBody
 from maasd.models import rfc3339
 from maasd.problems import PROBLEM_BASE, STATUS, status_of
-from maasd.service import ReserveRequest
 
 EXPECTED_STATUS = {
     errors.InvalidRequest: 400,
@@ -25,8 +23,12 @@ EXPECTED_STATUS = {
     errors.QosUnmet: 422,
     errors.PlacementError: 422,
     errors.TooLarge: 422,
+    errors.BufferCountExceeded: 409,
+    errors.LimitExceeded: 429,
     errors.PoolExhausted: 507,
+    errors.ResourceLimit: 507,
     errors.BackingError: 500,
+    errors.ConfigError: 500,
 }
 
 
@@ -42,8 +44,9 @@ def test_every_concrete_error_is_mapped() -> None:
         return [c, *(s for sub in c.__subclasses__() for s in subclasses(sub))]
 
     for cls in subclasses(errors.MaasdError)[1:]:
-        if cls is errors.BackingError:
-            # The kernel refusing: not the caller's fault, so the unlisted 500.
+        if cls in (errors.BackingError, errors.ConfigError):
+            # The kernel refusing, or the operator's configuration: never a request's
+            # fault, so no status of their own (the unlisted 500 if one ever leaks).
             assert status_of(cls("x")) == 500
         else:
             assert any(issubclass(cls, base) for base, _ in STATUS), cls
@@ -94,18 +97,17 @@ def test_rfc3339_sorts_as_text() -> None:
     assert sorted(rfc3339(s) for s in stamps) == [rfc3339(s) for s in sorted(stamps)]
 
 
-def test_reserve_request_sizes() -> None:
-    assert ReserveRequest(size_bytes=5).size() == 5
-    assert ReserveRequest(size_gb=1.0).size() == 1 << 30
-    assert ReserveRequest(size_gb=1e-12).size() == 1  # rounds up to a whole byte
-    for bad in (
-        ReserveRequest(),
-        ReserveRequest(size_bytes=1, size_gb=1.0),
-        ReserveRequest(size_gb=math.inf),
-        ReserveRequest(size_gb=2.0**34),
-    ):
-        with pytest.raises(errors.InvalidRequest):
-            bad.size()
+def test_reserve_body_sizes() -> None:
+    assert ReserveBody(size_bytes=5).to_spec().size_bytes == 5
+    assert ReserveBody(size_gb=1.0).to_spec().size_bytes == 1 << 30
+    assert ReserveBody(size_gb=1e-12).to_spec().size_bytes == 1  # rounds up to a whole byte
+    assert ReserveBody(size_bytes=5).to_spec("fast").pool == "fast"
+    for bad in (ReserveBody(), ReserveBody(size_bytes=1, size_gb=1.0)):
+        with pytest.raises(errors.InvalidRequest, match="exactly one of size_bytes and size_gb"):
+            bad.to_spec()
+    for body in (b'{"size_gb": -1.0}', b'{"size_gb": 17179869184.0}', b'{"size_gb": 0}'):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(body, type=ReserveBody)
 
 
 @pytest.mark.parametrize(
@@ -128,4 +130,4 @@ def test_reserve_request_sizes() -> None:
 )
 def test_reserve_body_is_strict(body: bytes) -> None:
     with pytest.raises(msgspec.ValidationError):
-        msgspec.json.decode(body, type=ReserveRequest)
+        msgspec.json.decode(body, type=ReserveBody)

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from maasd import errors
-from maasd.models import Checkpoint, PoolInfo, PoolSpec, Principal
-from maasd.service import ReserveRequest, Service
+from maasd.bounds import bytes_of_gib
+from maasd.models import Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
+from maasd.service import Service
 from maasd.settings import Settings
 from maasd.store import BufferRow, KeyRow
 
@@ -62,8 +63,8 @@ def tenant(svc: Service, quota: int = 256 * MiB, name: str = "t") -> Principal:
     return svc.authenticate(svc.create_tenant(name, quota).api_key)
 
 
-def req(size: int, **kw: Any) -> ReserveRequest:
-    return ReserveRequest(size_bytes=size, **kw)
+def req(size: int, **kw: Any) -> ReserveSpec:
+    return ReserveSpec(size_bytes=size, **kw)
 
 
 def pool_named(svc: Service, name: str) -> PoolInfo:
@@ -107,17 +108,18 @@ def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
     with pytest.raises(errors.QosUnmet):
         svc.reserve(who, req(MiB, latency_us=0))
     with pytest.raises(errors.QosUnmet):
-        svc.reserve(who, req(MiB, persistence="persistent"), pool="fast")
+        svc.reserve(who, req(MiB, persistence="persistent", pool="fast"))
     with pytest.raises(errors.PlacementError):
         svc.reserve(who, req(MiB, numa_node=999))
     with pytest.raises(errors.TooLarge):
         svc.reserve(who, req(65 * MiB))  # larger than any pool
     with pytest.raises(errors.TooLarge):
-        svc.reserve(who, req(33 * MiB), pool="fast")  # larger than this pool
+        svc.reserve(who, req(33 * MiB, pool="fast"))  # larger than this pool
     with pytest.raises(errors.NotFound):
-        svc.reserve(who, req(MiB), pool="nope")
-    with pytest.raises(errors.InvalidRequest):
-        svc.reserve(who, ReserveRequest(size_bytes=MiB, size_gb=1.0))
+        svc.reserve(who, req(MiB, pool="nope"))
+    for huge in ((1 << 63) - 1, (1 << 63) - 4096):  # one class of answer, rounding or not
+        with pytest.raises(errors.TooLarge):
+            svc.reserve(who, req(huge))
     with pytest.raises(errors.Forbidden):
         svc.reserve(svc.authenticate("admin-key-for-tests"), req(MiB))
     assert svc.store.buffers(states=None) == []  # nothing was admitted
@@ -126,20 +128,20 @@ def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
 
 def test_sizes_are_rounded_to_pages_and_counted_rounded(svc: Service) -> None:
     who = tenant(svc, quota=8192)
-    buf = svc.reserve(who, req(4097), pool="fast")
+    buf = svc.reserve(who, req(4097, pool="fast"))
     assert buf.size_bytes == 8192
     assert svc.usage(who).used_bytes == 8192
     with pytest.raises(errors.QuotaExceeded):
-        svc.reserve(who, req(1), pool="fast")
-    gb = svc.reserve(tenant(svc, name="g"), ReserveRequest(size_gb=0.001), pool="fast")
+        svc.reserve(who, req(1, pool="fast"))
+    gb = svc.reserve(tenant(svc, name="g"), req(bytes_of_gib(0.001), pool="fast"))
     assert gb.size_bytes == -(-int(0.001 * (1 << 30) + 1) // 4096) * 4096
 
 
 def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    svc.reserve(a, req(30 * MiB), pool="fast")
+    svc.reserve(a, req(30 * MiB, pool="fast"))
     with pytest.raises(errors.PoolExhausted):
-        svc.reserve(b, req(3 * MiB), pool="fast")
+        svc.reserve(b, req(3 * MiB, pool="fast"))
     assert svc.usage(b).used_bytes == 0
     assert pool_named(svc, "fast").used_bytes == 30 * MiB
 
@@ -149,7 +151,7 @@ def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
 
 def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(2 * MiB), pool="fast")
+    buf = svc.reserve(who, req(2 * MiB, pool="fast"))
     handle = svc.open_handle(who, buf.id)
     try:
         import mmap
@@ -211,7 +213,7 @@ def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(
 
     monkeypatch.setattr(svc.store, "set_state", deleted_meanwhile)
     with pytest.raises(errors.NotFound):
-        svc.reserve(who, req(MiB), pool="fast")
+        svc.reserve(who, req(MiB, pool="fast"))
     assert svc._regions == {}
     assert svc._pools[pool_named(svc, "fast").id].pool.used == 0
 
@@ -221,7 +223,7 @@ def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(
 
 def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
     who = tenant(svc, quota=8 * MiB)
-    bufs = [svc.reserve(who, req(2 * MiB, evictable=True), pool="fast") for _ in range(4)]
+    bufs = [svc.reserve(who, req(2 * MiB, evictable=True, pool="fast")) for _ in range(4)]
     for i, b in enumerate(bufs):
         view(svc, b.id)[:] = i + 1
     for i in (2, 0, 3, 1):  # attach order: 2 is now least recently used, then 0
@@ -229,7 +231,7 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
         svc.drop_handle(who, bufs[i].id)
         time.sleep(0.002)
     regions = {b.id: svc._regions[b.id] for b in bufs}
-    new = svc.reserve(who, req(3 * MiB), pool="fast")
+    new = svc.reserve(who, req(3 * MiB, pool="fast"))
     left = {b.id for b in svc.buffers(who)}
     assert left == {bufs[3].id, bufs[1].id, new.id}
     assert regions[bufs[2].id].closed
@@ -246,10 +248,10 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
 
 def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, quota=4 * MiB, name="b")
-    theirs = svc.reserve(a, req(4 * MiB, evictable=True), pool="fast")
-    mine = svc.reserve(b, req(4 * MiB), pool="fast")
+    theirs = svc.reserve(a, req(4 * MiB, evictable=True, pool="fast"))
+    mine = svc.reserve(b, req(4 * MiB, pool="fast"))
     with pytest.raises(errors.QuotaExceeded):
-        svc.reserve(b, req(MiB), pool="fast")
+        svc.reserve(b, req(MiB, pool="fast"))
     assert {x.id for x in svc.buffers(svc.authenticate("admin-key-for-tests"))} == {
         theirs.id,
         mine.id,
@@ -259,16 +261,16 @@ def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Servic
 
 def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    elsewhere = svc.reserve(a, req(MiB, evictable=True), pool="slow")
-    cache = [svc.reserve(a, req(8 * MiB, evictable=True), pool="fast") for _ in range(3)]
-    keep = svc.reserve(b, req(8 * MiB), pool="fast")
-    got = svc.reserve(b, req(12 * MiB), pool="fast")  # 12 MiB short: two 8 MiB victims
+    elsewhere = svc.reserve(a, req(MiB, evictable=True, pool="slow"))
+    cache = [svc.reserve(a, req(8 * MiB, evictable=True, pool="fast")) for _ in range(3)]
+    keep = svc.reserve(b, req(8 * MiB, pool="fast"))
+    got = svc.reserve(b, req(12 * MiB, pool="fast"))  # 12 MiB short: two 8 MiB victims
     alive = {x.id for x in svc.store.buffers()}
     assert alive == {elsewhere.id, cache[2].id, keep.id, got.id}
     assert pool_named(svc, "fast").used_bytes == 28 * MiB
     assert svc._pools[pool_named(svc, "fast").id].pool.used == 28 * MiB
     with pytest.raises(errors.PoolExhausted):
-        svc.reserve(b, req(13 * MiB), pool="fast")  # 9 MiB short, 8 evictable: nothing goes
+        svc.reserve(b, req(13 * MiB, pool="fast"))  # 9 MiB short, 8 evictable: nothing goes
     assert cache[2].id in {x.id for x in svc.store.buffers()}
 
 
@@ -291,7 +293,7 @@ def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> No
     assert paths[0] != paths[1]
     assert [str(p) for p in spill.iterdir()] == [paths[1]]
     with pytest.raises(errors.StateConflict):
-        svc.checkpoint(who, svc.reserve(who, req(MiB), pool="fast").id)
+        svc.checkpoint(who, svc.reserve(who, req(MiB, pool="fast")).id)
 
 
 def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
@@ -329,7 +331,7 @@ def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> N
     s.start(reaper=False)
     who = tenant(s)
     pers = s.reserve(who, req(MiB, persistence="persistent"))
-    vol = s.reserve(who, req(MiB), pool="fast")
+    vol = s.reserve(who, req(MiB, pool="fast"))
     view(s, pers.id)[:] = 77
     s.close()
 

@@ -1,0 +1,122 @@
+"""Every bound a request must meet, declared once.
+
+Both edges decode with these types, strictly and once: the REST bodies
+(:mod:`maasd.api.schemas`) and the socket frames (:mod:`maasd.protocol`). The
+layers below them (service, store, allocator) keep the *rules* — quota, the
+daemon's ``max_ttl_s``, whether a NUMA node exists — and trust the *shape*.
+
+Only msgspec and the standard library are imported here, so the client (which
+never imports the server) shares the same bounds through :mod:`maasd.protocol`.
+
+>>> import msgspec
+>>> msgspec.json.decode(b'"acme"', type=Name)
+'acme'
+>>> try:
+...     msgspec.json.decode(b'"acme\\\\n"', type=Name)
+... except msgspec.ValidationError:
+...     print("refused")
+refused
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import msgspec
+
+__all__ = [
+    "MAX_BUFFERS",
+    "MAX_BYTES",
+    "MAX_EVENTS",
+    "MAX_ID",
+    "MAX_KEY",
+    "MAX_LABEL",
+    "MAX_LOOKUP_KEYS",
+    "MAX_NAME",
+    "MAX_NODE",
+    "MAX_SIZE_GIB",
+    "MAX_WIRE_INT",
+    "NAME_PATTERN",
+    "ApiKey",
+    "Bytes",
+    "EntryKey",
+    "EntryKeys",
+    "EventLimit",
+    "Id",
+    "Label",
+    "LatencyUs",
+    "MaxBuffers",
+    "Name",
+    "NodeId",
+    "PositiveBytes",
+    "Ref",
+    "SizeGiB",
+    "SpillDir",
+    "TtlS",
+    "bytes_of_gib",
+]
+
+#: Largest byte count anywhere (sizes, quotas, capacities): it must fit an ``off_t``.
+MAX_BYTES = (1 << 63) - 1
+#: Largest NUMA node id accepted (Linux's MAX_NUMNODES is at most 1024).
+MAX_NODE = 1023
+#: Largest plain integer on the wire (TTLs, latency classes): a signed 32-bit int.
+MAX_WIRE_INT = 2**31
+#: Names of pools and tenants: 1..64 characters, a letter or digit first.
+MAX_NAME = 64
+#: ``(?!\n)$`` and not a bare ``$``: Python's ``$`` also matches before a trailing
+#: newline, so ``"acme\n"`` would pass. (``\Z`` would say the same, but JSON Schema
+#: regexes are ECMA-262, which has no ``\Z``; the lookahead means the same in both.)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(?!\n)$"
+#: A buffer's free-text label.
+MAX_LABEL = 128
+#: A buffer's (prefix-cache) key.
+MAX_KEY = 512
+#: Keys in one lookup, ordered short → long (SPEC §5).
+MAX_LOOKUP_KEYS = 1024
+#: Ids (buffers, pools, tenants, keys) and "id or name" references. Ours are 32 hex
+#: characters; a longer one cannot exist, but it is a 404, not a 400.
+MAX_ID = 256
+#: API keys as presented (ours are 49 characters).
+MAX_API_KEY = 1024
+#: ``size_gb`` is in GiB and must stay below 2^63 bytes.
+MAX_SIZE_GIB = 2.0**33
+#: A tenant's live-buffer cap (SPEC §4 ``max_buffers``).
+MAX_BUFFERS = 1 << 24
+#: Events in one page of the audit trail.
+MAX_EVENTS = 1000
+#: A spill directory path (Linux's PATH_MAX).
+MAX_PATH = 4096
+
+Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=MAX_NAME)]
+NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)]
+#: A byte count that may be 0 (quotas).
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
+#: A byte count that must be > 0 (sizes, capacities).
+PositiveBytes = Annotated[int, msgspec.Meta(gt=0, le=MAX_BYTES)]
+SizeGiB = Annotated[float, msgspec.Meta(gt=0, lt=MAX_SIZE_GIB)]
+LatencyUs = Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
+#: A lease length as asked for; the daemon's ``max_ttl_s`` is a rule, checked below.
+TtlS = Annotated[int, msgspec.Meta(ge=1, le=MAX_WIRE_INT)]
+Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
+EntryKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY)]
+EntryKeys = Annotated[list[EntryKey], msgspec.Meta(min_length=1, max_length=MAX_LOOKUP_KEYS)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
+#: An id or a name (pools, tenants).
+Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
+ApiKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_API_KEY)]
+MaxBuffers = Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERS)]
+EventLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENTS)]
+SpillDir = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH)]
+
+
+def bytes_of_gib(gib: float) -> int:
+    """``gib`` GiB (2^30 bytes) as a whole number of bytes, rounded up; at least 1.
+
+    The caller has decoded ``gib`` as :data:`SizeGiB` (finite, > 0, < 2^33).
+
+    >>> bytes_of_gib(0.5), bytes_of_gib(1e-12)
+    (536870912, 1)
+    """
+    return max(1, math.ceil(gib * (1 << 30)))
