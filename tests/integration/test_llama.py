@@ -492,3 +492,30 @@ class TestWithDaemon:
         assert kv.restore(0, toks) == 0
         a.eval(toks[:4])  # still a working context
         assert a.n_tokens == 4
+
+    def test_the_example_shares_a_prefix_between_two_processes(
+        self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path
+    ) -> None:
+        t, _ = tenants
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        p = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "examples" / "prefix_share.py"),
+                *("--url", daemon_.url, "--socket", str(daemon_.socket_path), "--key", t.key),
+                *("--model", str(path0), "--threads", "1", "--prompt-tokens", "200"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=REPO,
+        )
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert p.stdout.splitlines()[-1] == "OK"
+        assert "restored 200 of" in p.stdout  # worker 2 restored worker 1's whole prefix
+        assert "logits == recompute (same split): True" in p.stdout
+        assert t.client.buffers() == []  # the example released what it saved
