@@ -628,3 +628,42 @@ def test_buffers_list_with_a_tenant_key(daemon: Any) -> None:
         maasctl(daemon, "buffers", "list", "--tenant", name, MAASD_KEY=key, MAASD_ADMIN_KEY=None),
         "[403]",
     )
+
+
+def _field(out: str, label: str) -> str:
+    """The value of the ``label  value`` row of a human answer."""
+    for line in out.splitlines():
+        if line.startswith(label + " "):
+            return line[len(label) :].split()[0]
+    raise AssertionError(f"no {label!r} row in:\n{out}")
+
+
+def test_tenant_id_and_key_id_are_labelled_apart(daemon: Any) -> None:
+    """``tenants create`` shows the tenant's id and its first key's id under their own
+    labels (``id`` / ``key_id`` in JSON); ``keys issue`` shows the key's (``id`` in JSON).
+    Revoking what is shown as "key id" revokes exactly that key."""
+    name = unique("ids")
+    out = ok(maasctl(daemon, "tenants", "create", name, "--quota", "1MiB"))
+    tenant_id, first_key_id, first_key = (
+        _field(out, "tenant id"),
+        _field(out, "key id"),
+        _field(out, "api key"),
+    )
+    assert tenant_id != first_key_id
+    with api(daemon) as c:
+        assert c.get(f"/v1/tenants/{tenant_id}").json()["name"] == name
+    issued = ok(maasctl(daemon, "keys", "issue", name))
+    assert f"(tenant id {tenant_id})" in issued
+    second_key_id, second_key = _field(issued, "key id"), _field(issued, "api key")
+
+    ok(maasctl(daemon, "keys", "revoke", name, first_key_id))
+    with api(daemon, first_key) as c:
+        assert c.get("/v1/usage").status_code == 401
+    with api(daemon, second_key) as c:
+        assert c.get("/v1/usage").json()["tenant_id"] == tenant_id
+    ok(maasctl(daemon, "keys", "revoke", tenant_id, second_key_id))
+    with api(daemon, second_key) as c:
+        assert c.get("/v1/usage").status_code == 401
+
+    created = ok_json(maasctl(daemon, "--json", "tenants", "create", unique("j"), "--quota", "0"))
+    assert created["id"] != created["key_id"]
