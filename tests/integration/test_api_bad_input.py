@@ -71,8 +71,10 @@ def test_reserve_bad_body(daemon: Daemon, victim, path: str, case: str, body: An
     problem = assert_problem_4xx(r)
     if case == "over-64KiB":
         assert r.status_code == 413
+        assert problem["type"].endswith("/body-too-large")
     elif case not in ("gb-huge",):  # 1e30 GiB is a well-formed size that no pool holds: 400 or 422
         assert r.status_code == 400, problem
+        assert problem["type"].endswith("/invalid-request"), problem
     assert snapshot(daemon, c, held["id"]) == before
 
 
@@ -174,7 +176,10 @@ def test_delete_pool_bad_drain(daemon: Daemon, victim, drain: str) -> None:
     _, c, held = victim
     before = snapshot(daemon, c, held["id"])
     r = daemon.admin.delete("/v1/pools/node0", params={"drain": drain})
-    assert_problem_4xx(r)
+    problem = assert_problem_4xx(r)
+    assert r.status_code == 400
+    assert problem["type"].endswith("/invalid-request")
+    assert "drain" in problem["detail"]
     assert snapshot(daemon, c, held["id"]) == before
 
 
