@@ -42,6 +42,8 @@ from maasd.models import PoolSpec
 from maasd.topology import Topology
 
 GiB = 1 << 30
+#: A shorter metrics key would be guessable.
+MIN_METRICS_KEY = 16
 DEFAULT_POOL_CAP = 8 * GiB
 
 
@@ -63,6 +65,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     db_url: str | None = None  # default: sqlite:///DATA_DIR/maasd.db
     config: str | None = None
     admin_key: str | None = None  # default: DATA_DIR/admin.key, generated once
+    metrics_key: str | None = None  # a key good for GET /metrics only
+    metrics_public: bool = False  # GET /metrics needs no key at all
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
@@ -94,6 +98,8 @@ ENV = {
     "MAASD_DB_URL": "db_url",
     "MAASD_CONFIG": "config",
     "MAASD_ADMIN_KEY": "admin_key",
+    "MAASD_METRICS_KEY": "metrics_key",
+    "MAASD_METRICS_PUBLIC": "metrics_public",
     "MAASD_NODE_NAME": "node_name",
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
@@ -137,6 +143,11 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise InvalidRequest(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise InvalidRequest("settings: max_ttl_s must be ≥ 1")
+    if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
+        raise InvalidRequest(
+            f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
+            "(e.g. `openssl rand -hex 24`)"
+        )
     group_id(settings.socket_group)  # an unknown group fails here, before anything starts
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):

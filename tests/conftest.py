@@ -139,7 +139,7 @@ class Daemon:
         """The value of one sample in /metrics (0.0 when absent)."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        text = self.admin.get("/metrics", timeout=10.0).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name and all(

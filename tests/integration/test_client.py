@@ -144,7 +144,8 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(tenant):
     assert topo.nodes
     assert topo.nodes[0].id == 0
     assert c.health().status == "ok"
-    assert "maasd_" in c.metrics()
+    with pytest.raises(Forbidden):
+        c.metrics()  # the admin key or the metrics key only (SPEC §4)
 
 
 def test_admin_helpers(daemon, admin):
@@ -154,6 +155,7 @@ def test_admin_helpers(daemon, admin):
     assert t.quota_bytes == 32 * MiB
     assert t.api_key
     assert any(x.id == t.id for x in admin.tenants())
+    assert "maasd_" in admin.metrics()
     assert admin.set_quota(t.id, 16 * MiB).quota_bytes == 16 * MiB
     assert admin.tenant(t.id).quota_bytes == 16 * MiB
     k = admin.issue_key(t.id)
