@@ -137,7 +137,8 @@ def status(c: Ctx) -> None:
 def top(c: Ctx, interval: float, once: bool) -> None:
     """A refreshing full-screen view of pools, tenants and reserve/release rates.
 
-    Built from GET /metrics (no key needed); with a key that may list pools
+    Built from GET /metrics (the admin key, MAASD_METRICS_KEY, or none with a daemon run
+    with --metrics-public); with a key that may list pools
     and tenants it also shows names and quotas. Press q or Ctrl-C to quit.
 
     \b

@@ -1,6 +1,7 @@
 """The machinery of ``maasctl top``: a refreshing full-screen view built from ``GET /metrics``.
 
-Each frame scrapes the Prometheus text (no key needed), keeps the previous
+Each frame scrapes the Prometheus text (admin or metrics key, unless the daemon runs
+with --metrics-public), keeps the previous
 scrape to turn the ``maasd_reserve_total`` / ``maasd_release_total`` counters
 into rates, and — when the key may list pools and tenants — adds names and
 quotas from the REST API. Keys are read from the terminal in cbreak mode with
