@@ -69,7 +69,7 @@ from maasd.models import (
     rfc3339,
 )
 from maasd.settings import Settings, default_pools
-from maasd.store import BufferRow, PoolRow, Store, TenantRow
+from maasd.store import ACCOUNTED_STATES, BufferRow, PoolRow, Store, TenantRow
 from maasd.tenancy import keys, leases
 from maasd.topology import Topology, discover
 
@@ -361,7 +361,7 @@ class Service:
     def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
         """Delete an empty pool; with ``drain`` release (scrub) its buffers first."""
         lp = self._live_pool(id_or_name)
-        rows = self.store.buffers(pool_id=lp.row.id, states=("reserving", "live", "releasing"))
+        rows = self.store.buffers(pool_id=lp.row.id, states=ACCOUNTED_STATES)
         if rows and not drain:
             raise StateConflict(
                 f"pool {lp.row.name} holds {len(rows)} buffer(s); "
@@ -452,7 +452,7 @@ class Service:
         t = self.tenant(id_or_name)
         self.store.revoke_keys(t.id)
         self._forget_keys()
-        for row in self.store.buffers(tenant_id=t.id, states=("reserving", "live", "releasing")):
+        for row in self.store.buffers(tenant_id=t.id, states=ACCOUNTED_STATES):
             self._release_row(row, reason="tenant_delete")
         self.store.delete_tenant(t.id)
 
@@ -542,6 +542,7 @@ class Service:
                 id=keys.new_id(),
                 tenant_id=tenant_id,
                 pool_id=lp.row.id,
+                host=self.host,
                 size_bytes=rounded,
                 numa_node=lp.row.numa_node,
                 persistence=lp.row.persistence,
@@ -552,6 +553,7 @@ class Service:
                 created_at=now,
                 expires_at=expires,
                 last_used_at=now,
+                kind="buffer",
             )
             try:
                 victims = self.store.begin_reserve(row)
@@ -801,8 +803,8 @@ class Service:
     def recover(self) -> dict[str, int]:
         """Settle the ledger with what exists after a (possibly unclean) stop.
 
-        ``reserving``/``releasing`` rows and volatile ``live`` rows lost their memory
-        with the old process: released. Persistent ``live`` rows are reloaded from
+        ``reserving``/``staged``/``releasing`` rows and volatile ``live`` rows lost
+        their memory with the old process: released. Persistent ``live`` rows are reloaded from
         their checkpoint (checksum verified); without a usable checkpoint they are
         released too. Checkpoint files no row refers to are removed. Meant for
         :meth:`start`, before serving; buffers this process already holds are left alone.

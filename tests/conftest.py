@@ -20,6 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Helper modules with asserts of their own: rewritten like test modules, so a failing
+# assert in them says what it compared.
+pytest.register_assert_rewrite("ledger")
+
 MiB = 1 << 20
 DEFAULT_POOL_BYTES = 256 * MiB
 

@@ -362,6 +362,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
             id=f"{name:0<32}",
             tenant_id=t.id,
             pool_id=pools[pool].id,
+            host=s.host,
             size_bytes=MiB,
             numa_node=0,
             persistence=pools[pool].persistence,
