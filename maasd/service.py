@@ -562,7 +562,8 @@ class Service:
                 continue
             for victim in victims:
                 self._release_memory(victim, reason="evict")
-                self.store.finish_release(victim.id, kind="evict")
+                # Its "evict" event, naming this reserve, is in the ledger already.
+                self.store.finish_release(victim.id, kind="evict", record=False)
                 self.metrics.evictions.inc()
             try:
                 region = lp.pool.reserve(rounded, name=f"maasd-{row.id[:8]}")

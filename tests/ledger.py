@@ -114,7 +114,7 @@ def buf(
 def reserve_live(store: Store, row: BufferRow) -> BufferRow:
     """What the service does: admit, (allocate), go live; finish any victims."""
     for victim in store.begin_reserve(row):
-        store.finish_release(victim.id, "evict")
+        store.finish_release(victim.id, "evict", record=False)
     store.set_state(row.id, "live")
     got = store.buffer(row.id)
     assert got is not None

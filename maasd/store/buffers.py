@@ -162,11 +162,12 @@ class ReserveRepo(Connections):
         shortfall, any tenant's in this pool for a capacity shortfall. If they
         cannot close the shortfalls, raise :class:`QuotaExceeded` (quota) or
         :class:`PoolExhausted` (capacity) and change nothing. Otherwise mark the
-        victims ``releasing``, insert ``row``, record ``evict``/``reserve`` events
-        and commit.
+        victims ``releasing``, insert ``row``, record one ``evict`` event per
+        victim (naming this reserve) and the ``reserve`` event, and commit.
 
         Returns the victims (state ``releasing``): the caller scrubs each and
-        calls :meth:`finish_release` with ``kind="evict"``. The caller checks that ``row`` is smaller than the pool
+        calls :meth:`finish_release` with ``record=False`` (their event is
+        written here). The caller checks that ``row`` is smaller than the pool
         (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
         """
         if row.state != "reserving":
@@ -261,18 +262,22 @@ class ReserveRepo(Connections):
         *,
         now: float | None = None,
         detail: str | None = None,
+        record: bool = True,
     ) -> BufferRow | None:
         """Delete a buffer's row (its memory is scrubbed) and record a ``kind`` event.
 
-        Returns the deleted row, or ``None`` if there was none (already finished).
+        ``record=False`` records nothing: for a victim of an eviction, whose
+        ``evict`` event the reserve that caused it wrote already. Returns the
+        deleted row, or ``None`` if there was none (already finished).
         """
         with self._writing() as conn:
             r: Any = conn.execute(_del_buffer, {"p_id": buffer_id}).first()
             if r is None:
                 return None
             row = BufferRow(*r)
-            at = time.time() if now is None else now
-            conn.execute(ins_event, buffer_event(kind, at, row, detail))
+            if record:
+                at = time.time() if now is None else now
+                conn.execute(ins_event, buffer_event(kind, at, row, detail))
         return row
 
 

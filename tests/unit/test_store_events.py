@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from ledger import (
     NOW,
     buf,
@@ -51,3 +53,17 @@ def test_events_filter_by_tenant_and_page_back(store: Store) -> None:
     page2 = store.events(2, tenant_id=a.id, before=page1[-1].id)
     assert page1 + page2 == mine
     assert store.events(1, before=min(e.id for e in store.events(100))) == []
+
+
+def test_finishing_a_victim_does_not_record_its_eviction_again(store: Store) -> None:
+    pool, t = make_pool(store, capacity=1000), make_tenant(store, quota=10_000)
+    victims = [reserve_live(store, buf(t, pool, 400, evictable=True)) for _ in range(2)]
+    new = buf(t, pool, 700)  # 500 short: both go
+    marked = store.begin_reserve(new)
+    assert [v.id for v in marked] == [v.id for v in victims]
+    for v in marked:
+        gone = store.finish_release(v.id, "evict", record=False)
+        assert gone is not None
+    evicts = [e for e in store.events(100) if e.kind == "evict"]
+    assert Counter(e.buffer_id for e in evicts) == {v.id: 1 for v in victims}
+    assert {e.detail for e in evicts} == {f"for {new.id}"}
