@@ -42,6 +42,7 @@ from maasd.allocator import Pool, Region
 from maasd.bounds import MAX_BYTES
 from maasd.errors import (
     BackingError,
+    ConfigError,
     Forbidden,
     InvalidRequest,
     NotFound,
@@ -193,7 +194,7 @@ class Service:
         if path.exists():
             mode = stat.S_IMODE(path.stat().st_mode)
             if mode & 0o077:
-                raise InvalidRequest(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
+                raise ConfigError(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
             return path.read_text().strip()
         token = keys.new_token()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -43,8 +43,9 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo):
     Thread-safe; one instance per daemon. ``url`` is ``sqlite:///PATH`` (the
     embedded default) or a PostgreSQL URL (``postgresql://``,
     ``postgresql+psycopg://``, or ``postgresql+asyncpg://``, which is run
-    through psycopg 3 because the store is synchronous). The schema is created
-    only by :meth:`upgrade` (Alembic).
+    through psycopg 3 because the store is synchronous); anything else raises
+    :class:`~maasd.errors.ConfigError`. The schema is created only by
+    :meth:`upgrade` (Alembic).
 
     >>> store = Store("sqlite:////tmp/maasd-doctest.db")  # doctest: +SKIP
     >>> store.upgrade()                                    # doctest: +SKIP

@@ -8,7 +8,7 @@ import pytest
 import sqlalchemy as sa
 
 from ledger import head_revision, make_tenant
-from maasd.errors import InvalidRequest
+from maasd.errors import ConfigError
 from maasd.store import Store, migrations_dir, normalize_url
 
 
@@ -21,7 +21,7 @@ def test_url_normalisation() -> None:
     assert normalize_url("postgresql+psycopg://u@db/x").drivername == "postgresql+psycopg"
     assert normalize_url("sqlite:////tmp/x.db").database == "/tmp/x.db"
     for bad in ("sqlite://", "sqlite:///:memory:", "mysql://u@db/x", "not a url"):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(ConfigError):
             normalize_url(bad)
 
 
