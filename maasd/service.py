@@ -39,6 +39,7 @@ import msgspec
 
 from maasd import allocator
 from maasd.allocator import Pool, Region
+from maasd.allocator.reclaim import Reclaimer
 from maasd.bounds import MAX_BYTES
 from maasd.errors import (
     BackingError,
@@ -115,6 +116,9 @@ class Service:
         self.store = store or Store(settings.database_url)
         self.metrics = Metrics()
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
+        #: Gives released pages back to the kernel in the background; started by start(),
+        #: drained and stopped by close() (``reclaimer.drain()`` waits for it).
+        self.reclaimer = Reclaimer()
         self._lock = threading.RLock()
         self._pools: dict[str, _LivePool] = {}
         self._regions: dict[str, Region] = {}
@@ -135,6 +139,7 @@ class Service:
     def start(self, *, reaper: bool = True) -> None:
         """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
         os.makedirs(self.settings.data_dir, mode=0o700, exist_ok=True)
+        self.reclaimer.start()
         self.store.upgrade()
         self._admin_digest = keys.digest(self._admin_key())
         for row in self.store.pools(self.host):
@@ -168,7 +173,8 @@ class Service:
             self._reaper.start()
 
     def close(self) -> None:
-        """Stop reaping; checkpoint persistent buffers; release volatile ones; close the store."""
+        """Stop reaping; checkpoint persistent buffers; release volatile ones; drain and stop
+        the reclaimer; close the store."""
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=10)
@@ -185,6 +191,7 @@ class Service:
                     self._release_row(row, reason="shutdown")
             except Exception:
                 logger.exception("shutdown: could not settle buffer %s", buffer_id)
+        self.reclaimer.stop()
         self.store.dispose()
 
     def _admin_key(self) -> str:
@@ -385,6 +392,7 @@ class Service:
             prefault=row.prefault,
             scrub=row.scrub,
             page_bytes=row.page_bytes,
+            reclaimer=self.reclaimer,
         )
 
     def _live_pool(self, id_or_name: str) -> _LivePool:

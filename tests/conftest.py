@@ -160,17 +160,6 @@ class Daemon:
             self.admin.close()
 
 
-@pytest.fixture(autouse=True)
-def _settled_reclaimer() -> Iterator[None]:
-    """Let in-process "zero" releases finish their background punch+close around each test,
-    so tests that count this process's fds or mappings see only their own."""
-    from maasd.allocator.reclaim import reclaimer
-
-    reclaimer.drain()
-    yield
-    reclaimer.drain()
-
-
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("maasd"))

@@ -234,6 +234,7 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
     new = svc.reserve(who, req(3 * MiB, pool="fast"))
     left = {b.id for b in svc.buffers(who)}
     assert left == {bufs[3].id, bufs[1].id, new.id}
+    svc.reclaimer.drain()  # "zero" pools close the memfd in the background, after the scrub
     assert regions[bufs[2].id].closed
     assert regions[bufs[0].id].closed
     assert sample(svc, "maasd_evictions_total") == 2
@@ -524,3 +525,21 @@ def test_reserve_refuses_pages_that_landed_off_node(
     monkeypatch.undo()
     assert pool_named(svc, "slow").used_bytes == before
     assert svc.buffers(who) == []
+
+
+def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -> None:
+    s = Service(settings(tmp_path))
+    assert not s.reclaimer.running
+    s.start(reaper=False)
+    assert s.reclaimer.running
+    who = tenant(s)
+    buf = s.reserve(who, req(MiB, pool="fast"))  # a "zero" pool: closed in the background
+    region = s._regions[buf.id]
+    s.release(who, buf.id)
+    s.reclaimer.drain()
+    assert region.closed
+    kept = s.reserve(who, req(MiB, pool="slow"))
+    left = s._regions[kept.id]
+    s.close()  # releases the volatile buffer, then drains and stops the reclaimer
+    assert not s.reclaimer.running
+    assert left.closed
