@@ -245,7 +245,8 @@ def create_app(service: Service, *, threads: int = 64) -> Litestar:
         request: Request,
         limit: FromQuery[Annotated[int, Parameter(ge=1, le=1000)]] = 100,
         tenant_id: FromQuery[str | None] = None,
-        before: FromQuery[Annotated[int, Parameter(ge=1, le=2**63 - 1)] | None] = None,
+        # The bounds inside the Optional: litestar drops them from ``Annotated[...] | None``.
+        before: FromQuery[Annotated[int | None, Parameter(ge=1, le=2**63 - 1)]] = None,
     ) -> list[Event]:
         return await call(request, admin(service.events), limit, tenant_id, before)
 
