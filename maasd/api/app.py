@@ -1,4 +1,4 @@
-"""The REST control plane: a litestar app over one :class:`maasd.service.Service`.
+"""The REST control plane: a litestar app over one :class:`maasd.core.Service`.
 
 Controllers are thin: authenticate, decode the body strictly, make one service
 call in a worker thread (the service may prefault or scrub gigabytes), return
@@ -30,6 +30,7 @@ from maasd.api.schemas import (
     TenantBody,
     decode,
 )
+from maasd.core import Service
 from maasd.metrics import CONTENT_TYPE
 from maasd.models import (
     BufferInfo,
@@ -44,7 +45,6 @@ from maasd.models import (
     TenantInfo,
     Usage,
 )
-from maasd.service import Service
 from maasd.topology import Topology
 
 R = TypeVar("R")

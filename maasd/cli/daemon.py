@@ -165,7 +165,7 @@ def _serve(settings: Settings) -> None:
 
     from maasd.api.app import create_app
     from maasd.broker import Broker
-    from maasd.service import Service
+    from maasd.core import Service
     from maasd.settings import group_id
 
     try:

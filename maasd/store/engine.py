@@ -1,9 +1,10 @@
 """Engine factory: URL normalisation, SQLite pragmas and ``BEGIN IMMEDIATE``,
 and the programmatic Alembic configuration.
 
-Why the store is synchronous, even for ``postgresql+asyncpg://`` URLs: the
-service runs every use-case in a worker thread (litestar's ``sync_to_thread``,
-the broker's connection threads), next to blocking memory work. A synchronous
+Why the store is synchronous, even for ``postgresql+asyncpg://`` URLs: every
+use-case of :mod:`maasd.core` runs in a worker thread (the REST API hands each
+call to ``anyio.to_thread``, the broker serves each connection in a thread of
+its own), next to blocking memory work. A synchronous
 engine fits that; an async one would need an event loop per thread. SPEC §3
 still accepts asyncpg URLs (operators copy them from other services), so they
 are translated to the equivalent psycopg 3 URL — same server, same database,
