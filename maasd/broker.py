@@ -99,7 +99,7 @@ class Handle(Protocol):
 
 
 class HandleService(Protocol):
-    """The part of :class:`maasd.service.Service` the broker calls."""
+    """The part of :class:`maasd.core.Service` the broker calls."""
 
     def authenticate(self, token: str, /) -> Principal: ...
     def open_handle(self, principal: Principal, buffer_id: str, /) -> Handle: ...
@@ -159,7 +159,7 @@ class _Connection:
 class Broker:
     """Serve worker handles on a Unix stream socket at ``path``.
 
-    ``service`` is the daemon's :class:`maasd.service.Service` (or anything with
+    ``service`` is the daemon's :class:`maasd.core.Service` (or anything with
     the same four methods). ``mode`` (and ``group``, a gid, when given) is applied
     to the socket file before it accepts connections.
     """

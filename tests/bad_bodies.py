@@ -15,6 +15,8 @@ from typing import Any
 
 import httpx
 
+from maasd.bounds import MAX_LOOKUP_KEYS
+
 KiB, MiB = 1 << 10, 1 << 20
 
 
@@ -251,7 +253,7 @@ LOOKUP_BAD: list[tuple[str, Any]] = [
     ("keys-null-item", {"keys": ["held", None]}),
     ("keys-empty-item", {"keys": [""]}),
     ("keys-513", {"keys": ["k" * 513]}),
-    ("keys-257", {"keys": [f"k{i}" for i in range(257)]}),
+    ("keys-1025", {"keys": [f"k{i}" for i in range(MAX_LOOKUP_KEYS + 1)]}),
     ("keys-object", {"keys": {"held": 1}}),
     ("unknown-field", {"keys": ["held"], "tenant_id": "0" * 32}),
     *_common_bad_bodies(),

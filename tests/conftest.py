@@ -20,6 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Helper modules with asserts of their own: rewritten like test modules, so a failing
+# assert in them says what it compared.
+pytest.register_assert_rewrite("ledger")
+
 MiB = 1 << 20
 DEFAULT_POOL_BYTES = 256 * MiB
 
@@ -154,17 +158,6 @@ class Daemon:
                 self.stop()
         finally:
             self.admin.close()
-
-
-@pytest.fixture(autouse=True)
-def _settled_reclaimer() -> Iterator[None]:
-    """Let in-process "zero" releases finish their background punch+close around each test,
-    so tests that count this process's fds or mappings see only their own."""
-    from maasd.allocator.reclaim import reclaimer
-
-    reclaimer.drain()
-    yield
-    reclaimer.drain()
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from litestar import Litestar
 from litestar.testing import TestClient
 
 from maasd.api.app import create_app
+from maasd.core import Service
 from maasd.models import PoolSpec, Principal
-from maasd.service import Service
 from maasd.settings import Settings
 
 MiB = 1 << 20

@@ -1,4 +1,4 @@
-"""The REST control plane: a litestar app over one :class:`maasd.service.Service`.
+"""The REST control plane: a litestar app over one :class:`maasd.core.Service`.
 
 How a request goes through it::
 
@@ -35,7 +35,7 @@ from maasd.api.controllers import (
 from maasd.api.health import Health, HealthCheck
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
-from maasd.service import Service
+from maasd.core import Service
 
 __all__ = ["MAX_BODY", "create_app"]
 

@@ -29,9 +29,9 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Health
+from maasd.core import Service
 from maasd.errors import Forbidden
 from maasd.models import Principal
-from maasd.service import Service
 
 __all__ = [
     "STATE_KEY",

@@ -30,6 +30,7 @@ from maasd.api.schemas import (
     TenantBody,
     Unhealthy,
 )
+from maasd.core import Service
 from maasd.metrics import CONTENT_TYPE
 from maasd.models import (
     BufferInfo,
@@ -44,7 +45,6 @@ from maasd.models import (
     TenantInfo,
     Usage,
 )
-from maasd.service import Service
 from maasd.topology import Topology
 
 __all__ = [
@@ -251,7 +251,7 @@ class TenantsController(Controller):
         run: NamedDependency[Run],
         limit: FromQuery[Annotated[int, Parameter(ge=1, le=1000)]] = 100,
         tenant_id: FromQuery[str | None] = None,
-        before: FromQuery[Annotated[int, Parameter(ge=1, le=2**63 - 1)] | None] = None,
+        before: FromQuery[Annotated[int | None, Parameter(ge=1, le=2**63 - 1)]] = None,
     ) -> list[Event]:
         return await run(service.events, limit, tenant_id, before)
 

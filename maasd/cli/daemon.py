@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from maasd import __version__
-from maasd.errors import MaasdError
+from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
     import uvicorn
@@ -103,7 +103,7 @@ def _settings(**flags: Any) -> Settings:
 
     try:
         return load(flags)
-    except MaasdError as e:
+    except ConfigError as e:
         raise click.ClickException(e.detail) from e
 
 
@@ -173,13 +173,13 @@ def _serve(settings: Settings) -> None:
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
     from maasd.broker import Broker
-    from maasd.service import Service
+    from maasd.core import Service
     from maasd.settings import group_id
 
-    service = Service(settings)
     try:
+        service = Service(settings)
         service.start()
-    except MaasdError as e:
+    except MaasdError as e:  # a ConfigError (database URL, admin key file) above all
         raise click.ClickException(f"cannot start: {e.detail}") from e
     if service.admin_key_generated:
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
@@ -280,7 +280,10 @@ def migrate(**flags: Any) -> None:
     from maasd.store import Store
 
     os.makedirs(settings.data_dir, mode=0o700, exist_ok=True)
-    store = Store(settings.database_url)
+    try:
+        store = Store(settings.database_url)
+    except ConfigError as e:
+        raise click.ClickException(e.detail) from e
     try:
         store.upgrade()
     finally:

@@ -35,9 +35,9 @@ from inprocess_api import ADMIN_KEY, auth, client, service, snapshot
 from maasd.api import strict
 from maasd.api.app import create_app
 from maasd.api.schemas import LookupBody, PinBody, QuotaBody, RenewBody, ReserveBody, TenantBody
+from maasd.core import Service
 from maasd.errors import InvalidRequest
 from maasd.models import PoolSpec
-from maasd.service import Service
 
 MiB = 1 << 20
 JSON_TYPES = ("application/json",)

@@ -21,7 +21,7 @@ from litestar.testing import TestClient
 
 from inprocess_api import ADMIN_KEY, ServiceCalls, auth, client, service, snapshot
 from maasd.api.app import create_app
-from maasd.service import Service
+from maasd.core import Service
 from maasd.settings import load
 
 MiB = 1 << 20

@@ -17,8 +17,8 @@ from litestar.testing import TestClient
 
 from inprocess_api import ADMIN_KEY, auth, client, service, snapshot
 from maasd.api.health import of_checks
+from maasd.core import Service
 from maasd.problems import PROBLEM_BASE, catalog
-from maasd.service import Service
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 
