@@ -73,6 +73,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reaper_interval_s: float = 1.0
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
+    # Bounds of the REST server (docs/operations.md, "REST limits"): the connections it
+    # holds at once (lowered to a quarter of the open-files limit if that is less), and
+    # the deadlines of a request's head (from its first byte), its body (from the end of
+    # the head) and of a response the client leaves unread.
+    http_max_connections: int = 512
+    http_head_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_send_timeout_s: float = 30.0
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -87,6 +95,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def admin_key_path(self) -> str:
         return os.path.join(self.data_dir, "admin.key")
 
+
+#: The REST server's bounds: each must be > 0.
+HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
 
 #: environment variable → field
 ENV = {
@@ -105,6 +116,7 @@ ENV = {
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
     "MAASD_LOG_LEVEL": "log_level",
+    **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
 }
 
 
@@ -137,6 +149,9 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
+    for name in HTTP_BOUNDS:
+        if not getattr(settings, name) > 0:
+            raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
         raise ConfigError(
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "

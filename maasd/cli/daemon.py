@@ -168,10 +168,9 @@ def serve(**flags: Any) -> None:
 
 
 def _serve(settings: Settings) -> None:
-    import uvicorn
-
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
+    from maasd.api.server import http_config
     from maasd.broker import Broker
     from maasd.core import Service
     from maasd.settings import group_id
@@ -203,18 +202,7 @@ def _serve(settings: Settings) -> None:
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
     )
-    server = _server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=10,
-            server_header=False,
-        )
-    )
+    server = _server(http_config(app, settings, service.metrics))
     logger.info(
         "serving",
         extra={
