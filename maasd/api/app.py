@@ -2,6 +2,8 @@
 
 How a request goes through it::
 
+    raw path       an empty, '.' or '..' segment, or an encoded '/' → 400 problem,
+                   before routing (maasd.api.paths)
     routing        unknown path → 404 problem, wrong method → 405 problem
     guards         /v1: authenticated (401) → requires_admin / requires_tenant (403),
                    on the event loop, before the body is read (maasd.api.auth)
@@ -33,6 +35,7 @@ from maasd.api.controllers import (
     TopologyController,
 )
 from maasd.api.health import Health, HealthCheck
+from maasd.api.paths import one_segment_per_id
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
@@ -69,7 +72,7 @@ def create_app(
         dependencies={"who": Provide(principal, sync_to_thread=False)},
         route_handlers=[TopologyController, PoolsController, TenantsController, BuffersController],
     )
-    return Litestar(
+    app = Litestar(
         route_handlers=[HealthController, v1],
         dependencies={
             "service": Provide(lambda: ctx.service, use_cache=True, sync_to_thread=False),
@@ -93,3 +96,6 @@ def create_app(
         logging_config=None,
         debug=False,
     )
+    # In front of the router: a path is routed as the client wrote it (maasd.api.paths).
+    app.asgi_handler = one_segment_per_id(app.asgi_handler)
+    return app
