@@ -5,7 +5,7 @@ How a request goes through it::
     raw path       an empty, '.' or '..' segment, or an encoded '/' → 400 problem,
                    before routing (maasd.api.paths)
     routing        unknown path → 404 problem, wrong method → 405 problem
-    guards         /v1: authenticated (401) → requires_admin / requires_tenant (403),
+    guard          /v1: authenticated — a valid key (401), the route's role (403),
                    on the event loop, before the body is read (maasd.api.auth)
     body           read (≤ 64 KiB, else 413), decoded strictly once (400, 415)
                    into the handler's ``data`` type (maasd.api.strict)
@@ -26,7 +26,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 
 from maasd import __version__
 from maasd.api import problems
-from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, metrics_digest, principal
+from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, caller, metrics_digest
 from maasd.api.controllers import (
     BuffersController,
     HealthController,
@@ -69,16 +69,12 @@ def create_app(
     v1 = Router(
         path="/v1",
         guards=[authenticated],
-        dependencies={"who": Provide(principal, sync_to_thread=False)},
+        dependencies={"call": Provide(caller, sync_to_thread=False)},
         route_handlers=[TopologyController, PoolsController, TenantsController, BuffersController],
     )
     app = Litestar(
         route_handlers=[HealthController, v1],
-        dependencies={
-            "service": Provide(lambda: ctx.service, use_cache=True, sync_to_thread=False),
-            "run": Provide(lambda: ctx.run, use_cache=True, sync_to_thread=False),
-            "health": Provide(lambda: ctx.health, use_cache=True, sync_to_thread=False),
-        },
+        dependencies={"api": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         state=State({STATE_KEY: ctx}),
         plugins=[StrictBodies()],
         exception_handlers=problems.HANDLERS,  # type: ignore[arg-type]
