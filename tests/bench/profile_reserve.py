@@ -153,6 +153,7 @@ def instrument(svc: Service, clock: Clock) -> list[Any]:
     buffers = svc._buffers
     pool = svc.runtime.find_pool("node0").pool
     return [
+        patched(svc, "reserve", clock.wrap("service", svc.reserve)),
         patched(
             api_auth.ApiContext,
             "principal",
@@ -279,35 +280,32 @@ def main() -> None:
     args = ap.parse_args()
     results = {pf: asyncio.run(profile(pf, args.requests, args.size)) for pf in (False, True)}
     commits, statements = reserve_counts(False, args.size)
-    parts = [
-        "auth",
-        "decode",
+    service_parts = [
         "ledger: flush uses",
         "ledger: admit (reserving)",
         "region: create (+ prefault)",
         "region: placement check",
         "ledger: go live",
-        "response encode",
     ]
-    print(f"one REST reserve of {args.size} B, µs (in-process, {args.requests} requests)")
-    print(f"{'part':<32} {'prefault off':>12} {'prefault on':>12}")
-    for part in [
-        *parts,
-        "framework (routing, guards, DI, rest)",
-        "total (app, inline)",
-        "thread hop",
-    ]:
-        row = []
-        for pf in (False, True):
-            r = results[pf]
-            if part.startswith("framework"):
-                value = r["total"] - sum(r.get(p, 0.0) for p in parts)
-            elif part.startswith("total"):
-                value = r["total"]
-            else:
-                value = r.get(part, 0.0)
-            row.append(value)
-        print(f"{part:<32} {row[0]:>12.0f} {row[1]:>12.0f}")
+    edge_parts = ["auth", "decode", "response encode"]
+    derived: dict[str, Callable[[dict[str, float]], float]] = {
+        "service: the rest": lambda r: r["service"] - sum(r.get(p, 0.0) for p in service_parts),
+        "framework: routing, guard, DI, response": lambda r: (
+            r["total"] - r["service"] - sum(r.get(p, 0.0) for p in edge_parts)
+        ),
+        "total (app, service inline)": lambda r: r["total"],
+    }
+    print(f"one REST reserve of {args.size} B: CPU µs (in-process, {args.requests} requests)")
+    print(f"{'part':<40} {'prefault off':>12} {'prefault on':>12}")
+    rows = [*edge_parts[:2], *service_parts, *list(derived)[:1], edge_parts[2], *list(derived)[1:]]
+    for part in rows:
+        row = [
+            derived[part](results[pf]) if part in derived else results[pf].get(part, 0.0)
+            for pf in (False, True)
+        ]
+        print(f"{part:<40} {row[0]:>12.0f} {row[1]:>12.0f}")
+    hops = [results[pf]["thread hop"] for pf in (False, True)]
+    print(f"{'thread hop (event loop side)':<40} {hops[0]:>12.0f} {hops[1]:>12.0f}")
     print(f"ledger per reserve: {commits} commits, {statements} statements")
     for pf in (False, True):
         r = results[pf]
