@@ -98,7 +98,9 @@ class Buffers:
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
         candidates = self._candidates(req)
-        self.flush_uses()  # eviction picks by last use: let it see the latest attaches
+        # Eviction picks by last use: the admitting transaction writes the latest
+        # attaches first (saving a commit of their own); unwritten, they are kept.
+        uses = self._runtime.take_uses()
         last_error: Exception | None = None
         for live in candidates:
             row = BufferRow(
@@ -119,10 +121,14 @@ class Buffers:
                 kind="buffer",
             )
             try:
-                victims = self._store.begin_reserve(row)
+                victims = self._store.begin_reserve(row, uses=uses)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
+            except BaseException:
+                self._runtime.untake_uses(uses)
+                raise
+            uses = {}
             for victim in victims:
                 self._releaser.evict(victim)
             try:
@@ -141,6 +147,7 @@ class Buffers:
                 raise
             self._check_placement(row, live, region)
             return self._go_live(row, region)
+        self._runtime.untake_uses(uses)
         assert last_error is not None
         raise last_error
 
@@ -183,7 +190,8 @@ class Buffers:
 
         An attach is on a worker's hot path; a synchronous commit there cost more
         than the rest of the attach together. Uses are batched instead: written by
-        the reaper every interval, and before any reserve (which may evict by them).
+        the reaper every interval, and by every reserve's admission (which may
+        evict by them), without a commit of their own on SQLite.
         """
         uses = self._runtime.take_uses()
         if uses:
