@@ -69,6 +69,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reaper_interval_s: float = 1.0
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
+    # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
+    socket_max_connections: int = 1024  # open at once, in total
+    socket_max_unauthenticated: int = 64  # not yet past hello, in total
+    socket_max_per_uid: int = 512  # of one peer uid
+    socket_max_per_tenant: int = 128  # of one tenant, after hello
+    socket_hello_timeout_s: float = 5.0  # hello must arrive this long after accept
+    socket_send_timeout_s: float = 10.0  # a reply the peer leaves unread this long closes it
+    socket_slow_workers: int = 4  # threads for operations that may block (renew, …)
+    socket_slow_per_tenant: int = 2  # of those, running at once for one tenant
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -83,6 +92,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def admin_key_path(self) -> str:
         return os.path.join(self.data_dir, "admin.key")
 
+
+#: The worker socket's bounds: each must be > 0.
+SOCKET_BOUNDS = tuple(
+    name
+    for name in Settings.__struct_fields__
+    if name.startswith("socket_") and name != "socket_group"
+)
 
 #: environment variable → field
 ENV = {
@@ -99,6 +115,7 @@ ENV = {
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
     "MAASD_LOG_LEVEL": "log_level",
+    **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
 }
 
 
@@ -137,6 +154,9 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise InvalidRequest(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise InvalidRequest("settings: max_ttl_s must be ≥ 1")
+    for name in SOCKET_BOUNDS:
+        if not getattr(settings, name) > 0:
+            raise InvalidRequest(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     group_id(settings.socket_group)  # an unknown group fails here, before anything starts
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):

@@ -164,7 +164,7 @@ def _serve(settings: Settings) -> None:
     import uvicorn
 
     from maasd.api.app import create_app
-    from maasd.broker import Broker
+    from maasd.broker import Broker, Limits
     from maasd.service import Service
     from maasd.settings import group_id
 
@@ -181,7 +181,12 @@ def _serve(settings: Settings) -> None:
             err=True,
         )
     try:
-        broker = Broker(service, settings.socket_path, group=group_id(settings.socket_group))
+        broker = Broker(
+            service,
+            settings.socket_path,
+            group=group_id(settings.socket_group),
+            limits=Limits.from_settings(settings),
+        )
         broker.start()
     except (MaasdError, OSError) as e:
         service.close()
