@@ -36,7 +36,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
     #: Connections open at once, in total.
     max_connections: int = 1024
-    #: Connections that have not completed ``hello`` yet, in total.
+    #: Connections that have not completed ``hello`` yet, in total; one peer uid may
+    #: hold at most half of them, so a flood from one uid cannot lock out the others.
     max_unauthenticated: int = 64
     #: Connections of one peer uid (SO_PEERCRED), before and after ``hello``.
     max_per_uid: int = 512
@@ -69,6 +70,7 @@ class ConnectionCounts:
         self.total = 0
         self.unauthenticated = 0
         self.by_uid: collections.Counter[int] = collections.Counter()
+        self.unauthenticated_by_uid: collections.Counter[int] = collections.Counter()
         self.by_tenant: collections.Counter[str] = collections.Counter()
 
     def admit_peer(self, uid: int) -> str | None:
@@ -84,6 +86,12 @@ class ConnectionCounts:
                 f"{self.unauthenticated} connections are waiting for hello "
                 f"(socket_max_unauthenticated = {lim.max_unauthenticated})"
             )
+        uid_share = max(1, lim.max_unauthenticated // 2)
+        if self.unauthenticated_by_uid[uid] >= uid_share:
+            return (
+                f"peer uid {uid} has {self.unauthenticated_by_uid[uid]} connections waiting "
+                f"for hello, half of socket_max_unauthenticated = {lim.max_unauthenticated}"
+            )
         if self.by_uid[uid] >= lim.max_per_uid:
             return (
                 f"peer uid {uid} has {self.by_uid[uid]} connections open "
@@ -91,17 +99,19 @@ class ConnectionCounts:
             )
         self.total += 1
         self.unauthenticated += 1
+        self.unauthenticated_by_uid[uid] += 1
         self.by_uid[uid] += 1
         return None
 
-    def admit_tenant(self, tenant: str) -> str | None:
-        """An admitted connection said ``hello`` as ``tenant``: move it there, or refuse."""
+    def admit_tenant(self, uid: int, tenant: str) -> str | None:
+        """An admitted connection of ``uid`` said ``hello`` as ``tenant``: move it, or refuse."""
         if self.by_tenant[tenant] >= self.limits.max_per_tenant:
             return (
                 f"tenant {tenant} has {self.by_tenant[tenant]} connections open "
                 f"(socket_max_per_tenant = {self.limits.max_per_tenant})"
             )
         self.unauthenticated -= 1
+        _decrement(self.unauthenticated_by_uid, uid)
         self.by_tenant[tenant] += 1
         return None
 
@@ -111,6 +121,7 @@ class ConnectionCounts:
         _decrement(self.by_uid, uid)
         if tenant is None:
             self.unauthenticated -= 1
+            _decrement(self.unauthenticated_by_uid, uid)
         else:
             _decrement(self.by_tenant, tenant)
 

@@ -12,7 +12,6 @@ Lifecycle::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -210,5 +209,11 @@ class Broker:
         except FileNotFoundError:
             return
         if (st.st_dev, st.st_ino) == self._inode:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # the next start finds it stale and replaces it
+                logger.warning(
+                    "cannot remove the socket file", extra={"path": self.path, "error": str(exc)}
+                )

@@ -77,7 +77,7 @@ class ConnectionTable:
         fields = conn.fields()
         outcome, principal, key = self.dispatcher.hello(body, conn.pid, fields)
         if principal is not None:
-            reason = self.counts.admit_tenant(tenant_of(principal))
+            reason = self.counts.admit_tenant(conn.uid, tenant_of(principal))
             if reason is None:
                 conn.principal, conn.api_key = principal, key
                 self.hello_due.cancel(conn)
