@@ -134,15 +134,18 @@ class EventLoop:
         return min(table, acceptor)
 
     def _event(self, data: object, mask: int) -> None:
-        if data is None:
-            self._drain_wake()
-        elif isinstance(data, Connection):
+        if isinstance(data, Connection):
             if data.closed:
                 return  # closed earlier in this turn
             if data.lingering:
                 self.acceptor.linger_read(data)
-            else:
-                self._guard(data, self._conn_event, data, mask)
+                return
+            try:
+                self._conn_event(data, mask)
+            except Exception as exc:  # a failure for one connection ends only that one
+                self._failed(data, exc)
+        elif data is None:
+            self._drain_wake()
         elif data is self.acceptor:
             try:
                 self.acceptor.accept_batch()
@@ -150,28 +153,11 @@ class EventLoop:
                 self.log.log(logging.ERROR, "accept-bug", "accept failed", exc_info=exc)
 
     def _conn_event(self, conn: Connection, mask: int) -> None:
-        if conn.closed:
-            return
         if mask & WRITE and not self.table.flush(conn):
             return
-        if mask & READ and conn.wants_read:
-            self._read(conn)
-        else:
+        if not (mask & READ and conn.wants_read):
             self._process(conn)
-
-    def _guard(self, conn: Connection, fn: Callable[..., object], *args: object) -> None:
-        """Run ``fn(*args)`` for ``conn``; an unexpected failure closes only ``conn``."""
-        try:
-            fn(*args)
-        except Exception as exc:
-            self.log.log(
-                logging.ERROR, "conn-bug", "connection failed", conn.fields(), exc_info=exc
-            )
-            self.table.close(conn, "internal error")
-
-    # --- reading and dispatching -----------------------------------------------------
-
-    def _read(self, conn: Connection) -> None:
+            return
         try:
             data = conn.sock.recv(RECV_BYTES)
         except BlockingIOError:
@@ -180,11 +166,23 @@ class EventLoop:
             self.table.close(conn, f"recv failed: {exc}")
             return
         if not data:
-            self.table.close(
-                conn, "peer closed mid-frame" if conn.reader.pending else "peer closed"
-            )
+            why = "peer closed mid-frame" if conn.reader.pending else "peer closed"
+            self.table.close(conn, why)
             return
         self._process(conn, data)
+
+    def _guard(self, conn: Connection, fn: Callable[..., object], *args: object) -> None:
+        """Run ``fn(*args)`` for ``conn``; an unexpected failure closes only ``conn``."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            self._failed(conn, exc)
+
+    def _failed(self, conn: Connection, exc: Exception) -> None:
+        self.log.log(logging.ERROR, "conn-bug", "connection failed", conn.fields(), exc_info=exc)
+        self.table.close(conn, "internal error")
+
+    # --- reading and dispatching -----------------------------------------------------
 
     def _process(self, conn: Connection, data: bytes = b"") -> None:
         """Serve whole frames of ``conn`` (after adding ``data``) until one is in flight."""
@@ -213,7 +211,8 @@ class EventLoop:
             self.table.deliver(
                 conn, self.dispatcher.error(errors.InvalidRequest(str(exc)), fields, close=True)
             )
-        self.table.rearm(conn)
+        if not (conn.events == READ and not (conn.reader.pending or conn.busy or conn.out)):
+            self.table.rearm(conn)  # (the common case, idle and watched for reading, needs none)
 
     def _frame(self, conn: Connection, body: bytes) -> None:
         if conn.principal is None:
