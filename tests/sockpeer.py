@@ -226,20 +226,30 @@ def serve_main(directory: str, limits: str = "{}") -> None:
     import sys
     from pathlib import Path
 
-    def nproc() -> dict[str, object]:
-        uid = os.getuid()
+    def threads_of_uid(uid: int) -> int:
         count = 0
         for entry in filter(str.isdigit, os.listdir("/proc")):
             with contextlib.suppress(OSError, ValueError, StopIteration):
                 lines = Path(f"/proc/{entry}/status").read_text().splitlines()
                 if int(next(x for x in lines if x.startswith("Uid:")).split()[1]) == uid:
                     count += int(next(x for x in lines if x.startswith("Threads:")).split()[1])
-        resource.setrlimit(resource.RLIMIT_NPROC, (count, count))
-        try:
-            threading.Thread(target=int).start()
-            probe = "started"
-        except RuntimeError as exc:
-            probe = f"refused: {exc}"
+        return count
+
+    def nproc() -> dict[str, object]:
+        # Other processes of this uid may come and go meanwhile: count again until
+        # the limit is exactly what runs now, so that one more thread is refused.
+        probe = ""
+        for _ in range(10):
+            count = threads_of_uid(os.getuid())
+            hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            resource.setrlimit(resource.RLIMIT_NPROC, (count, hard))
+            try:
+                t = threading.Thread(target=int)
+                t.start()
+                t.join()
+                probe = "started"
+            except RuntimeError as exc:
+                return {"limit": count, "probe": f"refused: {exc}"}
         return {"limit": count, "probe": probe}
 
     env = FakeEnv(Path(directory), Limits(**json.loads(limits)))

@@ -167,5 +167,6 @@ class Acceptor:
         for conn in self.lingering.drain():
             self._close(conn)
         if self.resume_at is None:
-            self.sel.unregister(self.listener)
-            self.resume_at = float("inf")
+            with contextlib.suppress(KeyError, ValueError, OSError):  # closed by stop() already
+                self.sel.unregister(self.listener)
+        self.resume_at = float("inf")

@@ -26,6 +26,13 @@ __all__ = ["Connection", "peer_credentials"]
 
 _PEERCRED = struct.Struct("3i")
 
+#: The kernel's send buffer per connection (it doubles what is asked). Replies are
+#: small and a worker reads each before it asks again, so this only ever fills
+#: for a peer that does not read — and it bounds how many replies, and so how many
+#: fds, can sit unread in that peer's socket (a dozen or two), where they would
+#: count against the daemon's in-flight fd limit (ETOOMANYREFS) for everyone.
+SEND_BUFFER_BYTES = 8 * 1024
+
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """``(pid, uid, gid)`` of the peer of a Unix socket, from SO_PEERCRED."""
@@ -60,6 +67,7 @@ class Connection:
 
     def __init__(self, sock: socket.socket, name: str) -> None:
         sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.sock = sock
         self.name = name
         self.pid, self.uid, self.gid = peer_credentials(sock)
@@ -109,7 +117,11 @@ class Connection:
         if self.out:
             self.out.append(_Outgoing(memoryview(frame), fds))
             return self.flush()
-        sent = self._send_once(frame, fds)
+        try:
+            sent = self._send_once(frame, fds)
+        except OSError:
+            _close_all(fds)  # never queued: nobody else will close them
+            raise
         if sent == len(frame):
             return True
         self.out.append(_Outgoing(memoryview(frame)[sent:], () if sent else fds))

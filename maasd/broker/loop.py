@@ -294,7 +294,10 @@ class EventLoop:
         with self._post_lock:
             self._finished = True
         self.table.close_all("broker stopping")
-        self.acceptor.close()
+        try:
+            self.acceptor.close()
+        except Exception:
+            logger.exception("closing the acceptor failed")
         while self.results:
             conn, outcome = self.results.popleft()
             self.table.undeliverable(conn, outcome)

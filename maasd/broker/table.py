@@ -198,8 +198,6 @@ class ConnectionTable:
             conn.events = 0
         self.hello_due.cancel(conn)
         self.send_due.cancel(conn)
-        self.conns.discard(conn)
-        self.counts.leave(conn.uid, conn.tenant)
         conn.close()
         if conn.held:
             dropped = sum(conn.held.values())
@@ -208,6 +206,9 @@ class ConnectionTable:
                     self._drop(conn, buffer_id)
             conn.held.clear()
             logger.debug("attachments dropped on close", extra=conn.fields(count=dropped))
+        # Last, so that a connection no longer counted holds nothing any more.
+        self.counts.leave(conn.uid, conn.tenant)
+        self.conns.discard(conn)
         logger.debug("socket closed", extra=conn.fields(reason=why))
 
     def close_all(self, why: str) -> None:
