@@ -114,6 +114,8 @@ class FakeService:
         self.renewals: list[tuple[str, int]] = []
         #: tenant_id -> an event its renews wait for (a slow ledger, for the slow-pool tests)
         self.renew_gates: dict[str, threading.Event] = {}
+        #: tenant_id -> an event its attaches wait for (an inline call that blocks the loop)
+        self.attach_gates: dict[str, threading.Event] = {}
 
     def add_key(self, tenant_id: str) -> str:
         key = uuid.uuid4().hex
@@ -147,6 +149,9 @@ class FakeService:
     def open_handle(self, who: Principal, buffer_id: str) -> FakeHandle:
         if buffer_id == "boom":
             raise RuntimeError("simulated bug")
+        gate = self.attach_gates.get(str(who.tenant_id))
+        if gate is not None:
+            gate.wait(60)
         with self.lock:
             b = self.buffers.get(buffer_id)
             if b is None or b[0] != who.tenant_id:

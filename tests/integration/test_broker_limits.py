@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from maasd.broker import Limits
 from maasd.protocol import HEADER, Attach, Attached, Error, Hello, Ok, Renew, encode_frame
 from sockflood import flood
@@ -288,3 +290,28 @@ def test_health_says_what_is_wrong(tmp_path: Path) -> None:
     ok, why = env.broker.healthy()
     assert not ok
     assert why == "the worker socket is not serving"
+
+
+def test_health_is_false_while_an_inline_call_holds_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("maasd.broker.server.STALL_UNHEALTHY_S", 0.5)
+    env = FakeEnv(tmp_path)
+    gate = threading.Event()
+    try:
+        tenant = env.new_tenant()
+        bid = env.reserve(tenant)
+        env.svc.attach_gates[tenant[0]] = gate  # open_handle blocks: a stuck inline call
+        with contextlib.closing(Raw(env.socket_path, timeout=30)) as r:
+            r.hello(tenant[1])
+            r.send(Attach(buffer_id=bid))
+            wait_until(lambda: not env.broker.healthy()[0], message="health sees the stall")
+            assert "has not turned" in env.broker.healthy()[1]
+            gate.set()
+            reply, fds = r.recv()
+            assert isinstance(reply, Attached)
+            os.close(fds[0])
+        wait_until(lambda: env.broker.healthy()[0], message="healthy again")
+    finally:
+        gate.set()
+        env.close()
