@@ -229,3 +229,23 @@ def test_health_is_false_while_out_of_fds_and_true_again_after(tmp_path: Path) -
             timeout=20,
             message="health is true again once the fds are back",
         )
+
+
+def test_sigterm_ends_the_daemon_whatever_its_peers_do(tmp_path: Path) -> None:
+    with running(tmp_path / "d", {}) as d:
+        _tid, key = d.tenant("term", 16 * MiB)
+        with Client(d.url, key) as c:
+            buf = c.reserve(size_bytes=MiB, ttl_s=300)
+        peers = [socket.socket(socket.AF_UNIX) for _ in range(3)]
+        for s in peers:
+            s.connect(d.socket_path)
+        deaf, mute, half = peers
+        deaf.sendall(encode_frame(Hello(api_key=key)))
+        deaf.sendall(encode_frame(Attach(buffer_id=buf.id)) * 2000)  # never reads
+        half.sendall(encode_frame(Hello(api_key=key))[:5])  # half a frame; mute says nothing
+        try:
+            assert d.stop() == 0  # Daemon.stop fails the test if it takes over 30 s
+            assert not os.path.exists(d.socket_path)
+        finally:
+            for s in peers:
+                s.close()
