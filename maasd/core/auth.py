@@ -119,8 +119,16 @@ class Auth:
                     cache[d] = who
         return who
 
+    @property
+    def generation(self) -> int:
+        """Bumped by every revocation this process learns of (its own, or — with several
+        daemons on one ledger — another's). A holder of an authenticated principal (a socket
+        connection) re-checks its key only when this moved: an int compare per operation."""
+        return self._generation
+
     def forget_keys(self) -> None:
-        """Call after revoking any key (its commit done): no cached key outlives it."""
+        """Call after any key is revoked (its commit done), here or by another daemon: no
+        cached key outlives it, and :attr:`generation` moves."""
         with self._lock:
             self._generation += 1
             if self._cache is not None:
