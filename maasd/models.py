@@ -17,7 +17,8 @@ from maasd import bounds
 Backing = Literal["memfd", "hugetlb"]
 Persistence = Literal["volatile", "persistent"]
 ScrubMode = Literal["zero", "punch"]
-BufferState = Literal["reserving", "live", "releasing"]
+BufferState = Literal["reserving", "staged", "live", "releasing"]
+BufferKind = Literal["buffer", "entry"]
 
 #: RFC 3339, UTC, microseconds, always the same width: sorts as text.
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.{us:06d}Z"

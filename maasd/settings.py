@@ -37,11 +37,13 @@ from typing import Any
 
 import msgspec
 
-from maasd.errors import InvalidRequest
+from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
 
 GiB = 1 << 30
+#: A shorter metrics key would be guessable.
+MIN_METRICS_KEY = 16
 DEFAULT_POOL_CAP = 8 * GiB
 
 
@@ -63,6 +65,8 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     db_url: str | None = None  # default: sqlite:///DATA_DIR/maasd.db
     config: str | None = None
     admin_key: str | None = None  # default: DATA_DIR/admin.key, generated once
+    metrics_key: str | None = None  # a key good for GET /metrics only
+    metrics_public: bool = False  # GET /metrics needs no key at all
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
@@ -110,6 +114,8 @@ ENV = {
     "MAASD_DB_URL": "db_url",
     "MAASD_CONFIG": "config",
     "MAASD_ADMIN_KEY": "admin_key",
+    "MAASD_METRICS_KEY": "metrics_key",
+    "MAASD_METRICS_PUBLIC": "metrics_public",
     "MAASD_NODE_NAME": "node_name",
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
@@ -122,7 +128,7 @@ ENV = {
 def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Build the settings from ``flags`` (None values ignored), ``env`` and the config file.
 
-    Raises :class:`InvalidRequest` with a readable message for a bad value or file.
+    Raises :class:`~maasd.errors.ConfigError` with a readable message for a bad value or file.
     """
     env = os.environ if env is None else env
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
@@ -134,39 +140,38 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
             with open(config_path, "rb") as f:
                 from_file = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
-            raise InvalidRequest(f"config file {config_path}: {e}") from e
+            raise ConfigError(f"config file {config_path}: {e}") from e
     merged = {**from_file, **from_env, **flags}
-    # PoolSpec also parses API bodies and so does not forbid unknown fields itself;
-    # a typo in a [[pools]] table (``scrubb = "punch"``) must not silently fall back
-    # to a default.
-    for i, pool in enumerate(merged.get("pools") or []):
-        unknown = (
-            sorted(set(pool) - set(PoolSpec.__struct_fields__)) if isinstance(pool, dict) else []
-        )
-        if unknown:
-            raise InvalidRequest(f"settings: unknown field(s) {unknown} - at $.pools[{i}]")
     try:
-        # strict=False lets env strings such as "7878" convert to int fields.
+        # strict=False lets env strings such as "7878" convert to int fields. Settings
+        # and PoolSpec both forbid unknown fields: a typo in the file or in a [[pools]]
+        # table (``scrubb = "punch"``) is refused instead of silently falling back to
+        # a default.
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as e:
-        raise InvalidRequest(f"settings: {e}") from e
+        raise ConfigError(f"settings: {e}") from e
     if not 0 < settings.port < 65536:
-        raise InvalidRequest(f"settings: port must be 1..65535, got {settings.port}")
+        raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
-        raise InvalidRequest("settings: max_ttl_s must be ≥ 1")
+        raise ConfigError("settings: max_ttl_s must be ≥ 1")
     for name in SOCKET_BOUNDS:
         if not getattr(settings, name) > 0:
-            raise InvalidRequest(f"settings: {name} must be > 0, got {getattr(settings, name)}")
+            raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
+    if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
+        raise ConfigError(
+            f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
+            "(e.g. `openssl rand -hex 24`)"
+        )
     group_id(settings.socket_group)  # an unknown group fails here, before anything starts
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):
-        raise InvalidRequest(f"settings: duplicate pool names in config: {names}")
+        raise ConfigError(f"settings: duplicate pool names in config: {names}")
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings
 
 
 def group_id(group: str | None) -> int | None:
-    """The gid of ``group`` (a name or a number), or None; InvalidRequest if unknown."""
+    """The gid of ``group`` (a name or a number), or None; :class:`ConfigError` if unknown."""
     if group is None:
         return None
     import grp
@@ -174,7 +179,7 @@ def group_id(group: str | None) -> int | None:
     try:
         return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
     except KeyError:
-        raise InvalidRequest(f"settings: no group named {group!r} (socket_group)") from None
+        raise ConfigError(f"settings: no group named {group!r} (socket_group)") from None
 
 
 def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[PoolSpec]:

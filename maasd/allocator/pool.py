@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 from maasd.allocator.arith import Ledger, check_size, round_up
-from maasd.allocator.reclaim import reclaimer
+from maasd.allocator.reclaim import Reclaimer, reclaim
 from maasd.allocator.region import BACKINGS, SCRUB_MODES, Region
 from maasd.errors import InvalidRequest
 
@@ -30,6 +30,9 @@ def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
 class Pool:
     """Capacity accounting plus region creation for one pool. Thread-safe.
 
+    ``reclaimer`` gives the pages of released ``zero``-scrubbed regions back in the
+    background (see :meth:`release`); without one, that happens in the releasing call.
+
     >>> pool = Pool("node0", numa_node=0, capacity=1 << 30)   # doctest: +SKIP
     >>> region = pool.reserve(5000)                            # 8192 bytes accounted
     >>> pool.release(region)                                   # scrubbed, then returned
@@ -44,6 +47,7 @@ class Pool:
     prefault: bool = True
     scrub: str = "zero"
     page_bytes: int = 0
+    reclaimer: Reclaimer | None = field(default=None, repr=False, compare=False)
     _ledger: Ledger = field(init=False, repr=False)
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
 
@@ -114,8 +118,8 @@ class Pool:
 
         Every byte reads zero when this returns. With ``scrub = "zero"`` only the
         memset happens here; punching the pages out and closing the memfd is left
-        to the background :data:`~maasd.allocator.reclaim.reclaimer`. With
-        ``punch`` the punch *is* the scrub, so it happens here.
+        to the pool's :class:`~maasd.allocator.reclaim.Reclaimer` (done here when
+        the pool has none). With ``punch`` the punch *is* the scrub, so it happens here.
 
         Releasing an already released (closed) region changes nothing: giving its
         bytes back twice would let the pool over-commit.
@@ -126,7 +130,10 @@ class Pool:
             region.released = True
         if self.scrub == "zero":
             region.scrub("zero", punch=False)
-            reclaimer.submit(region)
+            if self.reclaimer is not None:
+                self.reclaimer.submit(region)
+            else:
+                reclaim(region)
         else:
             try:
                 region.scrub(self.scrub)

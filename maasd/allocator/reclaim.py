@@ -2,9 +2,18 @@
 
 A release is done when the bytes are zero (memset: ~30 ms per GiB here);
 punching the pages out and closing the memfd (~250 ms per GiB) can happen
-after the answer. :class:`Reclaimer` is one background thread that does that
+after the answer. A :class:`Reclaimer` is one background thread that does that
 last part, in order. A region handed to it is already scrubbed, so nothing it
 does (or fails to do) can expose data; it only returns memory sooner or later.
+
+Its owner starts it, may :meth:`~Reclaimer.drain` it (wait until everything
+submitted is reclaimed) and stops it (drain, then end the thread). A region
+submitted while it is not running is reclaimed at once, in the caller's thread:
+nothing is ever left behind.
+
+>>> reclaimer = Reclaimer(); reclaimer.start()     # doctest: +SKIP
+>>> pool = Pool("node0", numa_node=0, capacity=1 << 30, reclaimer=reclaimer)  # doctest: +SKIP
+>>> reclaimer.stop()                                 # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -17,38 +26,68 @@ from maasd.allocator.region import Region
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["Reclaimer", "reclaim"]
+
+
+def reclaim(region: Region) -> None:
+    """Punch a scrubbed region's pages out and close it (what the thread does for each)."""
+    try:
+        if not region.closed:
+            region.punch_hole()
+            region.close()
+    except Exception:
+        logger.exception("reclaiming %r failed", region)
+
 
 class Reclaimer:
-    """A queue of scrubbed regions to punch and close, served by one daemon thread."""
+    """A queue of scrubbed regions to punch and close, served by one thread while running."""
 
     def __init__(self) -> None:
         self._queue: queue.Queue[Region | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def submit(self, region: Region) -> None:
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
         with self._lock:
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="maasd-reclaim", daemon=True)
                 self._thread.start()
-        self._queue.put(region)
+
+    def submit(self, region: Region) -> None:
+        """Reclaim ``region`` in the background, or now if the reclaimer is not running."""
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(region)
+                return
+        reclaim(region)
 
     def drain(self) -> None:
         """Block until every region submitted so far is punched and closed."""
         self._queue.join()
 
+    def stop(self) -> None:
+        """Reclaim everything submitted so far, then end the thread (idempotent).
+
+        Regions submitted afterwards are reclaimed at once by their submitter.
+        """
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)  # after everything already queued
+        if thread is not None:
+            thread.join()
+
     def _run(self) -> None:
         while True:
             region = self._queue.get()
             try:
-                if region is not None and not region.closed:
-                    region.punch_hole()
-                    region.close()
-            except Exception:
-                logger.exception("reclaiming %r failed", region)
+                if region is None:
+                    return
+                reclaim(region)
             finally:
                 self._queue.task_done()
-
-
-#: The process-wide reclaimer used by pools.
-reclaimer = Reclaimer()

@@ -1,57 +1,62 @@
-"""RFC 9457 problem answers for :mod:`maasd.errors` (via :mod:`maasd.problems`) and framework errors.
+"""Every error answer of the REST API: RFC 9457 ``application/problem+json``.
 
-Every error the API answers is ``application/problem+json`` with ``type``,
-``title``, ``status`` and ``detail``; ``type`` is ``PROBLEM_BASE + code`` so a
-client can branch on its last segment (``…/quota-exceeded``,
-``…/pool-exhausted``).
+The body is :class:`maasd.problems.Problem` — built by
+:func:`maasd.problems.problem_of` for maasd's own errors and by
+:func:`maasd.problems.http_problem` for what only HTTP knows (405, 413, 415) —
+so the REST API and the socket broker answer the same failure with the same
+``status`` and ``type``. The framework's own 4xx (a bad query parameter, an
+unknown route) become the maasd error they mean; anything else is a bug: a bland
+500, logged.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
-import msgspec
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 from litestar.openapi.datastructures import ResponseSpec
 
 from maasd import errors
-from maasd.problems import PROBLEM_BASE, status_of
+from maasd.api.schemas import MAX_BODY
+from maasd.problems import HTTP_ONLY, PROBLEM_BASE, Problem, http_problem, problem_of, status_of
+
+__all__ = [
+    "HANDLERS",
+    "MEANING",
+    "MEDIA_TYPE",
+    "PROBLEM_BASE",
+    "answer",
+    "responses",
+    "status_of",
+]
 
 logger = logging.getLogger(__name__)
 
 MEDIA_TYPE = "application/problem+json"
 
-_GENERIC = {
-    400: ("bad-request", "Bad request"),
-    401: ("unauthorized", "Unauthorized"),
-    403: ("forbidden", "Forbidden"),
-    404: ("not-found", "Not found"),
-    405: ("method-not-allowed", "Method not allowed"),
-    413: ("too-large", "Request body too large"),
-    415: ("unsupported-media-type", "Unsupported media type"),
-    429: ("too-many-requests", "Too many requests"),
-}
-
-
-class Problem(msgspec.Struct, frozen=True):
-    type: str
-    title: str
-    status: int
-    detail: str
-
-
 #: What each error status means on this API (the OpenAPI ``description`` of the response).
 MEANING = {
     400: "Malformed body, bad field, unknown field or bad parameter",
     401: "Missing, unknown or revoked API key",
-    403: "A tenant key on an admin route, or the admin key on a tenant-only route",
+    403: "A tenant key on an admin route or on /metrics, the admin key on a tenant-only "
+    "route, or the metrics key anywhere but /metrics",
     404: "Unknown id, or an id that belongs to another tenant (indistinguishable)",
     409: "Quota exceeded, duplicate key, or a state conflict (taken name, non-empty pool, "
     "volatile checkpoint)",
     413: "Request body over 64 KiB",
     422: "QoS no pool meets, a NUMA node that does not exist, or larger than the pool",
     507: "The pool could hold the request but is full now",
+}
+
+#: A 4xx the framework raises itself → the maasd error it means.
+_FRAMEWORK_4XX: dict[int, type[errors.MaasdError]] = {
+    400: errors.InvalidRequest,
+    401: errors.Unauthorized,
+    403: errors.Forbidden,
+    404: errors.NotFound,
+    429: errors.LimitExceeded,
 }
 
 
@@ -68,65 +73,65 @@ def responses(*codes: int) -> dict[int, ResponseSpec]:
     }
 
 
-def problem(status: int, code: str, title: str, detail: str) -> Response[Problem]:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return Response(
-        Problem(type=PROBLEM_BASE + code, title=title, status=status, detail=detail),
-        status_code=status,
-        media_type=MEDIA_TYPE,
-        headers=headers,
-    )
+def answer(problem: Problem, headers: Mapping[str, str] | None = None) -> Response[Problem]:
+    """``problem`` as an HTTP answer (a 401 also says which scheme: ``WWW-Authenticate: Bearer``)."""
+    out = dict(headers or {})
+    if problem.status == 401:
+        out["WWW-Authenticate"] = "Bearer"
+    return Response(problem, status_code=problem.status, media_type=MEDIA_TYPE, headers=out)
 
 
-def from_maasd_error(_: Request, exc: errors.MaasdError) -> Response[Problem]:
-    status = status_of(exc)
-    if status >= 500 and status != 507:
-        logger.error("internal error: %s", exc.detail, exc_info=exc)
-    return problem(status, exc.code, exc.title, exc.detail)
+def from_maasd_error(request: Request, exc: errors.MaasdError) -> Response[Problem]:
+    problem = problem_of(exc)
+    if problem.status == 500:
+        return from_unexpected(request, exc)
+    return answer(problem)
 
 
-def from_http_exception(_: Request, exc: HTTPException) -> Response[Problem]:
+def from_http_exception(request: Request, exc: HTTPException) -> Response[Problem]:
     status = exc.status_code
-    code, title = _GENERIC.get(status, ("http-error", "HTTP error"))
-    detail = exc.detail or title
-    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
-        detail = "; ".join(_describe(e) for e in exc.extra)
-    return problem(status, code, title, detail)
-
-
-def from_recursion(request: Request, exc: RecursionError) -> Response[Problem]:
-    """A JSON body nested deeper than the decoder's stack (``[[[[…]]]]`` well under 64 KiB).
-
-    The framework decodes the body before the handler runs, so this surfaces as a bare
-    ``RecursionError``; it is the client's input, not a fault of ours. Any other
-    ``RecursionError`` is still an internal error.
-    """
-    if "deserializ" in str(exc):
-        return problem(
-            400, "bad-request", "Bad request", "malformed JSON: the body is nested too deeply"
-        )
-    return from_unexpected(request, exc)
+    detail = _detail(request, exc)
+    if status in _FRAMEWORK_4XX:
+        problem = problem_of(_FRAMEWORK_4XX[status](detail))
+    elif status in HTTP_ONLY:
+        problem = http_problem(status, detail)
+    else:
+        return from_unexpected(request, exc)
+    # e.g. the ``Allow`` header of a 405
+    return answer(problem, {k: v for k, v in (exc.headers or {}).items() if k.lower() == "allow"})
 
 
 def from_unexpected(_: Request, exc: Exception) -> Response[Problem]:
-    logger.exception("unhandled error", exc_info=exc)
-    return problem(
-        500, "internal", "Internal error", "an unexpected error occurred; see the daemon log"
-    )
+    logger.error("unhandled error: %s", exc, exc_info=exc)
+    return answer(problem_of(exc))
+
+
+def _detail(request: Request, exc: HTTPException) -> str:
+    """What the framework's exception means for this request, in a sentence."""
+    status = exc.status_code
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        return "; ".join(_describe(e) for e in exc.extra)
+    if isinstance(exc, NotFoundException):
+        return f"no route {request.url.path}"
+    if status == 405:
+        allowed = (exc.headers or {}).get("allow", "")
+        return f"{request.method} is not allowed on {request.url.path} (allowed: {allowed})"
+    if status == 413:
+        return f"the request body is over {MAX_BODY // 1024} KiB"
+    return exc.detail or HTTP_ONLY.get(status, ("", "bad request"))[1]
 
 
 def _describe(entry: object) -> str:
     if isinstance(entry, dict):
-        msg, key = entry.get("message", ""), entry.get("key")
-        if key == "data" and msg == "'data'":  # the framework's KeyError for an absent body
+        msg, key = str(entry.get("message", "")), entry.get("key")
+        if key == "data":  # the one body problem the framework sees: there is none
             return "the request body is empty; expected a JSON object"
-        return f"{msg} - at {key}" if key and key != "data" else str(msg)
+        return f"{msg} - at {key}" if key else msg
     return str(entry)
 
 
 HANDLERS = {
     errors.MaasdError: from_maasd_error,
     HTTPException: from_http_exception,
-    RecursionError: from_recursion,
     Exception: from_unexpected,
 }

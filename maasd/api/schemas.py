@@ -1,24 +1,21 @@
-"""Request bodies of the REST API, and their strict decoding.
+"""Request bodies of the REST API, and the health answers.
 
-Bodies are decoded by msgspec in *strict* mode (``"5"`` is not an int, ``1``
-is not a bool, unknown fields are refused) — stricter than the framework's own
-conversion, which is why :func:`decode` re-reads the raw body: the framework
-still parses the declared ``data`` type first, which is what puts each body's
-schema in the OpenAPI document.
+Every body is a ``forbid_unknown_fields`` Struct whose fields are the types of
+:mod:`maasd.bounds`. :mod:`maasd.api.strict` decodes each one once, strictly
+(``"5"`` is not an int, ``1`` is not a bool, unknown fields are refused), from
+the raw bytes.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import msgspec
-from litestar import Request
 
 from maasd import bounds
 from maasd.errors import InvalidRequest
-from maasd.models import Persistence, PoolSpec, ReserveSpec
+from maasd.models import Persistence, ReserveSpec
 
-T = TypeVar("T")
+#: Largest request body accepted; every valid body is far smaller.
+MAX_BODY = 64 * 1024
 
 
 class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -77,24 +74,20 @@ class LookupBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Status(msgspec.Struct, frozen=True):
+    """``GET /healthz`` when every component is healthy: ``{"status": "ok"}`` (SPEC §4)."""
+
     status: str
 
 
-_decoders: dict[type, msgspec.json.Decoder] = {
-    t: msgspec.json.Decoder(t)
-    for t in (TenantBody, QuotaBody, PinBody, RenewBody, LookupBody, PoolSpec, ReserveBody)
-}
+class Component(msgspec.Struct, frozen=True):
+    """One component's health: ``ok``, and why not when it is not."""
+
+    ok: bool
+    detail: str
 
 
-async def decode(request: Request, kind: type[T]) -> T:
-    """Strictly decode the JSON body of ``request`` as ``kind``; InvalidRequest otherwise."""
-    media = request.content_type[0]
-    if media != "application/json":
-        raise InvalidRequest(f"expected an application/json body, got {media or 'no content type'}")
-    raw = await request.body()
-    try:
-        return _decoders[kind].decode(raw)
-    except msgspec.ValidationError as e:
-        raise InvalidRequest(str(e)) from e
-    except msgspec.DecodeError as e:
-        raise InvalidRequest(f"malformed JSON: {e}") from e
+class Unhealthy(msgspec.Struct, frozen=True):
+    """``GET /healthz`` (503) when a component is not healthy; every component is listed."""
+
+    status: str
+    components: dict[str, Component]

@@ -66,7 +66,7 @@ class Handle(Protocol):
 
 
 class HandleService(Protocol):
-    """The part of the daemon's ``Service`` the broker calls."""
+    """The part of :class:`maasd.core.Service` the broker calls."""
 
     def authenticate(self, token: str, /) -> Principal: ...
     def open_handle(self, principal: Principal, buffer_id: str, /) -> Handle: ...

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from maasd import __version__
-from maasd.errors import MaasdError
+from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
     import uvicorn
@@ -103,7 +103,7 @@ def _settings(**flags: Any) -> Settings:
 
     try:
         return load(flags)
-    except MaasdError as e:
+    except ConfigError as e:
         raise click.ClickException(e.detail) from e
 
 
@@ -146,6 +146,13 @@ def common(fn: _F) -> _F:
     help="Group (name or gid) that owns the socket, so workers "
     "of that group can connect [env MAASD_SOCKET_GROUP].",
 )
+@click.option(
+    "--metrics-public",
+    is_flag=True,
+    default=None,
+    help="Serve GET /metrics to anyone, without a key [env MAASD_METRICS_PUBLIC=1]. "
+    "Otherwise it needs the admin key or the metrics key [env MAASD_METRICS_KEY].",
+)
 @common
 def serve(**flags: Any) -> None:
     """Run the daemon: REST control plane + worker socket.
@@ -164,14 +171,15 @@ def _serve(settings: Settings) -> None:
     import uvicorn
 
     from maasd.api.app import create_app
+    from maasd.api.health import of_checks
     from maasd.broker import Broker, Limits
-    from maasd.service import Service
+    from maasd.core import Service
     from maasd.settings import group_id
 
-    service = Service(settings)
     try:
+        service = Service(settings)
         service.start()
-    except MaasdError as e:
+    except MaasdError as e:  # a ConfigError (database URL, admin key file) above all
         raise click.ClickException(f"cannot start: {e.detail}") from e
     if service.admin_key_generated:
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
@@ -194,9 +202,15 @@ def _serve(settings: Settings) -> None:
             f"cannot open the worker socket {settings.socket_path}: "
             f"{getattr(e, 'detail', None) or e}"
         ) from e
+    app = create_app(
+        service,
+        health=of_checks(_broker_checks(broker)),
+        metrics_key=settings.metrics_key,
+        metrics_public=settings.metrics_public,
+    )
     server = _server(
         uvicorn.Config(
-            create_app(service),
+            app,
             host=settings.host,
             port=settings.port,
             log_config=None,
@@ -223,6 +237,13 @@ def _serve(settings: Settings) -> None:
         logger.info("stopped")
     if not server.started:
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
+
+
+def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
+    """The data plane's health for /healthz: the broker's own ``healthy()`` (is its
+    accept thread alive?), when the broker has one."""
+    healthy = getattr(broker, "healthy", None)
+    return {"broker": healthy} if callable(healthy) else {}
 
 
 def _server(config: uvicorn.Config) -> uvicorn.Server:
@@ -264,7 +285,10 @@ def migrate(**flags: Any) -> None:
     from maasd.store import Store
 
     os.makedirs(settings.data_dir, mode=0o700, exist_ok=True)
-    store = Store(settings.database_url)
+    try:
+        store = Store(settings.database_url)
+    except ConfigError as e:
+        raise click.ClickException(e.detail) from e
     try:
         store.upgrade()
     finally:

@@ -11,23 +11,35 @@ Example::
         c.release(buf.id)
 
 Every method returns frozen msgspec Structs from :mod:`maasd.client.types`
-and raises the typed exceptions of :mod:`maasd.client.errors`.
+and raises the typed exceptions of :mod:`maasd.client.errors`. Ids and names
+go into the URL as exactly one path segment each, or are refused
+(:class:`~maasd.client.errors.InvalidReference`) before anything is sent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json as jsonlib
 import threading
-from collections.abc import Iterable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
 import msgspec
 
-from maasd.client.errors import ConnectionFailed, NotFound, ProtocolError, error_from_problem
+from maasd.client.errors import (
+    ConnectionFailed,
+    InvalidReference,
+    MaasdClientError,
+    NotFound,
+    ProtocolError,
+    error_from_problem,
+)
 from maasd.client.types import (
     Buffer,
     Checkpoint,
+    Event,
     Health,
     KeyInfo,
     LookupHit,
@@ -38,54 +50,108 @@ from maasd.client.types import (
     Usage,
 )
 
-__all__ = ["Client"]
+__all__ = ["Client", "raw_json"]
 
 T = TypeVar("T")
 
 _json_encoder = msgspec.json.Encoder()
 
+#: How many pool names a "no pool" error lists before it says "… and N more".
+_POOL_NAMES_SHOWN = 20
+
 
 def _seg(value: str) -> str:
-    """One URL path segment: an id can never reach another route."""
-    return quote(str(value), safe="")
+    """One URL path segment for an id or name: it can never reach another route.
 
-
-class Client:
-    """Synchronous REST client; one instance per key, usable from several threads.
-
-    ``base_url`` is the daemon's REST address, ``api_key`` a tenant key or the
-    admin key. Transport failures raise :class:`~maasd.client.errors.ConnectionFailed`;
-    error answers raise the typed exception of their status and problem ``type``.
+    ``quote`` leaves dots alone, and httpx normalises ``.``/``..`` segments away
+    (``/v1/buffers/..`` becomes ``/v1``); the daemon's server decodes ``%2F`` back
+    into ``/`` before routing (``tenants/<id>%2Fkeys%2F<key>`` *is* the revoke route).
+    So those are refused here, and everything else is percent-encoded.
     """
+    if not isinstance(value, str):
+        raise TypeError(f"an id or name must be a str, got {type(value).__name__}")
+    if value in ("", ".", "..") or "/" in value:
+        raise InvalidReference(
+            f"{value!r} is not a valid id or name (empty, '.', '..' or containing '/')"
+        )
+    return quote(value, safe="")
+
+
+def raw_json(response: httpx.Response) -> Any:
+    """The JSON body of ``response`` exactly as the daemon sent it; ``None`` for an empty one."""
+    if response.status_code == 204 or not response.content:
+        return None
+    try:
+        return jsonlib.loads(response.content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {response.text[:120]!r}", response.status_code) from exc
+
+
+def _problem_of(resp: httpx.Response) -> dict[str, Any]:
+    """The problem details of an error answer; a proxy's HTML page or an empty body
+    still gives a title (the reason phrase) and a detail (the start of the text)."""
+    try:
+        problem = msgspec.json.decode(resp.content) if resp.content else {}
+    except msgspec.DecodeError:
+        problem = None
+    if not isinstance(problem, dict):
+        problem = {"detail": resp.text[:500]} if resp.content else {}
+    if not isinstance(problem.get("title"), str):
+        problem["title"] = resp.reason_phrase or f"HTTP {resp.status_code}"
+    return problem
+
+
+class _Http:
+    """The transport under :class:`Client`: one request, typed errors, capture of answers."""
 
     def __init__(
         self,
         base_url: str,
-        api_key: str,
+        api_key: str | None,
         *,
         timeout: float = 30.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            headers={"Authorization": f"Bearer {api_key}", "Accept": "application/json"},
-            timeout=timeout,
-            transport=transport,
-        )
-        self._pool_lock = threading.Lock()
-        self._pool_ids: dict[str, str] | None = None  # id or name -> id
-
-    # --- plumbing --------------------------------------------------------------
+        headers = {"Accept": "application/json", "User-Agent": "maasd-client"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = timeout
+        try:
+            self._http = httpx.Client(
+                base_url=self.base_url, headers=headers, timeout=timeout, transport=transport
+            )
+        except (httpx.InvalidURL, TypeError) as exc:
+            raise ValueError(f"invalid base_url {base_url!r}: {exc}") from None
+        self._local = threading.local()
 
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> Client:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @contextlib.contextmanager
+    def responses(self) -> Iterator[list[httpx.Response]]:
+        """Collect the responses this thread receives inside the block, in order.
+
+        For tools that show the daemon's answer as it was sent (``maasctl --json``)
+        while still calling the typed methods::
+
+            with client.responses() as seen:
+                tenant = client.tenant("acme")
+            print(raw_json(seen[-1]))
+        """
+        sinks: list[list[httpx.Response]] = self._local.__dict__.setdefault("sinks", [])
+        seen: list[httpx.Response] = []
+        sinks.append(seen)
+        try:
+            yield seen
+        finally:
+            sinks.pop()
 
     def request(
         self,
@@ -110,15 +176,18 @@ class Client:
         try:
             resp = self._http.request(method, path, content=content, params=params, headers=hdrs)
         except httpx.TimeoutException as exc:
-            raise ConnectionFailed(f"{method} {path}: timed out ({exc})") from exc
+            raise ConnectionFailed(
+                f"{method} {path} timed out after {self.timeout:g}s ({type(exc).__name__})",
+                timed_out=True,
+            ) from exc
+        except httpx.InvalidURL as exc:
+            raise ValueError(f"{method} {path}: invalid URL: {exc}") from exc
         except (httpx.TransportError, OSError) as exc:
             raise ConnectionFailed(f"{method} {path}: {exc}") from exc
+        for sink in self._local.__dict__.get("sinks", ()):
+            sink.append(resp)
         if resp.status_code >= 400:
-            try:
-                problem = msgspec.json.decode(resp.content) if resp.content else {}
-            except msgspec.DecodeError:
-                problem = {"detail": resp.text[:500]}
-            raise error_from_problem(resp.status_code, problem)
+            raise error_from_problem(resp.status_code, _problem_of(resp))
         return resp
 
     def _call(self, method: str, path: str, type: type[T], **kw: Any) -> T:
@@ -130,6 +199,18 @@ class Client:
                 f"{method} {path}: unexpected answer: {exc}", resp.status_code
             ) from exc
 
+
+class Client(_Http):
+    """Synchronous REST client; one instance per key, usable from several threads.
+
+    ``base_url`` is the daemon's REST address, ``api_key`` a tenant key or the
+    admin key (``None``: no key, for ``/healthz`` and a public ``/metrics``).
+    Transport failures raise :class:`~maasd.client.errors.ConnectionFailed`;
+    error answers raise the typed exception of their status and problem ``type``.
+    Wherever a pool or a tenant is asked for, its id or its name works: the
+    daemon resolves it (an id wins over a name that looks like one).
+    """
+
     # --- anyone ----------------------------------------------------------------
 
     def health(self) -> Health:
@@ -140,35 +221,45 @@ class Client:
         """``GET /metrics``: the Prometheus text exposition."""
         return self.request("GET", "/metrics").text
 
-    # --- tenant ----------------------------------------------------------------
+    # --- any key ---------------------------------------------------------------
 
     def topology(self) -> Topology:
         return self._call("GET", "/v1/topology", Topology)
 
     def pools(self) -> list[Pool]:
-        pools = self._call("GET", "/v1/pools", list[Pool])
-        with self._pool_lock:
-            ids: dict[str, str] = {}
-            for p in pools:
-                ids[p.name] = p.id
-            for p in pools:
-                ids[p.id] = p.id  # an id wins over a pool *named* like another's id
-            self._pool_ids = ids
-        return pools
+        return self._call("GET", "/v1/pools", list[Pool])
+
+    def pool(self, pool: str) -> Pool:
+        """One pool by id or name; :class:`NotFound` names the pools there are."""
+        with self._pool_not_found(pool):
+            return self._call("GET", f"/v1/pools/{_seg(pool)}", Pool)
 
     def pool_id(self, pool: str) -> str:
-        """Resolve a pool id or name to its id (``GET /v1/pools`` once, cached; refreshed on a miss)."""
-        with self._pool_lock:
-            cached = self._pool_ids.get(pool) if self._pool_ids is not None else None
-        if cached is not None:
-            return cached
-        self.pools()
-        with self._pool_lock:
-            assert self._pool_ids is not None
-            found = self._pool_ids.get(pool)
-        if found is None:
-            raise NotFound(404, "Not found", f"no pool with id or name {pool!r}", "about:blank")
-        return found
+        """The id of the pool with this id or name (one ``GET /v1/pools/{pool}``)."""
+        return self.pool(pool).id
+
+    @contextlib.contextmanager
+    def _pool_not_found(self, pool: str) -> Iterator[None]:
+        """Turn a 404 for ``pool`` into one that lists the known pools (``no pool 'x';
+        pools: node0, fast``), so a typo is fixed without another command."""
+        try:
+            yield
+        except NotFound as exc:
+            try:
+                pools = self.pools()
+            except MaasdClientError:  # the listing is a courtesy; the 404 is the answer
+                raise exc from None
+            if any(pool in (p.id, p.name) for p in pools):
+                raise  # it exists (again): this 404 was about something else, or a race
+            names = sorted(p.name for p in pools)
+            known = ", ".join(names[:_POOL_NAMES_SHOWN]) if names else "(none)"
+            if len(names) > _POOL_NAMES_SHOWN:
+                known += f" … and {len(names) - _POOL_NAMES_SHOWN} more"
+            detail = f"no pool {pool!r}; pools: {known}"
+            problem = {**exc.problem, "detail": detail}
+            raise NotFound(exc.status, exc.title, detail, exc.type, problem) from None
+
+    # --- tenant ----------------------------------------------------------------
 
     def reserve(
         self,
@@ -208,23 +299,14 @@ class Client:
             return self._call("POST", "/v1/reserve", Buffer, json=body)
         if numa_node is not None:
             raise ValueError("numa_node applies only without pool (the pool fixes the node)")
-        pool_id = self.pool_id(pool)
-        try:
-            return self._call("POST", f"/v1/pools/{_seg(pool_id)}/reserve", Buffer, json=body)
-        except NotFound:
-            # The cached name may point at a pool deleted (and re-created) since.
-            with self._pool_lock:
-                self._pool_ids = None
-            fresh = self.pool_id(pool)
-            if fresh == pool_id:
-                raise
-            return self._call("POST", f"/v1/pools/{_seg(fresh)}/reserve", Buffer, json=body)
+        with self._pool_not_found(pool):
+            return self._call("POST", f"/v1/pools/{_seg(pool)}/reserve", Buffer, json=body)
 
     def buffer(self, buffer_id: str) -> Buffer:
         return self._call("GET", f"/v1/buffers/{_seg(buffer_id)}", Buffer)
 
     def buffers(self, tenant_id: str | None = None) -> list[Buffer]:
-        """The caller's buffers (admin: all, or ``tenant_id``'s)."""
+        """The caller's buffers (admin: all, or the tenant's with ``tenant_id``, id or name)."""
         params = {"tenant_id": tenant_id} if tenant_id is not None else None
         return self._call("GET", "/v1/buffers", list[Buffer], params=params)
 
@@ -265,6 +347,7 @@ class Client:
     # --- admin -----------------------------------------------------------------
 
     def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
+        """A new tenant and its first key: ``.id`` is the tenant's, ``.key_id`` the key's."""
         return self._call(
             "POST", "/v1/tenants", NewTenant, json={"name": name, "quota_bytes": quota_bytes}
         )
@@ -272,32 +355,44 @@ class Client:
     def tenants(self) -> list[Tenant]:
         return self._call("GET", "/v1/tenants", list[Tenant])
 
-    def tenant(self, tenant_id: str) -> Tenant:
-        return self._call("GET", f"/v1/tenants/{_seg(tenant_id)}", Tenant)
+    def tenant(self, tenant: str) -> Tenant:
+        """One tenant by id or name."""
+        return self._call("GET", f"/v1/tenants/{_seg(tenant)}", Tenant)
 
-    def set_quota(self, tenant_id: str, quota_bytes: int) -> Tenant:
+    def set_quota(self, tenant: str, quota_bytes: int) -> Tenant:
         return self._call(
-            "PATCH", f"/v1/tenants/{_seg(tenant_id)}", Tenant, json={"quota_bytes": quota_bytes}
+            "PATCH", f"/v1/tenants/{_seg(tenant)}", Tenant, json={"quota_bytes": quota_bytes}
         )
 
-    def delete_tenant(self, tenant_id: str) -> None:
-        self.request("DELETE", f"/v1/tenants/{_seg(tenant_id)}")
+    def delete_tenant(self, tenant: str) -> None:
+        """Revoke its keys, release (scrub) all its buffers, forget it."""
+        self.request("DELETE", f"/v1/tenants/{_seg(tenant)}")
 
-    def issue_key(self, tenant_id: str) -> KeyInfo:
-        return self._call("POST", f"/v1/tenants/{_seg(tenant_id)}/keys", KeyInfo)
+    def issue_key(self, tenant: str) -> KeyInfo:
+        """A further API key for the tenant: ``.id`` is the key's id, ``.api_key`` the key."""
+        return self._call("POST", f"/v1/tenants/{_seg(tenant)}/keys", KeyInfo)
 
-    def revoke_key(self, tenant_id: str, key_id: str) -> None:
-        self.request("DELETE", f"/v1/tenants/{_seg(tenant_id)}/keys/{_seg(key_id)}")
+    def revoke_key(self, tenant: str, key_id: str) -> None:
+        self.request("DELETE", f"/v1/tenants/{_seg(tenant)}/keys/{_seg(key_id)}")
+
+    def events(
+        self, limit: int = 100, tenant_id: str | None = None, before: int | None = None
+    ) -> list[Event]:
+        """The audit trail, newest first: at most ``limit`` (1…1000) events, only the
+        tenant's (id or name) when given, only those older than event id ``before``."""
+        params: dict[str, Any] = {"limit": limit}
+        if tenant_id is not None:
+            params["tenant_id"] = tenant_id
+        if before is not None:
+            params["before"] = before
+        return self._call("GET", "/v1/events", list[Event], params=params)
 
     def create_pool(self, **fields: Any) -> Pool:
         """``POST /v1/pools`` with the pool fields of SPEC §1 (``name``, ``numa_node``, …)."""
-        pool = self._call("POST", "/v1/pools", Pool, json=fields)
-        with self._pool_lock:
-            self._pool_ids = None
-        return pool
+        return self._call("POST", "/v1/pools", Pool, json=fields)
 
-    def delete_pool(self, pool_id: str, drain: bool = False) -> None:
+    def delete_pool(self, pool: str, drain: bool = False) -> None:
+        """Delete an empty pool (id or name); ``drain`` releases (scrubs) its buffers first."""
         params = {"drain": "true"} if drain else None
-        self.request("DELETE", f"/v1/pools/{_seg(self.pool_id(pool_id))}", params=params)
-        with self._pool_lock:
-            self._pool_ids = None
+        with self._pool_not_found(pool):
+            self.request("DELETE", f"/v1/pools/{_seg(pool)}", params=params)

@@ -1,9 +1,27 @@
 """The objects of SPEC §4 as the client sees them: frozen msgspec Structs.
 
-They mirror the daemon's records field for field but are defined here, so the
-client imports nothing from the server side. Decoding is lenient — unknown
-fields are ignored and fields a daemon may omit have defaults — so a newer
-daemon does not break an older client.
+They mirror the daemon's records field for field (``maasd.models``,
+``maasd.topology``) but are defined here, so the client imports nothing from the
+server side; tests/unit/test_client_parity.py checks that each pair has the same
+field names and that every server record decodes as its client type. Decoding is
+lenient — unknown fields are ignored and fields a daemon may omit have defaults
+— so a newer daemon does not break an older client.
+
+======================  ==========================
+client                  daemon
+======================  ==========================
+``Pool``                ``models.PoolInfo``
+``Tenant``              ``models.TenantInfo``
+``NewTenant``           ``models.NewTenant``
+``KeyInfo``             ``models.KeyInfo``
+``Usage``               ``models.Usage``
+``Buffer``              ``models.BufferInfo``
+``Checkpoint``          ``models.Checkpoint``
+``LookupHit``           ``models.LookupHit``
+``Event``               ``models.Event``
+``Topology``            ``topology.Topology``
+``NumaNode``            ``topology.Node``
+======================  ==========================
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ import msgspec
 __all__ = [
     "Buffer",
     "Checkpoint",
+    "Event",
     "Health",
     "KeyInfo",
     "LookupHit",
@@ -55,7 +74,11 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
-    """Answer to tenant creation: the only time its first API key is shown."""
+    """Answer to tenant creation: the only time its first API key is shown.
+
+    ``id`` is the *tenant's* id; ``key_id`` the id of that first key (the one
+    ``revoke_key`` takes). In :class:`KeyInfo` the key's id is ``id``.
+    """
 
     id: str
     name: str
@@ -66,7 +89,7 @@ class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KeyInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """Answer to key issue: the only time the key itself is shown."""
+    """Answer to key issue: the only time the key itself is shown. ``id`` is the key's id."""
 
     id: str
     api_key: str
@@ -105,6 +128,24 @@ class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):
 class LookupHit(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     buffer: Buffer
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """One entry of the audit trail (``GET /v1/events``), newest first.
+
+    ``kind`` is e.g. ``reserve``, ``release``, ``evict``, ``expire``, ``tenant_create``,
+    ``key_issue``, ``pool_delete``; ``bytes`` the buffer size (or quota, capacity);
+    ``detail`` a name or id the kind needs (never a key itself).
+    """
+
+    id: int
+    at: str
+    kind: str
+    tenant_id: str | None = None
+    buffer_id: str | None = None
+    pool_id: str | None = None
+    bytes: int | None = None
+    detail: str | None = None
 
 
 class NumaNode(msgspec.Struct, frozen=True, kw_only=True):

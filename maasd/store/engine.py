@@ -1,9 +1,10 @@
 """Engine factory: URL normalisation, SQLite pragmas and ``BEGIN IMMEDIATE``,
 and the programmatic Alembic configuration.
 
-Why the store is synchronous, even for ``postgresql+asyncpg://`` URLs: the
-service runs every use-case in a worker thread (litestar's ``sync_to_thread``,
-the broker's connection threads), next to blocking memory work. A synchronous
+Why the store is synchronous, even for ``postgresql+asyncpg://`` URLs: every
+use-case of :mod:`maasd.core` runs in a worker thread (the REST API hands each
+call to ``anyio.to_thread``, the broker serves each connection in a thread of
+its own), next to blocking memory work. A synchronous
 engine fits that; an async one would need an event loop per thread. SPEC §3
 still accepts asyncpg URLs (operators copy them from other services), so they
 are translated to the equivalent psycopg 3 URL — same server, same database,
@@ -29,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.engine import URL, Engine, make_url
 
-from maasd.errors import InvalidRequest
+from maasd.errors import ConfigError
 
 __all__ = [
     "BUSY_TIMEOUT_MS",
@@ -67,12 +68,13 @@ def normalize_url(url: str | URL) -> URL:
     psycopg2) and ``postgresql+asyncpg://`` all become ``postgresql+psycopg://``;
     asyncpg's ``ssl=`` query option becomes libpq's ``sslmode=``. SQLite must
     be a file: an in-memory database is private to one connection, which the
-    pooled, multi-threaded store cannot honour.
+    pooled, multi-threaded store cannot honour. Anything else raises
+    :class:`~maasd.errors.ConfigError`.
     """
     try:
         u = make_url(url)
     except sa.exc.ArgumentError as exc:
-        raise InvalidRequest(f"not a database URL: {exc}") from None
+        raise ConfigError(f"not a database URL: {exc}") from None
     backend, _, driver = u.drivername.partition("+")
     if backend in ("postgresql", "postgres"):
         if driver in _PG_TO_PSYCOPG:
@@ -83,9 +85,9 @@ def normalize_url(url: str | URL) -> URL:
         return u
     if backend == "sqlite":
         if u.database in (None, "", ":memory:") or u.query.get("mode") == "memory":
-            raise InvalidRequest("an in-memory SQLite database cannot be shared; use a file")
+            raise ConfigError("an in-memory SQLite database cannot be shared; use a file")
         return u
-    raise InvalidRequest(
+    raise ConfigError(
         f"unsupported database {backend!r}: use sqlite:///PATH or postgresql+psycopg://…"
     )
 

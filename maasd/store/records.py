@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from maasd.models import Backing, BufferState, Persistence, ScrubMode
+from maasd.models import Backing, BufferKind, BufferState, Persistence, ScrubMode
 from maasd.store import schema
 
 __all__ = ["BufferRow", "EventRow", "KeyRow", "PoolRow", "TenantRow"]
@@ -34,19 +34,24 @@ class PoolRow(msgspec.Struct, frozen=True):
     scrub: ScrubMode
     spill_dir: str | None
     created_at: float
+    warm_bytes: int = 0
+    deleting_at: float | None = None
 
 
 class TenantRow(msgspec.Struct, frozen=True):
     """A tenant, with its usage computed at read time.
 
     ``used_bytes`` and ``buffers`` count the buffers in every state
-    (``reserving``, ``live``, ``releasing``) — exactly what quota checks count.
+    (:data:`~maasd.store.schema.ACCOUNTED_STATES`) — exactly what quota checks count.
+    ``max_buffers`` ``None`` means the daemon's default cap.
     """
 
     id: str
     name: str
     quota_bytes: int
     created_at: float
+    max_buffers: int | None = None
+    deleting_at: float | None = None
     used_bytes: int = 0
     buffers: int = 0
 
@@ -64,13 +69,17 @@ class KeyRow(msgspec.Struct, frozen=True):
 class BufferRow(msgspec.Struct, frozen=True):
     """A buffer in the ledger.
 
-    ``last_used_at`` orders eviction (least recently used first). ``key`` is
-    cleared when the buffer starts releasing, so the key can be reused at once.
+    ``host`` is the host whose memory holds it. ``last_used_at`` orders eviction
+    (least recently used first). ``key`` is cleared when the buffer starts
+    releasing, so the key can be reused at once. ``kind`` says how it was made:
+    ``buffer`` (REST reserve) or ``entry`` (socket put, immutable from
+    ``committed_at`` on).
     """
 
     id: str
     tenant_id: str
     pool_id: str
+    host: str
     size_bytes: int
     numa_node: int
     persistence: Persistence
@@ -81,6 +90,8 @@ class BufferRow(msgspec.Struct, frozen=True):
     created_at: float
     expires_at: float
     last_used_at: float
+    kind: BufferKind = "buffer"
+    committed_at: float | None = None
     checkpoint_path: str | None = None
     checksum: str | None = None
     checkpointed_at: float | None = None

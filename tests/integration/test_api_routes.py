@@ -122,7 +122,7 @@ def test_metrics_is_prometheus_text(daemon: Daemon, tenant) -> None:
     _, _, c = tenant
     buf = reserve(c, 64 * KiB)
     assert c.delete(f"/v1/buffers/{buf['id']}").status_code == 204
-    r = httpx.get(f"{daemon.url}/metrics")
+    r = daemon.admin.get("/metrics")
     assert r.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
@@ -134,6 +134,42 @@ def test_metrics_is_prometheus_text(daemon: Daemon, tenant) -> None:
     assert any(s.startswith("maasd_reserve") and s.endswith("_bucket") for s in samples), samples
     assert any(s.startswith("maasd_release") and s.endswith("_total") for s in samples), samples
     assert any(s.startswith("maasd_scrub") and "bytes" in s for s in samples), samples
+
+
+def test_metrics_needs_the_admin_key_by_default(daemon: Daemon, tenant) -> None:
+    _, _, c = tenant
+    problem(httpx.get(f"{daemon.url}/metrics"), 401, "unauthorized")
+    problem(c.get("/metrics"), 403, "forbidden")
+
+
+def test_metrics_key_is_good_for_metrics_only(fresh_daemon: Daemon) -> None:
+    metrics_key = "maasd-metrics-" + secrets.token_hex(16)
+    fresh_daemon.env["MAASD_METRICS_KEY"] = metrics_key
+    d = fresh_daemon.start()
+    scraper = {"Authorization": f"Bearer {metrics_key}"}
+    r = httpx.get(f"{d.url}/metrics", headers=scraper)
+    assert r.status_code == 200
+    assert "maasd_pool_capacity_bytes" in r.text
+    assert d.admin.get("/metrics").status_code == 200
+    problem(httpx.get(f"{d.url}/metrics"), 401, "unauthorized")
+    for path in ("/v1/pools", "/v1/tenants", "/v1/usage"):
+        problem(httpx.get(d.url + path, headers=scraper), 403, "forbidden")
+
+
+def test_metrics_public(fresh_daemon: Daemon) -> None:
+    fresh_daemon.env["MAASD_METRICS_PUBLIC"] = "1"
+    d = fresh_daemon.start()
+    r = httpx.get(f"{d.url}/metrics")
+    assert r.status_code == 200
+    assert "maasd_pool_capacity_bytes" in r.text
+    problem(httpx.get(f"{d.url}/v1/pools"), 401, "unauthorized")  # nothing else is public
+
+
+def test_unknown_route_and_wrong_method_are_problems(daemon: Daemon) -> None:
+    problem(httpx.get(f"{daemon.url}/v1/no-such-route"), 404, "not-found")
+    r = daemon.admin.put("/v1/pools")
+    problem(r, 405, "method-not-allowed")
+    assert "POST" in r.headers["allow"]
 
 
 def test_openapi_document_is_served(daemon: Daemon) -> None:

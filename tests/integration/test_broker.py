@@ -80,7 +80,7 @@ class DaemonEnv:
         return r.status_code == 200 and r.json() == {"status": "ok"}
 
     def attached(self, tenant_id: str) -> float:
-        return attached_gauge(httpx.get(self.daemon.url + "/metrics", timeout=10).text, tenant_id)
+        return attached_gauge(self.daemon.admin.get("/metrics", timeout=10).text, tenant_id)
 
     def close(self) -> None:
         for c in self._clients.values():

@@ -26,6 +26,7 @@ from maasd.client import (
     ConnectionFailed,
     DuplicateKey,
     Forbidden,
+    InvalidReference,
     MaasdClientError,
     NotFound,
     PoolExhausted,
@@ -143,7 +144,8 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(tenant):
     assert topo.nodes
     assert topo.nodes[0].id == 0
     assert c.health().status == "ok"
-    assert "maasd_" in c.metrics()
+    with pytest.raises(Forbidden):
+        c.metrics()  # the admin key or the metrics key only (SPEC §4)
 
 
 def test_admin_helpers(daemon, admin):
@@ -153,6 +155,7 @@ def test_admin_helpers(daemon, admin):
     assert t.quota_bytes == 32 * MiB
     assert t.api_key
     assert any(x.id == t.id for x in admin.tenants())
+    assert "maasd_" in admin.metrics()
     assert admin.set_quota(t.id, 16 * MiB).quota_bytes == 16 * MiB
     assert admin.tenant(t.id).quota_bytes == 16 * MiB
     k = admin.issue_key(t.id)
@@ -407,3 +410,44 @@ def test_worker_renews_leases_in_the_background(daemon, tenant):
         time.sleep(4)  # twice the lease: without renewal the reaper releases it
         assert c.buffer(buf.id).state == "live"
     c.release(buf.id)
+
+
+# --- references, pools by name, the audit trail ---------------------------------------------------
+
+
+def test_pool_by_name_or_id_and_a_missing_one_names_the_pools(admin):
+    node0 = admin.pool("node0")
+    assert admin.pool(node0.id) == node0
+    assert admin.pool_id("node0") == node0.id
+    with pytest.raises(NotFound) as info:
+        admin.pool("no-such-pool")
+    assert info.value.detail.startswith("no pool 'no-such-pool'; pools: ")
+    assert "node0" in info.value.detail
+
+
+def test_a_path_like_reference_is_refused_and_changes_nothing(daemon, admin):
+    tid, key = daemon.tenant("paths", MiB)
+    k = admin.issue_key(tid)
+    for ref in (f"{tid}/keys/{k.id}", "..", ".", ""):
+        with pytest.raises(InvalidReference):
+            admin.delete_tenant(ref)
+    with pytest.raises(InvalidReference):
+        admin.release("..")
+    with Client(daemon.url, k.api_key) as c:
+        assert c.usage().tenant_id == tid  # the key was not revoked
+    assert admin.tenant(tid).id == tid  # nor the tenant deleted
+    assert daemon.healthy()
+
+
+def test_events_by_tenant_name(daemon, admin):
+    tid, key = daemon.tenant("audited", 8 * MiB)
+    name = admin.tenant(tid).name
+    with Client(daemon.url, key) as c:
+        c.release(c.reserve(MiB).id)
+    kinds = [e.kind for e in admin.events(10, tenant_id=name)]
+    assert kinds == ["release", "reserve", "key_issue", "tenant_create"]  # newest first
+    newest = admin.events(1)[0]
+    older = [e.id for e in admin.events(5, before=newest.id)]
+    assert older == sorted(older, reverse=True)
+    assert len(older) == 5
+    assert max(older) < newest.id

@@ -80,7 +80,7 @@ def test_maasctl_events(daemon: Daemon) -> None:
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "maasd.cli.admin", *args],
+            [sys.executable, "-m", "maasd.cli.maasctl", *args],
             env=env,
             capture_output=True,
             text=True,

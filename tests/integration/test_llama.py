@@ -35,7 +35,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from llama_model import tiny_model  # noqa: E402
 from maasd import llama as L  # noqa: E402
-from maasd.errors import DuplicateKey, NotFound  # noqa: E402
+from maasd.client.errors import DuplicateKey, NotFound  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 512
@@ -55,8 +55,7 @@ def load(path: Path | str) -> Any:
 
 
 def logits(m: Any) -> np.ndarray:
-    ptr = llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1)
-    return np.ctypeslib.as_array(ptr, shape=(m.n_vocab(),)).copy()
+    return L.LlamaSeqAdapter(m).last_logits()
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -107,7 +106,7 @@ class FakeDaemon:
         assert evictable
         assert key
         if any(b.key == key for b in self.bufs.values()):
-            raise DuplicateKey(key)
+            raise DuplicateKey(409, "Duplicate key", key)
         size = -(-size_bytes // 4096) * 4096
         b = FakeBuffer(f"b{next(self._ids)}", size, key)
         self.bufs[b.id], self.mem[b.id] = b, mmap.mmap(-1, size)
@@ -123,7 +122,7 @@ class FakeDaemon:
 
     def attach(self, buffer_id: str) -> FakeMapping:
         if buffer_id not in self.mem:
-            raise NotFound(buffer_id)
+            raise NotFound(404, "Not found", buffer_id)
         self.attaches += 1
         return FakeMapping(self.mem[buffer_id])
 
@@ -254,7 +253,7 @@ class TestMechanics:
             raw[:] = clean
             raw[pos] ^= 0x55
             assert kv.restore(0, toks) == 0, pos
-            assert kv._seq_pos_range(0)[1] == -1  # left cleared
+            assert kv.seq.seq_pos_range(0)[1] == -1  # left cleared
         raw[:] = 0  # scrubbed by the daemon
         assert kv.restore(0, toks) == 0
         raw[:] = clean
@@ -272,7 +271,7 @@ class TestMechanics:
             header = L.pack_header(
                 hdr.fingerprint, hdr.tokens, hdr.state_len, L.state_checksum(st.data)
             )
-            L._write_header(raw, header)
+            L.write_header(raw, header)
             assert kv.restore(0, toks) in (0, 80)
         kv.model.reset()
         kv.model.eval(toks[:5])  # the context is still usable
@@ -300,7 +299,7 @@ class TestMechanics:
     def test_entry_gone_between_lookup_and_attach(self, path0: Path) -> None:
         class Vanishing(FakeDaemon):
             def attach(self, buffer_id: str) -> FakeMapping:
-                raise NotFound(buffer_id)
+                raise NotFound(404, "Not found", buffer_id)
 
         d = Vanishing()
         toks = prompt(70, seed=9)
@@ -322,7 +321,7 @@ class TestMechanics:
         kv.save(0, toks)
         assert kv.restore(1, toks) == 90
         assert m.n_tokens == 90  # seq 0's bookkeeping untouched
-        assert kv._seq_pos_range(1) == (0, 89)
+        assert kv.seq.seq_pos_range(1) == (0, 89)
 
 
 # ----------------------------------------------------------------------------- real daemon
@@ -332,7 +331,7 @@ import json, sys
 import numpy as np
 import llama_cpp
 from maasd.client import Client, Worker
-from maasd.llama import KVStore
+from maasd.llama import KVStore, LlamaSeqAdapter
 
 a = json.load(sys.stdin)
 m = llama_cpp.Llama(a["model"], n_ctx=a["n_ctx"], n_batch=a["n_ctx"], n_threads=a["threads"],
@@ -343,8 +342,7 @@ rest = a["tokens"][n:]
 out = {"n": n, "n_tokens": m.n_tokens}
 if rest:
     m.eval(rest)
-    lg = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(m._ctx.ctx, -1), shape=(m.n_vocab(),))
-    out["logits"] = lg.astype(np.float32).tobytes().hex()
+    out["logits"] = LlamaSeqAdapter(m).last_logits().astype(np.float32).tobytes().hex()
 print(json.dumps(out))
 """
 
@@ -494,3 +492,30 @@ class TestWithDaemon:
         assert kv.restore(0, toks) == 0
         a.eval(toks[:4])  # still a working context
         assert a.n_tokens == 4
+
+    def test_the_example_shares_a_prefix_between_two_processes(
+        self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path
+    ) -> None:
+        t, _ = tenants
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        p = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "examples" / "prefix_share.py"),
+                *("--url", daemon_.url, "--socket", str(daemon_.socket_path), "--key", t.key),
+                *("--model", str(path0), "--threads", "1", "--prompt-tokens", "200"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=REPO,
+        )
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert p.stdout.splitlines()[-1] == "OK"
+        assert "restored 200 of" in p.stdout  # worker 2 restored worker 1's whole prefix
+        assert "logits == recompute (same split): True" in p.stdout
+        assert t.client.buffers() == []  # the example released what it saved

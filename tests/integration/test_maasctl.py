@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -47,7 +48,7 @@ def _env(daemon: Any, **extra: str | None) -> dict[str, str]:
 
 def maasctl(daemon: Any, *args: str, **env: str | None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "maasd.cli.admin", *args],
+        [sys.executable, "-m", "maasd.cli.maasctl", *args],
         env=_env(daemon, **env),
         capture_output=True,
         text=True,
@@ -443,7 +444,7 @@ def _spawn_top(daemon: Any, *args: str) -> Any:
     env["TERM"] = "xterm-256color"
     return pexpect.spawn(
         sys.executable,
-        ["-m", "maasd.cli.admin", "top", "--interval", "0.2", *args],
+        ["-m", "maasd.cli.maasctl", "top", "--interval", "0.2", *args],
         env=env,
         cwd=str(REPO),
         dimensions=(50, 160),
@@ -487,3 +488,182 @@ def pexpect_eof() -> Any:
     import pexpect
 
     return pexpect.EOF
+
+
+# -- tenant strings on the admin's terminal ------------------------------------------------------
+
+#: Labels a tenant may set, and how maasctl must show them: as typed (no markup), with
+#: control characters escaped (no terminal title, no cleared screen, no reversed text).
+HOSTILE_LABELS = {
+    "[/]": "[/]",
+    "[bold red]admin": "[bold red]admin",
+    "\x1b]0;pwned\x07": "\\x1b]0;pwned\\x07",
+    "\x1b[2J": "\\x1b[2J",
+    "\u202eevil\u202c": "\\u202eevil\\u202c",
+}
+
+SGR = re.compile(rb"\x1b\[[0-9;]*m")
+
+
+def in_terminal(daemon: Any, *args: str, term: str = "xterm-256color") -> tuple[int, bytes]:
+    """Run maasctl under a pseudo-terminal (so rich styles its output); exit code and bytes."""
+    pexpect = pytest.importorskip("pexpect")
+    env = _env(daemon)
+    env.pop("NO_COLOR")
+    if term == "dumb":  # rich takes a dumb terminal for 80x25 unless told both
+        env["LINES"] = "60"
+    else:
+        env.pop("COLUMNS")
+    env["TERM"] = term
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "maasd.cli.maasctl", *args],
+        env=env,
+        cwd=str(REPO),
+        dimensions=(60, 250),
+        timeout=60,
+    )
+    try:
+        child.expect(pexpect.EOF)
+        out = child.before or b""
+    finally:
+        child.close(force=True)
+    assert child.exitstatus is not None, child.signalstatus
+    return child.exitstatus, out
+
+
+def _only_safe_bytes(out: bytes, *, styled: bool) -> str:
+    """The output with rich's own styling (SGR) removed, after checking nothing else is there."""
+    text = SGR.sub(b"", out) if styled else out
+    assert b"\x1b" not in text, text
+    assert b"\x07" not in text, text
+    assert "\u202e".encode() not in text, text
+    assert "\u202c".encode() not in text, text
+    return text.decode()
+
+
+@pytest.fixture(scope="module")
+def hostile(daemon: Any) -> tuple[str, dict[str, str]]:
+    """A tenant whose buffers carry the hostile labels (and keys): (tenant name, label → id)."""
+    _, name, key = tenant(daemon, "evil", 8 << 20)
+    ids = {}
+    with api(daemon, key) as c:
+        for i, label in enumerate(HOSTILE_LABELS):
+            r = c.post(
+                "/v1/reserve", json={"size_bytes": 4096, "label": label, "key": f"{label}#{i}"}
+            )
+            assert r.status_code == 201, r.text
+            ids[label] = r.json()["id"]
+    return name, ids
+
+
+@pytest.mark.parametrize("term", ["xterm-256color", "dumb"])
+def test_hostile_labels_in_buffers_list_on_a_terminal(
+    daemon: Any, hostile: tuple[str, dict[str, str]], term: str
+) -> None:
+    name, ids = hostile
+    code, out = in_terminal(daemon, "buffers", "list", "--tenant", name, term=term)
+    assert code == 0, out
+    if term == "xterm-256color":
+        assert SGR.search(out)  # a real terminal: rich does style the table
+    shown = _only_safe_bytes(out, styled=term != "dumb")
+    for i, (label, escaped) in enumerate(HOSTILE_LABELS.items()):
+        assert ids[label] in shown
+        assert escaped in shown
+        assert f"{escaped}#{i}" in shown  # the key column too
+
+
+def test_hostile_labels_in_buffers_show_on_a_terminal(
+    daemon: Any, hostile: tuple[str, dict[str, str]]
+) -> None:
+    _, ids = hostile
+    for label, escaped in HOSTILE_LABELS.items():
+        code, out = in_terminal(daemon, "buffers", "show", ids[label])
+        assert code == 0, out
+        shown = _only_safe_bytes(out, styled=True)
+        assert f"label        {escaped}" in shown
+        assert f"key          {escaped}#" in shown
+
+
+def test_hostile_labels_in_json_on_a_terminal(
+    daemon: Any, hostile: tuple[str, dict[str, str]]
+) -> None:
+    """--json escapes control characters itself (\\u001b): nothing raw, and the exact labels."""
+    name, ids = hostile
+    code, out = in_terminal(daemon, "--json", "buffers", "list", "--tenant", name)
+    assert code == 0, out
+    text = _only_safe_bytes(out, styled=False)
+    assert "\\u001b]0;pwned\\u0007" in text
+    assert {b["label"]: b["id"] for b in json.loads(text)} == ids
+
+
+def test_a_path_like_id_never_reaches_another_route(daemon: Any) -> None:
+    """``tenants delete '<id>/keys/<key id>'`` would reach the revoke route if sent (the
+    daemon decodes %2F): maasctl refuses it, and the key keeps working."""
+    tid, name, key = tenant(daemon, "route", 1 << 20)
+    with api(daemon) as c:
+        issued = c.post(f"/v1/tenants/{tid}/keys").json()
+    for ref in (f"{tid}/keys/{issued['id']}", "..", "."):
+        fails(maasctl(daemon, "tenants", "delete", ref), "invalid NAME|ID", code=2)
+    fails(maasctl(daemon, "buffers", "release", ".."), "invalid NAME|ID", code=2)
+    with api(daemon, issued["api_key"]) as c:
+        assert c.get("/v1/usage").status_code == 200
+    assert name in ok(maasctl(daemon, "tenants", "show", tid))
+
+
+def test_buffers_list_with_a_tenant_key(daemon: Any) -> None:
+    _, name, key = tenant(daemon, "own", 8 << 20)
+    b = reserve(daemon, key, pool_id(daemon, "node0"))
+    out = ok(maasctl(daemon, "buffers", "list", MAASD_KEY=key, MAASD_ADMIN_KEY=None))
+    assert b["id"] in out
+    assert "node0" in out  # pool names: any key may list pools
+    data = ok_json(
+        maasctl(daemon, "--json", "buffers", "list", MAASD_KEY=key, MAASD_ADMIN_KEY=None)
+    )
+    assert [x["id"] for x in data] == [b["id"]]
+    shown = ok(maasctl(daemon, "buffers", "show", b["id"], MAASD_KEY=key, MAASD_ADMIN_KEY=None))
+    assert b["id"] in shown
+    # a tenant key may not look tenants up: --tenant is an admin's filter
+    fails(
+        maasctl(daemon, "buffers", "list", "--tenant", name, MAASD_KEY=key, MAASD_ADMIN_KEY=None),
+        "[403]",
+    )
+
+
+def _field(out: str, label: str) -> str:
+    """The value of the ``label  value`` row of a human answer."""
+    for line in out.splitlines():
+        if line.startswith(label + " "):
+            return line[len(label) :].split()[0]
+    raise AssertionError(f"no {label!r} row in:\n{out}")
+
+
+def test_tenant_id_and_key_id_are_labelled_apart(daemon: Any) -> None:
+    """``tenants create`` shows the tenant's id and its first key's id under their own
+    labels (``id`` / ``key_id`` in JSON); ``keys issue`` shows the key's (``id`` in JSON).
+    Revoking what is shown as "key id" revokes exactly that key."""
+    name = unique("ids")
+    out = ok(maasctl(daemon, "tenants", "create", name, "--quota", "1MiB"))
+    tenant_id, first_key_id, first_key = (
+        _field(out, "tenant id"),
+        _field(out, "key id"),
+        _field(out, "api key"),
+    )
+    assert tenant_id != first_key_id
+    with api(daemon) as c:
+        assert c.get(f"/v1/tenants/{tenant_id}").json()["name"] == name
+    issued = ok(maasctl(daemon, "keys", "issue", name))
+    assert f"(tenant id {tenant_id})" in issued
+    second_key_id, second_key = _field(issued, "key id"), _field(issued, "api key")
+
+    ok(maasctl(daemon, "keys", "revoke", name, first_key_id))
+    with api(daemon, first_key) as c:
+        assert c.get("/v1/usage").status_code == 401
+    with api(daemon, second_key) as c:
+        assert c.get("/v1/usage").json()["tenant_id"] == tenant_id
+    ok(maasctl(daemon, "keys", "revoke", tenant_id, second_key_id))
+    with api(daemon, second_key) as c:
+        assert c.get("/v1/usage").status_code == 401
+
+    created = ok_json(maasctl(daemon, "--json", "tenants", "create", unique("j"), "--quota", "0"))
+    assert created["id"] != created["key_id"]

@@ -134,3 +134,32 @@ def test_unknown_socket_group_is_refused_before_starting(tmp_path: Path) -> None
     assert "no-such-group-maasd" in r.stderr
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "maasd.db").exists()
+
+
+@pytest.mark.parametrize("url", ["mysql://u@db/x", "sqlite:///:memory:", "not a url"])
+def test_a_bad_database_url_is_one_line_not_a_traceback(tmp_path: Path, url: str) -> None:
+    for command in ("migrate", "serve"):
+        r = run(command, "--data-dir", str(tmp_path), "--db", url)
+        assert r.returncode != 0, command
+        assert "Traceback" not in r.stderr, r.stderr
+        lines = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+        assert len(lines) == 1, r.stderr
+        assert "database" in lines[0].lower() or "sqlite" in lines[0].lower(), lines[0]
+
+
+def test_an_admin_key_file_others_can_read_stops_serve(tmp_path: Path) -> None:
+    key = tmp_path / "admin.key"
+    key.write_text("maasd_admin_key\n")
+    key.chmod(0o644)
+    env = {k: v for k, v in os.environ.items() if k != "MAASD_ADMIN_KEY"}
+    r = subprocess.run(
+        [sys.executable, "-m", "maasd.cli.daemon", "serve", "--data-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "MAASD_DEFAULT_POOL_BYTES": str(4 << 20)},
+    )
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "chmod 600" in r.stderr
+    assert str(key) in r.stderr

@@ -16,6 +16,7 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
+from ledger import current_revision, downgrade, head_revision
 from maasd.store import Store, alembic_config, metadata
 from pgdb import BACKENDS, fresh_pg_database
 
@@ -80,74 +81,129 @@ def schema_diff(store: Store) -> list[Any]:
 
 
 def test_upgrade_from_empty_to_head(store: Store) -> None:
-    assert store.current_revision() is None
+    assert current_revision(store) is None
     assert tables(store) == set()
     store.upgrade()
-    assert store.current_revision() == Store.head_revision()
+    assert current_revision(store) == head_revision()
     assert tables(store) == set(metadata.tables)
     assert indexes(store) == declared_indexes()
     assert unique_constraints(store) == declared_unique_constraints()
     assert schema_diff(store) == []
     store.upgrade()  # idempotent
-    assert store.current_revision() == Store.head_revision()
+    assert current_revision(store) == head_revision()
 
 
 def test_downgrade_to_base_and_up_again(store: Store) -> None:
     store.upgrade()
-    store.downgrade("base")
-    assert store.current_revision() is None
+    downgrade(store, "base")
+    assert current_revision(store) is None
     assert tables(store) == set()
     store.upgrade()
     assert tables(store) == set(metadata.tables)
     assert schema_diff(store) == []
 
 
+POOL = {
+    "numa_node": 0,
+    "backing": "memfd",
+    "persistence": "volatile",
+    "latency_us": 1,
+    "capacity_bytes": 9,
+    "page_bytes": 4096,
+    "prefault": True,
+    "scrub": "zero",
+    "spill_dir": None,
+    "created_at": 0.0,
+}
+BUFFER = {
+    "tenant_id": "t1",
+    "size_bytes": 1,
+    "numa_node": 0,
+    "persistence": "volatile",
+    "label": None,
+    "evictable": False,
+    "state": "live",
+    "created_at": 0.0,
+    "expires_at": 1.0,
+    "last_used_at": 0.0,
+}
+
+
+def add_tenant_and_pools(conn: sa.Connection) -> None:
+    """Tenant t1; pools p1 on host h1 and p2 on host h2 (columns every revision has)."""
+    conn.execute(
+        sa.text("INSERT INTO tenants (id, name, quota_bytes, created_at) VALUES ('t1', 't', 9, 0)")
+    )
+    for pool_id, host in (("p1", "h1"), ("p2", "h2")):
+        conn.execute(
+            sa.insert(sa.table("pools", *(sa.column(c) for c in ("id", "host", "name", *POOL)))),
+            {"id": pool_id, "host": host, "name": "p", **POOL},
+        )
+
+
+def insert_buffers(conn: sa.Connection, rows: list[dict[str, Any]]) -> None:
+    """Insert buffers with only the columns given (so it works at any revision)."""
+    for row in rows:
+        table = sa.table("buffers", *(sa.column(c) for c in row))
+        conn.execute(sa.insert(table), row)
+
+
 def test_partial_unique_key_index(store: Store) -> None:
-    """The (tenant_id, key) index is unique for keys and ignores NULL keys."""
+    """A key is unique per tenant and host; NULL keys never clash; other hosts keep their own."""
     store.upgrade()
-    b = metadata.tables["buffers"]
-    row = {
-        "tenant_id": "t1",
-        "pool_id": "p1",
-        "size_bytes": 1,
-        "numa_node": 0,
-        "persistence": "volatile",
-        "label": None,
-        "evictable": False,
-        "state": "live",
-        "created_at": 0.0,
-        "expires_at": 1.0,
-        "last_used_at": 0.0,
-    }
+    row = {**BUFFER, "pool_id": "p1", "host": "h1"}
     with store.engine.begin() as conn:
-        conn.execute(
-            sa.insert(metadata.tables["tenants"]),
-            {"id": "t1", "name": "t", "quota_bytes": 9, "created_at": 0.0},
-        )
-        conn.execute(
-            sa.insert(metadata.tables["pools"]),
-            {
-                "id": "p1",
-                "host": "h",
-                "name": "p",
-                "numa_node": 0,
-                "backing": "memfd",
-                "persistence": "volatile",
-                "latency_us": 1,
-                "capacity_bytes": 9,
-                "page_bytes": 4096,
-                "prefault": True,
-                "scrub": "zero",
-                "spill_dir": None,
-                "created_at": 0.0,
-            },
-        )
-        conn.execute(
-            sa.insert(b), [{**row, "id": "a", "key": None}, {**row, "id": "b", "key": None}]
-        )
-        conn.execute(sa.insert(b), {**row, "id": "c", "key": "k"})
+        add_tenant_and_pools(conn)
+        insert_buffers(conn, [{**row, "id": "a", "key": None}, {**row, "id": "b", "key": None}])
+        insert_buffers(conn, [{**row, "id": "c", "key": "k"}])
+        insert_buffers(conn, [{**row, "id": "e", "key": "k", "pool_id": "p2", "host": "h2"}])
     with pytest.raises(sa.exc.IntegrityError), store.engine.begin() as conn:
-        conn.execute(sa.insert(b), {**row, "id": "d", "key": "k"})
+        insert_buffers(conn, [{**row, "id": "d", "key": "k"}])
+
+
+def test_upgrade_from_0001_backfills_and_defaults_the_new_columns(store: Store) -> None:
+    store.upgrade("0001")
+    with store.engine.begin() as conn:
+        add_tenant_and_pools(conn)
+        insert_buffers(
+            conn,
+            [
+                {**BUFFER, "id": "a", "pool_id": "p1", "key": "k1"},
+                {**BUFFER, "id": "b", "pool_id": "p2", "key": "k2"},
+            ],
+        )
+    store.upgrade()
+    assert schema_diff(store) == []
+    with store.engine.connect() as conn:
+        buffers = conn.execute(
+            sa.text("SELECT id, host, kind, committed_at FROM buffers ORDER BY id")
+        ).all()
+        assert [tuple(r) for r in buffers] == [
+            ("a", "h1", "buffer", None),
+            ("b", "h2", "buffer", None),
+        ]
+        tenant = conn.execute(sa.text("SELECT max_buffers, deleting_at FROM tenants")).one()
+        assert tuple(tenant) == (None, None)
+        pools = conn.execute(sa.text("SELECT warm_bytes, deleting_at FROM pools")).all()
+        assert [tuple(r) for r in pools] == [(0, None), (0, None)]
+    with store.engine.begin() as conn:  # the new index: h2 may now hold its own "k1"
+        insert_buffers(conn, [{**BUFFER, "id": "c", "pool_id": "p2", "host": "h2", "key": "k1"}])
+
+
+def test_downgrade_to_0001_keeps_the_rows(store: Store) -> None:
+    store.upgrade()
+    with store.engine.begin() as conn:
+        add_tenant_and_pools(conn)
+        insert_buffers(conn, [{**BUFFER, "id": "a", "pool_id": "p1", "host": "h1", "key": "k"}])
+    downgrade(store, "0001")
+    assert current_revision(store) == "0001"
+    columns = {c["name"] for c in sa.inspect(store.engine).get_columns("buffers")}
+    assert not columns & {"host", "kind", "committed_at"}
+    assert "uq_buffers_tenant_id_key" in indexes(store)["buffers"]
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id, key FROM buffers")).all() == [("a", "k")]
+    store.upgrade()
+    assert schema_diff(store) == []
 
 
 def test_foreign_keys_enforced(store: Store) -> None:
@@ -164,7 +220,7 @@ def test_upgrade_through_a_url_config(empty_url: str) -> None:
     command.upgrade(alembic_config(url=empty_url), "head")
     s = Store(empty_url)
     try:
-        assert s.current_revision() == Store.head_revision()
+        assert current_revision(s) == head_revision()
         assert tables(s) == set(metadata.tables)
     finally:
         s.dispose()
@@ -190,7 +246,7 @@ def test_concurrent_upgrades_serialise(empty_url: str) -> None:
         t.join(60)
     try:
         assert errors == []
-        assert stores[0].current_revision() == Store.head_revision()
+        assert current_revision(stores[0]) == head_revision()
         assert schema_diff(stores[0]) == []
     finally:
         for s in stores:

@@ -6,12 +6,13 @@ import errno
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-from maasd.allocator import Pool, default_page_bytes
-from maasd.allocator.reclaim import reclaimer
+from maasd.allocator import Pool, Region, default_page_bytes
+from maasd.allocator.reclaim import Reclaimer
 from maasd.errors import (
     BackingError,
     InvalidRequest,
@@ -26,8 +27,16 @@ CAPACITY = 64 * PAGE
 
 
 @pytest.fixture
-def pool():
-    return Pool("tiny", numa_node=0, capacity=CAPACITY)
+def reclaimer() -> Iterator[Reclaimer]:
+    r = Reclaimer()
+    r.start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def pool(reclaimer: Reclaimer) -> Pool:
+    return Pool("tiny", numa_node=0, capacity=CAPACITY, reclaimer=reclaimer)
 
 
 def open_fds() -> int:
@@ -84,8 +93,16 @@ class TestAccounting:
         assert (pool.used, pool.free) == (2 * PAGE, CAPACITY - 2 * PAGE)
         pool.release(r)
         assert (pool.used, pool.free) == (0, CAPACITY)
-        reclaimer.drain()  # "zero" pools punch and close in the background, after the answer
+        assert pool.reclaimer is not None
+        pool.reclaimer.drain()  # "zero" pools punch and close in the background, after the answer
         assert r.closed
+
+    def test_without_a_reclaimer_release_closes_at_once(self):
+        p = Pool("inline", numa_node=0, capacity=CAPACITY)
+        r = p.reserve(PAGE)
+        p.release(r)
+        assert r.closed
+        assert p.used == 0
 
     def test_fill_to_capacity_then_exhausted(self, pool):
         regions = [pool.reserve(PAGE) for _ in range(64)]
@@ -220,3 +237,33 @@ class TestBadInput:
     def test_all_are_maasd_errors(self):
         for cls in (InvalidRequest, TooLarge, PoolExhausted, BackingError):
             assert issubclass(cls, MaasdError)
+
+
+class TestReclaimer:
+    def test_stop_reclaims_everything_submitted_then_ends_the_thread(self):
+        def threads() -> int:
+            return sum(t.name == "maasd-reclaim" and t.is_alive() for t in threading.enumerate())
+
+        before = threads()
+        r = Reclaimer()
+        r.start()
+        r.start()  # idempotent
+        assert threads() == before + 1
+        regions = [Region.create(PAGE, node=0) for _ in range(8)]
+        for region in regions:
+            region.scrub("zero", punch=False)
+            r.submit(region)
+        r.stop()
+        assert all(region.closed for region in regions)
+        assert not r.running
+        assert threads() == before
+        r.stop()  # idempotent
+
+    def test_a_region_submitted_while_not_running_is_reclaimed_at_once(self):
+        r = Reclaimer()
+        fds = open_fds()
+        region = Region.create(PAGE, node=0)
+        region.scrub("zero", punch=False)
+        r.submit(region)
+        assert region.closed
+        assert open_fds() == fds

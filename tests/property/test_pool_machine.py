@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 )
 
 from maasd.allocator import Pool, Region
-from maasd.allocator.reclaim import reclaimer
+from maasd.allocator.reclaim import Reclaimer
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
 from strategies import bad_sizes, request_sizes
 
@@ -53,8 +53,15 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(scrub=st.sampled_from(["zero", "punch"]), prefault=st.booleans())
     @precondition(lambda self: self.pool is None)
     def make_pool(self, scrub, prefault):
+        reclaimer = Reclaimer()
+        reclaimer.start()
         self.pool = Pool(
-            "machine", numa_node=0, capacity=PAGES * PAGE, scrub=scrub, prefault=prefault
+            "machine",
+            numa_node=0,
+            capacity=PAGES * PAGE,
+            scrub=scrub,
+            prefault=prefault,
+            reclaimer=reclaimer,
         )
 
     @rule(target=regions, size=request_sizes(PAGE, PAGES))
@@ -133,6 +140,10 @@ class PoolMachine(RuleBasedStateMachine):
             for region in self.live_regions.values():
                 self.pool.release(region)
             assert self.pool.used == 0
+            assert self.pool.reclaimer is not None
+            # "zero" pools close their memfds in the background, after the release: stopping
+            # the pool's reclaimer finishes that and ends its thread.
+            self.pool.reclaimer.stop()
 
 
 PoolMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=20, deadline=None)
@@ -145,5 +156,4 @@ def test_no_fd_leak_across_the_machine():
     run_state_machine_as_test(
         PoolMachine, settings=settings(max_examples=10, stateful_step_count=20, deadline=None)
     )
-    reclaimer.drain()  # "zero" pools close their memfds in the background, after the release
     assert len(os.listdir("/proc/self/fd")) == before

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import settings as hsettings
 
-from maasd.allocator.arith import MAX_SIZE, Ledger, check_size, round_up
+from maasd.allocator.arith import Ledger, check_size, round_up
+from maasd.bounds import MAX_BYTES
 from maasd.errors import InvalidRequest, MaasdError, PoolExhausted, TooLarge
 from strategies import (
     bad_page_sizes,
@@ -18,11 +19,11 @@ from strategies import (
 
 
 class TestCheckSize:
-    @pytest.mark.parametrize("size", [1, 4096, MAX_SIZE])
+    @pytest.mark.parametrize("size", [1, 4096, MAX_BYTES])
     def test_accepts_positive_ints_below_2_63(self, size):
         assert check_size(size) == size
 
-    @pytest.mark.parametrize("size", [0, -1, -4096, MAX_SIZE + 1, 1 << 64])
+    @pytest.mark.parametrize("size", [0, -1, -4096, MAX_BYTES + 1, 1 << 64])
     def test_refuses_out_of_range(self, size):
         with pytest.raises(InvalidRequest) as exc:
             check_size(size)
@@ -68,7 +69,7 @@ class TestRoundUp:
     @given(valid_sizes, page_sizes)
     def test_smallest_page_multiple_not_below(self, size, page):
         ceiling = (size + page - 1) // page * page
-        if ceiling > MAX_SIZE:
+        if ceiling > MAX_BYTES:
             with pytest.raises(InvalidRequest, match="2\\^63"):
                 round_up(size, page)
             return
@@ -79,7 +80,7 @@ class TestRoundUp:
 
     @given(valid_sizes, page_sizes)
     def test_idempotent(self, size, page):
-        if (size + page - 1) // page * page > MAX_SIZE:
+        if (size + page - 1) // page * page > MAX_BYTES:
             return
         r = round_up(size, page)
         assert round_up(r, page) == r
@@ -88,8 +89,8 @@ class TestRoundUp:
     def test_rounding_past_2_63_is_invalid_not_overflow(self, page):
         # 2^63 - 1 itself is a valid size, but no whole number of pages of it fits an off_t.
         with pytest.raises(InvalidRequest, match="2\\^63"):
-            round_up(MAX_SIZE, page)
-        assert round_up(MAX_SIZE + 1 - page, page) == MAX_SIZE + 1 - page
+            round_up(MAX_BYTES, page)
+        assert round_up(MAX_BYTES + 1 - page, page) == MAX_BYTES + 1 - page
 
     @given(bad_page_sizes)
     def test_bad_pages_refused(self, page):

@@ -82,7 +82,7 @@ def test_limits_come_from_settings_and_env() -> None:
 
 @pytest.mark.parametrize("name", SOCKET_BOUNDS)
 def test_a_bound_must_be_positive(name: str) -> None:
-    with pytest.raises(errors.InvalidRequest, match=name):
+    with pytest.raises(errors.ConfigError, match=name):
         load({name: 0}, {})
 
 

@@ -2,22 +2,30 @@
 
 from __future__ import annotations
 
+import io
+
 import httpx
 import pytest
 from click.testing import CliRunner
+from rich.console import Console
 
-from maasd.cli.admin import cli
-from maasd.cli.admin_format import format_cpus, format_time
-from maasd.cli.admin_http import ApiError, CliError, _problem
-from maasd.cli.admin_top import KeyReader, parse_metrics, rates, sparkline
-from maasd.cli.admin_units import (
-    MAX_BYTES,
-    SizeError,
-    bar,
-    format_size,
-    parse_size,
-    usage_fraction,
+from maasd.cli.maasctl import cli
+from maasd.cli.maasctl.errors import ApiError, CliError, from_client_error
+from maasd.cli.maasctl.formatting import format_cpus, format_time, usage_bar
+from maasd.cli.maasctl.text import one_line, visible
+from maasd.cli.maasctl.top import KeyReader, parse_metrics, rates, sparkline
+from maasd.cli.maasctl.units import bar, usage_fraction
+from maasd.client import (
+    Buffer,
+    Client,
+    Event,
+    KeyInfo,
+    MaasdClientError,
+    NewTenant,
+    Pool,
+    Tenant,
 )
+from maasd.units import MAX_BYTES, SizeError, format_size, parse_size
 
 # -- parse_size ---------------------------------------------------------------------
 
@@ -267,6 +275,15 @@ def _response(status: int, body: bytes, ctype: str = "application/problem+json")
     return httpx.Response(status, content=body, headers={"content-type": ctype})
 
 
+def _problem(response: httpx.Response) -> CliError:
+    """The line maasctl shows when the daemon answers ``response`` (through the client)."""
+    transport = httpx.MockTransport(lambda _request: response)
+    with Client("http://maasd.test", "k", transport=transport) as client:
+        with pytest.raises(MaasdClientError) as info:
+            client.pools()
+        return from_client_error(info.value, client.base_url)
+
+
 def test_problem_details_become_one_line() -> None:
     err = _problem(
         _response(
@@ -397,7 +414,7 @@ def test_shell_completion_script() -> None:
     env = dict(os.environ, _MAASCTL_COMPLETE="bash_source")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     r = subprocess.run(
-        [sys.executable, "-m", "maasd.cli.admin"], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "maasd.cli.maasctl"], env=env, capture_output=True, text=True
     )
     assert r.returncode == 0
     assert "_maasctl_completion" in r.stdout
@@ -428,9 +445,170 @@ def test_a_daemon_that_never_answers_times_out() -> None:
 
 
 def test_usage_bar_text() -> None:
-    from maasd.cli.admin_format import usage_bar
-
     assert usage_bar(1, 4, 4).plain == "█░░░  25.0%"
     assert usage_bar(8, 4, 4).plain == "████ 200.0%"
     assert usage_bar(8, 0, 4).plain == "████   over"
     assert usage_bar(0, 0, 4).plain == "░░░░   0.0%"
+
+
+# -- tenant strings are text, never markup or control sequences ----------------------------------
+
+HOSTILE = [
+    "[/]",
+    "[bold red]admin",
+    "\x1b]0;pwned\x07",
+    "\x1b[2J",
+    "\u202eevil\u202c.exe",
+    "\u2066iso\u2069",
+    "a\nb\tc\rd",
+    "\x00\x7f\x85\x9b",
+    ":smile: [link=http://x]y[/link]",
+    "\ud800lone",
+    "\ufeffbom\u200bzw",
+]
+
+#: What must never reach the terminal raw: C0 (but the line feeds of the layout), DEL,
+#: C1, bidi controls, lone surrogates, BOM / zero-width space.
+FORBIDDEN = [chr(c) for c in [*range(0x00, 0x0A), *range(0x0B, 0x20), *range(0x7F, 0xA0)]] + [
+    "\u202a",
+    "\u202b",
+    "\u202c",
+    "\u202d",
+    "\u202e",
+    "\u2066",
+    "\u2067",
+    "\u2068",
+    "\u2069",
+    "\ud800",
+    "\ufeff",
+    "\u200b",
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("plain label", "plain label"),
+        ("\x1b]0;pwned\x07", "\\x1b]0;pwned\\x07"),
+        ("\x1b[2J", "\\x1b[2J"),
+        ("a\u202eb", "a\\u202eb"),
+        ("\u2066x\u2069", "\\u2066x\\u2069"),
+        ("tab\tnl\n", "tab\\x09nl\\x0a"),
+        ("\x7f\x80\x9f", "\\x7f\\x80\\x9f"),
+        ("\ud800", "\\ud800"),
+        ("\U000e0041", "\\U000e0041"),  # a tag character: invisible
+        ("crème 🍮 👩\u200d👩", "crème 🍮 👩\u200d👩"),  # joiners stay
+        ("[bold]x[/]", "[bold]x[/]"),  # not the business of visible(): rich Text shows it as is
+    ],
+)
+def test_visible(raw: str, shown: str) -> None:
+    assert visible(raw) == shown
+    assert visible(visible(raw)) == visible(raw)
+
+
+def test_one_line() -> None:
+    assert one_line("a\n  b\x1b[2J") == "a b\\x1b[2J"
+
+
+def _render(renderable: object, *, terminal: bool) -> str:
+    """Render on a console with rich's defaults (markup and emoji on): the views must be
+    safe by themselves, not only on maasctl's own consoles (which turn both off)."""
+    out = io.StringIO()
+    con = Console(
+        file=out, width=400, force_terminal=terminal, color_system="truecolor" if terminal else None
+    )
+    con.print(renderable)
+    return out.getvalue()
+
+
+def _hostile_records() -> dict[str, object]:
+    """Every human view of maasctl, fed hostile strings wherever the daemon sends a string."""
+    from maasd.cli.maasctl.buffers import buffer_detail, buffers_table
+    from maasd.cli.maasctl.events import events_table
+    from maasd.cli.maasctl.keys import key_issued
+    from maasd.cli.maasctl.pools import pools_table
+    from maasd.cli.maasctl.status import status_view
+    from maasd.cli.maasctl.tenants import tenant_created, tenant_detail, tenants_table
+
+    views: dict[str, object] = {}
+    for i, h in enumerate(HOSTILE):
+        pool = Pool(
+            id=h, name=h, numa_node=0, backing=h, persistence=h, latency_us=1,
+            capacity_bytes=1, used_bytes=0, free_bytes=1, page_bytes=4096, scrub=h,
+        )  # fmt: skip
+        tenant = Tenant(id=h, name=h, quota_bytes=1, used_bytes=0, buffers=0, created_at=h)
+        buf = Buffer(
+            id=h, tenant_id=h, pool_id=h, size_bytes=1, numa_node=0, persistence=h,
+            label=h, key=h, state=h, created_at=h, expires_at=h, checksum=h,
+        )  # fmt: skip
+        event = Event(id=1, at=h, kind=h, tenant_id=h, buffer_id=h, pool_id=h, detail=h)
+        views[f"pools-{i}"] = pools_table([pool])
+        views[f"tenants-{i}"] = tenants_table([tenant])
+        views[f"tenant-{i}"] = tenant_detail(tenant)
+        views[f"created-{i}"] = tenant_created(
+            NewTenant(id=h, name=h, quota_bytes=1, api_key=h, key_id=h)
+        )
+        views[f"key-{i}"] = key_issued(tenant, KeyInfo(id=h, api_key=h, created_at=h))
+        views[f"buffers-{i}"] = buffers_table([buf], tenant_names={h: h}, pool_names={h: h})
+        views[f"buffer-{i}"] = buffer_detail(buf, tenant_name=h, pool_name=h)
+        views[f"events-{i}"] = events_table([event], tenant_names={h: h})
+        views[f"status-{i}"] = status_view([pool], [tenant])
+    return views
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_hostile_strings_render_as_text(terminal: bool) -> None:
+    import re
+
+    for name, view in _hostile_records().items():
+        out = _render(view, terminal=terminal)
+        if terminal:
+            out = re.sub("\x1b\\[[0-9;]*m", "", out)  # rich's own styling (SGR), nothing else
+        for ch in FORBIDDEN:
+            assert ch not in out, (name, ch, out)
+    # and the literal text is what shows
+    pools = _render(_hostile_records()["buffer-1"], terminal=False)
+    assert "[bold red]admin" in pools
+    assert "\\x1b]0;pwned\\x07" in _render(_hostile_records()["buffer-2"], terminal=False)
+    assert "[/]" in _render(_hostile_records()["buffers-0"], terminal=False)
+
+
+def test_maasctl_consoles_never_parse_markup() -> None:
+    from maasd.cli.maasctl.context import console
+
+    for con in (console(), console(stderr=True)):
+        assert not con._markup
+        assert not con._emoji
+
+
+def test_problem_details_reach_stderr_visible() -> None:
+    err = _problem(
+        _response(
+            409,
+            b'{"title":"Duplicate \\u001b[2Jkey","status":409,'
+            b'"detail":"a buffer with key \\u001b]0;pwned\\u0007 \\u202eexists"}',
+        )
+    )
+    assert "\x1b" not in err.line()
+    assert "\x07" not in err.line()
+    assert "\u202e" not in err.line()
+    assert err.line() == (
+        "Duplicate \\x1b[2Jkey [409]: a buffer with key \\x1b]0;pwned\\x07 \\u202eexists"
+    )
+
+
+def test_json_output_escapes_control_characters(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json prints json.dumps of the daemon's answer, which escapes every control and
+    non-ASCII character: nothing raw reaches the terminal there either."""
+    import json
+
+    from maasd.cli.maasctl.context import Ctx, console
+
+    Ctx(url="u", key="k", as_json=True, timeout=1, out=console()).emit(
+        {"label": HOSTILE}, lambda: None
+    )
+    out = capsys.readouterr().out
+    for ch in FORBIDDEN:
+        assert ch not in out
+    assert "\\u001b]0;pwned\\u0007" in out
+    assert json.loads(out) == {"label": HOSTILE}

@@ -1,7 +1,14 @@
-"""Pure parts of maasd.llama: keys, header packing and checks, fingerprints (no llama.cpp)."""
+"""Pure parts of maasd.llama: keys, header packing and checks, fingerprints.
+
+Runs without the ``llama`` extra: neither llama-cpp-python nor xxhash is needed to import
+``maasd.llama`` or to build keys and headers; only the state checksum test needs xxhash
+(and skips without it).
+"""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,10 +85,11 @@ def test_save_prefix_len() -> None:
 # ----------------------------------------------------------------------------- header
 
 
-def _entry(tokens: list[int], state: bytes, fp: str = FP) -> np.ndarray:
-    hdr = L.pack_header(fp, tokens, len(state), L.state_checksum(state))
+def _entry(tokens: list[int], state: bytes, fp: str = FP, crc: int = 0x1234ABCD) -> np.ndarray:
+    # parse_header never checks the state checksum, so any value does here (no xxhash).
+    hdr = L.pack_header(fp, tokens, len(state), crc)
     buf = np.zeros(len(hdr) + len(state) + 100, np.uint8)
-    L._write_header(buf, hdr)
+    L.write_header(buf, hdr)
     buf[len(hdr) : len(hdr) + len(state)] = np.frombuffer(state, np.uint8)
     return buf
 
@@ -99,7 +107,7 @@ def test_header_roundtrip() -> None:
     assert h.header_len >= 64 + 4 * 70
     assert h.state_len == len(state)
     assert h.chunk == L.DEFAULT_CHUNK
-    assert L.state_crc(buf, h) == h.state_crc == L.state_checksum(state)
+    assert h.state_crc == 0x1234ABCD
     # bytes and memoryview parse the same
     assert L.parse_header(bytes(buf)).tokens.tolist() == toks
     assert L.parse_header(memoryview(bytes(buf))).n_tokens == 70
@@ -113,12 +121,18 @@ def test_any_flipped_header_byte_is_refused(pos: int) -> None:
         L.parse_header(buf)
 
 
-def test_flipped_state_byte_fails_the_checksum_only() -> None:
-    buf = _entry(list(range(20)), b"x" * 1000)
+def test_state_checksum_is_xxh3_low_bits_and_sees_a_flipped_state_byte() -> None:
+    xxhash = pytest.importorskip(
+        "xxhash", reason="the state checksum needs xxhash (the `llama` extra)"
+    )
+    state = bytes(range(256)) * 10
+    assert L.state_checksum(state) == xxhash.xxh3_64_intdigest(state) & 0xFFFFFFFF
+    buf = _entry(list(range(20)), state, crc=L.state_checksum(state))
     h = L.parse_header(buf)
+    assert L.state_crc(buf, h) == h.state_crc  # computed in place over the mapping
     buf[h.header_len + 500] ^= 1
-    h2 = L.parse_header(buf)  # header itself still fine
-    assert L.state_crc(buf, h2) != h2.state_crc
+    h2 = L.parse_header(buf)  # the header itself is still fine …
+    assert L.state_crc(buf, h2) != h2.state_crc  # … the checksum is not
 
 
 def test_zeroed_truncated_and_other_versions_are_refused() -> None:
@@ -145,7 +159,7 @@ def test_magic_is_written_last() -> None:
             super().__setitem__(key, value)
             seen.append(bytes(np.asarray(self)[:8]))
 
-    L._write_header(dst.view(Spy), hdr)
+    L.write_header(dst.view(Spy), hdr)
     assert seen[0] == b"\0" * 8  # everything else first …
     assert seen[-1] == L.MAGIC  # … then the magic
     assert bytes(dst) == hdr
@@ -185,3 +199,29 @@ def test_file_identity_sees_size_head_and_tail(tmp_path: Path) -> None:
     small = tmp_path / "s.gguf"
     small.write_bytes(b"abc")
     assert L.file_identity(small)["size"] == 3
+
+
+# ----------------------------------------------------------------------------- the package
+
+
+def test_import_needs_no_llama_cpp_no_xxhash_and_nothing_of_the_server() -> None:
+    # A fresh interpreter: what `import maasd.llama` pulls in by itself.
+    code = (
+        "import sys\n"
+        "from maasd.llama import KVStore, chunk_keys, parse_header\n"
+        "print(' '.join(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert "llama_cpp" not in out  # imported by a KVStore, not by the package
+    assert "xxhash" not in out  # imported by the first state checksum
+    # maasd.llama builds on the client only: nothing of the daemon's side
+    server_side = [
+        m
+        for m in out
+        if m.startswith("maasd.")
+        and m.split(".")[1] not in ("llama", "client", "protocol", "bounds")
+    ]
+    assert server_side == []
+    assert "litestar" not in out

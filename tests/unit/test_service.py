@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 
 from maasd import errors
+from maasd.allocator import Region
 from maasd.bounds import bytes_of_gib
+from maasd.core import Service
+from maasd.core.runtime import LivePool
 from maasd.models import Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
-from maasd.service import Service
 from maasd.settings import Settings
 from maasd.store import BufferRow, KeyRow
 
@@ -81,8 +83,31 @@ def ledger_row(svc: Service, buffer_id: str) -> BufferRow:
     return row
 
 
+def region_of(svc: Service, buffer_id: str) -> Region:
+    region = svc.runtime.region(buffer_id)
+    assert region is not None, f"buffer {buffer_id} has no region here"
+    return region
+
+
 def view(svc: Service, buffer_id: str) -> np.ndarray:
-    return np.frombuffer(svc._regions[buffer_id].view(), dtype=np.uint8)
+    return np.frombuffer(region_of(svc, buffer_id).view(), dtype=np.uint8)
+
+
+def live_pool(svc: Service, pool_id: str) -> LivePool:
+    live = svc.runtime.pool(pool_id)
+    assert live is not None, f"pool {pool_id} is not live"
+    return live
+
+
+def allocated(svc: Service, pool_name: str) -> int:
+    """Bytes the in-process allocator of the pool accounts (the ledger is pool_named's)."""
+    return live_pool(svc, pool_named(svc, pool_name).id).pool.used
+
+
+def spill_dir(svc: Service, pool_id: str) -> Path:
+    spill = live_pool(svc, pool_id).row.spill_dir
+    assert spill is not None
+    return Path(spill)
 
 
 # -- QoS candidate choice -------------------------------------------------------------------
@@ -164,7 +189,7 @@ def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) 
     finally:
         os.close(handle.fd)
     assert pool_named(svc, "fast").used_bytes == 0
-    assert svc._pools[pool_named(svc, "fast").id].pool.used == 0
+    assert allocated(svc, "fast") == 0
     with pytest.raises(errors.NotFound):
         svc.release(who, buf.id)
     assert sample(svc, "maasd_release_total", reason="release") == 1
@@ -214,8 +239,8 @@ def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(
     monkeypatch.setattr(svc.store, "set_state", deleted_meanwhile)
     with pytest.raises(errors.NotFound):
         svc.reserve(who, req(MiB, pool="fast"))
-    assert svc._regions == {}
-    assert svc._pools[pool_named(svc, "fast").id].pool.used == 0
+    assert svc.runtime.buffer_ids() == []
+    assert allocated(svc, "fast") == 0
 
 
 # -- eviction -----------------------------------------------------------------------------
@@ -230,20 +255,23 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
         os.close(svc.open_handle(who, bufs[i].id).fd)
         svc.drop_handle(who, bufs[i].id)
         time.sleep(0.002)
-    regions = {b.id: svc._regions[b.id] for b in bufs}
+    regions = {b.id: region_of(svc, b.id) for b in bufs}
     new = svc.reserve(who, req(3 * MiB, pool="fast"))
     left = {b.id for b in svc.buffers(who)}
     assert left == {bufs[3].id, bufs[1].id, new.id}
+    assert svc.runtime.region(bufs[2].id) is None
+    svc.reclaimer.drain()  # "zero" pools close the memfd in the background, after the scrub
     assert regions[bufs[2].id].closed
     assert regions[bufs[0].id].closed
     assert sample(svc, "maasd_evictions_total") == 2
     assert sample(svc, "maasd_release_total", reason="evict") == 2
     assert svc.usage(who).used_bytes == 7 * MiB
-    # The reserve and, in the same transaction, one "evict" per victim naming it as the cause.
-    events = svc.store.events(10)
+    # The reserve and, in the same transaction, one "evict" per victim naming it as the
+    # cause — and no other "evict" event when the victim's row goes.
+    events = svc.store.events(100)
     assert any(e.kind == "reserve" and e.buffer_id == new.id for e in events)
-    caused = {e.buffer_id for e in events if e.kind == "evict" and e.detail == f"for {new.id}"}
-    assert caused == {bufs[2].id, bufs[0].id}
+    evicts = [(e.buffer_id, e.detail) for e in events if e.kind == "evict"]
+    assert sorted(evicts) == sorted([(bufs[2].id, f"for {new.id}"), (bufs[0].id, f"for {new.id}")])
 
 
 def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Service) -> None:
@@ -268,7 +296,7 @@ def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc:
     alive = {x.id for x in svc.store.buffers()}
     assert alive == {elsewhere.id, cache[2].id, keep.id, got.id}
     assert pool_named(svc, "fast").used_bytes == 28 * MiB
-    assert svc._pools[pool_named(svc, "fast").id].pool.used == 28 * MiB
+    assert allocated(svc, "fast") == 28 * MiB
     with pytest.raises(errors.PoolExhausted):
         svc.reserve(b, req(13 * MiB, pool="fast"))  # 9 MiB short, 8 evictable: nothing goes
     assert cache[2].id in {x.id for x in svc.store.buffers()}
@@ -280,7 +308,7 @@ def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc:
 def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> None:
     who = tenant(svc)
     buf = svc.reserve(who, req(MiB, persistence="persistent"))
-    spill = Path(pool_named(svc, "pers").id and svc._pools[buf.pool_id].row.spill_dir or "")
+    spill = spill_dir(svc, buf.pool_id)
     paths = []
     for v in (1, 2):
         view(svc, buf.id)[:] = v
@@ -322,7 +350,7 @@ def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
             assert isinstance(o, (errors.StateConflict, errors.NotFound)), o
         else:
             assert o.checksum == hashlib.sha256(bytes([3]) * 16 * MiB).hexdigest()
-    spill = Path(svc._pools[buf.pool_id].row.spill_dir or "")
+    spill = spill_dir(svc, buf.pool_id)
     assert list(spill.iterdir()) == []
 
 
@@ -341,7 +369,7 @@ def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> N
         assert [b.id for b in s2.store.buffers(states=None)] == [pers.id]
         assert np.all(view(s2, pers.id) == 77)
         assert s2.store.buffer(vol.id) is None
-        assert s2._pools[pers.pool_id].pool.used == MiB
+        assert live_pool(s2, pers.pool_id).pool.used == MiB
     finally:
         s2.close()
 
@@ -354,7 +382,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
     s.start(reaper=False)
     t = s.create_tenant("crashed", 256 * MiB)
     pools = {p.name: p for p in s.pools()}
-    spill = Path(s._pools[pools["pers"].id].row.spill_dir or "")
+    spill = spill_dir(s, pools["pers"].id)
     now = time.time()
 
     def row(name: str, pool: str, state: str, **kw: Any) -> BufferRow:
@@ -362,6 +390,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
             id=f"{name:0<32}",
             tenant_id=t.id,
             pool_id=pools[pool].id,
+            host=s.host,
             size_bytes=MiB,
             numa_node=0,
             persistence=pools[pool].persistence,
@@ -409,7 +438,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
         assert [r.id for r in rows] == [restored.id]
         assert rows[0].state == "live"
         assert bytes(view(s2, restored.id)) == good
-        assert s2._pools[pools["pers"].id].pool.used == MiB
+        assert live_pool(s2, pools["pers"].id).pool.used == MiB
         for p in s2.pools():
             assert p.used_bytes == (MiB if p.name == "pers" else 0)
         assert sorted(os.listdir(spill)) == [f"{restored.id}.1.ckpt"]
@@ -433,10 +462,10 @@ def test_attach_times_are_batched_and_reach_the_ledger_before_a_reserve(svc: Ser
     handle = svc.open_handle(who, old.id)  # no ledger write on the attach path
     os.close(handle.fd)
     assert ledger_row(svc, old.id).last_used_at == before
-    assert old.id in svc._touched
+    assert old.id in svc.runtime.pending_uses()
     svc.reserve(who, req(MiB))  # a reserve flushes first: LRU sees the attach
     assert ledger_row(svc, old.id).last_used_at > ledger_row(svc, new.id).last_used_at
-    assert svc._touched == {}
+    assert svc.runtime.pending_uses() == {}
 
 
 def test_reap_leaves_a_lease_renewed_after_the_query(
@@ -522,3 +551,46 @@ def test_reserve_refuses_pages_that_landed_off_node(
     monkeypatch.undo()
     assert pool_named(svc, "slow").used_bytes == before
     assert svc.buffers(who) == []
+
+
+def test_attachments_are_counted_per_buffer_and_per_tenant(svc: Service) -> None:
+    who, other = tenant(svc, name="a"), tenant(svc, name="b")
+    a, b = svc.reserve(who, req(MiB)), svc.reserve(who, req(MiB))
+    theirs = svc.reserve(other, req(MiB))
+    handles = [svc.open_handle(who, a.id), svc.open_handle(who, a.id), svc.open_handle(who, b.id)]
+    handles.append(svc.open_handle(other, theirs.id))
+    for h in handles:
+        os.close(h.fd)
+    assert who.tenant_id is not None
+    assert (svc.runtime.attached(a.id), svc.runtime.attached(b.id)) == (2, 1)
+    assert svc.runtime.tenant_attached(who.tenant_id) == 3
+    assert sample(svc, "maasd_attached_handles", tenant=who.tenant_id) == 3
+    svc.drop_handle(who, a.id)
+    assert (svc.runtime.attached(a.id), svc.runtime.attached(b.id)) == (1, 1)
+    svc.drop_handle(who, a.id)
+    svc.drop_handle(who, a.id)  # one more than was attached: nothing goes below zero
+    assert (svc.runtime.attached(a.id), svc.runtime.attached(b.id)) == (0, 1)
+    assert svc.runtime.tenant_attached(who.tenant_id) == 1
+    assert sample(svc, "maasd_attached_handles", tenant=who.tenant_id) == 1
+    assert svc.runtime.attached(theirs.id) == 1  # another tenant's are its own
+    with pytest.raises(errors.NotFound):
+        svc.open_handle(other, a.id)  # and a foreign buffer is never attached
+    assert svc.runtime.attached(a.id) == 0
+
+
+def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -> None:
+    s = Service(settings(tmp_path))
+    assert not s.reclaimer.running
+    s.start(reaper=False)
+    assert s.reclaimer.running
+    who = tenant(s)
+    buf = s.reserve(who, req(MiB, pool="fast"))  # a "zero" pool: closed in the background
+    region = region_of(s, buf.id)
+    s.release(who, buf.id)
+    s.reclaimer.drain()
+    assert region.closed
+    kept = s.reserve(who, req(MiB, pool="slow"))
+    left = region_of(s, kept.id)
+    s.close()  # releases the volatile buffer, then drains and stops the reclaimer
+    assert not s.reclaimer.running
+    assert left.closed

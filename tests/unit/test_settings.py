@@ -1,4 +1,4 @@
-"""Settings: flags > env > TOML file > defaults; bad values are readable InvalidRequests."""
+"""Settings: flags > env > TOML file > defaults; bad values are readable ConfigErrors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from maasd.errors import InvalidRequest
+from maasd.errors import ConfigError
 from maasd.settings import ENV, Settings, load
 
 
@@ -149,7 +149,7 @@ class TestPools:
             capacity_bytes = 8192
         """,
         )
-        with pytest.raises(InvalidRequest, match="duplicate pool names"):
+        with pytest.raises(ConfigError, match="duplicate pool names"):
             load(flags={"config": path}, env={})
 
     @pytest.mark.parametrize(
@@ -168,14 +168,14 @@ class TestPools:
         base[key] = pool.split(" = ")[1]
         body = "\n".join(f"{k} = {v}" for k, v in base.items())
         path = write(tmp_path, f"[[pools]]\n{body}\n")
-        with pytest.raises(InvalidRequest) as exc:
+        with pytest.raises(ConfigError) as exc:
             load(flags={"config": path}, env={})
         for w in words:
             assert w in exc.value.detail
 
     def test_pool_missing_name(self, tmp_path):
         path = write(tmp_path, "[[pools]]\nnuma_node = 0\ncapacity_bytes = 4096\n")
-        with pytest.raises(InvalidRequest, match="name"):
+        with pytest.raises(ConfigError, match="name"):
             load(flags={"config": path}, env={})
 
 
@@ -194,33 +194,33 @@ class TestBadValues:
         ],
     )
     def test_bad_env(self, env, word):
-        with pytest.raises(InvalidRequest) as exc:
+        with pytest.raises(ConfigError) as exc:
             load(flags={}, env=env)
         assert word in exc.value.detail
         assert exc.value.detail.startswith("settings")
 
     def test_bad_flag(self):
-        with pytest.raises(InvalidRequest, match="port"):
+        with pytest.raises(ConfigError, match="port"):
             load(flags={"port": "http"}, env={})
 
     def test_unknown_key_in_file(self, tmp_path):
         path = write(tmp_path, 'colour = "blue"\n')
-        with pytest.raises(InvalidRequest, match="colour"):
+        with pytest.raises(ConfigError, match="colour"):
             load(flags={"config": path}, env={})
 
     def test_wrong_type_in_file(self, tmp_path):
         path = write(tmp_path, 'port = "x"\n')
-        with pytest.raises(InvalidRequest, match="port"):
+        with pytest.raises(ConfigError, match="port"):
             load(flags={"config": path}, env={})
 
     def test_broken_toml(self, tmp_path):
         path = write(tmp_path, "port = = 1\n[[pools\n")
-        with pytest.raises(InvalidRequest) as exc:
+        with pytest.raises(ConfigError) as exc:
             load(flags={"config": path}, env={})
         assert path in exc.value.detail
 
     def test_missing_file(self, tmp_path):
         missing = str(tmp_path / "nope.toml")
-        with pytest.raises(InvalidRequest) as exc:
+        with pytest.raises(ConfigError) as exc:
             load(flags={}, env={"MAASD_CONFIG": missing})
         assert missing in exc.value.detail

@@ -83,25 +83,11 @@ def test_expires_at_rejects_out_of_range(ttl: int) -> None:
         leases.expires_at(1000.0, ttl, 3600)
 
 
-@pytest.mark.parametrize("ttl", [True, False, 1.0, 600.5, "600", None])
-def test_expires_at_rejects_non_int(ttl: object) -> None:
-    with pytest.raises(InvalidRequest, match="integer"):
-        leases.expires_at(1000.0, ttl, 3600)  # type: ignore[arg-type]
-
-
 @given(
     now=st.floats(min_value=0, max_value=4e9, allow_nan=False),
     ttl=st.integers(min_value=1, max_value=86400),
 )
-def test_lease_is_live_until_its_end(now: float, ttl: int) -> None:
+def test_a_lease_ends_ttl_seconds_after_it_starts(now: float, ttl: int) -> None:
     end = leases.expires_at(now, ttl, 86400)
-    assert end >= now
-    assert not leases.is_expired(end, now)
-    assert not leases.is_expired(end, end)
-    assert leases.is_expired(end, end + 0.001)
-
-
-def test_is_expired_boundary() -> None:
-    assert not leases.is_expired(100.0, 99.999)
-    assert not leases.is_expired(100.0, 100.0)
-    assert leases.is_expired(100.0, 100.001)
+    assert end == now + ttl
+    assert end > now

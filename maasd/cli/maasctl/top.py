@@ -1,6 +1,7 @@
-"""``maasctl top``: a refreshing full-screen view built from ``GET /metrics``.
+"""The machinery of ``maasctl top``: a refreshing full-screen view built from ``GET /metrics``.
 
-Each frame scrapes the Prometheus text (no key needed), keeps the previous
+Each frame scrapes the Prometheus text (admin or metrics key, unless the daemon runs
+with --metrics-public), keeps the previous
 scrape to turn the ``maasd_reserve_total`` / ``maasd_release_total`` counters
 into rates, and — when the key may list pools and tenants — adds names and
 quotas from the REST API. Keys are read from the terminal in cbreak mode with
@@ -26,9 +27,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from maasd.cli.admin_format import _table, usage_bar
-from maasd.cli.admin_http import AdminApi, ApiError, CliError
-from maasd.cli.admin_units import format_size
+from maasd.cli.maasctl.errors import from_client_error
+from maasd.cli.maasctl.formatting import add_row, note, table, text, usage_bar
+from maasd.cli.maasctl.units import format_size
+from maasd.client import Client, Forbidden, MaasdClientError, Pool, Tenant, Unauthorized
 
 __all__ = ["KeyReader", "Snapshot", "TopView", "parse_metrics", "rates", "run_top", "sparkline"]
 
@@ -111,8 +113,10 @@ def sparkline(values: list[float], width: int = 30) -> str:
 class TopView:
     """Holds the scrape history and renders one frame."""
 
-    def __init__(self, api: AdminApi, interval: float, *, ascii_only: bool = False) -> None:
-        self.api = api
+    def __init__(
+        self, client: Client, interval: float, *, use_api: bool, ascii_only: bool = False
+    ) -> None:
+        self.client = client
         self.interval = interval
         self.ascii_only = ascii_only
         self.prev: Snapshot | None = None
@@ -120,17 +124,17 @@ class TopView:
         self.reserve_hist: deque[float] = deque(maxlen=60)
         self.release_hist: deque[float] = deque(maxlen=60)
         self.error: str | None = None
-        self.use_api = bool(api.key)
-        self.pools: list[dict[str, Any]] = []
-        self.tenants: list[dict[str, Any]] | None = None
+        self.use_api = use_api
+        self.pools: list[Pool] = []
+        self.tenants: list[Tenant] | None = None
         self.frames = 0
 
     def scrape(self) -> None:
         """Fetch metrics (and names/quotas when allowed); failures show in the frame."""
         try:
-            snap = parse_metrics(self.api.metrics_text())
-        except CliError as exc:
-            self.error = exc.line()
+            snap = parse_metrics(self.client.metrics())
+        except MaasdClientError as exc:
+            self.error = from_client_error(exc, self.client.base_url).line()
             return
         except ValueError as exc:  # prometheus parser: not exposition text
             self.error = f"cannot parse /metrics: {exc}"
@@ -141,14 +145,13 @@ class TopView:
         self.release_hist.append(sum(rates(self.prev, snap, "releases").values()))
         if self.use_api:
             try:
-                self.pools = list(self.api.pools() or [])
-                self.tenants = list(self.api.tenants() or [])
-            except ApiError as exc:
-                if exc.status in (401, 403):
-                    self.use_api = False  # a tenant key: metrics alone are still useful
-                    self.tenants = None
-            except CliError:
-                pass
+                self.pools = self.client.pools()
+                self.tenants = self.client.tenants()
+            except (Unauthorized, Forbidden):
+                self.use_api = False  # a tenant key: metrics alone are still useful
+                self.tenants = None
+            except MaasdClientError:
+                pass  # shown by the next failed scrape, if it lasts
 
     # -- rendering -----------------------------------------------------------
 
@@ -157,14 +160,14 @@ class TopView:
         now = dt.datetime.now().strftime("%H:%M:%S")
         head = Text()
         head.append("maasctl top", style="bold")
-        head.append(f"  {self.api.url}  {now}  every {self.interval:g}s  ", style="dim")
+        head.append(f"  {self.client.base_url}  {now}  every {self.interval:g}s  ", style="dim")
         head.append("q", style="bold")
         head.append(" or Ctrl-C to quit", style="dim")
         parts: list[RenderableType] = [head]
         if self.error:
-            parts.append(Text(f"! {self.error}", style="bold red"))
+            parts.append(text(f"! {self.error}", "bold red"))
         if self.cur is None:
-            parts.append(Text("waiting for the first scrape…", style="dim"))
+            parts.append(note("waiting for the first scrape…"))
             return Group(*parts)
         parts += [
             Text(""),
@@ -176,28 +179,22 @@ class TopView:
         ]
         return Group(*parts)
 
-    def _pool_label_names(self) -> dict[str, str]:
-        names: dict[str, str] = {}
-        for p in self.pools:
-            if "id" in p and "name" in p:
-                names[str(p["id"])] = str(p["name"])
-        return names
-
     def _pools(self, snap: Snapshot) -> Table:
-        t = _table("Pools")
+        t = table("Pools")
         t.add_column("POOL", style="bold", no_wrap=True)
         t.add_column("USE", no_wrap=True)
         t.add_column("USED", justify="right")
         t.add_column("CAPACITY", justify="right")
         t.add_column("BUFFERS", justify="right")
-        names = self._pool_label_names()
+        names = {p.id: p.name for p in self.pools}
         labels = sorted(
             set(snap.pool_capacity) | set(snap.pool_used), key=lambda k: names.get(k, k)
         )
         for label in labels:
             cap = int(snap.pool_capacity.get(label, 0))
             used = int(snap.pool_used.get(label, 0))
-            t.add_row(
+            add_row(
+                t,
                 names.get(label, label) or "(all)",
                 usage_bar(used, cap, ascii_only=self.ascii_only),
                 format_size(used),
@@ -205,65 +202,70 @@ class TopView:
                 str(int(snap.pool_buffers[label])) if label in snap.pool_buffers else "-",
             )
         if not labels:
-            t.add_row("(none)", "", "", "", "")
+            add_row(t, "(none)", *[Text()] * 4)
         return t
 
     def _tenants(self, snap: Snapshot) -> Table:
-        t = _table("Tenants")
+        t = table("Tenants")
         t.add_column("TENANT", style="bold", no_wrap=True)
         t.add_column("USE", no_wrap=True)
         t.add_column("USED", justify="right")
         t.add_column("QUOTA", justify="right")
         t.add_column("HANDLES", justify="right")
-        info: dict[str, dict[str, Any]] = {}
-        for x in self.tenants or []:
-            info[str(x.get("id"))] = x
-            info.setdefault(str(x.get("name")), x)
+        info: dict[str, Tenant] = {}
+        for tenant in self.tenants or []:
+            info[tenant.id] = tenant
+            info.setdefault(tenant.name, tenant)
         labels = sorted(set(snap.tenant_used) | set(snap.tenant_quota) | set(snap.attached))
         labels.sort(key=lambda k: -snap.tenant_used.get(k, 0))
         for label in labels:
-            x = info.get(label, {})
+            x = info.get(label)
             used = int(snap.tenant_used.get(label, 0))
-            quota = x.get("quota_bytes")
+            quota = x.quota_bytes if x is not None else None
             if quota is None and label in snap.tenant_quota:
                 quota = int(snap.tenant_quota[label])
-            name = x.get("name") or snap.tenant_names.get(label) or label or "(all)"
-            t.add_row(
-                str(name),
-                usage_bar(used, quota, 12, ascii_only=self.ascii_only) if quota is not None else "",
+            name = (x.name if x else None) or snap.tenant_names.get(label) or label or "(all)"
+            add_row(
+                t,
+                name,
+                usage_bar(used, quota, 12, ascii_only=self.ascii_only)
+                if quota is not None
+                else Text(),
                 format_size(used),
                 format_size(quota) if quota is not None else "-",
                 str(int(snap.attached.get(label, 0))),
             )
         if not labels:
-            t.add_row("(none)", "", "", "", "")
+            add_row(t, "(none)", *[Text()] * 4)
         return t
 
     def _rates(self) -> Table:
         assert self.cur is not None
-        t = _table("Rates (per second)")
+        t = table("Rates (per second)")
         t.add_column("WHAT", style="bold", no_wrap=True)
         t.add_column("RATE", justify="right")
         t.add_column("TOTAL", justify="right")
         t.add_column("HISTORY", no_wrap=True)
         res = rates(self.prev, self.cur, "reserves")
         rel = rates(self.prev, self.cur, "releases")
-        t.add_row(
+        add_row(
+            t,
             "reserve",
             f"{sum(res.values()):.1f}",
             f"{int(sum(self.cur.reserves.values()))}",
             Text(sparkline(list(self.reserve_hist)), style="cyan"),
         )
         for k in sorted(res):
-            t.add_row(f"  {k or '-'}", f"{res[k]:.1f}", f"{int(self.cur.reserves[k])}", "")
-        t.add_row(
+            add_row(t, f"  {k or '-'}", f"{res[k]:.1f}", f"{int(self.cur.reserves[k])}", Text())
+        add_row(
+            t,
             "release",
             f"{sum(rel.values()):.1f}",
             f"{int(sum(self.cur.releases.values()))}",
             Text(sparkline(list(self.release_hist)), style="magenta"),
         )
         for k in sorted(rel):
-            t.add_row(f"  {k or '-'}", f"{rel[k]:.1f}", f"{int(self.cur.releases[k])}", "")
+            add_row(t, f"  {k or '-'}", f"{rel[k]:.1f}", f"{int(self.cur.releases[k])}", Text())
         return t
 
 
@@ -335,12 +337,14 @@ def _ticks(interval: float) -> Iterator[float]:
         yield nxt
 
 
-def run_top(api: AdminApi, console: Console, interval: float, *, once: bool = False) -> None:
+def run_top(
+    client: Client, console: Console, interval: float, *, use_api: bool, once: bool = False
+) -> None:
     """Run the view until ``q``/Ctrl-C (or print one frame when ``once``)."""
     ascii_only = not (console.encoding or "").lower().startswith("utf")
-    view = TopView(api, interval, ascii_only=ascii_only)
+    view = TopView(client, interval, use_api=use_api, ascii_only=ascii_only)
     # Fail fast, with the usual one-line error, when the daemon is not there at all.
-    api.metrics_text()
+    client.metrics()
     view.scrape()
     if once:
         console.print(view.render())

@@ -1,6 +1,9 @@
-"""Sizes and bars for ``maasctl``: pure functions, no I/O.
+"""Sizes as people type and read them: one parser, one display. Pure: no I/O, no rich, no click.
 
-SIZE on the command line is a whole number of bytes, optionally with a unit::
+Used by ``maasctl`` (every SIZE argument) and by anything else that takes a size
+from a person (settings, config files), so a size means the same everywhere.
+
+A SIZE is a whole number of bytes, optionally with a unit::
 
     >>> parse_size("512MiB")
     536870912
@@ -23,18 +26,9 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-__all__ = [
-    "MAX_BYTES",
-    "SizeError",
-    "bar",
-    "format_percent",
-    "format_size",
-    "parse_size",
-    "usage_fraction",
-]
+from maasd.bounds import MAX_BYTES
 
-#: Sizes must stay below 2^63 (SPEC §4): the daemon stores them as int64.
-MAX_BYTES = (1 << 63) - 1
+__all__ = ["MAX_BYTES", "SizeError", "format_size", "parse_size"]
 
 _IEC = {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40, "pi": 1 << 50, "ei": 1 << 60}
 _SI = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "e": 10**18}
@@ -124,50 +118,3 @@ def format_size(n: int | float | None) -> str:
         # 1023.97 MiB rounds to "1024.0 MiB": say "1.0 GiB" instead.
         return f"{n / (scale * 1024):.1f} {_DISPLAY_UNITS[i + 1]}"
     return f"{text} {_DISPLAY_UNITS[i]}"
-
-
-def usage_fraction(used: int | float | None, total: int | float | None) -> float:
-    """``used / total``, 0 for an empty or unknown total, may exceed 1 (quota lowered below use)."""
-    used = used or 0
-    if not total or total <= 0:
-        return 1.0 if used > 0 else 0.0
-    return max(0.0, used / total)
-
-
-def format_percent(fraction: float) -> str:
-    """``0.425`` → ``' 42.5%'``-style text without padding: ``'42.5%'``."""
-    return f"{fraction * 100:.1f}%"
-
-
-_EIGHTHS = " ▏▎▍▌▋▊▉█"
-
-
-def bar(fraction: float, width: int = 20, *, ascii_only: bool = False) -> str:
-    """A usage bar of exactly ``width`` cells for ``fraction`` in [0, 1] (clamped).
-
-    Unicode uses eighth blocks for resolution and ``░`` for the empty part;
-    ``ascii_only`` draws ``#`` and ``.`` for terminals that cannot show them.
-    A non-zero fraction always shows at least a sliver, so that "a little"
-    never looks like "nothing".
-
-    >>> bar(0.5, 10)
-    '█████░░░░░'
-    >>> bar(0.5, 10, ascii_only=True)
-    '#####.....'
-    """
-    if width <= 0:
-        return ""
-    f = min(1.0, max(0.0, fraction))
-    if ascii_only:
-        full = round(f * width)
-        if f > 0 and full == 0:
-            full = 1
-        return "#" * full + "." * (width - full)
-    eighths = round(f * width * 8)
-    if f > 0 and eighths == 0:
-        eighths = 1
-    full, part = divmod(eighths, 8)
-    out = "█" * full
-    if part and full < width:
-        out += _EIGHTHS[part]
-    return out + "░" * (width - len(out))

@@ -1,0 +1,160 @@
+"""Who is calling, and whether they may: the guards of the REST API.
+
+litestar runs a route's guards before its ``before_request`` hook and before
+it reads a byte of the body, app layer first, handler layer last. So the /v1
+router's first guard, :func:`authenticated`, resolves the caller's key to a
+:class:`~maasd.models.Principal` (on the event loop when the key is known
+without I/O: the admin key, a remembered tenant key) and keeps it in the
+request's state; the role guards of a controller or handler,
+:func:`requires_admin` and :func:`requires_tenant`, then decide on that
+principal, still on the event loop. A request refused by a guard is answered
+401 or 403 without its body being read and without any service call.
+
+``GET /metrics`` has a guard of its own, :func:`may_read_metrics`: the admin
+key, the metrics key (good for nothing else), or anyone when the operator made
+the metrics public.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar, TypeVarTuple, cast
+
+import anyio.to_thread
+from anyio import CapacityLimiter
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+
+from maasd.api.health import Health
+from maasd.core import Service
+from maasd.errors import Forbidden
+from maasd.models import Principal
+
+__all__ = [
+    "STATE_KEY",
+    "ApiContext",
+    "Run",
+    "authenticated",
+    "bearer",
+    "may_read_metrics",
+    "metrics_digest",
+    "principal",
+    "requires_admin",
+    "requires_tenant",
+]
+
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
+
+#: Where the app keeps its :class:`ApiContext` (``app.state``).
+STATE_KEY = "maasd"
+
+
+class Run:
+    """``await run(fn, *args)``: ``fn(*args)`` in a worker thread, at most ``limiter`` at once.
+
+    Every service call goes through it: the service may prefault or scrub
+    gigabytes, or wait for the ledger, and the event loop must not.
+    """
+
+    def __init__(self, limiter: CapacityLimiter) -> None:
+        self.limiter = limiter
+
+    async def __call__(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+
+@dataclass(frozen=True)
+class ApiContext:
+    """What the guards and handlers of one app share."""
+
+    service: Service
+    run: Run
+    metrics_digest: bytes | None  # SHA-256 of the metrics key
+    metrics_public: bool
+    health: Health
+
+    def is_metrics_key(self, token: str | None) -> bool:
+        """Whether ``token`` is the metrics key, compared in constant time."""
+        if token is None or self.metrics_digest is None:
+            return False
+        return hmac.compare_digest(_digest(token), self.metrics_digest)
+
+    async def principal(self, token: str | None) -> Principal:
+        """The principal of ``token``; Unauthorized (401) for none, an unknown or revoked key."""
+        who = self.service.known_principal(token)  # the admin, or a remembered key: no I/O
+        if who is None:
+            who = await self.run(self.service.authenticate, token)
+        return who
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def metrics_digest(metrics_key: str | None) -> bytes | None:
+    return _digest(metrics_key) if metrics_key else None
+
+
+def context(connection: ASGIConnection[Any, Any, Any, Any]) -> ApiContext:
+    return cast(ApiContext, connection.app.state[STATE_KEY])
+
+
+def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, if there is one."""
+    header = connection.headers.get("authorization")
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
+def principal(request: ASGIConnection[Any, Any, Any, Any]) -> Principal:
+    """The caller, as :func:`authenticated` found it (the ``who`` dependency of /v1 handlers)."""
+    return cast(Principal, request.state.principal)
+
+
+async def authenticated(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """First guard of every /v1 route: a valid key, or 401 before anything else happens."""
+    ctx = context(connection)
+    token = bearer(connection)
+    if ctx.is_metrics_key(token):
+        raise Forbidden("the metrics key is good for GET /metrics only")
+    connection.state.principal = await ctx.principal(token)
+
+
+# The guards are coroutines although they do not await: litestar runs a plain
+# function guard in a worker thread, and these must decide on the event loop.
+
+
+async def requires_admin(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """Guard of admin routes: a tenant key gets 403 before any service call."""
+    Service.require_admin(principal(connection))
+
+
+async def requires_tenant(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """Guard of tenant-only routes: the admin key (which owns no buffers) gets 403."""
+    Service.require_tenant(principal(connection))
+
+
+async def may_read_metrics(
+    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+) -> None:
+    """Guard of ``GET /metrics``: public, the metrics key, or the admin key (SPEC §4)."""
+    ctx = context(connection)
+    if ctx.metrics_public:
+        return
+    token = bearer(connection)
+    if ctx.is_metrics_key(token):
+        return
+    if not (await ctx.principal(token)).is_admin:
+        raise Forbidden("GET /metrics needs the admin key or the metrics key")

@@ -1,0 +1,159 @@
+"""``maasctl status`` (pools, tenants and totals at a glance) and ``maasctl top`` (live)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import click
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from maasd.cli.maasctl.context import Ctx, pass_ctx, raw
+from maasd.cli.maasctl.formatting import add_row, kv_table, size, table, text, usage_bar
+from maasd.cli.maasctl.units import format_size
+from maasd.client import Forbidden, Pool, Tenant
+
+__all__ = ["status", "status_view", "top"]
+
+
+def _pools(pools: list[Pool], ascii_only: bool) -> Table:
+    pt = table("Pools")
+    pt.add_column("NAME", style="bold", no_wrap=True)
+    pt.add_column("NODE", justify="right")
+    pt.add_column("KIND", no_wrap=True)
+    pt.add_column("USE", no_wrap=True)
+    pt.add_column("USED", justify="right")
+    pt.add_column("CAPACITY", justify="right")
+    pt.add_column("BUFFERS", justify="right")
+    for p in pools:
+        add_row(
+            pt,
+            p.name,
+            p.numa_node,
+            f"{p.backing}/{p.persistence}",
+            usage_bar(p.used_bytes, p.capacity_bytes, ascii_only=ascii_only),
+            size(p.used_bytes),
+            size(p.capacity_bytes),
+            p.buffers,
+        )
+    if not pools:
+        add_row(pt, "(no pools)", *[Text()] * 6)
+    return pt
+
+
+def _tenants(tenants: list[Tenant], ascii_only: bool) -> Table:
+    tt = table("Tenants")
+    tt.add_column("NAME", style="bold", no_wrap=True)
+    tt.add_column("USE", no_wrap=True)
+    tt.add_column("USED", justify="right")
+    tt.add_column("QUOTA", justify="right")
+    tt.add_column("BUFFERS", justify="right")
+    for x in tenants:
+        add_row(
+            tt,
+            x.name,
+            usage_bar(x.used_bytes, x.quota_bytes, ascii_only=ascii_only),
+            size(x.used_bytes),
+            size(x.quota_bytes),
+            x.buffers,
+        )
+    if not tenants:
+        add_row(tt, "(no tenants)", *[Text()] * 4)
+    return tt
+
+
+def status_view(
+    pools: list[Pool], tenants: list[Tenant] | None, *, ascii_only: bool = False
+) -> Group:
+    """Pools with usage bars, tenants with quota bars, and totals."""
+    parts: list[RenderableType] = [_pools(pools, ascii_only)]
+    if tenants is not None:
+        parts += [Text(""), _tenants(tenants, ascii_only)]
+    cap = sum(p.capacity_bytes for p in pools)
+    used = sum(p.used_bytes for p in pools)
+    tot = kv_table()
+    add_row(tot, "capacity", f"{format_size(cap)} in {len(pools)} pool(s)")
+    add_row(
+        tot, "used", usage_bar(used, cap, ascii_only=ascii_only).append(f"  {format_size(used)}")
+    )
+    add_row(tot, "free", format_size(max(0, cap - used)))
+    add_row(tot, "buffers", sum(p.buffers for p in pools))
+    if tenants is not None:
+        quota = sum(t.quota_bytes for t in tenants)
+        ratio = f" ({quota / cap:.2f}x capacity)" if cap else ""
+        add_row(tot, "tenants", len(tenants))
+        add_row(tot, "quotas", f"{format_size(quota)}{ratio}")
+    parts += [Text(""), text("Totals", "bold"), tot]
+    return Group(*parts)
+
+
+@click.command()
+@pass_ctx
+def status(c: Ctx) -> None:
+    """Pools with usage bars, tenants with quota bars, and totals.
+
+    With --json: {"pools": GET /v1/pools, "tenants": GET /v1/tenants}
+    ("tenants" is null when the key may not list them).
+
+    \b
+    Example:
+      maasctl status
+    """
+    raw_tenants: Any = None
+    with c.client("any") as client:
+        with client.responses() as seen:
+            pools = client.pools()
+        raw_pools = raw(seen)
+        tenants: list[Tenant] | None
+        try:
+            with client.responses() as seen:
+                tenants = client.tenants()
+            raw_tenants = raw(seen)
+        except Forbidden:
+            tenants = None
+    c.emit(
+        {"pools": raw_pools, "tenants": raw_tenants},
+        lambda: status_view(pools, tenants, ascii_only=c.ascii_only),
+    )
+
+
+@click.command()
+@click.option(
+    "--interval",
+    "-n",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Refresh period.",
+)
+@click.option(
+    "--once", is_flag=True, help="Print one frame and exit (the default when not on a terminal)."
+)
+@pass_ctx
+def top(c: Ctx, interval: float, once: bool) -> None:
+    """A refreshing full-screen view of pools, tenants and reserve/release rates.
+
+    Built from GET /metrics (the admin key, MAASD_METRICS_KEY, or none with a daemon run
+    with --metrics-public); with a key that may list pools
+    and tenants it also shows names and quotas. Press q or Ctrl-C to quit.
+
+    \b
+    Example:
+      maasctl top --interval 0.5
+    """
+    from maasd.cli.maasctl.top import run_top
+
+    if c.as_json:
+        raise click.UsageError("top is interactive and has no --json; use `maasctl --json status`")
+    if not c.out.is_terminal:
+        once = True
+    has_key = bool(c.key or os.environ.get("MAASD_ADMIN_KEY") or os.environ.get("MAASD_KEY"))
+    with (
+        c.client("any" if has_key else "none") as client,
+        contextlib.suppress(KeyboardInterrupt),  # Ctrl-C is how one leaves top: exit 0
+    ):
+        run_top(client, c.out, interval, use_api=has_key, once=once)

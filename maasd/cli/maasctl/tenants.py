@@ -1,0 +1,181 @@
+"""``maasctl tenants``: list, show, create, re-quota and delete tenants."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import click
+from rich.console import Group, RenderableType
+from rich.table import Table
+
+from maasd.cli.maasctl.context import Ctx, complete, pass_ctx, raw, resolve_tenant
+from maasd.cli.maasctl.formatting import (
+    add_row,
+    done,
+    format_time,
+    ident,
+    kv_table,
+    note,
+    size,
+    table,
+    text,
+    usage_bar,
+)
+from maasd.cli.maasctl.units import SizeType, format_size
+from maasd.client import NewTenant, Tenant
+
+__all__ = ["KEY_ONCE", "tenant_detail", "tenants", "tenants_table"]
+
+KEY_ONCE = "The API key is shown only this once: store it now (MAASD_KEY)."
+
+
+def tenants_table(items: Iterable[Tenant], *, ascii_only: bool = False) -> Table:
+    t = table()
+    t.add_column("NAME", style="bold", no_wrap=True)
+    t.add_column("ID", overflow="fold")
+    t.add_column("QUOTA", justify="right")
+    t.add_column("USED", justify="right")
+    t.add_column("USE", no_wrap=True)
+    t.add_column("BUFFERS", justify="right")
+    t.add_column("CREATED", no_wrap=True)
+    for x in items:
+        add_row(
+            t,
+            x.name,
+            ident(x.id),
+            size(x.quota_bytes),
+            size(x.used_bytes),
+            usage_bar(x.used_bytes, x.quota_bytes, 12, ascii_only=ascii_only),
+            x.buffers,
+            format_time(x.created_at),
+        )
+    return t
+
+
+def tenant_detail(x: Tenant, *, ascii_only: bool = False) -> Table:
+    t = kv_table()
+    add_row(t, "name", x.name)
+    add_row(t, "tenant id", ident(x.id))
+    add_row(t, "quota", format_size(x.quota_bytes))
+    add_row(t, "used", format_size(x.used_bytes))
+    add_row(t, "use", usage_bar(x.used_bytes, x.quota_bytes, ascii_only=ascii_only))
+    add_row(t, "buffers", x.buffers)
+    if x.created_at is not None:
+        add_row(t, "created", format_time(x.created_at))
+    return t
+
+
+def tenant_created(x: NewTenant) -> Group:
+    """The new tenant and its first key, labelled apart: in the JSON ``id`` is the
+    tenant's and ``key_id`` the key's."""
+    t = kv_table()
+    add_row(t, "name", x.name)
+    add_row(t, "tenant id", ident(x.id))
+    add_row(t, "quota", format_size(x.quota_bytes))
+    if x.key_id is not None:
+        add_row(t, "key id", ident(x.key_id))
+    add_row(t, "api key", text(x.api_key, "bold yellow", overflow="fold"))
+    return Group(text("Tenant created.", "bold green"), t, note(KEY_ONCE))
+
+
+@click.group()
+def tenants() -> None:
+    """List, show, create, re-quota and delete tenants.
+
+    \b
+    Example:
+      maasctl tenants create acme --quota 8GiB
+    """
+
+
+@tenants.command("list")
+@pass_ctx
+def tenants_list(c: Ctx) -> None:
+    """All tenants with quota and use.
+
+    \b
+    Example:
+      maasctl tenants list
+    """
+    with c.client("admin") as client, client.responses() as seen:
+        items = client.tenants()
+    c.emit(
+        raw(seen),
+        lambda: tenants_table(items, ascii_only=c.ascii_only) if items else note("No tenants."),
+    )
+
+
+@tenants.command("create")
+@click.argument("name")
+@click.option("--quota", type=SizeType(allow_zero=True), required=True, help="Hard quota (SIZE).")
+@pass_ctx
+def tenants_create(c: Ctx, name: str, quota: int) -> None:
+    """Create a tenant; prints its first API key, shown only this once.
+
+    The answer names two ids: the tenant's ("tenant id"; "id" in --json) and its
+    first key's ("key id"; "key_id" in --json), which `maasctl keys revoke` takes.
+
+    \b
+    Examples:
+      maasctl tenants create acme --quota 8GiB
+      maasctl --json tenants create acme --quota 8GiB | jq -r .api_key
+    """
+    with c.client("admin") as client, client.responses() as seen:
+        t = client.create_tenant(name, quota)
+    c.emit(raw(seen), lambda: tenant_created(t))
+
+
+@tenants.command("show")
+@click.argument("tenant", metavar="NAME|ID", shell_complete=complete("tenant"))
+@pass_ctx
+def tenants_show(c: Ctx, tenant: str) -> None:
+    """One tenant: quota, use, buffers.
+
+    \b
+    Example:
+      maasctl tenants show acme
+    """
+    with c.client("admin") as client, client.responses() as seen:
+        t = resolve_tenant(client, tenant)
+    c.emit(raw(seen), lambda: tenant_detail(t, ascii_only=c.ascii_only))
+
+
+@tenants.command("set-quota")
+@click.argument("tenant", metavar="NAME|ID", shell_complete=complete("tenant"))
+@click.argument("size", metavar="SIZE", type=SizeType(allow_zero=True))
+@pass_ctx
+def tenants_set_quota(c: Ctx, tenant: str, size: int) -> None:
+    """Change a tenant's quota. Lowering it below current use is allowed: it blocks new reserves.
+
+    \b
+    Example:
+      maasctl tenants set-quota acme 16GiB
+    """
+    with c.client("admin") as client:
+        ref = resolve_tenant(client, tenant)
+        with client.responses() as seen:
+            t = client.set_quota(ref.id, size)
+
+    def human() -> RenderableType:
+        msg = done(f"Quota of {t.name} set to {format_size(size)}.")
+        return Group(msg, tenant_detail(t, ascii_only=c.ascii_only))
+
+    c.emit(raw(seen), human)
+
+
+@tenants.command("delete")
+@click.argument("tenant", metavar="NAME|ID", shell_complete=complete("tenant"))
+@pass_ctx
+def tenants_delete(c: Ctx, tenant: str) -> None:
+    """Delete a tenant: releases (scrubs) all its buffers and revokes its keys.
+
+    \b
+    Example:
+      maasctl tenants delete acme
+    """
+    with c.client("admin") as client:
+        t = resolve_tenant(client, tenant)
+        with client.responses() as seen:
+            client.delete_tenant(t.id)
+    extra = f"; {t.buffers} buffer(s) released and scrubbed" if t.buffers else ""
+    c.emit(raw(seen), lambda: done(f"Tenant {t.name} ({t.id}) deleted{extra}."))

@@ -1,0 +1,225 @@
+"""The core use-cases of maasd behind one facade: :class:`Service`.
+
+Called by the REST API, the socket broker, the CLI and tests; synchronous and
+thread-safe (the API runs it in worker threads, so prefaulting and scrubbing
+never block the event loop). The core owns the rules; the store owns the SQL,
+the allocator owns the memory.
+
+The facade only wires the parts together and forwards to them; each use-case
+lives in a module of its own:
+
+=======================  ===========================================================
+:mod:`.runtime`          live pools and regions, buffer locks, attachments, the use
+                         batch — and the lock order of all of them
+:mod:`.auth`             the admin key, tenant keys (cached), the role checks
+:mod:`.pools`            provisioning, creating and deleting pools; spill dirs
+:mod:`.placement`        (pure) which pools could hold a request, best first
+:mod:`.tenants`          tenants, quotas, keys, usage, the audit trail
+:mod:`.buffers`          reserve, release, pin, renew, checkpoint, lookup
+:mod:`.checkpoints`      writing a persistent buffer's checkpoint, restoring one
+:mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
+:mod:`.handles`          memfd handles for the broker, attachment counts
+:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer
+=======================  ===========================================================
+
+>>> svc = Service(settings); svc.start()                       # doctest: +SKIP
+>>> who = svc.authenticate(api_key)                             # doctest: +SKIP
+>>> buf = svc.reserve(who, ReserveSpec(size_bytes=1 << 20))     # doctest: +SKIP
+>>> svc.release(who, buf.id); svc.close()                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from maasd.allocator.reclaim import Reclaimer
+from maasd.core.auth import Auth, require_admin, require_tenant
+from maasd.core.buffers import Buffers
+from maasd.core.checkpoints import Checkpoints
+from maasd.core.handles import Handle, Handles
+from maasd.core.lifecycle import Lifecycle
+from maasd.core.pools import Pools
+from maasd.core.release import Releaser
+from maasd.core.runtime import Runtime
+from maasd.core.tenants import Tenants
+from maasd.metrics import LedgerCollector, Metrics
+from maasd.models import (
+    BufferInfo,
+    Checkpoint,
+    Event,
+    KeyInfo,
+    LookupHit,
+    NewTenant,
+    PoolInfo,
+    PoolSpec,
+    Principal,
+    ReserveSpec,
+    TenantInfo,
+    Usage,
+)
+from maasd.settings import Settings
+from maasd.store import Store
+from maasd.topology import Topology, discover
+
+__all__ = ["Handle", "Service"]
+
+
+class Service:
+    """One daemon's use-cases over its ledger, its pools and its regions.
+
+    ``runtime`` is the in-process state (read it in tests: ``svc.runtime.region(id)``,
+    ``svc.runtime.pending_uses()``); ``reclaimer`` gives released pages back in the
+    background (``svc.reclaimer.drain()`` waits for it).
+    """
+
+    def __init__(
+        self, settings: Settings, *, topology: Topology | None = None, store: Store | None = None
+    ) -> None:
+        self.settings = settings
+        self.host = settings.node_name
+        self.store = store or Store(settings.database_url)
+        self.metrics = Metrics()
+        self.runtime = Runtime()
+        self.reclaimer = Reclaimer()
+        self._auth = Auth(settings, self.store)
+        releaser = Releaser(self.store, self.runtime, self.metrics)
+        checkpoints = Checkpoints(self.store, self.runtime, self.metrics)
+        self._pools = Pools(
+            settings, self.store, self.runtime, releaser, self.reclaimer, topology or discover()
+        )
+        self._tenants = Tenants(self.store, self._auth, releaser)
+        self._buffers = Buffers(
+            settings, self.store, self.runtime, self._pools, releaser, checkpoints, self.metrics
+        )
+        self._handles = Handles(self.store, self.runtime, self.metrics)
+        self._life = Lifecycle(
+            settings,
+            self.store,
+            self.runtime,
+            self._auth,
+            self._pools,
+            self._buffers,
+            releaser,
+            checkpoints,
+            self.metrics,
+            self.reclaimer,
+        )
+        self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
+
+    @property
+    def topology(self) -> Topology:
+        """The host's NUMA topology as last discovered."""
+        return self._pools.topology
+
+    @property
+    def admin_key_generated(self) -> str | None:
+        """The admin key if :meth:`start` generated it (print it once), else ``None``."""
+        return self._auth.admin_key_generated
+
+    # -- lifecycle (maasd.core.lifecycle) ---------------------------------------------------
+
+    def start(self, *, reaper: bool = True) -> None:
+        self._life.start(reaper=reaper)
+
+    def close(self) -> None:
+        self._life.close()
+
+    def reap(self, now: float | None = None) -> int:
+        return self._life.reap(now)
+
+    def recover(self) -> dict[str, int]:
+        return self._life.recover()
+
+    def flush_uses(self) -> None:
+        self._buffers.flush_uses()
+
+    # -- authentication (maasd.core.auth) ---------------------------------------------------
+
+    def known_principal(self, token: str | None) -> Principal | None:
+        return self._auth.known_principal(token)
+
+    def authenticate(self, token: str | None) -> Principal:
+        return self._auth.authenticate(token)
+
+    require_admin = staticmethod(require_admin)
+    require_tenant = staticmethod(require_tenant)
+
+    # -- topology and pools (maasd.core.pools) ----------------------------------------------
+
+    def refresh_topology(self) -> Topology:
+        return self._pools.refresh_topology()
+
+    def pools(self) -> list[PoolInfo]:
+        return self._pools.infos()
+
+    def pool(self, id_or_name: str) -> PoolInfo:
+        return self._pools.info(id_or_name)
+
+    def create_pool(self, spec: PoolSpec) -> PoolInfo:
+        return self._pools.create(spec)
+
+    def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
+        self._pools.delete(id_or_name, drain=drain)
+
+    # -- tenants and keys (maasd.core.tenants) ----------------------------------------------
+
+    def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
+        return self._tenants.create(name, quota_bytes)
+
+    def tenants(self) -> list[TenantInfo]:
+        return self._tenants.infos()
+
+    def tenant(self, id_or_name: str) -> TenantInfo:
+        return self._tenants.info(id_or_name)
+
+    def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
+        return self._tenants.set_quota(id_or_name, quota_bytes)
+
+    def delete_tenant(self, id_or_name: str) -> None:
+        self._tenants.delete(id_or_name)
+
+    def issue_key(self, id_or_name: str) -> KeyInfo:
+        return self._tenants.issue_key(id_or_name)
+
+    def revoke_key(self, id_or_name: str, key_id: str) -> None:
+        self._tenants.revoke_key(id_or_name, key_id)
+
+    def events(
+        self, limit: int = 100, tenant: str | None = None, before: int | None = None
+    ) -> list[Event]:
+        return self._tenants.events(limit, tenant, before)
+
+    def usage(self, who: Principal) -> Usage:
+        return self._tenants.usage(who)
+
+    # -- buffers (maasd.core.buffers) -------------------------------------------------------
+
+    def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
+        return self._buffers.reserve(who, req)
+
+    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
+        return self._buffers.buffers(who, tenant_id)
+
+    def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
+        return self._buffers.buffer(who, buffer_id)
+
+    def pin(self, who: Principal, buffer_id: str, numa_node: int) -> BufferInfo:
+        return self._buffers.pin(who, buffer_id, numa_node)
+
+    def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> BufferInfo:
+        return self._buffers.renew(who, buffer_id, ttl_s)
+
+    def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
+        return self._buffers.checkpoint(who, buffer_id)
+
+    def release(self, who: Principal, buffer_id: str) -> None:
+        self._buffers.release(who, buffer_id)
+
+    def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:
+        return self._buffers.lookup(who, lookup_keys)
+
+    # -- data plane (maasd.core.handles) ----------------------------------------------------
+
+    def open_handle(self, who: Principal, buffer_id: str) -> Handle:
+        return self._handles.open(who, buffer_id)
+
+    def drop_handle(self, who: Principal, buffer_id: str) -> None:
+        self._handles.drop(who, buffer_id)

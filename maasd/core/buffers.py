@@ -1,0 +1,256 @@
+"""A tenant's buffers: reserve, look at, pin, renew, checkpoint, release, look up by key.
+
+A reserve records its intent in the ledger before it touches memory::
+
+    ledger: row ``reserving`` (quota, capacity, key and eviction decided atomically)
+    memory: victims scrubbed; region created, sealed, bound, prefaulted, placement checked
+    ledger: row ``live``
+
+so that a crash at any point leaves rows that recovery can settle.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import msgspec
+
+from maasd.allocator import Region
+from maasd.core import placement
+from maasd.core.auth import require_tenant
+from maasd.core.checkpoints import Checkpoints
+from maasd.core.pools import Pools
+from maasd.core.release import Releaser
+from maasd.core.runtime import LivePool, Runtime
+from maasd.errors import BackingError, NotFound, PoolExhausted, StateConflict
+from maasd.metrics import Metrics
+from maasd.models import BufferInfo, Checkpoint, LookupHit, Principal, ReserveSpec, rfc3339
+from maasd.settings import Settings
+from maasd.store import BufferRow, Store
+from maasd.tenancy import keys, leases
+
+__all__ = ["Buffers", "buffer_info"]
+
+
+def buffer_info(row: BufferRow, placed: dict[int, int] | None = None) -> BufferInfo:
+    """The API record of a buffer; ``placed`` is its measured pages per node, when counted."""
+    return BufferInfo(
+        id=row.id,
+        tenant_id=row.tenant_id,
+        pool_id=row.pool_id,
+        size_bytes=row.size_bytes,
+        numa_node=row.numa_node,
+        persistence=row.persistence,
+        label=row.label,
+        key=row.key,
+        evictable=row.evictable,
+        state=row.state,
+        created_at=rfc3339(row.created_at),
+        expires_at=rfc3339(row.expires_at),
+        placement=None if placed is None else {str(k): v for k, v in placed.items()},
+        checksum=row.checksum,
+    )
+
+
+class Buffers:
+    """The buffer use-cases of one daemon."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        runtime: Runtime,
+        pools: Pools,
+        releaser: Releaser,
+        checkpoints: Checkpoints,
+        metrics: Metrics,
+    ) -> None:
+        self._settings = settings
+        self._host = settings.node_name
+        self._store = store
+        self._runtime = runtime
+        self._pools = pools
+        self._releaser = releaser
+        self._checkpoints = checkpoints
+        self._metrics = metrics
+
+    # -- reserve ----------------------------------------------------------------------------
+
+    def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
+        """Reserve a buffer in ``req.pool`` (id or name), or in the best pool meeting the QoS.
+
+        Raises InvalidRequest (a lease beyond ``max_ttl_s``), QosUnmet/PlacementError/
+        TooLarge (never satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
+        """
+        tenant_id = require_tenant(who)
+        started = time.perf_counter()
+        try:
+            buf = self._reserve(tenant_id, req)
+        except Exception as e:
+            self._metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
+            raise
+        self._metrics.reserve_total.labels(outcome="granted").inc()
+        self._metrics.reserve_seconds.observe(time.perf_counter() - started)
+        return buf
+
+    def _reserve(self, tenant_id: str, req: ReserveSpec) -> BufferInfo:
+        now = time.time()
+        expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
+        candidates = self._candidates(req)
+        self.flush_uses()  # eviction picks by last use: let it see the latest attaches
+        last_error: Exception | None = None
+        for live in candidates:
+            row = BufferRow(
+                id=keys.new_id(),
+                tenant_id=tenant_id,
+                pool_id=live.row.id,
+                host=self._host,
+                size_bytes=live.pool.rounded(req.size_bytes),
+                numa_node=live.row.numa_node,
+                persistence=live.row.persistence,
+                label=req.label,
+                key=req.key,
+                evictable=req.evictable,
+                state="reserving",
+                created_at=now,
+                expires_at=expires,
+                last_used_at=now,
+                kind="buffer",
+            )
+            try:
+                victims = self._store.begin_reserve(row)
+            except PoolExhausted as e:  # this pool is full now: try the next one
+                last_error = e
+                continue
+            for victim in victims:
+                self._releaser.evict(victim)
+            try:
+                region = live.pool.reserve(row.size_bytes, name=f"maasd-{row.id[:8]}")
+            except PoolExhausted as e:  # the in-process guard disagreed with the ledger
+                self._store.finish_release(row.id, kind="reserve_failed")
+                last_error = e
+                continue
+            except BackingError as e:
+                self._store.finish_release(row.id, kind="reserve_failed")
+                if e.errno in (errno.ENOMEM, errno.ENOSPC):
+                    raise PoolExhausted(
+                        f"the kernel has no memory for {row.size_bytes} bytes on node "
+                        f"{row.numa_node} ({e.detail})"
+                    ) from e
+                raise
+            self._check_placement(row, live, region)
+            return self._go_live(row, region)
+        assert last_error is not None
+        raise last_error
+
+    def _candidates(self, req: ReserveSpec) -> list[LivePool]:
+        """The live pools that could hold the request, most free space first."""
+        live = (
+            [self._runtime.find_pool(req.pool)] if req.pool is not None else self._runtime.pools()
+        )
+        rows = placement.candidates([p.row for p in live], req, self._pools.topology.node_ids)
+        if len(rows) > 1:
+            usage = self._store.usage_by_pool(self._host)
+            rows = placement.by_free_space(rows, {k: v[0] for k, v in usage.items()})
+        by_id = {p.row.id: p for p in live}
+        return [by_id[row.id] for row in rows]
+
+    def _check_placement(self, row: BufferRow, live: LivePool, region: Region) -> None:
+        """Placement is measured, not assumed (SPEC §2.5): a sample of pages, ~30 µs."""
+        if not live.row.prefault:
+            return  # no pages yet: nothing to measure
+        try:
+            region.verify_node(sample=16)
+        except Exception:
+            live.pool.release(region)
+            self._store.finish_release(row.id, kind="reserve_failed")
+            raise
+
+    def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
+        self._runtime.add_region(row.id, region)
+        try:
+            self._store.set_state(row.id, "live")
+        except NotFound:
+            # Released while reserving (its tenant or pool was deleted meanwhile):
+            # the memory must not outlive its row.
+            self._releaser.drop_region(row)
+            raise
+        return buffer_info(msgspec.structs.replace(row, state="live"))
+
+    def flush_uses(self) -> None:
+        """Write the attach times gathered since the last flush (the LRU order) to the ledger.
+
+        An attach is on a worker's hot path; a synchronous commit there cost more
+        than the rest of the attach together. Uses are batched instead: written by
+        the reaper every interval, and before any reserve (which may evict by them).
+        """
+        uses = self._runtime.take_uses()
+        if uses:
+            self._store.touch_many(uses)
+
+    # -- the others -------------------------------------------------------------------------
+
+    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
+        """The caller's live buffers; the admin's: everyone's, or ``tenant_id``'s (id or name)."""
+        if not who.is_admin:
+            tenant_id = who.tenant_id
+        elif tenant_id is not None:
+            row = self._store.tenant(tenant_id)
+            if row is None:
+                raise NotFound(f"no tenant {tenant_id!r}")
+            tenant_id = row.id
+        return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
+
+    def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
+        """One buffer, with its ``placement`` as the kernel reports it now (pages per node)."""
+        row = self._own_row(who, buffer_id)
+        with self._runtime.buffer_lock(row.id):
+            region = self._runtime.region(row.id)
+            if region is None or region.closed:
+                return buffer_info(row)
+            return buffer_info(row, region.placement())
+
+    def pin(self, who: Principal, buffer_id: str, numa_node: int) -> BufferInfo:
+        """Bind and migrate the buffer's pages to ``numa_node``; return it with its measured placement."""
+        require_tenant(who)
+        row = self._own_row(who, buffer_id)
+        with self._runtime.buffer_lock(row.id):
+            placed = self._runtime.live_region(row.id).pin(numa_node, self._pools.topology.node_ids)
+        self._store.set_numa_node(row.id, numa_node)
+        return buffer_info(msgspec.structs.replace(row, numa_node=numa_node), placed)
+
+    def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> BufferInfo:
+        """Extend a live buffer's lease to ``ttl_s`` seconds from now (at most ``max_ttl_s``)."""
+        tenant_id = require_tenant(who)
+        expires = leases.expires_at(time.time(), ttl_s, self._settings.max_ttl_s)
+        return buffer_info(self._store.renew(buffer_id, tenant_id, expires))
+
+    def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
+        """Write a persistent buffer to its pool's spill dir; :class:`StateConflict` if volatile."""
+        require_tenant(who)
+        row = self._own_row(who, buffer_id)
+        if row.persistence != "persistent":
+            raise StateConflict("only buffers of persistent pools can be checkpointed")
+        return self._checkpoints.write(row)
+
+    def release(self, who: Principal, buffer_id: str) -> None:
+        """Scrub and free a buffer; every byte is zero before this returns."""
+        tenant_id = None if who.is_admin else who.tenant_id
+        row = self._store.mark_releasing(buffer_id, tenant_id, only_live=True)
+        self._releaser.release_row(row, reason="release", marked=True)
+
+    def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:
+        """The longest of ``lookup_keys`` (ordered short → long) with a live buffer here."""
+        tenant_id = require_tenant(who)
+        hit = self._store.lookup(tenant_id, lookup_keys, host=self._host)
+        if hit is None:
+            raise NotFound("no live buffer carries any of these keys")
+        return LookupHit(key=hit[0], buffer=buffer_info(hit[1]))
+
+    def _own_row(self, who: Principal, buffer_id: str) -> BufferRow:
+        """The buffer if ``who`` may see it (the admin sees all); :class:`NotFound` otherwise."""
+        row = self._store.buffer(buffer_id, None if who.is_admin else who.tenant_id)
+        if row is None:
+            raise NotFound(f"no buffer {buffer_id!r}")
+        return row

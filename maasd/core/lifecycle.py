@@ -1,0 +1,187 @@
+"""A daemon's life: start (migrate, recover, provision, reap), the reaper, close.
+
+Start, in order: the reclaimer thread; the ledger migrated to the newest
+schema; the admin key; the ledger's pools of this host made live;
+:meth:`Lifecycle.recover` settling what a previous run left; the configured
+pools the ledger lacks created; the reaper thread. Close undoes it: reaper
+stopped, uses flushed, persistent buffers checkpointed (volatile ones released,
+scrubbed), the reclaimer drained and stopped, the store closed.
+
+Recovery. Every change that touches memory records its intent in the ledger
+first (:mod:`maasd.core.buffers`, :mod:`maasd.core.release`), so a crash at any
+point leaves rows that :meth:`Lifecycle.recover` can settle: ``reserving``,
+``staged`` and ``releasing`` rows and volatile ``live`` rows of a previous run
+are released (their memory died with the process); persistent ``live`` rows
+are reloaded from their last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+
+from maasd.allocator.reclaim import Reclaimer
+from maasd.core.auth import Auth
+from maasd.core.buffers import Buffers
+from maasd.core.checkpoints import Checkpoints
+from maasd.core.pools import Pools
+from maasd.core.release import Releaser, remove_checkpoint
+from maasd.core.runtime import Runtime
+from maasd.metrics import Metrics
+from maasd.settings import Settings
+from maasd.store import BufferRow, Store
+
+__all__ = ["Lifecycle"]
+
+logger = logging.getLogger(__name__)
+
+
+class Lifecycle:
+    """Starts and stops one daemon's parts; owns the reaper and the reclaimer threads."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        runtime: Runtime,
+        auth: Auth,
+        pools: Pools,
+        buffers: Buffers,
+        releaser: Releaser,
+        checkpoints: Checkpoints,
+        metrics: Metrics,
+        reclaimer: Reclaimer,
+    ) -> None:
+        self._settings = settings
+        self._host = settings.node_name
+        self._store = store
+        self._runtime = runtime
+        self._auth = auth
+        self._pools = pools
+        self._buffers = buffers
+        self._releaser = releaser
+        self._checkpoints = checkpoints
+        self._metrics = metrics
+        #: Gives released pages back to the kernel in the background (started by start()).
+        self.reclaimer = reclaimer
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    def start(self, *, reaper: bool = True) -> None:
+        """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
+        os.makedirs(self._settings.data_dir, mode=0o700, exist_ok=True)
+        self.reclaimer.start()
+        self._store.upgrade()
+        self._auth.load_admin_key()
+        self._pools.load()
+        self.recover()
+        self._pools.provision()
+        if reaper:
+            self._reaper = threading.Thread(
+                target=self._reap_loop, name="maasd-reaper", daemon=True
+            )
+            self._reaper.start()
+
+    def close(self) -> None:
+        """Stop reaping; checkpoint persistent buffers, release volatile ones; close the store."""
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=10)
+        self._buffers.flush_uses()
+        for buffer_id in self._runtime.buffer_ids():
+            row = self._store.buffer(buffer_id, None)
+            if row is None:
+                continue
+            try:
+                if row.persistence == "persistent" and self._settings.checkpoint_on_shutdown:
+                    self._checkpoints.write(row)
+                    self._releaser.drop_region(row)
+                else:
+                    self._releaser.release_row(row, reason="shutdown")
+            except Exception:
+                logger.exception("shutdown: could not settle buffer %s", buffer_id)
+        self.reclaimer.stop()
+        self._store.dispose()
+
+    # -- the reaper -------------------------------------------------------------------------
+
+    def reap(self, now: float | None = None) -> int:
+        """Release every buffer of this host whose lease has ended. Returns how many."""
+        count = 0
+        now = time.time() if now is None else now
+        for row in self._store.expired(now, self._host):
+            # Compare-and-set: a lease renewed since the query above is left alone.
+            marked = self._store.mark_expired(row.id, now)
+            if marked is None:
+                continue
+            self._releaser.release_row(marked, reason="expire", marked=True)
+            self._metrics.reaped.inc()
+            count += 1
+        return count
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self._settings.reaper_interval_s):
+            try:
+                self._buffers.flush_uses()
+                self.reap()
+            except Exception:
+                logger.exception("reaper pass failed; retrying")
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    def recover(self) -> dict[str, int]:
+        """Settle the ledger with what exists after a (possibly unclean) stop.
+
+        ``reserving``/``staged``/``releasing`` rows and volatile ``live`` rows lost
+        their memory with the old process: released. Persistent ``live`` rows are
+        reloaded from their checkpoint (checksum verified); without a usable
+        checkpoint they are released too. Checkpoint files no row refers to are
+        removed. Meant for :meth:`start`, before serving; buffers this process
+        already holds are left alone.
+        """
+        counts: Counter[str] = Counter()
+        keep: set[str] = set()
+        for row in self._store.buffers_on_host(self._host):
+            outcome = self._recover_row(row)
+            if outcome != "released":
+                keep.add(os.path.realpath(row.checkpoint_path or ""))
+            if outcome != "ours":
+                counts[outcome] += 1
+        counts["orphans"] += self._remove_orphans(keep)
+        found = {k: v for k, v in counts.items() if v}
+        if found:
+            logger.info("recovered ledger: %s", found)
+        return found
+
+    def _recover_row(self, row: BufferRow) -> str:
+        """Settle one row: ``"ours"`` (already held), ``"restored"`` or ``"released"``."""
+        live = self._runtime.pool(row.pool_id)
+        if row.state == "live" and self._runtime.region(row.id) is not None:
+            return "ours"  # a second pass
+        if row.state == "live" and row.persistence == "persistent" and live is not None:
+            region = self._checkpoints.restore(row, live)
+            if region is not None:
+                live.pool.adopt(region.size)
+                self._runtime.add_region(row.id, region)
+                return "restored"
+        self._store.finish_release(row.id, kind="recover")
+        remove_checkpoint(row)
+        return "released"
+
+    def _remove_orphans(self, keep: set[str]) -> int:
+        """Remove checkpoint files (and half-written ones) of spill dirs that no row names."""
+        removed = 0
+        for live in self._runtime.pools():
+            spill = live.row.spill_dir
+            if spill and os.path.isdir(spill):
+                for entry in os.scandir(spill):
+                    if (
+                        entry.name.endswith((".ckpt", ".ckpt.tmp"))
+                        and os.path.realpath(entry.path) not in keep
+                    ):
+                        os.unlink(entry.path)
+                        removed += 1
+        return removed

@@ -1,0 +1,224 @@
+"""Pools of this host: loading them, provisioning the configured ones, creating, deleting.
+
+A pool exists twice: as a ledger row (the authority, shared with other hosts
+through PostgreSQL) and as an in-process :class:`~maasd.allocator.Pool` (the
+allocator that accounts its capacity), held together as a
+:class:`~maasd.core.runtime.LivePool`. Persistent pools also own a spill
+directory for their checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from maasd.allocator import Pool
+from maasd.allocator.reclaim import Reclaimer
+from maasd.bounds import MAX_BYTES
+from maasd.core.release import Releaser
+from maasd.core.runtime import LivePool, Runtime
+from maasd.errors import InvalidRequest, PlacementError, StateConflict, TooLarge
+from maasd.models import PoolInfo, PoolSpec
+from maasd.settings import Settings, default_pools
+from maasd.store import ACCOUNTED_STATES, PoolRow, Store
+from maasd.tenancy import keys
+from maasd.topology import Topology, discover
+
+__all__ = ["Pools", "pool_info"]
+
+logger = logging.getLogger(__name__)
+
+
+def pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
+    """The API record of a pool; ``used`` is ``(used_bytes, buffers)``."""
+    return PoolInfo(
+        id=row.id,
+        name=row.name,
+        numa_node=row.numa_node,
+        backing=row.backing,
+        persistence=row.persistence,
+        latency_us=row.latency_us,
+        capacity_bytes=row.capacity_bytes,
+        used_bytes=used[0],
+        free_bytes=row.capacity_bytes - used[0],
+        page_bytes=row.page_bytes,
+        prefault=row.prefault,
+        scrub=row.scrub,
+        buffers=used[1],
+    )
+
+
+class Pools:
+    """The pools of this host (``settings.node_name``) and the host's topology."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        runtime: Runtime,
+        releaser: Releaser,
+        reclaimer: Reclaimer,
+        topology: Topology,
+    ) -> None:
+        self._settings = settings
+        self._host = settings.node_name
+        self._store = store
+        self._runtime = runtime
+        self._releaser = releaser
+        self._reclaimer = reclaimer
+        #: The NUMA topology as last discovered.
+        self.topology = topology
+
+    def refresh_topology(self) -> Topology:
+        """Discover the topology again (free memory changes) and keep it."""
+        self.topology = discover()
+        return self.topology
+
+    # -- start ------------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Make the ledger's pools of this host live (before recovery adopts their buffers)."""
+        for row in self._store.pools(self._host):
+            self._runtime.add_pool(LivePool(row, self._make_pool(row)))
+
+    def provision(self) -> None:
+        """Create the configured pools (or the default ones) that the ledger lacks.
+
+        A pool already in the ledger keeps the ledger's properties — it has live
+        buffers bound to them — and a difference from the configuration is logged.
+        """
+        wanted = self._settings.pools or default_pools(
+            self.topology, self._settings.default_pool_bytes
+        )
+        existing = {live.row.name: live.row for live in self._runtime.pools()}
+        for spec in wanted:
+            have = existing.get(spec.name)
+            if have is None:
+                self.create(spec)
+            elif (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
+                spec.numa_node,
+                spec.backing,
+                spec.persistence,
+                spec.latency_us,
+                spec.scrub,
+            ) or have.capacity_bytes < spec.capacity_bytes:
+                logger.warning(
+                    "pool %s in the ledger differs from its configuration; keeping "
+                    "the ledger's (delete the pool with drain to recreate it)",
+                    spec.name,
+                )
+
+    def _make_pool(self, row: PoolRow) -> Pool:
+        return Pool(
+            row.name,
+            numa_node=row.numa_node,
+            capacity=row.capacity_bytes,
+            backing=row.backing,
+            persistence=row.persistence,
+            latency_us=row.latency_us,
+            prefault=row.prefault,
+            scrub=row.scrub,
+            page_bytes=row.page_bytes,
+            reclaimer=self._reclaimer,
+        )
+
+    # -- use-cases --------------------------------------------------------------------------
+
+    def infos(self) -> list[PoolInfo]:
+        """Every pool of this host with its usage, by name."""
+        usage = self._store.usage_by_pool(self._host)
+        return sorted(
+            (pool_info(live.row, usage.get(live.row.id, (0, 0))) for live in self._runtime.pools()),
+            key=lambda p: p.name,
+        )
+
+    def info(self, id_or_name: str) -> PoolInfo:
+        """One pool with its usage; :class:`NotFound` if this host has no such pool."""
+        live = self._runtime.find_pool(id_or_name)
+        return pool_info(live.row, self._store.usage_by_pool(self._host).get(live.row.id, (0, 0)))
+
+    def create(self, spec: PoolSpec) -> PoolInfo:
+        """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
+        if spec.numa_node not in self.topology.node_ids:
+            raise PlacementError(
+                f"NUMA node {spec.numa_node} does not exist on this host "
+                f"(nodes: {sorted(self.topology.node_ids)})"
+            )
+        page = (
+            self.topology.hugepage_bytes if spec.backing == "hugetlb" else self.topology.page_bytes
+        )
+        if spec.capacity_bytes > MAX_BYTES - page:  # it must stay below 2^63 rounded up
+            raise InvalidRequest("capacity_bytes rounded up to whole pages must stay below 2^63")
+        capacity = -(-spec.capacity_bytes // page) * page
+        node = self.refresh_topology().node(spec.numa_node)
+        if (
+            spec.backing == "memfd"
+            and node is not None
+            and node.mem_total_bytes
+            and capacity > node.mem_total_bytes
+        ):
+            raise TooLarge(
+                f"capacity {capacity} bytes exceeds node {spec.numa_node}'s memory "
+                f"({node.mem_total_bytes} bytes)"
+            )
+        row = PoolRow(
+            id=keys.new_id(),
+            host=self._host,
+            name=spec.name,
+            numa_node=spec.numa_node,
+            backing=spec.backing,
+            persistence=spec.persistence,
+            latency_us=spec.latency_us,
+            capacity_bytes=capacity,
+            page_bytes=page,
+            prefault=spec.prefault,
+            scrub=spec.scrub,
+            spill_dir=self._spill_dir(spec),
+            created_at=time.time(),
+        )
+        pool = self._make_pool(row)
+        self._store.add_pool(row)
+        self._runtime.add_pool(LivePool(row, pool))
+        logger.info(
+            "pool %s created: node %d, %d bytes, %s/%s",
+            row.name,
+            row.numa_node,
+            capacity,
+            row.backing,
+            row.persistence,
+        )
+        return pool_info(row, (0, 0))
+
+    def _spill_dir(self, spec: PoolSpec) -> str | None:
+        """The directory a persistent pool checkpoints to, made and checked; ``None`` otherwise."""
+        if spec.persistence != "persistent":
+            if spec.spill_dir is not None:
+                raise InvalidRequest("spill_dir only applies to persistent pools")
+            return None
+        if spec.spill_dir is not None and not os.path.isabs(spec.spill_dir):
+            raise InvalidRequest(f"spill_dir must be an absolute path, got {spec.spill_dir!r}")
+        spill_dir = spec.spill_dir or os.path.join(self._settings.data_dir, "spill", spec.name)
+        try:
+            os.makedirs(spill_dir, mode=0o700, exist_ok=True)
+            if not os.access(spill_dir, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            raise InvalidRequest(
+                f"spill_dir {spill_dir!r} cannot be used: {e.strerror or e}"
+            ) from e
+        return spill_dir
+
+    def delete(self, id_or_name: str, *, drain: bool = False) -> None:
+        """Delete an empty pool; with ``drain`` release (scrub) its buffers first."""
+        live = self._runtime.find_pool(id_or_name)
+        rows = self._store.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES)
+        if rows and not drain:
+            raise StateConflict(
+                f"pool {live.row.name} holds {len(rows)} buffer(s); "
+                "release them or delete with drain=true"
+            )
+        for row in rows:
+            self._releaser.release_row(row, reason="pool_drain")
+        self._store.delete_pool(live.row.id)
+        self._runtime.remove_pool(live.row.id)

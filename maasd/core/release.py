@@ -1,0 +1,94 @@
+"""Releasing a buffer: ledger ``releasing``, memory scrubbed and freed, row deleted.
+
+Every path that ends a buffer goes through :class:`Releaser` — a tenant's
+DELETE, lease expiry, eviction, a tenant's or a pool's deletion, shutdown — so
+that each one records its intent first and scrubs before it says done
+(SPEC §2.4)::
+
+    ledger: row ``releasing`` (its key given up)
+    memory: region taken out (after any checkpoint or pin of it), scrubbed, closed
+    ledger: row deleted, event recorded
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from maasd.core.runtime import Runtime
+from maasd.metrics import Metrics
+from maasd.store import BufferRow, Store
+
+__all__ = ["Releaser", "remove_checkpoint"]
+
+
+def remove_checkpoint(row: BufferRow) -> None:
+    """Remove the checkpoint file ``row`` names, if any (gone already is fine)."""
+    if row.checkpoint_path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(row.checkpoint_path)
+
+
+class Releaser:
+    """Ends buffers: their ledger rows, their memory, their checkpoint files."""
+
+    def __init__(self, store: Store, runtime: Runtime, metrics: Metrics) -> None:
+        self._store = store
+        self._runtime = runtime
+        self._metrics = metrics
+
+    def release_row(self, row: BufferRow, *, reason: str, marked: bool = False) -> None:
+        """Mark releasing (unless ``marked`` already), scrub and free, delete the row.
+
+        ``reason`` is the event's kind (``release``, ``expire``, ``tenant_delete`` …).
+        """
+        if not marked:
+            row = self._store.mark_releasing(row.id, None)
+        self.release_memory(row, reason=reason)
+        self._store.finish_release(row.id, kind=reason)
+
+    def release_memory(self, row: BufferRow, *, reason: str) -> None:
+        """Scrub and free a buffer's memory and remove its checkpoint files; the row stays."""
+        started = time.perf_counter()
+        self.drop_region(row)
+        if row.persistence == "persistent":
+            # A checkpoint that finished while drop_region waited for it may have
+            # recorded a newer file than the one ``row`` names: remove both.
+            latest = self._store.buffer(row.id, None)
+            if latest is not None and latest.checkpoint_path != row.checkpoint_path:
+                remove_checkpoint(latest)
+            remove_checkpoint(row)
+        self._metrics.release_total.labels(reason=reason).inc()
+        self._metrics.release_seconds.observe(time.perf_counter() - started)
+
+    def drop_region(self, row: BufferRow) -> None:
+        """Take the buffer's region out of this process, scrub it and give its bytes back.
+
+        Waits for a checkpoint or pin of the buffer in progress. Every byte of the
+        region reads zero when this returns. Nothing to do if this process holds
+        no region for it.
+        """
+        region = self._runtime.take_region(row.id)
+        if region is None:
+            return
+        live = self._runtime.pool(row.pool_id)
+        mode = live.row.scrub if live is not None else "zero"
+        started = time.perf_counter()
+        if live is not None:
+            live.pool.release(region)
+        else:  # its pool is gone (deleted meanwhile): scrub it here
+            region.scrub(mode)
+            region.close()
+        self._metrics.scrub_bytes.labels(mode=mode).inc(region.size)
+        self._metrics.scrub_seconds.labels(mode=mode).inc(time.perf_counter() - started)
+
+    def evict(self, victim: BufferRow) -> None:
+        """Finish an eviction a reserve chose (its row is ``releasing`` already).
+
+        The reserve recorded the ``evict`` event, naming itself as the cause, in
+        its own transaction: deleting the row records nothing more.
+        """
+        self.release_memory(victim, reason="evict")
+        self._store.finish_release(victim.id, kind="evict", record=False)
+        self._metrics.evictions.inc()

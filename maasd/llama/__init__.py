@@ -1,0 +1,68 @@
+"""Prefix KV-cache sharing for llama.cpp workers through maasd buffers.
+
+``KVStore`` saves the KV state of one llama.cpp sequence into a keyed, evictable
+maasd buffer and restores the longest saved prefix of a prompt from it, so a
+worker that sees a prompt another worker of the same tenant (and model) already
+evaluated skips recomputing it::
+
+    from maasd.client import Client, Worker
+    from maasd.llama import KVStore
+
+    with Worker(socket_path, api_key) as w:
+        kv = KVStore(Client(url, api_key), w, llm)      # llm: llama_cpp.Llama
+        n = kv.restore(0, prompt, max_tokens=len(prompt) - 1)  # 0 on a miss
+        llm.eval(prompt[n:])                            # only the rest
+        kv.save(0, prompt)                              # share it (409 → existing)
+
+The package, by layer (each imports only those before it, and the client)::
+
+    format    entry header, keys, fingerprints: pure (numpy; xxhash on first checksum)
+    adapter   LlamaSeqAdapter: every access to llama-cpp-python's internals
+    entries   Entries: what the store needs of the daemon; RestEntries does it today
+    store     KVStore
+    build     checks that the installed llama.cpp build runs on this machine
+
+Importing ``maasd.llama`` needs neither llama-cpp-python nor xxhash; a ``KVStore``
+needs both (the ``llama`` extra). See ``docs/llama.md``.
+"""
+
+from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
+from maasd.llama.format import (
+    DEFAULT_CHUNK,
+    FORMAT_VERSION,
+    MAGIC,
+    Header,
+    HeaderError,
+    chunk_keys,
+    file_identity,
+    fingerprint_of,
+    header_len_for,
+    pack_header,
+    parse_header,
+    save_prefix_len,
+    state_checksum,
+    state_crc,
+    write_header,
+)
+from maasd.llama.store import KVStore
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Header",
+    "HeaderError",
+    "KVStore",
+    "LlamaSeqAdapter",
+    "chunk_keys",
+    "file_identity",
+    "fingerprint_of",
+    "header_len_for",
+    "model_fingerprint",
+    "pack_header",
+    "parse_header",
+    "save_prefix_len",
+    "state_checksum",
+    "state_crc",
+    "write_header",
+]

@@ -1,0 +1,172 @@
+"""Every access maasd makes to llama-cpp-python's internals, in one place.
+
+``Llama`` exposes neither its ``llama_context *`` nor its ``llama_model *`` publicly,
+and llama.cpp renamed the sequence-memory calls (``llama_kv_self_seq_*`` →
+``llama_memory_seq_*``, llama-cpp-python 0.3.10). :class:`LlamaSeqAdapter` wraps one
+``llama_cpp.Llama`` and is the only code in maasd that reads ``model._ctx.ctx``,
+``model._model.model``, ``input_ids``/``n_tokens`` or calls the ``llama_state_seq_*``
+bindings, so a new llama-cpp-python release is adapted here and nowhere else.
+maasd pins llama-cpp-python (``scripts/llama-version``) for that reason.
+
+Example::
+
+    seq = LlamaSeqAdapter(llm)
+    n = seq.state_size(0)
+    written = seq.state_get(0, buf, offset=4096, size=n)   # into a numpy uint8 array
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from maasd.llama.format import FORMAT_VERSION, file_identity, fingerprint_of
+
+__all__ = ["LlamaSeqAdapter", "model_fingerprint"]
+
+
+class LlamaSeqAdapter:
+    """The sequence-level llama.cpp calls maasd needs, for one ``llama_cpp.Llama``.
+
+    Not thread-safe (neither is the llama.cpp context).
+    """
+
+    def __init__(self, model: Any) -> None:
+        import llama_cpp
+
+        self._ll = llama_cpp
+        self.model = model
+        # Sequence memory calls: llama_memory_seq_* on a llama_memory_t since 0.3.10,
+        # llama_kv_self_seq_* on the context before.
+        self._memory_api = hasattr(llama_cpp, "llama_memory_seq_rm")
+
+    @property
+    def _ctx(self) -> Any:
+        return self.model._ctx.ctx
+
+    @property
+    def _model(self) -> Any:
+        return self.model._model.model
+
+    # -- sequences
+
+    def n_seq_max(self) -> int:
+        return int(self._ll.llama_n_seq_max(self._ctx))
+
+    def check_seq(self, seq_id: int) -> None:
+        """Raise ``ValueError`` for a ``seq_id`` llama.cpp would GGML_ASSERT (abort) on."""
+        n_seq = self.n_seq_max()
+        if not 0 <= seq_id < n_seq:
+            raise ValueError(f"seq_id {seq_id} outside 0..{n_seq - 1} (n_seq_max)")
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        """Drop positions ``[p0, p1)`` of ``seq_id`` (-1: open end) → whether llama.cpp could."""
+        ll = self._ll
+        if self._memory_api:
+            return bool(ll.llama_memory_seq_rm(ll.llama_get_memory(self._ctx), seq_id, p0, p1))
+        return bool(ll.llama_kv_self_seq_rm(self._ctx, seq_id, p0, p1))
+
+    def seq_pos_range(self, seq_id: int) -> tuple[int, int]:
+        """(first, last) position ``seq_id`` holds; (-1, -1) when empty.
+
+        The first is > 0 when a sliding-window cache has dropped the start.
+        """
+        ll = self._ll
+        if self._memory_api:
+            mem = ll.llama_get_memory(self._ctx)
+            return int(ll.llama_memory_seq_pos_min(mem, seq_id)), int(
+                ll.llama_memory_seq_pos_max(mem, seq_id)
+            )
+        return int(ll.llama_kv_self_seq_pos_min(self._ctx, seq_id)), int(
+            ll.llama_kv_self_seq_pos_max(self._ctx, seq_id)
+        )
+
+    def n_swa(self) -> int:
+        """The model's sliding-window size (0: no sliding window)."""
+        if not hasattr(self._ll, "llama_model_n_swa"):
+            return 0
+        return int(self._ll.llama_model_n_swa(self._model))
+
+    # -- state, straight from and into caller memory
+
+    def state_size(self, seq_id: int) -> int:
+        return int(self._ll.llama_state_seq_get_size(self._ctx, seq_id))
+
+    def state_get(self, seq_id: int, dst: npt.NDArray[np.uint8], offset: int, size: int) -> int:
+        """llama.cpp writes ``seq_id``'s state into ``dst[offset:offset + size]`` → bytes written."""
+        ptr = self._ptr(dst, offset, size)
+        return int(self._ll.llama_state_seq_get_data(self._ctx, ptr, size, seq_id))
+
+    def state_set(self, seq_id: int, src: npt.NDArray[np.uint8], offset: int, size: int) -> int:
+        """llama.cpp reads a state from ``src[offset:offset + size]`` → bytes read (0: refused)."""
+        ptr = self._ptr(src, offset, size)
+        return int(self._ll.llama_state_seq_set_data(self._ctx, ptr, size, seq_id))
+
+    @staticmethod
+    def _ptr(arr: npt.NDArray[np.uint8], offset: int, size: int) -> Any:
+        # llama.cpp trusts the size it is given: a range past the array would be a segfault.
+        if arr.dtype != np.uint8 or arr.ndim != 1 or not arr.flags.c_contiguous:
+            raise ValueError("state memory must be a contiguous 1-d uint8 array")
+        if offset < 0 or size < 0 or offset + size > arr.size:
+            raise ValueError(f"[{offset}, {offset + size}) outside an array of {arr.size} B")
+        return ctypes.cast(arr.ctypes.data + offset, ctypes.POINTER(ctypes.c_uint8))
+
+    # -- the Llama object's own bookkeeping
+
+    def set_tokens(self, seq_id: int, tokens: npt.NDArray[np.int32], n: int) -> None:
+        """Tell the ``Llama`` object that sequence 0 holds ``tokens[:n]``.
+
+        ``Llama.eval()``/``generate()`` track sequence 0 in ``n_tokens``/``input_ids``;
+        other sequences have no such bookkeeping.
+        """
+        if seq_id == 0 and hasattr(self.model, "input_ids"):
+            self.model.n_tokens = n
+            self.model.input_ids[:n] = tokens[:n]
+
+    def clear(self, seq_id: int) -> None:
+        """Empty ``seq_id`` (cache and bookkeeping)."""
+        self.seq_rm(seq_id, -1, -1)
+        self.set_tokens(seq_id, np.empty(0, np.int32), 0)
+
+    def last_logits(self) -> npt.NDArray[np.float32]:
+        """A copy of the logits of the last evaluated token."""
+        ptr = self._ll.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab(),)).copy()
+
+    # -- identity
+
+    def fingerprint_parts(self) -> dict[str, Any]:
+        """What makes KV states of this model incompatible (see :func:`model_fingerprint`)."""
+        ll, mp, model = self._ll, self._model, self.model
+        vocab = ll.llama_model_get_vocab(mp)
+        cparams = getattr(model, "context_params", None)
+        path = getattr(model, "model_path", None)
+        return {
+            "format": FORMAT_VERSION,
+            "llama_cpp": getattr(ll, "__version__", "?"),
+            "arch": model.metadata.get("general.architecture"),
+            "n_layer": ll.llama_model_n_layer(mp),
+            "n_embd": ll.llama_model_n_embd(mp),
+            "n_head": ll.llama_model_n_head(mp),
+            "n_head_kv": ll.llama_model_n_head_kv(mp),
+            "n_vocab": ll.llama_vocab_n_tokens(vocab),
+            "n_params": ll.llama_model_n_params(mp),
+            "type_k": getattr(cparams, "type_k", None),
+            "type_v": getattr(cparams, "type_v", None),
+            "metadata": dict(model.metadata),
+            "file": file_identity(path) if path and os.path.exists(path) else None,
+        }
+
+
+def model_fingerprint(model: Any) -> str:
+    """Fingerprint of what makes KV states of ``model`` (a ``llama_cpp.Llama``) incompatible.
+
+    Architecture and shape (layers, embedding, heads, KV heads, vocab), the KV cache
+    types, the GGUF metadata, the model file's identity and the llama.cpp build —
+    but not ``n_ctx``: states move between contexts of different sizes.
+    """
+    return fingerprint_of(LlamaSeqAdapter(model).fingerprint_parts())

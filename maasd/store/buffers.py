@@ -1,0 +1,431 @@
+"""Buffers and their leases in the ledger, and the reserve transaction.
+
+A buffer's life in the ledger::
+
+    begin_reserve ─> reserving ─ set_state ─> live ─ mark_releasing/mark_expired ─> releasing
+                                                                   finish_release ─> (deleted)
+
+Eviction marks its victims ``releasing`` inside the reserve transaction that
+needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import sqlalchemy as sa
+from sqlalchemy import (
+    Connection,
+    and_,
+    bindparam,
+    delete,
+    exists,
+    insert,
+    or_,
+    select,
+    true,
+    update,
+)
+
+from maasd.errors import (
+    DuplicateKey,
+    InvalidRequest,
+    NotFound,
+    PoolExhausted,
+    QuotaExceeded,
+    StateConflict,
+    TooLarge,
+)
+from maasd.store import schema
+from maasd.store.base import Connections, used, violation
+from maasd.store.events import buffer_event, ins_event
+from maasd.store.eviction import Candidate, Choice, choose_victims
+from maasd.store.pools import lock_pool
+from maasd.store.records import BufferRow
+from maasd.store.tenants import lock_tenant
+
+__all__ = ["BufferRepo", "ReserveRepo"]
+
+_B = schema.buffers
+
+# ------------------------------------------------------------- reserve
+_ins_buffer = insert(_B)
+# Inside the reserve transaction, after the locks: both usages and the key check
+# in one statement (one round trip).
+_reserve_facts = select(
+    select(used(_B.c.size_bytes)).where(_B.c.tenant_id == bindparam("p_tenant")).scalar_subquery(),
+    select(used(_B.c.size_bytes)).where(_B.c.pool_id == bindparam("p_pool")).scalar_subquery(),
+    exists().where(
+        _B.c.tenant_id == bindparam("p_tenant"),
+        _B.c.host == bindparam("p_host"),
+        _B.c.key == bindparam("p_key"),
+    ),
+)
+_evictable = and_(_B.c.evictable == true(), _B.c.state == "live")
+_lru = (_B.c.last_used_at, _B.c.id)
+_cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes)
+_sel_cand_tenant = (
+    select(*_cand_cols).where(_evictable, _B.c.tenant_id == bindparam("p_tenant")).order_by(*_lru)
+)
+_sel_cand_pool = (
+    select(*_cand_cols).where(_evictable, _B.c.pool_id == bindparam("p_pool")).order_by(*_lru)
+)
+_sel_cand_both = (
+    select(*_cand_cols)
+    .where(
+        _evictable,
+        or_(_B.c.tenant_id == bindparam("p_tenant"), _B.c.pool_id == bindparam("p_pool")),
+    )
+    .order_by(*_lru)
+)
+# Releasing clears the key: it is unique among reserving/live buffers only, so a
+# tenant may store the same key again while the old buffer is being scrubbed.
+_mark_victims = (
+    update(_B)
+    .where(_B.c.id.in_(bindparam("ids", expanding=True)), _B.c.state == "live")
+    .values(state="releasing", key=None)
+    .returning(*_B.c)
+)
+_del_buffer = delete(_B).where(_B.c.id == bindparam("p_id")).returning(*_B.c)
+
+# ------------------------------------------------------------- buffers
+_sel_buffer = select(_B).where(_B.c.id == bindparam("p_id"))
+_sel_own_buffer = _sel_buffer.where(_B.c.tenant_id == bindparam("p_tenant"))
+_mark_releasing = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"))
+    .values(state="releasing", key=None)
+    .returning(*_B.c)
+)
+_mark_own_releasing = _mark_releasing.where(_B.c.tenant_id == bindparam("p_tenant"))
+_mark_live_releasing = _mark_releasing.where(_B.c.state == "live")
+_mark_own_live_releasing = _mark_own_releasing.where(_B.c.state == "live")
+_mark_expired = _mark_releasing.where(_B.c.state == "live", _B.c.expires_at < bindparam("now"))
+_set_state = update(_B).where(_B.c.id == bindparam("p_id")).values(state=bindparam("p_state"))
+_renew = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"), _B.c.state == "live")
+    .values(expires_at=bindparam("p_expires"))
+    .returning(*_B.c)
+)
+_renew_own = _renew.where(_B.c.tenant_id == bindparam("p_tenant"))
+_touch = update(_B).where(_B.c.id == bindparam("p_id")).values(last_used_at=bindparam("now"))
+_set_numa = update(_B).where(_B.c.id == bindparam("p_id")).values(numa_node=bindparam("node"))
+_set_checkpoint = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"))
+    .values(
+        checkpoint_path=bindparam("path"),
+        checksum=bindparam("p_checksum"),
+        checkpointed_at=bindparam("now"),
+    )
+)
+_on_host = _B.c.host == bindparam("host")
+_sel_expired = (
+    select(_B)
+    .where(_B.c.state == "live", _B.c.expires_at < bindparam("now"), _on_host)
+    .order_by(_B.c.expires_at)
+)
+_sel_on_host = select(_B).where(_on_host).order_by(_B.c.created_at, _B.c.id)
+_sel_lookup = select(_B).where(
+    _B.c.tenant_id == bindparam("p_tenant"),
+    _B.c.state == "live",
+    _B.c.key.in_(bindparam("keys", expanding=True)),
+)
+_sel_lookup_host = _sel_lookup.where(_on_host)
+
+
+def _is_key_clash(what: str) -> bool:
+    return "uq_buffers_tenant_id_host_key" in what or "buffers.key" in what
+
+
+def _check_state(state: str) -> None:
+    if state not in schema.BUFFER_STATES:
+        raise InvalidRequest(f"unknown buffer state {state!r}")
+
+
+class ReserveRepo(Connections):
+    """Admitting a buffer (quota, capacity, key, eviction: one transaction) and deleting it."""
+
+    def begin_reserve(self, row: BufferRow, *, quota_check: bool = True) -> list[BufferRow]:
+        """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
+
+        In one write transaction: lock the tenant and pool rows; refuse a key
+        the tenant already uses on this host (:class:`DuplicateKey`); sum the
+        tenant's and the pool's usage; if ``row`` does not fit the quota (unless
+        ``quota_check`` is false) or the pool's capacity, choose victims
+        (:func:`~maasd.store.eviction.choose_victims`): **evictable live**
+        buffers, least recently used first — the tenant's own for a quota
+        shortfall, any tenant's in this pool for a capacity shortfall. If they
+        cannot close the shortfalls, raise :class:`QuotaExceeded` (quota) or
+        :class:`PoolExhausted` (capacity) and change nothing. Otherwise mark the
+        victims ``releasing``, insert ``row``, record one ``evict`` event per
+        victim (naming this reserve) and the ``reserve`` event, and commit.
+
+        Returns the victims (state ``releasing``): the caller scrubs each and
+        calls :meth:`finish_release` with ``record=False`` (their event is
+        written here). The caller checks that ``row`` is smaller than the pool
+        (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
+        """
+        if row.state != "reserving":
+            row = msgspec.structs.replace(row, state="reserving")
+        if row.size_bytes <= 0:  # a size ≤ 0 would let the sums below undercount
+            raise InvalidRequest(f"size_bytes must be > 0, got {row.size_bytes}")
+        try:
+            with self._writing() as conn:
+                victims = self._admit(conn, row, quota_check)
+                conn.execute(_ins_buffer, msgspec.structs.asdict(row))
+                events = [
+                    buffer_event("evict", row.created_at, v, detail=f"for {row.id}")
+                    for v in victims
+                ]
+                events.append(buffer_event("reserve", row.created_at, row))
+                conn.execute(ins_event, events)
+        except sa.exc.IntegrityError as exc:
+            kind, message = violation(exc)
+            if kind == "unique" and _is_key_clash(message):
+                raise DuplicateKey(f"a buffer with key {row.key!r} already exists") from exc
+            if kind == "foreign_key":
+                raise NotFound("tenant or pool not found") from exc
+            raise StateConflict(f"buffer {row.id} conflicts with the ledger: {message}") from exc
+        return victims
+
+    def _admit(self, conn: Connection, row: BufferRow, quota_check: bool) -> list[BufferRow]:
+        """Inside the reserve transaction: lock, check, and mark the victims if it must."""
+        # Lock order is always tenant, then pool: no deadlock between reserves.
+        t = conn.execute(lock_tenant, {"p_id": row.tenant_id}).first()
+        if t is None:
+            raise NotFound(f"tenant {row.tenant_id} not found")
+        p: Any = conn.execute(lock_pool, {"p_id": row.pool_id}).first()
+        if p is None:
+            raise NotFound(f"pool {row.pool_id} not found")
+        quota, (capacity, pool_name) = t[0], p
+        size = row.size_bytes
+        if size > capacity:
+            raise TooLarge(
+                f"{size} bytes exceed pool {pool_name!r}'s whole capacity of {capacity} bytes"
+            )
+        params = {
+            "p_tenant": row.tenant_id,
+            "p_pool": row.pool_id,
+            "p_host": row.host,
+            "p_key": row.key,
+        }
+        tenant_used, pool_used, dup = conn.execute(_reserve_facts, params).one()
+        if dup:
+            raise DuplicateKey(f"a buffer with key {row.key!r} already exists")
+        need_t = tenant_used + size - quota if quota_check else 0
+        need_p = pool_used + size - capacity
+        if need_t <= 0 and need_p <= 0:
+            return []
+        if need_t > 0 and need_p > 0:
+            stmt = _sel_cand_both
+        elif need_t > 0:
+            stmt = _sel_cand_tenant
+        else:
+            stmt = _sel_cand_pool
+        candidates = (Candidate(*c) for c in conn.execute(stmt, params))
+        choice = choose_victims(
+            candidates,
+            tenant_id=row.tenant_id,
+            pool_id=row.pool_id,
+            quota_short=need_t,
+            capacity_short=need_p,
+        )
+        if choice.unmet == "quota":
+            raise QuotaExceeded(
+                f"tenant {row.tenant_id} uses {tenant_used} of its {quota} bytes quota; "
+                f"{size} more bytes do not fit" + _even_after(choice.freed_quota)
+            )
+        if choice.unmet == "capacity":
+            raise PoolExhausted(
+                f"pool {pool_name!r} has {max(capacity - pool_used, 0)} of {capacity} bytes free; "
+                f"{size} bytes requested" + _even_after(choice.freed_capacity)
+            )
+        return self._mark_victims(conn, choice)
+
+    @staticmethod
+    def _mark_victims(conn: Connection, choice: Choice) -> list[BufferRow]:
+        order = {cid: i for i, cid in enumerate(choice.ids)}
+        result: Any = conn.execute(_mark_victims, {"ids": list(choice.ids)})
+        marked = [BufferRow(*r) for r in result]
+        marked.sort(key=lambda v: order[v.id])
+        return marked
+
+    def finish_release(
+        self,
+        buffer_id: str,
+        kind: str = "release",
+        *,
+        now: float | None = None,
+        detail: str | None = None,
+        record: bool = True,
+    ) -> BufferRow | None:
+        """Delete a buffer's row (its memory is scrubbed) and record a ``kind`` event.
+
+        ``record=False`` records nothing: for a victim of an eviction, whose
+        ``evict`` event the reserve that caused it wrote already. Returns the
+        deleted row, or ``None`` if there was none (already finished).
+        """
+        with self._writing() as conn:
+            r: Any = conn.execute(_del_buffer, {"p_id": buffer_id}).first()
+            if r is None:
+                return None
+            row = BufferRow(*r)
+            if record:
+                at = time.time() if now is None else now
+                conn.execute(ins_event, buffer_event(kind, at, row, detail))
+        return row
+
+
+def _even_after(freed: int) -> str:
+    return f", even after evicting {freed} evictable bytes" if freed else ""
+
+
+class BufferRepo(Connections):
+    """Reading buffers, changing their state, lease, placement and checkpoint."""
+
+    def set_state(self, buffer_id: str, state: str) -> None:
+        """Set a buffer's state (``releasing`` also clears its key). :class:`NotFound` if unknown."""
+        _check_state(state)
+        if state == "releasing":
+            self.mark_releasing(buffer_id, None)
+            return
+        if self._single_count(_set_state, {"p_id": buffer_id, "p_state": state}) == 0:
+            raise NotFound(f"buffer {buffer_id} not found")
+
+    def mark_releasing(
+        self, buffer_id: str, tenant_id: str | None, *, only_live: bool = False
+    ) -> BufferRow:
+        """Mark a buffer ``releasing`` (clearing its key) and return it.
+
+        ``tenant_id=None`` acts as the admin. Unknown or foreign ids raise
+        :class:`NotFound`. By default a buffer already releasing is returned
+        again (idempotent, so the daemon's own clean-ups can finish another's
+        work); ``only_live=True`` — a caller's DELETE — claims only a ``live``
+        buffer, so of two concurrent releases exactly one succeeds and the
+        other finds the buffer gone.
+        """
+        params = {"p_id": buffer_id}
+        if tenant_id is None:
+            stmt = _mark_live_releasing if only_live else _mark_releasing
+        else:
+            stmt = _mark_own_live_releasing if only_live else _mark_own_releasing
+            params["p_tenant"] = tenant_id
+        row = self._single_first(stmt, params)
+        if row is None:
+            raise NotFound(f"buffer {buffer_id} not found")
+        return BufferRow(*row)
+
+    def mark_expired(self, buffer_id: str, now: float) -> BufferRow | None:
+        """Mark a buffer ``releasing`` only if it is live and its lease ended before ``now``.
+
+        The reaper's compare-and-set: a lease renewed between :meth:`expired`
+        and this call is left alone (``None``), as is a buffer someone else is
+        already releasing.
+        """
+        row = self._single_first(_mark_expired, {"p_id": buffer_id, "now": now})
+        return None if row is None else BufferRow(*row)
+
+    def buffer(self, buffer_id: str, tenant_id: str | None = None) -> BufferRow | None:
+        """A buffer by id; with ``tenant_id``, only if it is that tenant's (foreign → ``None``)."""
+        if tenant_id is None:
+            row = self._read_first(_sel_buffer, {"p_id": buffer_id})
+        else:
+            row = self._read_first(_sel_own_buffer, {"p_id": buffer_id, "p_tenant": tenant_id})
+        return None if row is None else BufferRow(*row)
+
+    def buffers(
+        self,
+        tenant_id: str | None = None,
+        pool_id: str | None = None,
+        states: Iterable[str] | None = ("live",),
+        *,
+        host: str | None = None,
+    ) -> list[BufferRow]:
+        """Buffers filtered by tenant, pool, states (``None`` = all) and host; oldest first."""
+        stmt = select(_B)
+        params: dict[str, Any] = {}
+        if tenant_id is not None:
+            stmt = stmt.where(_B.c.tenant_id == bindparam("p_tenant"))
+            params["p_tenant"] = tenant_id
+        if pool_id is not None:
+            stmt = stmt.where(_B.c.pool_id == bindparam("p_pool"))
+            params["p_pool"] = pool_id
+        if states is not None:
+            wanted = list(states)
+            for s in wanted:
+                _check_state(s)
+            stmt = stmt.where(_B.c.state.in_(bindparam("states", expanding=True)))
+            params["states"] = wanted
+        if host is not None:
+            stmt = stmt.where(_on_host)
+            params["host"] = host
+        stmt = stmt.order_by(_B.c.created_at, _B.c.id)
+        return [BufferRow(*r) for r in self._read_rows(stmt, params)]
+
+    def renew(self, buffer_id: str, tenant_id: str | None, expires_at: float) -> BufferRow:
+        """Set a live buffer's lease end. :class:`NotFound` if unknown, foreign or not live."""
+        if tenant_id is None:
+            row = self._single_first(_renew, {"p_id": buffer_id, "p_expires": expires_at})
+        else:
+            row = self._single_first(
+                _renew_own, {"p_id": buffer_id, "p_tenant": tenant_id, "p_expires": expires_at}
+            )
+        if row is None:
+            raise NotFound(f"buffer {buffer_id} not found")
+        return BufferRow(*row)
+
+    def touch_many(self, uses: dict[str, float]) -> None:
+        """Record uses (attach, lookup hit; ``buffer_id → when``) in one transaction.
+
+        A use moves the buffer to the back of the LRU order that eviction follows.
+        """
+        if uses:
+            with self._writing() as conn:
+                conn.execute(_touch, [{"p_id": b, "now": t} for b, t in uses.items()])
+
+    def set_numa_node(self, buffer_id: str, node: int) -> None:
+        """Record the node a buffer's pages were pinned to. :class:`NotFound` if unknown."""
+        if self._single_count(_set_numa, {"p_id": buffer_id, "node": node}) == 0:
+            raise NotFound(f"buffer {buffer_id} not found")
+
+    def set_checkpoint(self, buffer_id: str, path: str, checksum: str, now: float) -> None:
+        """Record a written checkpoint (file and checksum). :class:`NotFound` if unknown."""
+        params = {"p_id": buffer_id, "path": path, "p_checksum": checksum, "now": now}
+        if self._single_count(_set_checkpoint, params) == 0:
+            raise NotFound(f"buffer {buffer_id} not found")
+
+    def expired(self, now: float, host: str) -> list[BufferRow]:
+        """Live buffers of ``host`` whose lease ended before ``now``, earliest first."""
+        return [BufferRow(*r) for r in self._read_rows(_sel_expired, {"now": now, "host": host})]
+
+    def lookup(
+        self, tenant_id: str, keys: Sequence[str], *, host: str | None = None
+    ) -> tuple[str, BufferRow] | None:
+        """The last key of ``keys`` (ordered short → long) with a live buffer of this tenant.
+
+        One query for all keys. ``host`` restricts the hit to buffers held in
+        that host's memory (a worker can only map local memory).
+        """
+        if not keys:
+            return None
+        params: dict[str, Any] = {"p_tenant": tenant_id, "keys": list(dict.fromkeys(keys))}
+        stmt = _sel_lookup
+        if host is not None:
+            stmt = _sel_lookup_host
+            params["host"] = host
+        rows = self._read_rows(stmt, params)
+        if not rows:
+            return None
+        rank = {k: i for i, k in enumerate(keys)}
+        best = max((BufferRow(*r) for r in rows), key=lambda b: rank[b.key or ""])
+        assert best.key is not None
+        return best.key, best
+
+    def buffers_on_host(self, host: str) -> list[BufferRow]:
+        """Every buffer (all states) held by ``host`` — the input of crash recovery."""
+        return [BufferRow(*r) for r in self._read_rows(_sel_on_host, {"host": host})]

@@ -1,0 +1,173 @@
+"""Tenants and their API keys in the ledger. Tenants are global: shared by every host."""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+from sqlalchemy import bindparam, delete, func, insert, or_, select, update
+
+from maasd.errors import InvalidRequest, NotFound, StateConflict
+from maasd.store import schema
+from maasd.store.base import Connections, used, violation
+from maasd.store.events import event, ins_event
+from maasd.store.records import KeyRow, TenantRow
+
+__all__ = ["TenantRepo", "lock_tenant"]
+
+_T = schema.tenants
+_K = schema.api_keys
+_B = schema.buffers
+
+# Tenants
+_tenant_with_usage = select(_T, used(_B.c.size_bytes), func.count(_B.c.id)).select_from(
+    _T.outerjoin(_B, _B.c.tenant_id == _T.c.id)
+)
+_sel_tenant = _tenant_with_usage.where(
+    or_(_T.c.id == bindparam("ref"), _T.c.name == bindparam("ref"))
+).group_by(_T.c.id)
+_sel_tenants = _tenant_with_usage.group_by(_T.c.id).order_by(_T.c.name)
+#: Lock a tenant's row (PostgreSQL) and read what a reserve decides by.
+lock_tenant = select(_T.c.quota_bytes).where(_T.c.id == bindparam("p_id")).with_for_update()
+_set_quota = update(_T).where(_T.c.id == bindparam("p_id")).values(quota_bytes=bindparam("quota"))
+_del_tenant = delete(_T).where(_T.c.id == bindparam("p_id"))
+_count_tenant_buffers = (
+    select(func.count()).select_from(_B).where(_B.c.tenant_id == bindparam("p_id"))
+)
+
+# Keys
+_ins_key = insert(_K)
+_sel_key_by_digest = (
+    select(_K)
+    .select_from(_K.join(_T, _T.c.id == _K.c.tenant_id))
+    .where(_K.c.digest == bindparam("digest"), _K.c.revoked_at.is_(None))
+)
+_revoke_key = (
+    update(_K)
+    .where(
+        _K.c.id == bindparam("key_id"),
+        _K.c.tenant_id == bindparam("p_tenant"),
+        _K.c.revoked_at.is_(None),
+    )
+    .values(revoked_at=bindparam("now"))
+)
+_revoke_keys = (
+    update(_K)
+    .where(_K.c.tenant_id == bindparam("p_tenant"), _K.c.revoked_at.is_(None))
+    .values(revoked_at=bindparam("now"))
+)
+_del_keys = delete(_K).where(_K.c.tenant_id == bindparam("p_id"))
+
+
+class TenantRepo(Connections):
+    """Tenants (with their usage) and their keys."""
+
+    # ------------------------------------------------------------ tenants
+    def add_tenant(self, id: str, name: str, quota_bytes: int, now: float) -> TenantRow:
+        """Insert a tenant. A taken name raises :class:`StateConflict`."""
+        try:
+            with self._writing() as conn:
+                conn.execute(
+                    insert(_T),
+                    {"id": id, "name": name, "quota_bytes": quota_bytes, "created_at": now},
+                )
+                conn.execute(
+                    ins_event,
+                    event("tenant_create", now, tenant_id=id, nbytes=quota_bytes, detail=name),
+                )
+        except sa.exc.IntegrityError as exc:
+            raise StateConflict(f"a tenant named {name!r} already exists") from exc
+        return TenantRow(id=id, name=name, quota_bytes=quota_bytes, created_at=now)
+
+    def tenant(self, id_or_name: str) -> TenantRow | None:
+        """The tenant with this id (preferred) or name, with its usage; else ``None``."""
+        rows = self._read_rows(_sel_tenant, {"ref": id_or_name})
+        if not rows:
+            return None
+        best = next((r for r in rows if r.id == id_or_name), rows[0])
+        return TenantRow(*best)
+
+    def tenants(self) -> list[TenantRow]:
+        """Every tenant with its usage, by name."""
+        return [TenantRow(*r) for r in self._read_rows(_sel_tenants)]
+
+    def set_quota(self, tenant_id: str, quota_bytes: int) -> None:
+        """Change a tenant's quota (lowering it below use is allowed). :class:`NotFound` if unknown."""
+        if quota_bytes < 0:  # a negative quota would make every usage sum "over quota"
+            raise InvalidRequest(f"quota_bytes must be ≥ 0, got {quota_bytes}")
+        with self._writing() as conn:
+            if conn.execute(_set_quota, {"p_id": tenant_id, "quota": quota_bytes}).rowcount == 0:
+                raise NotFound(f"tenant {tenant_id} not found")
+            conn.execute(
+                ins_event,
+                event("quota_set", time.time(), tenant_id=tenant_id, nbytes=quota_bytes),
+            )
+
+    def delete_tenant(self, tenant_id: str, *, now: float | None = None) -> None:
+        """Delete a tenant and its keys.
+
+        The caller releases (scrubs) its buffers first; if any remain this
+        raises :class:`StateConflict` and changes nothing. :class:`NotFound` if unknown.
+        """
+        with self._writing() as conn:
+            if conn.execute(lock_tenant, {"p_id": tenant_id}).first() is None:
+                raise NotFound(f"tenant {tenant_id} not found")
+            n = conn.execute(_count_tenant_buffers, {"p_id": tenant_id}).scalar_one()
+            if n:
+                raise StateConflict(f"tenant {tenant_id} still holds {n} buffer(s)")
+            conn.execute(_del_keys, {"p_id": tenant_id})
+            conn.execute(_del_tenant, {"p_id": tenant_id})
+            conn.execute(
+                ins_event,
+                event("tenant_delete", time.time() if now is None else now, tenant_id=tenant_id),
+            )
+
+    # --------------------------------------------------------------- keys
+    def add_key(self, id: str, tenant_id: str, digest: bytes, now: float) -> KeyRow:
+        """Store a key's digest for a tenant. :class:`NotFound` if the tenant is unknown."""
+        row = KeyRow(id=id, tenant_id=tenant_id, digest=digest, created_at=now)
+        try:
+            with self._writing() as conn:
+                conn.execute(
+                    _ins_key,
+                    {
+                        "id": id,
+                        "tenant_id": tenant_id,
+                        "digest": digest,
+                        "created_at": now,
+                        "revoked_at": None,
+                    },
+                )
+                conn.execute(ins_event, event("key_issue", now, tenant_id=tenant_id, detail=id))
+        except sa.exc.IntegrityError as exc:
+            kind, message = violation(exc)
+            if kind == "foreign_key":
+                raise NotFound(f"tenant {tenant_id} not found") from exc
+            raise StateConflict(f"key already exists: {message}") from exc
+        return row
+
+    def key_by_digest(self, digest: bytes) -> KeyRow | None:
+        """The unrevoked key with this digest whose tenant exists, else ``None``."""
+        row = self._read_first(_sel_key_by_digest, {"digest": digest})
+        return None if row is None else KeyRow(*row)
+
+    def revoke_key(self, tenant_id: str, key_id: str, *, now: float | None = None) -> bool:
+        """Revoke one key of this tenant. ``False`` if unknown, foreign or already revoked."""
+        at = time.time() if now is None else now
+        params = {"p_tenant": tenant_id, "key_id": key_id, "now": at}
+        with self._writing() as conn:
+            if conn.execute(_revoke_key, params).rowcount != 1:
+                return False
+            conn.execute(ins_event, event("key_revoke", at, tenant_id=tenant_id, detail=key_id))
+        return True
+
+    def revoke_keys(self, tenant_id: str, *, now: float | None = None) -> int:
+        """Revoke every live key of a tenant; returns how many were revoked."""
+        at = time.time() if now is None else now
+        with self._writing() as conn:
+            n = int(conn.execute(_revoke_keys, {"p_tenant": tenant_id, "now": at}).rowcount)
+            if n:
+                conn.execute(
+                    ins_event, event("key_revoke", at, tenant_id=tenant_id, detail=f"all {n}")
+                )
+        return n

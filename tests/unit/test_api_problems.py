@@ -1,0 +1,167 @@
+"""One error contract, in-process: every error answer is a problem of ``maasd.problems``.
+
+The slugs the HTTP layer adds (404 and 405 for routing, 413, a bad parameter),
+the bland 500 of a bug, ``/healthz`` with a failing component, and the slug
+table of docs/api.md checked against :func:`maasd.problems.catalog`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
+
+from inprocess_api import ADMIN_KEY, auth, client, service, snapshot
+from maasd.api.health import of_checks
+from maasd.core import Service
+from maasd.problems import PROBLEM_BASE, catalog
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    s = service(tmp_path_factory.mktemp("api-problems"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def api(svc: Service) -> Iterator[TestClient[Litestar]]:
+    with client(svc) as c:
+        c.headers.update(auth(ADMIN_KEY))
+        yield c
+
+
+def problem(r, status: int, slug: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/problem+json"), r.headers
+    body = r.json()
+    assert body["type"] == PROBLEM_BASE + slug, body
+    assert body["status"] == status
+    assert body["title"]
+    assert body["detail"]
+    return body
+
+
+@pytest.mark.parametrize("path", ["/nope", "/v1", "/v1/nope", "/v2/pools", "/v1/pools/node0/nope"])
+def test_unknown_route_is_a_404_problem(api: TestClient[Litestar], path: str) -> None:
+    body = problem(api.get(path), 404, "not-found")
+    assert path in body["detail"]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("PUT", "/v1/usage", {"GET"}),
+        ("DELETE", "/healthz", {"GET"}),
+        ("POST", "/metrics", {"GET"}),
+        ("PATCH", "/v1/pools", {"GET", "POST"}),
+        ("GET", "/v1/reserve", {"POST"}),
+    ],
+)
+def test_wrong_method_is_a_405_problem(
+    api: TestClient[Litestar], method: str, path: str, allowed: set[str]
+) -> None:
+    r = api.request(method, path)
+    body = problem(r, 405, "method-not-allowed")
+    assert method in body["detail"]
+    assert allowed <= {m.strip() for m in r.headers["allow"].split(",")}
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("DELETE", "/v1/pools/node0?drain=maybe"),
+        ("DELETE", "/v1/pools/node0?drain=2"),
+        ("GET", "/v1/events?limit=0"),
+        ("GET", "/v1/events?limit=1001"),
+        ("GET", "/v1/events?limit=ten"),
+        ("GET", "/v1/events?before=-1"),
+        ("GET", "/v1/events?before=99999999999999999999999"),
+    ],
+)
+def test_bad_query_parameter_is_invalid_request(
+    svc: Service, api: TestClient[Litestar], method: str, path: str
+) -> None:
+    before = snapshot(svc)
+    name = path.split("?")[1].split("=")[0]
+    body = problem(api.request(method, path), 400, "invalid-request")
+    assert name in body["detail"]
+    assert snapshot(svc) == before
+
+
+def test_413_is_body_too_large(api: TestClient[Litestar]) -> None:
+    r = api.post("/v1/pools", content=b"{" + b" " * (65 * 1024) + b"}")
+    problem(r, 413, "body-too-large")
+
+
+def test_a_bug_is_a_bland_500(
+    svc: Service, api: TestClient[Litestar], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("internal state: /secret/path")
+
+    monkeypatch.setattr(svc, "pools", broken)
+    body = problem(api.get("/v1/pools"), 500, "internal")
+    assert "secret" not in body["detail"]
+
+
+def test_healthz_ok_is_exactly_the_spec_answer(svc: Service) -> None:
+    for health in (None, of_checks({}), of_checks({"broker": lambda: (True, "")})):
+        with client(svc, health=health) as c:
+            r = c.get("/healthz")
+        assert r.status_code == 200
+        assert r.json() == {"status": "ok"}
+
+
+def test_healthz_with_a_failing_component_is_503(svc: Service) -> None:
+    def raises() -> tuple[bool, str]:
+        raise OSError("no such thread")
+
+    health = of_checks(
+        {
+            "broker": lambda: (False, "accept thread is not running"),
+            "ledger": lambda: (True, ""),
+            "flaky": raises,
+        }
+    )
+    with client(svc, health=health) as c:
+        r = c.get("/healthz")
+        assert r.status_code == 503
+        assert r.headers["content-type"].startswith("application/json")
+        assert r.json() == {
+            "status": "unhealthy",
+            "components": {
+                "broker": {"ok": False, "detail": "accept thread is not running"},
+                "ledger": {"ok": True, "detail": "ok"},
+                "flaky": {
+                    "ok": False,
+                    "detail": "the check itself failed: OSError: no such thread",
+                },
+            },
+        }
+        # the API itself still answers
+        assert c.get("/v1/pools", headers=auth(ADMIN_KEY)).status_code == 200
+
+
+def test_healthz_when_the_health_callable_itself_raises(svc: Service) -> None:
+    def broken() -> dict[str, tuple[bool, str]]:
+        raise RuntimeError("boom")
+
+    with client(svc, health=broken) as c:
+        r = c.get("/healthz")
+    assert r.status_code == 503
+    assert r.json()["components"]["health"]["ok"] is False
+
+
+def test_docs_slug_table_is_the_catalog() -> None:
+    """docs/api.md lists every problem ``type`` the daemon can answer, with its status."""
+    rows = re.findall(r"^\| (\d{3}) \| `([a-z-]+)` \|", DOCS.read_text(), flags=re.MULTILINE)
+    documented = {slug: int(status) for status, slug in rows}
+    assert len(rows) == len(documented), "a slug is listed twice"
+    assert documented == catalog()

@@ -1,0 +1,234 @@
+"""A buffer's life in the ledger after its reserve (maasd.store.buffers.BufferRepo):
+states, visibility, leases, uses, lookups, a host's buffers."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger import (
+    HOST,
+    NOW,
+    buf,
+    make_pool,
+    make_tenant,
+    reserve_live,
+    state_of,
+)
+from maasd.errors import InvalidRequest, NotFound
+from maasd.store import Store
+from maasd.tenancy.keys import new_id
+
+#: The ``store`` fixture (SQLite, and PostgreSQL when configured) and its helpers.
+pytest_plugins = ("ledger",)
+
+
+def test_release_cycle(store: Store) -> None:
+    pool = make_pool(store)
+    a, b = make_tenant(store, "a"), make_tenant(store, "b")
+    row = reserve_live(store, buf(a, pool, 100, key="k"))
+    with pytest.raises(NotFound):
+        store.mark_releasing(row.id, b.id)  # foreign
+    with pytest.raises(NotFound):
+        store.mark_releasing(new_id(), a.id)  # unknown
+    assert store.buffer(row.id, a.id) is not None
+    first = store.mark_releasing(row.id, a.id)
+    again = store.mark_releasing(row.id, a.id)  # idempotent
+    assert first == again
+    assert first.state == "releasing"
+    assert store.mark_releasing(row.id, None).id == row.id  # admin
+    gone = store.finish_release(row.id, "release")
+    assert gone is not None
+    assert gone.id == row.id
+    assert store.finish_release(row.id) is None
+    assert store.buffer(row.id) is None
+    ev = store.events(1)[0]
+    assert (ev.kind, ev.buffer_id, ev.bytes, ev.tenant_id) == ("release", row.id, 100, a.id)
+    tenant = store.tenant(a.id)
+    assert tenant is not None
+    assert tenant.used_bytes == 0
+
+
+def test_set_state(store: Store) -> None:
+    pool, t = make_pool(store), make_tenant(store)
+    row = buf(t, pool, 10, key="k")
+    store.begin_reserve(row)
+    assert store.buffers() == []  # default: live only
+    store.set_state(row.id, "live")
+    assert [b.id for b in store.buffers()] == [row.id]
+    store.set_state(row.id, "releasing")
+    got = store.buffer(row.id)
+    assert got is not None
+    assert got.state == "releasing"
+    assert got.key is None
+    with pytest.raises(InvalidRequest):
+        store.set_state(row.id, "dead")
+    with pytest.raises(NotFound):
+        store.set_state(new_id(), "live")
+
+
+def test_buffer_visibility(store: Store) -> None:
+    p, q = make_pool(store, "p"), make_pool(store, "q")
+    a, b = make_tenant(store, "a"), make_tenant(store, "b")
+    ap = reserve_live(store, buf(a, p, 10))
+    aq = reserve_live(store, buf(a, q, 10))
+    bp = reserve_live(store, buf(b, p, 10))
+    assert store.buffer(ap.id, a.id) == ap
+    assert store.buffer(ap.id, b.id) is None
+    assert store.buffer(ap.id, None) == ap
+    assert {x.id for x in store.buffers(a.id)} == {ap.id, aq.id}
+    assert {x.id for x in store.buffers(pool_id=p.id)} == {ap.id, bp.id}
+    assert [x.id for x in store.buffers(a.id, q.id)] == [aq.id]
+    assert {x.id for x in store.buffers()} == {ap.id, aq.id, bp.id}
+    assert store.buffers(states=("reserving",)) == []
+    assert {x.id for x in store.buffers(host=HOST)} == {ap.id, aq.id, bp.id}
+    assert store.buffers(host="elsewhere") == []
+
+
+def test_renew(store: Store) -> None:
+    pool = make_pool(store)
+    a, b = make_tenant(store, "a"), make_tenant(store, "b")
+    row = reserve_live(store, buf(a, pool, 10))
+    renewed = store.renew(row.id, a.id, NOW + 9999)
+    assert renewed.expires_at == NOW + 9999
+    stored = store.buffer(row.id)
+    assert stored is not None
+    assert stored.expires_at == NOW + 9999
+    with pytest.raises(NotFound):
+        store.renew(row.id, b.id, NOW)
+    with pytest.raises(NotFound):
+        store.renew(new_id(), a.id, NOW)
+    assert store.renew(row.id, None, NOW + 1).expires_at == NOW + 1  # admin
+    store.mark_releasing(row.id, a.id)
+    with pytest.raises(NotFound):
+        store.renew(row.id, a.id, NOW)
+
+
+def test_touch_numa_checkpoint(store: Store) -> None:
+    pool, t = make_pool(store), make_tenant(store)
+    row = reserve_live(store, buf(t, pool, 10))
+    store.touch_many({row.id: NOW + 5, new_id(): NOW})  # an unknown id is no error
+    store.set_numa_node(row.id, 1)
+    store.set_checkpoint(row.id, "/spill/x", "sha256:abc", NOW + 6)
+    got = store.buffer(row.id)
+    assert got is not None
+    assert (got.last_used_at, got.numa_node) == (NOW + 5, 1)
+    assert (got.checkpoint_path, got.checksum, got.checkpointed_at) == (
+        "/spill/x",
+        "sha256:abc",
+        NOW + 6,
+    )
+    with pytest.raises(NotFound):
+        store.set_numa_node(new_id(), 0)
+    with pytest.raises(NotFound):
+        store.set_checkpoint(new_id(), "/x", "y", NOW)
+
+
+def test_expired(store: Store) -> None:
+    p = make_pool(store, "p")
+    remote = make_pool(store, "p", host="host-b")
+    t = make_tenant(store)
+    due = reserve_live(store, buf(t, p, 10, expires=NOW + 10))
+    later = reserve_live(store, buf(t, p, 10, expires=NOW + 20))
+    reserve_live(store, buf(t, remote, 10, expires=NOW))  # another daemon's
+    releasing = reserve_live(store, buf(t, p, 10, expires=NOW))
+    store.mark_releasing(releasing.id, None)
+    assert store.expired(NOW + 10, HOST) == []  # strictly after the end
+    assert [b.id for b in store.expired(NOW + 10.5, HOST)] == [due.id]
+    assert [b.id for b in store.expired(NOW + 30, HOST)] == [due.id, later.id]
+    assert len(store.expired(NOW + 30, "host-b")) == 1
+
+
+def test_mark_expired_is_a_compare_and_set(store: Store) -> None:
+    pool, t = make_pool(store), make_tenant(store)
+    row = reserve_live(store, buf(t, pool, 10, expires=NOW + 10))
+    assert [b.id for b in store.expired(NOW + 11, HOST)] == [row.id]
+    store.renew(row.id, t.id, NOW + 100)  # renewed after the reaper looked
+    assert store.mark_expired(row.id, NOW + 11) is None
+    assert state_of(store, row.id) == "live"
+    got = store.mark_expired(row.id, NOW + 101)
+    assert got is not None
+    assert got.state == "releasing"
+    assert store.mark_expired(row.id, NOW + 101) is None  # already releasing
+    assert store.mark_expired(new_id(), NOW) is None
+
+
+def test_lookup_longest_prefix_and_isolation(store: Store) -> None:
+    pool = make_pool(store)
+    remote = make_pool(store, "node0", host="host-b")
+    a, b = make_tenant(store, "a"), make_tenant(store, "b")
+    k1 = reserve_live(store, buf(a, pool, 10, key="m:1"))
+    k3 = reserve_live(store, buf(a, pool, 10, key="m:1:2:3"))
+    reserve_live(store, buf(b, pool, 10, key="m:1:2"))  # b's, invisible to a
+    reserve_live(store, buf(b, pool, 10, key="m:1:2:3:4"))
+    keys = ["m:1", "m:1:2", "m:1:2:3", "m:1:2:3:4"]
+    hit = store.lookup(a.id, keys)
+    assert hit is not None
+    assert hit[0] == "m:1:2:3"
+    assert hit[1].id == k3.id
+    hit = store.lookup(a.id, keys[:2])
+    assert hit is not None
+    assert hit[1].id == k1.id
+    hit_b = store.lookup(b.id, keys)
+    assert hit_b is not None
+    assert hit_b[0] == "m:1:2:3:4"
+    assert store.lookup(a.id, ["x", "y"]) is None
+    assert store.lookup(a.id, []) is None
+    # not live → not found
+    store.mark_releasing(k3.id, a.id)
+    hit = store.lookup(a.id, keys)
+    assert hit is not None
+    assert hit[0] == "m:1"
+    reserving = buf(a, pool, 10, key="m:1:2")
+    store.begin_reserve(reserving)
+    hit = store.lookup(a.id, keys)
+    assert hit is not None
+    assert hit[0] == "m:1"
+    # host filter
+    far = reserve_live(store, buf(a, remote, 10, key="m:1:2:3:4"))
+    hit = store.lookup(a.id, keys)
+    assert hit is not None
+    assert hit[1].id == far.id
+    hit = store.lookup(a.id, keys, host=HOST)
+    assert hit is not None
+    assert hit[1].id == k1.id
+
+
+def test_buffers_on_host(store: Store) -> None:
+    p = make_pool(store, "p")
+    remote = make_pool(store, "p", host="host-b")
+    t = make_tenant(store)
+    live = reserve_live(store, buf(t, p, 10))
+    reserving = buf(t, p, 10)
+    store.begin_reserve(reserving)
+    releasing = reserve_live(store, buf(t, p, 10))
+    store.mark_releasing(releasing.id, None)
+    reserve_live(store, buf(t, remote, 10))
+    got = {b.id: b.state for b in store.buffers_on_host(HOST)}
+    assert got == {live.id: "live", reserving.id: "reserving", releasing.id: "releasing"}
+
+
+def test_a_buffer_row_carries_its_host_and_kind(store: Store) -> None:
+    p = make_pool(store, "p")
+    remote = make_pool(store, "p", host="host-b")
+    t = make_tenant(store)
+    here = reserve_live(store, buf(t, p, 10))
+    there = reserve_live(store, buf(t, remote, 10))
+    assert (here.host, there.host) == (HOST, "host-b")
+    assert (here.kind, here.committed_at) == ("buffer", None)
+    assert [b.id for b in store.buffers(host="host-b")] == [there.id]
+
+
+def test_staged_buffers_are_accounted_but_never_found(store: Store) -> None:
+    pool, t = make_pool(store, capacity=1000), make_tenant(store, quota=1000)
+    row = buf(t, pool, 600, key="k", evictable=True)
+    store.begin_reserve(row)
+    store.set_state(row.id, "staged")
+    assert state_of(store, row.id) == "staged"
+    tenant = store.tenant(t.id)
+    assert tenant is not None
+    assert (tenant.used_bytes, tenant.buffers) == (600, 1)
+    assert store.usage_by_pool(HOST)[pool.id] == (600, 1)
+    assert store.lookup(t.id, ["k"]) is None
+    assert store.buffers() == []  # default: live only
+    assert [b.id for b in store.buffers(states=("staged",))] == [row.id]
+    assert [b.id for b in store.buffers_on_host(HOST)] == [row.id]

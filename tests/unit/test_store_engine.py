@@ -1,0 +1,58 @@
+"""The store as one entry point: URLs, the migrations it ships, SQLite's connection rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from ledger import head_revision, make_tenant
+from maasd.errors import ConfigError
+from maasd.store import Store, migrations_dir, normalize_url
+
+
+def test_url_normalisation() -> None:
+    assert str(normalize_url("postgresql+asyncpg://u@db/x?ssl=require")) == (
+        "postgresql+psycopg://u@db/x?sslmode=require"
+    )
+    assert normalize_url("postgresql://u@db/x").drivername == "postgresql+psycopg"
+    assert normalize_url("postgres://u@db/x").drivername == "postgresql+psycopg"
+    assert normalize_url("postgresql+psycopg://u@db/x").drivername == "postgresql+psycopg"
+    assert normalize_url("sqlite:////tmp/x.db").database == "/tmp/x.db"
+    for bad in ("sqlite://", "sqlite:///:memory:", "mysql://u@db/x", "not a url"):
+        with pytest.raises(ConfigError):
+            normalize_url(bad)
+
+
+def test_migrations_dir_found() -> None:
+    assert (migrations_dir() / "env.py").is_file()
+    assert head_revision() == "0002"
+
+
+def test_sqlite_pragmas(tmp_path: Any) -> None:
+    s = Store(f"sqlite:///{tmp_path / 'p.db'}")
+    try:
+        with s.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 10_000
+    finally:
+        s.dispose()
+
+
+def test_sqlite_write_transactions_begin_immediate(tmp_path: Any) -> None:
+    """A write transaction holds the write lock from BEGIN on: a second writer waits."""
+    s = Store(f"sqlite:///{tmp_path / 'w.db'}")
+    s.upgrade()
+    try:
+        statements: list[str] = []
+        sa.event.listen(s.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+        make_tenant(s)
+        assert statements[0] == "BEGIN IMMEDIATE"
+        statements.clear()
+        s.tenants()  # a read sends no BEGIN at all
+        assert not any(x.startswith("BEGIN") for x in statements)
+    finally:
+        s.dispose()

@@ -1,0 +1,38 @@
+"""Pools in the ledger (maasd.store.pools) on SQLite and, when configured, PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger import HOST, buf, make_pool, make_tenant, reserve_live
+from maasd.errors import NotFound, StateConflict
+from maasd.store import Store
+
+#: The ``store`` fixture (SQLite, and PostgreSQL when configured) and its helpers.
+pytest_plugins = ("ledger",)
+
+
+def test_pools(store: Store) -> None:
+    a = make_pool(store, "node0")
+    b = make_pool(store, "node1")
+    other = make_pool(store, "node0", host="host-b")  # same name, other host: fine
+    assert [p.name for p in store.pools(HOST)] == ["node0", "node1"]
+    assert [p.id for p in store.pools("host-b")] == [other.id]
+    assert store.pools(HOST) == [a, b]  # the rows as inserted, new columns at their defaults
+    assert (a.warm_bytes, a.deleting_at) == (0, None)
+    with pytest.raises(StateConflict):
+        make_pool(store, "node0")
+    assert store.usage_by_pool(HOST) == {a.id: (0, 0), b.id: (0, 0)}
+
+
+def test_delete_pool(store: Store) -> None:
+    pool, tenant = make_pool(store), make_tenant(store)
+    row = reserve_live(store, buf(tenant, pool, 100))
+    with pytest.raises(StateConflict):
+        store.delete_pool(pool.id)
+    store.mark_releasing(row.id, None)
+    store.finish_release(row.id)
+    store.delete_pool(pool.id)
+    assert store.pools(HOST) == []
+    with pytest.raises(NotFound):
+        store.delete_pool(pool.id)

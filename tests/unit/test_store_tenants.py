@@ -1,0 +1,89 @@
+"""Tenants and API keys in the ledger (maasd.store.tenants), on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+
+from ledger import (
+    HOST,
+    NOW,
+    buf,
+    make_pool,
+    make_tenant,
+    reserve_live,
+)
+from maasd.errors import InvalidRequest, NotFound, StateConflict
+from maasd.store import Store
+from maasd.tenancy.keys import digest, new_id, new_token
+
+#: The ``store`` fixture (SQLite, and PostgreSQL when configured) and its helpers.
+pytest_plugins = ("ledger",)
+
+
+def test_tenants(store: Store) -> None:
+    t = make_tenant(store, "acme", 1000)
+    assert store.tenant(t.id) == t
+    assert (t.max_buffers, t.deleting_at, t.used_bytes, t.buffers) == (None, None, 0, 0)
+    assert store.tenant("acme") == t
+    assert store.tenant("nope") is None
+    with pytest.raises(StateConflict):
+        make_tenant(store, "acme")
+    make_tenant(store, "beta")
+    assert [x.name for x in store.tenants()] == ["acme", "beta"]
+    store.set_quota(t.id, 5)
+    tenant = store.tenant(t.id)
+    assert tenant is not None
+    assert tenant.quota_bytes == 5
+    with pytest.raises(NotFound):
+        store.set_quota(new_id(), 5)
+    with pytest.raises(InvalidRequest):
+        store.set_quota(t.id, -1)
+
+
+def test_tenant_usage(store: Store) -> None:
+    pool, t = make_pool(store), make_tenant(store)
+    reserve_live(store, buf(t, pool, 100))
+    store.begin_reserve(buf(t, pool, 50))  # reserving counts too
+    tenant = store.tenant(t.id)
+    assert tenant is not None
+    assert (tenant.used_bytes, tenant.buffers) == (150, 2)
+    assert store.usage_by_pool(HOST) == {pool.id: (150, 2)}
+
+
+def test_delete_tenant(store: Store) -> None:
+    pool, t = make_pool(store), make_tenant(store)
+    token = new_token()
+    store.add_key(new_id(), t.id, digest(token), NOW)
+    row = reserve_live(store, buf(t, pool, 100))
+    with pytest.raises(StateConflict):
+        store.delete_tenant(t.id)
+    assert store.tenant(t.id) is not None
+    store.mark_releasing(row.id, t.id)
+    store.finish_release(row.id, "tenant_delete")
+    store.delete_tenant(t.id)
+    assert store.tenant(t.id) is None
+    assert store.key_by_digest(digest(token)) is None
+    with pytest.raises(NotFound):
+        store.delete_tenant(t.id)
+    make_tenant(store, "acme")  # the name is free again
+
+
+# ---------------------------------------------------------------- keys
+def test_keys(store: Store) -> None:
+    t, other = make_tenant(store, "acme"), make_tenant(store, "beta")
+    token = new_token()
+    k = store.add_key(new_id(), t.id, digest(token), NOW)
+    assert store.key_by_digest(digest(token)) == k
+    assert store.key_by_digest(digest(new_token())) is None
+    assert store.revoke_key(other.id, k.id) is False  # foreign
+    assert store.revoke_key(t.id, new_id()) is False  # unknown
+    assert store.revoke_key(t.id, k.id) is True
+    assert store.key_by_digest(digest(token)) is None
+    assert store.revoke_key(t.id, k.id) is False  # already revoked
+    t2 = [new_token() for _ in range(3)]
+    for tok in t2:
+        store.add_key(new_id(), t.id, digest(tok), NOW)
+    assert store.revoke_keys(t.id) == 3
+    assert all(store.key_by_digest(digest(tok)) is None for tok in t2)
+    with pytest.raises(NotFound):
+        store.add_key(new_id(), new_id(), digest(new_token()), NOW)
