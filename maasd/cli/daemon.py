@@ -31,8 +31,12 @@ from maasd import __version__
 from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
+    import socket
+    from types import FrameType
+
     import uvicorn
 
+    from maasd.notify import Systemd
     from maasd.settings import Settings
 
 logger = logging.getLogger("maasd")
@@ -174,6 +178,7 @@ def _serve(settings: Settings) -> None:
     from maasd.api.health import of_checks
     from maasd.broker import Broker, Limits
     from maasd.core import Service
+    from maasd.notify import Systemd
     from maasd.settings import group_id
 
     try:
@@ -202,9 +207,11 @@ def _serve(settings: Settings) -> None:
             f"cannot open the worker socket {settings.socket_path}: "
             f"{getattr(e, 'detail', None) or e}"
         ) from e
+    health = of_checks(_broker_checks(broker))
+    systemd = Systemd.from_env(health)  # READY=1, WATCHDOG=1, STOPPING=1 (maasd.notify)
     app = create_app(
         service,
-        health=of_checks(_broker_checks(broker)),
+        health=health,
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
     )
@@ -218,7 +225,8 @@ def _serve(settings: Settings) -> None:
             lifespan="off",
             timeout_graceful_shutdown=10,
             server_header=False,
-        )
+        ),
+        systemd,
     )
     logger.info(
         "serving",
@@ -232,6 +240,7 @@ def _serve(settings: Settings) -> None:
     try:
         server.run()
     finally:
+        systemd.close()
         broker.stop()
         service.close()
         logger.info("stopped")
@@ -246,11 +255,27 @@ def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     return {"broker": healthy} if callable(healthy) else {}
 
 
-def _server(config: uvicorn.Config) -> uvicorn.Server:
-    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise."""
+def _server(config: uvicorn.Config, systemd: Systemd | None = None) -> uvicorn.Server:
+    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise;
+    ``systemd`` hears READY=1 once it listens and STOPPING=1 at the signal."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and systemd is not None:
+                systemd.ready(
+                    asyncio.get_running_loop(),
+                    status=f"serving on {config.host}:{config.port}",
+                )
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if systemd is not None and not self.should_exit:
+                systemd.stopping()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
             previous = {
