@@ -162,3 +162,30 @@ def test_sigterm_with_a_worker_attached(fresh_daemon) -> None:
         assert not np.any(m.array)  # volatile buffers are scrubbed on the way out
         w.close()
     assert not os.path.exists(d.socket_path)
+
+
+def test_admin_key_from_a_systemd_credential(tmp_path: Path) -> None:
+    # LoadCredential=admin-key:/etc/maasd/admin.key puts it in $CREDENTIALS_DIRECTORY.
+    from conftest import Daemon
+
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    key = "maasd_cred_" + "k" * 32
+    (creds / "admin-key").write_text(key + "\n")
+    (creds / "admin-key").chmod(0o400)
+    d = Daemon(tmp_path / "cred", env={"CREDENTIALS_DIRECTORY": str(creds)})
+    del d.env["MAASD_ADMIN_KEY"]
+    try:
+        d.start()
+        with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {key}"}) as admin:
+            assert admin.get("/v1/tenants").status_code == 200
+        assert not (d.data_dir / "admin.key").exists()  # nothing generated
+        assert key not in d.log()
+        assert d.stop() == 0
+        (creds / "admin-key").chmod(0o600)
+        (creds / "admin-key").write_text("\n")
+        d.proc = None
+        with pytest.raises(RuntimeError, match="admin-key credential"):
+            d.start()
+    finally:
+        d.close()

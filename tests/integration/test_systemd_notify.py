@@ -58,4 +58,3 @@ def test_ready_after_healthz_watchdog_pings_then_stopping(tmp_path: Path) -> Non
     finally:
         listener.close()
         d.close()
-
