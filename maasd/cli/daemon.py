@@ -377,6 +377,11 @@ def _ranges(cpus: list[int]) -> str:
     return ",".join(out)
 
 
+from maasd.cli.doctor import doctor  # noqa: E402 - registered after the group exists
+
+cli.add_command(doctor)
+
+
 def main() -> None:
     cli()
 
