@@ -15,15 +15,20 @@ Example ``maasd.toml``::
     [[pools]]
     name = "fast"
     numa_node = 0
-    capacity_bytes = 8589934592
+    capacity_bytes = "8GiB"
     latency_us = 1
 
     [[pools]]
     name = "kv-persist"
     numa_node = 0
-    capacity_bytes = 2147483648
+    capacity_bytes = "2GiB"
     persistence = "persistent"
     spill_dir = "/var/lib/maasd/spill"
+
+Sizes a person types — ``MAASD_DEFAULT_POOL_BYTES``, ``default_pool_bytes`` and a pool's
+``capacity_bytes`` in the file — take units (``1GiB``, ``512MiB``, ``1.5GB``) or plain
+bytes (:func:`maasd.units.parse_size`); a bad one is refused naming where it came from
+(``MAASD_DEFAULT_POOL_BYTES: '1Gx' is not a size; …``). REST bodies stay integers.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import msgspec
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
+from maasd.units import SizeError, parse_size
 
 GiB = 1 << 30
 #: A shorter metrics key would be guessable.
@@ -141,6 +147,12 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
                 from_file = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"config file {config_path}: {e}") from e
+    _sizes(from_env, "default_pool_bytes", "MAASD_DEFAULT_POOL_BYTES")
+    if from_file:
+        _sizes(from_file, "default_pool_bytes", f"{config_path}: default_pool_bytes")
+        for i, pool in enumerate(from_file.get("pools") or []):
+            if isinstance(pool, dict):
+                _sizes(pool, "capacity_bytes", f"{config_path}: pools[{i}].capacity_bytes")
     merged = {**from_file, **from_env, **flags}
     try:
         # strict=False lets env strings such as "7878" convert to int fields. Settings
@@ -168,6 +180,17 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings
+
+
+def _sizes(values: dict[str, Any], key: str, origin: str) -> None:
+    """Parse ``values[key]`` in place when it is a size string (``"8GiB"``); ``origin`` names
+    where it came from in the error."""
+    raw = values.get(key)
+    if isinstance(raw, str):
+        try:
+            values[key] = parse_size(raw)
+        except SizeError as e:
+            raise ConfigError(f"{origin}: {e}") from None
 
 
 def group_id(group: str | None) -> int | None:
