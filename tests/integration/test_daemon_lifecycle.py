@@ -189,3 +189,23 @@ def test_admin_key_from_a_systemd_credential(tmp_path: Path) -> None:
             d.start()
     finally:
         d.close()
+
+
+def test_a_deleted_default_pool_stays_deleted_across_restarts(fresh_daemon) -> None:
+    d = fresh_daemon.start()
+    _, key = d.tenant("drained", 64 * MiB)
+    with d.client(key) as user:
+        assert user.post("/v1/reserve", json={"size_bytes": MiB}).status_code == 201
+    assert d.admin.delete("/v1/pools/node0", params={"drain": "true"}).status_code == 204
+    d.restart()
+    assert "node0" not in [p["name"] for p in d.admin.get("/v1/pools").json()]
+    assert "default pool node0 was deleted" in d.log()
+    # made again by hand, it is the ledger's like any other pool and survives a restart
+    r = d.admin.post(
+        "/v1/pools", json={"name": "node0", "numa_node": 0, "capacity_bytes": 64 * MiB}
+    )
+    assert r.status_code == 201, r.text
+    d.restart()
+    (node0,) = [p for p in d.admin.get("/v1/pools").json() if p["name"] == "node0"]
+    assert node0["capacity_bytes"] == 64 * MiB
+    assert d.stop() == 0
