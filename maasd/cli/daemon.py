@@ -31,6 +31,7 @@ from maasd import __version__
 from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
+    import asyncio
     import socket
     from types import FrameType
 
@@ -226,7 +227,8 @@ def _serve(settings: Settings) -> None:
             timeout_graceful_shutdown=10,
             server_header=False,
         ),
-        systemd,
+        ready=lambda loop: _ready(settings, systemd, loop),
+        stopping=systemd.stopping,
     )
     logger.info(
         "serving",
@@ -248,6 +250,24 @@ def _serve(settings: Settings) -> None:
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
 
 
+def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop) -> None:
+    """REST listens and the socket is open: tell systemd (READY=1) and the person watching."""
+    url = f"http://{settings.host}:{settings.port}"
+    systemd.ready(loop, status=f"serving on {url}")
+    if settings.admin_key:
+        key = "set by MAASD_ADMIN_KEY or the config file"
+    elif (creds := os.environ.get("CREDENTIALS_DIRECTORY")) and os.path.exists(
+        cred := os.path.join(creds, "admin-key")
+    ):
+        key = f"in {cred} (the admin-key credential)"
+    else:
+        key = f"in {settings.admin_key_path}"
+    click.echo(
+        f"maasd ready: REST {url}, worker socket {settings.socket_path}, admin key {key}",
+        err=True,
+    )
+
+
 def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     """The data plane's health for /healthz: the broker's own ``healthy()`` (is its
     accept thread alive?), when the broker has one."""
@@ -255,9 +275,14 @@ def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     return {"broker": healthy} if callable(healthy) else {}
 
 
-def _server(config: uvicorn.Config, systemd: Systemd | None = None) -> uvicorn.Server:
+def _server(
+    config: uvicorn.Config,
+    *,
+    ready: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+    stopping: Callable[[], None] | None = None,
+) -> uvicorn.Server:
     """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise;
-    ``systemd`` hears READY=1 once it listens and STOPPING=1 at the signal."""
+    ``ready(loop)`` runs once it listens, ``stopping()`` at the first signal."""
     import asyncio
 
     import uvicorn
@@ -265,15 +290,12 @@ def _server(config: uvicorn.Config, systemd: Systemd | None = None) -> uvicorn.S
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
-            if self.started and systemd is not None:
-                systemd.ready(
-                    asyncio.get_running_loop(),
-                    status=f"serving on {config.host}:{config.port}",
-                )
+            if self.started and ready is not None:
+                ready(asyncio.get_running_loop())
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if systemd is not None and not self.should_exit:
-                systemd.stopping()
+            if stopping is not None and not self.should_exit:
+                stopping()
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager

@@ -42,9 +42,11 @@ def test_ready_after_healthz_watchdog_pings_then_stopping(tmp_path: Path) -> Non
         first = listener.recv(4096).decode().split("\n")
         # The first message is READY=1, and by then REST answers and the socket exists.
         assert first[0] == "READY=1", (first, d.log())
-        assert any(f.startswith("STATUS=serving on 127.0.0.1:") for f in first), first
+        assert f"STATUS=serving on {d.url}" in first, first
         assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
         assert os.path.exists(d.socket_path)
+        # and the person watching is told where things are
+        assert f"maasd ready: REST {d.url}, worker socket {d.socket_path}" in d.log()
 
         listener.settimeout(5)
         for _ in range(5):  # one at start, then one per interval
