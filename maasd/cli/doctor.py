@@ -54,14 +54,14 @@ class Check(msgspec.Struct, frozen=True):
 REGION_BUDGET = 65536
 #: REST connections uvicorn may hold open at once.
 REST_CONNECTIONS = 1024
-#: Worker socket connections when settings has no ``socket_max_connections``.
-SOCKET_CONNECTIONS = 1024
 #: Service threads for REST calls (maasd.api.app.create_app's ``threads``).
 REST_THREADS = 64
 #: anyio's default thread pool (the health checks and other to_thread calls).
 ANYIO_THREADS = 40
-#: Ledger, logs, epoll, the lock file, shared libraries; listener, reaper, reclaimer, …
-BASE_FILES, BASE_TASKS = 64, 8
+#: Ledger, logs, epoll, the lock file, shared libraries, lingering closes; the event loop,
+#: the broker's loop, reaper, reclaimer, watchdog, … (OPENBLAS_NUM_THREADS=1: numpy
+#: would otherwise start a thread per CPU that the daemon never uses).
+BASE_FILES, BASE_TASKS = 128, 12
 
 
 class Needs(msgspec.Struct, frozen=True):
@@ -74,15 +74,15 @@ class Needs(msgspec.Struct, frozen=True):
 def needs(settings: Settings) -> Needs:
     """Open files and tasks a daemon at its caps holds (deploy/systemd/maasd.service sizes
     ``LimitNOFILE`` and ``TasksMax`` from the same sum)."""
-    conns = int(getattr(settings, "socket_max_connections", SOCKET_CONNECTIONS))
+    conns, slow = settings.socket_max_connections, settings.socket_slow_workers
     files = REGION_BUDGET + conns + REST_CONNECTIONS + REST_THREADS + BASE_FILES
-    tasks = REST_THREADS + ANYIO_THREADS + conns + BASE_TASKS
+    tasks = REST_THREADS + ANYIO_THREADS + slow + BASE_TASKS
     return Needs(
         files=files,
         tasks=tasks,
         files_sum=f"{REGION_BUDGET} regions + {conns} socket + {REST_CONNECTIONS} REST "
         f"connections + {REST_THREADS} checkpoint files + {BASE_FILES}",
-        tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {conns} connection "
+        tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {slow} socket slow-op "
         f"threads + {BASE_TASKS}",
     )
 
