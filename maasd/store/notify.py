@@ -6,8 +6,12 @@ revoking transaction commits), so that a key cache never outlives a
 revocation made through another daemon.
 
 The listener says what it knows through three callbacks, all called on its
-thread: ``on_up()`` once ``LISTEN`` is in place (from then on, no commit that
-notifies can be missed), ``on_event()`` for each notification, ``on_down()``
+thread: ``on_up()`` once ``LISTEN`` is in place *and proven* — the listener
+notifies itself a probe and waits for it, so that a connection that cannot
+receive notifications (a transaction-pooling proxy between the daemon and
+PostgreSQL) is never taken for a listening one; from then on, no commit that
+notifies can be missed — ``on_event()`` for each notification (probes aside),
+``on_down()``
 when the connection is lost or the listener stops (notifications may be
 missed until the next ``on_up()``). A lost connection is noticed within
 ``check_s`` plus the TCP timeouts below: between notifications the listener
@@ -17,6 +21,7 @@ sends ``SELECT 1``. It reconnects with exponential backoff (0.1 s to 5 s).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +46,10 @@ _LIVENESS = {
     "tcp_user_timeout": 5000,
 }
 _BACKOFF = (0.1, 5.0)
+#: Payloads starting with this are listeners' probes, not news.
+PROBE = "probe:"
+#: How long a listener waits for its own probe before it gives up on the connection.
+PROBE_TIMEOUT_S = 5.0
 
 
 class Listener:
@@ -109,13 +118,27 @@ class Listener:
         args, kwargs = self._connect_args
         with psycopg.connect(*args, **kwargs) as conn:
             conn.execute(f"LISTEN {self.channel}")
+            self._prove(conn)
             self.listening = True
             try:
                 self._on_up()
                 while not self._stop.is_set():
-                    for _ in conn.notifies(timeout=self._check_s):
-                        self._on_event()
+                    for n in conn.notifies(timeout=self._check_s):
+                        if not n.payload.startswith(PROBE):
+                            self._on_event()
                     conn.execute("SELECT 1")  # still there? raises when it is not
             finally:
                 self.listening = False
                 self._on_down()
+
+    def _prove(self, conn: Any) -> None:
+        """Notify a probe and wait for it: a connection that does not hear it is no listener."""
+        probe = PROBE + os.urandom(8).hex()
+        conn.execute("SELECT pg_notify(%s, %s)", (self.channel, probe))
+        for n in conn.notifies(timeout=PROBE_TIMEOUT_S):
+            if n.payload == probe:
+                return
+        raise RuntimeError(
+            f"LISTEN {self.channel} did not hear its own notification in {PROBE_TIMEOUT_S:g} s "
+            "(a transaction-pooling proxy in front of PostgreSQL?); key caching stays off"
+        )

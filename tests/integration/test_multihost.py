@@ -42,7 +42,8 @@ from maasd.client import Worker
 from maasd.core.auth import Auth
 from maasd.errors import Unauthorized
 from maasd.settings import Settings
-from maasd.store import KeyRow, Store
+from maasd.store import KEYS_CHANNEL, KeyRow, Store
+from maasd.store.notify import Listener
 from maasd.tenancy import keys
 from pgdb import PG_URL, fresh_pg_database
 from waiting import wait_until
@@ -406,6 +407,7 @@ def test_the_key_cache_answers_on_postgresql_and_forgets_a_remote_revocation(
     """The cache is real (a remembered key needs no database read), and a revocation made
     by another store — another daemon — empties it through the listener."""
     here = Store(ledger_url)
+    here.upgrade()  # (when this test runs without the fleet)
     there = Store(ledger_url)
     auth = Auth(Settings(data_dir=str(tmp_path), admin_key="x" * 32), here)
     auth.load_admin_key()
@@ -438,6 +440,38 @@ def test_the_key_cache_answers_on_postgresql_and_forgets_a_remote_revocation(
         here.dispose()
         there.dispose()
     assert not auth.caching  # a stopped listener leaves nothing trusted
+
+
+def test_a_listener_hears_revocations_but_not_other_listeners_probes(ledger_url: str) -> None:
+    store = Store(ledger_url)
+    store.upgrade()  # (when this test runs without the fleet)
+    seen: dict[str, list[str]] = {"first": [], "second": []}
+
+    def listener(name: str) -> Listener:
+        return store.listener(
+            KEYS_CHANNEL,
+            on_up=lambda: seen[name].append("up"),
+            on_event=lambda: seen[name].append("event"),
+            on_down=lambda: seen[name].append("down"),
+        )
+
+    first, second = listener("first"), listener("second")
+    try:
+        first.start()
+        wait_until(lambda: first.listening)
+        second.start()  # proves its connection with a probe that first hears too
+        wait_until(lambda: second.listening)
+        tenant_id, key_id = keys.new_id(), keys.new_id()
+        store.add_tenant(tenant_id, f"probe-{secrets.token_hex(3)}", MiB, time.time())
+        store.add_key(key_id, tenant_id, keys.digest(keys.new_token()), time.time())
+        assert seen["first"] == ["up"]  # a probe, a new tenant, a new key: no news
+        store.revoke_key(tenant_id, key_id)
+        wait_until(lambda: seen["first"] == seen["second"] == ["up", "event"])
+    finally:
+        first.stop()
+        second.stop()
+        store.dispose()
+    assert seen["first"][-1] == seen["second"][-1] == "down"
 
 
 # ------------------------------------------------------------------ hosts
