@@ -8,10 +8,12 @@ of its host. The reaper then beats every ``reaper_interval_s``
 stopped.
 
 A claim that finds another incarnation still beating (stopped neither cleanly
-nor for ``host_timeout_s``) watches it for three of its heartbeat intervals and
-a second: a beat means another daemon serves under this name — a configuration error,
-refused — and none means a previous run of this host that died (SIGKILL,
-power), which is taken over at once, without waiting ``host_timeout_s``.
+nor for ``host_timeout_s``) takes it over at once if it is the one this data
+dir's previous run wrote (``DATA_DIR/host.incarnation``: that run is dead, we
+hold the data-dir lock). Any other it watches for three of its heartbeat
+intervals and a second: a beat means another daemon serves under this name — a
+configuration error, refused — and none means a run that died (SIGKILL,
+power) elsewhere, taken over without waiting ``host_timeout_s``.
 
 A host that never comes back is *forgotten* by the admin (``DELETE
 /v1/hosts/{name}``): refused while it beats; otherwise its buffers leave the
@@ -26,6 +28,7 @@ as a fresh host.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from maasd.core.runtime import Runtime
@@ -77,9 +80,12 @@ class Hosts:
         """Serve as this host: :class:`ConfigError` if another daemon does (see the module)."""
         hb = self._settings.reaper_interval_s
         other = self._store.claim_host(self.name, self.incarnation, hb, stale_s=self._stale_s)
-        if other is None:
-            return
-        if wait:
+        if other is not None and other.incarnation == self._previous():
+            # This data dir's previous run (dead: we hold the data-dir lock). No wait.
+            other = self._store.claim_host(
+                self.name, self.incarnation, hb, stale_s=self._stale_s, take_over=other
+            )
+        if other is not None and wait:
             watch = 3 * other.heartbeat_s + 1.0  # a few beats, and slack for a busy host
             logger.info(
                 "host %s was last claimed by a run that has not stopped; watching it %.1f s",
@@ -90,9 +96,28 @@ class Hosts:
             other = self._store.claim_host(
                 self.name, self.incarnation, hb, stale_s=self._stale_s, take_over=other
             )
-            if other is None:
-                return
-        raise ConfigError(_twin(self.name, other))
+        if other is not None:
+            raise ConfigError(_twin(self.name, other))
+        self._remember()
+
+    @property
+    def _incarnation_path(self) -> str:
+        return os.path.join(self._settings.data_dir, "host.incarnation")
+
+    def _previous(self) -> str | None:
+        """The incarnation this data dir's last run claimed, if it wrote one."""
+        try:
+            with open(self._incarnation_path) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+
+    def _remember(self) -> None:
+        """Write this run's incarnation into the data dir (replaced atomically)."""
+        tmp = self._incarnation_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(self.incarnation + "\n")
+        os.replace(tmp, self._incarnation_path)
 
     def heartbeat(self) -> bool:
         """Beat; ``False`` when this process's claim is gone (forgotten, or taken over)."""

@@ -483,7 +483,7 @@ def test_a_second_daemon_for_a_host_name_in_use_is_refused(
         env={
             "MAASD_DB_URL": ledger_url,
             "MAASD_NODE_NAME": "host-b",
-            "MAASD_HOST_TIMEOUT_S": str(HOST_TIMEOUT_S),
+            "MAASD_HOST_TIMEOUT_S": "120",  # b is live to it for sure: the claim must watch
         },
     )
     b = fleet[1]
@@ -591,3 +591,30 @@ def test_a_frozen_host_forgotten_meanwhile_fences_itself_when_it_wakes(
         mapping.close()
     finally:
         worker.close()
+
+
+def test_a_dead_run_is_taken_over_from_another_data_dir(
+    fleet: list[Daemon], ledger_url: str, tmp_path: Path
+) -> None:
+    """host-c moves to a new data dir: its old run, killed, stops beating and is taken over."""
+    a, _b, c = fleet
+    c.kill()
+    moved = Daemon(
+        tmp_path / "moved",
+        env={
+            "MAASD_DB_URL": ledger_url,
+            "MAASD_NODE_NAME": "host-c",
+            # long: however slow this start, the dead run is not yet silent, so the claim
+            # must watch it to take over
+            "MAASD_HOST_TIMEOUT_S": "120",
+        },
+    )
+    try:
+        moved.start()
+        assert "watching it" in moved.log()  # not its own previous run: it watched first
+        entry = host_entry(a, "host-c")
+        assert entry is not None
+        assert entry["live"]
+        assert "host-c" in pools_by_host(a)
+    finally:
+        moved.close()
