@@ -1,8 +1,8 @@
 """A daemon's life: start (migrate, recover, provision, reap), the reaper, close.
 
 Start, in order: the reclaimer thread; the ledger migrated to the newest
-schema; the admin key and the revocation listener; this host claimed
-(:mod:`maasd.core.hosts`); the ledger's pools of this host made live;
+schema; the admin key; this host claimed (:mod:`maasd.core.hosts`); the
+revocation listener; the ledger's pools of this host made live;
 :meth:`Lifecycle.recover` settling what a previous run left; the configured
 pools the ledger lacks created; the reaper thread, which also beats this
 host's heartbeat. Close undoes it: reaper stopped, uses flushed, persistent
@@ -83,8 +83,8 @@ class Lifecycle:
         self.reclaimer.start()
         self._store.upgrade()
         self._auth.load_admin_key()
-        self._auth.start()
         self._hosts.claim()
+        self._auth.start()
         self._pools.load()
         self.recover()
         self._pools.provision()
