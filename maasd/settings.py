@@ -15,15 +15,20 @@ Example ``maasd.toml``::
     [[pools]]
     name = "fast"
     numa_node = 0
-    capacity_bytes = 8589934592
+    capacity_bytes = "8GiB"
     latency_us = 1
 
     [[pools]]
     name = "kv-persist"
     numa_node = 0
-    capacity_bytes = 2147483648
+    capacity_bytes = "2GiB"
     persistence = "persistent"
     spill_dir = "/var/lib/maasd/spill"
+
+Sizes a person types — ``MAASD_DEFAULT_POOL_BYTES``, ``default_pool_bytes`` and a pool's
+``capacity_bytes`` in the file — take units (``1GiB``, ``512MiB``, ``1.5GB``) or plain
+bytes (:func:`maasd.units.parse_size`); a bad one is refused naming where it came from
+(``MAASD_DEFAULT_POOL_BYTES: '1Gx' is not a size; …``). REST bodies stay integers.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import msgspec
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
+from maasd.units import SizeError, parse_size
 
 GiB = 1 << 30
 #: A shorter metrics key would be guessable.
@@ -70,9 +76,21 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
-    reaper_interval_s: float = 1.0
+    reaper_interval_s: float = 1.0  # also this host's heartbeat in a shared ledger
+    host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
+    db_pool_size: int = 16  # ledger connections kept open (docs/scale-out.md: sizing)
+    db_max_overflow: int = 64  # more, opened under load and closed after
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
+    # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
+    socket_max_connections: int = 1024  # open at once, in total
+    socket_max_unauthenticated: int = 64  # not yet past hello, in total
+    socket_max_per_uid: int = 512  # of one peer uid
+    socket_max_per_tenant: int = 128  # of one tenant, after hello
+    socket_hello_timeout_s: float = 5.0  # hello must arrive this long after accept
+    socket_send_timeout_s: float = 10.0  # a reply the peer leaves unread this long closes it
+    socket_slow_workers: int = 4  # threads for operations that may block (renew, …)
+    socket_slow_per_tenant: int = 2  # of those, running at once for one tenant
     # Bounds of the REST server (docs/operations.md, "REST limits"): the connections it
     # holds at once (lowered to a quarter of the open-files limit if that is less), and
     # the deadlines of a request's head (from its first byte), its body (from the end of
@@ -96,6 +114,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return os.path.join(self.data_dir, "admin.key")
 
 
+#: The worker socket's bounds: each must be > 0.
+SOCKET_BOUNDS = tuple(
+    name
+    for name in Settings.__struct_fields__
+    if name.startswith("socket_") and name != "socket_group"
+)
+
 #: The REST server's bounds: each must be > 0.
 HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
 
@@ -115,7 +140,11 @@ ENV = {
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
+    "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
+    "MAASD_DB_POOL_SIZE": "db_pool_size",
+    "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
     "MAASD_LOG_LEVEL": "log_level",
+    **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
     **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
 }
 
@@ -136,6 +165,12 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
                 from_file = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"config file {config_path}: {e}") from e
+    _sizes(from_env, "default_pool_bytes", "MAASD_DEFAULT_POOL_BYTES")
+    if from_file:
+        _sizes(from_file, "default_pool_bytes", f"{config_path}: default_pool_bytes")
+        for i, pool in enumerate(from_file.get("pools") or []):
+            if isinstance(pool, dict):
+                _sizes(pool, "capacity_bytes", f"{config_path}: pools[{i}].capacity_bytes")
     merged = {**from_file, **from_env, **flags}
     try:
         # strict=False lets env strings such as "7878" convert to int fields. Settings
@@ -149,9 +184,16 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
-    for name in HTTP_BOUNDS:
+    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
+    if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:
+        raise ConfigError(
+            "settings: host_timeout_s must be at least 3 heartbeats (reaper_interval_s = "
+            f"{settings.reaper_interval_s:g}), got {settings.host_timeout_s:g}"
+        )
+    if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
+        raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
     if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
         raise ConfigError(
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
@@ -163,6 +205,17 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings
+
+
+def _sizes(values: dict[str, Any], key: str, origin: str) -> None:
+    """Parse ``values[key]`` in place when it is a size string (``"8GiB"``); ``origin`` names
+    where it came from in the error."""
+    raw = values.get(key)
+    if isinstance(raw, str):
+        try:
+            values[key] = parse_size(raw)
+        except SizeError as e:
+            raise ConfigError(f"{origin}: {e}") from None
 
 
 def group_id(group: str | None) -> int | None:

@@ -25,7 +25,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
 from maasd import __version__
-from maasd.api import problems
+from maasd.api import docs, problems
 from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, caller, metrics_digest
 from maasd.api.controllers import (
     BuffersController,
@@ -35,6 +35,7 @@ from maasd.api.controllers import (
     TopologyController,
 )
 from maasd.api.health import Health, HealthCheck
+from maasd.api.hosts import HostsController
 from maasd.api.paths import one_segment_per_id
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
@@ -70,10 +71,16 @@ def create_app(
         path="/v1",
         guards=[authenticated],
         dependencies={"call": Provide(caller, sync_to_thread=False)},
-        route_handlers=[TopologyController, PoolsController, TenantsController, BuffersController],
+        route_handlers=[
+            TopologyController,
+            PoolsController,
+            TenantsController,
+            BuffersController,
+            HostsController,
+        ],
     )
     app = Litestar(
-        route_handlers=[HealthController, v1],
+        route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page
         dependencies={"api": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         state=State({STATE_KEY: ctx}),
         plugins=[StrictBodies()],
@@ -87,6 +94,7 @@ def create_app(
                 security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}
             ),
             security=[{"bearer": []}],
+            render_plugins=docs.SCHEMA_PLUGINS,
         ),
         request_max_body_size=MAX_BODY,
         logging_config=None,

@@ -104,17 +104,20 @@ class PoolsController(Controller):
     path = "/pools"
     tags = ["pools"]
 
-    @get(summary="List pools with usage", responses=problems.responses(*KEYED))
+    @get(
+        summary="List pools with usage: this host's (tenant key), every host's (admin key)",
+        responses=problems.responses(*KEYED),
+    )
     async def list_pools(self, call: NamedDependency[Call]) -> list[PoolInfo]:
-        return await call.run(call.service.pools)
+        return await call.run(partial(call.service.pools, all_hosts=call.who.is_admin))
 
     @get(
         "/{pool_id:str}",
-        summary="One pool (id or name)",
+        summary="One pool: a name is this host's pool; the admin may name any host's by id",
         responses=problems.responses(*KEYED + (404,)),
     )
     async def get_pool(self, call: NamedDependency[Call], pool_id: FromPath[str]) -> PoolInfo:
-        return await call.run(call.service.pool, pool_id)
+        return await call.run(partial(call.service.pool, any_host=call.who.is_admin), pool_id)
 
     @post(
         summary="Create a pool (admin)",
