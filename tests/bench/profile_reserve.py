@@ -160,7 +160,6 @@ def instrument(svc: Service, clock: Clock) -> list[Any]:
             clock.wrap_async("auth", api_auth.ApiContext.principal),
         ),
         patched(maasd.api.strict, "decode", clock.wrap("decode", maasd.api.strict.decode)),
-        patched(store, "touch_many", clock.wrap("ledger: flush uses", store.touch_many)),
         patched(
             store, "begin_reserve", clock.wrap("ledger: admit (reserving)", store.begin_reserve)
         ),
@@ -281,7 +280,6 @@ def main() -> None:
     results = {pf: asyncio.run(profile(pf, args.requests, args.size)) for pf in (False, True)}
     commits, statements = reserve_counts(False, args.size)
     service_parts = [
-        "ledger: flush uses",
         "ledger: admit (reserving)",
         "region: create (+ prefault)",
         "region: placement check",
