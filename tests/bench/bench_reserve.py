@@ -119,6 +119,30 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+HEAD = (
+    f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} {'cpu/req':>7} | "
+    f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} "
+    f"{'cpu/pair':>8} | {'p50 x':>6} {'p99 x':>6} {'cpu x':>6}"
+)
+
+
+def row(
+    n: int, f: dict[str, list[float]], m: dict[str, list[float]], f_cpu: float, m_cpu: float
+) -> str:
+    """One line of the table: the floor's and maasd's samples at ``n`` clients, and their CPU."""
+    fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
+    f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
+    r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
+    return (
+        f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms "
+        f"{len(fl) / f['_elapsed'][0]:>7.0f} {f_cpu * 1e3:>5.2f}ms | "
+        f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
+        f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
+        f"{len(rs) / m['_elapsed'][0]:>7.0f} {m_cpu * 1e3:>6.2f}ms | "
+        f"{r50 / f50:>6.1f} {r99 / f99:>6.1f} {m_cpu / f_cpu:>6.1f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -176,13 +200,8 @@ def main() -> None:
             f"maasd bench: {args.size} B buffers, prefault {args.prefault}, "
             f"{args.seconds:.0f} s per level, {os.cpu_count()} CPUs, SQLite ledger"
         )
-        head = (
-            f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} {'cpu/req':>7} | "
-            f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} "
-            f"{'cpu/pair':>8} | {'p50 x':>6} {'p99 x':>6} {'cpu x':>6}"
-        )
-        print(head)
-        print("-" * len(head))
+        print(HEAD)
+        print("-" * len(HEAD))
         assert d.proc is not None
         for n in levels:
             c0 = cpu_s(floor.pid)
@@ -190,20 +209,10 @@ def main() -> None:
             c1 = cpu_s(d.proc.pid)
             m = drive(d.url, {"Authorization": f"Bearer {key}"}, n, args.seconds, maasd_step)
             c2 = cpu_s(d.proc.pid)
-            fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
-            f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
-            r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
             # (the warm-up requests of each client are in the CPU too: a few per client)
-            f_cpu = (cpu_s(floor.pid) - c0) / max(1, len(fl) + n)
-            m_cpu = (c2 - c1) / max(1, len(rs) + n)
-            print(
-                f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms "
-                f"{len(fl) / f['_elapsed'][0]:>7.0f} {f_cpu * 1e3:>5.2f}ms | "
-                f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
-                f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
-                f"{len(rs) / m['_elapsed'][0]:>7.0f} {m_cpu * 1e3:>6.2f}ms | "
-                f"{r50 / f50:>6.1f} {r99 / f99:>6.1f} {m_cpu / f_cpu:>6.1f}"
-            )
+            f_cpu = (cpu_s(floor.pid) - c0) / max(1, len(f["floor"]) + n)
+            m_cpu = (c2 - c1) / max(1, len(m.get("reserve", [])) + n)
+            print(row(n, f, m, f_cpu, m_cpu))
         mean = d.metric("maasd_reserve_seconds_sum") / max(
             1.0, d.metric("maasd_reserve_seconds_count")
         )
