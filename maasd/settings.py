@@ -17,6 +17,7 @@ Example ``maasd.toml``::
     numa_node = 0
     capacity_bytes = 8589934592
     latency_us = 1
+    warm_bytes = 536870912      # keep 512 MiB of prefaulted regions ready
 
     [[pools]]
     name = "kv-persist"
@@ -45,6 +46,8 @@ GiB = 1 << 30
 #: A shorter metrics key would be guessable.
 MIN_METRICS_KEY = 16
 DEFAULT_POOL_CAP = 8 * GiB
+#: The default pools' warm stock: 1/16 of the capacity, at most this.
+DEFAULT_WARM_CAP = 256 << 20
 
 
 def default_data_dir() -> str:
@@ -69,6 +72,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics_public: bool = False  # GET /metrics needs no key at all
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
+    # The default pools' warm stock; None: min(capacity / 16, 256 MiB); 0: none.
+    default_warm_bytes: int | None = None
+    # Below this much MemAvailable the memfd pools' warm stock is given back; None:
+    # 1/16 of the host's memory, at least 512 MiB.
+    warm_min_available_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
     reaper_interval_s: float = 1.0
     checkpoint_on_shutdown: bool = True
@@ -102,6 +110,8 @@ ENV = {
     "MAASD_METRICS_PUBLIC": "metrics_public",
     "MAASD_NODE_NAME": "node_name",
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
+    "MAASD_DEFAULT_WARM_BYTES": "default_warm_bytes",
+    "MAASD_WARM_MIN_AVAILABLE_BYTES": "warm_min_available_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
     "MAASD_LOG_LEVEL": "log_level",
@@ -137,6 +147,9 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
+    for name in ("default_warm_bytes", "warm_min_available_bytes"):
+        if (getattr(settings, name) or 0) < 0:
+            raise ConfigError(f"settings: {name} must be ≥ 0")
     if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
         raise ConfigError(
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
@@ -162,11 +175,14 @@ def group_id(group: str | None) -> int | None:
         raise ConfigError(f"settings: no group named {group!r} (socket_group)") from None
 
 
-def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[PoolSpec]:
+def default_pools(
+    topology: Topology, pool_bytes: int | None = None, warm_bytes: int | None = None
+) -> list[PoolSpec]:
     """SPEC §3: one volatile memfd pool per node, ``node<N>``.
 
     Size: ``pool_bytes`` when given, else a quarter of the node's free memory,
-    at most 8 GiB — rounded down to whole pages.
+    at most 8 GiB — rounded down to whole pages. Warm stock: ``warm_bytes`` when
+    given (at most the capacity), else 1/16 of the capacity, at most 256 MiB.
     """
     page = topology.page_bytes
     pools = []
@@ -179,6 +195,7 @@ def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[Poo
         size -= size % page
         if size <= 0:
             continue
+        warm = min(size // 16, DEFAULT_WARM_CAP) if warm_bytes is None else min(warm_bytes, size)
         pools.append(
             PoolSpec(
                 name=f"node{node.id}",
@@ -189,6 +206,7 @@ def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[Poo
                 latency_us=1,
                 prefault=True,
                 scrub="zero",
+                warm_bytes=warm - warm % page,
             )
         )
     return pools
