@@ -258,3 +258,17 @@ def test_shutdown_gives_the_stock_back(tmp_path: Path) -> None:
     assert warm_memfds() == 0
     assert not svc.warmer.running
     assert (live.warm, live.used) == (0, 0)
+
+
+def test_a_pools_budget_follows_its_configuration_at_start(fresh_daemon: Daemon) -> None:
+    fresh_daemon.env.update({"MAASD_DEFAULT_WARM_BYTES": str(8 * MiB)} | NO_MEMORY_FLOOR)
+    d = fresh_daemon.start()
+    node0 = pool_named(d, "node0")
+    assert node0["warm_target_bytes"] == 8 * MiB
+    d.stop()
+    d.env["MAASD_DEFAULT_WARM_BYTES"] = str(4 * MiB + 1)
+    d.start()
+    again = pool_named(d, "node0")
+    assert again["id"] == node0["id"]  # the same pool: only its budget changed
+    assert again["warm_target_bytes"] == 4 * MiB  # rounded down to pages
+    assert d.metric("maasd_pool_warm_target_bytes", pool="node0") == 4 * MiB

@@ -36,3 +36,12 @@ def test_delete_pool(store: Store) -> None:
     assert store.pools(HOST) == []
     with pytest.raises(NotFound):
         store.delete_pool(pool.id)
+
+
+def test_set_pool_warm(store: Store) -> None:
+    a, b = make_pool(store, "node0"), make_pool(store, "node1")
+    store.set_pool_warm(a.id, 4096)
+    assert [p.warm_bytes for p in store.pools(HOST)] == [4096, 0]
+    assert store.pools(HOST)[1] == b
+    with pytest.raises(NotFound):
+        store.set_pool_warm("no-such-pool", 4096)
