@@ -15,16 +15,22 @@ Example ``maasd.toml``::
     [[pools]]
     name = "fast"
     numa_node = 0
-    capacity_bytes = 8589934592
+    capacity_bytes = "8GiB"
     latency_us = 1
-    warm_bytes = 536870912      # keep 512 MiB of prefaulted regions ready
+    warm_bytes = "512MiB"       # keep this much prefaulted memory ready
 
     [[pools]]
     name = "kv-persist"
     numa_node = 0
-    capacity_bytes = 2147483648
+    capacity_bytes = "2GiB"
     persistence = "persistent"
     spill_dir = "/var/lib/maasd/spill"
+
+Sizes a person types — ``MAASD_DEFAULT_POOL_BYTES``, ``MAASD_DEFAULT_WARM_BYTES``,
+``MAASD_WARM_MIN_AVAILABLE_BYTES``, the same keys in the file, and a pool's
+``capacity_bytes`` and ``warm_bytes`` there — take units (``1GiB``, ``512MiB``, ``1.5GB``) or plain
+bytes (:func:`maasd.units.parse_size`); a bad one is refused naming where it came from
+(``MAASD_DEFAULT_POOL_BYTES: '1Gx' is not a size; …``). REST bodies stay integers.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import msgspec
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
+from maasd.units import SizeError, parse_size
 
 GiB = 1 << 30
 #: A shorter metrics key would be guessable.
@@ -81,6 +88,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reaper_interval_s: float = 1.0
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
+    # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
+    socket_max_connections: int = 1024  # open at once, in total
+    socket_max_unauthenticated: int = 64  # not yet past hello, in total
+    socket_max_per_uid: int = 512  # of one peer uid
+    socket_max_per_tenant: int = 128  # of one tenant, after hello
+    socket_hello_timeout_s: float = 5.0  # hello must arrive this long after accept
+    socket_send_timeout_s: float = 10.0  # a reply the peer leaves unread this long closes it
+    socket_slow_workers: int = 4  # threads for operations that may block (renew, …)
+    socket_slow_per_tenant: int = 2  # of those, running at once for one tenant
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -95,6 +111,18 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def admin_key_path(self) -> str:
         return os.path.join(self.data_dir, "admin.key")
 
+
+#: The worker socket's bounds: each must be > 0.
+SOCKET_BOUNDS = tuple(
+    name
+    for name in Settings.__struct_fields__
+    if name.startswith("socket_") and name != "socket_group"
+)
+
+#: Settings that are sizes (plain bytes or with units, in the environment and the file),
+#: and the keys of a ``[[pools]]`` table that are: whether 0 is a valid value of each.
+SIZES = {"default_pool_bytes": False, "default_warm_bytes": True, "warm_min_available_bytes": True}
+POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
 
 #: environment variable → field
 ENV = {
@@ -115,6 +143,7 @@ ENV = {
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
     "MAASD_LOG_LEVEL": "log_level",
+    **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
 }
 
 
@@ -134,6 +163,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
                 from_file = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"config file {config_path}: {e}") from e
+    _parse_sizes(from_env, from_file, config_path)
     merged = {**from_file, **from_env, **flags}
     try:
         # strict=False lets env strings such as "7878" convert to int fields. Settings
@@ -147,6 +177,9 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
+    for name in SOCKET_BOUNDS:
+        if not getattr(settings, name) > 0:
+            raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     for name in ("default_warm_bytes", "warm_min_available_bytes"):
         if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"settings: {name} must be ≥ 0")
@@ -161,6 +194,28 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings
+
+
+def _parse_sizes(from_env: dict[str, Any], from_file: dict[str, Any], path: str | None) -> None:
+    """Turn the size strings of the environment and the config file into bytes, in place."""
+    for key, zero in SIZES.items():
+        _sizes(from_env, key, f"MAASD_{key.upper()}", zero)
+        _sizes(from_file, key, f"{path}: {key}", zero)
+    for i, pool in enumerate(from_file.get("pools") or []):
+        if isinstance(pool, dict):
+            for key, zero in POOL_SIZES.items():
+                _sizes(pool, key, f"{path}: pools[{i}].{key}", zero)
+
+
+def _sizes(values: dict[str, Any], key: str, origin: str, allow_zero: bool = False) -> None:
+    """Parse ``values[key]`` in place when it is a size string (``"8GiB"``); ``origin`` names
+    where it came from in the error."""
+    raw = values.get(key)
+    if isinstance(raw, str):
+        try:
+            values[key] = parse_size(raw, allow_zero=allow_zero)
+        except SizeError as e:
+            raise ConfigError(f"{origin}: {e}") from None
 
 
 def group_id(group: str | None) -> int | None:

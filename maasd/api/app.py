@@ -23,7 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
 from maasd import __version__
-from maasd.api import problems
+from maasd.api import docs, problems
 from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, metrics_digest, principal
 from maasd.api.controllers import (
     BuffersController,
@@ -70,7 +70,7 @@ def create_app(
         route_handlers=[TopologyController, PoolsController, TenantsController, BuffersController],
     )
     return Litestar(
-        route_handlers=[HealthController, v1],
+        route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page
         dependencies={
             "service": Provide(lambda: ctx.service, use_cache=True, sync_to_thread=False),
             "run": Provide(lambda: ctx.run, use_cache=True, sync_to_thread=False),
@@ -88,6 +88,7 @@ def create_app(
                 security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}
             ),
             security=[{"bearer": []}],
+            render_plugins=docs.SCHEMA_PLUGINS,
         ),
         request_max_body_size=MAX_BODY,
         logging_config=None,

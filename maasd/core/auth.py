@@ -1,7 +1,9 @@
 """Who is calling: the admin key, tenant keys (with a cache), and the two role checks.
 
-The admin key comes from the settings, else from ``DATA_DIR/admin.key`` (which
-must be private to its owner), else it is generated once and written there.
+The admin key comes from the settings, else from the systemd credential
+``admin-key`` (``$CREDENTIALS_DIRECTORY/admin-key``, from the unit's
+``LoadCredential=``), else from ``DATA_DIR/admin.key`` (which must be private to
+its owner), else it is generated once and written there.
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class Auth:
     def _admin_key(self) -> str:
         if self._settings.admin_key:
             return self._settings.admin_key
+        credentials = os.environ.get("CREDENTIALS_DIRECTORY")
+        if credentials and (cred := Path(credentials, "admin-key")).exists():
+            # systemd made it (mode 0400, this service's alone): no mode check to do.
+            key = cred.read_text().strip()
+            if not key:
+                raise ConfigError(f"the admin-key credential ({cred}) is empty")
+            return key
         path = Path(self._settings.admin_key_path)
         if path.exists():
             mode = stat.S_IMODE(path.stat().st_mode)
@@ -119,8 +128,16 @@ class Auth:
                     cache[d] = who
         return who
 
+    @property
+    def generation(self) -> int:
+        """Bumped by every revocation this process learns of (its own, or — with several
+        daemons on one ledger — another's). A holder of an authenticated principal (a socket
+        connection) re-checks its key only when this moved: an int compare per operation."""
+        return self._generation
+
     def forget_keys(self) -> None:
-        """Call after revoking any key (its commit done): no cached key outlives it."""
+        """Call after any key is revoked (its commit done), here or by another daemon: no
+        cached key outlives it, and :attr:`generation` moves."""
         with self._lock:
             self._generation += 1
             if self._cache is not None:

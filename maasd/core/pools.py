@@ -100,11 +100,24 @@ class Pools:
         A pool already in the ledger keeps the ledger's properties — it has live
         buffers bound to them — and a difference from the configuration is logged;
         only its warm stock budget follows the configuration.
+        A default pool (no ``[[pools]]`` configured) that an admin deleted stays deleted:
+        the audit trail's ``pool_delete`` event for it is the record. A configured pool
+        is the configuration's to declare, so it is made again.
         """
         wanted = self._settings.pools or default_pools(
             self.topology, self._settings.default_pool_bytes, self._settings.default_warm_bytes
         )
         existing = {live.row.name: live.row for live in self._runtime.pools()}
+        if not self._settings.pools:
+            missing = [spec.name for spec in wanted if spec.name not in existing]
+            deleted = self._store.deleted_pools(self._host, missing)
+            for name in sorted(deleted):
+                logger.info(
+                    "default pool %s was deleted by an admin: not made again "
+                    "(maasctl pools create makes it)",
+                    name,
+                )
+            wanted = [spec for spec in wanted if spec.name not in deleted]
         for spec in wanted:
             have = existing.get(spec.name)
             if have is None:

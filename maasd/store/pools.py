@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import msgspec
 import sqlalchemy as sa
@@ -30,8 +31,22 @@ _sel_pool_usage = (
 lock_pool = (
     select(_P.c.capacity_bytes, _P.c.name).where(_P.c.id == bindparam("p_id")).with_for_update()
 )
+_lock_pool_name = select(_P.c.name, _P.c.host).where(_P.c.id == bindparam("p_id")).with_for_update()
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
 _set_warm = update(_P).where(_P.c.id == bindparam("p_id")).values(warm_bytes=bindparam("warm"))
+_E = schema.events
+_sel_deleted = (
+    select(_E.c.detail)
+    .where(_E.c.kind == "pool_delete", _E.c.detail.in_(bindparam("details", expanding=True)))
+    .distinct()
+)
+
+
+def deleted_detail(name: str, host: str) -> str:
+    """The ``detail`` of a ``pool_delete`` event: the pool's name and host."""
+    return f"{name} on {host}"
+
+
 _count_pool_buffers = select(func.count()).select_from(_B).where(_B.c.pool_id == bindparam("p_id"))
 
 
@@ -73,7 +88,8 @@ class PoolRepo(Connections):
     def delete_pool(self, pool_id: str, *, now: float | None = None) -> None:
         """Delete an empty pool: :class:`NotFound` if unknown, :class:`StateConflict` if it holds buffers."""
         with self._writing() as conn:
-            if conn.execute(lock_pool, {"p_id": pool_id}).first() is None:
+            found = conn.execute(_lock_pool_name, {"p_id": pool_id}).first()
+            if found is None:
                 raise NotFound(f"pool {pool_id} not found")
             n = conn.execute(_count_pool_buffers, {"p_id": pool_id}).scalar_one()
             if n:
@@ -81,5 +97,19 @@ class PoolRepo(Connections):
             conn.execute(_del_pool, {"p_id": pool_id})
             conn.execute(
                 ins_event,
-                event("pool_delete", time.time() if now is None else now, pool_id=pool_id),
+                event(
+                    "pool_delete",
+                    time.time() if now is None else now,
+                    pool_id=pool_id,
+                    detail=deleted_detail(found.name, found.host),
+                ),
             )
+
+    def deleted_pools(self, host: str, names: Collection[str]) -> set[str]:
+        """Which of ``names`` were pools of ``host`` that someone deleted (the audit trail's
+        ``pool_delete`` events say so): default pools stay deleted across restarts."""
+        if not names:
+            return set()
+        by_detail = {deleted_detail(n, host): n for n in names}
+        rows = self._read_rows(_sel_deleted, {"details": list(by_detail)})
+        return {by_detail[r[0]] for r in rows}

@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from maasd.allocator.stock import STEPS, WINDOW, Demand, plan, size_class, warm_budget
-from maasd.errors import InvalidRequest
-from maasd.settings import DEFAULT_WARM_CAP, GiB, default_pools
+from maasd.errors import ConfigError, InvalidRequest
+from maasd.settings import DEFAULT_WARM_CAP, GiB, default_pools, load
 from maasd.topology import Node, Topology
 
 PAGE = 4096
@@ -133,3 +133,32 @@ class TestDefaultPoolsWarm:
         assert pools[0].warm_bytes == GiB
         assert default_pools(topology(8 * GiB), warm_bytes=0)[0].warm_bytes == 0
         assert default_pools(topology(8 * GiB), warm_bytes=MiB + 1)[0].warm_bytes == MiB
+
+
+class TestWarmSettings:
+    def test_sizes_take_units_in_the_environment_and_the_file(self, tmp_path):
+        config = tmp_path / "maasd.toml"
+        config.write_text(
+            'default_warm_bytes = "16MiB"\n'
+            "[[pools]]\n"
+            'name = "fast"\nnuma_node = 0\ncapacity_bytes = "1GiB"\nwarm_bytes = "64MiB"\n'
+        )
+        env = {"MAASD_CONFIG": str(config), "MAASD_WARM_MIN_AVAILABLE_BYTES": "1GiB"}
+        s = load(env=env)
+        assert (s.default_warm_bytes, s.warm_min_available_bytes) == (16 * MiB, GiB)
+        assert s.pools[0].warm_bytes == 64 * MiB
+        s = load(env={**env, "MAASD_DEFAULT_WARM_BYTES": "8MiB"})
+        assert s.default_warm_bytes == 8 * MiB  # the environment wins over the file
+        s = load(env={"MAASD_DEFAULT_WARM_BYTES": "0", "MAASD_WARM_MIN_AVAILABLE_BYTES": "0"})
+        assert (s.default_warm_bytes, s.warm_min_available_bytes) == (0, 0)  # 0 is off
+
+    @pytest.mark.parametrize(
+        ("env", "word"),
+        [
+            ({"MAASD_DEFAULT_WARM_BYTES": "-1"}, "MAASD_DEFAULT_WARM_BYTES: '-1' is negative"),
+            ({"MAASD_WARM_MIN_AVAILABLE_BYTES": "lots"}, "MAASD_WARM_MIN_AVAILABLE_BYTES"),
+        ],
+    )
+    def test_bad_values_stop_the_daemon(self, env, word):
+        with pytest.raises(ConfigError, match=word):
+            load(env=env)
