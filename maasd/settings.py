@@ -85,7 +85,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # 1/16 of the host's memory, at least 512 MiB.
     warm_min_available_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
-    reaper_interval_s: float = 1.0
+    reaper_interval_s: float = 1.0  # also this host's heartbeat in a shared ledger
+    host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
+    db_pool_size: int = 16  # ledger connections kept open (docs/scale-out.md: sizing)
+    db_max_overflow: int = 64  # more, opened under load and closed after
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
@@ -142,6 +145,9 @@ ENV = {
     "MAASD_WARM_MIN_AVAILABLE_BYTES": "warm_min_available_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
+    "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
+    "MAASD_DB_POOL_SIZE": "db_pool_size",
+    "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
 }
@@ -180,6 +186,13 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     for name in SOCKET_BOUNDS:
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
+    if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:
+        raise ConfigError(
+            "settings: host_timeout_s must be at least 3 heartbeats (reaper_interval_s = "
+            f"{settings.reaper_interval_s:g}), got {settings.host_timeout_s:g}"
+        )
+    if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
+        raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
     for name in ("default_warm_bytes", "warm_min_available_bytes"):
         if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"settings: {name} must be ≥ 0")

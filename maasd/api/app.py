@@ -33,6 +33,7 @@ from maasd.api.controllers import (
     TopologyController,
 )
 from maasd.api.health import Health, HealthCheck
+from maasd.api.hosts import HostsController
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
@@ -67,7 +68,13 @@ def create_app(
         path="/v1",
         guards=[authenticated],
         dependencies={"who": Provide(principal, sync_to_thread=False)},
-        route_handlers=[TopologyController, PoolsController, TenantsController, BuffersController],
+        route_handlers=[
+            TopologyController,
+            PoolsController,
+            TenantsController,
+            BuffersController,
+            HostsController,
+        ],
     )
     return Litestar(
         route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page

@@ -6,6 +6,10 @@ allocator that accounts its capacity), held together as a
 :class:`~maasd.core.runtime.LivePool`. Persistent pools also own a spill
 directory for their checkpoints, and pools with a warm budget keep a stock of
 prefaulted regions that the lifecycle's :class:`~maasd.allocator.Warmer` refills.
+
+Pool names repeat on every host (``node0`` on each): a name always means this
+host's pool, and only this host's pools take reserves here. Another host's
+pools are only *read* from the ledger, for the admin's listing.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
-from maasd.errors import InvalidRequest, PlacementError, StateConflict, TooLarge
+from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
 from maasd.models import PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
 from maasd.store import ACCOUNTED_STATES, PoolRow, Store
@@ -43,6 +47,7 @@ def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0) -> PoolInfo:
     return PoolInfo(
         id=row.id,
         name=row.name,
+        host=row.host,
         numa_node=row.numa_node,
         backing=row.backing,
         persistence=row.persistence,
@@ -169,8 +174,14 @@ class Pools:
 
     # -- use-cases --------------------------------------------------------------------------
 
-    def infos(self) -> list[PoolInfo]:
-        """Every pool of this host with its usage, by name."""
+    def infos(self, *, all_hosts: bool = False) -> list[PoolInfo]:
+        """Every pool of this host with its usage, by name; ``all_hosts``: every host's
+        (from the ledger), by host then name."""
+        if all_hosts:
+            usage = self._store.usage_by_pool(None)
+            rows = self._store.all_pools()
+            warm = {live.row.id: live.pool.warm for live in self._runtime.pools()}
+            return [pool_info(row, usage.get(row.id, (0, 0)), warm.get(row.id, 0)) for row in rows]
         usage = self._store.usage_by_pool(self._host)
         return sorted(
             (
@@ -180,9 +191,16 @@ class Pools:
             key=lambda p: p.name,
         )
 
-    def info(self, id_or_name: str) -> PoolInfo:
-        """One pool with its usage; :class:`NotFound` if this host has no such pool."""
-        live = self._runtime.find_pool(id_or_name)
+    def info(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
+        """One pool of this host (id or name) with its usage; ``any_host``: else another
+        host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
+        try:
+            live = self._runtime.find_pool(id_or_name)
+        except NotFound:
+            other = self._store.pool_row(id_or_name) if any_host else None
+            if other is None:
+                raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
+            return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
         return pool_info(live.row, used, live.pool.warm)
 
@@ -264,8 +282,21 @@ class Pools:
         return spill_dir
 
     def delete(self, id_or_name: str, *, drain: bool = False) -> None:
-        """Delete an empty pool; with ``drain`` release (scrub) its buffers first."""
-        live = self._runtime.find_pool(id_or_name)
+        """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
+
+        Another host's pool is a :class:`NotFound` that names its host: only the
+        daemon holding a pool's memory can scrub its buffers.
+        """
+        try:
+            live = self._runtime.find_pool(id_or_name)
+        except NotFound:
+            other = self._store.pool_row(id_or_name)
+            if other is None:
+                raise
+            raise NotFound(
+                f"pool {id_or_name!r} is on host {other.host}, not {self._host}: "
+                "delete it through that host's daemon"
+            ) from None
         rows = self._store.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES)
         if rows and not drain:
             raise StateConflict(

@@ -1,4 +1,8 @@
-"""Pools in the ledger: each belongs to one host, with its usage summed at read time."""
+"""Pools in the ledger: each belongs to one host, with its usage summed at read time.
+
+A pool's name is unique per host (``node0`` exists on every host); its id is
+unique in the ledger.
+"""
 
 from __future__ import annotations
 
@@ -21,12 +25,14 @@ _P = schema.pools
 _B = schema.buffers
 
 _sel_pools = select(_P).where(_P.c.host == bindparam("host")).order_by(_P.c.name)
-_sel_pool_usage = (
+_sel_all_pools = select(_P).order_by(_P.c.host, _P.c.name)
+_sel_pool = select(_P).where(_P.c.id == bindparam("p_id"))
+_sel_all_usage = (
     select(_P.c.id, used(_B.c.size_bytes), func.count(_B.c.id))
     .select_from(_P.outerjoin(_B, _B.c.pool_id == _P.c.id))
-    .where(_P.c.host == bindparam("host"))
     .group_by(_P.c.id)
 )
+_sel_pool_usage = _sel_all_usage.where(_P.c.host == bindparam("host"))
 #: Lock a pool's row (PostgreSQL) and read what a reserve decides by.
 lock_pool = (
     select(_P.c.capacity_bytes, _P.c.name).where(_P.c.id == bindparam("p_id")).with_for_update()
@@ -76,8 +82,20 @@ class PoolRepo(Connections):
         """The pools of ``host``, by name."""
         return [PoolRow(*r) for r in self._read_rows(_sel_pools, {"host": host})]
 
-    def usage_by_pool(self, host: str) -> dict[str, tuple[int, int]]:
-        """``{pool_id: (used_bytes, buffers)}`` for every pool of ``host`` (all states count)."""
+    def all_pools(self) -> list[PoolRow]:
+        """The pools of every host, by host then name."""
+        return [PoolRow(*r) for r in self._read_rows(_sel_all_pools)]
+
+    def pool_row(self, pool_id: str) -> PoolRow | None:
+        """The pool with this id, on any host; ``None`` if there is none."""
+        row = self._read_first(_sel_pool, {"p_id": pool_id})
+        return None if row is None else PoolRow(*row)
+
+    def usage_by_pool(self, host: str | None) -> dict[str, tuple[int, int]]:
+        """``{pool_id: (used_bytes, buffers)}`` for every pool of ``host`` (``None``: of every
+        host); all states count."""
+        if host is None:
+            return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_all_usage)}
         return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_pool_usage, {"host": host})}
 
     def set_pool_warm(self, pool_id: str, warm_bytes: int) -> None:

@@ -190,6 +190,10 @@ class TestBadValues:
             ({"MAASD_MAX_TTL_S": "0"}, "max_ttl_s"),
             ({"MAASD_MAX_TTL_S": "soon"}, "max_ttl_s"),
             ({"MAASD_REAPER_INTERVAL_S": "fast"}, "reaper_interval_s"),
+            ({"MAASD_REAPER_INTERVAL_S": "0"}, "reaper_interval_s"),
+            ({"MAASD_HOST_TIMEOUT_S": "2", "MAASD_REAPER_INTERVAL_S": "1"}, "host_timeout_s"),
+            ({"MAASD_DB_POOL_SIZE": "0"}, "db_pool_size"),
+            ({"MAASD_DB_MAX_OVERFLOW": "-1"}, "db_max_overflow"),
         ],
     )
     def test_bad_env(self, env, word):
