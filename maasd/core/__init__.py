@@ -20,7 +20,8 @@ lives in a module of its own:
 :mod:`.checkpoints`      writing a persistent buffer's checkpoint, restoring one
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
-:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer
+:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer and
+                         the warmer (the warm stock's refill thread)
 =======================  ===========================================================
 
 >>> svc = Service(settings); svc.start()                       # doctest: +SKIP
@@ -31,6 +32,7 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
@@ -70,7 +72,8 @@ class Service:
 
     ``runtime`` is the in-process state (read it in tests: ``svc.runtime.region(id)``,
     ``svc.runtime.pending_uses()``); ``reclaimer`` gives released pages back in the
-    background (``svc.reclaimer.drain()`` waits for it).
+    background (``svc.reclaimer.drain()`` waits for it); ``warmer`` refills the pools'
+    warm stock (``svc.warmer.run_once()`` does one round in the caller's thread).
     """
 
     def __init__(
@@ -86,12 +89,19 @@ class Service:
         self.metrics = Metrics()
         self.runtime = Runtime()
         self.reclaimer = Reclaimer()
+        self.warmer = Warmer(min_available=settings.warm_min_available_bytes)
         self._auth = Auth(settings, self.store)
         self._hosts = Hosts(settings, self.store, self.runtime)
         releaser = Releaser(self.store, self.runtime, self.metrics)
         checkpoints = Checkpoints(self.store, self.runtime, self.metrics)
         self._pools = Pools(
-            settings, self.store, self.runtime, releaser, self.reclaimer, topology or discover()
+            settings,
+            self.store,
+            self.runtime,
+            releaser,
+            self.reclaimer,
+            self.warmer,
+            topology or discover(),
         )
         self._tenants = Tenants(self.store, self._auth, releaser)
         self._buffers = Buffers(
@@ -110,6 +120,7 @@ class Service:
             checkpoints,
             self.metrics,
             self.reclaimer,
+            self.warmer,
         )
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
 

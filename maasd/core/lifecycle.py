@@ -4,10 +4,11 @@ Start, in order: the reclaimer thread; the ledger migrated to the newest
 schema; the admin key; this host claimed (:mod:`maasd.core.hosts`); the
 revocation listener; the ledger's pools of this host made live;
 :meth:`Lifecycle.recover` settling what a previous run left; the configured
-pools the ledger lacks created; the reaper thread, which also beats this
-host's heartbeat. Close undoes it: reaper stopped, uses flushed, persistent
-buffers checkpointed (volatile ones released, scrubbed), the host marked
-stopped, the reclaimer drained and stopped, the store closed.
+pools the ledger lacks created; the warm stock's refill thread; the reaper
+thread, which also beats this host's heartbeat. Close undoes it: reaper and
+refill thread stopped and every pool's warm stock given back, uses flushed,
+persistent buffers checkpointed (volatile ones released, scrubbed), the host
+marked stopped, the reclaimer drained and stopped, the store closed.
 
 Recovery. Every change that touches memory records its intent in the ledger
 first (:mod:`maasd.core.buffers`, :mod:`maasd.core.release`), so a crash at any
@@ -25,6 +26,7 @@ import threading
 import time
 from collections import Counter
 
+from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 class Lifecycle:
-    """Starts and stops one daemon's parts; owns the reaper and the reclaimer threads."""
+    """Starts and stops one daemon's parts; owns the reaper, reclaimer and warmer threads."""
 
     def __init__(
         self,
@@ -59,6 +61,7 @@ class Lifecycle:
         checkpoints: Checkpoints,
         metrics: Metrics,
         reclaimer: Reclaimer,
+        warmer: Warmer,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
@@ -73,6 +76,8 @@ class Lifecycle:
         self._metrics = metrics
         #: Gives released pages back to the kernel in the background (started by start()).
         self.reclaimer = reclaimer
+        #: Refills the pools' warm stock in the background (started by start()).
+        self.warmer = warmer
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._fenced = False  # this host lost its claim and has not joined again
@@ -88,6 +93,7 @@ class Lifecycle:
         self._pools.load()
         self.recover()
         self._pools.provision()
+        self.warmer.start()
         if reaper:
             self._reaper = threading.Thread(
                 target=self._reap_loop, name="maasd-reaper", daemon=True
@@ -99,6 +105,9 @@ class Lifecycle:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=10)
+        self.warmer.stop()
+        for live in self._runtime.pools():
+            live.pool.close()  # the warm stock is nobody's: given back first
         self._buffers.flush_uses()
         for buffer_id in self._runtime.buffer_ids():
             row = self._store.buffer(buffer_id, None)

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 import msgspec
 import sqlalchemy as sa
-from sqlalchemy import bindparam, delete, func, insert, select
+from sqlalchemy import bindparam, delete, func, insert, select, update
 
 from maasd.errors import NotFound, StateConflict
 from maasd.store import schema
@@ -39,6 +39,7 @@ lock_pool = (
 )
 _lock_pool_name = select(_P.c.name, _P.c.host).where(_P.c.id == bindparam("p_id")).with_for_update()
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
+_set_warm = update(_P).where(_P.c.id == bindparam("p_id")).values(warm_bytes=bindparam("warm"))
 _E = schema.events
 _sel_deleted = (
     select(_E.c.detail)
@@ -96,6 +97,11 @@ class PoolRepo(Connections):
         if host is None:
             return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_all_usage)}
         return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_pool_usage, {"host": host})}
+
+    def set_pool_warm(self, pool_id: str, warm_bytes: int) -> None:
+        """Set a pool's warm stock budget (the one property that follows its configuration)."""
+        if self._single_count(_set_warm, {"p_id": pool_id, "warm": warm_bytes}) != 1:
+            raise NotFound(f"pool {pool_id} not found")
 
     def delete_pool(self, pool_id: str, *, now: float | None = None) -> None:
         """Delete an empty pool: :class:`NotFound` if unknown, :class:`StateConflict` if it holds buffers."""
