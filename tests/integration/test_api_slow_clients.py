@@ -171,7 +171,7 @@ def test_a_body_that_never_finishes_is_closed_at_the_body_deadline(
 
 def test_a_flood_of_idle_connections_is_shed_oldest_first(d: Daemon, key: str) -> None:
     baseline = fds(d)
-    shed = closed(d, "shed")
+    shed, timed_out = closed(d, "shed"), closed(d, "head_timeout")
     cpu0, t0 = cpu_s(d), time.monotonic()
     flood = [connect(d) for _ in range(CAP * 10)]
     try:
@@ -182,7 +182,9 @@ def test_a_flood_of_idle_connections_is_shed_oldest_first(d: Daemon, key: str) -
         time.sleep(1.0)
         busy = (cpu_s(d) - cpu0) / (time.monotonic() - t0)
         assert busy < 0.5, f"the daemon used {busy:.0%} of a CPU during the flood"
-        assert closed(d, "shed") >= shed + CAP * 9
+        # Shed to make room (a very slow machine may let some reach their head deadline first).
+        assert closed(d, "shed") > shed
+        assert closed(d, "shed") + closed(d, "head_timeout") >= shed + timed_out + CAP * 9
     finally:
         for s in flood:
             s.close()
