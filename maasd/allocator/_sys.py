@@ -24,6 +24,8 @@ MFD_CLOEXEC = 0x0001
 MFD_ALLOW_SEALING = 0x0002
 MFD_HUGETLB = 0x0004
 MFD_HUGE_SHIFT = 26
+# fcntl(2) seals beyond the ones Python 3.11's fcntl module names
+F_SEAL_FUTURE_WRITE = 0x0010
 # fallocate(2)
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -170,6 +172,27 @@ def move_pages_query(addr: int, size: int, page: int, sample: int | None = None)
 
 def memset(addr: int, value: int, size: int) -> None:
     ctypes.memset(addr, value, size)
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """``pread(2)`` ``fd`` from ``offset`` into ``buf`` until it is full or the file ends.
+
+    Returns the bytes read. A hole reads as zeros without allocating anything, on
+    shmem and hugetlbfs alike; a reader never faults on what it reads from.
+    """
+    done = 0
+    total = len(buf)
+    while done < total:
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except InterruptedError:
+            continue
+        except OSError as e:
+            raise _fail(f"pread of {total - done} bytes at {offset + done}", e.errno) from e
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def view(addr: int, size: int) -> memoryview:

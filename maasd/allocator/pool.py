@@ -84,28 +84,46 @@ class Pool:
         """The size a request of ``size`` bytes occupies in this pool."""
         return round_up(size, self.page_bytes)
 
-    def reserve(self, size: int, name: str = "maasd-buffer") -> Region:
+    def reserve(
+        self,
+        size: int,
+        name: str = "maasd-buffer",
+        *,
+        extra_seals: int = 0,
+        accounted: bool = True,
+        prefault: bool | None = None,
+    ) -> Region:
         """Account for and create a region of at least ``size`` bytes.
+
+        ``extra_seals`` go on with :data:`~maasd.allocator.region.SEALS`; ``prefault``
+        overrides the pool's. ``accounted=False`` makes a region that *takes over* the
+        accounting of one of the same size which the caller then releases with
+        ``give_back=False`` (an entry's copy at commit): no capacity is taken, so a
+        full pool can still swap one region for another — the host holds both for the
+        length of the swap.
 
         Raises :class:`TooLarge` above capacity, :class:`PoolExhausted` when full now
         (nothing changes either way), :class:`BackingError` if the kernel refuses
         (the capacity is given back).
         """
         rounded = self.rounded(size)
-        with self._lock:
-            self._ledger.take(rounded)
+        if accounted:
+            with self._lock:
+                self._ledger.take(rounded)
         try:
             return Region.create(
                 rounded,
                 node=self.numa_node,
                 backing=self.backing,
                 page_bytes=self.page_bytes,
-                prefault=self.prefault,
+                prefault=self.prefault if prefault is None else prefault,
                 name=name,
+                extra_seals=extra_seals,
             )
         except BaseException:
-            with self._lock:
-                self._ledger.give(rounded)
+            if accounted:
+                with self._lock:
+                    self._ledger.give(rounded)
             raise
 
     def adopt(self, size: int) -> None:
@@ -113,8 +131,11 @@ class Pool:
         with self._lock:
             self._ledger.take(self.rounded(size))
 
-    def release(self, region: Region) -> None:
+    def release(self, region: Region, *, give_back: bool = True) -> None:
         """Scrub the region with this pool's mode, give its bytes back, close it.
+
+        ``give_back=False`` keeps its bytes accounted: for a region whose accounting a
+        replacement took over (``reserve(accounted=False)``).
 
         Every byte reads zero when this returns. With ``scrub = "zero"`` only the
         memset happens here; punching the pages out and closing the memfd is left
@@ -139,5 +160,6 @@ class Pool:
                 region.scrub(self.scrub)
             finally:
                 region.close()
-        with self._lock:
-            self._ledger.give(region.size)
+        if give_back:
+            with self._lock:
+                self._ledger.give(region.size)

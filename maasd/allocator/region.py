@@ -4,14 +4,21 @@ Life of a :class:`Region`::
 
     memfd_create(CLOEXEC|ALLOW_SEALING[|HUGETLB])   a file of its own — never reused
     ftruncate(size)                                  page-rounded size
-    add seals SHRINK|GROW|SEAL                       before anyone else can see the fd
     mmap(MAP_SHARED) in the daemon                   for binding, scrubbing, measuring
+    add seals SHRINK|GROW|SEAL [+ extra]             before anyone else can see the fd
     mbind(MPOL_BIND, node)                           sets the file's shared policy
     madvise(POPULATE_WRITE)                          when prefault: pages land on node
     ...handed out (the fd, dup'd, over SCM_RIGHTS)...
     scrub(zero|punch)                                every byte reads zero, everywhere
     close()                                          munmap + close; the kernel frees the
                                                      pages when the last worker lets go
+
+The seals go on after the daemon's own mapping exists, so that an extra
+``F_SEAL_FUTURE_WRITE`` (a committed entry, :attr:`Region.frozen`) leaves that
+mapping writable — for the daemon's copy in and its scrub — and refuses every
+writable mapping and ``write`` after it, through any fd. Such a region cannot
+be punched (the kernel refuses): its scrub is a memset, and every page of it
+is populated, so the memset cannot fault.
 
 The daemon keeps its own mapping for the region's whole life: ``move_pages``
 only reports pages mapped in the calling process, and scrubbing through an
@@ -91,12 +98,14 @@ class Region:
         page_bytes: int | None = None,
         prefault: bool = True,
         name: str = "maasd-buffer",
+        extra_seals: int = 0,
     ) -> Region:
-        """Create, size, seal, map, bind and (optionally) populate a fresh region.
+        """Create, size, map, seal, bind and (optionally) populate a fresh region.
 
         ``size`` is rounded up to ``page_bytes`` (default: the base page size for
-        ``memfd``, 2 MiB for ``hugetlb``). Raises :class:`InvalidRequest` for a bad
-        size or backing and :class:`BackingError` when the kernel refuses.
+        ``memfd``, 2 MiB for ``hugetlb``). ``extra_seals`` are added to :data:`SEALS`
+        (``F_SEAL_FUTURE_WRITE`` for a committed entry). Raises :class:`InvalidRequest`
+        for a bad size or backing and :class:`BackingError` when the kernel refuses.
         """
         if backing not in BACKINGS:
             raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
@@ -111,12 +120,15 @@ class Region:
         try:
             try:
                 os.ftruncate(fd, size)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            except OSError as e:
+                raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
+            addr = _sys.mmap_shared(fd, size)
+            try:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | extra_seals)
             except OSError as e:
                 raise BackingError(
-                    f"sizing/sealing memfd to {size} bytes: {e.strerror}", e.errno
+                    f"sealing memfd ({extra_seals:#x}): {e.strerror}", e.errno
                 ) from e
-            addr = _sys.mmap_shared(fd, size)
             _sys.mbind(addr, size, node)
             region = cls(fd, addr, size, node, backing, page_bytes, name)
             if prefault:
@@ -146,6 +158,25 @@ class Region:
                 raise
             # Kernels before 5.14 lack MADV_POPULATE_*: allocate through the file instead.
             _sys.fallocate(self.fd, 0, 0, self.size)
+
+    def read_into(self, buf: memoryview | bytearray, offset: int = 0) -> int:
+        """Copy the region's bytes from ``offset`` into ``buf`` with ``pread(2)``.
+
+        Never through the daemon's mapping: a hole a worker punched reads as zeros,
+        and nothing is allocated or faulted in (hugetlbfs has ``read`` too). This is
+        how a worker-writable region's bytes are read (an entry's copy at commit).
+        Returns the number of bytes copied: ``len(buf)``, or less at the end.
+        """
+        self._check_open()
+        view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
+        return _sys.pread_into(self.fd, view, offset)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the region is sealed ``F_SEAL_FUTURE_WRITE``: immutable for everyone but
+        the daemon's own mapping (a committed entry)."""
+        self._check_open()
+        return bool(fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & _sys.F_SEAL_FUTURE_WRITE)
 
     def view(self) -> memoryview:
         """A writable view of the daemon's mapping (valid until :meth:`close`)."""
@@ -218,13 +249,17 @@ class Region:
         of the file, so a stale worker mapping faults in fresh zero pages.
 
         The bytes are zero whenever this returns: a punch the kernel refuses falls
-        back to memset (and a refused give-back after a memset is only logged).
+        back to memset (and a refused give-back after a memset is only logged). A
+        :attr:`frozen` region is always zeroed with memset, never punched: the kernel
+        refuses that punch, and every page of it is populated.
         """
         if mode not in SCRUB_MODES:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {mode!r}")
         with self._lock:
             self._check_open()
-            if mode == "zero":
+            if self.frozen:
+                _sys.memset(self._addr, 0, self.size)
+            elif mode == "zero":
                 _sys.memset(self._addr, 0, self.size)
                 if punch:
                     self._punch(zeroed=True)
@@ -232,9 +267,16 @@ class Region:
                 self._punch(zeroed=False)
 
     def punch_hole(self) -> None:
-        """Give the pages back to the kernel (the bytes read zero afterwards)."""
+        """Give the pages back to the kernel (the bytes read zero afterwards).
+
+        A :attr:`frozen` region cannot be punched: it is zeroed, and its pages go back
+        when its last fd and mapping are closed.
+        """
         with self._lock:
             self._check_open()
+            if self.frozen:
+                _sys.memset(self._addr, 0, self.size)
+                return
             self._punch(zeroed=False)
 
     def _punch(self, *, zeroed: bool) -> None:
