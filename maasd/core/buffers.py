@@ -4,7 +4,7 @@ A reserve records its intent in the ledger before it touches memory::
 
     ledger: row ``reserving`` (quota, capacity, key and eviction decided atomically)
     memory: victims scrubbed; region created, sealed, bound, prefaulted, placement checked
-    ledger: row ``live``
+    ledger: row ``live`` (an entry's put: ``staged``, until its commit)
 
 so that a crash at any point leaves rows that recovery can settle.
 """
@@ -22,10 +22,19 @@ from maasd.core.auth import require_tenant
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
-from maasd.core.runtime import LivePool, Runtime
+from maasd.core.runtime import Held, LivePool, Runtime
 from maasd.errors import BackingError, NotFound, PoolExhausted, StateConflict
 from maasd.metrics import Metrics
-from maasd.models import BufferInfo, Checkpoint, LookupHit, Principal, ReserveSpec, rfc3339
+from maasd.models import (
+    BufferInfo,
+    BufferKind,
+    BufferState,
+    Checkpoint,
+    LookupHit,
+    Principal,
+    ReserveSpec,
+    rfc3339,
+)
 from maasd.settings import Settings
 from maasd.store import BufferRow, Store
 from maasd.tenancy import keys, leases
@@ -77,16 +86,20 @@ class Buffers:
 
     # -- reserve ----------------------------------------------------------------------------
 
-    def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
+    def reserve(
+        self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer"
+    ) -> BufferInfo:
         """Reserve a buffer in ``req.pool`` (id or name), or in the best pool meeting the QoS.
 
+        ``kind="entry"`` is a socket ``put``: the same reserve, ending ``staged`` (held
+        here, handed to no one but its writer) instead of ``live``.
         Raises InvalidRequest (a lease beyond ``max_ttl_s``), QosUnmet/PlacementError/
         TooLarge (never satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
         """
         tenant_id = require_tenant(who)
         started = time.perf_counter()
         try:
-            buf = self._reserve(tenant_id, req)
+            buf = self._reserve(tenant_id, req, kind)
         except Exception as e:
             self._metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
             raise
@@ -94,7 +107,7 @@ class Buffers:
         self._metrics.reserve_seconds.observe(time.perf_counter() - started)
         return buf
 
-    def _reserve(self, tenant_id: str, req: ReserveSpec) -> BufferInfo:
+    def _reserve(self, tenant_id: str, req: ReserveSpec, kind: BufferKind) -> BufferInfo:
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
         candidates = self._candidates(req)
@@ -116,7 +129,7 @@ class Buffers:
                 created_at=now,
                 expires_at=expires,
                 last_used_at=now,
-                kind="buffer",
+                kind=kind,
             )
             try:
                 victims = self._store.begin_reserve(row)
@@ -168,26 +181,32 @@ class Buffers:
             raise
 
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
-        self._runtime.add_region(row.id, region)
+        state: BufferState = "staged" if row.kind == "entry" else "live"
+        ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
+        self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
         try:
-            self._store.set_state(row.id, "live")
+            self._store.set_state(row.id, state)
         except NotFound:
             # Released while reserving (its tenant or pool was deleted meanwhile):
             # the memory must not outlive its row.
             self._releaser.drop_region(row)
             raise
-        return buffer_info(msgspec.structs.replace(row, state="live"))
+        if state == "live":
+            self._runtime.set_live(row.id)
+        return buffer_info(msgspec.structs.replace(row, state=state))
 
     def flush_uses(self) -> None:
-        """Write the attach times gathered since the last flush (the LRU order) to the ledger.
+        """Write the attach and lookup-hit times gathered since the last flush (the LRU
+        order), and the leases those hits extended, to the ledger.
 
-        An attach is on a worker's hot path; a synchronous commit there cost more
-        than the rest of the attach together. Uses are batched instead: written by
-        the reaper every interval, and before any reserve (which may evict by them).
+        An attach or lookup is on a worker's hot path; a synchronous commit there cost
+        more than the rest of it together. Uses are batched instead: written by the
+        reaper every interval (before it reaps), and before any reserve (which may
+        evict by them).
         """
-        uses = self._runtime.take_uses()
-        if uses:
-            self._store.touch_many(uses)
+        uses, leases = self._runtime.take_uses()
+        if uses or leases:
+            self._store.touch_many(uses, leases)
 
     # -- the others -------------------------------------------------------------------------
 

@@ -3,7 +3,11 @@
 A buffer's life in the ledger::
 
     begin_reserve ─> reserving ─ set_state ─> live ─ mark_releasing/mark_expired ─> releasing
-                                                                   finish_release ─> (deleted)
+                              └ set_state ─> staged ─ commit ─┘          finish_release ─> (deleted)
+
+An entry (``kind = 'entry'``, a socket ``put``) is ``staged`` while its writer fills
+it: it counts like any buffer but no lookup sees it, until :meth:`BufferRepo.commit`
+makes it ``live`` with its ``committed_at``.
 
 Eviction marks its victims ``releasing`` inside the reserve transaction that
 needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
@@ -103,6 +107,7 @@ _mark_releasing = (
 _mark_own_releasing = _mark_releasing.where(_B.c.tenant_id == bindparam("p_tenant"))
 _mark_live_releasing = _mark_releasing.where(_B.c.state == "live")
 _mark_own_live_releasing = _mark_own_releasing.where(_B.c.state == "live")
+_mark_own_staged_releasing = _mark_own_releasing.where(_B.c.state == "staged")
 _mark_expired = _mark_releasing.where(_B.c.state == "live", _B.c.expires_at < bindparam("now"))
 _set_state = update(_B).where(_B.c.id == bindparam("p_id")).values(state=bindparam("p_state"))
 _renew = (
@@ -113,6 +118,18 @@ _renew = (
 )
 _renew_own = _renew.where(_B.c.tenant_id == bindparam("p_tenant"))
 _touch = update(_B).where(_B.c.id == bindparam("p_id")).values(last_used_at=bindparam("now"))
+# A lease only ever grows here: a longer renew that landed meanwhile stays.
+_extend = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"), _B.c.expires_at < bindparam("p_expires"))
+    .values(expires_at=bindparam("p_expires"))
+)
+_commit = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"), _B.c.state == "staged")
+    .values(state="live", committed_at=bindparam("now"))
+    .returning(*_B.c)
+)
 _set_numa = update(_B).where(_B.c.id == bindparam("p_id")).values(numa_node=bindparam("node"))
 _set_checkpoint = (
     update(_B)
@@ -320,6 +337,14 @@ class BufferRepo(Connections):
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
 
+    def mark_staged_releasing(self, buffer_id: str, tenant_id: str) -> BufferRow | None:
+        """Mark a ``staged`` entry of ``tenant_id`` ``releasing`` (an abort); ``None`` if it
+        is not staged any more (committed, or released by someone else)."""
+        row = self._single_first(
+            _mark_own_staged_releasing, {"p_id": buffer_id, "p_tenant": tenant_id}
+        )
+        return None if row is None else BufferRow(*row)
+
     def mark_expired(self, buffer_id: str, now: float) -> BufferRow | None:
         """Mark a buffer ``releasing`` only if it is live and its lease ended before ``now``.
 
@@ -379,14 +404,27 @@ class BufferRepo(Connections):
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
 
-    def touch_many(self, uses: dict[str, float]) -> None:
-        """Record uses (attach, lookup hit; ``buffer_id → when``) in one transaction.
+    def touch_many(self, uses: dict[str, float], leases: dict[str, float] | None = None) -> None:
+        """Record uses (attach, lookup hit; ``buffer_id → when``) and lease extensions (a
+        lookup hit; ``buffer_id → expires_at``, never shortening one) in one transaction.
 
         A use moves the buffer to the back of the LRU order that eviction follows.
         """
-        if uses:
-            with self._writing() as conn:
+        if not uses and not leases:
+            return
+        with self._writing() as conn:
+            if uses:
                 conn.execute(_touch, [{"p_id": b, "now": t} for b, t in uses.items()])
+            if leases:
+                conn.execute(_extend, [{"p_id": b, "p_expires": t} for b, t in leases.items()])
+
+    def commit(self, buffer_id: str, now: float) -> BufferRow | None:
+        """Make a ``staged`` entry ``live``, committed at ``now``, in one statement.
+
+        ``None`` when it is not staged (released meanwhile): nothing changes then.
+        """
+        row = self._single_first(_commit, {"p_id": buffer_id, "now": now})
+        return None if row is None else BufferRow(*row)
 
     def set_numa_node(self, buffer_id: str, node: int) -> None:
         """Record the node a buffer's pages were pinned to. :class:`NotFound` if unknown."""
