@@ -271,12 +271,12 @@ class Worker:
             if len(self.cache):  # what was cached under these keys is released
                 self._drop(self.cache.forget_keys(wanted))
             return None
-        if len(self.cache):
-            self._drop(self.cache.forget_keys([reply.key], keep=reply.buffer_id))
         slot = self.cache.checkout(reply.buffer_id)
         if slot is not None:
             os.close(fd)
             return EntryMapping(slot, self._give_back)
+        if len(self.cache):  # a new entry under this key: an older one is released
+            self._drop(self.cache.forget_keys([reply.key], keep=reply.buffer_id))
         try:
             _check_memfd_size(fd, reply.size_bytes)
             m = Mapping(

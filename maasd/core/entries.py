@@ -234,14 +234,15 @@ class Entries:
         """
         tenant_id = require_tenant(who)
         opened = self._runtime.lookup(tenant_id, keys)
+        series = self._metrics.tenant(tenant_id)
         if opened is None:
-            self._metrics.entry_lookups.labels(tenant=tenant_id, outcome="miss").inc()
+            series.misses.inc()
             raise NotFound("no committed entry carries any of these keys")
         now = time.time()
         self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
-        self._metrics.entry_lookups.labels(tenant=tenant_id, outcome="hit").inc()
-        self._metrics.entry_restored_bytes.labels(tenant=tenant_id).inc(opened.size_bytes)
-        self._metrics.attached.labels(tenant=tenant_id).set(opened.tenant_attached)
+        series.hits.inc()
+        series.restored.inc(opened.size_bytes)
+        series.attached.set(opened.tenant_attached)
         assert opened.key is not None
         return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
 

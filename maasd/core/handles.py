@@ -45,7 +45,7 @@ class Handles:
         opened = self._runtime.open_handle(tenant_id, buffer_id)
         if opened is None:
             raise NotFound(f"no buffer {buffer_id!r}")
-        self._metrics.attached.labels(tenant=tenant_id).set(opened.tenant_attached)
+        self._metrics.tenant(tenant_id).attached.set(opened.tenant_attached)
         self._runtime.touch(buffer_id, time.time())
         return Handle(
             fd=opened.fd,
@@ -60,4 +60,4 @@ class Handles:
         if tenant_id is None:
             return
         count = self._runtime.detach(tenant_id, buffer_id)
-        self._metrics.attached.labels(tenant=tenant_id).set(count)
+        self._metrics.tenant(tenant_id).attached.set(count)
