@@ -95,6 +95,7 @@ class Mapping:
         *,
         writable: bool = True,
         key: str | None = None,
+        populate: bool = False,
     ) -> None:
         self.buffer_id = buffer_id
         self.fd = fd
@@ -104,7 +105,11 @@ class Mapping:
         self.key = key
         self._worker = worker
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        # MAP_POPULATE: for a mapping about to be written in full (a put), filling the
+        # page tables at once costs ~0.6 ms per 9 MiB here; a write fault per page on
+        # a shared memfd, ~7 ms. Read faults map 16 pages at a time and cost no more.
+        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=prot)
         self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
 
     @property
@@ -308,7 +313,9 @@ class Worker:
         reply, fd = self._one_fd(put, protocol.Reserved)
         try:
             _check_memfd_size(fd, reply.size_bytes)
-            m = Mapping(None, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, key=key)
+            m = Mapping(
+                None, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, key=key, populate=True
+            )
         except BaseException:
             os.close(fd)
             with contextlib.suppress(MaasdClientError):
