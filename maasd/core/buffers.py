@@ -4,7 +4,11 @@ A reserve records its intent in the ledger before it touches memory::
 
     ledger: row ``reserving`` (quota, capacity, key and eviction decided atomically)
     memory: victims scrubbed; region created, sealed, bound, prefaulted, placement checked
-    ledger: row ``live`` (an entry's put: ``staged``, until its commit)
+    ledger: row ``live``
+
+An entry's put is admitted ``staged`` (it stays so until its commit), so it goes
+without the last write: once its region is held, a read checks that the row was
+not released meanwhile.
 
 so that a crash at any point leaves rows that recovery can settle.
 """
@@ -185,7 +189,10 @@ class Buffers:
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
         self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
         try:
-            self._store.set_state(row.id, state)
+            if state == "live":
+                self._store.set_state(row.id, state)
+            else:
+                self._check_staged(row.id)
         except NotFound:
             # Released while reserving (its tenant or pool was deleted meanwhile):
             # the memory must not outlive its row.
@@ -194,6 +201,16 @@ class Buffers:
         if state == "live":
             self._runtime.set_live(row.id)
         return buffer_info(msgspec.structs.replace(row, state=state))
+
+    def _check_staged(self, buffer_id: str) -> None:
+        """NotFound unless the entry's row is still staged (a read, not a write).
+
+        A release that took the row before the region was held found nothing to
+        drop; one after it finds the region and drops it itself.
+        """
+        row = self._store.buffer(buffer_id)
+        if row is None or row.state != "staged":
+            raise NotFound(f"entry {buffer_id} was released while it was put")
 
     def flush_uses(self) -> None:
         """Write the attach and lookup-hit times gathered since the last flush (the LRU

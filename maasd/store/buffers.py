@@ -3,7 +3,7 @@
 A buffer's life in the ledger::
 
     begin_reserve ─> reserving ─ set_state ─> live ─ mark_releasing/mark_expired ─> releasing
-                              └ set_state ─> staged ─ commit ─┘          finish_release ─> (deleted)
+                └ (an entry) ─> staged ─ commit ──┘                     finish_release ─> (deleted)
 
 An entry (``kind = 'entry'``, a socket ``put``) is ``staged`` while its writer fills
 it: it counts like any buffer but no lookup sees it, until :meth:`BufferRepo.commit`
@@ -170,6 +170,10 @@ class ReserveRepo(Connections):
     def begin_reserve(self, row: BufferRow, *, quota_check: bool = True) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
 
+        An entry's put (``row.kind == "entry"``) is admitted ``staged`` straight away:
+        a crash leaves a staged row as it would a reserving one (recovery releases
+        both), and no lookup or eviction sees either — one ledger write less per save.
+
         In one write transaction: lock the tenant and pool rows; refuse a key
         the tenant already uses on this host (:class:`DuplicateKey`); sum the
         tenant's and the pool's usage; if ``row`` does not fit the quota (unless
@@ -187,8 +191,9 @@ class ReserveRepo(Connections):
         written here). The caller checks that ``row`` is smaller than the pool
         (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
         """
-        if row.state != "reserving":
-            row = msgspec.structs.replace(row, state="reserving")
+        state = "staged" if row.kind == "entry" else "reserving"
+        if row.state != state:
+            row = msgspec.structs.replace(row, state=state)
         if row.size_bytes <= 0:  # a size ≤ 0 would let the sums below undercount
             raise InvalidRequest(f"size_bytes must be > 0, got {row.size_bytes}")
         try:

@@ -189,3 +189,23 @@ def test_released_entry_bytes_count_until_the_last_handle_goes(svc: Service) -> 
     os.close(found.fd)
     os.close(attach.fd)
     assert svc.runtime.entry_stats() == {}
+
+
+def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    who = tenant(svc)
+    reserve = Pool.reserve
+
+    def released_meanwhile(self: Pool, size: int, *args: object, **kw: object) -> object:
+        region = reserve(self, size, *args, **kw)  # type: ignore[arg-type]
+        (row,) = svc.store.buffers(tenant_id=who.tenant_id, states=None)
+        svc.store.finish_release(row.id, kind="tenant_delete")  # e.g. a tenant deletion won
+        return region
+
+    monkeypatch.setattr(Pool, "reserve", released_meanwhile)
+    with pytest.raises(errors.NotFound, match="released while it was put"):
+        svc.put_entry(who, "gone", MiB)
+    assert svc.runtime.buffer_ids() == []
+    assert pool(svc).used == 0
+    assert svc.usage(who).used_bytes == 0
