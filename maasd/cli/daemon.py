@@ -31,8 +31,13 @@ from maasd import __version__
 from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
+    import asyncio
+    import socket
+    from types import FrameType
+
     import uvicorn
 
+    from maasd.notify import Systemd
     from maasd.settings import Settings
 
 logger = logging.getLogger("maasd")
@@ -174,6 +179,7 @@ def _serve(settings: Settings) -> None:
     from maasd.api.health import of_checks
     from maasd.broker import Broker, Limits
     from maasd.core import Service
+    from maasd.notify import Systemd
     from maasd.settings import group_id
 
     try:
@@ -202,9 +208,11 @@ def _serve(settings: Settings) -> None:
             f"cannot open the worker socket {settings.socket_path}: "
             f"{getattr(e, 'detail', None) or e}"
         ) from e
+    health = of_checks(_broker_checks(broker))
+    systemd = Systemd.from_env(health)  # READY=1, WATCHDOG=1, STOPPING=1 (maasd.notify)
     app = create_app(
         service,
-        health=of_checks(_broker_checks(broker)),
+        health=health,
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
     )
@@ -218,7 +226,9 @@ def _serve(settings: Settings) -> None:
             lifespan="off",
             timeout_graceful_shutdown=10,
             server_header=False,
-        )
+        ),
+        ready=lambda loop: _ready(settings, systemd, loop),
+        stopping=systemd.stopping,
     )
     logger.info(
         "serving",
@@ -232,11 +242,30 @@ def _serve(settings: Settings) -> None:
     try:
         server.run()
     finally:
+        systemd.close()
         broker.stop()
         service.close()
         logger.info("stopped")
     if not server.started:
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
+
+
+def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop) -> None:
+    """REST listens and the socket is open: tell systemd (READY=1) and the person watching."""
+    url = f"http://{settings.host}:{settings.port}"
+    systemd.ready(loop, status=f"serving on {url}")
+    if settings.admin_key:
+        key = "set by MAASD_ADMIN_KEY or the config file"
+    elif (creds := os.environ.get("CREDENTIALS_DIRECTORY")) and os.path.exists(
+        cred := os.path.join(creds, "admin-key")
+    ):
+        key = f"in {cred} (the admin-key credential)"
+    else:
+        key = f"in {settings.admin_key_path}"
+    click.echo(
+        f"maasd ready: REST {url}, worker socket {settings.socket_path}, admin key {key}",
+        err=True,
+    )
 
 
 def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
@@ -246,11 +275,29 @@ def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     return {"broker": healthy} if callable(healthy) else {}
 
 
-def _server(config: uvicorn.Config) -> uvicorn.Server:
-    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise."""
+def _server(
+    config: uvicorn.Config,
+    *,
+    ready: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+    stopping: Callable[[], None] | None = None,
+) -> uvicorn.Server:
+    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise;
+    ``ready(loop)`` runs once it listens, ``stopping()`` at the first signal."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and ready is not None:
+                ready(asyncio.get_running_loop())
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if stopping is not None and not self.should_exit:
+                stopping()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
             previous = {
@@ -313,7 +360,9 @@ def info(as_json: bool, **flags: Any) -> None:
 
     settings = _settings(**flags)
     topo = discover()
-    pools = settings.pools or default_pools(topo, settings.default_pool_bytes)
+    pools = settings.pools or default_pools(
+        topo, settings.default_pool_bytes, settings.default_warm_bytes
+    )
     if as_json:
         click.echo(
             msgspec.json.encode(
@@ -337,7 +386,8 @@ def info(as_json: bool, **flags: Any) -> None:
     for p in pools:
         click.echo(
             f"  {p.name}: node {p.numa_node}, {p.capacity_bytes / 2**30:.2f} GiB, {p.backing}, "
-            f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}"
+            f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}, "
+            f"warm {p.warm_bytes / 2**20:.0f} MiB"
         )
 
 
@@ -350,6 +400,11 @@ def _ranges(cpus: list[int]) -> str:
             out.append(f"{start}-{c}" if c != start else f"{c}")
             start = None
     return ",".join(out)
+
+
+from maasd.cli.doctor import doctor  # noqa: E402 - registered after the group exists
+
+cli.add_command(doctor)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ lives in a module of its own:
 :mod:`.runtime`          live pools and regions, buffer locks, attachments, the use
                          batch — and the lock order of all of them
 :mod:`.auth`             the admin key, tenant keys (cached), the role checks
+:mod:`.hosts`            this host's claim and heartbeat; the hosts of the ledger
 :mod:`.pools`            provisioning, creating and deleting pools; spill dirs
 :mod:`.placement`        (pure) which pools could hold a request, best first
 :mod:`.tenants`          tenants, quotas, keys, usage, the audit trail
@@ -20,7 +21,8 @@ lives in a module of its own:
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
 :mod:`.entries`          the socket's put / commit / abort / lookup of immutable entries
-:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer
+:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer and
+                         the warmer (the warm stock's refill thread)
 =======================  ===========================================================
 
 >>> svc = Service(settings); svc.start()                       # doctest: +SKIP
@@ -31,12 +33,14 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.entries import Entries, Found
 from maasd.core.handles import Handle, Handles
+from maasd.core.hosts import Hosts
 from maasd.core.lifecycle import Lifecycle
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
@@ -47,6 +51,7 @@ from maasd.models import (
     BufferInfo,
     Checkpoint,
     Event,
+    HostInfo,
     KeyInfo,
     LookupHit,
     NewTenant,
@@ -69,7 +74,8 @@ class Service:
 
     ``runtime`` is the in-process state (read it in tests: ``svc.runtime.region(id)``,
     ``svc.runtime.pending_uses()``); ``reclaimer`` gives released pages back in the
-    background (``svc.reclaimer.drain()`` waits for it).
+    background (``svc.reclaimer.drain()`` waits for it); ``warmer`` refills the pools'
+    warm stock (``svc.warmer.run_once()`` does one round in the caller's thread).
     """
 
     def __init__(
@@ -77,15 +83,27 @@ class Service:
     ) -> None:
         self.settings = settings
         self.host = settings.node_name
-        self.store = store or Store(settings.database_url)
+        self.store = store or Store(
+            settings.database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+        )
         self.metrics = Metrics()
         self.runtime = Runtime()
         self.reclaimer = Reclaimer()
+        self.warmer = Warmer(min_available=settings.warm_min_available_bytes)
         self._auth = Auth(settings, self.store)
+        self._hosts = Hosts(settings, self.store, self.runtime)
         releaser = Releaser(self.store, self.runtime, self.metrics)
         checkpoints = Checkpoints(self.store, self.runtime, self.metrics)
         self._pools = Pools(
-            settings, self.store, self.runtime, releaser, self.reclaimer, topology or discover()
+            settings,
+            self.store,
+            self.runtime,
+            releaser,
+            self.reclaimer,
+            self.warmer,
+            topology or discover(),
         )
         self._tenants = Tenants(self.store, self._auth, releaser)
         self._buffers = Buffers(
@@ -98,12 +116,14 @@ class Service:
             self.store,
             self.runtime,
             self._auth,
+            self._hosts,
             self._pools,
             self._buffers,
             releaser,
             checkpoints,
             self.metrics,
             self.reclaimer,
+            self.warmer,
         )
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
         self.metrics.attach_entries(
@@ -158,17 +178,25 @@ class Service:
     def refresh_topology(self) -> Topology:
         return self._pools.refresh_topology()
 
-    def pools(self) -> list[PoolInfo]:
-        return self._pools.infos()
+    def pools(self, *, all_hosts: bool = False) -> list[PoolInfo]:
+        return self._pools.infos(all_hosts=all_hosts)
 
-    def pool(self, id_or_name: str) -> PoolInfo:
-        return self._pools.info(id_or_name)
+    def pool(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
+        return self._pools.info(id_or_name, any_host=any_host)
 
     def create_pool(self, spec: PoolSpec) -> PoolInfo:
         return self._pools.create(spec)
 
     def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
         self._pools.delete(id_or_name, drain=drain)
+
+    # -- hosts sharing the ledger (maasd.core.hosts) ----------------------------------------
+
+    def hosts(self) -> list[HostInfo]:
+        return self._hosts.infos()
+
+    def forget_host(self, name: str) -> int:
+        return self._hosts.forget(name)
 
     # -- tenants and keys (maasd.core.tenants) ----------------------------------------------
 

@@ -1,11 +1,14 @@
 """A daemon's life: start (migrate, recover, provision, reap), the reaper, close.
 
 Start, in order: the reclaimer thread; the ledger migrated to the newest
-schema; the admin key; the ledger's pools of this host made live;
+schema; the admin key; this host claimed (:mod:`maasd.core.hosts`); the
+revocation listener; the ledger's pools of this host made live;
 :meth:`Lifecycle.recover` settling what a previous run left; the configured
-pools the ledger lacks created; the reaper thread. Close undoes it: reaper
-stopped, uses flushed, persistent buffers checkpointed (volatile ones released,
-scrubbed), the reclaimer drained and stopped, the store closed.
+pools the ledger lacks created; the warm stock's refill thread; the reaper
+thread, which also beats this host's heartbeat. Close undoes it: reaper and
+refill thread stopped and every pool's warm stock given back, uses flushed,
+persistent buffers checkpointed (volatile ones released, scrubbed), the host
+marked stopped, the reclaimer drained and stopped, the store closed.
 
 Recovery. Every change that touches memory records its intent in the ledger
 first (:mod:`maasd.core.buffers`, :mod:`maasd.core.release`), so a crash at any
@@ -23,15 +26,17 @@ import threading
 import time
 from collections import Counter
 
-from maasd.allocator import Region
+from maasd.allocator import Region, Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.entries import open_read_only
+from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.core.runtime import Held, Runtime
+from maasd.errors import ConfigError
 from maasd.metrics import Metrics
 from maasd.settings import Settings
 from maasd.store import BufferRow, Store
@@ -42,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 class Lifecycle:
-    """Starts and stops one daemon's parts; owns the reaper and the reclaimer threads."""
+    """Starts and stops one daemon's parts; owns the reaper, reclaimer and warmer threads."""
 
     def __init__(
         self,
@@ -50,18 +55,21 @@ class Lifecycle:
         store: Store,
         runtime: Runtime,
         auth: Auth,
+        hosts: Hosts,
         pools: Pools,
         buffers: Buffers,
         releaser: Releaser,
         checkpoints: Checkpoints,
         metrics: Metrics,
         reclaimer: Reclaimer,
+        warmer: Warmer,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
         self._store = store
         self._runtime = runtime
         self._auth = auth
+        self._hosts = hosts
         self._pools = pools
         self._buffers = buffers
         self._releaser = releaser
@@ -69,8 +77,11 @@ class Lifecycle:
         self._metrics = metrics
         #: Gives released pages back to the kernel in the background (started by start()).
         self.reclaimer = reclaimer
+        #: Refills the pools' warm stock in the background (started by start()).
+        self.warmer = warmer
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
+        self._fenced = False  # this host lost its claim and has not joined again
 
     def start(self, *, reaper: bool = True) -> None:
         """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
@@ -78,9 +89,12 @@ class Lifecycle:
         self.reclaimer.start()
         self._store.upgrade()
         self._auth.load_admin_key()
+        self._hosts.claim()
+        self._auth.start()
         self._pools.load()
         self.recover()
         self._pools.provision()
+        self.warmer.start()
         if reaper:
             self._reaper = threading.Thread(
                 target=self._reap_loop, name="maasd-reaper", daemon=True
@@ -92,6 +106,9 @@ class Lifecycle:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=10)
+        self.warmer.stop()
+        for live in self._runtime.pools():
+            live.pool.close()  # the warm stock is nobody's: given back first
         self._buffers.flush_uses()
         for buffer_id in self._runtime.buffer_ids():
             row = self._store.buffer(buffer_id, None)
@@ -109,6 +126,11 @@ class Lifecycle:
                     self._releaser.release_row(row, reason="shutdown")
             except Exception:
                 logger.exception("shutdown: could not settle buffer %s", buffer_id)
+        self._auth.stop()
+        try:
+            self._hosts.stopped()
+        except Exception:  # the ledger is unreachable: the host just stops beating
+            logger.exception("shutdown: could not mark host %s stopped", self._hosts.name)
         self.reclaimer.stop()
         self._store.dispose()
 
@@ -138,9 +160,34 @@ class Lifecycle:
     def _reap_loop(self) -> None:
         while not self._stop.wait(self._settings.reaper_interval_s):
             try:
+                if not self._hosts.heartbeat():
+                    self._rejoin()
                 self.reap()
             except Exception:
                 logger.exception("reaper pass failed; retrying")
+
+    def _rejoin(self) -> None:
+        """This host's claim is gone (forgotten while cut off, or taken over): fence, then
+        join again as a fresh host — or, while another daemon serves the name, stay fenced
+        and try again at the next heartbeat."""
+        if not self._fenced:
+            self._fenced = True
+            dropped = self._hosts.fence()
+            logger.error(
+                "host %s lost its claim in the ledger (forgotten or taken over): "
+                "%d buffer(s) scrubbed and dropped; joining again",
+                self._hosts.name,
+                dropped,
+            )
+        try:
+            self._hosts.claim(wait=False)
+        except ConfigError as e:  # another daemon serves the name now
+            logger.warning("host %s stays fenced: %s", self._hosts.name, e.detail)
+            return
+        self._fenced = False
+        self._pools.load()
+        self.recover()
+        self._pools.provision()
 
     # -- recovery ---------------------------------------------------------------------------
 

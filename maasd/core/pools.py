@@ -4,7 +4,12 @@ A pool exists twice: as a ledger row (the authority, shared with other hosts
 through PostgreSQL) and as an in-process :class:`~maasd.allocator.Pool` (the
 allocator that accounts its capacity), held together as a
 :class:`~maasd.core.runtime.LivePool`. Persistent pools also own a spill
-directory for their checkpoints.
+directory for their checkpoints, and pools with a warm budget keep a stock of
+prefaulted regions that the lifecycle's :class:`~maasd.allocator.Warmer` refills.
+
+Pool names repeat on every host (``node0`` on each): a name always means this
+host's pool, and only this host's pools take reserves here. Another host's
+pools are only *read* from the ledger, for the admin's listing.
 """
 
 from __future__ import annotations
@@ -13,12 +18,15 @@ import logging
 import os
 import time
 
-from maasd.allocator import Pool
+import msgspec
+
+from maasd.allocator import Pool, Warmer
 from maasd.allocator.reclaim import Reclaimer
+from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
-from maasd.errors import InvalidRequest, PlacementError, StateConflict, TooLarge
+from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
 from maasd.models import PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
 from maasd.store import ACCOUNTED_STATES, PoolRow, Store
@@ -30,11 +38,16 @@ __all__ = ["Pools", "pool_info"]
 logger = logging.getLogger(__name__)
 
 
-def pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
-    """The API record of a pool; ``used`` is ``(used_bytes, buffers)``."""
+def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0) -> PoolInfo:
+    """The API record of a pool; ``used`` is ``(used_bytes, buffers)``, ``warm`` its stock.
+
+    ``used_bytes`` are the buffers' (the ledger's); the warm stock is part of
+    ``free_bytes``, since a reserve takes it or gives it back.
+    """
     return PoolInfo(
         id=row.id,
         name=row.name,
+        host=row.host,
         numa_node=row.numa_node,
         backing=row.backing,
         persistence=row.persistence,
@@ -46,6 +59,8 @@ def pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
         prefault=row.prefault,
         scrub=row.scrub,
         buffers=used[1],
+        warm_bytes=warm,
+        warm_target_bytes=row.warm_bytes,
     )
 
 
@@ -59,6 +74,7 @@ class Pools:
         runtime: Runtime,
         releaser: Releaser,
         reclaimer: Reclaimer,
+        warmer: Warmer,
         topology: Topology,
     ) -> None:
         self._settings = settings
@@ -67,6 +83,7 @@ class Pools:
         self._runtime = runtime
         self._releaser = releaser
         self._reclaimer = reclaimer
+        self._warmer = warmer
         #: The NUMA topology as last discovered.
         self.topology = topology
 
@@ -86,17 +103,33 @@ class Pools:
         """Create the configured pools (or the default ones) that the ledger lacks.
 
         A pool already in the ledger keeps the ledger's properties — it has live
-        buffers bound to them — and a difference from the configuration is logged.
+        buffers bound to them — and a difference from the configuration is logged;
+        only its warm stock budget follows the configuration.
+        A default pool (no ``[[pools]]`` configured) that an admin deleted stays deleted:
+        the audit trail's ``pool_delete`` event for it is the record. A configured pool
+        is the configuration's to declare, so it is made again.
         """
         wanted = self._settings.pools or default_pools(
-            self.topology, self._settings.default_pool_bytes
+            self.topology, self._settings.default_pool_bytes, self._settings.default_warm_bytes
         )
         existing = {live.row.name: live.row for live in self._runtime.pools()}
+        if not self._settings.pools:
+            missing = [spec.name for spec in wanted if spec.name not in existing]
+            deleted = self._store.deleted_pools(self._host, missing)
+            for name in sorted(deleted):
+                logger.info(
+                    "default pool %s was deleted by an admin: not made again "
+                    "(maasctl pools create makes it)",
+                    name,
+                )
+            wanted = [spec for spec in wanted if spec.name not in deleted]
         for spec in wanted:
             have = existing.get(spec.name)
             if have is None:
                 self.create(spec)
-            elif (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
+                continue
+            self._follow_warm(spec)
+            if (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
                 spec.numa_node,
                 spec.backing,
                 spec.persistence,
@@ -109,6 +142,20 @@ class Pools:
                     spec.name,
                 )
 
+    def _follow_warm(self, spec: PoolSpec) -> None:
+        """Give a pool the warm budget its configuration asks for now.
+
+        Unlike the other properties, the budget binds no buffer: a changed
+        ``warm_bytes`` (or ``MAASD_DEFAULT_WARM_BYTES``) applies at the next start.
+        """
+        live = self._runtime.find_pool(spec.name)
+        if live.row.warm_bytes == spec.warm_bytes or not live.row.prefault:
+            return
+        live.pool.set_warm_bytes(min(spec.warm_bytes, live.row.capacity_bytes))
+        self._store.set_pool_warm(live.row.id, live.pool.warm_bytes)
+        live.row = msgspec.structs.replace(live.row, warm_bytes=live.pool.warm_bytes)
+        logger.info("pool %s: warm stock budget %d bytes", spec.name, live.pool.warm_bytes)
+
     def _make_pool(self, row: PoolRow) -> Pool:
         return Pool(
             row.name,
@@ -120,23 +167,42 @@ class Pools:
             prefault=row.prefault,
             scrub=row.scrub,
             page_bytes=row.page_bytes,
+            warm_bytes=row.warm_bytes,
             reclaimer=self._reclaimer,
+            warmer=self._warmer,
         )
 
     # -- use-cases --------------------------------------------------------------------------
 
-    def infos(self) -> list[PoolInfo]:
-        """Every pool of this host with its usage, by name."""
+    def infos(self, *, all_hosts: bool = False) -> list[PoolInfo]:
+        """Every pool of this host with its usage, by name; ``all_hosts``: every host's
+        (from the ledger), by host then name."""
+        if all_hosts:
+            usage = self._store.usage_by_pool(None)
+            rows = self._store.all_pools()
+            warm = {live.row.id: live.pool.warm for live in self._runtime.pools()}
+            return [pool_info(row, usage.get(row.id, (0, 0)), warm.get(row.id, 0)) for row in rows]
         usage = self._store.usage_by_pool(self._host)
         return sorted(
-            (pool_info(live.row, usage.get(live.row.id, (0, 0))) for live in self._runtime.pools()),
+            (
+                pool_info(live.row, usage.get(live.row.id, (0, 0)), live.pool.warm)
+                for live in self._runtime.pools()
+            ),
             key=lambda p: p.name,
         )
 
-    def info(self, id_or_name: str) -> PoolInfo:
-        """One pool with its usage; :class:`NotFound` if this host has no such pool."""
-        live = self._runtime.find_pool(id_or_name)
-        return pool_info(live.row, self._store.usage_by_pool(self._host).get(live.row.id, (0, 0)))
+    def info(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
+        """One pool of this host (id or name) with its usage; ``any_host``: else another
+        host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
+        try:
+            live = self._runtime.find_pool(id_or_name)
+        except NotFound:
+            other = self._store.pool_row(id_or_name) if any_host else None
+            if other is None:
+                raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
+            return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
+        used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
+        return pool_info(live.row, used, live.pool.warm)
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
@@ -151,6 +217,7 @@ class Pools:
         if spec.capacity_bytes > MAX_BYTES - page:  # it must stay below 2^63 rounded up
             raise InvalidRequest("capacity_bytes rounded up to whole pages must stay below 2^63")
         capacity = -(-spec.capacity_bytes // page) * page
+        warm = warm_budget(spec.warm_bytes, capacity, page, spec.prefault)
         node = self.refresh_topology().node(spec.numa_node)
         if (
             spec.backing == "memfd"
@@ -176,9 +243,14 @@ class Pools:
             scrub=spec.scrub,
             spill_dir=self._spill_dir(spec),
             created_at=time.time(),
+            warm_bytes=warm,
         )
         pool = self._make_pool(row)
-        self._store.add_pool(row)
+        try:
+            self._store.add_pool(row)
+        except BaseException:
+            pool.close()  # it registered with the warmer: take it back out
+            raise
         self._runtime.add_pool(LivePool(row, pool))
         logger.info(
             "pool %s created: node %d, %d bytes, %s/%s",
@@ -210,8 +282,21 @@ class Pools:
         return spill_dir
 
     def delete(self, id_or_name: str, *, drain: bool = False) -> None:
-        """Delete an empty pool; with ``drain`` release (scrub) its buffers first."""
-        live = self._runtime.find_pool(id_or_name)
+        """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
+
+        Another host's pool is a :class:`NotFound` that names its host: only the
+        daemon holding a pool's memory can scrub its buffers.
+        """
+        try:
+            live = self._runtime.find_pool(id_or_name)
+        except NotFound:
+            other = self._store.pool_row(id_or_name)
+            if other is None:
+                raise
+            raise NotFound(
+                f"pool {id_or_name!r} is on host {other.host}, not {self._host}: "
+                "delete it through that host's daemon"
+            ) from None
         rows = self._store.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES)
         if rows and not drain:
             raise StateConflict(
@@ -222,3 +307,4 @@ class Pools:
             self._releaser.release_row(row, reason="pool_drain")
         self._store.delete_pool(live.row.id)
         self._runtime.remove_pool(live.row.id)
+        live.pool.close()  # its warm stock goes with it
