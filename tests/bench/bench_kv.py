@@ -63,7 +63,8 @@ def maasd_endpoint(args: argparse.Namespace) -> Iterator[tuple[str, str, str]]:
     from conftest import Daemon  # the test suite's daemon runner
 
     with tempfile.TemporaryDirectory(prefix="maasd-bench-") as tmp:
-        d = Daemon(Path(tmp) / "maasd").start()
+        env = {"MAASD_DEFAULT_WARM_BYTES": args.warm} if args.warm else None
+        d = Daemon(Path(tmp) / "maasd", env=env).start()
         try:
             _tid, key = d.tenant("bench", 512 << 20)
             yield d.url, d.socket_path, key
@@ -316,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=600)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--pairs", type=int, default=21, help="back-to-back pairs for the goals")
+    p.add_argument(
+        "--warm",
+        default="128MiB",
+        help="the own daemon's warm stock (MAASD_DEFAULT_WARM_BYTES; '' for its default, "
+        "0 for none): prefaulted regions a put and a commit take instead of faulting",
+    )
     p.add_argument("--threads", type=int, default=max(1, min(4, (os.cpu_count() or 2) // 2)))
     args = p.parse_args(argv)
 
