@@ -6,11 +6,10 @@ A reserve records its intent in the ledger before it touches memory::
     memory: victims scrubbed; region created, sealed, bound, prefaulted, placement checked
     ledger: row ``live``
 
-An entry's put is admitted ``staged`` (it stays so until its commit), so it goes
-without the last write: once its region is held, a read checks that the row was
-not released meanwhile.
-
-so that a crash at any point leaves rows that recovery can settle.
+so that a crash at any point leaves rows that recovery can settle. An entry's put
+is admitted ``staged`` (it stays so until its commit) and goes without the last
+write: once its region is held, a read checks that the row was not released
+meanwhile.
 """
 
 from __future__ import annotations
