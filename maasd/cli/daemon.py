@@ -158,6 +158,12 @@ def common(fn: _F) -> _F:
     help="Serve GET /metrics to anyone, without a key [env MAASD_METRICS_PUBLIC=1]. "
     "Otherwise it needs the admin key or the metrics key [env MAASD_METRICS_KEY].",
 )
+@click.option(
+    "--l2-url",
+    help="Redis or Valkey URL of the shared prefix tier (redis://[:PASSWORD@]HOST:PORT/DB); "
+    "needs a PostgreSQL ledger. Prefer the environment for a URL with a password "
+    "[env MAASD_L2_URL].",
+)
 @common
 def serve(**flags: Any) -> None:
     """Run the daemon: REST control plane + worker socket.
