@@ -1,9 +1,10 @@
-"""The daemon's Redis/Valkey client for L2 (redis-py): three scripts, one round trip each.
+"""The daemon's Redis/Valkey client for L2 (redis-py): store, fetch and forget.
 
 * ``store``  — write one value, account its bytes to the tenant, evict the tenant's
   oldest values while its total passes its cap (atomic: a Lua script);
 * ``fetch``  — of a lookup's keys (short → long), the value of the longest that exists,
-  its last use moved to now — or its length only, when it passes the caller's bound;
+  its last use moved to now — or its length only, when it passes the caller's bound
+  (a script finds it; the longest key's value is read in the same round trip);
 * ``forget`` — drop a value the daemon refused, with its accounting.
 
 Connections come from a bounded pool; every call has the settings' connect and socket
@@ -15,7 +16,7 @@ may show.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -51,17 +52,15 @@ end
 return evicted
 """
 
-#: KEYS: lru, then the entry keys short → long; ARGV: max value bytes.
-#: → {index into the entry keys (1-based), value or its length}, or false.
-_FETCH = """
-local most = tonumber(ARGV[1])
+#: KEYS: lru, then the entry keys short → long. → {index into the entry keys (1-based),
+#: length of its value} of the longest that has one (its last use moved to now), or false.
+_FIND = """
 for i = #KEYS, 2, -1 do
   local n = redis.call('STRLEN', KEYS[i])
   if n > 0 then
-    if n > most then return {i - 1, n} end
     local t = redis.call('TIME')
     redis.call('ZADD', KEYS[1], 'XX', t[1] + t[2] / 1000000, KEYS[i])
-    return {i - 1, redis.call('GET', KEYS[i])}
+    return {i - 1, n}
   end
 end
 return false
@@ -109,7 +108,6 @@ class RedisL2:
         )
         self._redis = redis.Redis(connection_pool=pool)
         self._store = self._redis.register_script(_STORE)
-        self._fetch = self._redis.register_script(_FETCH)
         self._forget = self._redis.register_script(_FORGET)
 
     def keys(self, tenant_id: str) -> Keys:
@@ -126,14 +124,29 @@ class RedisL2:
         self, tenant_id: str, keys: list[str], *, max_bytes: int
     ) -> tuple[str, bytes | int] | None:
         """Of ``keys`` (short → long), the longest with a value: ``(key, value)``, or
-        ``(key, length)`` if the value is longer than ``max_bytes`` (not sent); ``None``
-        if none has one."""
+        ``(key, length)`` if the value is longer than ``max_bytes`` (not read); ``None``
+        if none has one.
+
+        One round trip when the longest key is the hit: the script that finds the hit
+        and the read of the longest key's value (at most ``max_bytes`` of it) go in one
+        pipeline. A shorter hit costs a second read. (A script cannot return the value
+        itself cheaply: turning 10 MiB into a Lua string and back costs 4× a GET.)
+        """
         k = self.keys(tenant_id)
-        found: Any = self._fetch(keys=[k.lru, *(k.entry(x) for x in keys)], args=[max_bytes])
+        names = [k.entry(x) for x in keys]
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.eval(_FIND, 1 + len(names), k.lru, *names)
+        pipe.getrange(names[-1], 0, max_bytes - 1)
+        found, longest = pipe.execute()
         if not found:
             return None
-        index, value = found
-        return keys[int(index) - 1], value
+        index, length = int(found[0]), int(found[1])
+        if length > max_bytes:
+            return keys[index - 1], length
+        if index == len(names):
+            return keys[-1], longest
+        shorter = self._redis.getrange(names[index - 1], 0, max_bytes - 1)
+        return keys[index - 1], cast(bytes, shorter)
 
     def forget(self, tenant_id: str, key: str) -> None:
         k = self.keys(tenant_id)
