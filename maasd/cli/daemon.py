@@ -233,8 +233,14 @@ def _serve(settings: Settings) -> None:
             "socket": settings.socket_path,
             "db": _redact(settings.database_url),
             "pools": ",".join(p.name for p in service.pools()),
+            # the L2 address stays out of info lines: whoever reads the log gets no route
+            "l2": "on" if settings.l2_url else "off",
         },
     )
+    if settings.l2_url:
+        from maasd.l2.client import redact
+
+        logger.debug("L2 tier", extra={"l2_url": redact(settings.l2_url)})
     try:
         server.run()
     finally:

@@ -38,7 +38,8 @@ class L2Metrics:
         self.dropped = Counter(
             "maasd_l2_dropped_writes",
             "Committed entries not written to L2, by reason: queue_full, breaker_open, error, "
-            "gone (released before its turn), too_large (more than the tenant's L2 cap)",
+            "gone (released before its turn), too_large (more than the tenant's L2 cap), "
+            "shutdown (still queued when the daemon stopped)",
             ["reason"],
             registry=r,
         )
