@@ -92,6 +92,9 @@ class Shared:
                     "an entry found in L2 could not be restored here",
                     extra={"tenant": tenant_id, "reason": exc.code},
                 )
+            except Exception:  # a bug or the kernel: still a miss, never a failed lookup
+                tier.counted("error")
+                logger.exception("restoring an entry found in L2 failed")
             else:
                 tier.counted("hit")
         return self._entries.lookup(who, keys)

@@ -114,6 +114,8 @@ def decode(value: bytes, tenant_id: str, key: str, max_bytes: int) -> memoryview
     if magic != MAGIC or version != VERSION:
         raise Refused("format", "not a maasd L2 value of this version")
     head = HEADER + tenant_len + key_len
+    if data_len == 0:
+        raise Refused("size", "no data: no entry is empty")
     if data_len > max_bytes:
         raise Refused("size", f"{data_len} bytes of data: more than the {max_bytes} allowed")
     if len(value) != head + data_len:

@@ -20,6 +20,7 @@ password. Checked:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import subprocess
@@ -41,6 +42,7 @@ from redisdb import REDIS_SERVER, RedisServer
 from waiting import wait_until
 
 MiB = 1 << 20
+F_SEAL_FUTURE_WRITE = 0x10
 #: The daemons' L2 timeout, and the bound a lookup must stay within while Redis is
 #: dead: the timeout once (the call that finds it dead), twice over for a loaded machine,
 #: plus the slow pool's hop. A contract, not a measurement: generous on purpose.
@@ -136,7 +138,17 @@ def test_an_entry_committed_on_a_is_restored_through_b(
         assert bytes(hit.array[: len(data)]) == data  # byte-identical
         assert not hit.array[len(data) :].any()
         assert not hit.array.flags.writeable
+        restored = hit.buffer_id
         hit.close()
+        with wb.attach(restored) as m:  # immutable like any committed entry (SPEC §2.8)
+            assert not m.writable
+            assert fcntl.fcntl(m.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+            rw = os.open(f"/proc/self/fd/{m.fd}", os.O_RDWR)  # a writable re-open …
+            try:
+                with pytest.raises(PermissionError):
+                    os.pwrite(rw, b"x", 0)  # … still cannot write: the seal holds
+            finally:
+                os.close(rw)
         assert wb.lookup(["prefix:long"]) is not None  # now a local entry of B
     assert b.metric("maasd_l2_lookups_total", outcome="hit") == hits_before + 1
     # counted against the tenant like any entry: one copy on each host

@@ -14,6 +14,7 @@ from maasd.errors import ConfigError
 from maasd.l2.breaker import Breaker
 from maasd.l2.queue import Job, WriteQueue
 from maasd.settings import load
+from waiting import wait_until
 
 pytest.importorskip("xxhash", reason="needs the l2 extra (xxhash)")
 
@@ -30,7 +31,7 @@ def encode(tenant: str, key: str, data: bytes) -> bytes:
 @given(
     tenant=st.text(min_size=1, max_size=40),
     key=st.text(max_size=200),
-    data=st.binary(max_size=2048),
+    data=st.binary(min_size=1, max_size=2048),
 )
 def test_a_value_decodes_to_its_bytes_under_its_own_namespace(
     tenant: str, key: str, data: bytes
@@ -49,6 +50,7 @@ def test_every_check_refuses_with_its_reason() -> None:
         return e.value.reason
 
     assert reason(b"") == "format"
+    assert reason(encode("t1", "k", b"")) == "size"  # no entry is empty
     assert reason(value[: codec.HEADER - 1]) == "format"
     assert reason(b"x" * len(value)) == "format"
     assert reason(value[:-1]) == "size"  # truncated
@@ -174,3 +176,122 @@ def test_l2_settings_are_checked_at_load(tmp_path: Path) -> None:
         load({**pg, "l2_url": "redis://r"}, env={"MAASD_L2_TIMEOUT_S": "0"})
     with pytest.raises(ConfigError, match="l2_prefix"):
         load({**pg, "l2_url": "redis://r"}, env={"MAASD_L2_PREFIX": "a{b"})
+
+
+# ---------------------------------------------------------------------------- the tier
+class FakeL2:
+    """The client's interface over a dict, failing on demand (an unreachable Redis)."""
+
+    errors = (ConnectionError,)
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], bytes] = {}
+        self.down = False
+        self.calls = 0
+        self.forgotten: list[str] = []
+
+    def _call(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("refused")
+
+    def fetch(
+        self, tenant_id: str, keys: list[str], *, max_bytes: int
+    ) -> tuple[str, bytes | int] | None:
+        self._call()
+        for key in reversed(keys):
+            value = self.values.get((tenant_id, key))
+            if value is not None:
+                return key, (value if len(value) <= max_bytes else len(value))
+        return None
+
+    def store(self, tenant_id: str, key: str, value: memoryview, *, cap: int, ttl_ms: int) -> int:
+        self._call()
+        assert ttl_ms > 0
+        if len(value) > cap:
+            return -1
+        self.values[(tenant_id, key)] = bytes(value)
+        return 0
+
+    def forget(self, tenant_id: str, key: str) -> None:
+        self._call()
+        self.values.pop((tenant_id, key), None)
+        self.forgotten.append(key)
+
+    def ping(self) -> None:
+        self._call()
+
+    def close(self) -> None:
+        pass
+
+
+def tier(source: object = None, **settings: object):  # -> (L2Tier, FakeL2, registry)
+    from prometheus_client import CollectorRegistry
+
+    from maasd.l2.tier import L2Tier
+    from maasd.settings import Settings
+
+    fake = FakeL2()
+    registry = CollectorRegistry()
+    s = Settings(l2_url="redis://unused", **settings)  # type: ignore[arg-type]
+    t = L2Tier(s, registry, source or (lambda *_: None), client=fake)  # type: ignore[arg-type]
+    return t, fake, registry
+
+
+def sample(registry: object, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)  # type: ignore[attr-defined]
+    return 0.0 if value is None else float(value)
+
+
+def test_the_tier_counts_failures_then_stops_asking() -> None:
+    t, fake, reg = tier(l2_breaker_failures=2, l2_breaker_backoff_s=60)
+    fake.down = True
+    assert t.fetch("t", ["a"]) is None
+    assert t.fetch("t", ["a"]) is None  # the second failure opens the breaker
+    assert sample(reg, "maasd_l2_lookups_total", outcome="error") == 2
+    assert sample(reg, "maasd_l2_breaker_open") == 1
+    assert not t.ready()
+    calls = fake.calls
+    assert t.fetch("t", ["a"]) is None
+    assert fake.calls == calls  # not asked while open
+    assert sample(reg, "maasd_l2_lookups_total", outcome="skipped") == 1
+    t.write_behind("t", "k", "b1", 4096)  # dropped at once, nothing queued
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="breaker_open") == 1
+    assert t.queue.entries == 0
+
+
+def test_a_full_queue_drops_and_counts() -> None:
+    t, _fake, reg = tier(l2_queue_entries=2)
+    for i in range(5):
+        t.write_behind("t", f"k{i}", f"b{i}", 4096)
+    assert t.queue.entries == 2
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="queue_full") == 3
+    t.write_behind("t", "huge", "b9", 2 << 30)  # more than the tenant's L2 cap
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="too_large") == 1
+
+
+def test_the_writer_writes_what_the_source_reads_and_a_refused_value_is_forgotten() -> None:
+    data = secrets.token_bytes(8192)
+
+    def source(buffer_id: str, _tenant_id: str, _key: str, head: int) -> bytearray | None:
+        if buffer_id != "b1":
+            return None  # released meanwhile
+        return bytearray(head) + data
+
+    t, fake, reg = tier(source)
+    t.start()
+    try:
+        t.write_behind("t", "k1", "b1", len(data))
+        t.write_behind("t", "k2", "gone", len(data))
+        wait_until(lambda: sample(reg, "maasd_l2_dropped_writes_total", reason="gone") == 1)
+        assert sample(reg, "maasd_l2_writes_total", outcome="ok") == 1
+        fetched = t.fetch("t", ["k0", "k1"])
+        assert fetched is not None
+        assert (fetched.key, bytes(fetched.data)) == ("k1", data)
+        assert t.fetch("other-tenant", ["k1"]) is None  # another namespace holds nothing
+        fake.values[("t", "k1")] = fake.values[("t", "k1")][:-1]  # truncated in L2
+        assert t.fetch("t", ["k1"]) is None
+        assert sample(reg, "maasd_l2_refused_total", reason="size") == 1
+        wait_until(lambda: fake.forgotten == ["k1"], message="the refused value forgotten")
+    finally:
+        t.close()
