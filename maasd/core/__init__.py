@@ -49,6 +49,7 @@ from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.shared import Shared
 from maasd.core.tenants import Tenants
+from maasd.errors import NotFound
 from maasd.metrics import EntryCollector, LedgerCollector, Metrics
 from maasd.models import (
     BufferInfo,
@@ -273,7 +274,13 @@ class Service:
 
     def lookup_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
         """From memory; a miss that the L2 tier will be asked about is not counted here."""
-        return self._entries.lookup(who, lookup_keys, count_miss=not self._shared.ready())
+        ready = self._shared.ready()
+        try:
+            return self._entries.lookup(who, lookup_keys, count_miss=not ready)
+        except NotFound:
+            if not ready:
+                self._shared.skipped()
+            raise
 
     def l2_ready(self) -> bool:
         """Whether a local lookup miss should go on to :meth:`fill_entry` (on a thread that

@@ -64,6 +64,11 @@ class Shared:
         or due for a probe). A cheap read: the broker asks it on its event loop."""
         return self._tier is not None and self._tier.ready()
 
+    def skipped(self) -> None:
+        """A local miss not asked of L2 because its breaker is open (counted if enabled)."""
+        if self._tier is not None:
+            self._tier.skipped()
+
     def start(self) -> None:
         if self._tier is not None:
             self._tier.start()

@@ -73,6 +73,7 @@ class L2Tier:
         self._timeout = settings.l2_timeout_s
         self._source = source
         self.metrics = L2Metrics(registry)
+        self._skipped = self.metrics.lookups.labels(outcome="skipped")  # bound once: hot path
         self.breaker = Breaker(settings.l2_breaker_failures, settings.l2_breaker_backoff_s)
         self.queue = WriteQueue(settings.l2_queue_entries, settings.l2_queue_bytes)
         self.client = client or _connect(settings)
@@ -91,7 +92,7 @@ class L2Tier:
         """The tenant's longest of ``keys`` that L2 holds, checked; None for anything else."""
         m = self.metrics
         if not self.breaker.allow():
-            m.lookups.labels(outcome="skipped").inc()
+            self._skipped.inc()
             return None
         started = time.perf_counter()
         try:
@@ -128,6 +129,10 @@ class L2Tier:
             )
         self.metrics.bytes_in.inc(len(value))
         return codec.decode(value, tenant_id, key, self._cap)
+
+    def skipped(self) -> None:
+        """A local miss not asked of L2: the breaker is open (the broker's hot path)."""
+        self._skipped.inc()
 
     def counted(self, outcome: str) -> None:
         """Count how a fetched entry ended here (``hit`` once restored, or ``unplaced``)."""

@@ -14,6 +14,7 @@ password. Checked:
 * Redis SIGKILLed during a write-behind burst: saves and lookups on both daemons go
   on, no 5xx, and the slowest lookup stays within the documented bound; Redis back:
   the tier resumes (a new commit reaches L2 and is found from the other daemon);
+  Redis frozen (SIGSTOP): a lookup waits one timeout at most, then the breaker opens;
 * the L2 password appears in no reply, /metrics or log line;
 * ``--l2-url`` with the SQLite ledger is refused at start.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -336,6 +338,31 @@ def test_redis_killed_during_a_burst_then_back(
         assert hit is not None
         assert bytes(hit.array[: len(data)]) == data
         hit.close()
+
+
+def test_a_frozen_redis_costs_a_lookup_one_timeout_at_most(
+    hosts: tuple[Daemon, Daemon], redis_server: RedisServer
+) -> None:
+    """SIGSTOP: connections stay open, nothing answers — the slow case, not the dead one."""
+    _a, b = hosts
+    _tid, key = b.tenant("l2-frozen")
+    assert redis_server.proc is not None
+    with Worker(b.socket_path, key) as w:
+        assert w.lookup(["warm-up"]) is None  # the daemon holds a connection now
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            worst = 0.0
+            for i in range(10):  # past the breaker's failures: answered inline after
+                t0 = time.perf_counter()
+                assert w.lookup([f"frozen:{i}"]) is None
+                worst = max(worst, time.perf_counter() - t0)
+            assert b.metric("maasd_l2_breaker_open") == 1
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+    print(f"worst lookup while Redis was frozen: {worst * 1e3:.1f} ms")
+    assert worst < OUTAGE_BOUND_S
+    assert b.metric("maasd_l2_lookups_total", outcome="skipped") > 0
+    wait_until(lambda: b.metric("maasd_l2_breaker_open") == 0, timeout=15)
 
 
 def test_the_password_stays_with_the_daemon(
