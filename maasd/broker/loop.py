@@ -339,6 +339,12 @@ class EventLoop:
 
     # --- waking, shutting down -------------------------------------------------------
 
+    def wake(self) -> None:
+        """Make the loop turn now (any thread): e.g. a key was revoked."""
+        with self._post_lock:
+            if not self._finished:
+                self._wake()
+
     def _wake(self) -> None:
         """Make select() return (caller holds ``_post_lock`` and the loop is not finished)."""
         with contextlib.suppress(OSError):  # full: a wake-up is pending anyway

@@ -35,6 +35,8 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
@@ -176,6 +178,10 @@ class Service:
     def auth_generation(self) -> int:
         """Moves on every key revocation: a holder of a checked principal re-checks then."""
         return self._auth.generation
+
+    def watch_revocations(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` right after every key revocation (the broker wakes with it)."""
+        self._auth.watch_revocations(callback)
 
     require_admin = staticmethod(require_admin)
     require_tenant = staticmethod(require_tenant)

@@ -30,9 +30,11 @@ transaction-pooling proxy (docs/scale-out.md).
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -42,6 +44,8 @@ from maasd.settings import Settings
 from maasd.store import KEYS_CHANNEL, Store
 from maasd.store.notify import Listener
 from maasd.tenancy import keys
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Auth", "require_admin", "require_tenant"]
 
@@ -84,6 +88,8 @@ class Auth:
         self._trusted = not store.is_postgres
         self._listener: Listener | None = None
         self._generation = 0
+        #: called (outside the lock, on the revoking thread) after the generation moves
+        self._watchers: list[Callable[[], None]] = []
         self._admin_digest = b""
         #: The admin key when this process generated it (print it once), else ``None``.
         self.admin_key_generated: str | None = None
@@ -189,9 +195,21 @@ class Auth:
         connection) re-checks its key only when this moved: an int compare per operation."""
         return self._generation
 
+    def watch_revocations(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every revocation (on the revoking thread: keep it short
+        and never blocking — the broker wakes its event loop with it)."""
+        with self._lock:
+            self._watchers.append(callback)
+
     def forget_keys(self) -> None:
         """Call after any key is revoked (its commit done), here or by another daemon: no
-        cached key outlives it, and :attr:`generation` moves."""
+        cached key outlives it, :attr:`generation` moves, and the watchers are told."""
         with self._lock:
             self._generation += 1
             self._cache.clear()
+            watchers = list(self._watchers)
+        for callback in watchers:
+            try:
+                callback()
+            except Exception:  # a watcher's bug must not undo a revocation's effect here
+                logger.exception("a revocation watcher failed")
