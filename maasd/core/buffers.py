@@ -40,7 +40,7 @@ from maasd.models import (
     rfc3339,
 )
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, Store, must_last
 from maasd.tenancy import keys, leases
 
 __all__ = ["Buffers", "buffer_info"]
@@ -125,6 +125,8 @@ class Buffers:
         uses, extended = self._runtime.take_uses()
         last_error: Exception | None = None
         for live in candidates:
+            # A volatile pool's ledger writes do not wait for the disk (store/base.py).
+            durable = must_last(live.row.persistence)
             row = BufferRow(
                 id=keys.new_id(),
                 tenant_id=tenant_id,
@@ -143,7 +145,9 @@ class Buffers:
                 kind=kind,
             )
             try:
-                victims = self._store.begin_reserve(row, uses=uses, leases=extended)
+                victims = self._store.begin_reserve(
+                    row, uses=uses, leases=extended, durable=durable
+                )
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
@@ -163,11 +167,11 @@ class Buffers:
                     prefault=True if frozen else None,
                 )
             except PoolExhausted as e:  # the in-process guard disagreed with the ledger
-                self._store.finish_release(row.id, kind="reserve_failed")
+                self._store.finish_release(row.id, kind="reserve_failed", durable=durable)
                 last_error = e
                 continue
             except BackingError as e:
-                self._store.finish_release(row.id, kind="reserve_failed")
+                self._store.finish_release(row.id, kind="reserve_failed", durable=durable)
                 if e.errno in (errno.ENOMEM, errno.ENOSPC):
                     raise PoolExhausted(
                         f"the kernel has no memory for {row.size_bytes} bytes on node "
@@ -200,7 +204,9 @@ class Buffers:
             region.verify_node(sample=16)
         except Exception:
             live.pool.release(region)
-            self._store.finish_release(row.id, kind="reserve_failed")
+            self._store.finish_release(
+                row.id, kind="reserve_failed", durable=must_last(row.persistence)
+            )
             raise
 
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
@@ -209,7 +215,7 @@ class Buffers:
         self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
         try:
             if state == "live":
-                self._store.set_state(row.id, state)
+                self._store.set_state(row.id, state, durable=must_last(row.persistence))
             else:
                 self._check_staged(row.id)
         except NotFound:
@@ -293,8 +299,10 @@ class Buffers:
     def release(self, who: Principal, buffer_id: str) -> None:
         """Scrub and free a buffer; every byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
-        self._held_here(self._own_row(who, buffer_id))
-        row = self._store.mark_releasing(buffer_id, tenant_id, only_live=True)
+        row = self._held_here(self._own_row(who, buffer_id))
+        row = self._store.mark_releasing(
+            buffer_id, tenant_id, only_live=True, durable=must_last(row.persistence)
+        )
         self._releaser.release_row(row, reason="release", marked=True)
 
     def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:

@@ -55,7 +55,7 @@ from maasd.errors import (
 )
 from maasd.metrics import Metrics
 from maasd.models import Principal, ReserveSpec
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
 
@@ -184,7 +184,8 @@ class Entries:
             except (OSError, MaasdError) as e:
                 failure = e
             else:
-                if self._store.commit(buffer_id, time.time()) is None:
+                durable = must_last(live.row.persistence)
+                if self._store.commit(buffer_id, time.time(), durable=durable) is None:
                     _dispose(live, fresh, ro_fd)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
@@ -233,7 +234,10 @@ class Entries:
 
     def _release_staged(self, tenant_id: str, buffer_id: str, reason: str) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
-        row: BufferRow | None = self._store.mark_staged_releasing(buffer_id, tenant_id)
+        held = self._runtime.held(buffer_id)
+        row: BufferRow | None = self._store.mark_staged_releasing(
+            buffer_id, tenant_id, durable=held is None or self._durable(held)
+        )
         if row is None:
             return  # committed, or someone else releases it
         self._releaser.release_row(row, reason=reason, marked=True)
@@ -297,7 +301,7 @@ class Entries:
             finally:
                 view.release()
             ro_fd = open_read_only(region)
-            if self._store.commit(buffer_id, time.time()) is None:
+            if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
                 os.close(ro_fd)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             self._runtime.commit(buffer_id, region, ro_fd)
@@ -319,6 +323,11 @@ class Entries:
             buf = bytearray(head + held.region.size)
             held.region.read_into(memoryview(buf)[head:])
             return buf
+
+    def _durable(self, held: Held) -> bool:
+        """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""
+        live = self._runtime.pool(held.pool_id)
+        return live is None or must_last(live.row.persistence)
 
     @staticmethod
     def _count(counter: object, tenant_id: str, exc: BaseException) -> None:

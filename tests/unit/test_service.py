@@ -232,9 +232,9 @@ def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(
     who = tenant(svc)
     real = svc.store.set_state
 
-    def deleted_meanwhile(buffer_id: str, state: str) -> None:
+    def deleted_meanwhile(buffer_id: str, state: str, *, durable: bool = True) -> None:
         svc.store.finish_release(buffer_id, kind="tenant_delete")  # e.g. a tenant deletion won
-        real(buffer_id, state)
+        real(buffer_id, state, durable=durable)
 
     monkeypatch.setattr(svc.store, "set_state", deleted_meanwhile)
     with pytest.raises(errors.NotFound):
