@@ -68,6 +68,14 @@ class Raw:
         self.send(msg)
         return self.recv()
 
+    def call_racing_close(self, msg):
+        """``call`` for a connection the daemon may be closing: if it was quicker (it told
+        an idle connection something, e.g. a 401 for a revoked key, and closed it before
+        ``msg`` went out), the frame it sent is still there to read."""
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            self.send(msg)
+        return self.recv()
+
     def hello(self, key: str) -> Welcome:
         reply, fds = self.call(Hello(api_key=key))
         assert fds == []
