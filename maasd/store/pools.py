@@ -6,7 +6,7 @@ import time
 
 import msgspec
 import sqlalchemy as sa
-from sqlalchemy import bindparam, delete, func, insert, select
+from sqlalchemy import bindparam, delete, func, insert, select, update
 
 from maasd.errors import NotFound, StateConflict
 from maasd.store import schema
@@ -26,9 +26,17 @@ _sel_pool_usage = (
     .where(_P.c.host == bindparam("host"))
     .group_by(_P.c.id)
 )
-#: Lock a pool's row (PostgreSQL) and read what a reserve decides by.
+#: Lock a pool's row (PostgreSQL) and read what a reserve decides by: its capacity, its
+#: name (for messages) and whether it is being deleted.
 lock_pool = (
-    select(_P.c.capacity_bytes, _P.c.name).where(_P.c.id == bindparam("p_id")).with_for_update()
+    select(_P.c.capacity_bytes, _P.c.name, _P.c.deleting_at)
+    .where(_P.c.id == bindparam("p_id"))
+    .with_for_update()
+)
+_mark_deleting = (
+    update(_P)
+    .where(_P.c.id == bindparam("p_id"), _P.c.deleting_at.is_(None))
+    .values(deleting_at=bindparam("now"))
 )
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
 _count_pool_buffers = select(func.count()).select_from(_B).where(_B.c.pool_id == bindparam("p_id"))
@@ -63,6 +71,20 @@ class PoolRepo(Connections):
     def usage_by_pool(self, host: str) -> dict[str, tuple[int, int]]:
         """``{pool_id: (used_bytes, buffers)}`` for every pool of ``host`` (all states count)."""
         return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_pool_usage, {"host": host})}
+
+    def mark_pool_deleting(self, pool_id: str, *, now: float | None = None) -> float:
+        """Start (or resume) a pool's drain: from the commit on no reserve lands in it.
+
+        Returns the pool's ``deleting_at`` (the first mark's, when resumed).
+        :class:`NotFound` if unknown.
+        """
+        at = time.time() if now is None else now
+        with self._writing() as conn:
+            if conn.execute(lock_pool, {"p_id": pool_id}).first() is None:
+                raise NotFound(f"pool {pool_id} not found")
+            conn.execute(_mark_deleting, {"p_id": pool_id, "now": at})
+            marked = conn.execute(lock_pool, {"p_id": pool_id}).one()
+        return float(marked[2])
 
     def delete_pool(self, pool_id: str, *, now: float | None = None) -> None:
         """Delete an empty pool: :class:`NotFound` if unknown, :class:`StateConflict` if it holds buffers."""

@@ -98,6 +98,10 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo):
                 )
             command.upgrade(alembic_config(connection=conn), revision)
 
+    def ping(self) -> None:
+        """One trivial read: raises if the database does not answer (for ``/healthz``)."""
+        self._read_first(sa.select(sa.literal(1)), {})
+
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""
         self.engine.dispose()
