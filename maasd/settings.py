@@ -37,6 +37,7 @@ from typing import Any
 
 import msgspec
 
+from maasd.bounds import MAX_BUFFERS
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
@@ -64,13 +65,23 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     db_url: str | None = None  # default: sqlite:///DATA_DIR/maasd.db
     config: str | None = None
-    admin_key: str | None = None  # default: DATA_DIR/admin.key, generated once
+    # The admin key: this, else the file admin_key_file, else $CREDENTIALS_DIRECTORY/admin-key
+    # (systemd LoadCredential=), else DATA_DIR/admin.key (generated once).
+    admin_key: str | None = None
+    admin_key_file: str | None = None
     metrics_key: str | None = None  # a key good for GET /metrics only
     metrics_public: bool = False  # GET /metrics needs no key at all
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
     reaper_interval_s: float = 1.0
+    # A tenant's cap on buffers (entries included) when it has none of its own. Each buffer
+    # holds one of the daemon's open files and one mapping: 4096 lets a prefix cache of
+    # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
+    # regions that vm.max_map_count's default allows (maasd.core.limits).
+    max_buffers_per_tenant: int = 4096
+    # Seconds a REST connection may go without starting a request before it is closed.
+    http_idle_s: float = 10.0
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
@@ -98,12 +109,15 @@ ENV = {
     "MAASD_DB_URL": "db_url",
     "MAASD_CONFIG": "config",
     "MAASD_ADMIN_KEY": "admin_key",
+    "MAASD_ADMIN_KEY_FILE": "admin_key_file",
     "MAASD_METRICS_KEY": "metrics_key",
     "MAASD_METRICS_PUBLIC": "metrics_public",
     "MAASD_NODE_NAME": "node_name",
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
+    "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
+    "MAASD_HTTP_IDLE_S": "http_idle_s",
     "MAASD_LOG_LEVEL": "log_level",
 }
 
@@ -119,6 +133,8 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     config_path = flags.get("config") or from_env.get("config")
     from_file: dict[str, Any] = {}
     if config_path:
+        if "\0" in config_path:
+            raise ConfigError(f"config file {config_path!r}: a path cannot hold a NUL byte")
         try:
             with open(config_path, "rb") as f:
                 from_file = tomllib.load(f)
@@ -133,10 +149,17 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"settings: {e}") from e
+    for field, value in msgspec.structs.asdict(settings).items():
+        if isinstance(value, str) and "\0" in value:  # paths and names: the kernel refuses them
+            raise ConfigError(f"settings: {field} cannot hold a NUL byte")
     if not 0 < settings.port < 65536:
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
+    if not 0 < settings.http_idle_s <= 3600:
+        raise ConfigError("settings: http_idle_s must be > 0 and at most 3600")
+    if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
+        raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
     if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
         raise ConfigError(
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "

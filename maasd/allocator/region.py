@@ -41,6 +41,26 @@ BACKINGS = ("memfd", "hugetlb")
 SCRUB_MODES = ("zero", "punch")
 
 
+_open_lock = threading.Lock()
+_open = 0
+
+
+def open_regions() -> int:
+    """Regions of this process not yet closed: each holds one fd and one mapping.
+
+    The daemon's budget of open files and mappings (:mod:`maasd.core.limits`)
+    counts these, whoever holds them (live buffers, regions waiting to be
+    reclaimed, warm stock).
+    """
+    return _open
+
+
+def _count_open(delta: int) -> None:
+    global _open
+    with _open_lock:
+        _open += delta
+
+
 def _huge_flag(page_bytes: int) -> int:
     return _sys.MFD_HUGETLB | ((page_bytes.bit_length() - 1) << _sys.MFD_HUGE_SHIFT)
 
@@ -80,6 +100,7 @@ class Region:
         self._closed = False
         #: set by the owning pool once its bytes are given back (exactly once)
         self.released = False
+        _count_open(1)
 
     @classmethod
     def create(
@@ -263,6 +284,7 @@ class Region:
                 _sys.munmap(self._addr, self.size)
             finally:
                 os.close(self.fd)
+                _count_open(-1)
             return True
 
     @property

@@ -47,6 +47,7 @@ from maasd.client.rest import Client, raw_json
 from maasd.client.types import (
     Buffer,
     Checkpoint,
+    Component,
     Event,
     Health,
     KeyInfo,
@@ -66,6 +67,7 @@ __all__ = [
     "Buffer",
     "BufferCountExceeded",
     "Checkpoint",
+    "Component",
     "Client",
     "Conflict",
     "ConnectionFailed",

@@ -20,6 +20,7 @@ lives in a module of its own:
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
 :mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer
+:mod:`.limits`           the daemon's budget of open files and mappings for regions
 =======================  ===========================================================
 
 >>> svc = Service(settings); svc.start()                       # doctest: +SKIP
@@ -30,17 +31,20 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.handles import Handle, Handles
 from maasd.core.lifecycle import Lifecycle
+from maasd.core.limits import RegionBudget, read_limits
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.tenants import Tenants
-from maasd.metrics import LedgerCollector, Metrics
+from maasd.metrics import LedgerCollector, Metrics, RuntimeCollector
 from maasd.models import (
     BufferInfo,
     Checkpoint,
@@ -67,7 +71,8 @@ class Service:
 
     ``runtime`` is the in-process state (read it in tests: ``svc.runtime.region(id)``,
     ``svc.runtime.pending_uses()``); ``reclaimer`` gives released pages back in the
-    background (``svc.reclaimer.drain()`` waits for it).
+    background (``svc.reclaimer.drain()`` waits for it); ``budget`` bounds the regions
+    the process holds (from its open-files and mapping limits, read here).
     """
 
     def __init__(
@@ -76,18 +81,27 @@ class Service:
         self.settings = settings
         self.host = settings.node_name
         self.store = store or Store(settings.database_url)
+        self.store.default_max_buffers = settings.max_buffers_per_tenant
         self.metrics = Metrics()
         self.runtime = Runtime()
         self.reclaimer = Reclaimer()
+        self.budget = RegionBudget(read_limits())
         self._auth = Auth(settings, self.store)
         releaser = Releaser(self.store, self.runtime, self.metrics)
         checkpoints = Checkpoints(self.store, self.runtime, self.metrics)
         self._pools = Pools(
             settings, self.store, self.runtime, releaser, self.reclaimer, topology or discover()
         )
-        self._tenants = Tenants(self.store, self._auth, releaser)
+        self._tenants = Tenants(self.store, self._auth, releaser, settings.max_buffers_per_tenant)
         self._buffers = Buffers(
-            settings, self.store, self.runtime, self._pools, releaser, checkpoints, self.metrics
+            settings,
+            self.store,
+            self.runtime,
+            self._pools,
+            releaser,
+            checkpoints,
+            self.metrics,
+            self.budget,
         )
         self._handles = Handles(self.store, self.runtime, self.metrics)
         self._life = Lifecycle(
@@ -96,6 +110,7 @@ class Service:
             self.runtime,
             self._auth,
             self._pools,
+            self._tenants,
             self._buffers,
             releaser,
             checkpoints,
@@ -103,6 +118,11 @@ class Service:
             self.reclaimer,
         )
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
+        self.metrics.attach_runtime(
+            RuntimeCollector(
+                self.runtime.released_attached, lambda: (self.budget.held(), self.budget.budget)
+            )
+        )
 
     @property
     def topology(self) -> Topology:
@@ -121,6 +141,17 @@ class Service:
 
     def close(self) -> None:
         self._life.close()
+
+    def health_checks(self) -> dict[str, Callable[[], tuple[bool, str]]]:
+        """The core's components for ``/healthz``: the ledger answers, files can be opened."""
+        return {"ledger": self._ledger_health, "files": self.budget.health}
+
+    def _ledger_health(self) -> tuple[bool, str]:
+        try:
+            self.store.ping()
+        except Exception as e:
+            return False, f"the ledger does not answer: {type(e).__name__}: {e}"
+        return True, ""
 
     def reap(self, now: float | None = None) -> int:
         return self._life.reap(now)
@@ -172,6 +203,11 @@ class Service:
 
     def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
         return self._tenants.set_quota(id_or_name, quota_bytes)
+
+    def update_tenant(
+        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+    ) -> TenantInfo:
+        return self._tenants.update(id_or_name, quota_bytes=quota_bytes, max_buffers=max_buffers)
 
     def delete_tenant(self, id_or_name: str) -> None:
         self._tenants.delete(id_or_name)

@@ -11,7 +11,6 @@ so that a crash at any point leaves rows that recovery can settle.
 
 from __future__ import annotations
 
-import errno
 import time
 
 import msgspec
@@ -20,6 +19,7 @@ from maasd.allocator import Region
 from maasd.core import placement
 from maasd.core.auth import require_tenant
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.limits import RegionBudget, kernel_refusal
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
@@ -65,8 +65,10 @@ class Buffers:
         releaser: Releaser,
         checkpoints: Checkpoints,
         metrics: Metrics,
+        budget: RegionBudget,
     ) -> None:
         self._settings = settings
+        self._budget = budget
         self._host = settings.node_name
         self._store = store
         self._runtime = runtime
@@ -119,36 +121,49 @@ class Buffers:
                 kind="buffer",
             )
             try:
-                victims = self._store.begin_reserve(row)
+                # The daemon's own budget of fds and mappings first (507 resource-limit),
+                # before the ledger is asked: a region is one of each.
+                with self._budget.admit():
+                    region = self._admit_and_create(row, live)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
-            for victim in victims:
-                self._releaser.evict(victim)
-            try:
-                region = live.pool.reserve(row.size_bytes, name=f"maasd-{row.id[:8]}")
-            except PoolExhausted as e:  # the in-process guard disagreed with the ledger
-                self._store.finish_release(row.id, kind="reserve_failed")
-                last_error = e
-                continue
-            except BackingError as e:
-                self._store.finish_release(row.id, kind="reserve_failed")
-                if e.errno in (errno.ENOMEM, errno.ENOSPC):
-                    raise PoolExhausted(
-                        f"the kernel has no memory for {row.size_bytes} bytes on node "
-                        f"{row.numa_node} ({e.detail})"
-                    ) from e
-                raise
             self._check_placement(row, live, region)
             return self._go_live(row, region)
         assert last_error is not None
         raise last_error
 
+    def _admit_and_create(self, row: BufferRow, live: LivePool) -> Region:
+        """The ledger admits ``row`` (evicting if it must), then its region is made."""
+        victims = self._store.begin_reserve(row)
+        for victim in victims:
+            self._releaser.evict(victim)
+        try:
+            return live.pool.reserve(row.size_bytes, name=f"maasd-{row.id[:8]}")
+        except PoolExhausted:  # the in-process guard disagreed with the ledger
+            self._store.finish_release(row.id, kind="reserve_failed")
+            raise
+        except BackingError as e:
+            self._store.finish_release(row.id, kind="reserve_failed")
+            refusal = kernel_refusal(
+                e, self._budget, f"{row.size_bytes} bytes on node {row.numa_node}"
+            )
+            if refusal is None:
+                raise
+            raise refusal from e
+
     def _candidates(self, req: ReserveSpec) -> list[LivePool]:
-        """The live pools that could hold the request, most free space first."""
-        live = (
-            [self._runtime.find_pool(req.pool)] if req.pool is not None else self._runtime.pools()
-        )
+        """The live pools that could hold the request, most free space first.
+
+        A pool being deleted takes no reserve: named, it answers 409; otherwise it is
+        not a candidate.
+        """
+        if req.pool is not None:
+            live = [self._runtime.find_pool(req.pool)]
+            if live[0].row.deleting_at is not None:
+                raise StateConflict(f"pool {live[0].row.name!r} is being deleted")
+        else:
+            live = [p for p in self._runtime.pools() if p.row.deleting_at is None]
         rows = placement.candidates([p.row for p in live], req, self._pools.topology.node_ids)
         if len(rows) > 1:
             usage = self._store.usage_by_pool(self._host)
@@ -168,14 +183,20 @@ class Buffers:
             raise
 
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
+        # The region is in the runtime before the row goes live, so that whoever
+        # releases the row from then on finds its memory.
         self._runtime.add_region(row.id, region)
-        try:
-            self._store.set_state(row.id, "live")
-        except NotFound:
-            # Released while reserving (its tenant or pool was deleted meanwhile):
-            # the memory must not outlive its row.
+        if not self._store.advance(row.id, "reserving", "live"):
+            # Claimed while reserving by a tenant delete or a pool drain: this reserve
+            # lost, so it scrubs its own region (unless the claimer took it already)
+            # and finishes the release the claimer began. The memory never outlives
+            # its row, and no one ever saw it.
             self._releaser.drop_region(row)
-            raise
+            self._store.finish_release(row.id, kind="reserve_failed")
+            raise StateConflict(
+                f"buffer {row.id} was released while it was being reserved "
+                "(its tenant or its pool is being deleted)"
+            )
         return buffer_info(msgspec.structs.replace(row, state="live"))
 
     def flush_uses(self) -> None:

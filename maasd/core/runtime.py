@@ -59,6 +59,8 @@ class Runtime:
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
+        # Buffers released while workers still had handles attached: tenant, kind, size.
+        self._released_attached: dict[str, tuple[str, str, int]] = {}
         self._uses_lock = threading.Lock()
         self._uses: dict[str, float] = {}
 
@@ -161,12 +163,30 @@ class Runtime:
                     counts[key] -= 1
                     if counts[key] <= 0:
                         del counts[key]
+                if buffer_id not in self._attached_by_buffer:
+                    self._released_attached.pop(buffer_id, None)
             return self._attached_by_tenant[tenant_id]
 
     def attached(self, buffer_id: str) -> int:
         """How many handles workers hold on this buffer now (attached, not yet dropped)."""
         with self._attach_lock:
             return self._attached_by_buffer[buffer_id]
+
+    def note_released(self, buffer_id: str, tenant_id: str, kind: str, size: int) -> None:
+        """A buffer was released: if workers still have handles attached, remember it until
+        they detach (their fds can fault fresh pages in that no ledger counts)."""
+        with self._attach_lock:
+            if self._attached_by_buffer[buffer_id] > 0:
+                self._released_attached[buffer_id] = (tenant_id, kind, size)
+
+    def released_attached(self) -> list[tuple[str, str, int, int]]:
+        """``(tenant_id, kind, size_bytes, handles)`` of every buffer released while
+        handles on it were attached, as long as they still are."""
+        with self._attach_lock:
+            return [
+                (tenant, kind, size, self._attached_by_buffer[buffer_id])
+                for buffer_id, (tenant, kind, size) in self._released_attached.items()
+            ]
 
     def tenant_attached(self, tenant_id: str) -> int:
         """How many handles this tenant's workers hold now, over all its buffers."""

@@ -378,6 +378,7 @@ def test_usage(daemon: Daemon, tenant) -> None:
         "quota_bytes": 64 * MiB,
         "used_bytes": 0,
         "buffers": 0,
+        "max_buffers": 4096,  # the daemon's default cap
     }
     a = reserve(c, 5000)  # rounded to two pages
     reserve(c, 1 * MiB)

@@ -1,0 +1,223 @@
+"""The daemon's own limits: open files and memory mappings, and what a buffer may take of them.
+
+Every buffer costs the daemon one open file (its memfd) and one mapping (the
+daemon's own, for scrubbing and placement checks) for as long as the region
+exists — live, waiting to be reclaimed, or in a pool's warm stock. Quotas in
+bytes do not bound those: a tenant of 4 KiB buffers reaches the open-files
+limit long before its quota. Two bounds do:
+
+* per tenant, ``max_buffers`` (:mod:`maasd.store.buffers` checks it in the
+  reserve transaction, 409 ``buffer-count-exceeded``);
+* daemon-wide, the **region budget** below (507 ``resource-limit``), so that
+  the ledger, the REST and socket connections and the fds being handed out
+  always find a free descriptor.
+
+The budget, from the soft ``RLIMIT_NOFILE`` ``M`` (which ``maasd serve`` first
+raises to the hard limit) and ``vm.max_map_count`` ``P``::
+
+    headroom      = max(512, M // 4)                 fds for everything but regions
+    region_budget = min(M - headroom,                regions held at once
+                        P - max(1024, P // 8))
+    connections   = clamp(M // 16, 16, 1024)         REST connections at once, and
+                                                     worker-socket connections at once
+
+The headroom holds the REST and socket connections (``2 × connections``), the
+ledger (SQLite: 2 files per pooled connection, at most 80 connections: 160),
+and the daemon's own files (~40: listeners, logs, pipes, libraries). With
+``M = 1024``: 512 regions, 64 + 64 connections. With ``M = 524288`` (systemd's
+default hard limit) and ``P = 65530``: the mappings bind, 57,339 regions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import resource
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from maasd.allocator.region import open_regions
+from maasd.errors import BackingError, MaasdError, PoolExhausted, ResourceLimit
+
+__all__ = [
+    "Limits",
+    "RegionBudget",
+    "kernel_refusal",
+    "raise_open_files",
+    "read_limits",
+]
+
+#: Fds never given to regions, at the least (ledger, logs, listeners, pipes, connections).
+MIN_HEADROOM = 512
+#: Fewer free files than this and /healthz says the daemon is out of files.
+MIN_FREE_FILES = 16
+#: Mappings never given to regions, at the least (the interpreter, libraries, thread stacks).
+MIN_MAP_HEADROOM = 1024
+#: REST connections at once, at the least and at the most.
+MIN_CONNECTIONS, MAX_CONNECTIONS = 16, 1024
+
+_MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The process limits the budget derives from (see the module docstring)."""
+
+    #: The soft RLIMIT_NOFILE.
+    open_files: int
+    #: ``vm.max_map_count``; ``None`` when unknown (then only files bind).
+    max_map_count: int | None = None
+
+    @property
+    def headroom(self) -> int:
+        """Fds kept for everything that is not a region."""
+        return max(MIN_HEADROOM, self.open_files // 4)
+
+    @property
+    def file_budget(self) -> int:
+        return max(0, self.open_files - self.headroom)
+
+    @property
+    def map_budget(self) -> int | None:
+        if self.max_map_count is None:
+            return None
+        return max(0, self.max_map_count - max(MIN_MAP_HEADROOM, self.max_map_count // 8))
+
+    @property
+    def region_budget(self) -> int:
+        """Regions this process may hold at once."""
+        maps = self.map_budget
+        return self.file_budget if maps is None else min(self.file_budget, maps)
+
+    @property
+    def connections(self) -> int:
+        """REST connections served at once, and worker-socket connections at once (both
+        part of the headroom)."""
+        return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, self.open_files // 16))
+
+    @property
+    def binding(self) -> str:
+        """Which limit the budget comes from, as an operator would name it."""
+        maps = self.map_budget
+        if maps is not None and maps < self.file_budget:
+            return f"vm.max_map_count {self.max_map_count}"
+        return f"RLIMIT_NOFILE {self.open_files}"
+
+
+def open_files() -> int:
+    """How many files this process has open now (one directory read: not for hot paths)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # the directory's own fd
+    except OSError:
+        return -1
+
+
+def read_limits() -> Limits:
+    """This process's limits now."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        with open(_MAX_MAP_COUNT) as f:
+            maps: int | None = int(f.read().strip())
+    except (OSError, ValueError):
+        maps = None
+    if soft == resource.RLIM_INFINITY:  # pragma: no cover - Linux always has a finite limit
+        soft = 1 << 20
+    return Limits(open_files=int(soft), max_map_count=maps)
+
+
+def raise_open_files() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns ``(before, after)``.
+
+    The soft limit many shells and units start with (1024) is for ``select(2)``
+    users; the daemon uses epoll and may hold one memfd per buffer.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return int(soft), int(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+
+
+class RegionBudget:
+    """Admits the creation of a region while the process holds fewer than its budget.
+
+    ``held`` counts the regions that exist (by default every open
+    :class:`~maasd.allocator.Region` of the process); regions being created are
+    counted from :meth:`admit` on, so concurrent reserves cannot overshoot.
+    """
+
+    def __init__(self, limits: Limits, held: Callable[[], int] = open_regions) -> None:
+        self.limits = limits
+        self.budget = limits.region_budget
+        self._held = held
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def held(self) -> int:
+        """Regions that exist or are being created now."""
+        return self._held() + self._in_flight
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """One region may be created inside the block; :class:`ResourceLimit` at the budget."""
+        with self._lock:
+            held = self._held() + self._in_flight
+            if held >= self.budget:
+                raise ResourceLimit(self.describe(held))
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+
+    def describe(self, held: int | None = None) -> str:
+        """What the budget is and how much of it is taken, for a 507's detail and /healthz."""
+        held = self.held() if held is None else held
+        lim = self.limits
+        n = open_files()  # -1: not even the count could be read (no fd left for it)
+        return (
+            f"the daemon holds {n if n >= 0 else 'all'} of its {lim.open_files} open files, {held} of "
+            f"them for buffers: its budget for buffers is {self.budget} (from {lim.binding}; "
+            f"each buffer takes one open file and one memory mapping, and {lim.headroom} files "
+            "are kept for the ledger and connections); release buffers, or raise the "
+            "daemon's LimitNOFILE"
+        )
+
+    def health(self) -> tuple[bool, str]:
+        """``/healthz``: has the daemon files to spare? (Being at the region budget is not
+        unhealthy: reserves answer 507, everything else works. Being out of files is:
+        the ledger, connections and handles need them.)"""
+        n = open_files()
+        if n < 0 or n > self.limits.open_files - MIN_FREE_FILES:
+            return False, f"out of open files: {self.describe()}"
+        return (
+            True,
+            f"{n} of {self.limits.open_files} open files, {self.held()} of {self.budget} buffer regions",
+        )
+
+
+def kernel_refusal(e: BackingError, budget: RegionBudget, wanted: str) -> MaasdError | None:
+    """The 507 a kernel refusal on the reserve path stands for, naming the limit; ``None``
+    for a refusal that is no limit (a bug or a hostile input: the caller re-raises it).
+
+    EMFILE/ENFILE: out of open files (the process's, or the whole system's); ENOMEM
+    from ``mmap``: out of mappings or address space; ENOMEM/ENOSPC otherwise: the
+    kernel has no memory for the pages (``wanted`` says which: "4096 bytes on node 0").
+    """
+    if e.errno == errno.EMFILE:
+        return ResourceLimit(f"the kernel refused a file ({e.detail}): {budget.describe()}")
+    if e.errno == errno.ENFILE:
+        return ResourceLimit(
+            f"the system-wide open files limit (fs.file-max) is reached ({e.detail})"
+        )
+    if e.errno == errno.ENOMEM and e.detail.startswith("mmap"):
+        return ResourceLimit(
+            f"the kernel refused a mapping ({e.detail}): vm.max_map_count "
+            f"{budget.limits.max_map_count} or the address space is exhausted; "
+            f"{budget.describe()}"
+        )
+    if e.errno in (errno.ENOMEM, errno.ENOSPC):
+        return PoolExhausted(f"the kernel has no memory for {wanted} ({e.detail})")
+    return None

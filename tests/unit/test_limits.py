@@ -1,0 +1,111 @@
+"""The daemon's budget of open files and mappings for buffer regions (maasd.core.limits)."""
+
+from __future__ import annotations
+
+import errno
+import resource
+
+import pytest
+
+from maasd.core.limits import (
+    MIN_FREE_FILES,
+    Limits,
+    RegionBudget,
+    kernel_refusal,
+    open_files,
+    read_limits,
+)
+from maasd.errors import BackingError, PoolExhausted, ResourceLimit
+
+
+@pytest.mark.parametrize(
+    ("files", "maps", "headroom", "budget", "connections", "binding"),
+    [
+        (1024, 65530, 512, 512, 64, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 512, 1536, 128, "RLIMIT_NOFILE 2048"),
+        (200, None, 512, 0, 16, "RLIMIT_NOFILE 200"),
+        (20000, 65530, 5000, 15000, 1024, "RLIMIT_NOFILE 20000"),
+        (524288, 65530, 131072, 57339, 1024, "vm.max_map_count 65530"),
+        (524288, None, 131072, 393216, 1024, "RLIMIT_NOFILE 524288"),
+    ],
+)
+def test_the_budget_formula(
+    files: int,
+    maps: int | None,
+    headroom: int,
+    budget: int,
+    connections: int,
+    binding: str,
+) -> None:
+    lim = Limits(open_files=files, max_map_count=maps)
+    assert (lim.headroom, lim.region_budget, lim.connections, lim.binding) == (
+        headroom,
+        budget,
+        connections,
+        binding,
+    )
+    assert lim.region_budget + lim.headroom <= max(files, lim.headroom)
+    assert lim.connections < lim.headroom
+
+
+def test_read_limits_reads_this_process() -> None:
+    lim = read_limits()
+    assert lim.open_files == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert lim.max_map_count is None or lim.max_map_count > 0
+
+
+def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
+    held = [0]
+    budget = RegionBudget(Limits(open_files=516), held=lambda: held[0])  # budget 4
+    assert budget.budget == 4
+    with budget.admit(), budget.admit():  # two being made count as held
+        assert budget.held() == 2
+        held[0] = 2
+        with pytest.raises(ResourceLimit, match="budget for buffers is 4"):
+            budget.admit().__enter__()
+    assert budget.held() == 2  # the two made are counted by ``held`` alone now
+    with budget.admit(), budget.admit(), pytest.raises(ResourceLimit) as e:
+        budget.admit().__enter__()
+    assert "RLIMIT_NOFILE 516" in e.value.detail
+    assert "open files" in e.value.detail
+    held[0] = 0
+    with pytest.raises(RuntimeError), budget.admit():  # a failure gives the slot back
+        raise RuntimeError("region not made")
+    assert budget.held() == 0
+
+
+def test_health_is_ok_at_the_budget_but_not_out_of_files() -> None:
+    budget = RegionBudget(Limits(open_files=514), held=lambda: 2)  # budget 2: full
+    ok, detail = budget.health()
+    assert ok
+    assert detail.endswith("open files, 2 of 2 buffer regions")
+    n = open_files()
+    tight = RegionBudget(Limits(open_files=n + MIN_FREE_FILES - 1), held=lambda: 0)
+    ok, detail = tight.health()
+    assert not ok
+    assert detail.startswith("out of open files: the daemon holds")
+
+
+@pytest.mark.parametrize(
+    ("err", "what", "expected", "says"),
+    [
+        (errno.EMFILE, "memfd_create('x', flags=0x3)", ResourceLimit, "open files"),
+        (errno.ENFILE, "memfd_create('x', flags=0x3)", ResourceLimit, "fs.file-max"),
+        (errno.ENOMEM, "mmap(MAP_SHARED) of 4096 bytes", ResourceLimit, "vm.max_map_count"),
+        (errno.ENOMEM, "madvise(23) of 4096 bytes", PoolExhausted, "4096 bytes on node 0"),
+        (errno.ENOSPC, "fallocate(mode=0x0, offset=0, len=4096)", PoolExhausted, "node 0"),
+    ],
+)
+def test_kernel_refusals_on_the_reserve_path_name_the_limit(
+    err: int, what: str, expected: type[Exception], says: str
+) -> None:
+    budget = RegionBudget(Limits(open_files=1024, max_map_count=65530), held=lambda: 0)
+    got = kernel_refusal(BackingError(f"{what}: [x] y", err), budget, "4096 bytes on node 0")
+    assert type(got) is expected
+    assert got is not None
+    assert says in got.detail
+
+
+def test_other_kernel_refusals_are_not_limits() -> None:
+    budget = RegionBudget(Limits(open_files=1024), held=lambda: 0)
+    assert kernel_refusal(BackingError("mbind: [EINVAL]", errno.EINVAL), budget, "x") is None
