@@ -23,11 +23,11 @@ from maasd.api.health import Health
 from maasd.api.schemas import (
     LookupBody,
     PinBody,
-    QuotaBody,
     RenewBody,
     ReserveBody,
     Status,
     TenantBody,
+    TenantPatchBody,
     Unhealthy,
 )
 from maasd.core import Service
@@ -191,17 +191,20 @@ class TenantsController(Controller):
 
     @patch(
         "/tenants/{tenant_id:str}",
-        summary="Set a tenant's quota (admin)",
+        summary="Set a tenant's quota and/or buffer cap (admin)",
         responses=problems.responses(*ADMIN + BODY + (404,)),
     )
-    async def set_quota(
+    async def update_tenant(
         self,
         service: NamedDependency[Service],
         run: NamedDependency[Run],
         tenant_id: FromPath[str],
-        data: JSONBody[QuotaBody],
+        data: JSONBody[TenantPatchBody],
     ) -> TenantInfo:
-        return await run(service.set_quota, tenant_id, data.quota_bytes)
+        quota, cap = data.given()
+        return await run(
+            partial(service.update_tenant, quota_bytes=quota, max_buffers=cap), tenant_id
+        )
 
     @delete(
         "/tenants/{tenant_id:str}",
