@@ -44,6 +44,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from typing import Protocol
 
 import msgspec
@@ -161,16 +162,26 @@ class Broker:
 
     ``service`` is the daemon's :class:`maasd.core.Service` (or anything with
     the same four methods). ``mode`` (and ``group``, a gid, when given) is applied
-    to the socket file before it accepts connections.
+    to the socket file before it accepts connections. ``max_connections`` caps the
+    connections served at once (each holds a file and a thread of the daemon); one
+    more is answered a 507 ``resource-limit`` error frame and closed.
     """
 
     def __init__(
-        self, service: HandleService, path: str, mode: int = 0o660, group: int | None = None
+        self,
+        service: HandleService,
+        path: str,
+        mode: int = 0o660,
+        group: int | None = None,
+        max_connections: int | None = None,
     ) -> None:
         self.service = service
         self.path = os.fspath(path)
         self.mode = mode
         self.group = group
+        self.max_connections = max_connections
+        self._refused = 0
+        self._refused_logged = -10.0
         self._listener: socket.socket | None = None
         self._inode: tuple[int, int] | None = None
         self._thread: threading.Thread | None = None
@@ -303,11 +314,46 @@ class Broker:
                             "accept failed", extra={"path": self.path, "error": str(exc)}
                         )
                         continue
+                    if self.max_connections is not None and self.connections >= (
+                        self.max_connections
+                    ):
+                        self._refuse(sock)
+                        continue
                     self._spawn(sock)
         except Exception:  # pragma: no cover - defensive: never die silently
             logger.exception("broker accept loop crashed", extra={"path": self.path})
         finally:
             sel.close()
+
+    def _refuse(self, sock: socket.socket) -> None:
+        """One connection past ``max_connections``: a 507 error frame, then closed."""
+        error = errors.ResourceLimit(
+            f"the daemon serves {self.max_connections} worker connections at once, a limit "
+            "derived from its open files; close idle connections or retry shortly"
+        )
+        try:
+            sock.settimeout(1.0)
+            send_message(
+                sock,
+                Error(
+                    status=507,
+                    title=error.title,
+                    detail=error.detail,
+                    type=PROBLEM_TYPE_BASE + error.code,
+                ),
+            )
+        except OSError:
+            pass
+        finally:
+            sock.close()
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_logged >= 10:  # at most one line per 10 s under a flood
+            self._refused_logged = now
+            logger.warning(
+                "worker connections refused: at the cap",
+                extra={"path": self.path, "cap": self.max_connections, "refused": self._refused},
+            )
 
     def _spawn(self, sock: socket.socket) -> None:
         conn = _Connection(sock, str(next(self._ids)))

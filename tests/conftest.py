@@ -38,9 +38,17 @@ class Daemon:
     """A ``maasd serve`` subprocess and what a test needs to talk to it."""
 
     def __init__(
-        self, data_dir: Path, *, env: dict[str, str] | None = None, config: Path | None = None
+        self,
+        data_dir: Path,
+        *,
+        env: dict[str, str] | None = None,
+        config: Path | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
         self.data_dir = data_dir
+        #: Run the daemon through this command (it must exec it, keeping the pid):
+        #: ``["prlimit", "--nofile=512:512", "--"]``, ``["setpriv", "--reuid=…", "--"]``.
+        self.wrapper = list(wrapper or [])
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_key = "maasd_admin_" + secrets.token_urlsafe(24)
@@ -69,7 +77,7 @@ class Daemon:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+            [*self.wrapper, sys.executable, "-m", "maasd.cli.daemon", "serve"],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -2,19 +2,25 @@
 
 Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
 
-    settings  flags > MAASD_* env > --config TOML > defaults
+    harden    not dumpable (PR_SET_DUMPABLE 0: /proc/PID/fd, mem and environ are
+              root's only), soft RLIMIT_NOFILE raised to the hard limit
+    settings  flags > MAASD_* env > --config TOML > defaults; the admin and
+              metrics keys then leave os.environ
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
-    service   migrate to head, recover(), provision pools, start the lease reaper
+    service   migrate to head, recover(), finish deletes, provision pools, reaper
     broker    the Unix socket for worker handles
-    serve     uvicorn in-process until SIGTERM/SIGINT
+    serve     uvicorn in-process until SIGTERM/SIGINT; REST connections capped
+              (from the open-files limit) and closed when idle
     shutdown  stop accepting, finish in-flight requests (10 s grace),
-              close the socket, checkpoint persistent buffers, release
-              volatile ones (scrubbed), close the database, exit 0
+              close the socket, checkpoint persistent buffers, scrub volatile
+              ones (their rows go in one statement), close the database, exit 0
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
 import json
 import logging
@@ -107,6 +113,35 @@ def _settings(**flags: Any) -> Settings:
         raise click.ClickException(e.detail) from e
 
 
+#: Environment variables holding secrets: dropped from ``os.environ`` once read, so that
+#: nothing the daemon starts inherits them. (The copy the kernel keeps in
+#: /proc/PID/environ stays; the daemon being non-dumpable makes that root's only.)
+SECRET_ENV = ("MAASD_ADMIN_KEY", "MAASD_METRICS_KEY")
+
+_PR_SET_DUMPABLE = 4
+
+
+def harden() -> tuple[int, int]:
+    """Make this process non-dumpable and raise its soft open-files limit to the hard one.
+
+    Non-dumpable: /proc/PID/fd, /proc/PID/mem and /proc/PID/environ belong to root,
+    so another process of the daemon's uid can neither open a tenant's memfd through
+    /proc/PID/fd/N nor read the admin key from the environment, and no core dump
+    (which would hold tenants' memory) is written. Returns the open-files limit
+    ``(before, after)``.
+    """
+    from maasd.core.limits import raise_open_files
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise click.ClickException(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
+    before, after = raise_open_files()
+    if after != before:
+        logger.info("open files limit raised", extra={"before": before, "after": after})
+    return before, after
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="maasd")
 def cli() -> None:
@@ -147,6 +182,12 @@ def common(fn: _F) -> _F:
     "of that group can connect [env MAASD_SOCKET_GROUP].",
 )
 @click.option(
+    "--admin-key-file",
+    type=click.Path(dir_okay=False),
+    help="File holding the admin key, mode 0600 [env MAASD_ADMIN_KEY_FILE]; "
+    "$CREDENTIALS_DIRECTORY/admin-key (systemd LoadCredential=admin-key:…) is read too.",
+)
+@click.option(
     "--metrics-public",
     is_flag=True,
     default=None,
@@ -162,7 +203,10 @@ def serve(**flags: Any) -> None:
       maasd serve --data-dir /var/lib/maasd --port 7878
     """
     settings = _settings(**flags)
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
     setup_logging(settings.log_level)
+    harden()
     with data_dir_lock(settings.data_dir):
         _serve(settings)
 
@@ -173,6 +217,7 @@ def _serve(settings: Settings) -> None:
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
     from maasd.broker import Broker
+    from maasd.cli.serving import bounded_h11
     from maasd.core import Service
     from maasd.settings import group_id
 
@@ -181,6 +226,7 @@ def _serve(settings: Settings) -> None:
         service.start()
     except MaasdError as e:  # a ConfigError (database URL, admin key file) above all
         raise click.ClickException(f"cannot start: {e.detail}") from e
+    _log_limits(service, settings)
     if service.admin_key_generated:
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
         click.echo(
@@ -189,7 +235,12 @@ def _serve(settings: Settings) -> None:
             err=True,
         )
     try:
-        broker = Broker(service, settings.socket_path, group=group_id(settings.socket_group))
+        broker = Broker(
+            service,
+            settings.socket_path,
+            group=group_id(settings.socket_group),
+            max_connections=service.budget.limits.connections,
+        )
         broker.start()
     except (MaasdError, OSError) as e:
         service.close()
@@ -199,7 +250,7 @@ def _serve(settings: Settings) -> None:
         ) from e
     app = create_app(
         service,
-        health=of_checks(_broker_checks(broker)),
+        health=of_checks({**service.health_checks(), **_broker_checks(broker)}),
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
     )
@@ -213,6 +264,7 @@ def _serve(settings: Settings) -> None:
             lifespan="off",
             timeout_graceful_shutdown=10,
             server_header=False,
+            http=bounded_h11(service.budget.limits.connections, settings.http_idle_s),
         )
     )
     logger.info(
@@ -227,11 +279,35 @@ def _serve(settings: Settings) -> None:
     try:
         server.run()
     finally:
+        stopping = time.monotonic()
         broker.stop()
         service.close()
-        logger.info("stopped")
+        logger.info("stopped", extra={"close_s": round(time.monotonic() - stopping, 3)})
     if not server.started:
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
+
+
+def _log_limits(service: Any, settings: Settings) -> None:
+    """Say what the daemon may hold, and warn when one tenant could take all of it."""
+    budget = service.budget
+    logger.info(
+        "limits",
+        extra={
+            "open_files": budget.limits.open_files,
+            "max_map_count": budget.limits.max_map_count,
+            "region_budget": budget.budget,
+            "rest_connections": budget.limits.connections,
+            "max_buffers_per_tenant": settings.max_buffers_per_tenant,
+        },
+    )
+    if settings.max_buffers_per_tenant >= budget.budget:
+        logger.warning(
+            "one tenant at its default max_buffers could hold every buffer region the "
+            "daemon can hold (%d, from %s): raise LimitNOFILE or lower "
+            "max_buffers_per_tenant",
+            budget.budget,
+            budget.limits.binding,
+        )
 
 
 def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:

@@ -1,7 +1,11 @@
 """Who is calling: the admin key, tenant keys (with a cache), and the two role checks.
 
-The admin key comes from the settings, else from ``DATA_DIR/admin.key`` (which
-must be private to its owner), else it is generated once and written there.
+The admin key comes, first found wins, from the settings (``MAASD_ADMIN_KEY``),
+from the file ``admin_key_file`` (``MAASD_ADMIN_KEY_FILE``), from
+``$CREDENTIALS_DIRECTORY/admin-key`` (systemd's ``LoadCredential=admin-key:…``),
+or from ``DATA_DIR/admin.key``; when none exists it is generated once and
+written there. A key file must be private to its owner (no group or other
+permission bits) and not empty, else :class:`ConfigError`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,22 @@ def require_tenant(who: Principal) -> str:
     return who.tenant_id
 
 
+def _read_key_file(path: Path) -> str:
+    """The key a file holds; :class:`ConfigError` if it is missing, empty or not private."""
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"admin key file {path}: {getattr(e, 'strerror', None) or e}") from e
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
+    key = text.strip()
+    if not key:
+        raise ConfigError(f"admin key file {path} is empty")
+    return key
+
+
 def _missing_key() -> Unauthorized:
     return Unauthorized("missing API key (Authorization: Bearer <key>)")
 
@@ -67,12 +87,14 @@ class Auth:
     def _admin_key(self) -> str:
         if self._settings.admin_key:
             return self._settings.admin_key
+        if self._settings.admin_key_file:
+            return _read_key_file(Path(self._settings.admin_key_file))
+        credentials = os.environ.get("CREDENTIALS_DIRECTORY")
+        if credentials and os.path.exists(os.path.join(credentials, "admin-key")):
+            return _read_key_file(Path(credentials, "admin-key"))
         path = Path(self._settings.admin_key_path)
         if path.exists():
-            mode = stat.S_IMODE(path.stat().st_mode)
-            if mode & 0o077:
-                raise ConfigError(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
-            return path.read_text().strip()
+            return _read_key_file(path)
         token = keys.new_token()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -875,3 +875,55 @@ def test_close_checkpoints_persistent_buffers_together(tmp_path: Path, monkeypat
             assert np.all(view(s2, b.id) == i)
     finally:
         s2.close()
+
+
+# -- the admin key from a file ----------------------------------------------------------------
+
+
+def key_settings(tmp_path: Path, **kw: Any) -> Settings:
+    return msgspec.structs.replace(settings(tmp_path), admin_key=None, **kw)
+
+
+def test_the_admin_key_from_a_file_or_a_credential(tmp_path: Path, monkeypatch) -> None:
+    key = tmp_path / "admin-key"
+    key.write_text("from-a-file-0123456789\n")
+    key.chmod(0o600)
+    for source, s in (
+        ("file", Service(key_settings(tmp_path, admin_key_file=str(key)))),
+        ("credential", None),
+    ):
+        if s is None:
+            monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+            s = Service(key_settings(tmp_path))
+        s.start(reaper=False)
+        try:
+            assert s.authenticate("from-a-file-0123456789").is_admin, source
+            assert s.admin_key_generated is None
+            assert not (tmp_path / "data" / "admin.key").exists()
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "says"),
+    [
+        ("k" * 30, 0o640, "readable by others"),
+        ("k" * 30, 0o604, "readable by others"),
+        ("  \n", 0o600, "is empty"),
+        (None, 0o600, "No such file"),
+    ],
+)
+def test_an_unusable_admin_key_file_stops_the_start(
+    tmp_path: Path, text: str | None, mode: int, says: str
+) -> None:
+    key = tmp_path / "admin-key"
+    if text is not None:
+        key.write_text(text)
+        key.chmod(mode)
+    s = Service(key_settings(tmp_path, admin_key_file=str(key)))
+    try:
+        with pytest.raises(errors.ConfigError, match=says):
+            s.start(reaper=False)
+    finally:
+        s.reclaimer.stop()
+        s.store.dispose()
