@@ -88,8 +88,8 @@ class Record:
         return r
 
 
-class Soak:
-    """The daemon, the clock, the record, and every actor as a method."""
+class Clock:
+    """What every actor shares: the daemon, the deadline, the record, a random source."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -122,7 +122,9 @@ class Soak:
                 return r.json()["id"], r.json()["api_key"]
             time.sleep(0.2)
 
-    # -- normal work ----------------------------------------------------------------------
+
+class Workload(Clock):
+    """Tenants at work: normal ones, flooders, and the deletes and drains under load."""
 
     def normal_tenant(self, n: int) -> None:
         actor = f"normal{n}"
@@ -170,8 +172,6 @@ class Soak:
         self.record.call(actor, "renew", c.post, renew, json={"ttl_s": 60})
         self.record.call(actor, "release", c.delete, f"/v1/buffers/{buf['id']}")
         return alive
-
-    # -- attacks --------------------------------------------------------------------------
 
     def flood(self, actor: str, max_buffers: int) -> None:
         """4 KiB buffers until refused (409 at the cap, 507 at the budget), then release all."""
@@ -240,6 +240,35 @@ class Soak:
                 path = f"/v1/pools/{pool}/reserve"
                 self.under_burst("drainer", key, path, 4 * MiB, f"/v1/pools/{pool}?drain=true")
             self.pause(1)
+
+    def kept_fd(self) -> None:
+        _, key = self.tenant("keeper", 64 * MiB)
+        with self.daemon.client(key) as c:
+            while self.running():
+                r = self.record.call(
+                    "keeper", "reserve", c.post, "/v1/reserve", json={"size_bytes": MiB}
+                )
+                if r is None or r.status_code != 201:
+                    self.pause(1)
+                    continue
+                buffer_id = r.json()["id"]
+                try:
+                    with Worker(self.daemon.socket_path, key) as w:
+                        m = w.attach(buffer_id)
+                        m.array[:] = 7
+                        self.record.call("keeper", "release", c.delete, f"/v1/buffers/{buffer_id}")
+                        if m.array.any():
+                            self.record.breach("keeper: a released buffer did not read zero")
+                        m.array[:] = 9  # memory its own cgroup pays for
+                        m.close()
+                except Exception as e:
+                    self.record.saw("keeper", f"attach:{type(e).__name__}", 0)
+                    c.delete(f"/v1/buffers/{buffer_id}")
+                self.pause(1)
+
+
+class Attacks(Clock):
+    """Connections, slow clients, hostile bodies, and the monitor that watches."""
 
     def connection_flood(self) -> None:
         while self.running():
@@ -344,33 +373,6 @@ class Soak:
                 )
                 self.pause(0.2)
 
-    def kept_fd(self) -> None:
-        _, key = self.tenant("keeper", 64 * MiB)
-        with self.daemon.client(key) as c:
-            while self.running():
-                r = self.record.call(
-                    "keeper", "reserve", c.post, "/v1/reserve", json={"size_bytes": MiB}
-                )
-                if r is None or r.status_code != 201:
-                    self.pause(1)
-                    continue
-                buffer_id = r.json()["id"]
-                try:
-                    with Worker(self.daemon.socket_path, key) as w:
-                        m = w.attach(buffer_id)
-                        m.array[:] = 7
-                        self.record.call("keeper", "release", c.delete, f"/v1/buffers/{buffer_id}")
-                        if m.array.any():
-                            self.record.breach("keeper: a released buffer did not read zero")
-                        m.array[:] = 9  # memory its own cgroup pays for
-                        m.close()
-                except Exception as e:
-                    self.record.saw("keeper", f"attach:{type(e).__name__}", 0)
-                    c.delete(f"/v1/buffers/{buffer_id}")
-                self.pause(1)
-
-    # -- watching -------------------------------------------------------------------------
-
     def monitor(self) -> None:
         assert self.daemon.proc is not None
         pid, started = self.daemon.proc.pid, time.monotonic()
@@ -389,7 +391,9 @@ class Soak:
             self.record.health.append((time.monotonic() - started, rss, fds, status, why))
             self.pause(1)
 
-    # -- the run --------------------------------------------------------------------------
+
+class Soak(Workload, Attacks):
+    """Every actor at once until the deadline, then the checks and the report."""
 
     def actors(self) -> dict[str, Callable[[], None]]:
         normal: dict[str, Callable[[], None]] = {
