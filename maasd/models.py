@@ -77,6 +77,8 @@ class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     name: str
+    #: The daemon host whose memory the pool is (``MAASD_NODE_NAME``); names repeat per host.
+    host: str
     numa_node: int
     backing: Backing
     persistence: Persistence
@@ -88,6 +90,29 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     prefault: bool
     scrub: ScrubMode
     buffers: int = 0
+
+
+class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A daemon host sharing the ledger (SPEC §9), as the ledger knows it.
+
+    ``live``: not stopped cleanly and a heartbeat younger than the daemon's
+    ``host_timeout_s``; ``last_seen_age_s`` is that heartbeat's age on the
+    database's clock (free of skew between hosts). ``local``: the host of the
+    daemon that answers.
+    """
+
+    name: str
+    live: bool
+    local: bool
+    started_at: str
+    last_seen: str
+    last_seen_age_s: float
+    heartbeat_s: float
+    stopped_at: str | None
+    pools: int
+    capacity_bytes: int
+    buffers: int
+    used_bytes: int
 
 
 class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):

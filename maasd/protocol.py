@@ -35,7 +35,6 @@ import array
 import os
 import socket
 import struct
-from collections import deque
 from collections.abc import Iterable
 from typing import Annotated
 
@@ -203,56 +202,70 @@ class FrameReader:
     >>> r.feed(b"\\x00\\x01\\x80")
     [b'\\x80']
 
-    :meth:`feed` raises :class:`FrameTooLarge` as soon as a length prefix over
-    ``max_frame`` is complete; the reader is then unusable (the stream has no
-    way to resynchronise) and the connection should be closed.
+    Frames are split lazily: :meth:`next_frame` takes one frame off the buffered
+    bytes and leaves the rest as bytes, so a burst of tiny frames costs its bytes
+    and no more. :meth:`feed` and :meth:`next_frame` raise :class:`FrameTooLarge`
+    when they reach a length prefix over ``max_frame`` (before any of that body
+    is buffered); the reader is then unusable (the stream has no way to
+    resynchronise) and the connection should be closed.
     """
 
-    __slots__ = ("_buf", "_failed", "_ready", "max_frame")
+    __slots__ = ("_buf", "_failed", "max_frame")
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.max_frame = max_frame
         self._buf = bytearray()
-        self._ready: deque[bytes] = deque()
         self._failed = False
 
     @property
     def pending(self) -> int:
         """Bytes received but not yet returned as part of a whole frame."""
-        return len(self._buf) + sum(HEADER.size + len(f) for f in self._ready)
+        return len(self._buf)
+
+    @property
+    def has_frame(self) -> bool:
+        """Whether :meth:`next_frame` would return a frame (or raise :class:`FrameTooLarge`)."""
+        buf = self._buf
+        if len(buf) < HEADER.size:
+            return False
+        (length,) = HEADER.unpack_from(buf, 0)
+        return length > self.max_frame or len(buf) >= HEADER.size + length
 
     def feed(self, data: bytes | bytearray | memoryview = b"") -> list[bytes]:
         """Add ``data``; return every whole frame body not returned before, in order."""
-        self._split(data)
-        out = list(self._ready)
-        self._ready.clear()
+        self._append(data)
+        out = []
+        while (body := self._take()) is not None:
+            out.append(body)
         return out
 
     def next_frame(self, data: bytes | bytearray | memoryview = b"") -> bytes | None:
         """Add ``data``; return the oldest whole frame body not returned before, or ``None``."""
-        self._split(data)
-        return self._ready.popleft() if self._ready else None
+        self._append(data)
+        return self._take()
 
-    def _split(self, data: bytes | bytearray | memoryview) -> None:
+    def _append(self, data: bytes | bytearray | memoryview) -> None:
         if self._failed:
             raise ProtocolError("stream already failed: an earlier frame was too large")
+        self._buf += data
+
+    def _take(self) -> bytes | None:
         buf = self._buf
-        buf += data
-        pos = 0
         size = HEADER.size
-        while len(buf) - pos >= size:
-            (length,) = HEADER.unpack_from(buf, pos)
-            if length > self.max_frame:
-                self._failed = True
-                buf.clear()
-                raise FrameTooLarge(length)
-            end = pos + size + length
-            if len(buf) < end:
-                break
-            self._ready.append(bytes(buf[pos + size : end]))
-            pos = end
-        if pos:
-            del buf[:pos]
+        if len(buf) < size:
+            return None
+        (length,) = HEADER.unpack_from(buf, 0)
+        if length > self.max_frame:
+            self._failed = True
+            buf.clear()
+            raise FrameTooLarge(length)
+        end = size + length
+        if len(buf) < end:
+            return None
+        with memoryview(buf) as view:
+            body = bytes(view[size:end])
+        del buf[:end]  # O(1) at the front of a bytearray
+        return body
 
 
 # --- socket helpers ----------------------------------------------------------

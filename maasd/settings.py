@@ -15,15 +15,20 @@ Example ``maasd.toml``::
     [[pools]]
     name = "fast"
     numa_node = 0
-    capacity_bytes = 8589934592
+    capacity_bytes = "8GiB"
     latency_us = 1
 
     [[pools]]
     name = "kv-persist"
     numa_node = 0
-    capacity_bytes = 2147483648
+    capacity_bytes = "2GiB"
     persistence = "persistent"
     spill_dir = "/var/lib/maasd/spill"
+
+Sizes a person types — ``MAASD_DEFAULT_POOL_BYTES``, ``default_pool_bytes`` and a pool's
+``capacity_bytes`` in the file — take units (``1GiB``, ``512MiB``, ``1.5GB``) or plain
+bytes (:func:`maasd.units.parse_size`); a bad one is refused naming where it came from
+(``MAASD_DEFAULT_POOL_BYTES: '1Gx' is not a size; …``). REST bodies stay integers.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from maasd.bounds import MAX_BUFFERS
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
+from maasd.units import SizeError, parse_size
 
 GiB = 1 << 30
 #: A shorter metrics key would be guessable.
@@ -74,7 +80,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
-    reaper_interval_s: float = 1.0
+    reaper_interval_s: float = 1.0  # also this host's heartbeat in a shared ledger
+    host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
+    db_pool_size: int = 16  # ledger connections kept open (docs/scale-out.md: sizing)
+    db_max_overflow: int = 64  # more, opened under load and closed after
     # A tenant's cap on buffers (entries included) when it has none of its own. Each buffer
     # holds one of the daemon's open files and one mapping: 4096 lets a prefix cache of
     # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
@@ -84,6 +93,15 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_idle_s: float = 10.0
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
+    # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
+    socket_max_connections: int = 1024  # open at once, in total
+    socket_max_unauthenticated: int = 64  # not yet past hello, in total
+    socket_max_per_uid: int = 512  # of one peer uid
+    socket_max_per_tenant: int = 128  # of one tenant, after hello
+    socket_hello_timeout_s: float = 5.0  # hello must arrive this long after accept
+    socket_send_timeout_s: float = 10.0  # a reply the peer leaves unread this long closes it
+    socket_slow_workers: int = 4  # threads for operations that may block (renew, …)
+    socket_slow_per_tenant: int = 2  # of those, running at once for one tenant
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -98,6 +116,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def admin_key_path(self) -> str:
         return os.path.join(self.data_dir, "admin.key")
 
+
+#: The worker socket's bounds: each must be > 0.
+SOCKET_BOUNDS = tuple(
+    name
+    for name in Settings.__struct_fields__
+    if name.startswith("socket_") and name != "socket_group"
+)
 
 #: environment variable → field
 ENV = {
@@ -116,9 +141,13 @@ ENV = {
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
+    "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
+    "MAASD_DB_POOL_SIZE": "db_pool_size",
+    "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
     "MAASD_HTTP_IDLE_S": "http_idle_s",
     "MAASD_LOG_LEVEL": "log_level",
+    **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
 }
 
 
@@ -131,15 +160,13 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     from_env: dict[str, Any] = {field: env[var] for var, field in ENV.items() if env.get(var)}
     config_path = flags.get("config") or from_env.get("config")
-    from_file: dict[str, Any] = {}
-    if config_path:
-        if "\0" in config_path:
-            raise ConfigError(f"config file {config_path!r}: a path cannot hold a NUL byte")
-        try:
-            with open(config_path, "rb") as f:
-                from_file = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {config_path}: {e}") from e
+    from_file = _read_config(config_path) if config_path else {}
+    _sizes(from_env, "default_pool_bytes", "MAASD_DEFAULT_POOL_BYTES")
+    if from_file:
+        _sizes(from_file, "default_pool_bytes", f"{config_path}: default_pool_bytes")
+        for i, pool in enumerate(from_file.get("pools") or []):
+            if isinstance(pool, dict):
+                _sizes(pool, "capacity_bytes", f"{config_path}: pools[{i}].capacity_bytes")
     merged = {**from_file, **from_env, **flags}
     try:
         # strict=False lets env strings such as "7878" convert to int fields. Settings
@@ -149,6 +176,24 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"settings: {e}") from e
+    _check(settings)
+    settings.data_dir = str(Path(settings.data_dir).expanduser())
+    return settings
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The TOML config file's table; :class:`ConfigError` for a bad path or file."""
+    if "\0" in path:
+        raise ConfigError(f"config file {path!r}: a path cannot hold a NUL byte")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from e
+
+
+def _check(settings: Settings) -> None:
+    """The rules no type says: ranges, relations between fields, names that must exist."""
     for field, value in msgspec.structs.asdict(settings).items():
         if isinstance(value, str) and "\0" in value:  # paths and names: the kernel refuses them
             raise ConfigError(f"settings: {field} cannot hold a NUL byte")
@@ -160,6 +205,16 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         raise ConfigError("settings: http_idle_s must be > 0 and at most 3600")
     if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
         raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
+    for name in SOCKET_BOUNDS:
+        if not getattr(settings, name) > 0:
+            raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
+    if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:
+        raise ConfigError(
+            "settings: host_timeout_s must be at least 3 heartbeats (reaper_interval_s = "
+            f"{settings.reaper_interval_s:g}), got {settings.host_timeout_s:g}"
+        )
+    if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
+        raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
     if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
         raise ConfigError(
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
@@ -169,8 +224,17 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
-    settings.data_dir = str(Path(settings.data_dir).expanduser())
-    return settings
+
+
+def _sizes(values: dict[str, Any], key: str, origin: str) -> None:
+    """Parse ``values[key]`` in place when it is a size string (``"8GiB"``); ``origin`` names
+    where it came from in the error."""
+    raw = values.get(key)
+    if isinstance(raw, str):
+        try:
+            values[key] = parse_size(raw)
+        except SizeError as e:
+            raise ConfigError(f"{origin}: {e}") from None
 
 
 def group_id(group: str | None) -> int | None:

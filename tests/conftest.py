@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,14 +47,13 @@ class Daemon:
         config: Path | None = None,
         wrapper: list[str] | None = None,
     ) -> None:
+        """``wrapper`` runs the daemon under another command (``setpriv …``, ``prlimit …``)."""
         self.data_dir = data_dir
-        #: Run the daemon through this command (it must exec it, keeping the pid):
-        #: ``["prlimit", "--nofile=512:512", "--"]``, ``["setpriv", "--reuid=…", "--"]``.
-        self.wrapper = list(wrapper or [])
+        self.wrapper = wrapper or []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_key = "maasd_admin_" + secrets.token_urlsafe(24)
-        self.socket_path = str(data_dir / "maasd.sock")
+        self.socket_path = (env or {}).get("MAASD_SOCKET") or str(data_dir / "maasd.sock")
         self.log_path = data_dir / "daemon.log"
         self.env = {
             **os.environ,
@@ -174,6 +175,15 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d.start()
     yield d
     d.close()
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory other uids can reach, for a socket they connect to (tmp_path is 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="maasd-sock-"))
+    d.chmod(0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

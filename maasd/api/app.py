@@ -23,7 +23,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
 
 from maasd import __version__
-from maasd.api import problems
+from maasd.api import docs, problems
 from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, metrics_digest, principal
 from maasd.api.controllers import (
     BuffersController,
@@ -33,6 +33,7 @@ from maasd.api.controllers import (
     TopologyController,
 )
 from maasd.api.health import Health, HealthCheck
+from maasd.api.hosts import HostsController
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
@@ -67,10 +68,16 @@ def create_app(
         path="/v1",
         guards=[authenticated],
         dependencies={"who": Provide(principal, sync_to_thread=False)},
-        route_handlers=[TopologyController, PoolsController, TenantsController, BuffersController],
+        route_handlers=[
+            TopologyController,
+            PoolsController,
+            TenantsController,
+            BuffersController,
+            HostsController,
+        ],
     )
     return Litestar(
-        route_handlers=[HealthController, v1],
+        route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page
         dependencies={
             "service": Provide(lambda: ctx.service, use_cache=True, sync_to_thread=False),
             "run": Provide(lambda: ctx.run, use_cache=True, sync_to_thread=False),
@@ -88,6 +95,7 @@ def create_app(
                 security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}
             ),
             security=[{"bearer": []}],
+            render_plugins=docs.SCHEMA_PLUGINS,
         ),
         request_max_body_size=MAX_BODY,
         logging_config=None,

@@ -109,21 +109,31 @@ class PoolsController(Controller):
     path = "/pools"
     tags = ["pools"]
 
-    @get(summary="List pools with usage", responses=problems.responses(*KEYED))
+    @get(
+        summary="List pools with usage: this host's (tenant key), every host's (admin key)",
+        responses=problems.responses(*KEYED),
+    )
     async def list_pools(
-        self, service: NamedDependency[Service], run: NamedDependency[Run]
+        self,
+        service: NamedDependency[Service],
+        run: NamedDependency[Run],
+        who: NamedDependency[Principal],
     ) -> list[PoolInfo]:
-        return await run(service.pools)
+        return await run(partial(service.pools, all_hosts=who.is_admin))
 
     @get(
         "/{pool_id:str}",
-        summary="One pool (id or name)",
+        summary="One pool: a name is this host's pool; the admin may name any host's by id",
         responses=problems.responses(*KEYED + (404,)),
     )
     async def get_pool(
-        self, service: NamedDependency[Service], run: NamedDependency[Run], pool_id: FromPath[str]
+        self,
+        service: NamedDependency[Service],
+        run: NamedDependency[Run],
+        who: NamedDependency[Principal],
+        pool_id: FromPath[str],
     ) -> PoolInfo:
-        return await run(service.pool, pool_id)
+        return await run(partial(service.pool, any_host=who.is_admin), pool_id)
 
     @post(
         summary="Create a pool (admin)",

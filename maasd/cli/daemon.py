@@ -37,8 +37,13 @@ from maasd import __version__
 from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
+    import asyncio
+    import socket
+    from types import FrameType
+
     import uvicorn
 
+    from maasd.notify import Systemd
     from maasd.settings import Settings
 
 logger = logging.getLogger("maasd")
@@ -216,9 +221,10 @@ def _serve(settings: Settings) -> None:
 
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
-    from maasd.broker import Broker
+    from maasd.broker import Broker, Limits
     from maasd.cli.serving import bounded_h11
     from maasd.core import Service
+    from maasd.notify import Systemd
     from maasd.settings import group_id
 
     try:
@@ -239,7 +245,7 @@ def _serve(settings: Settings) -> None:
             service,
             settings.socket_path,
             group=group_id(settings.socket_group),
-            max_connections=service.budget.limits.connections,
+            limits=Limits.from_settings(settings),
         )
         broker.start()
     except (MaasdError, OSError) as e:
@@ -248,9 +254,11 @@ def _serve(settings: Settings) -> None:
             f"cannot open the worker socket {settings.socket_path}: "
             f"{getattr(e, 'detail', None) or e}"
         ) from e
+    health = of_checks({**service.health_checks(), **_broker_checks(broker)})
+    systemd = Systemd.from_env(health)  # READY=1, WATCHDOG=1, STOPPING=1 (maasd.notify)
     app = create_app(
         service,
-        health=of_checks({**service.health_checks(), **_broker_checks(broker)}),
+        health=health,
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
     )
@@ -265,7 +273,9 @@ def _serve(settings: Settings) -> None:
             timeout_graceful_shutdown=10,
             server_header=False,
             http=bounded_h11(service.budget.limits.connections, settings.http_idle_s),
-        )
+        ),
+        ready=lambda loop: _ready(settings, systemd, loop),
+        stopping=systemd.stopping,
     )
     logger.info(
         "serving",
@@ -280,6 +290,7 @@ def _serve(settings: Settings) -> None:
         server.run()
     finally:
         stopping = time.monotonic()
+        systemd.close()
         broker.stop()
         service.close()
         logger.info("stopped", extra={"close_s": round(time.monotonic() - stopping, 3)})
@@ -297,10 +308,19 @@ def _log_limits(service: Any, settings: Settings) -> None:
             "max_map_count": budget.limits.max_map_count,
             "region_budget": budget.budget,
             "rest_connections": budget.limits.connections,
+            "socket_connections": budget.limits.socket_connections,
             "max_buffers_per_tenant": settings.max_buffers_per_tenant,
         },
     )
-    if settings.max_buffers_per_tenant >= budget.budget:
+    if budget.budget == 0:
+        logger.warning(
+            "the open-files limit (%d) leaves no file for a buffer once connections and the "
+            "ledger have theirs (%d): every reserve answers 507 until LimitNOFILE is raised "
+            "or socket_max_connections lowered",
+            budget.limits.open_files,
+            budget.limits.reserved,
+        )
+    elif settings.max_buffers_per_tenant >= budget.budget:
         logger.warning(
             "one tenant at its default max_buffers could hold every buffer region the "
             "daemon can hold (%d, from %s): raise LimitNOFILE or lower "
@@ -310,6 +330,26 @@ def _log_limits(service: Any, settings: Settings) -> None:
         )
 
 
+def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop) -> None:
+    """REST listens and the socket is open: tell systemd (READY=1) and the person watching."""
+    url = f"http://{settings.host}:{settings.port}"
+    systemd.ready(loop, status=f"serving on {url}")
+    if settings.admin_key:
+        key = "set by MAASD_ADMIN_KEY or the config file"
+    elif settings.admin_key_file:
+        key = f"in {settings.admin_key_file}"
+    elif (creds := os.environ.get("CREDENTIALS_DIRECTORY")) and os.path.exists(
+        cred := os.path.join(creds, "admin-key")
+    ):
+        key = f"in {cred} (the admin-key credential)"
+    else:
+        key = f"in {settings.admin_key_path}"
+    click.echo(
+        f"maasd ready: REST {url}, worker socket {settings.socket_path}, admin key {key}",
+        err=True,
+    )
+
+
 def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     """The data plane's health for /healthz: the broker's own ``healthy()`` (is its
     accept thread alive?), when the broker has one."""
@@ -317,11 +357,29 @@ def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     return {"broker": healthy} if callable(healthy) else {}
 
 
-def _server(config: uvicorn.Config) -> uvicorn.Server:
-    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise."""
+def _server(
+    config: uvicorn.Config,
+    *,
+    ready: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+    stopping: Callable[[], None] | None = None,
+) -> uvicorn.Server:
+    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise;
+    ``ready(loop)`` runs once it listens, ``stopping()`` at the first signal."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and ready is not None:
+                ready(asyncio.get_running_loop())
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if stopping is not None and not self.should_exit:
+                stopping()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Generator[None, None, None]:
             previous = {
@@ -421,6 +479,11 @@ def _ranges(cpus: list[int]) -> str:
             out.append(f"{start}-{c}" if c != start else f"{c}")
             start = None
     return ",".join(out)
+
+
+from maasd.cli.doctor import doctor  # noqa: E402 - registered after the group exists
+
+cli.add_command(doctor)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ from maasd.client.types import (
     Checkpoint,
     Event,
     Health,
+    Host,
     KeyInfo,
     LookupHit,
     NewTenant,
@@ -234,6 +235,7 @@ class Client(_Http):
         return self._call("GET", "/v1/topology", Topology)
 
     def pools(self) -> list[Pool]:
+        """The daemon's pools; with the admin key, every host's (each names its ``host``)."""
         return self._call("GET", "/v1/pools", list[Pool])
 
     def pool(self, pool: str) -> Pool:
@@ -258,7 +260,7 @@ class Client(_Http):
                 raise exc from None
             if any(pool in (p.id, p.name) for p in pools):
                 raise  # it exists (again): this 404 was about something else, or a race
-            names = sorted(p.name for p in pools)
+            names = sorted({p.name for p in pools})  # the admin sees each host's node0
             known = ", ".join(names[:_POOL_NAMES_SHOWN]) if names else "(none)"
             if len(names) > _POOL_NAMES_SHOWN:
                 known += f" … and {len(names) - _POOL_NAMES_SHOWN} more"
@@ -409,6 +411,18 @@ class Client(_Http):
         if before is not None:
             params["before"] = before
         return self._call("GET", "/v1/events", list[Event], params=params)
+
+    def hosts(self) -> list[Host]:
+        """The daemon hosts sharing the ledger, with their heartbeat and use (SPEC §9)."""
+        return self._call("GET", "/v1/hosts", list[Host])
+
+    def forget_host(self, host: str) -> None:
+        """Forget a host that is not serving: its buffers stop counting, its pools go.
+
+        :class:`~maasd.client.errors.Conflict` while the host still beats (or is
+        the daemon asked); see docs/scale-out.md.
+        """
+        self.request("DELETE", f"/v1/hosts/{_seg(host)}")
 
     def create_pool(self, **fields: Any) -> Pool:
         """``POST /v1/pools`` with the pool fields of SPEC §1 (``name``, ``numa_node``, …)."""

@@ -34,6 +34,7 @@ __all__ = [
     "Component",
     "Event",
     "Health",
+    "Host",
     "KeyInfo",
     "LookupHit",
     "NewTenant",
@@ -52,6 +53,7 @@ __all__ = [
 class Pool(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     name: str
+    host: str = ""  # the daemon host whose memory it is; names repeat per host
     numa_node: int
     backing: str
     persistence: str
@@ -63,6 +65,23 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     scrub: str
     prefault: bool = True
     buffers: int = 0
+
+
+class Host(msgspec.Struct, frozen=True, kw_only=True):
+    """A daemon host sharing the ledger (admin: ``GET /v1/hosts``)."""
+
+    name: str
+    live: bool
+    local: bool
+    started_at: str
+    last_seen: str
+    last_seen_age_s: float
+    heartbeat_s: float
+    stopped_at: str | None = None
+    pools: int = 0
+    capacity_bytes: int = 0
+    buffers: int = 0
+    used_bytes: int = 0
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,6 +12,7 @@ lives in a module of its own:
 :mod:`.runtime`          live pools and regions, buffer locks, attachments, the use
                          batch — and the lock order of all of them
 :mod:`.auth`             the admin key, tenant keys (cached), the role checks
+:mod:`.hosts`            this host's claim and heartbeat; the hosts of the ledger
 :mod:`.pools`            provisioning, creating and deleting pools; spill dirs
 :mod:`.placement`        (pure) which pools could hold a request, best first
 :mod:`.tenants`          tenants, quotas, keys, usage, the audit trail
@@ -38,6 +39,7 @@ from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.handles import Handle, Handles
+from maasd.core.hosts import Hosts
 from maasd.core.lifecycle import Lifecycle
 from maasd.core.limits import RegionBudget, read_limits
 from maasd.core.pools import Pools
@@ -49,6 +51,7 @@ from maasd.models import (
     BufferInfo,
     Checkpoint,
     Event,
+    HostInfo,
     KeyInfo,
     LookupHit,
     NewTenant,
@@ -80,13 +83,24 @@ class Service:
     ) -> None:
         self.settings = settings
         self.host = settings.node_name
-        self.store = store or Store(settings.database_url)
+        self.store = store or Store(
+            settings.database_url,
+            pool_size=settings.db_pool_size,
+            max_overflow=settings.db_max_overflow,
+        )
         self.store.default_max_buffers = settings.max_buffers_per_tenant
         self.metrics = Metrics()
         self.runtime = Runtime()
         self.reclaimer = Reclaimer()
-        self.budget = RegionBudget(read_limits())
+        pooled = settings.db_pool_size + settings.db_max_overflow
+        self.budget = RegionBudget(
+            read_limits(
+                socket_connections=settings.socket_max_connections,
+                ledger_files=pooled * (1 if self.store.is_postgres else 2),
+            )
+        )
         self._auth = Auth(settings, self.store)
+        self._hosts = Hosts(settings, self.store, self.runtime)
         releaser = Releaser(self.store, self.runtime, self.metrics)
         checkpoints = Checkpoints(self.store, self.runtime, self.metrics)
         self._pools = Pools(
@@ -109,6 +123,7 @@ class Service:
             self.store,
             self.runtime,
             self._auth,
+            self._hosts,
             self._pools,
             self._tenants,
             self._buffers,
@@ -178,17 +193,25 @@ class Service:
     def refresh_topology(self) -> Topology:
         return self._pools.refresh_topology()
 
-    def pools(self) -> list[PoolInfo]:
-        return self._pools.infos()
+    def pools(self, *, all_hosts: bool = False) -> list[PoolInfo]:
+        return self._pools.infos(all_hosts=all_hosts)
 
-    def pool(self, id_or_name: str) -> PoolInfo:
-        return self._pools.info(id_or_name)
+    def pool(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
+        return self._pools.info(id_or_name, any_host=any_host)
 
     def create_pool(self, spec: PoolSpec) -> PoolInfo:
         return self._pools.create(spec)
 
     def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
         self._pools.delete(id_or_name, drain=drain)
+
+    # -- hosts sharing the ledger (maasd.core.hosts) ----------------------------------------
+
+    def hosts(self) -> list[HostInfo]:
+        return self._hosts.infos()
+
+    def forget_host(self, name: str) -> int:
+        return self._hosts.forget(name)
 
     # -- tenants and keys (maasd.core.tenants) ----------------------------------------------
 

@@ -1,11 +1,33 @@
 """Who is calling: the admin key, tenant keys (with a cache), and the two role checks.
 
 The admin key comes, first found wins, from the settings (``MAASD_ADMIN_KEY``),
-from the file ``admin_key_file`` (``MAASD_ADMIN_KEY_FILE``), from
-``$CREDENTIALS_DIRECTORY/admin-key`` (systemd's ``LoadCredential=admin-key:…``),
-or from ``DATA_DIR/admin.key``; when none exists it is generated once and
-written there. A key file must be private to its owner (no group or other
-permission bits) and not empty, else :class:`ConfigError`.
+from the file ``admin_key_file`` (``--admin-key-file``, ``MAASD_ADMIN_KEY_FILE``),
+from the systemd credential ``admin-key`` (``$CREDENTIALS_DIRECTORY/admin-key``,
+from the unit's ``LoadCredential=``), or from ``DATA_DIR/admin.key``; when none
+exists it is generated once and written there. A key file must be private to
+its owner, with no group or other permission bits (systemd makes the credential
+so), and no key may be empty, else :class:`ConfigError`.
+
+Tenant keys are looked up by digest and remembered, so that a request's
+authentication costs one hash, not a database round trip. A remembered key must
+never outlive its revocation, wherever that was made:
+
+* SQLite: this daemon is the ledger's only writer (the data-dir lock), so its
+  own revocations are all there are; each empties the cache.
+* PostgreSQL: several daemons share the ledger. Every revocation — by any
+  daemon, or an operator's SQL — fires migration 0003's trigger, which
+  notifies ``maasd_keys`` when the revoking transaction commits. A listener
+  thread on a connection of its own (:class:`maasd.store.notify.Listener`)
+  empties the cache on each notification. The cache answers only while that
+  listener is in place: until it is (at start) and from the moment it loses
+  its connection, every check asks the database, as if there were no cache.
+
+Why notifications and not a revocation counter polled with the reaper: a
+notification reaches every daemon within milliseconds of the commit, and
+costs nothing while nothing is revoked; a counter bounds the delay only by its
+polling interval, and N hosts poll it forever. The cost is one more
+connection per daemon, and a connection that must not go through a
+transaction-pooling proxy (docs/scale-out.md).
 """
 
 from __future__ import annotations
@@ -14,17 +36,19 @@ import hmac
 import os
 import stat
 import threading
+from functools import partial
 from pathlib import Path
 
 from maasd.errors import ConfigError, Forbidden, Unauthorized
 from maasd.models import Principal
 from maasd.settings import Settings
-from maasd.store import Store
+from maasd.store import KEYS_CHANNEL, Store
+from maasd.store.notify import Listener
 from maasd.tenancy import keys
 
 __all__ = ["Auth", "require_admin", "require_tenant"]
 
-#: Keys remembered at most (SQLite); the cache is emptied when it is full.
+#: Keys remembered at most; the cache is emptied when it is full.
 KEY_CACHE_SIZE = 4096
 
 
@@ -64,21 +88,53 @@ def _missing_key() -> Unauthorized:
 class Auth:
     """Maps bearer tokens to principals. Thread-safe.
 
-    With SQLite the ledger has exactly one writer — this daemon (the data-dir
-    lock) — so a key, once checked, is remembered until this process revokes
-    any key; the check then costs one hash. With PostgreSQL another daemon may
-    revoke, so every call asks the database: a revocation bites at once anywhere.
+    A checked key is remembered until any key is revoked (see the module
+    docstring for how a revocation through another daemon reaches this one).
+    :meth:`start` / :meth:`stop` run the PostgreSQL listener.
     """
 
     def __init__(self, settings: Settings, store: Store) -> None:
         self._settings = settings
         self._store = store
         self._lock = threading.Lock()  # a leaf lock (maasd.core.runtime)
-        self._cache: dict[bytes, Principal] | None = None if store.is_postgres else {}
+        self._cache: dict[bytes, Principal] = {}
+        # Whether the cache may answer: always with SQLite; with PostgreSQL only
+        # while the listener is in place (set and cleared under the lock).
+        self._trusted = not store.is_postgres
+        self._listener: Listener | None = None
         self._generation = 0
         self._admin_digest = b""
         #: The admin key when this process generated it (print it once), else ``None``.
         self.admin_key_generated: str | None = None
+
+    def start(self) -> None:
+        """With PostgreSQL, start listening for revocations (the cache answers once it does)."""
+        if self._store.is_postgres and self._listener is None:
+            self._listener = self._store.listener(
+                KEYS_CHANNEL,
+                on_up=partial(self._set_trusted, True),
+                on_event=self.forget_keys,
+                on_down=partial(self._set_trusted, False),
+            )
+            self._listener.start()
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
+
+    @property
+    def caching(self) -> bool:
+        """Whether remembered keys answer now (with PostgreSQL: the listener is in place)."""
+        return self._trusted
+
+    def _set_trusted(self, trusted: bool) -> None:
+        # Either way the cache starts empty: while nobody listened, a revocation may
+        # have been missed; from now on, none can be.
+        with self._lock:
+            self._trusted = trusted
+            self._generation += 1
+            self._cache.clear()
 
     def load_admin_key(self) -> None:
         """Read (or generate once) the admin key. :class:`ConfigError` for an unsafe key file."""
@@ -90,8 +146,12 @@ class Auth:
         if self._settings.admin_key_file:
             return _read_key_file(Path(self._settings.admin_key_file))
         credentials = os.environ.get("CREDENTIALS_DIRECTORY")
-        if credentials and os.path.exists(os.path.join(credentials, "admin-key")):
-            return _read_key_file(Path(credentials, "admin-key"))
+        if credentials and (cred := Path(credentials, "admin-key")).exists():
+            # systemd made it (mode 0400, this service's alone): no mode check to do.
+            key = cred.read_text().strip()
+            if not key:
+                raise ConfigError(f"the admin-key credential ({cred}) is empty")
+            return key
         path = Path(self._settings.admin_key_path)
         if path.exists():
             return _read_key_file(path)
@@ -113,7 +173,7 @@ class Auth:
         d = keys.digest(token)
         if hmac.compare_digest(d, self._admin_digest):
             return Principal(is_admin=True)
-        return self._cache.get(d) if self._cache is not None else None
+        return self._cache.get(d) if self._trusted else None
 
     def authenticate(self, token: str | None) -> Principal:
         """Map a bearer token to a principal; :class:`Unauthorized` if unknown or revoked."""
@@ -122,28 +182,34 @@ class Auth:
         d = keys.digest(token)
         if hmac.compare_digest(d, self._admin_digest):
             return Principal(is_admin=True)
-        cache = self._cache
-        if cache is not None:
-            who = cache.get(d)
+        if self._trusted:
+            who = self._cache.get(d)
             if who is not None:
                 return who
-            generation = self._generation
+        generation = self._generation
         row = self._store.key_by_digest(d)
         if row is None or not hmac.compare_digest(d, row.digest):
             raise Unauthorized("unknown or revoked API key")
         who = Principal(is_admin=False, tenant_id=row.tenant_id, key_id=row.id)
-        if cache is not None:
-            with self._lock:
-                # A revocation since the read above bumps the generation: don't cache.
-                if generation == self._generation:
-                    if len(cache) >= KEY_CACHE_SIZE:
-                        cache.clear()
-                    cache[d] = who
+        with self._lock:
+            # A revocation (or a lost listener) since the read above moved the
+            # generation: the row read may be stale, so it is not remembered.
+            if self._trusted and generation == self._generation:
+                if len(self._cache) >= KEY_CACHE_SIZE:
+                    self._cache.clear()
+                self._cache[d] = who
         return who
 
+    @property
+    def generation(self) -> int:
+        """Bumped by every revocation this process learns of (its own, or — with several
+        daemons on one ledger — another's). A holder of an authenticated principal (a socket
+        connection) re-checks its key only when this moved: an int compare per operation."""
+        return self._generation
+
     def forget_keys(self) -> None:
-        """Call after revoking any key (its commit done): no cached key outlives it."""
+        """Call after any key is revoked (its commit done), here or by another daemon: no
+        cached key outlives it, and :attr:`generation` moves."""
         with self._lock:
             self._generation += 1
-            if self._cache is not None:
-                self._cache.clear()
+            self._cache.clear()

@@ -235,7 +235,7 @@ class Buffers:
     def pin(self, who: Principal, buffer_id: str, numa_node: int) -> BufferInfo:
         """Bind and migrate the buffer's pages to ``numa_node``; return it with its measured placement."""
         require_tenant(who)
-        row = self._own_row(who, buffer_id)
+        row = self._held_here(self._own_row(who, buffer_id))
         with self._runtime.buffer_lock(row.id):
             placed = self._runtime.live_region(row.id).pin(numa_node, self._pools.topology.node_ids)
         self._store.set_numa_node(row.id, numa_node)
@@ -250,7 +250,7 @@ class Buffers:
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
         """Write a persistent buffer to its pool's spill dir; :class:`StateConflict` if volatile."""
         require_tenant(who)
-        row = self._own_row(who, buffer_id)
+        row = self._held_here(self._own_row(who, buffer_id))
         if row.persistence != "persistent":
             raise StateConflict("only buffers of persistent pools can be checkpointed")
         return self._checkpoints.write(row)
@@ -258,6 +258,7 @@ class Buffers:
     def release(self, who: Principal, buffer_id: str) -> None:
         """Scrub and free a buffer; every byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
+        self._held_here(self._own_row(who, buffer_id))
         row = self._store.mark_releasing(buffer_id, tenant_id, only_live=True)
         self._releaser.release_row(row, reason="release", marked=True)
 
@@ -268,6 +269,17 @@ class Buffers:
         if hit is None:
             raise NotFound("no live buffer carries any of these keys")
         return LookupHit(key=hit[0], buffer=buffer_info(hit[1]))
+
+    def _held_here(self, row: BufferRow) -> BufferRow:
+        """``row`` if this host's memory holds it; :class:`StateConflict` naming its host if
+        another's does (only the holder can pin, checkpoint or scrub it; see
+        docs/scale-out.md)."""
+        if row.host != self._host:
+            raise StateConflict(
+                f"buffer {row.id} is held by host {row.host}, not {self._host}: "
+                "do this through that host's daemon"
+            )
+        return row
 
     def _own_row(self, who: Principal, buffer_id: str) -> BufferRow:
         """The buffer if ``who`` may see it (the admin sees all); :class:`NotFound` otherwise."""

@@ -13,19 +13,24 @@ limit long before its quota. Two bounds do:
   always find a free descriptor.
 
 The budget, from the soft ``RLIMIT_NOFILE`` ``M`` (which ``maasd serve`` first
-raises to the hard limit) and ``vm.max_map_count`` ``P``::
+raises to the hard limit), ``vm.max_map_count`` ``P``, the worker socket's
+``socket_max_connections`` ``S`` and the ledger's connection pool
+(``db_pool_size + db_max_overflow`` connections, 2 files each with SQLite,
+1 with PostgreSQL: ``L`` files)::
 
-    headroom      = max(512, M // 4)                 fds for everything but regions
+    rest          = clamp(M // 16, 16, 1024)         REST connections at once
+    reserved      = 64 + L + rest + S                the daemon's own files (listeners,
+                                                     logs, pipes, libraries), the ledger,
+                                                     the REST and socket connections
+    headroom      = max(reserved, M // 4)            fds for everything but regions
     region_budget = min(M - headroom,                regions held at once
                         P - max(1024, P // 8))
-    connections   = clamp(M // 16, 16, 1024)         REST connections at once, and
-                                                     worker-socket connections at once
 
-The headroom holds the REST and socket connections (``2 × connections``), the
-ledger (SQLite: 2 files per pooled connection, at most 80 connections: 160),
-and the daemon's own files (~40: listeners, logs, pipes, libraries). With
-``M = 1024``: 512 regions, 64 + 64 connections. With ``M = 524288`` (systemd's
-default hard limit) and ``P = 65530``: the mappings bind, 57,339 regions.
+With the defaults (``S = 1024``, SQLite, ``L = 160``) and ``M = 20000``: 15,000
+regions. With ``M = 524288`` (systemd's default hard limit) and ``P = 65530``
+the mappings bind: 57,339. With ``M = 1024`` nothing is left for buffers until
+``socket_max_connections`` is lowered (to 64: 672 regions) — the daemon says so
+when it starts.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ __all__ = [
     "read_limits",
 ]
 
-#: Fds never given to regions, at the least (ledger, logs, listeners, pipes, connections).
-MIN_HEADROOM = 512
+#: The daemon's own files besides the ledger and connections (listeners, logs, pipes,
+#: libraries, fds being handed out); ~20 when idle.
+OWN_FILES = 64
 #: Fewer free files than this and /healthz says the daemon is out of files.
 MIN_FREE_FILES = 16
 #: Mappings never given to regions, at the least (the interpreter, libraries, thread stacks).
@@ -69,11 +75,20 @@ class Limits:
     open_files: int
     #: ``vm.max_map_count``; ``None`` when unknown (then only files bind).
     max_map_count: int | None = None
+    #: The worker socket's cap on connections (``socket_max_connections``).
+    socket_connections: int = 0
+    #: Files the ledger's connection pool may hold at most.
+    ledger_files: int = 0
+
+    @property
+    def reserved(self) -> int:
+        """Fds the daemon needs besides regions, at most."""
+        return OWN_FILES + self.ledger_files + self.connections + self.socket_connections
 
     @property
     def headroom(self) -> int:
         """Fds kept for everything that is not a region."""
-        return max(MIN_HEADROOM, self.open_files // 4)
+        return max(self.reserved, self.open_files // 4)
 
     @property
     def file_budget(self) -> int:
@@ -93,8 +108,7 @@ class Limits:
 
     @property
     def connections(self) -> int:
-        """REST connections served at once, and worker-socket connections at once (both
-        part of the headroom)."""
+        """REST connections served at once (part of the headroom)."""
         return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, self.open_files // 16))
 
     @property
@@ -114,8 +128,8 @@ def open_files() -> int:
         return -1
 
 
-def read_limits() -> Limits:
-    """This process's limits now."""
+def read_limits(*, socket_connections: int = 0, ledger_files: int = 0) -> Limits:
+    """This process's limits now, with what the daemon's configuration takes of its files."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         with open(_MAX_MAP_COUNT) as f:
@@ -124,7 +138,12 @@ def read_limits() -> Limits:
         maps = None
     if soft == resource.RLIM_INFINITY:  # pragma: no cover - Linux always has a finite limit
         soft = 1 << 20
-    return Limits(open_files=int(soft), max_map_count=maps)
+    return Limits(
+        open_files=int(soft),
+        max_map_count=maps,
+        socket_connections=socket_connections,
+        ledger_files=ledger_files,
+    )
 
 
 def raise_open_files() -> tuple[int, int]:
@@ -182,7 +201,7 @@ class RegionBudget:
             f"them for buffers: its budget for buffers is {self.budget} (from {lim.binding}; "
             f"each buffer takes one open file and one memory mapping, and {lim.headroom} files "
             "are kept for the ledger and connections); release buffers, or raise the "
-            "daemon's LimitNOFILE"
+            "daemon's LimitNOFILE (or lower socket_max_connections)"
         )
 
     def health(self) -> tuple[bool, str]:

@@ -5,6 +5,10 @@ through PostgreSQL) and as an in-process :class:`~maasd.allocator.Pool` (the
 allocator that accounts its capacity), held together as a
 :class:`~maasd.core.runtime.LivePool`. Persistent pools also own a spill
 directory for their checkpoints.
+
+Pool names repeat on every host (``node0`` on each): a name always means this
+host's pool, and only this host's pools take reserves here. Another host's
+pools are only *read* from the ledger, for the admin's listing.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from maasd.allocator.reclaim import Reclaimer
 from maasd.bounds import MAX_BYTES
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
-from maasd.errors import InvalidRequest, PlacementError, StateConflict, TooLarge
+from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
 from maasd.models import PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
 from maasd.store import ACCOUNTED_STATES, PoolRow, Store
@@ -37,6 +41,7 @@ def pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
     return PoolInfo(
         id=row.id,
         name=row.name,
+        host=row.host,
         numa_node=row.numa_node,
         backing=row.backing,
         persistence=row.persistence,
@@ -89,11 +94,24 @@ class Pools:
 
         A pool already in the ledger keeps the ledger's properties — it has live
         buffers bound to them — and a difference from the configuration is logged.
+        A default pool (no ``[[pools]]`` configured) that an admin deleted stays deleted:
+        the audit trail's ``pool_delete`` event for it is the record. A configured pool
+        is the configuration's to declare, so it is made again.
         """
         wanted = self._settings.pools or default_pools(
             self.topology, self._settings.default_pool_bytes
         )
         existing = {live.row.name: live.row for live in self._runtime.pools()}
+        if not self._settings.pools:
+            missing = [spec.name for spec in wanted if spec.name not in existing]
+            deleted = self._store.deleted_pools(self._host, missing)
+            for name in sorted(deleted):
+                logger.info(
+                    "default pool %s was deleted by an admin: not made again "
+                    "(maasctl pools create makes it)",
+                    name,
+                )
+            wanted = [spec for spec in wanted if spec.name not in deleted]
         for spec in wanted:
             have = existing.get(spec.name)
             if have is None:
@@ -127,18 +145,30 @@ class Pools:
 
     # -- use-cases --------------------------------------------------------------------------
 
-    def infos(self) -> list[PoolInfo]:
-        """Every pool of this host with its usage, by name."""
+    def infos(self, *, all_hosts: bool = False) -> list[PoolInfo]:
+        """Every pool of this host with its usage, by name; ``all_hosts``: every host's
+        (from the ledger), by host then name."""
+        if all_hosts:
+            usage = self._store.usage_by_pool(None)
+            rows = self._store.all_pools()
+            return [pool_info(row, usage.get(row.id, (0, 0))) for row in rows]
         usage = self._store.usage_by_pool(self._host)
         return sorted(
             (pool_info(live.row, usage.get(live.row.id, (0, 0))) for live in self._runtime.pools()),
             key=lambda p: p.name,
         )
 
-    def info(self, id_or_name: str) -> PoolInfo:
-        """One pool with its usage; :class:`NotFound` if this host has no such pool."""
-        live = self._runtime.find_pool(id_or_name)
-        return pool_info(live.row, self._store.usage_by_pool(self._host).get(live.row.id, (0, 0)))
+    def info(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
+        """One pool of this host (id or name) with its usage; ``any_host``: else another
+        host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
+        try:
+            row = self._runtime.find_pool(id_or_name).row
+        except NotFound:
+            other = self._store.pool_row(id_or_name) if any_host else None
+            if other is None:
+                raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
+            row = other
+        return pool_info(row, self._store.usage_by_pool(row.host).get(row.id, (0, 0)))
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
@@ -212,9 +242,10 @@ class Pools:
         return spill_dir
 
     def delete(self, id_or_name: str, *, drain: bool = False) -> None:
-        """Delete an empty pool; with ``drain`` release (scrub) its buffers first.
+        """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
 
-        Without ``drain`` a pool holding buffers answers :class:`StateConflict` and
+        Another host's pool is a :class:`NotFound` that names its host: only the
+        daemon holding a pool's memory can scrub its buffers. Without ``drain`` a pool holding buffers answers :class:`StateConflict` and
         nothing changes. A drain never stops half-way: the pool is marked deleting
         (from then on no reserve lands in it: 409 when it is named, and it is no
         candidate otherwise), every buffer is released — also those whose reserve is
@@ -222,7 +253,16 @@ class Pools:
         region — and the pool goes once it is empty. A pool whose drain began (and
         a daemon stopped) finishes it whether or not ``drain`` is given again.
         """
-        live = self._runtime.find_pool(id_or_name)
+        try:
+            live = self._runtime.find_pool(id_or_name)
+        except NotFound:
+            other = self._store.pool_row(id_or_name)
+            if other is None:
+                raise
+            raise NotFound(
+                f"pool {id_or_name!r} is on host {other.host}, not {self._host}: "
+                "delete it through that host's daemon"
+            ) from None
         if not drain and live.row.deleting_at is None:
             try:
                 self._store.delete_pool(live.row.id)  # counts its buffers in the transaction

@@ -11,7 +11,9 @@ top-level ``migrations/`` directory (:meth:`Store.upgrade`).
 from __future__ import annotations
 
 from maasd.store.engine import alembic_config, create_engine, migrations_dir, normalize_url
-from maasd.store.records import BufferRow, EventRow, KeyRow, PoolRow, TenantRow
+from maasd.store.hosts import HostUsage, is_live
+from maasd.store.notify import KEYS_CHANNEL
+from maasd.store.records import BufferRow, EventRow, HostRow, KeyRow, PoolRow, TenantRow
 from maasd.store.repository import Store
 from maasd.store.schema import ACCOUNTED_STATES, BUFFER_STATES, metadata
 
@@ -19,13 +21,17 @@ __all__ = [
     "ACCOUNTED_STATES",
     "BUFFER_STATES",
     "BufferRow",
+    "KEYS_CHANNEL",
     "EventRow",
+    "HostRow",
+    "HostUsage",
     "KeyRow",
     "PoolRow",
     "Store",
     "TenantRow",
     "alembic_config",
     "create_engine",
+    "is_live",
     "metadata",
     "migrations_dir",
     "normalize_url",

@@ -74,9 +74,10 @@ _reserve_facts = select(
 _evictable = and_(_B.c.evictable == true(), _B.c.state == "live")
 _lru = (_B.c.last_used_at, _B.c.id)
 _cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes)
-_sel_cand_tenant = (
-    select(*_cand_cols).where(_evictable, _B.c.tenant_id == bindparam("p_tenant")).order_by(*_lru)
-)
+# A quota shortfall evicts only the tenant's buffers on the reserving host: only the
+# daemon holding a buffer's memory can scrub it (docs/scale-out.md).
+_tenant_here = and_(_B.c.tenant_id == bindparam("p_tenant"), _B.c.host == bindparam("p_host"))
+_sel_cand_tenant = select(*_cand_cols).where(_evictable, _tenant_here).order_by(*_lru)
 _sel_cand_pool = (
     select(*_cand_cols).where(_evictable, _B.c.pool_id == bindparam("p_pool")).order_by(*_lru)
 )
@@ -84,7 +85,7 @@ _sel_cand_both = (
     select(*_cand_cols)
     .where(
         _evictable,
-        or_(_B.c.tenant_id == bindparam("p_tenant"), _B.c.pool_id == bindparam("p_pool")),
+        or_(_tenant_here, _B.c.pool_id == bindparam("p_pool")),
     )
     .order_by(*_lru)
 )
@@ -177,9 +178,10 @@ class ReserveRepo(Connections):
         false), the tenant's ``max_buffers`` (NULL: :attr:`default_max_buffers`)
         or the pool's capacity, choose victims
         (:func:`~maasd.store.eviction.choose_victims`): **evictable live**
-        buffers, least recently used first — the tenant's own for a quota or
-        count shortfall, any tenant's in this pool for a capacity shortfall. If
-        they cannot close the shortfalls, raise :class:`QuotaExceeded` (quota),
+        buffers, least recently used first — the tenant's own on ``row.host``
+        for a quota or count shortfall, any tenant's in this pool for a capacity
+        shortfall (a host can only scrub what it holds). If they cannot close the
+        shortfalls, raise :class:`QuotaExceeded` (quota),
         :class:`BufferCountExceeded` (count) or :class:`PoolExhausted`
         (capacity) and change nothing. Otherwise mark the
         victims ``releasing``, insert ``row``, record one ``evict`` event per

@@ -1,8 +1,13 @@
-"""Pools in the ledger: each belongs to one host, with its usage summed at read time."""
+"""Pools in the ledger: each belongs to one host, with its usage summed at read time.
+
+A pool's name is unique per host (``node0`` exists on every host); its id is
+unique in the ledger.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 
 import msgspec
 import sqlalchemy as sa
@@ -20,12 +25,14 @@ _P = schema.pools
 _B = schema.buffers
 
 _sel_pools = select(_P).where(_P.c.host == bindparam("host")).order_by(_P.c.name)
-_sel_pool_usage = (
+_sel_all_pools = select(_P).order_by(_P.c.host, _P.c.name)
+_sel_pool = select(_P).where(_P.c.id == bindparam("p_id"))
+_sel_all_usage = (
     select(_P.c.id, used(_B.c.size_bytes), func.count(_B.c.id))
     .select_from(_P.outerjoin(_B, _B.c.pool_id == _P.c.id))
-    .where(_P.c.host == bindparam("host"))
     .group_by(_P.c.id)
 )
+_sel_pool_usage = _sel_all_usage.where(_P.c.host == bindparam("host"))
 #: Lock a pool's row (PostgreSQL) and read what a reserve decides by: its capacity, its
 #: name (for messages) and whether it is being deleted.
 lock_pool = (
@@ -38,7 +45,21 @@ _mark_deleting = (
     .where(_P.c.id == bindparam("p_id"), _P.c.deleting_at.is_(None))
     .values(deleting_at=bindparam("now"))
 )
+_lock_pool_name = select(_P.c.name, _P.c.host).where(_P.c.id == bindparam("p_id")).with_for_update()
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
+_E = schema.events
+_sel_deleted = (
+    select(_E.c.detail)
+    .where(_E.c.kind == "pool_delete", _E.c.detail.in_(bindparam("details", expanding=True)))
+    .distinct()
+)
+
+
+def deleted_detail(name: str, host: str) -> str:
+    """The ``detail`` of a ``pool_delete`` event: the pool's name and host."""
+    return f"{name} on {host}"
+
+
 _count_pool_buffers = select(func.count()).select_from(_B).where(_B.c.pool_id == bindparam("p_id"))
 
 
@@ -68,8 +89,20 @@ class PoolRepo(Connections):
         """The pools of ``host``, by name."""
         return [PoolRow(*r) for r in self._read_rows(_sel_pools, {"host": host})]
 
-    def usage_by_pool(self, host: str) -> dict[str, tuple[int, int]]:
-        """``{pool_id: (used_bytes, buffers)}`` for every pool of ``host`` (all states count)."""
+    def all_pools(self) -> list[PoolRow]:
+        """The pools of every host, by host then name."""
+        return [PoolRow(*r) for r in self._read_rows(_sel_all_pools)]
+
+    def pool_row(self, pool_id: str) -> PoolRow | None:
+        """The pool with this id, on any host; ``None`` if there is none."""
+        row = self._read_first(_sel_pool, {"p_id": pool_id})
+        return None if row is None else PoolRow(*row)
+
+    def usage_by_pool(self, host: str | None) -> dict[str, tuple[int, int]]:
+        """``{pool_id: (used_bytes, buffers)}`` for every pool of ``host`` (``None``: of every
+        host); all states count."""
+        if host is None:
+            return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_all_usage)}
         return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_pool_usage, {"host": host})}
 
     def mark_pool_deleting(self, pool_id: str, *, now: float | None = None) -> float:
@@ -89,7 +122,8 @@ class PoolRepo(Connections):
     def delete_pool(self, pool_id: str, *, now: float | None = None) -> None:
         """Delete an empty pool: :class:`NotFound` if unknown, :class:`StateConflict` if it holds buffers."""
         with self._writing() as conn:
-            if conn.execute(lock_pool, {"p_id": pool_id}).first() is None:
+            found = conn.execute(_lock_pool_name, {"p_id": pool_id}).first()
+            if found is None:
                 raise NotFound(f"pool {pool_id} not found")
             n = conn.execute(_count_pool_buffers, {"p_id": pool_id}).scalar_one()
             if n:
@@ -97,5 +131,19 @@ class PoolRepo(Connections):
             conn.execute(_del_pool, {"p_id": pool_id})
             conn.execute(
                 ins_event,
-                event("pool_delete", time.time() if now is None else now, pool_id=pool_id),
+                event(
+                    "pool_delete",
+                    time.time() if now is None else now,
+                    pool_id=pool_id,
+                    detail=deleted_detail(found.name, found.host),
+                ),
             )
+
+    def deleted_pools(self, host: str, names: Collection[str]) -> set[str]:
+        """Which of ``names`` were pools of ``host`` that someone deleted (the audit trail's
+        ``pool_delete`` events say so): default pools stay deleted across restarts."""
+        if not names:
+            return set()
+        by_detail = {deleted_detail(n, host): n for n in names}
+        rows = self._read_rows(_sel_deleted, {"details": list(by_detail)})
+        return {by_detail[r[0]] for r in rows}

@@ -15,7 +15,7 @@ import msgspec
 from maasd.models import Backing, BufferKind, BufferState, Persistence, ScrubMode
 from maasd.store import schema
 
-__all__ = ["BufferRow", "EventRow", "KeyRow", "PoolRow", "TenantRow"]
+__all__ = ["BufferRow", "EventRow", "HostRow", "KeyRow", "PoolRow", "TenantRow"]
 
 
 class PoolRow(msgspec.Struct, frozen=True):
@@ -110,6 +110,17 @@ class EventRow(msgspec.Struct, frozen=True):
     detail: str | None
 
 
+class HostRow(msgspec.Struct, frozen=True):
+    """A daemon host sharing the ledger: its current incarnation and heartbeat (database clock)."""
+
+    name: str
+    incarnation: str
+    started_at: float
+    last_seen: float
+    heartbeat_s: float
+    stopped_at: float | None = None
+
+
 def _check(record: type[msgspec.Struct], table_columns: tuple[str, ...]) -> None:
     fields = record.__struct_fields__[: len(table_columns)]
     if fields != table_columns:  # pragma: no cover - a programming error, caught by any test
@@ -121,3 +132,4 @@ _check(TenantRow, tuple(schema.tenants.c.keys()))
 _check(KeyRow, tuple(schema.api_keys.c.keys()))
 _check(BufferRow, tuple(schema.buffers.c.keys()))
 _check(EventRow, tuple(schema.events.c.keys()))
+_check(HostRow, tuple(schema.hosts.c.keys()))

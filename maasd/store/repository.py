@@ -7,8 +7,10 @@ The SQL lives with its aggregate, one repository mixin each:
 * :mod:`maasd.store.buffers` — buffers, leases, and the reserve transaction,
   whose victims the pure :mod:`maasd.store.eviction` chooses;
 * :mod:`maasd.store.events` — the audit trail;
+* :mod:`maasd.store.hosts` — the daemon hosts sharing the ledger, their heartbeats;
 
 and the transaction rules all of them follow are in :mod:`maasd.store.base`.
+:mod:`maasd.store.notify` listens for what other daemons announce (PostgreSQL).
 
 Example::
 
@@ -20,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import sqlalchemy as sa
@@ -28,6 +31,8 @@ from sqlalchemy.engine import URL, Engine
 from maasd.store.buffers import BufferRepo, ReserveRepo
 from maasd.store.engine import alembic_config, create_engine, normalize_url
 from maasd.store.events import EventRepo
+from maasd.store.hosts import HostRepo
+from maasd.store.notify import Listener
 from maasd.store.pools import PoolRepo
 from maasd.store.tenants import TenantRepo
 
@@ -37,7 +42,7 @@ __all__ = ["Store"]
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 
 
-class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo):
+class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
     """The ledger: pools, tenants, keys, buffers and events in one database.
 
     Thread-safe; one instance per daemon. ``url`` is ``sqlite:///PATH`` (the
@@ -101,6 +106,19 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo):
     def ping(self) -> None:
         """One trivial read: raises if the database does not answer (for ``/healthz``)."""
         self._read_first(sa.select(sa.literal(1)), {})
+
+    def listener(
+        self,
+        channel: str,
+        *,
+        on_up: Callable[[], None],
+        on_event: Callable[[], None],
+        on_down: Callable[[], None],
+    ) -> Listener:
+        """A :class:`~maasd.store.notify.Listener` on ``channel`` (PostgreSQL only; not started)."""
+        if not self.is_postgres:
+            raise RuntimeError("LISTEN needs PostgreSQL")
+        return Listener(self.engine, channel, on_up=on_up, on_event=on_event, on_down=on_down)
 
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""

@@ -37,6 +37,7 @@ __all__ = [
     "api_keys",
     "buffers",
     "events",
+    "hosts",
     "metadata",
     "pools",
     "tenants",
@@ -167,6 +168,25 @@ Index(
     unique=True,
     sqlite_where=buffers.c.key.is_not(None),
     postgresql_where=buffers.c.key.is_not(None),
+)
+
+# The daemons sharing this ledger, one row per host (MAASD_NODE_NAME). Times here are
+# the *database's* clock (maasd.store.hosts.db_now), so that comparing one host's
+# heartbeat with another's "now" is free of clock skew between hosts.
+hosts = Table(
+    "hosts",
+    metadata,
+    Column("name", String(255), primary_key=True),
+    # Random id of the daemon process serving as this host; a new one per start. A
+    # heartbeat only counts for the incarnation that claimed the row, so a process
+    # that lost its claim (its host forgotten, or taken over) finds out at once.
+    Column("incarnation", String(32), nullable=False),
+    Column("started_at", Float, nullable=False),
+    # Written by the reaper every heartbeat_s seconds: the host is serving.
+    Column("last_seen", Float, nullable=False),
+    Column("heartbeat_s", Float, nullable=False),
+    # Set by a clean shutdown; NULL while serving (or after a crash).
+    Column("stopped_at", Float, nullable=True),
 )
 
 events = Table(

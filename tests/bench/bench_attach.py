@@ -1,4 +1,4 @@
-"""Attach round trip through the daemon vs a bare SCM_RIGHTS round trip, in one run.
+"""Attach round trip through the broker and the daemon vs bare SCM_RIGHTS round trips, in one run.
 
     .venv/bin/python tests/bench/bench_attach.py [-n 5000]
     .venv/bin/python tests/bench/bench_attach.py --socket PATH --key KEY --buffer ID
@@ -6,15 +6,20 @@
 Without ``--socket`` it starts a throw-away ``maasd serve`` (temp data dir,
 free port), creates a tenant and a 1 MiB buffer. It then times, each N times:
 
-* baseline — a forked child answers a 1-byte request with 1 byte plus a memfd
-  over a socketpair (send + recvmsg + close fd): the cost of the kernel alone;
-* raw attach — one connection, ``hello`` once, then attach + recvmsg + close fd,
-  frames written by hand (the protocol and the daemon's service call);
+* floors — a forked child answers a 1-byte request with 1 byte plus a memfd
+  over a socketpair: send + recvmsg + close fd (the kernel alone), and the same
+  plus mmap + munmap of the fd (what a worker does with a handle);
+* the broker alone (``broker_designs.py``): the event loop kept and the
+  thread-per-connection design it replaced, over an in-memory service — one
+  connection's round trip and eight connections' throughput, with the server's
+  CPU per operation;
+* raw attach — one connection to the daemon, ``hello`` once, then attach +
+  recvmsg + close fd, frames written by hand (the broker and the service call);
 * Worker.attach — the client library: attach, mmap, numpy view, then
   ``Mapping.close()`` (munmap, close, detach: a second round trip).
 
-and prints per-op times and their ratio to the baseline. Absolute numbers
-drift on shared machines; the ratios are the result. CI never runs this.
+and prints per-op times and their ratio to the floors. Absolute numbers drift
+on shared machines; the ratios are the result. CI never runs this.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
+import mmap
 import os
 import secrets
 import socket
@@ -32,6 +38,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import broker_designs
 import httpx
 
 from maasd.client import Client, Worker
@@ -53,7 +60,7 @@ def _recv(sock: socket.socket, reader: FrameReader) -> tuple[bytes, list[int]]:
     return body, fds
 
 
-def bench_baseline(n: int) -> float:
+def bench_baseline(n: int, *, mmap_it: bool = False) -> float:
     parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     memfd = os.memfd_create("bench", os.MFD_CLOEXEC)
     os.ftruncate(memfd, MiB)
@@ -72,7 +79,10 @@ def bench_baseline(n: int) -> float:
         for _ in range(n):
             parent.send(b"r")
             _data, anc, _f, _a = parent.recvmsg(1, socket.CMSG_SPACE(4))
-            os.close(array.array("i", anc[0][2])[0])
+            fd = array.array("i", anc[0][2])[0]
+            if mmap_it:
+                mmap.mmap(fd, MiB, flags=mmap.MAP_SHARED).close()
+            os.close(fd)
         return (time.perf_counter() - t0) / n
     finally:
         parent.close()
@@ -169,17 +179,30 @@ def main() -> None:
     def run(sock_path: str, key: str, bid: str) -> None:
         bench_raw_attach(sock_path, key, bid, min(200, args.n))  # warm up
         base = bench_baseline(args.n)
+        floor = bench_baseline(args.n, mmap_it=True)
+        designs = {d: broker_designs.measure(d, args.n) for d in ("loop", "threaded")}
         raw = bench_raw_attach(sock_path, key, bid, args.n)
         wrk = bench_worker(sock_path, key, bid, args.n)
         print(f"n = {args.n}")
-        print(f"bare SCM_RIGHTS round trip (socketpair, forked peer): {base * 1e6:8.1f} us")
+        print(f"bare SCM_RIGHTS round trip (socketpair, forked peer):   {base * 1e6:8.1f} us")
+        print(f"bare SCM_RIGHTS + mmap/munmap round trip (the floor):   {floor * 1e6:8.1f} us")
+        for name, label in (("loop", "event loop (kept)"), ("threaded", "thread/connection")):
+            m = designs[name]
+            print(
+                f"broker alone, {label:<18} 1 conn round trip:    {m['rt'] * 1e6:8.1f} us"
+                f"   ratio {m['rt'] / floor:5.2f}x floor   server CPU {m['cpu1'] * 1e6:5.1f} us/op"
+            )
+            print(
+                f"broker alone, {label:<18} 8 conns:        {m['ops']:10.0f} ops/s"
+                f"                      server CPU {m['cpun'] * 1e6:5.1f} us/op"
+            )
         print(
-            f"attach round trip via maasd (raw frames):             {raw * 1e6:8.1f} us"
-            f"   ratio {raw / base:6.1f}x"
+            f"attach round trip via maasd (raw frames):               {raw * 1e6:8.1f} us"
+            f"   ratio {raw / floor:5.2f}x floor"
         )
         print(
-            f"Worker.attach + Mapping.close (mmap, detach):          {wrk * 1e6:8.1f} us"
-            f"   ratio {wrk / base:6.1f}x"
+            f"Worker.attach + Mapping.close (mmap, detach):           {wrk * 1e6:8.1f} us"
+            f"   ratio {wrk / floor:5.2f}x floor"
         )
 
     if args.socket:

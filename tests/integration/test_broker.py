@@ -8,8 +8,6 @@ the broker's own lifecycle, and of ``Worker`` against it, use the fake only.
 
 from __future__ import annotations
 
-import array
-import collections
 import contextlib
 import fcntl
 import mmap
@@ -20,17 +18,14 @@ import stat
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 
 import httpx
 import msgspec
 import numpy as np
 import pytest
 
-from maasd import errors
-from maasd.broker import Broker, status_for
+from maasd.broker import Broker, Limits
 from maasd.client import ConnectionFailed, NotFound, Unauthorized, Worker
-from maasd.models import Principal
 from maasd.protocol import (
     HEADER,
     MAX_FRAME,
@@ -38,196 +33,15 @@ from maasd.protocol import (
     Attached,
     Detach,
     Error,
-    FrameReader,
     Hello,
     Ok,
     Renew,
-    Welcome,
     decode_reply,
-    encode_frame,
 )
+from sockpeer import SEALS, FakeEnv, FakeService, MiB, Raw
 from waiting import wait_until
 
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-MiB = 1 << 20
-
-
-# --- a raw client: the test's own socket code, not maasd.client -------------------
-
-
-class Raw:
-    """A bare connection to the handle socket: frames in, (reply, fds) out."""
-
-    def __init__(self, path: str, timeout: float = 5.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout)
-        self.sock.connect(path)
-        self.reader = FrameReader()
-
-    def send(self, msg) -> None:
-        self.sock.sendall(encode_frame(msg))
-
-    def send_raw(self, data: bytes) -> None:
-        self.sock.sendall(data)
-
-    def recv(self):
-        """Next reply and the fds that came with it; (None, fds) at EOF."""
-        fds: list[int] = []
-        while True:
-            body = self.reader.next_frame()
-            if body is not None:
-                return decode_reply(body), fds
-            data, anc, flags, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
-            assert not flags & socket.MSG_CTRUNC
-            for level, kind, payload in anc:
-                assert (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
-                fds.extend(array.array("i", payload))
-            if not data:
-                return None, fds
-            body = self.reader.next_frame(data)
-            if body is not None:
-                return decode_reply(body), fds
-
-    def call(self, msg):
-        self.send(msg)
-        return self.recv()
-
-    def hello(self, key: str) -> Welcome:
-        reply, fds = self.call(Hello(api_key=key))
-        assert fds == []
-        assert isinstance(reply, Welcome), reply
-        return reply
-
-    def closed_by_peer(self) -> bool:
-        """True once the daemon has closed its end (EOF, or a reset)."""
-        try:
-            while True:
-                reply, fds = self.recv()
-                for fd in fds:
-                    os.close(fd)
-                if reply is None:
-                    return True
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except TimeoutError:
-            return False
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-# --- the fake service ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FakeHandle:
-    fd: int
-    buffer_id: str
-    size_bytes: int
-    numa_node: int
-
-
-class FakeService:
-    """Enough of maasd.core.Service for the broker: keys, sealed memfds, a gauge."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.keys: dict[str, Principal] = {}
-        self.buffers: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, fd, size)
-        self.attached: collections.Counter[str] = collections.Counter()
-        self.renewals: list[tuple[str, int]] = []
-
-    def add_key(self, tenant_id: str) -> str:
-        key = uuid.uuid4().hex
-        self.keys[key] = Principal(is_admin=False, tenant_id=tenant_id, key_id=key[:8])
-        return key
-
-    def revoke(self, key: str) -> None:
-        self.keys.pop(key, None)
-
-    def reserve(self, tenant_id: str, size: int) -> str:
-        fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        bid = uuid.uuid4().hex
-        self.buffers[bid] = (tenant_id, fd, size)
-        return bid
-
-    def release(self, bid: str) -> None:
-        _tenant, fd, size = self.buffers.pop(bid)
-        with mmap.mmap(fd, size) as mm:
-            mm[:] = bytes(size)
-        os.close(fd)
-
-    # the four methods the broker calls
-    def authenticate(self, token: str) -> Principal:
-        p = self.keys.get(token)
-        if p is None:
-            raise errors.Unauthorized("unknown or revoked API key")
-        return p
-
-    def open_handle(self, who: Principal, buffer_id: str) -> FakeHandle:
-        if buffer_id == "boom":
-            raise RuntimeError("simulated bug")
-        with self.lock:
-            b = self.buffers.get(buffer_id)
-            if b is None or b[0] != who.tenant_id:
-                raise errors.NotFound(f"no buffer {buffer_id!r}")
-            self.attached[b[0]] += 1
-            return FakeHandle(fd=os.dup(b[1]), buffer_id=buffer_id, size_bytes=b[2], numa_node=0)
-
-    def drop_handle(self, who: Principal, _buffer_id: str) -> None:
-        with self.lock:
-            assert who.tenant_id is not None
-            self.attached[who.tenant_id] -= 1
-
-    def renew(self, who: Principal, buffer_id: str, ttl_s: int):
-        b = self.buffers.get(buffer_id)
-        if b is None or b[0] != who.tenant_id:
-            raise errors.NotFound(f"no buffer {buffer_id!r}")
-        if ttl_s <= 0:
-            raise errors.InvalidRequest("ttl_s must be >= 1")
-        self.renewals.append((buffer_id, ttl_s))
-        return None
-
-
 # --- one interface over both back ends ------------------------------------------------
-
-
-class FakeEnv:
-    kind = "fake"
-
-    def __init__(self, tmp_path) -> None:
-        self.svc = FakeService()
-        self.socket_path = str(tmp_path / "maasd.sock")
-        self.broker = Broker(self.svc, self.socket_path)
-        self.broker.start()
-
-    def new_tenant(self) -> tuple[str, str]:
-        tid = "t-" + uuid.uuid4().hex[:8]
-        return tid, self.svc.add_key(tid)
-
-    def revocable_key(self, tenant_id: str) -> tuple[str, object]:
-        key = self.svc.add_key(tenant_id)
-        return key, lambda: self.svc.revoke(key)
-
-    def reserve(self, tenant: tuple[str, str], size: int = MiB) -> str:
-        return self.svc.reserve(tenant[0], size)
-
-    def release(self, _tenant: tuple[str, str], bid: str) -> None:
-        self.svc.release(bid)
-
-    def healthy(self) -> bool:
-        with contextlib.closing(Raw(self.socket_path)) as r:
-            tid, key = self.new_tenant()
-            return isinstance(r.call(Hello(api_key=key))[0], Welcome)
-
-    def attached(self, tenant_id: str) -> float:
-        with self.svc.lock:
-            return float(self.svc.attached[tenant_id])
-
-    def close(self) -> None:
-        self.broker.stop()
 
 
 class DaemonEnv:
@@ -565,16 +379,6 @@ def test_many_concurrent_connections(env):
 # --- the broker itself (fake service) -----------------------------------------------------
 
 
-def test_status_table():
-    assert status_for(errors.QuotaExceeded("x")) == 409
-    assert status_for(errors.QosUnmet("x")) == 422
-    assert status_for(errors.TooLarge("x")) == 422
-    assert status_for(errors.PoolExhausted("x")) == 507
-    assert status_for(errors.Forbidden("x")) == 403
-    assert status_for(errors.BackingError("x")) == 500
-    assert status_for(ValueError()) == 500
-
-
 def test_unexpected_exception_is_500_and_the_connection_survives(fake):
     tenant = fake.new_tenant()
     bid = fake.reserve(tenant)
@@ -622,15 +426,17 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_idle_connection_without_hello_is_closed(fake, monkeypatch):
-    monkeypatch.setattr("maasd.broker.HELLO_TIMEOUT_S", 0.2)
-    e2 = FakeEnv.__new__(FakeEnv)
-    e2.svc = fake.svc
-    with contextlib.closing(Raw(fake.socket_path)) as r:
-        reply, _ = r.recv()
-        assert isinstance(reply, Error)
-        assert reply.status == 400
-        assert r.closed_by_peer()
+def test_idle_connection_without_hello_is_closed(tmp_path):
+    e = FakeEnv(tmp_path, Limits(hello_timeout_s=0.2))
+    try:
+        with contextlib.closing(Raw(e.socket_path)) as r:
+            reply, _ = r.recv()
+            assert isinstance(reply, Error)
+            assert reply.status == 400
+            assert "no hello within 0.2 s" in reply.detail
+            assert r.closed_by_peer()
+    finally:
+        e.close()
 
 
 # --- Worker against the in-process broker ---------------------------------------------------
@@ -703,6 +509,7 @@ def test_worker_renews_attached_leases_in_the_background(fake):
         w.attach(bid)
         wait_until(lambda: len(fake.svc.renewals) >= 3, timeout=5, message="three renewals")
         assert set(fake.svc.renewals) == {(bid, 30)}
+    time.sleep(0.2)  # a renew already sent when the worker closed may still land
     n = len(fake.svc.renewals)
     time.sleep(0.2)
     assert len(fake.svc.renewals) == n  # the thread stopped with the worker

@@ -162,3 +162,50 @@ def test_sigterm_with_a_worker_attached(fresh_daemon) -> None:
         assert not np.any(m.array)  # volatile buffers are scrubbed on the way out
         w.close()
     assert not os.path.exists(d.socket_path)
+
+
+def test_admin_key_from_a_systemd_credential(tmp_path: Path) -> None:
+    # LoadCredential=admin-key:/etc/maasd/admin.key puts it in $CREDENTIALS_DIRECTORY.
+    from conftest import Daemon
+
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    key = "maasd_cred_" + "k" * 32
+    (creds / "admin-key").write_text(key + "\n")
+    (creds / "admin-key").chmod(0o400)
+    d = Daemon(tmp_path / "cred", env={"CREDENTIALS_DIRECTORY": str(creds)})
+    del d.env["MAASD_ADMIN_KEY"]
+    try:
+        d.start()
+        with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {key}"}) as admin:
+            assert admin.get("/v1/tenants").status_code == 200
+        assert not (d.data_dir / "admin.key").exists()  # nothing generated
+        assert key not in d.log()
+        assert d.stop() == 0
+        (creds / "admin-key").chmod(0o600)
+        (creds / "admin-key").write_text("\n")
+        d.proc = None
+        with pytest.raises(RuntimeError, match="admin-key credential"):
+            d.start()
+    finally:
+        d.close()
+
+
+def test_a_deleted_default_pool_stays_deleted_across_restarts(fresh_daemon) -> None:
+    d = fresh_daemon.start()
+    _, key = d.tenant("drained", 64 * MiB)
+    with d.client(key) as user:
+        assert user.post("/v1/reserve", json={"size_bytes": MiB}).status_code == 201
+    assert d.admin.delete("/v1/pools/node0", params={"drain": "true"}).status_code == 204
+    d.restart()
+    assert "node0" not in [p["name"] for p in d.admin.get("/v1/pools").json()]
+    assert "default pool node0 was deleted" in d.log()
+    # made again by hand, it is the ledger's like any other pool and survives a restart
+    r = d.admin.post(
+        "/v1/pools", json={"name": "node0", "numa_node": 0, "capacity_bytes": 64 * MiB}
+    )
+    assert r.status_code == 201, r.text
+    d.restart()
+    (node0,) = [p for p in d.admin.get("/v1/pools").json() if p["name"] == "node0"]
+    assert node0["capacity_bytes"] == 64 * MiB
+    assert d.stop() == 0

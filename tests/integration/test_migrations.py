@@ -251,3 +251,46 @@ def test_concurrent_upgrades_serialise(empty_url: str) -> None:
     finally:
         for s in stores:
             s.dispose()
+
+
+def test_upgrade_to_0003_lists_the_hosts_of_pools_as_never_seen(store: Store) -> None:
+    store.upgrade("0002")
+    with store.engine.begin() as conn:
+        add_tenant_and_pools(conn)
+    store.upgrade()
+    assert schema_diff(store) == []
+    with store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT name, incarnation, last_seen, stopped_at FROM hosts ORDER BY name")
+        ).all()
+    assert [tuple(r) for r in rows] == [("h1", "", 0.0, None), ("h2", "", 0.0, None)]
+
+
+def test_a_key_revocation_or_deletion_notifies_the_listeners(store: Store) -> None:
+    """PostgreSQL: migration 0003's trigger announces key changes on ``maasd_keys``."""
+    if not store.is_postgres:
+        pytest.skip("one daemon per SQLite ledger: nobody to tell")
+    import psycopg
+
+    store.upgrade()
+    args, kwargs = store.engine.dialect.create_connect_args(store.url)
+    with psycopg.connect(*args, **kwargs, autocommit=True) as listener:
+        listener.execute("LISTEN maasd_keys")
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO tenants VALUES ('t1', 't', 9, 0, NULL, NULL)"))
+            conn.execute(
+                sa.text("INSERT INTO api_keys VALUES ('k1', 't1', :d, 0, NULL)"), {"d": b"x"}
+            )
+        assert list(listener.notifies(timeout=0.2)) == []  # issuing a key is no news
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE api_keys SET revoked_at = 1 WHERE id = 'k1'"))
+        assert [n.channel for n in listener.notifies(timeout=5, stop_after=1)] == ["maasd_keys"]
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM api_keys"))
+        assert [n.channel for n in listener.notifies(timeout=5, stop_after=1)] == ["maasd_keys"]
+    downgrade(store, "0002")
+    with store.engine.connect() as conn:
+        triggers = conn.execute(
+            sa.text("SELECT tgname FROM pg_trigger WHERE tgname = 'maasd_keys_changed'")
+        ).all()
+    assert triggers == []

@@ -90,3 +90,11 @@ def test_the_migrations_are_in_the_wheel_as_maasd_migrations(wheel_files: set[st
     assert any(name.startswith("maasd/migrations/versions/") for name in expected)
     assert expected <= wheel_files, sorted(expected - wheel_files)
     assert not any(name.startswith("migrations/") for name in wheel_files)  # not top level
+
+
+def test_the_api_pages_assets_are_in_the_wheel(wheel_files: set[str]) -> None:
+    # /docs serves Swagger UI from the package (no CDN): every vendored file ships.
+    assets = REPO / "maasd" / "api" / "swagger_ui"
+    expected = {f"maasd/api/swagger_ui/{p.name}" for p in assets.iterdir()}
+    assert "maasd/api/swagger_ui/swagger-ui-bundle.js" in expected
+    assert expected <= wheel_files, sorted(expected - wheel_files)

@@ -94,15 +94,21 @@ class Clock:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
+        #: The daemon's connection caps: REST (from its open files), socket (set here).
+        self.cap = min(1024, max(16, args.files // 16))
+        self.sockets = self.cap
         self.record = Record()
         self.deadline = 0.0
         self.dir = Path(tempfile.mkdtemp(prefix="maasd-soak-"))
         self.daemon = Daemon(
             self.dir / "data",
             wrapper=["prlimit", f"--nofile={args.files}:{args.files}", "--"],
-            env={"MAASD_HTTP_IDLE_S": "2", "MAASD_MAX_BUFFERS_PER_TENANT": "512"},
+            env={
+                "MAASD_HTTP_IDLE_S": "2",
+                "MAASD_MAX_BUFFERS_PER_TENANT": "512",
+                "MAASD_SOCKET_MAX_CONNECTIONS": str(self.sockets),
+            },
         )
-        self.cap = min(1024, max(16, args.files // 16))  # the daemon's connection caps
 
     def running(self) -> bool:
         return time.monotonic() < self.deadline
@@ -287,7 +293,7 @@ class Attacks(Clock):
     def socket_flood(self) -> None:
         while self.running():
             held = []
-            for _ in range(2 * self.cap):
+            for _ in range(2 * self.sockets):
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
                     s.connect(self.daemon.socket_path)

@@ -64,6 +64,8 @@ def admin_routes(tid: str) -> list[tuple[str, str, Any]]:
         ("POST", f"/v1/tenants/{tid}/keys", None),
         ("DELETE", f"/v1/tenants/{tid}/keys/{'0' * 32}", None),
         ("GET", "/v1/events", None),
+        ("GET", "/v1/hosts", None),
+        ("DELETE", "/v1/hosts/elsewhere", None),
     ]
 
 
@@ -150,7 +152,7 @@ def test_guards_decide_on_the_event_loop(svc: Service) -> None:
     app = create_app(svc)
     handlers = [h for route in app.routes for h in getattr(route, "route_handlers", [])]
     guarded = [h for h in handlers if h.resolve_guards()]
-    assert len([h for h in guarded if "OPTIONS" not in h.http_methods]) == 24  # /v1, /metrics
+    assert len([h for h in guarded if "OPTIONS" not in h.http_methods]) == 26  # /v1, /metrics
     for handler in guarded:
         for guard in handler.resolve_guards():
             assert inspect.iscoroutinefunction(guard), (handler, guard)

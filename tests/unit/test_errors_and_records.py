@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 import pytest
 
@@ -54,16 +56,27 @@ def test_every_concrete_error_is_mapped() -> None:
 
 
 def test_broker_and_api_share_the_one_table() -> None:
-    from maasd import broker
     from maasd.api import problems as api_problems
+    from maasd.broker.dispatch import Dispatcher
+    from maasd.broker.pacing import LogLimiter
+    from maasd.problems import problem_of
+    from maasd.protocol import Error
 
     # Both faces use maasd.problems itself, not copies that could drift apart …
     assert api_problems.status_of is status_of
     assert api_problems.PROBLEM_BASE is PROBLEM_BASE
-    assert broker.PROBLEM_TYPE_BASE is PROBLEM_BASE
+    dispatcher = Dispatcher(None, LogLimiter(logging.getLogger("test")))  # type: ignore[arg-type]
     # … so each error class gets its documented status on the socket and over REST,
     for cls, status in EXPECTED_STATUS.items():
-        assert broker.status_for(cls("x")) == status, cls
+        frame = dispatcher.error(cls("x"), {}).reply
+        assert isinstance(frame, Error)
+        p = problem_of(cls("x"))
+        assert (frame.status, frame.type, frame.title, frame.detail) == (
+            status,
+            p.type,
+            p.title,
+            p.detail,
+        ), cls
         assert api_problems.status_of(cls("x")) == status, cls
     # under the problem type base that docs/api.md shows.
     assert PROBLEM_BASE == "https://maasd.dev/problems/"

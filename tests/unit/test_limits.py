@@ -19,33 +19,34 @@ from maasd.errors import BackingError, PoolExhausted, ResourceLimit
 
 
 @pytest.mark.parametrize(
-    ("files", "maps", "headroom", "budget", "connections", "binding"),
+    ("files", "maps", "socket", "headroom", "budget", "rest", "binding"),
     [
-        (1024, 65530, 512, 512, 64, "RLIMIT_NOFILE 1024"),
-        (2048, 65530, 512, 1536, 128, "RLIMIT_NOFILE 2048"),
-        (200, None, 512, 0, 16, "RLIMIT_NOFILE 200"),
-        (20000, 65530, 5000, 15000, 1024, "RLIMIT_NOFILE 20000"),
-        (524288, 65530, 131072, 57339, 1024, "vm.max_map_count 65530"),
-        (524288, None, 131072, 393216, 1024, "RLIMIT_NOFILE 524288"),
+        (20000, 65530, 1024, 5000, 15000, 1024, "RLIMIT_NOFILE 20000"),
+        (1024, 65530, 1024, 1312, 0, 64, "RLIMIT_NOFILE 1024"),
+        (1024, 65530, 64, 352, 672, 64, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 128, 512, 1536, 128, "RLIMIT_NOFILE 2048"),
+        (524288, 65530, 1024, 131072, 57339, 1024, "vm.max_map_count 65530"),
+        (524288, None, 1024, 131072, 393216, 1024, "RLIMIT_NOFILE 524288"),
     ],
 )
 def test_the_budget_formula(
     files: int,
     maps: int | None,
+    socket: int,
     headroom: int,
     budget: int,
-    connections: int,
+    rest: int,
     binding: str,
 ) -> None:
-    lim = Limits(open_files=files, max_map_count=maps)
+    lim = Limits(open_files=files, max_map_count=maps, socket_connections=socket, ledger_files=160)
     assert (lim.headroom, lim.region_budget, lim.connections, lim.binding) == (
         headroom,
         budget,
-        connections,
+        rest,
         binding,
     )
-    assert lim.region_budget + lim.headroom <= max(files, lim.headroom)
-    assert lim.connections < lim.headroom
+    # whatever the numbers, the regions and everything else fit the limit
+    assert lim.region_budget + lim.reserved <= max(files, lim.reserved)
 
 
 def test_read_limits_reads_this_process() -> None:
@@ -56,7 +57,8 @@ def test_read_limits_reads_this_process() -> None:
 
 def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
     held = [0]
-    budget = RegionBudget(Limits(open_files=516), held=lambda: held[0])  # budget 4
+    budget = RegionBudget(Limits(open_files=100, ledger_files=16), held=lambda: held[0])
+    assert budget.limits.reserved == 96  # 64 own + 16 ledger + 16 REST: budget 4
     assert budget.budget == 4
     with budget.admit(), budget.admit():  # two being made count as held
         assert budget.held() == 2
@@ -66,7 +68,7 @@ def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
     assert budget.held() == 2  # the two made are counted by ``held`` alone now
     with budget.admit(), budget.admit(), pytest.raises(ResourceLimit) as e:
         budget.admit().__enter__()
-    assert "RLIMIT_NOFILE 516" in e.value.detail
+    assert "RLIMIT_NOFILE 100" in e.value.detail
     assert "open files" in e.value.detail
     held[0] = 0
     with pytest.raises(RuntimeError), budget.admit():  # a failure gives the slot back
@@ -75,7 +77,7 @@ def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
 
 
 def test_health_is_ok_at_the_budget_but_not_out_of_files() -> None:
-    budget = RegionBudget(Limits(open_files=514), held=lambda: 2)  # budget 2: full
+    budget = RegionBudget(Limits(open_files=82), held=lambda: 2)  # 80 reserved: budget 2
     ok, detail = budget.health()
     assert ok
     assert detail.endswith("open files, 2 of 2 buffer regions")

@@ -189,8 +189,11 @@ class TestBadValues:
             ({"MAASD_PORT": "-1"}, "port"),
             ({"MAASD_MAX_TTL_S": "0"}, "max_ttl_s"),
             ({"MAASD_MAX_TTL_S": "soon"}, "max_ttl_s"),
-            ({"MAASD_DEFAULT_POOL_BYTES": "8GiB"}, "default_pool_bytes"),
             ({"MAASD_REAPER_INTERVAL_S": "fast"}, "reaper_interval_s"),
+            ({"MAASD_REAPER_INTERVAL_S": "0"}, "reaper_interval_s"),
+            ({"MAASD_HOST_TIMEOUT_S": "2", "MAASD_REAPER_INTERVAL_S": "1"}, "host_timeout_s"),
+            ({"MAASD_DB_POOL_SIZE": "0"}, "db_pool_size"),
+            ({"MAASD_DB_MAX_OVERFLOW": "-1"}, "db_max_overflow"),
         ],
     )
     def test_bad_env(self, env, word):
@@ -263,3 +266,48 @@ def test_limits_settings(tmp_path) -> None:
     for bad in ({"MAASD_MAX_BUFFERS_PER_TENANT": "0"}, {"MAASD_HTTP_IDLE_S": "0"}):
         with pytest.raises(ConfigError):
             load(env=bad)
+
+
+class TestSizes:
+    """Sizes a person types take units; a bad one names where it came from."""
+
+    def test_env_default_pool_bytes_with_a_unit(self):
+        assert load(env={"MAASD_DEFAULT_POOL_BYTES": "1GiB"}).default_pool_bytes == 1 << 30
+        assert load(env={"MAASD_DEFAULT_POOL_BYTES": "268435456"}).default_pool_bytes == 1 << 28
+
+    def test_config_capacity_with_a_unit(self, tmp_path):
+        path = write(
+            tmp_path,
+            """
+            default_pool_bytes = "512MiB"
+
+            [[pools]]
+            name = "fast"
+            numa_node = 0
+            capacity_bytes = "8GiB"
+
+            [[pools]]
+            name = "plain"
+            numa_node = 0
+            capacity_bytes = 4096
+            """,
+        )
+        s = load(flags={"config": path}, env={})
+        assert s.default_pool_bytes == 512 << 20
+        assert [p.capacity_bytes for p in s.pools] == [8 << 30, 4096]
+
+    @pytest.mark.parametrize(
+        ("value", "says"),
+        [("1Gx", "'1Gx': unknown unit"), ("1G", "ambiguous"), ("-1GiB", "negative")],
+    )
+    def test_a_bad_env_size_names_the_variable(self, value, says):
+        with pytest.raises(ConfigError) as info:
+            load(env={"MAASD_DEFAULT_POOL_BYTES": value})
+        assert info.value.detail.startswith(f"MAASD_DEFAULT_POOL_BYTES: '{value}'")
+        assert says in info.value.detail
+
+    def test_a_bad_config_size_names_the_file_and_the_pool(self, tmp_path):
+        path = write(tmp_path, '[[pools]]\nname = "x"\nnuma_node = 0\ncapacity_bytes = "8 gigs"\n')
+        with pytest.raises(ConfigError) as info:
+            load(flags={"config": path}, env={})
+        assert info.value.detail.startswith(f"{path}: pools[0].capacity_bytes: '8 gigs'")

@@ -36,3 +36,16 @@ def test_delete_pool(store: Store) -> None:
     assert store.pools(HOST) == []
     with pytest.raises(NotFound):
         store.delete_pool(pool.id)
+
+
+def test_a_deleted_pool_is_remembered_per_host(store: Store) -> None:
+    a = make_pool(store, "node0")
+    make_pool(store, "node0", host="host-b")
+    make_pool(store, "node1")
+    assert store.deleted_pools(HOST, ["node0", "node1"]) == set()
+    store.delete_pool(a.id)
+    assert store.deleted_pools(HOST, ["node0", "node1"]) == {"node0"}
+    assert store.deleted_pools("host-b", ["node0"]) == set()  # its own node0 is untouched
+    assert store.deleted_pools(HOST, []) == set()
+    (ev,) = [e for e in store.events() if e.kind == "pool_delete"]
+    assert ev.detail == f"node0 on {HOST}"

@@ -17,6 +17,7 @@ from maasd.cli.maasctl.buffers import buffers
 from maasd.cli.maasctl.context import DEFAULT_URL, Ctx, console
 from maasd.cli.maasctl.errors import from_client_error
 from maasd.cli.maasctl.events import events
+from maasd.cli.maasctl.hosts import hosts
 from maasd.cli.maasctl.keys import keys
 from maasd.cli.maasctl.pools import pools
 from maasd.cli.maasctl.status import status, top
@@ -108,7 +109,7 @@ def cli(ctx: click.Context, url: str, key: str | None, as_json: bool, timeout: f
     ctx.obj = Ctx(url=url, key=key, as_json=as_json, timeout=timeout, out=console())
 
 
-for command in (status, usage, topology, top, pools, tenants, keys, buffers, events):
+for command in (status, usage, topology, top, pools, tenants, keys, buffers, events, hosts):
     cli.add_command(command)
 
 

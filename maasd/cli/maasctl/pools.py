@@ -24,7 +24,11 @@ __all__ = ["pools", "pools_table"]
 
 
 def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
+    items = list(items)
+    hosts = len({p.host for p in items}) > 1  # the admin's view of several hosts
     t = table(title)
+    if hosts:
+        t.add_column("HOST", no_wrap=True)
     t.add_column("NAME", style="bold", no_wrap=True)
     t.add_column("ID", overflow="fold")
     t.add_column("NODE", justify="right")
@@ -40,6 +44,7 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
     for p in items:
         add_row(
             t,
+            *((p.host,) if hosts else ()),
             p.name,
             ident(p.id),
             p.numa_node,
@@ -69,7 +74,7 @@ def pools() -> None:
 @pools.command("list")
 @pass_ctx
 def pools_list(c: Ctx) -> None:
-    """All pools with capacity, use and properties.
+    """All pools with capacity, use and properties (the admin: of every host).
 
     \b
     Example:

@@ -16,11 +16,11 @@ from maasd.cli.maasctl.formatting import add_row, kv_table, size, table, text, u
 from maasd.cli.maasctl.units import format_size
 from maasd.client import Forbidden, Pool, Tenant
 
-__all__ = ["status", "status_view", "top"]
+__all__ = ["by_host", "status", "status_view", "top"]
 
 
-def _pools(pools: list[Pool], ascii_only: bool) -> Table:
-    pt = table("Pools")
+def _pools(pools: list[Pool], ascii_only: bool, title: str = "Pools") -> Table:
+    pt = table(title)
     pt.add_column("NAME", style="bold", no_wrap=True)
     pt.add_column("NODE", justify="right")
     pt.add_column("KIND", no_wrap=True)
@@ -65,17 +65,42 @@ def _tenants(tenants: list[Tenant], ascii_only: bool) -> Table:
     return tt
 
 
+def by_host(pools: list[Pool]) -> dict[str, list[Pool]]:
+    """Pools grouped by their host (``""`` when the daemon does not say), hosts in name order."""
+    groups: dict[str, list[Pool]] = {}
+    for p in sorted(pools, key=lambda p: (p.host, p.name)):
+        groups.setdefault(p.host, []).append(p)
+    return groups
+
+
+def _pool_tables(pools: list[Pool], ascii_only: bool) -> list[RenderableType]:
+    """One table of pools; with several hosts (the admin's view of a fleet), one per host,
+    each with the host's totals."""
+    groups = by_host(pools)
+    if len(groups) <= 1:
+        return [_pools(pools, ascii_only)]
+    parts: list[RenderableType] = []
+    for host, group in groups.items():
+        cap = sum(p.capacity_bytes for p in group)
+        used = sum(p.used_bytes for p in group)
+        title = f"Pools on {host} — {format_size(used)} of {format_size(cap)} used"
+        parts += [_pools(group, ascii_only, title), Text("")]
+    return parts[:-1]
+
+
 def status_view(
     pools: list[Pool], tenants: list[Tenant] | None, *, ascii_only: bool = False
 ) -> Group:
-    """Pools with usage bars, tenants with quota bars, and totals."""
-    parts: list[RenderableType] = [_pools(pools, ascii_only)]
+    """Pools (by host, when they are several) with usage bars, tenants with quota bars, totals."""
+    parts: list[RenderableType] = _pool_tables(pools, ascii_only)
     if tenants is not None:
         parts += [Text(""), _tenants(tenants, ascii_only)]
     cap = sum(p.capacity_bytes for p in pools)
     used = sum(p.used_bytes for p in pools)
     tot = kv_table()
-    add_row(tot, "capacity", f"{format_size(cap)} in {len(pools)} pool(s)")
+    hosts = len(by_host(pools))
+    where = f" on {hosts} hosts" if hosts > 1 else ""
+    add_row(tot, "capacity", f"{format_size(cap)} in {len(pools)} pool(s){where}")
     add_row(
         tot, "used", usage_bar(used, cap, ascii_only=ascii_only).append(f"  {format_size(used)}")
     )
@@ -95,8 +120,9 @@ def status_view(
 def status(c: Ctx) -> None:
     """Pools with usage bars, tenants with quota bars, and totals.
 
-    With --json: {"pools": GET /v1/pools, "tenants": GET /v1/tenants}
-    ("tenants" is null when the key may not list them).
+    With the admin key of a daemon that shares its ledger with others, the pools
+    of every host, one table per host. With --json: {"pools": GET /v1/pools,
+    "tenants": GET /v1/tenants} ("tenants" is null when the key may not list them).
 
     \b
     Example:

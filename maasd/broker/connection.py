@@ -1,0 +1,185 @@
+"""One accepted peer: its credentials, its input and output buffers, what it holds.
+
+All methods are non-blocking and run on the broker's event loop thread, which
+is the only thread that touches a :class:`Connection` (slow operations hand
+their result back to the loop instead of writing here).
+
+Output is a queue of ``[bytes-left, fds]`` messages. The broker reads no
+further frame from a connection while its queue is non-empty or an operation
+of it is in flight, so the queue holds at most one reply (≤ 64 KiB): what a
+peer that never reads can make the daemon keep is bounded by that, and the
+send deadline closes it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import socket
+import struct
+
+from maasd.models import Principal
+from maasd.protocol import FrameReader
+
+__all__ = ["Connection", "peer_credentials"]
+
+_PEERCRED = struct.Struct("3i")
+
+#: The kernel's send buffer per connection (it doubles what is asked). Replies are
+#: small and a worker reads each before it asks again, so this only ever fills
+#: for a peer that does not read — and it bounds how many replies, and so how many
+#: fds, can sit unread in that peer's socket (a dozen or two), where they would
+#: count against the daemon's in-flight fd limit (ETOOMANYREFS) for everyone.
+SEND_BUFFER_BYTES = 8 * 1024
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the peer of a Unix socket, from SO_PEERCRED."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    except OSError:  # pragma: no cover - always available on Linux AF_UNIX
+        return -1, -1, -1
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+class Connection:
+    """A worker's connection, from accept to close."""
+
+    __slots__ = (
+        "api_key",
+        "busy",
+        "closed",
+        "events",
+        "gid",
+        "held",
+        "in_backlog",
+        "lingering",
+        "name",
+        "out",
+        "pid",
+        "principal",
+        "reader",
+        "sock",
+        "uid",
+    )
+
+    def __init__(self, sock: socket.socket, name: str) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        self.sock = sock
+        self.name = name
+        self.pid, self.uid, self.gid = peer_credentials(sock)
+        self.reader = FrameReader()
+        #: set by a successful hello (and only then: the tenant count depends on it)
+        self.principal: Principal | None = None
+        self.api_key: str | None = None
+        #: buffer_id -> attachments handed to this peer and not yet dropped
+        self.held: collections.Counter[str] = collections.Counter()
+        self.out: collections.deque[_Outgoing] = collections.deque()
+        self.busy = False  # an operation of this connection runs on the slow pool
+        self.closed = False
+        self.lingering = False  # refused: waits briefly for the peer's first bytes, then closes
+        self.in_backlog = False
+        self.events = 0  # selector events registered now (0: not registered)
+
+    @property
+    def tenant(self) -> str | None:
+        """The tenant this connection counts against ("admin" for the admin key), or None."""
+        p = self.principal
+        if p is None:
+            return None
+        return "admin" if p.is_admin else str(p.tenant_id)
+
+    def fields(self, **more: object) -> dict[str, object]:
+        """Structured-logging fields (``extra=``) that identify this connection."""
+        return {
+            "conn": self.name,
+            "peer_pid": self.pid,
+            "peer_uid": self.uid,
+            "tenant": self.tenant or "-",
+            **more,
+        }
+
+    @property
+    def wants_read(self) -> bool:
+        """Whether to read more: nothing in flight, nothing unsent, no whole frame waiting."""
+        return not (self.busy or self.out or self.reader.has_frame)
+
+    def send(self, frame: bytes, fds: tuple[int, ...] = ()) -> bool:
+        """Send ``frame`` (``fds`` with its first byte) as far as the kernel takes it now.
+
+        What is not taken is queued for :meth:`flush`. Returns True when nothing is
+        left queued; raises ``OSError`` when the peer is gone. The fds are owned
+        from here on: closed once sent, or by :meth:`close`.
+        """
+        if self.out:
+            self.out.append(_Outgoing(memoryview(frame), fds))
+            return self.flush()
+        try:
+            sent = self._send_once(frame, fds)
+        except OSError:
+            _close_all(fds)  # never queued: nobody else will close them
+            raise
+        if sent == len(frame):
+            return True
+        self.out.append(_Outgoing(memoryview(frame)[sent:], () if sent else fds))
+        return False
+
+    def flush(self) -> bool:
+        """Send what is queued as far as the kernel takes it; True when the queue is empty.
+
+        Raises ``OSError`` when the peer is gone (EPIPE, ECONNRESET, …).
+        """
+        while self.out:
+            msg = self.out[0]
+            sent = self._send_once(msg.view, msg.fds)
+            if sent:
+                msg.fds = ()
+            if sent < len(msg.view):
+                msg.view = msg.view[sent:]
+                return False
+            self.out.popleft()
+        return True
+
+    def _send_once(self, data: bytes | memoryview, fds: tuple[int, ...]) -> int:
+        """One non-blocking send; 0 when the kernel takes nothing now. Sent fds are closed."""
+        try:
+            if fds:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
+                sent = self.sock.sendmsg([data], anc, socket.MSG_NOSIGNAL)
+            else:
+                sent = self.sock.send(data, socket.MSG_NOSIGNAL)
+        except BlockingIOError:
+            return 0
+        if fds:  # they went with the first byte: the kernel holds its own references now
+            _close_all(fds)
+        return sent
+
+    def close(self) -> None:
+        """Close the socket and every fd of a reply that was never sent."""
+        self.closed = True
+        for msg in self.out:
+            _close_all(msg.fds)
+        self.out.clear()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class _Outgoing:
+    """A reply not yet (wholly) sent: the bytes left, and fds still to go with the first."""
+
+    __slots__ = ("fds", "view")
+
+    def __init__(self, view: memoryview, fds: tuple[int, ...]) -> None:
+        self.view = view
+        self.fds = fds
+
+
+def _close_all(fds: tuple[int, ...]) -> None:
+    for fd in fds:
+        try:  # noqa: SIM105 - on every attach: suppress() would cost a context manager per fd
+            os.close(fd)
+        except OSError:
+            pass

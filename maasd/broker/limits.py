@@ -1,0 +1,132 @@
+"""The broker's bounds (from :class:`maasd.settings.Settings`) and the counts they apply to.
+
+Pure bookkeeping, no sockets, so every cap is tested without a connection::
+
+    >>> counts = ConnectionCounts(Limits(max_per_uid=1))
+    >>> counts.admit_peer(1000) is None
+    True
+    >>> counts.admit_peer(1000)
+    'peer uid 1000 has 1 connections open (socket_max_per_uid = 1)'
+
+A connection is counted for its peer uid and, until it says ``hello``, as
+unauthenticated; after ``hello`` it moves to its tenant. Every admitted count is
+given back exactly once (``leave``), whatever way the connection ends.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, TypeVar
+
+import msgspec
+
+if TYPE_CHECKING:
+    from maasd.settings import Settings
+
+__all__ = ["ConnectionCounts", "Limits"]
+
+K = TypeVar("K")
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Every bound of the socket, with the defaults ``maasd serve`` uses.
+
+    Each field is the ``Settings`` field ``socket_<name>`` (see docs/operations.md).
+    """
+
+    #: Connections open at once, in total.
+    max_connections: int = 1024
+    #: Connections that have not completed ``hello`` yet, in total; one peer uid may
+    #: hold at most half of them, so a flood from one uid cannot lock out the others.
+    max_unauthenticated: int = 64
+    #: Connections of one peer uid (SO_PEERCRED), before and after ``hello``.
+    max_per_uid: int = 512
+    #: Connections of one tenant (the admin key counts as tenant "admin"), after ``hello``.
+    max_per_tenant: int = 128
+    #: A connection must complete ``hello`` this many seconds after it was accepted.
+    hello_timeout_s: float = 5.0
+    #: A reply the peer has not taken off the socket within this many seconds closes it.
+    send_timeout_s: float = 10.0
+    #: Threads that run slow operations (renew now; reserve, commit, abort later).
+    slow_workers: int = 4
+    #: Slow operations of one tenant running at once (the rest wait their turn).
+    slow_per_tenant: int = 2
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        """The limits configured in ``settings`` (fields ``socket_max_connections``, …)."""
+        return cls(**{name: getattr(settings, "socket_" + name) for name in cls.__struct_fields__})
+
+
+class ConnectionCounts:
+    """Open connections by peer uid, by tenant, unauthenticated and in total.
+
+    ``admit_*`` answers ``None`` when the connection may stay (and counts it), or
+    a sentence naming the cap it would exceed (and counts nothing).
+    """
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.total = 0
+        self.unauthenticated = 0
+        self.by_uid: collections.Counter[int] = collections.Counter()
+        self.unauthenticated_by_uid: collections.Counter[int] = collections.Counter()
+        self.by_tenant: collections.Counter[str] = collections.Counter()
+
+    def admit_peer(self, uid: int) -> str | None:
+        """A connection was accepted from ``uid``: count it, or say which cap refuses it."""
+        lim = self.limits
+        if self.total >= lim.max_connections:
+            return (
+                f"the daemon has {self.total} connections open "
+                f"(socket_max_connections = {lim.max_connections})"
+            )
+        if self.unauthenticated >= lim.max_unauthenticated:
+            return (
+                f"{self.unauthenticated} connections are waiting for hello "
+                f"(socket_max_unauthenticated = {lim.max_unauthenticated})"
+            )
+        uid_share = max(1, lim.max_unauthenticated // 2)
+        if self.unauthenticated_by_uid[uid] >= uid_share:
+            return (
+                f"peer uid {uid} has {self.unauthenticated_by_uid[uid]} connections waiting "
+                f"for hello, half of socket_max_unauthenticated = {lim.max_unauthenticated}"
+            )
+        if self.by_uid[uid] >= lim.max_per_uid:
+            return (
+                f"peer uid {uid} has {self.by_uid[uid]} connections open "
+                f"(socket_max_per_uid = {lim.max_per_uid})"
+            )
+        self.total += 1
+        self.unauthenticated += 1
+        self.unauthenticated_by_uid[uid] += 1
+        self.by_uid[uid] += 1
+        return None
+
+    def admit_tenant(self, uid: int, tenant: str) -> str | None:
+        """An admitted connection of ``uid`` said ``hello`` as ``tenant``: move it, or refuse."""
+        if self.by_tenant[tenant] >= self.limits.max_per_tenant:
+            return (
+                f"tenant {tenant} has {self.by_tenant[tenant]} connections open "
+                f"(socket_max_per_tenant = {self.limits.max_per_tenant})"
+            )
+        self.unauthenticated -= 1
+        _decrement(self.unauthenticated_by_uid, uid)
+        self.by_tenant[tenant] += 1
+        return None
+
+    def leave(self, uid: int, tenant: str | None) -> None:
+        """An admitted connection closed; ``tenant`` is None if it never completed hello."""
+        self.total -= 1
+        _decrement(self.by_uid, uid)
+        if tenant is None:
+            self.unauthenticated -= 1
+            _decrement(self.unauthenticated_by_uid, uid)
+        else:
+            _decrement(self.by_tenant, tenant)
+
+
+def _decrement(counter: collections.Counter[K], key: K) -> None:
+    counter[key] -= 1
+    if counter[key] <= 0:
+        del counter[key]

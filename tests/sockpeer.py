@@ -1,0 +1,295 @@
+"""Peers of the handle socket for tests: a raw frame client and a fake service.
+
+``Raw`` is the test's own socket code (not ``maasd.client``): frames in, (reply,
+fds) out. ``FakeService`` is enough of the daemon's service for the broker —
+keys, real sealed memfds, an attachment gauge — so broker tests need no ledger.
+Import as ``from sockpeer import Raw, FakeService`` (``tests/`` is on the path).
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import fcntl
+import mmap
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+
+from maasd import errors
+from maasd.broker import Broker, Limits
+from maasd.models import Principal
+from maasd.protocol import FrameReader, Hello, Welcome, decode_reply, encode_frame
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+MiB = 1 << 20
+
+
+# --- a raw client: the test's own socket code, not maasd.client -------------------
+
+
+class Raw:
+    """A bare connection to the handle socket: frames in, (reply, fds) out."""
+
+    def __init__(self, path: str, timeout: float = 5.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.reader = FrameReader()
+
+    def send(self, msg) -> None:
+        self.sock.sendall(encode_frame(msg))
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv(self):
+        """Next reply and the fds that came with it; (None, fds) at EOF."""
+        fds: list[int] = []
+        while True:
+            body = self.reader.next_frame()
+            if body is not None:
+                return decode_reply(body), fds
+            data, anc, flags, _ = self.sock.recvmsg(65536, socket.CMSG_SPACE(16 * 4))
+            assert not flags & socket.MSG_CTRUNC
+            for level, kind, payload in anc:
+                assert (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+                fds.extend(array.array("i", payload))
+            if not data:
+                return None, fds
+            body = self.reader.next_frame(data)
+            if body is not None:
+                return decode_reply(body), fds
+
+    def call(self, msg):
+        self.send(msg)
+        return self.recv()
+
+    def hello(self, key: str) -> Welcome:
+        reply, fds = self.call(Hello(api_key=key))
+        assert fds == []
+        assert isinstance(reply, Welcome), reply
+        return reply
+
+    def closed_by_peer(self) -> bool:
+        """True once the daemon has closed its end (EOF, or a reset)."""
+        try:
+            while True:
+                reply, fds = self.recv()
+                for fd in fds:
+                    os.close(fd)
+                if reply is None:
+                    return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except TimeoutError:
+            return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --- the fake service ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FakeHandle:
+    fd: int
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
+class FakeService:
+    """Enough of maasd.core.Service for the broker: keys, sealed memfds, a gauge."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.keys: dict[str, Principal] = {}
+        self.buffers: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, fd, size)
+        self.attached: collections.Counter[str] = collections.Counter()
+        self.renewals: list[tuple[str, int]] = []
+        #: tenant_id -> an event its renews wait for (a slow ledger, for the slow-pool tests)
+        self.renew_gates: dict[str, threading.Event] = {}
+        #: tenant_id -> an event its attaches wait for (an inline call that blocks the loop)
+        self.attach_gates: dict[str, threading.Event] = {}
+
+    def add_key(self, tenant_id: str) -> str:
+        key = uuid.uuid4().hex
+        self.keys[key] = Principal(is_admin=False, tenant_id=tenant_id, key_id=key[:8])
+        return key
+
+    def revoke(self, key: str) -> None:
+        self.keys.pop(key, None)
+
+    def reserve(self, tenant_id: str, size: int) -> str:
+        fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        bid = uuid.uuid4().hex
+        self.buffers[bid] = (tenant_id, fd, size)
+        return bid
+
+    def release(self, bid: str) -> None:
+        _tenant, fd, size = self.buffers.pop(bid)
+        with mmap.mmap(fd, size) as mm:
+            mm[:] = bytes(size)
+        os.close(fd)
+
+    # the four methods the broker calls
+    def authenticate(self, token: str) -> Principal:
+        p = self.keys.get(token)
+        if p is None:
+            raise errors.Unauthorized("unknown or revoked API key")
+        return p
+
+    def open_handle(self, who: Principal, buffer_id: str) -> FakeHandle:
+        if buffer_id == "boom":
+            raise RuntimeError("simulated bug")
+        gate = self.attach_gates.get(str(who.tenant_id))
+        if gate is not None:
+            gate.wait(60)
+        with self.lock:
+            b = self.buffers.get(buffer_id)
+            if b is None or b[0] != who.tenant_id:
+                raise errors.NotFound(f"no buffer {buffer_id!r}")
+            self.attached[b[0]] += 1
+            return FakeHandle(fd=os.dup(b[1]), buffer_id=buffer_id, size_bytes=b[2], numa_node=0)
+
+    def drop_handle(self, who: Principal, _buffer_id: str) -> None:
+        with self.lock:
+            assert who.tenant_id is not None
+            self.attached[who.tenant_id] -= 1
+
+    def renew(self, who: Principal, buffer_id: str, ttl_s: int):
+        b = self.buffers.get(buffer_id)
+        if b is None or b[0] != who.tenant_id:
+            raise errors.NotFound(f"no buffer {buffer_id!r}")
+        if ttl_s <= 0:
+            raise errors.InvalidRequest("ttl_s must be >= 1")
+        gate = self.renew_gates.get(b[0])
+        if gate is not None:
+            gate.wait(60)
+        self.renewals.append((buffer_id, ttl_s))
+        return None
+
+
+class FakeEnv:
+    """A real :class:`Broker` on a socket in ``tmp_path``, over a :class:`FakeService`."""
+
+    kind = "fake"
+
+    def __init__(self, tmp_path, limits: Limits | None = None, group: int | None = None) -> None:
+        self.svc = FakeService()
+        self.socket_path = str(tmp_path / "maasd.sock")
+        self.broker = Broker(self.svc, self.socket_path, group=group, limits=limits)
+        self.broker.start()
+
+    def new_tenant(self) -> tuple[str, str]:
+        tid = "t-" + uuid.uuid4().hex[:8]
+        return tid, self.svc.add_key(tid)
+
+    def revocable_key(self, tenant_id: str) -> tuple[str, object]:
+        key = self.svc.add_key(tenant_id)
+        return key, lambda: self.svc.revoke(key)
+
+    def reserve(self, tenant: tuple[str, str], size: int = MiB) -> str:
+        return self.svc.reserve(tenant[0], size)
+
+    def release(self, _tenant: tuple[str, str], bid: str) -> None:
+        self.svc.release(bid)
+
+    def healthy(self) -> bool:
+        with contextlib.closing(Raw(self.socket_path)) as r:
+            tid, key = self.new_tenant()
+            return isinstance(r.call(Hello(api_key=key))[0], Welcome)
+
+    def attached(self, tenant_id: str) -> float:
+        with self.svc.lock:
+            return float(self.svc.attached[tenant_id])
+
+    def close(self) -> None:
+        self.broker.stop()
+
+
+def serve_main(directory: str, limits: str = "{}") -> None:
+    """Run a :class:`FakeEnv` broker in this process, driven over stdin/stdout (JSON lines).
+
+    ``limits`` is a JSON object of :class:`Limits` fields. Prints
+    ``{"socket", "key", "buffer"}`` once serving, then answers each command:
+    ``nofile N`` (lower this process's soft open-files limit to N), ``fds`` (open
+    fds now), ``health`` (``Broker.healthy()``), ``drop UID`` (become that user:
+    real, effective and saved ids), ``nproc`` (lower RLIMIT_NPROC to the threads
+    this real uid runs now, and show that a new thread is refused), ``threads``
+    (threads of this process), ``quit``.
+    """
+    import json
+    import resource
+    import sys
+    from pathlib import Path
+
+    def threads_of_uid(uid: int) -> int:
+        count = 0
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError, ValueError, StopIteration):
+                lines = Path(f"/proc/{entry}/status").read_text().splitlines()
+                if int(next(x for x in lines if x.startswith("Uid:")).split()[1]) == uid:
+                    count += int(next(x for x in lines if x.startswith("Threads:")).split()[1])
+        return count
+
+    def nproc() -> dict[str, object]:
+        # Other processes of this uid may come and go meanwhile: count again until
+        # the limit is exactly what runs now, so that one more thread is refused.
+        probe = ""
+        for _ in range(10):
+            count = threads_of_uid(os.getuid())
+            hard = resource.getrlimit(resource.RLIMIT_NPROC)[1]
+            resource.setrlimit(resource.RLIMIT_NPROC, (count, hard))
+            try:
+                t = threading.Thread(target=int)
+                t.start()
+                t.join()
+                probe = "started"
+            except RuntimeError as exc:
+                return {"limit": count, "probe": f"refused: {exc}"}
+        return {"limit": count, "probe": probe}
+
+    env = FakeEnv(Path(directory), Limits(**json.loads(limits)))
+    tenant = env.new_tenant()
+    print(
+        json.dumps({"socket": env.socket_path, "key": tenant[1], "buffer": env.reserve(tenant)}),
+        flush=True,
+    )
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "nofile":
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (int(args[0]), hard))
+            answer: object = "ok"
+        elif cmd == "fds":
+            answer = len(os.listdir("/proc/self/fd"))
+        elif cmd == "health":
+            answer = list(env.broker.healthy())
+        elif cmd == "drop":
+            uid = int(args[0])
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            answer = [os.getuid(), os.geteuid()]
+        elif cmd == "nproc":
+            answer = nproc()
+        elif cmd == "threads":
+            answer = threading.active_count()
+        else:
+            break
+        print(json.dumps(answer), flush=True)
+    env.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    serve_main(*sys.argv[1:])

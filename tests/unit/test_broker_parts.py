@@ -1,0 +1,219 @@
+"""The broker's pure parts: caps, back-off, rate-limited logging, deadlines, the slow pool,
+the op table and the one error-frame builder."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import threading
+
+import pytest
+
+from maasd import errors
+from maasd.broker import OPS, Limits
+from maasd.broker.deadlines import Deadlines
+from maasd.broker.dispatch import Dispatcher
+from maasd.broker.limits import ConnectionCounts
+from maasd.broker.pacing import Backoff, LogLimiter
+from maasd.broker.slowpool import SlowPool
+from maasd.problems import problem_of
+from maasd.protocol import Attach, Detach, Error, Renew
+from maasd.settings import SOCKET_BOUNDS, load
+from waiting import wait_until
+
+# --- caps ----------------------------------------------------------------------------
+
+
+def test_each_cap_refuses_with_its_setting_named_and_counts_nothing() -> None:
+    counts = ConnectionCounts(
+        Limits(max_connections=6, max_unauthenticated=4, max_per_uid=3, max_per_tenant=1)
+    )
+    assert counts.admit_peer(1) is None
+    assert counts.admit_peer(1) is None
+    # uid 1 holds half of the unauthenticated slots: a flood from it cannot take the rest
+    assert "socket_max_unauthenticated" in (counts.admit_peer(1) or "")
+    assert counts.admit_tenant(1, "a") is None
+    assert counts.admit_peer(1) is None
+    assert counts.admit_tenant(1, "a") == (
+        "tenant a has 1 connections open (socket_max_per_tenant = 1)"
+    )
+    assert counts.admit_tenant(1, "b") is None  # three connections of uid 1, two past hello
+    assert "socket_max_per_uid = 3" in (counts.admit_peer(1) or "")
+    assert (counts.total, counts.unauthenticated, counts.by_uid[1]) == (3, 1, 3)
+    for uid in (2, 3, 4):
+        assert counts.admit_peer(uid) is None
+    assert "socket_max_connections = 6" in (counts.admit_peer(5) or "")
+
+
+def test_the_unauthenticated_total_cap() -> None:
+    counts = ConnectionCounts(Limits(max_unauthenticated=2))
+    assert counts.admit_peer(1) is None
+    assert counts.admit_peer(2) is None
+    assert counts.admit_peer(3) == (
+        "2 connections are waiting for hello (socket_max_unauthenticated = 2)"
+    )
+    counts.leave(1, None)
+    assert counts.admit_peer(3) is None
+
+
+def test_leaving_gives_every_count_back() -> None:
+    counts = ConnectionCounts(Limits())
+    assert counts.admit_peer(7) is None
+    assert counts.admit_peer(7) is None
+    assert counts.admit_tenant(7, "t") is None
+    counts.leave(7, "t")
+    counts.leave(7, None)
+    assert counts.total == 0
+    assert counts.unauthenticated == 0
+    assert not counts.by_uid
+    assert not counts.by_tenant
+    assert not counts.unauthenticated_by_uid
+
+
+def test_limits_come_from_settings_and_env() -> None:
+    s = load({}, {"MAASD_SOCKET_MAX_PER_TENANT": "3", "MAASD_SOCKET_HELLO_TIMEOUT_S": "1.5"})
+    lim = Limits.from_settings(s)
+    assert lim.max_per_tenant == 3
+    assert lim.hello_timeout_s == 1.5
+    assert lim.max_per_uid == Limits().max_per_uid
+    assert {"socket_" + f for f in Limits.__struct_fields__} == set(SOCKET_BOUNDS)
+
+
+@pytest.mark.parametrize("name", SOCKET_BOUNDS)
+def test_a_bound_must_be_positive(name: str) -> None:
+    with pytest.raises(errors.ConfigError, match=name):
+        load({name: 0}, {})
+
+
+# --- pacing ----------------------------------------------------------------------------
+
+
+def test_backoff_doubles_to_its_cap_and_a_success_ends_the_streak() -> None:
+    b = Backoff(first_s=0.01, cap_s=1.0)
+    pauses = [b.fail(now=10.0 + i) for i in range(10)]
+    assert pauses[:3] == [0.01, 0.02, 0.04]
+    assert pauses[-1] == 1.0
+    assert max(pauses) == 1.0
+    assert b.failing_for(now=20.0) == 10.0
+    b.succeed()
+    assert b.failing_for(now=30.0) == 0.0
+    assert b.fail(now=31.0) == 0.01
+
+
+def test_log_limiter_writes_one_line_per_interval_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    built: list[int] = []
+
+    def fields() -> dict[str, object]:
+        built.append(1)
+        return {"conn": "1"}
+
+    lim = LogLimiter(logging.getLogger("test.limiter"), interval_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="test.limiter"):
+        assert lim.log(logging.WARNING, "accept", "accept failed", fields)
+        for _ in range(500):
+            now[0] += 0.01
+            assert not lim.log(logging.WARNING, "accept", "accept failed", fields)
+        assert lim.log(logging.WARNING, "other", "another kind", {})  # kinds are separate
+        now[0] = 20.0
+        assert lim.log(logging.WARNING, "accept", "accept failed", fields)
+    lines = [r for r in caplog.records if r.msg == "accept failed"]
+    assert len(lines) == 2
+    assert lines[1].__dict__["suppressed"] == 500
+    assert len(built) == 2  # fields of suppressed lines are never built
+
+
+def test_deadlines_expire_in_start_order() -> None:
+    d: Deadlines[str] = Deadlines(5.0)
+    d.start("a", now=0.0)
+    d.start("b", now=1.0)
+    d.start("c", now=2.0)
+    d.start("a", now=3.0)  # restarted: now the last
+    d.cancel("c")
+    assert d.next() == 6.0
+    assert d.expired(now=5.9) == []
+    assert d.expired(now=8.0) == ["b", "a"]
+    assert len(d) == 0
+    assert d.next() is None
+
+
+# --- the slow pool -------------------------------------------------------------------------
+
+
+def test_one_key_cannot_take_every_thread_or_queue_others_behind_it() -> None:
+    pool = SlowPool(workers=3, per_key=2)
+    pool.start()
+    release = threading.Event()
+    running: list[str] = []
+    lock = threading.Lock()
+
+    def job(name: str) -> None:
+        with lock:
+            running.append(name)
+        release.wait(30)
+
+    try:
+        for i in range(10):
+            pool.submit("hog", functools.partial(job, f"hog{i}"))
+        wait_until(lambda: len(running) == 2, message="two of the hog's jobs run")
+        done = threading.Event()
+        pool.submit("other", done.set)
+        assert done.wait(10), "another key's job ran while the hog's queue waited"
+        assert sorted(running) == ["hog0", "hog1"]  # the hog stays at its cap
+    finally:
+        release.set()
+        assert pool.stop(timeout_s=10)
+    assert len(running) < 10  # queued jobs were dropped at stop
+
+
+def test_a_failing_job_does_not_kill_its_thread() -> None:
+    pool = SlowPool(workers=1, per_key=1)
+    pool.start()
+    try:
+        pool.submit("k", functools.partial(divmod, 1, 0))
+        done = threading.Event()
+        pool.submit("k", done.set)
+        assert done.wait(10)
+        assert pool.alive == 1
+    finally:
+        assert pool.stop(timeout_s=10)
+
+
+# --- dispatch ----------------------------------------------------------------------------
+
+
+def test_the_op_table_serves_each_request_once() -> None:
+    assert set(OPS) == {Attach, Detach, Renew}
+    assert not OPS[Attach].slow  # the hot path: no thread hop
+    assert OPS[Renew].slow  # writes the ledger
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code", "closes"),
+    [
+        (errors.NotFound("no buffer 'x'"), 404, "not-found", False),
+        (errors.Unauthorized("revoked"), 401, "unauthorized", True),
+        (errors.LimitExceeded("tenant t has 4 connections open"), 429, "limit-exceeded", False),
+        (OSError(errno.EMFILE, "Too many open files"), 507, "resource-limit", False),
+        (ValueError("secret internals"), 500, "internal", False),
+    ],
+)
+def test_error_frames_come_from_the_one_problem_mapping(
+    exc: BaseException, status: int, code: str, closes: bool
+) -> None:
+    dispatcher = Dispatcher(None, LogLimiter(logging.getLogger("test.dispatch")))  # type: ignore[arg-type]
+    outcome = dispatcher.error(exc, {})
+    frame = outcome.reply
+    assert isinstance(frame, Error)
+    assert frame.status == status
+    assert frame.type is not None
+    assert frame.type.endswith("/" + code)
+    assert outcome.close is closes
+    assert outcome.fds == ()
+    assert "secret" not in frame.detail
+    if isinstance(exc, errors.MaasdError):
+        p = problem_of(exc)
+        assert (frame.title, frame.detail) == (p.title, p.detail)
