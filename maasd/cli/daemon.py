@@ -5,7 +5,7 @@ Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
     harden    not dumpable (PR_SET_DUMPABLE 0: /proc/PID/fd, mem and environ are
               root's only), soft RLIMIT_NOFILE raised to the hard limit
     settings  flags > MAASD_* env > --config TOML > defaults; the admin and
-              metrics keys then leave os.environ
+              metrics keys and the database URL then leave os.environ
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
     service   migrate to head, recover(), finish deletes, provision pools, reaper
     broker    the Unix socket for worker handles
@@ -118,10 +118,11 @@ def _settings(**flags: Any) -> Settings:
         raise click.ClickException(e.detail) from e
 
 
-#: Environment variables holding secrets: dropped from ``os.environ`` once read, so that
-#: nothing the daemon starts inherits them. (The copy the kernel keeps in
-#: /proc/PID/environ stays; the daemon being non-dumpable makes that root's only.)
-SECRET_ENV = ("MAASD_ADMIN_KEY", "MAASD_METRICS_KEY")
+#: Environment variables holding secrets (a database URL may carry a password): dropped
+#: from ``os.environ`` once read, so that nothing the daemon starts inherits them. (The
+#: copy the kernel keeps in /proc/PID/environ stays; the daemon being non-dumpable makes
+#: that root's only.)
+SECRET_ENV = ("MAASD_ADMIN_KEY", "MAASD_METRICS_KEY", "MAASD_DB_URL")
 
 _PR_SET_DUMPABLE = 4
 

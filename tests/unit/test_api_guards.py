@@ -276,10 +276,16 @@ def test_serve_drops_the_secret_keys_from_its_environment(
     result = CliRunner().invoke(
         daemon.cli,
         ["serve", "--data-dir", str(tmp_path)],
-        env={"MAASD_ADMIN_KEY": admin, "MAASD_METRICS_KEY": metrics},
+        env={
+            "MAASD_ADMIN_KEY": admin,
+            "MAASD_METRICS_KEY": metrics,
+            "MAASD_DB_URL": "postgresql+psycopg://maasd:secret@db/maasd",
+        },
         catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
     assert (seen[0].admin_key, seen[0].metrics_key) == (admin, metrics)
     assert "MAASD_ADMIN_KEY" not in env_then[0]
     assert "MAASD_METRICS_KEY" not in env_then[0]
+    assert "MAASD_DB_URL" not in env_then[0]
+    assert seen[0].db_url == "postgresql+psycopg://maasd:secret@db/maasd"
