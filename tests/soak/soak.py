@@ -277,31 +277,34 @@ class Attacks(Clock):
     """Connections, slow clients, hostile bodies, and the monitor that watches."""
 
     def connection_flood(self) -> None:
-        while self.running():
-            held = []
-            for _ in range(2 * self.cap):
-                try:
-                    held.append(socket.create_connection(("127.0.0.1", self.daemon.port), 5))
-                except OSError:
-                    self.record.saw("connflood", "connect", 0)
-            self.record.saw("connflood", "flood", len(held))
-            self.pause(1.5)
-            for s in held:
-                s.close()
-            self.pause(5)
+        """Twice the REST cap in connections that say nothing, held 1.5 s, again and again."""
+        self.flood_connections("connflood", 2 * self.cap, self.rest_connection)
 
     def socket_flood(self) -> None:
+        """Twice the socket's cap in connections that never say hello."""
+        self.flood_connections("sockflood", 2 * self.sockets, self.socket_connection)
+
+    def rest_connection(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.daemon.port), 5)
+
+    def socket_connection(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self.daemon.socket_path)
+        except OSError:
+            s.close()
+            raise
+        return s
+
+    def flood_connections(self, actor: str, n: int, connect: Callable[[], socket.socket]) -> None:
         while self.running():
             held = []
-            for _ in range(2 * self.sockets):
-                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            for _ in range(n):
                 try:
-                    s.connect(self.daemon.socket_path)
-                    held.append(s)
+                    held.append(connect())
                 except OSError:
-                    s.close()
-                    self.record.saw("sockflood", "connect", 0)
-            self.record.saw("sockflood", "flood", len(held))
+                    self.record.saw(actor, "connect", 0)
+            self.record.saw(actor, "flood", len(held))
             self.pause(1.5)
             for s in held:
                 s.close()
@@ -314,7 +317,7 @@ class Attacks(Clock):
             held = []
             for _ in range(10):
                 try:
-                    s = socket.create_connection(("127.0.0.1", self.daemon.port), 5)
+                    s = self.rest_connection()
                     s.sendall(
                         b"POST /v1/reserve HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{"
                     )
