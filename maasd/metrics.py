@@ -49,11 +49,21 @@ class LedgerCollector(Collector):
         nbuf = GaugeMetricFamily(
             "maasd_pool_buffers", "Live buffers in the pool", labels=["pool", "node"]
         )
+        warm = GaugeMetricFamily(
+            "maasd_pool_warm_bytes",
+            "Bytes of fresh, prefaulted regions the pool holds ready (its warm stock)",
+            labels=["pool", "node"],
+        )
+        warm_target = GaugeMetricFamily(
+            "maasd_pool_warm_target_bytes", "The pool's warm stock budget", labels=["pool", "node"]
+        )
         for p in self._pools():
             labels = [p.name, str(p.numa_node)]
             cap.add_metric(labels, p.capacity_bytes)
             used.add_metric(labels, p.used_bytes)
             nbuf.add_metric(labels, p.buffers)
+            warm.add_metric(labels, p.warm_bytes)
+            warm_target.add_metric(labels, p.warm_target_bytes)
         tused = GaugeMetricFamily(
             "maasd_tenant_used_bytes",
             "Bytes in live buffers of the tenant",
@@ -65,7 +75,7 @@ class LedgerCollector(Collector):
         for t in self._tenants():
             tused.add_metric([t.id, t.name], t.used_bytes)
             tquota.add_metric([t.id, t.name], t.quota_bytes)
-        yield from (cap, used, nbuf, tused, tquota)
+        yield from (cap, used, nbuf, warm, warm_target, tused, tquota)
 
 
 class RuntimeCollector(Collector):

@@ -53,6 +53,8 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     prefault: bool = True
     scrub: ScrubMode = "zero"
     spill_dir: bounds.SpillDir | None = None
+    #: Bytes of fresh, prefaulted regions kept ready (within the capacity); 0 = none.
+    warm_bytes: bounds.Bytes = 0
 
 
 class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +92,10 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     prefault: bool
     scrub: ScrubMode
     buffers: int = 0
+    #: Bytes in the pool's warm stock now (part of the capacity, no tenant's use).
+    warm_bytes: int = 0
+    #: The warm stock's budget (POST /v1/pools ``warm_bytes``); 0 = none.
+    warm_target_bytes: int = 0
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):

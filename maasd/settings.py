@@ -17,6 +17,7 @@ Example ``maasd.toml``::
     numa_node = 0
     capacity_bytes = "8GiB"
     latency_us = 1
+    warm_bytes = "512MiB"       # keep this much prefaulted memory ready
 
     [[pools]]
     name = "kv-persist"
@@ -25,8 +26,9 @@ Example ``maasd.toml``::
     persistence = "persistent"
     spill_dir = "/var/lib/maasd/spill"
 
-Sizes a person types — ``MAASD_DEFAULT_POOL_BYTES``, ``default_pool_bytes`` and a pool's
-``capacity_bytes`` in the file — take units (``1GiB``, ``512MiB``, ``1.5GB``) or plain
+Sizes a person types — ``MAASD_DEFAULT_POOL_BYTES``, ``MAASD_DEFAULT_WARM_BYTES``,
+``MAASD_WARM_MIN_AVAILABLE_BYTES``, the same keys in the file, and a pool's
+``capacity_bytes`` and ``warm_bytes`` there — take units (``1GiB``, ``512MiB``, ``1.5GB``) or plain
 bytes (:func:`maasd.units.parse_size`); a bad one is refused naming where it came from
 (``MAASD_DEFAULT_POOL_BYTES: '1Gx' is not a size; …``). REST bodies stay integers.
 """
@@ -52,6 +54,8 @@ GiB = 1 << 30
 #: A shorter metrics key would be guessable.
 MIN_METRICS_KEY = 16
 DEFAULT_POOL_CAP = 8 * GiB
+#: The default pools' warm stock: 1/16 of the capacity, at most this.
+DEFAULT_WARM_CAP = 256 << 20
 
 
 def default_data_dir() -> str:
@@ -79,6 +83,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     metrics_public: bool = False  # GET /metrics needs no key at all
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
     default_pool_bytes: int | None = None
+    # The default pools' warm stock; None: min(capacity / 16, 256 MiB); 0: none.
+    default_warm_bytes: int | None = None
+    # Below this much MemAvailable the memfd pools' warm stock is given back; None:
+    # 1/16 of the host's memory, at least 512 MiB.
+    warm_min_available_bytes: int | None = None
     max_ttl_s: int = 7 * 24 * 3600
     reaper_interval_s: float = 1.0  # also this host's heartbeat in a shared ledger
     host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
@@ -124,6 +133,11 @@ SOCKET_BOUNDS = tuple(
     if name.startswith("socket_") and name != "socket_group"
 )
 
+#: Settings that are sizes (plain bytes or with units, in the environment and the file),
+#: and the keys of a ``[[pools]]`` table that are: whether 0 is a valid value of each.
+SIZES = {"default_pool_bytes": False, "default_warm_bytes": True, "warm_min_available_bytes": True}
+POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
+
 #: environment variable → field
 ENV = {
     "MAASD_HOST": "host",
@@ -139,6 +153,8 @@ ENV = {
     "MAASD_METRICS_PUBLIC": "metrics_public",
     "MAASD_NODE_NAME": "node_name",
     "MAASD_DEFAULT_POOL_BYTES": "default_pool_bytes",
+    "MAASD_DEFAULT_WARM_BYTES": "default_warm_bytes",
+    "MAASD_WARM_MIN_AVAILABLE_BYTES": "warm_min_available_bytes",
     "MAASD_MAX_TTL_S": "max_ttl_s",
     "MAASD_REAPER_INTERVAL_S": "reaper_interval_s",
     "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
@@ -161,12 +177,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     from_env: dict[str, Any] = {field: env[var] for var, field in ENV.items() if env.get(var)}
     config_path = flags.get("config") or from_env.get("config")
     from_file = _read_config(config_path) if config_path else {}
-    _sizes(from_env, "default_pool_bytes", "MAASD_DEFAULT_POOL_BYTES")
-    if from_file:
-        _sizes(from_file, "default_pool_bytes", f"{config_path}: default_pool_bytes")
-        for i, pool in enumerate(from_file.get("pools") or []):
-            if isinstance(pool, dict):
-                _sizes(pool, "capacity_bytes", f"{config_path}: pools[{i}].capacity_bytes")
+    _parse_sizes(from_env, from_file, config_path)
     merged = {**from_file, **from_env, **flags}
     try:
         # strict=False lets env strings such as "7878" convert to int fields. Settings
@@ -215,6 +226,9 @@ def _check(settings: Settings) -> None:
         )
     if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
         raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
+    for name in ("default_warm_bytes", "warm_min_available_bytes"):
+        if (getattr(settings, name) or 0) < 0:
+            raise ConfigError(f"settings: {name} must be ≥ 0")
     if settings.metrics_key is not None and len(settings.metrics_key) < MIN_METRICS_KEY:
         raise ConfigError(
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
@@ -226,13 +240,24 @@ def _check(settings: Settings) -> None:
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
 
 
-def _sizes(values: dict[str, Any], key: str, origin: str) -> None:
+def _parse_sizes(from_env: dict[str, Any], from_file: dict[str, Any], path: str | None) -> None:
+    """Turn the size strings of the environment and the config file into bytes, in place."""
+    for key, zero in SIZES.items():
+        _sizes(from_env, key, f"MAASD_{key.upper()}", zero)
+        _sizes(from_file, key, f"{path}: {key}", zero)
+    for i, pool in enumerate(from_file.get("pools") or []):
+        if isinstance(pool, dict):
+            for key, zero in POOL_SIZES.items():
+                _sizes(pool, key, f"{path}: pools[{i}].{key}", zero)
+
+
+def _sizes(values: dict[str, Any], key: str, origin: str, allow_zero: bool = False) -> None:
     """Parse ``values[key]`` in place when it is a size string (``"8GiB"``); ``origin`` names
     where it came from in the error."""
     raw = values.get(key)
     if isinstance(raw, str):
         try:
-            values[key] = parse_size(raw)
+            values[key] = parse_size(raw, allow_zero=allow_zero)
         except SizeError as e:
             raise ConfigError(f"{origin}: {e}") from None
 
@@ -249,11 +274,14 @@ def group_id(group: str | None) -> int | None:
         raise ConfigError(f"settings: no group named {group!r} (socket_group)") from None
 
 
-def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[PoolSpec]:
+def default_pools(
+    topology: Topology, pool_bytes: int | None = None, warm_bytes: int | None = None
+) -> list[PoolSpec]:
     """SPEC §3: one volatile memfd pool per node, ``node<N>``.
 
     Size: ``pool_bytes`` when given, else a quarter of the node's free memory,
-    at most 8 GiB — rounded down to whole pages.
+    at most 8 GiB — rounded down to whole pages. Warm stock: ``warm_bytes`` when
+    given (at most the capacity), else 1/16 of the capacity, at most 256 MiB.
     """
     page = topology.page_bytes
     pools = []
@@ -266,6 +294,7 @@ def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[Poo
         size -= size % page
         if size <= 0:
             continue
+        warm = min(size // 16, DEFAULT_WARM_CAP) if warm_bytes is None else min(warm_bytes, size)
         pools.append(
             PoolSpec(
                 name=f"node{node.id}",
@@ -276,6 +305,7 @@ def default_pools(topology: Topology, pool_bytes: int | None = None) -> list[Poo
                 latency_us=1,
                 prefault=True,
                 scrub="zero",
+                warm_bytes=warm - warm % page,
             )
         )
     return pools

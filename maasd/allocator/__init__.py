@@ -1,16 +1,19 @@
-"""Memory itself: sealed, NUMA-bound memfd regions, pools that account for them,
-scrubbing, and checkpoint files for persistent pools."""
+"""Memory itself: sealed, NUMA-bound memfd regions, pools that account for them
+(with a warm stock of prefaulted regions), scrubbing, and checkpoint files for
+persistent pools."""
 
 from maasd.allocator.arith import Ledger, check_size, round_up
 from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
 from maasd.allocator.pool import Pool, default_page_bytes
 from maasd.allocator.region import SEALS, Region
+from maasd.allocator.warm import Warmer
 
 __all__ = [
     "SEALS",
     "Ledger",
     "Pool",
     "Region",
+    "Warmer",
     "check_size",
     "checkpoint",
     "default_page_bytes",

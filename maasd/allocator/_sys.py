@@ -24,6 +24,8 @@ MFD_CLOEXEC = 0x0001
 MFD_ALLOW_SEALING = 0x0002
 MFD_HUGETLB = 0x0004
 MFD_HUGE_SHIFT = 26
+# fcntl(2) seals Python's fcntl module lacks (Linux 5.1)
+F_SEAL_FUTURE_WRITE = 0x0010
 # fallocate(2)
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -55,6 +57,15 @@ _libc.madvise.restype = ctypes.c_int
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.fallocate.restype = ctypes.c_int
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_libc.prctl.restype = ctypes.c_int
+_libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+PR_SET_NAME = 15
 
 
 def _load_libnuma() -> ctypes.CDLL | None:
@@ -166,6 +177,26 @@ def move_pages_query(addr: int, size: int, page: int, sample: int | None = None)
     if rc < 0:
         raise _fail(f"move_pages(query) of {count} pages")
     return status
+
+
+def pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """``pread(2)`` into ``view`` until it is full or the file ends; returns the bytes read."""
+    done = 0
+    try:
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n == 0:
+                break
+            done += n
+    except OSError as e:
+        raise _fail(f"pread at {offset + done}", e.errno) from e
+    return done
+
+
+def set_thread_name(name: str) -> None:
+    """Name the calling thread for ``top -H``, ``ps -L`` and ``/proc/<pid>/task/<tid>/comm``
+    (at most 15 bytes; best effort)."""
+    _libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def memset(addr: int, value: int, size: int) -> None:

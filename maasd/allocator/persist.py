@@ -2,8 +2,9 @@
 
 Persistent pools are memfds like the others (a named tmpfs file cannot be
 sealed); their bytes survive a restart through these checkpoint files.
-A checkpoint is written to ``PATH.tmp``, fsync'd, renamed to ``PATH`` and the
-directory fsync'd, so a file under its final name is always whole. The daemon
+A checkpoint is written to ``PATH.tmp`` (created exclusively, never through a
+symlink), fsync'd, renamed to ``PATH`` and the directory fsync'd, so a file
+under its final name is always whole. The daemon
 gives every checkpoint a file name of its own and removes the previous file only
 once the ledger records the new one's checksum (:mod:`maasd.core.checkpoints`):
 renaming over the previous file would leave, after a crash before that record,
@@ -12,6 +13,7 @@ a file whose checksum the ledger does not know.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -22,12 +24,21 @@ from maasd.allocator.region import Region
 from maasd.errors import BackingError
 
 CHUNK = 8 << 20
+#: A checkpoint's temporary file: created new, never through a symlink.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def checkpoint(region: Region, path: str | os.PathLike[str], *, sync: bool = True) -> str:
     """Write the region's bytes to ``path`` durably; return their SHA-256 (hex).
+
+    The bytes are read with ``pread`` from the region's fd, never through the
+    daemon's mapping: a worker may have punched holes in its buffer, which read as
+    zeros this way and cost nothing, where a touch through the mapping of a
+    ``hugetlb`` hole could fault the daemon (SPEC §2.9). The temporary file is
+    created with ``O_EXCL | O_NOFOLLOW`` after removing any stale one (a crash's
+    leftover, or a planted symlink, which is removed and never followed).
 
     ``sync=False`` leaves out the two fsyncs (file and directory): for many checkpoints
     at once, made durable together by one :func:`sync_filesystem` — which must happen
@@ -36,16 +47,22 @@ def checkpoint(region: Region, path: str | os.PathLike[str], *, sync: bool = Tru
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     digest = hashlib.sha256()
-    view = region.view()  # exactly the sealed size: nothing beyond it is ever read
+    chunk = bytearray(min(CHUNK, region.size))
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        fd = os.open(tmp, _CREATE, 0o600)
         try:
-            for off in range(0, region.size, CHUNK):
-                chunk = view[off : off + CHUNK]
-                digest.update(chunk)
-                while chunk:
-                    n = os.write(fd, chunk)
-                    chunk = chunk[n:]
+            off = 0
+            while off < region.size:
+                n = region.read_into(chunk, off)
+                if not n:
+                    raise BackingError(f"checkpoint to {path}: short read of the region at {off}")
+                data = memoryview(chunk)[:n]
+                digest.update(data)
+                while data:
+                    data = data[os.write(fd, data) :]
+                off += n
             if sync:
                 os.fsync(fd)
         finally:
@@ -55,8 +72,6 @@ def checkpoint(region: Region, path: str | os.PathLike[str], *, sync: bool = Tru
             _fsync_dir(path.parent)
     except OSError as e:
         raise BackingError(f"checkpoint to {path}: {e.strerror}", e.errno) from e
-    finally:
-        view.release()
     return digest.hexdigest()
 
 

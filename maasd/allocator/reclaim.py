@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 
+from maasd.allocator import _sys
 from maasd.allocator.region import Region
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Reclaimer:
             thread.join()
 
     def _run(self) -> None:
+        _sys.set_thread_name("maasd-reclaim")
         while True:
             region = self._queue.get()
             try:

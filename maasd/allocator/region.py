@@ -4,8 +4,8 @@ Life of a :class:`Region`::
 
     memfd_create(CLOEXEC|ALLOW_SEALING[|HUGETLB])   a file of its own — never reused
     ftruncate(size)                                  page-rounded size
-    add seals SHRINK|GROW|SEAL                       before anyone else can see the fd
     mmap(MAP_SHARED) in the daemon                   for binding, scrubbing, measuring
+    add seals SHRINK|GROW|SEAL [+ extra]             before anyone else can see the fd
     mbind(MPOL_BIND, node)                           sets the file's shared policy
     madvise(POPULATE_WRITE)                          when prefault: pages land on node
     ...handed out (the fd, dup'd, over SCM_RIGHTS)...
@@ -13,9 +13,27 @@ Life of a :class:`Region`::
     close()                                          munmap + close; the kernel frees the
                                                      pages when the last worker lets go
 
+The seals go on after the daemon's own mapping exists, so that an extra
+``F_SEAL_FUTURE_WRITE`` (a committed entry) still leaves that mapping writable
+for the daemon's copy and scrub, and refuses every writable mapping after it.
+
+A region made for a pool's warm stock is created *unsealed* at the size of its
+class and prefaulted in the background; :meth:`Region.seal_at` truncates it to
+the buffer's exact size and seals it when a reserve takes it. An unsealed
+region never leaves the daemon (:meth:`Region.dup_fd` refuses).
+
 The daemon keeps its own mapping for the region's whole life: ``move_pages``
 only reports pages mapped in the calling process, and scrubbing through an
 existing mapping avoids a map/unmap per release.
+
+**Nothing a worker does may fault the daemon** (SPEC §2.9). A worker may punch
+holes in its buffer (the seals allow it). On hugetlb memory, a later touch of a
+hole through the daemon's mapping needs a fresh huge page, and when a worker
+has taken them all, the kernel answers with SIGBUS. So once a region is handed
+out, the daemon never touches its pages through the mapping where a hole could
+fault: hugetlb scrubs punch (both modes), reads go through ``pread`` (a hole
+reads as zeros, nothing is allocated), placement counts never populate a
+hugetlb region, and every ``MADV_POPULATE_*`` failure is an errno, never a signal.
 """
 
 from __future__ import annotations
@@ -26,6 +44,7 @@ import fcntl
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -39,6 +58,8 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 BACKINGS = ("memfd", "hugetlb")
 SCRUB_MODES = ("zero", "punch")
+#: Bytes populated per step when a populate may be cut short (the warm stock's refills).
+POPULATE_CHUNK = 16 << 20
 
 
 _open_lock = threading.Lock()
@@ -83,6 +104,7 @@ class Region:
         "node",
         "page_bytes",
         "released",
+        "sealed",
         "size",
     )
 
@@ -100,6 +122,8 @@ class Region:
         self._closed = False
         #: set by the owning pool once its bytes are given back (exactly once)
         self.released = False
+        #: whether the seals are on (a stocked region gets them when it is taken)
+        self.sealed = True
         _count_open(1)
 
     @classmethod
@@ -112,12 +136,16 @@ class Region:
         page_bytes: int | None = None,
         prefault: bool = True,
         name: str = "maasd-buffer",
+        seal: bool = True,
+        extra_seals: int = 0,
     ) -> Region:
-        """Create, size, seal, map, bind and (optionally) populate a fresh region.
+        """Create, size, map, seal, bind and (optionally) populate a fresh region.
 
         ``size`` is rounded up to ``page_bytes`` (default: the base page size for
-        ``memfd``, 2 MiB for ``hugetlb``). Raises :class:`InvalidRequest` for a bad
-        size or backing and :class:`BackingError` when the kernel refuses.
+        ``memfd``, 2 MiB for ``hugetlb``). ``extra_seals`` are added to :data:`SEALS`
+        (e.g. ``F_SEAL_FUTURE_WRITE``); ``seal=False`` leaves the region unsealed for
+        a warm stock (:meth:`seal_at` seals it). Raises :class:`InvalidRequest` for a
+        bad size or backing and :class:`BackingError` when the kernel refuses.
         """
         if backing not in BACKINGS:
             raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
@@ -129,44 +157,96 @@ class Region:
             flags |= _huge_flag(page_bytes)
         fd = _sys.memfd_create(name, flags)
         addr = 0
+        region: Region | None = None
         try:
             try:
                 os.ftruncate(fd, size)
-                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             except OSError as e:
-                raise BackingError(
-                    f"sizing/sealing memfd to {size} bytes: {e.strerror}", e.errno
-                ) from e
+                raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
             addr = _sys.mmap_shared(fd, size)
-            _sys.mbind(addr, size, node)
             region = cls(fd, addr, size, node, backing, page_bytes, name)
+            region.sealed = False
+            if seal:
+                region._seal(extra_seals)
+            _sys.mbind(addr, size, node)
             if prefault:
                 region.populate()
         except BaseException:
-            if addr:
-                _sys.munmap(addr, size)
-            os.close(fd)
+            if region is not None:
+                region.close()  # once: its __del__ must not close the fd number again
+            else:
+                if addr:
+                    _sys.munmap(addr, size)
+                os.close(fd)
             raise
         return region
 
     # -- memory ---------------------------------------------------------------------------
 
-    def populate(self) -> None:
+    def populate(self, abort: Callable[[], bool] | None = None) -> bool:
         """Fault every page in now (on the bound node), so first use costs nothing.
 
         ``MADV_POPULATE_WRITE`` through the bound mapping allocates the pages *and*
-        the daemon's page-table entries. ``fallocate`` alone allocates them about
-        twice as fast, but then the release-time memset has to fault every page in
-        (0.4 ms instead of 0.015 ms per MiB here), so the pair costs the same and a
-        large release gets slow (measured on the 2-core test machine).
+        the daemon's page-table entries (``fallocate`` alone is twice as fast, but
+        then the release-time memset faults every page in: 0.4 instead of 0.015 ms
+        per MiB here). A refusal is a :class:`BackingError` (``ENOMEM``: no huge page
+        free), never a signal. With ``abort``, it goes :data:`POPULATE_CHUNK` bytes at
+        a time, asks ``abort()`` before each, and returns ``False`` if it said stop.
         """
+        step = self.size if abort is None else max(POPULATE_CHUNK, self.page_bytes)
+        for off in range(0, self.size, step):
+            if abort is not None and abort():
+                return False
+            length = min(step, self.size - off)
+            try:
+                _sys.madvise(self._addr + off, length, _sys.MADV_POPULATE_WRITE)
+            except BackingError as e:
+                if e.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+                # Kernels before 5.14 lack MADV_POPULATE_*: allocate through the file instead.
+                _sys.fallocate(self.fd, 0, off, length)
+        return True
+
+    def seal_at(self, size: int, extra_seals: int = 0) -> None:
+        """Truncate an unsealed (stocked) region down to ``size`` bytes, then seal it.
+
+        The tail is unmapped from the daemon and its pages freed by the truncation
+        (~6 ms per populated 64 MiB here), so the file is exactly ``size`` bytes —
+        SPEC §1 — before the seals of :data:`SEALS` (plus ``extra_seals``) go on.
+        """
+        with self._lock:
+            self._check_open()
+            if self.sealed:
+                raise BackingError("region is sealed already", errno=errno.EPERM)
+            if size <= 0 or size > self.size or size % self.page_bytes:
+                raise InvalidRequest(f"cannot cut a {self.size}-byte region to {size} bytes")
+            if size < self.size:
+                _sys.munmap(self._addr + size, self.size - size)
+                self.size = size  # the daemon's mapping is this long now
+                try:
+                    os.ftruncate(self.fd, size)
+                except OSError as e:
+                    raise BackingError(f"cutting region: {e.strerror}", e.errno) from e
+            self._seal(extra_seals)
+
+    def _seal(self, extra_seals: int) -> None:
         try:
-            _sys.madvise(self._addr, self.size, _sys.MADV_POPULATE_WRITE)
-        except BackingError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                raise
-            # Kernels before 5.14 lack MADV_POPULATE_*: allocate through the file instead.
-            _sys.fallocate(self.fd, 0, 0, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | extra_seals)
+        except OSError as e:
+            raise BackingError(f"sealing memfd ({extra_seals:#x}): {e.strerror}", e.errno) from e
+        self.sealed = True
+
+    def read_into(self, buf: memoryview | bytearray, offset: int = 0) -> int:
+        """Copy the region's bytes from ``offset`` into ``buf`` with ``pread(2)``.
+
+        Never through the daemon's mapping: a hole a worker punched reads as zeros,
+        and nothing is allocated or faulted in (hugetlbfs has ``read`` too). This is
+        how a worker-writable region's bytes are read (checkpoints, copies).
+        Returns the number of bytes copied: ``len(buf)``, or less at the end.
+        """
+        self._check_open()
+        view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
+        return _sys.pread_into(self.fd, view, offset)
 
     def view(self) -> memoryview:
         """A writable view of the daemon's mapping (valid until :meth:`close`)."""
@@ -181,18 +261,22 @@ class Region:
     def placement(self, sample: int | None = None) -> dict[int, int]:
         """Pages per NUMA node, as the kernel reports them (``move_pages``, query only).
 
-        Pages not yet faulted in are faulted in for reading first
-        (``MADV_POPULATE_READ``), so the answer covers every page of the region.
-        ``sample`` asks about that many evenly spread pages only: a constant-cost
-        check (a full count costs ~0.12 s per GiB here).
+        ``move_pages`` sees only pages mapped in the daemon. For a full count of a
+        ``memfd`` region, missing pages are first faulted in for reading
+        (``MADV_POPULATE_READ``: a shmem read fault can always allocate or OOM, and a
+        failure comes back as an errno, which is logged, not raised). A ``hugetlb``
+        region is never populated here — a hole would take a huge page from everyone
+        else, or fail when a worker took them all — so its holes count as not present
+        (``-2``). ``sample`` asks about that many evenly spread pages only, without
+        populating: a constant-cost check (a full count costs ~0.12 s per GiB here).
         """
         self._check_open()
-        if sample is None:
+        if sample is None and self.backing == "memfd":
             try:
                 _sys.madvise(self._addr, self.size, _sys.MADV_POPULATE_READ)
             except BackingError as e:
                 if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                    raise
+                    logger.warning("placement of %r counts the pages present: %s", self, e.detail)
         status = _sys.move_pages_query(self._addr, self.size, self.page_bytes, sample)
         return _count_by_node(status)
 
@@ -232,43 +316,35 @@ class Region:
     def scrub(self, mode: str = "zero", *, punch: bool = True) -> None:
         """Make every byte read zero — through this mapping and any other process's.
 
-        ``zero`` overwrites through the daemon's mapping (memset, not a Python loop),
-        then punches the pages out to give them back (unless ``punch=False``: the
-        caller gives them back later, off the request path, with :meth:`punch_hole`);
-        ``punch`` only punches. After a punch the pages are gone from every mapping
-        of the file, so a stale worker mapping faults in fresh zero pages.
+        ``memfd``: ``zero`` overwrites through the daemon's mapping (memset), then
+        punches the pages out to give them back (unless ``punch=False``: the caller
+        gives them back later, off the request path, with :meth:`punch_hole`); a page
+        a worker punched is faulted in fresh by the memset (shmem allocates or OOMs,
+        it never signals). ``punch`` only punches. ``hugetlb``: both modes punch —
+        the punch zeroes the file for every mapping, costs ~0.4 ms per GiB, and never
+        touches a page, where a memset over a worker's hole would need a free huge
+        page or die of SIGBUS. After a punch the pages are gone from every mapping of
+        the file, so a stale worker mapping faults in fresh zero pages.
 
         The bytes are zero whenever this returns: a punch the kernel refuses falls
-        back to memset (and a refused give-back after a memset is only logged).
+        back to zeroing through the mapping where that cannot fault (:func:`_zero_mapped`).
         """
         if mode not in SCRUB_MODES:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {mode!r}")
         with self._lock:
             self._check_open()
-            if mode == "zero":
+            if mode == "zero" and self.backing == "memfd":
                 _sys.memset(self._addr, 0, self.size)
                 if punch:
-                    self._punch(zeroed=True)
+                    _punch(self, zeroed=True)
             else:
-                self._punch(zeroed=False)
+                _punch(self, zeroed=False)
 
     def punch_hole(self) -> None:
         """Give the pages back to the kernel (the bytes read zero afterwards)."""
         with self._lock:
             self._check_open()
-            self._punch(zeroed=False)
-
-    def _punch(self, *, zeroed: bool) -> None:
-        try:
-            _sys.fallocate(
-                self.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, self.size
-            )
-        except BackingError as e:
-            if not zeroed:
-                _sys.memset(self._addr, 0, self.size)
-            logger.warning(
-                "punching %r failed (%s); its bytes were zeroed with memset", self, e.detail
-            )
+            _punch(self, zeroed=False)
 
     def close(self) -> bool:
         """Unmap and close the daemon's fd. Idempotent. Does not scrub: call :meth:`scrub` first.
@@ -292,9 +368,11 @@ class Region:
         return self._closed
 
     def dup_fd(self) -> int:
-        """A new fd for the same file, for handing out (the caller closes it)."""
+        """A new fd for the same file, for handing out (the caller closes it). Sealed only."""
         with self._lock:
             self._check_open()
+            if not self.sealed:
+                raise BackingError("an unsealed region never leaves the daemon", errno=errno.EPERM)
             return os.dup(self.fd)
 
     def _check_open(self) -> None:
@@ -309,6 +387,40 @@ class Region:
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def _punch(region: Region, *, zeroed: bool) -> None:
+    """Punch the whole file (the region's lock held); if refused, zero it unless ``zeroed``."""
+    try:
+        _sys.fallocate(
+            region.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, region.size
+        )
+    except BackingError as e:
+        if not zeroed:
+            _zero_mapped(region)
+        logger.warning(
+            "punching %r failed (%s); its bytes were zeroed through the mapping", region, e.detail
+        )
+
+
+def _zero_mapped(region: Region) -> None:
+    """Zero the bytes with memset, where that cannot fault (a refused punch's fallback).
+
+    ``memfd``: memset everything. ``hugetlb``: only the pages ``MADV_POPULATE_WRITE``
+    makes present (it fails with an errno, not a signal, for a hole no huge page can
+    fill — and a hole reads zero already). No worker can punch a page between the two
+    calls: the kernel refused the daemon's punch, and a worker's fd may do no more.
+    """
+    addr, page = region.address, region.page_bytes
+    if region.backing == "memfd":
+        _sys.memset(addr, 0, region.size)
+        return
+    for off in range(0, region.size, page):
+        try:
+            _sys.madvise(addr + off, page, _sys.MADV_POPULATE_WRITE)
+        except BackingError:
+            continue
+        _sys.memset(addr + off, 0, page)
 
 
 def _count_by_node(status: np.ndarray) -> dict[int, int]:

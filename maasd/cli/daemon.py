@@ -443,7 +443,9 @@ def info(as_json: bool, **flags: Any) -> None:
 
     settings = _settings(**flags)
     topo = discover()
-    pools = settings.pools or default_pools(topo, settings.default_pool_bytes)
+    pools = settings.pools or default_pools(
+        topo, settings.default_pool_bytes, settings.default_warm_bytes
+    )
     if as_json:
         click.echo(
             msgspec.json.encode(
@@ -467,7 +469,8 @@ def info(as_json: bool, **flags: Any) -> None:
     for p in pools:
         click.echo(
             f"  {p.name}: node {p.numa_node}, {p.capacity_bytes / 2**30:.2f} GiB, {p.backing}, "
-            f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}"
+            f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}, "
+            f"warm {p.warm_bytes / 2**20:.0f} MiB"
         )
 
 

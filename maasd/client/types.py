@@ -65,6 +65,8 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     scrub: str
     prefault: bool = True
     buffers: int = 0
+    warm_bytes: int = 0
+    warm_target_bytes: int = 0
 
 
 class Host(msgspec.Struct, frozen=True, kw_only=True):

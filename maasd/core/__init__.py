@@ -20,7 +20,8 @@ lives in a module of its own:
 :mod:`.checkpoints`      writing a persistent buffer's checkpoint, restoring one
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
-:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer
+:mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer and
+                         the warmer (the warm stock's refill thread)
 :mod:`.limits`           the daemon's budget of open files and mappings for regions
 =======================  ===========================================================
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
@@ -74,8 +76,10 @@ class Service:
 
     ``runtime`` is the in-process state (read it in tests: ``svc.runtime.region(id)``,
     ``svc.runtime.pending_uses()``); ``reclaimer`` gives released pages back in the
-    background (``svc.reclaimer.drain()`` waits for it); ``budget`` bounds the regions
-    the process holds (from its open-files and mapping limits, read here).
+    background (``svc.reclaimer.drain()`` waits for it); ``warmer`` refills the pools'
+    warm stock (``svc.warmer.run_once()`` does one round in the caller's thread);
+    ``budget`` bounds the regions the process holds (from its open-files and mapping
+    limits, read here), stocked ones included.
     """
 
     def __init__(
@@ -99,12 +103,22 @@ class Service:
                 ledger_files=pooled * (1 if self.store.is_postgres else 2),
             )
         )
+        self.warmer = Warmer(
+            min_available=settings.warm_min_available_bytes,
+            may_grow=self.budget.room_for_stock,
+        )
         self._auth = Auth(settings, self.store)
         self._hosts = Hosts(settings, self.store, self.runtime)
         releaser = Releaser(self.store, self.runtime, self.metrics)
         checkpoints = Checkpoints(self.store, self.runtime, self.metrics)
         self._pools = Pools(
-            settings, self.store, self.runtime, releaser, self.reclaimer, topology or discover()
+            settings,
+            self.store,
+            self.runtime,
+            releaser,
+            self.reclaimer,
+            self.warmer,
+            topology or discover(),
         )
         self._tenants = Tenants(self.store, self._auth, releaser, settings.max_buffers_per_tenant)
         self._buffers = Buffers(
@@ -131,6 +145,7 @@ class Service:
             checkpoints,
             self.metrics,
             self.reclaimer,
+            self.warmer,
         )
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
         self.metrics.attach_runtime(

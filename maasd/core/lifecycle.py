@@ -5,10 +5,12 @@ schema; the admin key; this host claimed (:mod:`maasd.core.hosts`); the
 revocation listener; the ledger's pools of this host made live;
 :meth:`Lifecycle.recover` settling what a previous run left; the tenant deletes
 and pool drains a previous run began, finished; the configured pools the
-ledger lacks created; the reaper thread, which also beats this host's
-heartbeat. Close undoes it: reaper stopped, uses flushed, persistent buffers
-checkpointed, volatile ones scrubbed and their rows deleted in one transaction,
-the host marked stopped, the reclaimer drained and stopped, the store closed.
+ledger lacks created; the warm stock's refill thread; the reaper thread, which
+also beats this host's heartbeat. Close undoes it: reaper and refill thread
+stopped and every pool's warm stock given back, uses flushed, persistent
+buffers checkpointed, volatile ones scrubbed and their rows deleted in one
+transaction, the host marked stopped, the reclaimer drained and stopped, the
+store closed.
 
 Close is bounded. Per volatile buffer it costs a scrub (memset, ~30 ms per GiB
 here; a punch for ``scrub = "punch"`` pools) and a close — no ledger round
@@ -35,6 +37,7 @@ import threading
 import time
 from collections import Counter
 
+from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
@@ -55,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 
 class Lifecycle:
-    """Starts and stops one daemon's parts; owns the reaper and the reclaimer threads."""
+    """Starts and stops one daemon's parts; owns the reaper, reclaimer and warmer threads."""
 
     def __init__(
         self,
@@ -71,6 +74,7 @@ class Lifecycle:
         checkpoints: Checkpoints,
         metrics: Metrics,
         reclaimer: Reclaimer,
+        warmer: Warmer,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
@@ -86,6 +90,8 @@ class Lifecycle:
         self._metrics = metrics
         #: Gives released pages back to the kernel in the background (started by start()).
         self.reclaimer = reclaimer
+        #: Refills the pools' warm stock in the background (started by start()).
+        self.warmer = warmer
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self._fenced = False  # this host lost its claim and has not joined again
@@ -104,6 +110,7 @@ class Lifecycle:
         self._tenants.finish_deletes()
         self._pools.finish_deletes()
         self._pools.provision()
+        self.warmer.start()
         if reaper:
             self._reaper = threading.Thread(
                 target=self._reap_loop, name="maasd-reaper", daemon=True
@@ -115,6 +122,9 @@ class Lifecycle:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=10)
+        self.warmer.stop()
+        for live in self._runtime.pools():
+            live.pool.close()  # the warm stock is nobody's: given back first
         try:
             self._buffers.flush_uses()
             rows = self._store.buffers_on_host(self._host)

@@ -177,6 +177,12 @@ class RegionBudget:
         """Regions that exist or are being created now."""
         return self._held() + self._in_flight
 
+    def room_for_stock(self) -> bool:
+        """Whether a pool's warm stock may make one more region: only while a quarter of
+        the budget stays free for reserves (of any pool: a stocked region serves only
+        its own)."""
+        return self.held() + 1 <= self.budget - max(1, self.budget // 4)
+
     @contextlib.contextmanager
     def admit(self) -> Iterator[None]:
         """One region may be created inside the block; :class:`ResourceLimit` at the budget."""

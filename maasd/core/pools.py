@@ -4,7 +4,8 @@ A pool exists twice: as a ledger row (the authority, shared with other hosts
 through PostgreSQL) and as an in-process :class:`~maasd.allocator.Pool` (the
 allocator that accounts its capacity), held together as a
 :class:`~maasd.core.runtime.LivePool`. Persistent pools also own a spill
-directory for their checkpoints.
+directory for their checkpoints, and pools with a warm budget keep a stock of
+prefaulted regions that the lifecycle's :class:`~maasd.allocator.Warmer` refills.
 
 Pool names repeat on every host (``node0`` on each): a name always means this
 host's pool, and only this host's pools take reserves here. Another host's
@@ -19,8 +20,9 @@ import time
 
 import msgspec
 
-from maasd.allocator import Pool
+from maasd.allocator import Pool, Warmer
 from maasd.allocator.reclaim import Reclaimer
+from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
@@ -36,8 +38,12 @@ __all__ = ["Pools", "pool_info"]
 logger = logging.getLogger(__name__)
 
 
-def pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
-    """The API record of a pool; ``used`` is ``(used_bytes, buffers)``."""
+def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0) -> PoolInfo:
+    """The API record of a pool; ``used`` is ``(used_bytes, buffers)``, ``warm`` its stock.
+
+    ``used_bytes`` are the buffers' (the ledger's); the warm stock is part of
+    ``free_bytes``, since a reserve takes it or gives it back.
+    """
     return PoolInfo(
         id=row.id,
         name=row.name,
@@ -53,6 +59,8 @@ def pool_info(row: PoolRow, used: tuple[int, int]) -> PoolInfo:
         prefault=row.prefault,
         scrub=row.scrub,
         buffers=used[1],
+        warm_bytes=warm,
+        warm_target_bytes=row.warm_bytes,
     )
 
 
@@ -66,6 +74,7 @@ class Pools:
         runtime: Runtime,
         releaser: Releaser,
         reclaimer: Reclaimer,
+        warmer: Warmer,
         topology: Topology,
     ) -> None:
         self._settings = settings
@@ -74,6 +83,7 @@ class Pools:
         self._runtime = runtime
         self._releaser = releaser
         self._reclaimer = reclaimer
+        self._warmer = warmer
         #: The NUMA topology as last discovered.
         self.topology = topology
 
@@ -93,13 +103,14 @@ class Pools:
         """Create the configured pools (or the default ones) that the ledger lacks.
 
         A pool already in the ledger keeps the ledger's properties — it has live
-        buffers bound to them — and a difference from the configuration is logged.
+        buffers bound to them — and a difference from the configuration is logged;
+        only its warm stock budget follows the configuration.
         A default pool (no ``[[pools]]`` configured) that an admin deleted stays deleted:
         the audit trail's ``pool_delete`` event for it is the record. A configured pool
         is the configuration's to declare, so it is made again.
         """
         wanted = self._settings.pools or default_pools(
-            self.topology, self._settings.default_pool_bytes
+            self.topology, self._settings.default_pool_bytes, self._settings.default_warm_bytes
         )
         existing = {live.row.name: live.row for live in self._runtime.pools()}
         if not self._settings.pools:
@@ -116,7 +127,9 @@ class Pools:
             have = existing.get(spec.name)
             if have is None:
                 self.create(spec)
-            elif (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
+                continue
+            self._follow_warm(spec)
+            if (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
                 spec.numa_node,
                 spec.backing,
                 spec.persistence,
@@ -129,6 +142,20 @@ class Pools:
                     spec.name,
                 )
 
+    def _follow_warm(self, spec: PoolSpec) -> None:
+        """Give a pool the warm budget its configuration asks for now.
+
+        Unlike the other properties, the budget binds no buffer: a changed
+        ``warm_bytes`` (or ``MAASD_DEFAULT_WARM_BYTES``) applies at the next start.
+        """
+        live = self._runtime.find_pool(spec.name)
+        if live.row.warm_bytes == spec.warm_bytes or not live.row.prefault:
+            return
+        live.pool.set_warm_bytes(min(spec.warm_bytes, live.row.capacity_bytes))
+        self._store.set_pool_warm(live.row.id, live.pool.warm_bytes)
+        live.row = msgspec.structs.replace(live.row, warm_bytes=live.pool.warm_bytes)
+        logger.info("pool %s: warm stock budget %d bytes", spec.name, live.pool.warm_bytes)
+
     def _make_pool(self, row: PoolRow) -> Pool:
         return Pool(
             row.name,
@@ -140,7 +167,9 @@ class Pools:
             prefault=row.prefault,
             scrub=row.scrub,
             page_bytes=row.page_bytes,
+            warm_bytes=row.warm_bytes,
             reclaimer=self._reclaimer,
+            warmer=self._warmer,
         )
 
     # -- use-cases --------------------------------------------------------------------------
@@ -151,10 +180,14 @@ class Pools:
         if all_hosts:
             usage = self._store.usage_by_pool(None)
             rows = self._store.all_pools()
-            return [pool_info(row, usage.get(row.id, (0, 0))) for row in rows]
+            warm = {live.row.id: live.pool.warm for live in self._runtime.pools()}
+            return [pool_info(row, usage.get(row.id, (0, 0)), warm.get(row.id, 0)) for row in rows]
         usage = self._store.usage_by_pool(self._host)
         return sorted(
-            (pool_info(live.row, usage.get(live.row.id, (0, 0))) for live in self._runtime.pools()),
+            (
+                pool_info(live.row, usage.get(live.row.id, (0, 0)), live.pool.warm)
+                for live in self._runtime.pools()
+            ),
             key=lambda p: p.name,
         )
 
@@ -162,13 +195,14 @@ class Pools:
         """One pool of this host (id or name) with its usage; ``any_host``: else another
         host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
         try:
-            row = self._runtime.find_pool(id_or_name).row
+            live = self._runtime.find_pool(id_or_name)
         except NotFound:
             other = self._store.pool_row(id_or_name) if any_host else None
             if other is None:
                 raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
-            row = other
-        return pool_info(row, self._store.usage_by_pool(row.host).get(row.id, (0, 0)))
+            return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
+        used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
+        return pool_info(live.row, used, live.pool.warm)
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
@@ -183,6 +217,7 @@ class Pools:
         if spec.capacity_bytes > MAX_BYTES - page:  # it must stay below 2^63 rounded up
             raise InvalidRequest("capacity_bytes rounded up to whole pages must stay below 2^63")
         capacity = -(-spec.capacity_bytes // page) * page
+        warm = warm_budget(spec.warm_bytes, capacity, page, spec.prefault)
         node = self.refresh_topology().node(spec.numa_node)
         if (
             spec.backing == "memfd"
@@ -208,9 +243,14 @@ class Pools:
             scrub=spec.scrub,
             spill_dir=self._spill_dir(spec),
             created_at=time.time(),
+            warm_bytes=warm,
         )
         pool = self._make_pool(row)
-        self._store.add_pool(row)
+        try:
+            self._store.add_pool(row)
+        except BaseException:
+            pool.close()  # it registered with the warmer: take it back out
+            raise
         self._runtime.add_pool(LivePool(row, pool))
         logger.info(
             "pool %s created: node %d, %d bytes, %s/%s",
@@ -245,13 +285,15 @@ class Pools:
         """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
 
         Another host's pool is a :class:`NotFound` that names its host: only the
-        daemon holding a pool's memory can scrub its buffers. Without ``drain`` a pool holding buffers answers :class:`StateConflict` and
-        nothing changes. A drain never stops half-way: the pool is marked deleting
-        (from then on no reserve lands in it: 409 when it is named, and it is no
-        candidate otherwise), every buffer is released — also those whose reserve is
-        in flight, which lose their compare-and-set to ``live`` and scrub their own
-        region — and the pool goes once it is empty. A pool whose drain began (and
-        a daemon stopped) finishes it whether or not ``drain`` is given again.
+        daemon holding a pool's memory can scrub its buffers. Without ``drain`` a
+        pool holding buffers answers :class:`StateConflict` and nothing changes. A
+        drain never stops half-way: the pool is marked deleting (from then on no
+        reserve lands in it: 409 when it is named, and it is no candidate otherwise),
+        its warm stock is given back, every buffer is released — also those whose
+        reserve is in flight, which lose their compare-and-set to ``live`` and scrub
+        their own region — and the pool goes once it is empty. A pool whose drain
+        began (and a daemon stopped) finishes it whether or not ``drain`` is given
+        again.
         """
         try:
             live = self._runtime.find_pool(id_or_name)
@@ -273,6 +315,7 @@ class Pools:
                     "release them or delete with drain=true"
                 ) from None
             self._runtime.remove_pool(live.row.id)
+            live.pool.close()  # its warm stock goes with it
             return
         at = self._store.mark_pool_deleting(live.row.id)
         live.row = msgspec.structs.replace(live.row, deleting_at=at)
@@ -289,6 +332,7 @@ class Pools:
     def _finish_delete(self, live: LivePool) -> None:
         """Release the draining pool's buffers until it holds none, then delete it."""
         pool_id = live.row.id
+        live.pool.close()  # no stock for a pool on its way out (releases still work)
         self._releaser.release_all(
             lambda: self._store.buffers(pool_id=pool_id, states=ACCOUNTED_STATES),
             lambda: self._store.delete_pool(pool_id),

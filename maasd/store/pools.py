@@ -47,6 +47,7 @@ _mark_deleting = (
 )
 _lock_pool_name = select(_P.c.name, _P.c.host).where(_P.c.id == bindparam("p_id")).with_for_update()
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
+_set_warm = update(_P).where(_P.c.id == bindparam("p_id")).values(warm_bytes=bindparam("warm"))
 _E = schema.events
 _sel_deleted = (
     select(_E.c.detail)
@@ -118,6 +119,11 @@ class PoolRepo(Connections):
             conn.execute(_mark_deleting, {"p_id": pool_id, "now": at})
             marked = conn.execute(lock_pool, {"p_id": pool_id}).one()
         return float(marked[2])
+
+    def set_pool_warm(self, pool_id: str, warm_bytes: int) -> None:
+        """Set a pool's warm stock budget (the one property that follows its configuration)."""
+        if self._single_count(_set_warm, {"p_id": pool_id, "warm": warm_bytes}) != 1:
+            raise NotFound(f"pool {pool_id} not found")
 
     def delete_pool(self, pool_id: str, *, now: float | None = None) -> None:
         """Delete an empty pool: :class:`NotFound` if unknown, :class:`StateConflict` if it holds buffers."""

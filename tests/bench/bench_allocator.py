@@ -1,40 +1,65 @@
-"""Allocator benchmark: scrub bandwidth and region creation, as ratios to a baseline.
+"""Allocator benchmark: prefault, cold and warm reserves, scrub — 4 KiB pages and hugetlb.
 
-Run: ``python tests/bench/bench_allocator.py [--reps 5] [--sizes 64MiB,1GiB]``
+Run: ``python tests/bench/bench_allocator.py [--reps 5] [--sizes 64MiB,1GiB] [--no-hugetlb]``
+(as root, the hugetlb rows configure the huge pages they need and give them back after;
+otherwise they use what ``/proc/sys/vm/nr_hugepages`` holds, or are left out).
 
 Not run by CI, and it asserts nothing: absolute times on shared machines drift,
-so every number is printed next to a baseline measured in the same run.
+so every number is printed next to a floor measured in the same run — numpy
+``fill(0)`` over an already faulted-in anonymous mapping of the same size (plain
+memset bandwidth).
 
-- **scrub** ``zero`` (memset through the daemon's mapping, then punch) and
-  ``punch`` (``fallocate(PUNCH_HOLE)`` only) of a fully populated region, against
-  numpy ``arr.fill(0)`` over an already faulted-in anonymous mapping of the same
-  size (plain memset bandwidth). The region is refilled, untimed, before each rep.
-- **create** ``Region.create(prefault=True)`` (memfd, seal, mmap, mbind,
-  ``MADV_POPULATE_WRITE``) then close, against anonymous ``mmap`` plus a write to
-  every page, per GiB.
+For each backing (``memfd`` with 4 KiB pages, ``hugetlb`` with 2 MiB pages) and size:
 
-Medians of ``--reps`` repetitions. (OPENBLAS_* variables do not matter here:
-memset is single-threaded libc/numpy, no BLAS.)
+- **prefault**: ``Region.create(prefault=True)`` (memfd, map, seal, mbind,
+  ``MADV_POPULATE_WRITE``) — what a cold reserve pays for its pages;
+- **reserve cold**: ``Pool.reserve`` with no warm stock (that same work);
+- **reserve warm (same size)**: ``Pool.reserve`` of a size the stock holds exactly
+  (a size asked for before: the stocked region is sealed as it is), and **warm,
+  +1 page, cut**: of one page more than the size, taken from a stocked region at the
+  top of that size's class (the next one up), so it is truncated by the longest tail
+  there is (~1/16 of the size) before it is sealed. The stock is refilled, untimed,
+  before each rep;
+- **scrub**: ``zero`` (memset through the daemon's mapping, then punch), its memset
+  part alone, and ``punch``; hugetlb scrubs punch in both modes (a memset could fault
+  on a worker's hole), so its rows are the punch. The region is refilled, untimed,
+  before each rep.
+
+Then, end to end in process, ``Service.reserve`` (the ledger's two SQLite commits
+included, no HTTP) of each size into a pool with and without a warm stock that
+holds it, waiting (untimed) for the refill thread between reps.
+
+Medians of ``--reps`` repetitions (at least 3 for 1 GiB and above).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import mmap
 import os
 import statistics
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
-from maasd.allocator import _sys
+from maasd.allocator import Pool, _sys
 from maasd.allocator.region import Region
+from maasd.allocator.stock import size_class
+from maasd.core import Service
+from maasd.models import PoolSpec, ReserveSpec
+from maasd.settings import Settings
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+HUGE = 2 << 20
 MiB, GiB = 1 << 20, 1 << 30
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+HUGEPAGES_LOCK = "/tmp/maasd-tests-hugepages.lock"  # the tests' lock: never undo their pages
 
 
 def parse_size(text: str) -> int:
@@ -73,52 +98,153 @@ def bench_memset(size: int, reps: int) -> float:
         m.close()
 
 
-def bench_region_memset(size: int, reps: int) -> float:
-    """The write half of scrub ``zero`` alone: memset through the region's mapping."""
-    r = Region.create(size, node=0, prefault=True)
+def bench_prefault(size: int, backing: str, reps: int) -> float:
+    """``Region.create(prefault=True)`` alone (the previous rep's region closed, untimed)."""
+    held: list[Region] = []
+
+    def close() -> None:
+        while held:
+            held.pop().close()
+
     try:
         return median_time(
-            lambda: _sys.memset(r.address, 0, r.size),
-            reps,
-            setup=lambda: _sys.memset(r.address, 0xA5, r.size),
+            lambda: held.append(Region.create(size, node=0, backing=backing)), reps, setup=close
         )
+    finally:
+        close()
+
+
+def bench_cold(size: int, backing: str, reps: int) -> float:
+    pool = Pool("cold", numa_node=0, capacity=size, backing=backing)
+    held: list[Region] = []
+
+    def release() -> None:
+        while held:
+            pool.release(held.pop())
+
+    try:
+        return median_time(lambda: held.append(pool.reserve(size)), reps, setup=release)
+    finally:
+        release()
+
+
+def bench_warm(size: int, backing: str, reps: int, stocked: int | None = None) -> float:
+    """A reserve of ``size`` from a stock holding a region of ``stocked`` bytes (default:
+    ``size``; a larger size of the same class is cut down to ``size``), refilled untimed."""
+    stocked = stocked or size
+    pool = Pool("warm", numa_node=0, capacity=stocked, backing=backing, warm_bytes=stocked)
+    held: list[Region] = []
+
+    def refill() -> None:
+        while held:
+            pool.release(held.pop())
+        while pool.refill_step():
+            pass
+        assert pool.warm == stocked, "the stock did not fill"
+
+    try:
+        pool.release(pool.reserve(stocked))  # the demand the stock follows
+        return median_time(lambda: held.append(pool.reserve(size)), reps, setup=refill)
+    finally:
+        while held:
+            pool.release(held.pop())
+        pool.close()
+
+
+def bench_scrub(size: int, backing: str, mode: str, reps: int, *, memset_only: bool) -> float:
+    r = Region.create(size, node=0, backing=backing)
+    try:
+        scrub = (
+            (lambda: _sys.memset(r.address, 0, r.size)) if memset_only else (lambda: r.scrub(mode))
+        )
+        return median_time(scrub, reps, setup=lambda: _sys.memset(r.address, 0xA5, r.size))
     finally:
         r.close()
 
 
-def bench_scrub(size: int, mode: str, reps: int) -> float:
-    r = Region.create(size, node=0, prefault=True)
-    try:
-        return median_time(
-            lambda: r.scrub(mode), reps, setup=lambda: _sys.memset(r.address, 0xA5, r.size)
+def bench_service(size: int, reps: int) -> tuple[float, float]:
+    """``Service.reserve`` of ``size``: (cold, from the warm stock), medians."""
+    pools = [
+        PoolSpec(name="cold", numa_node=0, capacity_bytes=size),
+        PoolSpec(name="warm", numa_node=0, capacity_bytes=size, warm_bytes=size),
+    ]
+    with tempfile.TemporaryDirectory() as data_dir:
+        settings = Settings(
+            data_dir=data_dir, admin_key="bench" * 8, pools=pools, warm_min_available_bytes=0
         )
-    finally:
-        r.close()
+        svc = Service(settings)
+        svc.start(reaper=False)
+        try:
+            who = svc.authenticate(svc.create_tenant("bench", 4 * size).api_key)
+            warm_pool = svc.runtime.find_pool("warm").pool
+            held: list[str] = []
+
+            def release(stocked: bool) -> None:
+                while held:
+                    svc.release(who, held.pop())
+                svc.reclaimer.drain()
+                while stocked and warm_pool.warm < size:
+                    time.sleep(0.01)
+
+            def reserve(pool: str) -> None:
+                held.append(svc.reserve(who, ReserveSpec(size_bytes=size, pool=pool)).id)
+
+            reserve("warm")  # the demand the stock follows
+            cold = median_time(lambda: reserve("cold"), reps, setup=lambda: release(False))
+            warm = median_time(lambda: reserve("warm"), reps, setup=lambda: release(True))
+            release(False)
+            return cold, warm
+        finally:
+            svc.close()
 
 
-def bench_create(size: int, reps: int) -> float:
-    def once() -> None:
-        Region.create(size, node=0, prefault=True).close()
-
-    return median_time(once, reps)
+def free_hugepages() -> int:
+    return int(Path("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages").read_text())
 
 
-def bench_anon_touch(size: int, reps: int) -> float:
-    def once() -> None:
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        arr = np.frombuffer(m, dtype=np.uint8)
-        arr[::PAGE] = 1  # one write per page faults it in
-        del arr
-        m.close()
+@contextlib.contextmanager
+def hugepages(need: int) -> Iterator[str | None]:
+    """``None`` while ``need`` free 2 MiB pages exist (added as root, restored after), else why not."""
+    with open(HUGEPAGES_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = int(NR_HUGEPAGES.read_text())
+        try:
+            if free_hugepages() < need and os.geteuid() == 0:
+                NR_HUGEPAGES.write_text(str(old + need - free_hugepages()))
+            have = free_hugepages()
+            yield (
+                None if have >= need else f"{have} free huge pages, {need} needed (root adds them)"
+            )
+        finally:
+            if int(NR_HUGEPAGES.read_text()) != old:
+                NR_HUGEPAGES.write_text(str(old))
 
-    return median_time(once, reps)
+
+def rows_for(size: int, backing: str, reps: int) -> Iterator[tuple[str, float]]:
+    page = PAGE if backing == "memfd" else HUGE
+    yield "prefault (create)", bench_prefault(size, backing, reps)
+    yield "reserve cold", bench_cold(size, backing, reps)
+    yield "reserve warm (same size)", bench_warm(size, backing, reps)
+    # One page above a class, from a region of the next class's top: cut by ~1/16.
+    above = size_class(size, page) + page
+    yield (
+        "reserve warm, +1 page, cut",
+        bench_warm(above, backing, reps, stocked=size_class(above, page)),
+    )
+    if backing == "memfd":
+        yield "scrub zero: memset part", bench_scrub(size, backing, "zero", reps, memset_only=True)
+        yield (
+            "scrub zero (memset+punch)",
+            bench_scrub(size, backing, "zero", reps, memset_only=False),
+        )
+    yield "scrub punch", bench_scrub(size, backing, "punch", reps, memset_only=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sizes", default="64MiB,1GiB")
-    ap.add_argument("--create-size", default="1GiB", help="size for the create benchmark")
+    ap.add_argument("--no-hugetlb", action="store_true", help="4 KiB pages only")
     args = ap.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -128,42 +254,36 @@ def main(argv: list[str] | None = None) -> int:
     )
     if thp.exists():
         print(f"# transparent hugepages: {thp.read_text().strip()}")
-    print()
-    print(f"{'what':<28}{'size':>8}{'time ms':>11}{'GB/s':>9}{'baseline GB/s':>15}{'ratio':>8}")
-    for size in sizes:
-        reps = args.reps if size < GiB else max(3, args.reps // 2)
-        base = bench_memset(size, reps)
+    # The largest warm row holds a stocked region of the class above the size and takes it.
+    need = 2 * size_class(max(sizes) + HUGE, HUGE) // HUGE + 8
+    backings = ["memfd"] if args.no_hugetlb else ["memfd", "hugetlb"]
+    with hugepages(need if "hugetlb" in backings else 0) as why_not:
+        if why_not is not None:
+            print(f"# hugetlb left out: {why_not}")
+            backings = ["memfd"]
+        print()
         print(
-            f"{'numpy fill(0) (baseline)':<28}{human(size):>8}{base * 1e3:>11.1f}"
-            f"{size / base / 1e9:>9.1f}{'':>15}{'1.00':>8}"
+            f"{'backing':<9}{'what':<28}{'size':>8}{'time ms':>10}{'s/GiB':>8}"
+            f"{'floor ms':>10}{'x floor':>9}"
         )
-        t = bench_region_memset(size, reps)
-        print(
-            f"{'  zero: memset part only':<28}{human(size):>8}{t * 1e3:>11.1f}"
-            f"{size / t / 1e9:>9.1f}{size / base / 1e9:>15.1f}{t / base:>7.2f}x"
-        )
-        for mode in ("zero", "punch"):
-            t = bench_scrub(size, mode, reps)
+        for size in sizes:
+            reps = args.reps if size < GiB else max(3, args.reps // 2)
+            floor = bench_memset(size, reps)
             print(
-                f"{'scrub ' + mode:<28}{human(size):>8}{t * 1e3:>11.1f}{size / t / 1e9:>9.1f}"
-                f"{size / base / 1e9:>15.1f}{t / base:>7.2f}x"
+                f"{'-':<9}{'memset floor (numpy fill)':<28}{human(size):>8}{floor * 1e3:>10.1f}"
+                f"{floor * GiB / size:>8.3f}{floor * 1e3:>10.1f}{'1.00':>9}"
             )
-    size = parse_size(args.create_size)
-    reps = max(3, args.reps // 2)
-    base = bench_anon_touch(size, reps)
-    t = bench_create(size, reps)
-    per_gib = GiB / size
-    print()
-    print(f"{'what':<36}{'s per GiB':>10}{'GB/s':>8}{'ratio':>8}")
-    print(
-        f"{'anon mmap + touch (baseline)':<36}{base * per_gib:>10.3f}{size / base / 1e9:>8.2f}"
-        f"{'1.00':>8}"
-    )
-    print(
-        f"{'Region.create(prefault) + close':<36}{t * per_gib:>10.3f}{size / t / 1e9:>8.2f}"
-        f"{t / base:>7.2f}x"
-    )
-    print("\nratio = time / baseline time (lower is better; scrub ratio 1.0 = memset speed)")
+            for backing in backings:
+                for what, t in rows_for(size, backing, reps):
+                    print(
+                        f"{backing:<9}{what:<28}{human(size):>8}{t * 1e3:>10.1f}"
+                        f"{t * GiB / size:>8.3f}{floor * 1e3:>10.1f}{t / floor:>8.2f}x"
+                    )
+    print("\nx floor = time / memset floor of the same size (lower is better)\n")
+    print(f"{'Service.reserve (memfd)':<28}{'size':>8}{'cold ms':>10}{'warm ms':>10}")
+    for size in sizes:
+        cold, warm = bench_service(size, args.reps if size < GiB else max(3, args.reps // 2))
+        print(f"{'':<28}{human(size):>8}{cold * 1e3:>10.1f}{warm * 1e3:>10.1f}")
     return 0
 
 

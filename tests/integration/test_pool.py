@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
+import resource
 import threading
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from maasd.allocator import Pool, Region, default_page_bytes
+import hugepages
+from maasd.allocator import SEALS, Pool, Region, Warmer, default_page_bytes
 from maasd.allocator.reclaim import Reclaimer
+from maasd.allocator.stock import size_class
 from maasd.errors import (
     BackingError,
     InvalidRequest,
@@ -21,9 +27,12 @@ from maasd.errors import (
     TooLarge,
     Unprocessable,
 )
+from waiting import wait_until
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 CAPACITY = 64 * PAGE
+MiB = 1 << 20
+HUGE = hugepages.HUGE
 
 
 @pytest.fixture
@@ -267,3 +276,280 @@ class TestReclaimer:
         r.submit(region)
         assert region.closed
         assert open_fds() == fds
+
+
+def minor_faults() -> int:
+    """Page faults of the calling thread so far (minor + major)."""
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return usage.ru_minflt + usage.ru_majflt
+
+
+def fill_stock(pool: Pool) -> None:
+    """Refill in this thread until the plan is met (what the warmer thread does)."""
+    while pool.refill_step():
+        pass
+
+
+def sealed_exactly(region: Region, size: int) -> bool:
+    return os.fstat(region.fd).st_size == size == region.size and (
+        fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) == SEALS
+    )
+
+
+class TestWarmStock:
+    """A pool's stock of fresh, prefaulted regions: taken by reserves without a fault."""
+
+    @pytest.fixture
+    def warm_pool(self, reclaimer: Reclaimer) -> Iterator[Pool]:
+        p = Pool("warm", numa_node=0, capacity=64 * MiB, warm_bytes=32 * MiB, reclaimer=reclaimer)
+        yield p
+        p.close()
+
+    def test_a_stocked_size_is_reserved_without_a_fault(self, warm_pool):
+        size = 4 * MiB + 3 * PAGE
+        cold_before = minor_faults()
+        first = warm_pool.reserve(size)  # nothing in stock yet: faulted in here
+        cold = minor_faults() - cold_before
+        assert cold >= first.size // PAGE
+        fill_stock(warm_pool)
+        assert warm_pool.warm == first.size  # the size asked for, exactly
+        assert warm_pool.used == 2 * first.size  # the stock counts against the capacity
+
+        before = minor_faults()
+        second = warm_pool.reserve(size)
+        warm = minor_faults() - before
+        assert warm < first.size // PAGE // 16, f"{warm} faults taking from stock, {cold} cold"
+        assert sealed_exactly(second, first.size)
+        assert second.placement() == {0: second.size // PAGE}
+        assert (warm_pool.warm, warm_pool.used) == (0, 2 * first.size)
+        assert not np.frombuffer(second.view(), dtype=np.uint8).any()
+        for r in (first, second):
+            warm_pool.release(r)
+        assert warm_pool.used == warm_pool.warm
+
+    def test_a_smaller_size_of_the_class_is_cut_from_a_stocked_region(self, warm_pool):
+        big, small = 4 * MiB + 3 * PAGE, 4 * MiB + PAGE  # one class: 4.25 MiB
+        assert size_class(big, PAGE) == size_class(small, PAGE)
+        warm_pool.release(warm_pool.reserve(big))
+        fill_stock(warm_pool)
+        assert warm_pool.warm == big
+        before = minor_faults()
+        r = warm_pool.reserve(small)
+        assert minor_faults() - before < small // PAGE // 16
+        assert sealed_exactly(r, small)
+        assert (warm_pool.warm, warm_pool.used) == (0, small)  # the cut tail went back
+        maps = Path("/proc/self/maps").read_text()
+        assert f"{r.address:x}-{r.address + small:x} " in maps  # the daemon's mapping is cut too
+        warm_pool.release(r)
+        # A larger size than any stocked one is not taken from the stock.
+        fill_stock(warm_pool)
+        stocked = warm_pool.warm
+        r = warm_pool.reserve(big + PAGE)
+        assert warm_pool.warm == stocked
+        warm_pool.release(r)
+
+    def test_the_stock_refills_after_a_take(self, warm_pool):
+        warm_pool.release(warm_pool.reserve(MiB))
+        fill_stock(warm_pool)
+        assert warm_pool.warm == MiB
+        r = warm_pool.reserve(MiB)
+        assert warm_pool.warm == 0
+        fill_stock(warm_pool)
+        assert warm_pool.warm == 2 * MiB  # asked for twice now: two ready
+        warm_pool.release(r)
+
+    def test_stock_follows_demand_within_the_budget(self, warm_pool):
+        regions = [warm_pool.reserve(s) for s in (8 * MiB, 8 * MiB, 8 * MiB, 16 * MiB)]
+        fill_stock(warm_pool)
+        # 8 MiB asked for 3 times, 16 MiB once: the plan within 32 MiB is 2×8 + 1×16, but
+        # only 24 MiB of the capacity are free, and the stock takes only free capacity.
+        assert (warm_pool.warm, warm_pool.used) == (16 * MiB, 56 * MiB)
+        for r in regions:
+            warm_pool.release(r)
+        fill_stock(warm_pool)
+        assert warm_pool.warm == 32 * MiB == warm_pool.warm_bytes
+        # Demand moves on (the window holds the last 64 reserves): the regions of sizes no
+        # longer asked for are given back, one page is stocked per page asked for.
+        for _ in range(64):
+            warm_pool.release(warm_pool.reserve(PAGE))
+        fill_stock(warm_pool)
+        assert (warm_pool.warm, warm_pool.used) == (64 * PAGE, 64 * PAGE)
+
+    def test_a_short_pool_gives_its_stock_back_before_failing(self, warm_pool):
+        warm_pool.release(warm_pool.reserve(16 * MiB))
+        warm_pool.release(warm_pool.reserve(16 * MiB))
+        fill_stock(warm_pool)
+        assert warm_pool.warm == 32 * MiB
+        big = warm_pool.reserve(48 * MiB)  # fits only if the stock makes room
+        assert warm_pool.used == 48 * MiB + warm_pool.warm <= warm_pool.capacity
+        assert warm_pool.warm == 16 * MiB
+        with pytest.raises(PoolExhausted):
+            warm_pool.reserve(32 * MiB)  # would not fit even without any stock: nothing shed
+        assert warm_pool.warm == 16 * MiB
+        warm_pool.release(big)
+
+    def test_a_reserve_stops_a_refill_in_flight(self, reclaimer):
+        pool = Pool(
+            "race", numa_node=0, capacity=64 * MiB, warm_bytes=64 * MiB, reclaimer=reclaimer
+        )
+        try:
+            pool.release(pool.reserve(64 * MiB))  # demand: one 64 MiB region
+            filler = threading.Thread(target=fill_stock, args=(pool,))
+            filler.start()
+            while pool.used == 0 and filler.is_alive():
+                time.sleep(0.001)
+            r = pool.reserve(32 * MiB)  # needs the room the refill is taking
+            filler.join()
+            assert r.size == 32 * MiB
+            assert pool.used == 32 * MiB + pool.warm <= pool.capacity
+            pool.release(r)
+        finally:
+            pool.close()
+
+    def test_close_gives_the_stock_back(self, reclaimer):
+        fds = open_fds()
+        pool = Pool("gone", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, reclaimer=reclaimer)
+        for _ in range(3):
+            pool.release(pool.reserve(MiB))
+        reclaimer.drain()
+        fill_stock(pool)
+        assert pool.warm == 3 * MiB
+        assert open_fds() == fds + 3
+        pool.close()
+        assert (pool.warm, pool.used, open_fds()) == (0, 0, fds)
+        assert pool.refill_step() is False  # closed: no more stock
+
+    def test_no_budget_no_stock(self, pool):
+        pool.release(pool.reserve(PAGE))
+        assert pool.refill_step() is False
+        assert pool.warm == 0
+
+    @pytest.mark.parametrize(
+        ("kwargs", "word"),
+        [
+            ({"warm_bytes": CAPACITY + PAGE}, "capacity"),
+            ({"warm_bytes": -1}, "capacity"),
+            ({"warm_bytes": 1.5}, "integer"),
+            ({"warm_bytes": PAGE, "prefault": False}, "prefault"),
+        ],
+    )
+    def test_bad_budget(self, kwargs, word):
+        with pytest.raises(InvalidRequest, match=word):
+            Pool("p", numa_node=0, capacity=CAPACITY, **kwargs)
+
+    def test_budget_is_rounded_down_to_pages(self):
+        assert Pool("p", numa_node=0, capacity=CAPACITY, warm_bytes=PAGE + 1).warm_bytes == PAGE
+
+
+class TestWarmer:
+    def test_the_thread_refills_and_stops(self):
+        warmer = Warmer(min_available=0, interval_s=0.05)
+        pool = Pool("t", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)
+        warmer.start()
+        try:
+            assert [t for t in threading.enumerate() if t.name == "maasd-warm"]
+            pool.release(pool.reserve(2 * MiB))
+            wait_until(lambda: pool.warm == 2 * MiB, message="the warmer filled the stock")
+            r = pool.reserve(2 * MiB)
+            wait_until(lambda: pool.warm == 4 * MiB, message="the warmer refilled it")
+            pool.release(r)
+        finally:
+            warmer.stop()
+            pool.close()
+        assert not warmer.running
+        assert warmer.pools() == []
+
+    def test_memory_pressure_sheds_and_stops_refilling(self, reclaimer):
+        available = [1 << 40]
+        warmer = Warmer(min_available=1 << 30, available=lambda: available[0])
+        pool = Pool(
+            "p",
+            numa_node=0,
+            capacity=8 * MiB,
+            warm_bytes=4 * MiB,
+            reclaimer=reclaimer,
+            warmer=warmer,
+        )
+        try:
+            pool.release(pool.reserve(MiB))
+            while warmer.run_once():
+                pass
+            assert pool.warm == MiB
+            available[0] = (1 << 30) - 1  # below the threshold: give it back
+            assert warmer.run_once() is False
+            assert (pool.warm, pool.used) == (0, 0)
+            available[0] = (2 << 30) + MiB // 2  # above it, but not by twice: no refill yet
+            assert warmer.run_once() is False
+            assert pool.warm == 0
+            available[0] = (2 << 30) + MiB
+            assert warmer.run_once() is True
+            assert pool.warm == MiB
+        finally:
+            pool.close()
+
+    def test_no_new_stock_while_the_daemons_region_budget_says_no(self, reclaimer):
+        """Every stocked region holds a file and a mapping of the daemon: the refill asks
+        the region budget (maasd.core.limits) before making one."""
+        room = [False]
+        warmer = Warmer(min_available=0, may_grow=lambda: room[0])
+        pool = Pool(
+            "p",
+            numa_node=0,
+            capacity=8 * MiB,
+            warm_bytes=4 * MiB,
+            reclaimer=reclaimer,
+            warmer=warmer,
+        )
+        try:
+            pool.release(pool.reserve(MiB))
+            while warmer.run_once():
+                pass
+            assert pool.warm == 0
+            room[0] = True
+            while warmer.run_once():
+                pass
+            assert pool.warm == MiB
+        finally:
+            pool.close()
+
+    def test_shed_frees_the_stock_of_one_backing_at_once(self):
+        warmer = Warmer(min_available=0)
+        pool = Pool("p", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)
+        try:
+            pool.release(pool.reserve(MiB))
+            fill_stock(pool)
+            fds = open_fds()
+            assert warmer.shed(backing="hugetlb") == 0
+            assert warmer.shed(backing="memfd") == MiB
+            assert (pool.warm, open_fds()) == (0, fds - 1)  # closed before shed returned
+        finally:
+            pool.close()
+
+
+@pytest.mark.hugetlb
+class TestHugetlbStock:
+    def test_a_reserve_the_kernel_refuses_takes_other_pools_stock(self):
+        with hugepages.configured(4):
+            warmer = Warmer(min_available=0)
+            pages = hugepages.available()
+            hoarder = Pool(
+                "hoarder",
+                numa_node=0,
+                capacity=pages * HUGE,
+                backing="hugetlb",
+                warm_bytes=pages * HUGE,
+                warmer=warmer,
+            )
+            other = Pool("other", numa_node=0, capacity=4 * HUGE, backing="hugetlb", warmer=warmer)
+            try:
+                for _ in range(pages):
+                    hoarder.release(hoarder.reserve(HUGE))
+                fill_stock(hoarder)
+                assert hoarder.warm == pages * HUGE
+                assert hugepages.available() == 0
+                r = other.reserve(HUGE)  # no huge page free: the hoarder's stock is given back
+                assert (r.size, hoarder.warm) == (HUGE, 0)
+                other.release(r)
+            finally:
+                hoarder.close()
+                other.close()

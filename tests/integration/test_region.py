@@ -11,6 +11,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import socket
 import subprocess
@@ -21,15 +22,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import hugepages
 from maasd.allocator import _sys
 from maasd.allocator.persist import checkpoint, file_checksum, restore
-from maasd.allocator.region import SEALS, Region
+from maasd.allocator.region import POPULATE_CHUNK, SEALS, Region
 from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
 from maasd.topology import discover
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 HUGE = 2 << 20
 MiB = 1 << 20
+PUNCH = _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE
+F_SEAL_FUTURE_WRITE = _sys.F_SEAL_FUTURE_WRITE
 
 
 def open_fds() -> int:
@@ -218,44 +222,11 @@ def region():
     r.close()
 
 
-def _meminfo(field: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
-
-
-@pytest.fixture(scope="module")
-def hugepages():
-    """Configure a few 2 MiB huge pages for the test (root only); restore the old count after."""
-    need = 8
-    path = Path("/proc/sys/vm/nr_hugepages")
-    if _meminfo("Hugepagesize") != HUGE // 1024:
-        pytest.skip(f"default huge page size is {_meminfo('Hugepagesize')} kB, not 2048 kB")
-    try:
-        old = int(path.read_text())
-    except OSError as e:
-        pytest.skip(f"cannot read {path}: {e}")
-    if _meminfo("HugePages_Free") >= need:
-        yield need  # already there: nothing to configure or restore
-        return
-    if os.geteuid() != 0:
-        pytest.skip(
-            f"huge pages: only {_meminfo('HugePages_Free')} free and not root to add {need}"
-        )
-    try:
-        try:
-            path.write_text(str(old + need))
-        except OSError as e:
-            pytest.skip(f"cannot configure huge pages via {path}: {e}")
-        free = _meminfo("HugePages_Free")
-        if free < need:
-            pytest.skip(
-                f"asked for {need} huge pages, the kernel gave {free} free (memory too fragmented?)"
-            )
-        yield need
-    finally:
-        path.write_text(str(old))
+@pytest.fixture(scope="class")
+def huge_pages():
+    """A few free 2 MiB huge pages for a test class (configured when root; else skipped)."""
+    with hugepages.configured(8) as pages:
+        yield pages
 
 
 # -- creation and bounds --------------------------------------------------------------------
@@ -320,6 +291,111 @@ class TestCreate:
         with pytest.raises(InvalidRequest, match="scrub"):
             region.scrub("shred")
         assert (as_array(region) == 1).all()  # nothing happened
+
+
+class TestStockRegions:
+    """Regions made unsealed for a warm stock, cut to size and sealed when taken."""
+
+    def test_unsealed_region_never_leaves(self):
+        r = Region.create(4 * PAGE, node=0, seal=False)
+        try:
+            assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == 0
+            assert not r.sealed
+            with pytest.raises(BackingError) as exc:
+                r.dup_fd()
+            assert exc.value.errno == errno.EPERM
+        finally:
+            r.close()
+
+    def test_seal_at_cuts_the_file_and_the_mapping(self):
+        r = Region.create(64 * PAGE, node=0, seal=False)
+        try:
+            as_array(r)[:] = 3
+            maps = mapping_count()
+            r.seal_at(40 * PAGE)
+            assert (r.size, os.fstat(r.fd).st_size) == (40 * PAGE, 40 * PAGE)
+            assert os.fstat(r.fd).st_blocks * 512 == 40 * PAGE  # the tail's pages are freed
+            assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == SEALS
+            assert mapping_count() == maps
+            line = next(
+                line
+                for line in Path("/proc/self/maps").read_text().splitlines()
+                if line.startswith(f"{r.address:x}-")
+            )
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            assert end - start == 40 * PAGE  # the daemon's mapping was cut too
+            assert (as_array(r) == 3).all()
+            assert_sealed_for(seals_seen_by_child_over_scm(r, PAGE), 40 * PAGE)
+        finally:
+            r.close()
+
+    def test_seal_at_the_full_size_only_seals(self):
+        r = Region.create(4 * PAGE, node=0, seal=False)
+        try:
+            r.seal_at(4 * PAGE, F_SEAL_FUTURE_WRITE)
+            assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == SEALS | F_SEAL_FUTURE_WRITE
+            os.close(r.dup_fd())
+        finally:
+            r.close()
+
+    @pytest.mark.parametrize("size", [0, -PAGE, PAGE + 1, 5 * PAGE])
+    def test_seal_at_refuses_a_bad_size(self, size):
+        r = Region.create(4 * PAGE, node=0, seal=False)
+        try:
+            with pytest.raises(InvalidRequest):
+                r.seal_at(size)
+            assert (r.size, r.sealed) == (4 * PAGE, False)
+        finally:
+            r.close()
+
+    def test_seal_at_refuses_a_sealed_region(self, region):
+        with pytest.raises(BackingError) as exc:
+            region.seal_at(region.size)
+        assert exc.value.errno == errno.EPERM
+
+    def test_populate_can_be_cut_short(self):
+        r = Region.create(40 * MiB, node=0, prefault=False, seal=False)
+        try:
+            assert r.populate(abort=lambda: True) is False
+            assert os.fstat(r.fd).st_blocks == 0
+            asked = iter([False, True])  # one step, then stop
+            assert r.populate(abort=lambda: next(asked)) is False
+            assert os.fstat(r.fd).st_blocks * 512 == POPULATE_CHUNK  # one step, then stop
+            assert r.populate(abort=lambda: False) is True
+            assert os.fstat(r.fd).st_blocks * 512 == r.size
+            assert r.placement(sample=16) == {0: 16}
+        finally:
+            r.close()
+
+    def test_extra_seals_keep_the_daemon_writing_and_everyone_else_out(self):
+        r = Region.create(4 * PAGE, node=0, extra_seals=F_SEAL_FUTURE_WRITE)
+        try:
+            assert fcntl.fcntl(r.fd, fcntl.F_GET_SEALS) == SEALS | F_SEAL_FUTURE_WRITE
+            as_array(r)[:] = 9  # the daemon's mapping was made before the seal
+            fd = r.dup_fd()
+            try:
+                with pytest.raises(PermissionError):
+                    mmap.mmap(fd, r.size)
+                with pytest.raises(PermissionError):
+                    os.pwrite(fd, b"x", 0)
+            finally:
+                os.close(fd)
+            r.scrub("punch")  # refused by the seal: zeroed through the mapping instead
+            assert not as_array(r).any()
+        finally:
+            r.close()
+
+    def test_read_into_reads_the_file(self):
+        r = Region.create(3 * PAGE, node=0)
+        try:
+            as_array(r)[:] = np.arange(r.size, dtype=np.uint64).astype(np.uint8)
+            buf = bytearray(2 * PAGE)
+            assert r.read_into(buf, PAGE) == 2 * PAGE
+            assert bytes(buf) == bytes(as_array(r)[PAGE:])
+            assert r.read_into(buf, 2 * PAGE) == PAGE  # short at the end
+            assert r.read_into(buf, r.size) == 0
+        finally:
+            r.close()
 
 
 class TestSeals:
@@ -494,7 +570,7 @@ class TestErrors:
 
 
 @pytest.mark.hugetlb
-@pytest.mark.usefixtures("hugepages")
+@pytest.mark.usefixtures("huge_pages")
 class TestHugetlb:
     def test_end_to_end(self):
         fds = open_fds()
@@ -526,6 +602,85 @@ class TestHugetlb:
             assert (as_array(back) == np.arange(back.size, dtype=np.uint64).astype(np.uint8)).all()
         finally:
             back.close()
+
+    def test_a_write_sealed_region_is_scrubbed_without_a_punch(self):
+        """F_SEAL_FUTURE_WRITE refuses the punch: the fallback zeroes present pages only."""
+        r = Region.create(2 * HUGE, node=0, backing="hugetlb", extra_seals=F_SEAL_FUTURE_WRITE)
+        try:
+            as_array(r)[:] = 0xA5  # the daemon's own mapping predates the seal
+            with pytest.raises(BackingError) as exc:
+                _sys.fallocate(r.fd, PUNCH, 0, HUGE)
+            assert exc.value.errno == errno.EPERM
+            r.scrub("zero")
+            assert not as_array(r).any()
+        finally:
+            r.close()
+
+
+# The daemon's side of the punch-and-hog attack, in a process of its own so that a
+# regression shows as a signal in its exit status instead of killing pytest. It makes a
+# hugetlb region, fills it, punches its first huge page through a second fd (as a worker
+# would), says "ready", waits for "go" (the hog holds every free huge page by then), then
+# does everything the daemon does to a released or checkpointed region and reports.
+HOG_VICTIM = textwrap.dedent("""
+    import hashlib, json, os, sys
+    from maasd.allocator import _sys
+    from maasd.allocator.persist import checkpoint
+    from maasd.allocator.region import Region
+    HUGE = 2 << 20
+    r = Region.create(2 * HUGE, node=0, backing="hugetlb")
+    _sys.memset(r.address, 0xA5, r.size)
+    worker = os.open(f"/proc/self/fd/{r.fd}", os.O_RDWR)
+    _sys.fallocate(worker, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, HUGE)
+    print("ready", flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    out = {"placement": {str(k): v for k, v in r.placement().items()}}
+    buf = bytearray(r.size)
+    out["read"] = r.read_into(buf)
+    out["read_sha"] = hashlib.sha256(buf).hexdigest()
+    out["checkpoint_sha"] = checkpoint(r, sys.argv[1])
+    r.scrub("zero")
+    out["blocks_after_scrub"] = os.fstat(r.fd).st_blocks
+    r.close()
+    print(json.dumps(out), flush=True)
+""")
+
+
+@pytest.mark.hugetlb
+@pytest.mark.usefixtures("huge_pages")
+class TestHugetlbHoles:
+    """Nothing the daemon does to a region a worker punched can fault it (SPEC §2.9)."""
+
+    def test_punch_and_hog_then_everything_the_daemon_does(self, tmp_path):
+        victim = subprocess.Popen(
+            [sys.executable, "-c", HOG_VICTIM, str(tmp_path / "v.ckpt")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert victim.stdin is not None
+        assert victim.stdout is not None
+        try:
+            assert victim.stdout.readline().strip() == "ready"
+            with hugepages.Hog() as hog:
+                assert hog.pages > 0
+                assert hugepages.available() == 0
+                victim.stdin.write("go\n")
+                victim.stdin.flush()
+                report = victim.stdout.readline()
+                assert victim.wait(timeout=60) == 0, f"the region's owner died: {victim.returncode}"
+        finally:
+            victim.kill()
+            victim.wait()
+        expected = hashlib.sha256(bytes(HUGE) + b"\xa5" * HUGE).hexdigest()
+        assert json.loads(report) == {
+            "placement": {"-2": 1, "0": 1},  # the hole is reported, not populated
+            "read": 2 * HUGE,
+            "read_sha": expected,
+            "checkpoint_sha": expected,
+            "blocks_after_scrub": 0,  # hugetlb scrubs punch, in both modes
+        }
+        assert file_checksum(tmp_path / "v.ckpt") == expected
 
 
 class TestCheckpoint:
@@ -598,6 +753,41 @@ class TestCheckpoint:
         with pytest.raises(BackingError) as exc:
             restore(tmp_path / "nope.ckpt", node=0, size=PAGE)
         assert exc.value.errno == errno.ENOENT
+
+    def test_a_symlink_planted_at_the_temporary_path_is_not_followed(self, filled, tmp_path):
+        r, data = filled
+        victim = tmp_path / "victim"
+        victim.write_bytes(b"precious")
+        path = tmp_path / "buf.ckpt"
+        os.symlink(victim, tmp_path / "buf.ckpt.tmp")
+        digest = checkpoint(r, path)
+        assert victim.read_bytes() == b"precious"
+        assert not (tmp_path / "buf.ckpt.tmp").exists()
+        assert not path.is_symlink()
+        assert digest == hashlib.sha256(data.tobytes()).hexdigest() == file_checksum(path)
+
+    def test_a_stale_temporary_file_is_replaced(self, filled, tmp_path):
+        r, data = filled
+        (tmp_path / "buf.ckpt.tmp").write_bytes(b"left by a crash" * 1000)
+        digest = checkpoint(r, tmp_path / "buf.ckpt")
+        assert digest == hashlib.sha256(data.tobytes()).hexdigest()
+        assert (tmp_path / "buf.ckpt").stat().st_size == r.size
+
+    def test_holes_are_read_as_zeros_and_never_filled(self, tmp_path):
+        r = Region.create(8 * PAGE, node=0)
+        try:
+            as_array(r)[:] = 0x5A
+            worker = os.open(f"/proc/self/fd/{r.fd}", os.O_RDWR)
+            try:
+                _sys.fallocate(worker, PUNCH, 2 * PAGE, 3 * PAGE)
+            finally:
+                os.close(worker)
+            blocks = os.fstat(r.fd).st_blocks
+            expected = b"\x5a" * 2 * PAGE + bytes(3 * PAGE) + b"\x5a" * 3 * PAGE
+            assert checkpoint(r, tmp_path / "h.ckpt") == hashlib.sha256(expected).hexdigest()
+            assert os.fstat(r.fd).st_blocks == blocks  # read with pread: nothing allocated
+        finally:
+            r.close()
 
     def test_unwritable_directory(self, filled, tmp_path):
         r, _ = filled

@@ -1,13 +1,17 @@
 """A Hypothesis state machine over a real :class:`Pool` of 64 base pages.
 
-Random sequences of reserve / release / double release / bad requests must keep
-``used + free == capacity``, never over-commit, and give back exactly what was
-reserved. Regions are real (tiny) memfds, so the scrub on release is checked
-too, through a worker-style mapping of a dup'd fd.
+Random sequences of reserve / release / double release / bad requests / warm
+stock refills and sheds must keep ``used + free == capacity`` and ``used ==``
+live regions plus the warm stock, never over-commit, keep the stock within its
+budget, never fail a reserve that the live regions alone leave room for (the
+stock gives way), and give back exactly what was reserved. Every region handed
+out is exactly its rounded size and sealed. Regions are real (tiny) memfds, so
+the scrub on release is checked too, through a worker-style mapping of a dup'd fd.
 """
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 
@@ -25,7 +29,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from maasd.allocator import Pool, Region
+from maasd.allocator import SEALS, Pool, Region
 from maasd.allocator.reclaim import Reclaimer
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
 from strategies import bad_sizes, request_sizes
@@ -50,9 +54,13 @@ class PoolMachine(RuleBasedStateMachine):
         assert self.pool is not None
         return self.pool
 
-    @rule(scrub=st.sampled_from(["zero", "punch"]), prefault=st.booleans())
+    @rule(
+        scrub=st.sampled_from(["zero", "punch"]),
+        prefault=st.booleans(),
+        warm_pages=st.sampled_from([0, 8, 32, PAGES]),
+    )
     @precondition(lambda self: self.pool is None)
-    def make_pool(self, scrub, prefault):
+    def make_pool(self, scrub, prefault, warm_pages):
         reclaimer = Reclaimer()
         reclaimer.start()
         self.pool = Pool(
@@ -60,29 +68,43 @@ class PoolMachine(RuleBasedStateMachine):
             numa_node=0,
             capacity=PAGES * PAGE,
             scrub=scrub,
-            prefault=prefault,
+            prefault=prefault or warm_pages > 0,  # a warm stock is prefaulted memory
+            warm_bytes=warm_pages * PAGE,
             reclaimer=reclaimer,
         )
+
+    @rule(steps=st.integers(1, 4))
+    @precondition(lambda self: self.pool is not None)
+    def refill(self, steps):
+        for _ in range(steps):
+            self.made_pool.refill_step()
+
+    @rule()
+    @precondition(lambda self: self.pool is not None)
+    def shed(self):
+        self.made_pool.shed()
+        assert self.made_pool.warm == 0
 
     @rule(target=regions, size=request_sizes(PAGE, PAGES))
     @precondition(lambda self: self.pool is not None)
     def reserve(self, size):
         rounded = -(-size // PAGE) * PAGE
-        before = self.made_pool.used
+        live = sum(self.live.values())
         try:
             region = self.made_pool.reserve(size)
         except TooLarge:
             assert rounded > self.made_pool.capacity
-            assert self.made_pool.used == before
+            assert self.made_pool.used == live + self.made_pool.warm
             return multiple()
         except PoolExhausted:
             assert rounded <= self.made_pool.capacity
-            assert rounded > self.made_pool.capacity - before
-            assert self.made_pool.used == before
+            assert rounded > self.made_pool.capacity - live  # the stock never stood in the way
+            assert self.made_pool.used == live + self.made_pool.warm
             return multiple()
-        assert rounded <= self.made_pool.capacity - before  # it did fit: no over-commit
-        assert region.size == rounded
-        assert self.made_pool.used == before + rounded
+        assert rounded <= self.made_pool.capacity - live  # it did fit: no over-commit
+        assert region.size == rounded == os.fstat(region.fd).st_size
+        assert fcntl.fcntl(region.fd, fcntl.F_GET_SEALS) == SEALS
+        assert self.made_pool.used == live + rounded + self.made_pool.warm
         self.live[id(region)] = rounded
         self.live_regions[id(region)] = region
         return region
@@ -95,9 +117,9 @@ class PoolMachine(RuleBasedStateMachine):
         try:
             a = np.frombuffer(m, dtype=np.uint8)
             a.fill(fill)
-            before = self.made_pool.used
+            before = self.made_pool.used - self.made_pool.warm
             self.made_pool.release(region)
-            assert self.made_pool.used == before - self.live.pop(id(region))
+            assert self.made_pool.used - self.made_pool.warm == before - self.live.pop(id(region))
             del self.live_regions[id(region)]
             assert not a.any()  # scrubbed under the worker
             del a
@@ -132,13 +154,15 @@ class PoolMachine(RuleBasedStateMachine):
             return
         assert self.pool.used + self.pool.free == self.pool.capacity
         assert 0 <= self.pool.used <= self.pool.capacity
-        assert self.pool.used == sum(self.live.values())
+        assert self.pool.used == sum(self.live.values()) + self.pool.warm
+        assert self.pool.warm <= self.pool.warm_bytes
 
     def teardown(self):
         # Regions not released by a rule are live: release them so no fd outlives the example.
         if self.pool is not None:
             for region in self.live_regions.values():
                 self.pool.release(region)
+            self.pool.close()  # gives the warm stock back
             assert self.pool.used == 0
             assert self.pool.reclaimer is not None
             # "zero" pools close their memfds in the background, after the release: stopping

@@ -111,3 +111,15 @@ def test_kernel_refusals_on_the_reserve_path_name_the_limit(
 def test_other_kernel_refusals_are_not_limits() -> None:
     budget = RegionBudget(Limits(open_files=1024), held=lambda: 0)
     assert kernel_refusal(BackingError("mbind: [EINVAL]", errno.EINVAL), budget, "x") is None
+
+
+def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
+    held = [0]
+    budget = RegionBudget(Limits(open_files=100 + 96, ledger_files=16), held=lambda: held[0])
+    assert budget.budget == 100
+    held[0] = 74
+    assert budget.room_for_stock()  # the 75th region leaves 25 free
+    held[0] = 75
+    assert not budget.room_for_stock()
+    with budget.admit():  # reserves may still take them
+        pass

@@ -38,6 +38,15 @@ def test_delete_pool(store: Store) -> None:
         store.delete_pool(pool.id)
 
 
+def test_set_pool_warm(store: Store) -> None:
+    a, b = make_pool(store, "node0"), make_pool(store, "node1")
+    store.set_pool_warm(a.id, 4096)
+    assert [p.warm_bytes for p in store.pools(HOST)] == [4096, 0]
+    assert store.pools(HOST)[1] == b
+    with pytest.raises(NotFound):
+        store.set_pool_warm("no-such-pool", 4096)
+
+
 def test_a_deleted_pool_is_remembered_per_host(store: Store) -> None:
     a = make_pool(store, "node0")
     make_pool(store, "node0", host="host-b")

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import click
 from rich.console import Group, RenderableType
 from rich.table import Table
+from rich.text import Text
 
 from maasd.cli.maasctl.context import (
     Ctx,
@@ -17,10 +18,10 @@ from maasd.cli.maasctl.context import (
 )
 from maasd.cli.maasctl.errors import ApiError
 from maasd.cli.maasctl.formatting import add_row, done, ident, note, size, table
-from maasd.cli.maasctl.units import SizeType
+from maasd.cli.maasctl.units import SizeType, format_size
 from maasd.client import Conflict, Pool
 
-__all__ = ["pools", "pools_table"]
+__all__ = ["pools", "pools_table", "warm"]
 
 
 def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
@@ -41,6 +42,7 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
     t.add_column("PAGE", justify="right")
     t.add_column("BUFFERS", justify="right")
     t.add_column("SCRUB")
+    t.add_column("WARM", justify="right")
     for p in items:
         add_row(
             t,
@@ -57,8 +59,16 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
             size(p.page_bytes),
             p.buffers,
             p.scrub,
+            warm(p),
         )
     return t
+
+
+def warm(p: Pool) -> Text:
+    """The warm stock as ``now/budget`` (``-`` without a budget)."""
+    if not p.warm_target_bytes:
+        return Text("-", justify="right")
+    return Text(f"{format_size(p.warm_bytes)}/{format_size(p.warm_target_bytes)}", justify="right")
 
 
 @click.group()
@@ -120,6 +130,12 @@ def pools_show(c: Ctx, pool: str) -> None:
     "--prefault/--no-prefault", default=None, help="Fault pages in ahead of demand [prefault]."
 )
 @click.option("--spill-dir", type=click.Path(), help="Checkpoint directory (persistent pools).")
+@click.option(
+    "--warm",
+    "warm_bytes",
+    type=SizeType(),
+    help="Keep this much prefaulted memory ready for reserves (SIZE, within the capacity) [0].",
+)
 @pass_ctx
 def pools_create(c: Ctx, name: str, numa_node: int, capacity: int, **optional: object) -> None:
     """Create a pool NAME on a NUMA node. Unset options take the daemon's defaults.
@@ -129,6 +145,7 @@ def pools_create(c: Ctx, name: str, numa_node: int, capacity: int, **optional: o
       maasctl pools create fast0 --node 0 --capacity 8GiB
       maasctl pools create kv1 --node 1 --capacity 64GiB --backing hugetlb \\
           --persistence persistent --spill-dir /var/lib/maasd/spill --scrub punch
+      maasctl pools create fast1 --node 0 --capacity 16GiB --warm 1GiB
     """
     fields = {k: v for k, v in optional.items() if v is not None}
     with c.client("admin") as client, client.responses() as seen:

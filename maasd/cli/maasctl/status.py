@@ -13,6 +13,7 @@ from rich.text import Text
 
 from maasd.cli.maasctl.context import Ctx, pass_ctx, raw
 from maasd.cli.maasctl.formatting import add_row, kv_table, size, table, text, usage_bar
+from maasd.cli.maasctl.pools import warm
 from maasd.cli.maasctl.units import format_size
 from maasd.client import Forbidden, Pool, Tenant
 
@@ -28,6 +29,7 @@ def _pools(pools: list[Pool], ascii_only: bool, title: str = "Pools") -> Table:
     pt.add_column("USED", justify="right")
     pt.add_column("CAPACITY", justify="right")
     pt.add_column("BUFFERS", justify="right")
+    pt.add_column("WARM", justify="right")
     for p in pools:
         add_row(
             pt,
@@ -38,9 +40,10 @@ def _pools(pools: list[Pool], ascii_only: bool, title: str = "Pools") -> Table:
             size(p.used_bytes),
             size(p.capacity_bytes),
             p.buffers,
+            warm(p),
         )
     if not pools:
-        add_row(pt, "(no pools)", *[Text()] * 6)
+        add_row(pt, "(no pools)", *[Text()] * 7)
     return pt
 
 
@@ -106,6 +109,7 @@ def status_view(
     )
     add_row(tot, "free", format_size(max(0, cap - used)))
     add_row(tot, "buffers", sum(p.buffers for p in pools))
+    add_row(tot, "warm", format_size(sum(p.warm_bytes for p in pools)))
     if tenants is not None:
         quota = sum(t.quota_bytes for t in tenants)
         ratio = f" ({quota / cap:.2f}x capacity)" if cap else ""
