@@ -173,6 +173,16 @@ class Metrics:
         self.checkpoint_bytes = Counter(
             "maasd_checkpoint_bytes", "Bytes written by checkpoints", registry=r
         )
+        self.http_connections = Gauge(
+            "maasd_http_connections", "REST connections held open", registry=r
+        )
+        self.http_closed = Counter(
+            "maasd_http_connections_closed",
+            "REST connections the daemon closed or refused (head_timeout, body_timeout, "
+            "send_timeout, shed, refused, dropped)",
+            ["reason"],
+            registry=r,
+        )
 
     def attach_ledger(self, collector: LedgerCollector) -> None:
         self.registry.register(collector)

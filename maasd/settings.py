@@ -98,8 +98,6 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
     # regions that vm.max_map_count's default allows (maasd.core.limits).
     max_buffers_per_tenant: int = 4096
-    # Seconds a REST connection may go without starting a request before it is closed.
-    http_idle_s: float = 10.0
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
@@ -111,6 +109,14 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     socket_send_timeout_s: float = 10.0  # a reply the peer leaves unread this long closes it
     socket_slow_workers: int = 4  # threads for operations that may block (renew, …)
     socket_slow_per_tenant: int = 2  # of those, running at once for one tenant
+    # Bounds of the REST server (docs/operations.md, "REST limits"): the connections it
+    # holds at once (lowered to a quarter of the open-files limit if that is less), and
+    # the deadlines of a request's head (from its first byte), its body (from the end of
+    # the head) and of a response the client leaves unread.
+    http_max_connections: int = 512
+    http_head_timeout_s: float = 10.0
+    http_body_timeout_s: float = 30.0
+    http_send_timeout_s: float = 30.0
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -138,6 +144,9 @@ SOCKET_BOUNDS = tuple(
 SIZES = {"default_pool_bytes": False, "default_warm_bytes": True, "warm_min_available_bytes": True}
 POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
 
+#: The REST server's bounds: each must be > 0.
+HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
+
 #: environment variable → field
 ENV = {
     "MAASD_HOST": "host",
@@ -161,9 +170,9 @@ ENV = {
     "MAASD_DB_POOL_SIZE": "db_pool_size",
     "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
-    "MAASD_HTTP_IDLE_S": "http_idle_s",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
+    **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
 }
 
 
@@ -212,11 +221,9 @@ def _check(settings: Settings) -> None:
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
-    if not 0 < settings.http_idle_s <= 3600:
-        raise ConfigError("settings: http_idle_s must be > 0 and at most 3600")
     if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
         raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
-    for name in SOCKET_BOUNDS:
+    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:

@@ -2,8 +2,10 @@
 
 How a request goes through it::
 
+    raw path       an empty, '.' or '..' segment, or an encoded '/' → 400 problem,
+                   before routing (maasd.api.paths)
     routing        unknown path → 404 problem, wrong method → 405 problem
-    guards         /v1: authenticated (401) → requires_admin / requires_tenant (403),
+    guard          /v1: authenticated — a valid key (401), the route's role (403),
                    on the event loop, before the body is read (maasd.api.auth)
     body           read (≤ 64 KiB, else 413), decoded strictly once (400, 415)
                    into the handler's ``data`` type (maasd.api.strict)
@@ -24,7 +26,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 
 from maasd import __version__
 from maasd.api import docs, problems
-from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, metrics_digest, principal
+from maasd.api.auth import STATE_KEY, ApiContext, Run, authenticated, caller, metrics_digest
 from maasd.api.controllers import (
     BuffersController,
     HealthController,
@@ -34,6 +36,7 @@ from maasd.api.controllers import (
 )
 from maasd.api.health import Health, HealthCheck
 from maasd.api.hosts import HostsController
+from maasd.api.paths import one_segment_per_id
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
@@ -67,7 +70,7 @@ def create_app(
     v1 = Router(
         path="/v1",
         guards=[authenticated],
-        dependencies={"who": Provide(principal, sync_to_thread=False)},
+        dependencies={"call": Provide(caller, sync_to_thread=False)},
         route_handlers=[
             TopologyController,
             PoolsController,
@@ -76,13 +79,9 @@ def create_app(
             HostsController,
         ],
     )
-    return Litestar(
+    app = Litestar(
         route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page
-        dependencies={
-            "service": Provide(lambda: ctx.service, use_cache=True, sync_to_thread=False),
-            "run": Provide(lambda: ctx.run, use_cache=True, sync_to_thread=False),
-            "health": Provide(lambda: ctx.health, use_cache=True, sync_to_thread=False),
-        },
+        dependencies={"api": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         state=State({STATE_KEY: ctx}),
         plugins=[StrictBodies()],
         exception_handlers=problems.HANDLERS,  # type: ignore[arg-type]
@@ -101,3 +100,6 @@ def create_app(
         logging_config=None,
         debug=False,
     )
+    # In front of the router: a path is routed as the client wrote it (maasd.api.paths).
+    app.asgi_handler = one_segment_per_id(app.asgi_handler)
+    return app

@@ -1,14 +1,19 @@
-"""Who is calling, and whether they may: the guards of the REST API.
+"""Who is calling, and whether they may: the guard of the REST API, and what handlers get.
 
 litestar runs a route's guards before its ``before_request`` hook and before
-it reads a byte of the body, app layer first, handler layer last. So the /v1
-router's first guard, :func:`authenticated`, resolves the caller's key to a
-:class:`~maasd.models.Principal` (on the event loop when the key is known
-without I/O: the admin key, a remembered tenant key) and keeps it in the
-request's state; the role guards of a controller or handler,
-:func:`requires_admin` and :func:`requires_tenant`, then decide on that
-principal, still on the event loop. A request refused by a guard is answered
-401 or 403 without its body being read and without any service call.
+it reads a byte of the body. The /v1 router has one guard, :func:`authenticated`:
+it resolves the caller's key to a :class:`~maasd.models.Principal` (on the event
+loop when the key is known without I/O: the admin key, a remembered tenant
+key), then checks the role the route asks for in its ``opt``
+(:data:`ADMIN_ONLY`, :data:`TENANT_ONLY`; a controller's ``opt`` applies to
+all its routes, none means any valid key). A request refused there is
+answered 401 or 403 without its body being read and without any service call.
+One guard per route rather than one per role: litestar copies the route
+handler for every guard it calls, on every request.
+
+A /v1 handler's one dependency is :class:`Call` (the service, the thread runner
+and the caller): one dependency is resolved inline, while several are resolved
+concurrently in a task group of their own, on every request.
 
 ``GET /metrics`` has a guard of its own, :func:`may_read_metrics`: the admin
 key, the metrics key (good for nothing else), or anyone when the operator made
@@ -34,16 +39,17 @@ from maasd.errors import Forbidden
 from maasd.models import Principal
 
 __all__ = [
+    "ADMIN_ONLY",
     "STATE_KEY",
+    "TENANT_ONLY",
     "ApiContext",
+    "Call",
     "Run",
     "authenticated",
     "bearer",
+    "caller",
     "may_read_metrics",
     "metrics_digest",
-    "principal",
-    "requires_admin",
-    "requires_tenant",
 ]
 
 R = TypeVar("R")
@@ -51,6 +57,12 @@ Ts = TypeVarTuple("Ts")
 
 #: Where the app keeps its :class:`ApiContext` (``app.state``).
 STATE_KEY = "maasd"
+
+#: The ``opt`` of a route or controller that only the admin key may call (litestar
+#: copies it into each route handler's own ``opt``).
+ADMIN_ONLY: dict[str, Any] = {"role": "admin"}
+#: The ``opt`` of a route or controller that only a tenant key may call.
+TENANT_ONLY: dict[str, Any] = {"role": "tenant"}
 
 
 class Run:
@@ -112,38 +124,40 @@ def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     return token.strip() if scheme.lower() == "bearer" else None
 
 
-def principal(request: ASGIConnection[Any, Any, Any, Any]) -> Principal:
-    """The caller, as :func:`authenticated` found it (the ``who`` dependency of /v1 handlers)."""
-    return cast(Principal, request.state.principal)
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What a /v1 handler works with: ``await call.run(call.service.reserve, call.who, …)``."""
+
+    service: Service
+    run: Run
+    who: Principal
+
+
+def caller(request: ASGIConnection[Any, Any, Any, Any]) -> Call:
+    """The ``call`` dependency of /v1 handlers, with the caller :func:`authenticated` found."""
+    ctx = context(request)
+    return Call(ctx.service, ctx.run, request.state.principal)
 
 
 async def authenticated(
-    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
+    connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler
 ) -> None:
-    """First guard of every /v1 route: a valid key, or 401 before anything else happens."""
+    """The guard of every /v1 route: a valid key (else 401), then the route's role (else 403).
+
+    A coroutine although it may not await: litestar runs a plain function guard in a
+    worker thread, and this one must decide on the event loop.
+    """
     ctx = context(connection)
     token = bearer(connection)
     if ctx.is_metrics_key(token):
         raise Forbidden("the metrics key is good for GET /metrics only")
-    connection.state.principal = await ctx.principal(token)
-
-
-# The guards are coroutines although they do not await: litestar runs a plain
-# function guard in a worker thread, and these must decide on the event loop.
-
-
-async def requires_admin(
-    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
-) -> None:
-    """Guard of admin routes: a tenant key gets 403 before any service call."""
-    Service.require_admin(principal(connection))
-
-
-async def requires_tenant(
-    connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
-) -> None:
-    """Guard of tenant-only routes: the admin key (which owns no buffers) gets 403."""
-    Service.require_tenant(principal(connection))
+    who = await ctx.principal(token)
+    role = handler.opt.get("role")
+    if role == "admin":
+        Service.require_admin(who)  # a tenant key gets 403 before any service call
+    elif role == "tenant":
+        Service.require_tenant(who)  # the admin key (which owns no buffers) gets 403
+    connection.state.principal = who
 
 
 async def may_read_metrics(

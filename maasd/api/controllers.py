@@ -1,10 +1,12 @@
 """The routes of the REST API (SPEC §4), one controller per noun.
 
-Each handler is one service call in a worker thread (``run``) and a return.
-Who may call is decided before that, by guards on the event loop
-(:mod:`maasd.api.auth`); a body arrives decoded strictly as its ``data`` type
-(:mod:`maasd.api.strict`). ``service``, ``run`` and ``who`` (the caller's
-:class:`~maasd.models.Principal`) are dependencies the app provides.
+Each handler is one service call in a worker thread (``call.run``) and a return.
+Who may call is decided before that, by the /v1 guard on the event loop and the
+role in a route's ``opt`` (:mod:`maasd.api.auth`); a body arrives decoded
+strictly as its ``data`` type (:mod:`maasd.api.strict`). A /v1 handler's one
+dependency is ``call`` (:class:`~maasd.api.auth.Call`: the service, the runner
+and the caller); ``/healthz`` and ``/metrics`` get ``api`` (the app's
+:class:`~maasd.api.auth.ApiContext`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from maasd.api import problems
-from maasd.api.auth import Run, may_read_metrics, requires_admin, requires_tenant
-from maasd.api.health import Health
+from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, Call, may_read_metrics
 from maasd.api.schemas import (
     LookupBody,
     PinBody,
@@ -30,7 +31,6 @@ from maasd.api.schemas import (
     TenantPatchBody,
     Unhealthy,
 )
-from maasd.core import Service
 from maasd.metrics import CONTENT_TYPE
 from maasd.models import (
     BufferInfo,
@@ -41,7 +41,6 @@ from maasd.models import (
     NewTenant,
     PoolInfo,
     PoolSpec,
-    Principal,
     TenantInfo,
     Usage,
 )
@@ -78,8 +77,8 @@ class HealthController(Controller):
     tags = ["health"]
 
     @get("/healthz", summary="Liveness", responses=_HEALTH)
-    async def healthz(self, health: NamedDependency[Health]) -> Response[Status | Unhealthy]:
-        return await health.answer()
+    async def healthz(self, api: NamedDependency[ApiContext]) -> Response[Status | Unhealthy]:
+        return await api.health.answer()
 
     @get(
         "/metrics",
@@ -88,10 +87,8 @@ class HealthController(Controller):
         guards=[may_read_metrics],
         responses=problems.responses(401, 403),
     )
-    async def metrics(
-        self, service: NamedDependency[Service], run: NamedDependency[Run]
-    ) -> Response[bytes]:
-        return Response(await run(service.metrics.render), media_type=CONTENT_TYPE)
+    async def metrics(self, api: NamedDependency[ApiContext]) -> Response[bytes]:
+        return Response(await api.run(api.service.metrics.render), media_type=CONTENT_TYPE)
 
 
 class TopologyController(Controller):
@@ -99,10 +96,8 @@ class TopologyController(Controller):
     tags = ["topology"]
 
     @get(summary="NUMA nodes, memory and huge pages", responses=problems.responses(*KEYED))
-    async def topology(
-        self, service: NamedDependency[Service], run: NamedDependency[Run]
-    ) -> Topology:
-        return await run(service.refresh_topology)
+    async def topology(self, call: NamedDependency[Call]) -> Topology:
+        return await call.run(call.service.refresh_topology)
 
 
 class PoolsController(Controller):
@@ -113,61 +108,47 @@ class PoolsController(Controller):
         summary="List pools with usage: this host's (tenant key), every host's (admin key)",
         responses=problems.responses(*KEYED),
     )
-    async def list_pools(
-        self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
-    ) -> list[PoolInfo]:
-        return await run(partial(service.pools, all_hosts=who.is_admin))
+    async def list_pools(self, call: NamedDependency[Call]) -> list[PoolInfo]:
+        return await call.run(partial(call.service.pools, all_hosts=call.who.is_admin))
 
     @get(
         "/{pool_id:str}",
         summary="One pool: a name is this host's pool; the admin may name any host's by id",
         responses=problems.responses(*KEYED + (404,)),
     )
-    async def get_pool(
-        self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
-        pool_id: FromPath[str],
-    ) -> PoolInfo:
-        return await run(partial(service.pool, any_host=who.is_admin), pool_id)
+    async def get_pool(self, call: NamedDependency[Call], pool_id: FromPath[str]) -> PoolInfo:
+        return await call.run(partial(call.service.pool, any_host=call.who.is_admin), pool_id)
 
     @post(
         summary="Create a pool (admin)",
         status_code=201,
-        guards=[requires_admin],
+        opt=ADMIN_ONLY,
         responses=problems.responses(*ADMIN + BODY + (409, 422)),
     )
-    async def create_pool(
-        self, service: NamedDependency[Service], run: NamedDependency[Run], data: JSONBody[PoolSpec]
-    ) -> PoolInfo:
-        return await run(service.create_pool, data)
+    async def create_pool(self, call: NamedDependency[Call], data: JSONBody[PoolSpec]) -> PoolInfo:
+        return await call.run(call.service.create_pool, data)
 
     @delete(
         "/{pool_id:str}",
         summary="Delete a pool (admin)",
         status_code=204,
-        guards=[requires_admin],
+        opt=ADMIN_ONLY,
         responses=problems.responses(*ADMIN + (404, 409)),
     )
     async def delete_pool(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
+        call: NamedDependency[Call],
         pool_id: FromPath[str],
         drain: FromQuery[bool] = False,
     ) -> None:
-        await run(partial(service.delete_pool, drain=drain), pool_id)
+        await call.run(partial(call.service.delete_pool, drain=drain), pool_id)
 
 
 class TenantsController(Controller):
     """Tenants, their keys, and the audit trail: all admin."""
 
     tags = ["tenants"]
-    guards = [requires_admin]
+    opt = ADMIN_ONLY
 
     @post(
         "/tenants",
@@ -177,27 +158,22 @@ class TenantsController(Controller):
     )
     async def create_tenant(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
+        call: NamedDependency[Call],
         data: JSONBody[TenantBody],
     ) -> NewTenant:
-        return await run(service.create_tenant, data.name, data.quota_bytes)
+        return await call.run(call.service.create_tenant, data.name, data.quota_bytes)
 
     @get("/tenants", summary="List tenants (admin)", responses=problems.responses(*ADMIN))
-    async def list_tenants(
-        self, service: NamedDependency[Service], run: NamedDependency[Run]
-    ) -> list[TenantInfo]:
-        return await run(service.tenants)
+    async def list_tenants(self, call: NamedDependency[Call]) -> list[TenantInfo]:
+        return await call.run(call.service.tenants)
 
     @get(
         "/tenants/{tenant_id:str}",
         summary="One tenant (admin)",
         responses=problems.responses(*ADMIN + (404,)),
     )
-    async def get_tenant(
-        self, service: NamedDependency[Service], run: NamedDependency[Run], tenant_id: FromPath[str]
-    ) -> TenantInfo:
-        return await run(service.tenant, tenant_id)
+    async def get_tenant(self, call: NamedDependency[Call], tenant_id: FromPath[str]) -> TenantInfo:
+        return await call.run(call.service.tenant, tenant_id)
 
     @patch(
         "/tenants/{tenant_id:str}",
@@ -206,14 +182,13 @@ class TenantsController(Controller):
     )
     async def update_tenant(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
+        call: NamedDependency[Call],
         tenant_id: FromPath[str],
         data: JSONBody[TenantPatchBody],
     ) -> TenantInfo:
         quota, cap = data.given()
-        return await run(
-            partial(service.update_tenant, quota_bytes=quota, max_buffers=cap), tenant_id
+        return await call.run(
+            partial(call.service.update_tenant, quota_bytes=quota, max_buffers=cap), tenant_id
         )
 
     @delete(
@@ -222,10 +197,8 @@ class TenantsController(Controller):
         summary="Delete a tenant: release (scrub) its buffers, revoke its keys (admin)",
         responses=problems.responses(*ADMIN + (404,)),
     )
-    async def delete_tenant(
-        self, service: NamedDependency[Service], run: NamedDependency[Run], tenant_id: FromPath[str]
-    ) -> None:
-        await run(service.delete_tenant, tenant_id)
+    async def delete_tenant(self, call: NamedDependency[Call], tenant_id: FromPath[str]) -> None:
+        await call.run(call.service.delete_tenant, tenant_id)
 
     @post(
         "/tenants/{tenant_id:str}/keys",
@@ -233,10 +206,8 @@ class TenantsController(Controller):
         summary="Issue an API key (admin); shown only here",
         responses=problems.responses(*ADMIN + (404,)),
     )
-    async def issue_key(
-        self, service: NamedDependency[Service], run: NamedDependency[Run], tenant_id: FromPath[str]
-    ) -> KeyInfo:
-        return await run(service.issue_key, tenant_id)
+    async def issue_key(self, call: NamedDependency[Call], tenant_id: FromPath[str]) -> KeyInfo:
+        return await call.run(call.service.issue_key, tenant_id)
 
     @delete(
         "/tenants/{tenant_id:str}/keys/{key_id:str}",
@@ -246,12 +217,11 @@ class TenantsController(Controller):
     )
     async def revoke_key(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
+        call: NamedDependency[Call],
         tenant_id: FromPath[str],
         key_id: FromPath[str],
     ) -> None:
-        await run(service.revoke_key, tenant_id, key_id)
+        await call.run(call.service.revoke_key, tenant_id, key_id)
 
     @get(
         "/events",
@@ -260,13 +230,12 @@ class TenantsController(Controller):
     )
     async def events(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
+        call: NamedDependency[Call],
         limit: FromQuery[Annotated[int, Parameter(ge=1, le=1000)]] = 100,
         tenant_id: FromQuery[str | None] = None,
         before: FromQuery[Annotated[int | None, Parameter(ge=1, le=2**63 - 1)]] = None,
     ) -> list[Event]:
-        return await run(service.events, limit, tenant_id, before)
+        return await call.run(call.service.events, limit, tenant_id, before)
 
 
 class BuffersController(Controller):
@@ -277,49 +246,43 @@ class BuffersController(Controller):
     @get(
         "/usage",
         summary="The calling tenant's quota and use",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT),
     )
     async def usage(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
     ) -> Usage:
-        return await run(service.usage, who)
+        return await call.run(call.service.usage, call.who)
 
     @post(
         "/pools/{pool_id:str}/reserve",
         status_code=201,
         summary="Reserve a buffer in this pool",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT + BODY + (404, 409, 422, 507)),
     )
     async def reserve_in(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         pool_id: FromPath[str],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
-        return await run(service.reserve, who, data.to_spec(pool_id))
+        return await call.run(call.service.reserve, call.who, data.to_spec(pool_id))
 
     @post(
         "/reserve",
         status_code=201,
         summary="Reserve a buffer in the pool that meets the QoS with the most free space",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT + BODY + (409, 422, 507)),
     )
     async def reserve(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
-        return await run(service.reserve, who, data.to_spec())
+        return await call.run(call.service.reserve, call.who, data.to_spec())
 
     @get(
         "/buffers",
@@ -328,12 +291,10 @@ class BuffersController(Controller):
     )
     async def list_buffers(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         tenant_id: FromQuery[str | None] = None,
     ) -> list[BufferInfo]:
-        return await run(service.buffers, who, tenant_id)
+        return await call.run(call.service.buffers, call.who, tenant_id)
 
     @get(
         "/buffers/{buffer_id:str}",
@@ -342,61 +303,53 @@ class BuffersController(Controller):
     )
     async def get_buffer(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         buffer_id: FromPath[str],
     ) -> BufferInfo:
-        return await run(service.buffer, who, buffer_id)
+        return await call.run(call.service.buffer, call.who, buffer_id)
 
     @patch(
         "/buffers/{buffer_id:str}/pin",
         summary="Bind and migrate a buffer's pages to a NUMA node, then verify",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT + BODY + (404, 409, 422)),
     )
     async def pin(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         buffer_id: FromPath[str],
         data: JSONBody[PinBody],
     ) -> BufferInfo:
-        return await run(service.pin, who, buffer_id, data.numa_node)
+        return await call.run(call.service.pin, call.who, buffer_id, data.numa_node)
 
     @post(
         "/buffers/{buffer_id:str}/renew",
         status_code=200,
         summary="Extend a buffer's lease",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT + BODY + (404,)),
     )
     async def renew(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         buffer_id: FromPath[str],
         data: JSONBody[RenewBody],
     ) -> BufferInfo:
-        return await run(service.renew, who, buffer_id, data.ttl_s)
+        return await call.run(call.service.renew, call.who, buffer_id, data.ttl_s)
 
     @post(
         "/buffers/{buffer_id:str}/checkpoint",
         status_code=200,
         summary="Write a persistent buffer to its pool's spill dir",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT + (404, 409)),
     )
     async def checkpoint(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         buffer_id: FromPath[str],
     ) -> Checkpoint:
-        return await run(service.checkpoint, who, buffer_id)
+        return await call.run(call.service.checkpoint, call.who, buffer_id)
 
     @delete(
         "/buffers/{buffer_id:str}",
@@ -406,25 +359,21 @@ class BuffersController(Controller):
     )
     async def release(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         buffer_id: FromPath[str],
     ) -> None:
-        await run(service.release, who, buffer_id)
+        await call.run(call.service.release, call.who, buffer_id)
 
     @post(
         "/buffers/lookup",
         status_code=200,
         summary="The longest of the given keys that has a live buffer",
-        guards=[requires_tenant],
+        opt=TENANT_ONLY,
         responses=problems.responses(*TENANT + BODY + (404,)),
     )
     async def lookup(
         self,
-        service: NamedDependency[Service],
-        run: NamedDependency[Run],
-        who: NamedDependency[Principal],
+        call: NamedDependency[Call],
         data: JSONBody[LookupBody],
     ) -> LookupHit:
-        return await run(service.lookup, who, list(data.keys))
+        return await call.run(call.service.lookup, call.who, list(data.keys))

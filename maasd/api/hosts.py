@@ -12,9 +12,8 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from maasd.api import problems
-from maasd.api.auth import Run, requires_admin
+from maasd.api.auth import ADMIN_ONLY, Call
 from maasd.api.controllers import ADMIN
-from maasd.core import Service
 from maasd.models import HostInfo
 
 __all__ = ["HostsController"]
@@ -23,13 +22,11 @@ __all__ = ["HostsController"]
 class HostsController(Controller):
     path = "/hosts"
     tags = ["hosts"]
-    guards = [requires_admin]
+    opt = ADMIN_ONLY
 
     @get(summary="The hosts sharing the ledger (admin)", responses=problems.responses(*ADMIN))
-    async def list_hosts(
-        self, service: NamedDependency[Service], run: NamedDependency[Run]
-    ) -> list[HostInfo]:
-        return await run(service.hosts)
+    async def list_hosts(self, call: NamedDependency[Call]) -> list[HostInfo]:
+        return await call.run(call.service.hosts)
 
     @delete(
         "/{name:str}",
@@ -38,7 +35,5 @@ class HostsController(Controller):
         "(admin)",
         responses=problems.responses(*ADMIN + (404, 409)),
     )
-    async def forget_host(
-        self, service: NamedDependency[Service], run: NamedDependency[Run], name: FromPath[str]
-    ) -> None:
-        await run(service.forget_host, name)
+    async def forget_host(self, call: NamedDependency[Call], name: FromPath[str]) -> None:
+        await call.run(call.service.forget_host, name)

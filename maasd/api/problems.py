@@ -88,8 +88,17 @@ def from_maasd_error(request: Request, exc: errors.MaasdError) -> Response[Probl
     return answer(problem)
 
 
+#: What litestar raises (a 500) when the client hangs up before its body is complete.
+_CLIENT_GONE = "client disconnected prematurely"
+
+
 def from_http_exception(request: Request, exc: HTTPException) -> Response[Problem]:
     status = exc.status_code
+    if status == 500 and exc.detail == _CLIENT_GONE:
+        # Not a bug: the client left, or the server closed it at its body deadline
+        # (maasd.api.server). Nobody reads this answer; it only must not log an error.
+        logger.debug("client gone before its body was read: %s", request.url.path)
+        return answer(problem_of(errors.InvalidRequest("the request body was not complete")))
     detail = _detail(request, exc)
     if status in _FRAMEWORK_4XX:
         problem = problem_of(_FRAMEWORK_4XX[status](detail))

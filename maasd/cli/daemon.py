@@ -9,8 +9,8 @@ Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
     service   migrate to head, recover(), finish deletes, provision pools, reaper
     broker    the Unix socket for worker handles
-    serve     uvicorn in-process until SIGTERM/SIGINT; REST connections capped
-              (from the open-files limit) and closed when idle
+    serve     uvicorn in-process until SIGTERM/SIGINT (maasd.api.server: REST
+              connections capped, request deadlines)
     shutdown  stop accepting, finish in-flight requests (10 s grace),
               close the socket, checkpoint persistent buffers, scrub volatile
               ones (their rows go in one statement), close the database, exit 0
@@ -218,12 +218,10 @@ def serve(**flags: Any) -> None:
 
 
 def _serve(settings: Settings) -> None:
-    import uvicorn
-
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
+    from maasd.api.server import http_config
     from maasd.broker import Broker, Limits
-    from maasd.cli.serving import bounded_h11
     from maasd.core import Service
     from maasd.notify import Systemd
     from maasd.settings import group_id
@@ -264,17 +262,7 @@ def _serve(settings: Settings) -> None:
         metrics_public=settings.metrics_public,
     )
     server = _server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=10,
-            server_header=False,
-            http=bounded_h11(service.budget.limits.connections, settings.http_idle_s),
-        ),
+        http_config(app, settings, service.metrics),
         ready=lambda loop: _ready(settings, systemd, loop),
         stopping=systemd.stopping,
     )
@@ -308,7 +296,7 @@ def _log_limits(service: Any, settings: Settings) -> None:
             "open_files": budget.limits.open_files,
             "max_map_count": budget.limits.max_map_count,
             "region_budget": budget.budget,
-            "rest_connections": budget.limits.connections,
+            "rest_connections": budget.limits.rest_connections,
             "socket_connections": budget.limits.socket_connections,
             "max_buffers_per_tenant": settings.max_buffers_per_tenant,
         },

@@ -100,6 +100,7 @@ class Service:
         self.budget = RegionBudget(
             read_limits(
                 socket_connections=settings.socket_max_connections,
+                http_max_connections=settings.http_max_connections,
                 ledger_files=pooled * (1 if self.store.is_postgres else 2),
             )
         )

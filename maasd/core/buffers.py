@@ -100,7 +100,9 @@ class Buffers:
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
         candidates = self._candidates(req)
-        self.flush_uses()  # eviction picks by last use: let it see the latest attaches
+        # Eviction picks by last use: the admitting transaction writes the latest
+        # attaches first (saving a commit of their own); unwritten, they are kept.
+        uses = self._runtime.take_uses()
         last_error: Exception | None = None
         for live in candidates:
             row = BufferRow(
@@ -124,18 +126,24 @@ class Buffers:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
                 # before the ledger is asked: a region is one of each.
                 with self._budget.admit():
-                    region = self._admit_and_create(row, live)
+                    victims = self._store.begin_reserve(row, uses=uses)
+                    uses = {}  # written by the admitting transaction
+                    region = self._create(row, live, victims)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
+            except BaseException:
+                self._runtime.untake_uses(uses)  # unwritten: kept for the next flush
+                raise
             self._check_placement(row, live, region)
             return self._go_live(row, region)
+        self._runtime.untake_uses(uses)
         assert last_error is not None
         raise last_error
 
-    def _admit_and_create(self, row: BufferRow, live: LivePool) -> Region:
-        """The ledger admits ``row`` (evicting if it must), then its region is made."""
-        victims = self._store.begin_reserve(row)
+    def _create(self, row: BufferRow, live: LivePool, victims: list[BufferRow]) -> Region:
+        """``row`` is admitted: its victims scrubbed, then its region made. A failure
+        finishes the row (``reserve_failed``) and says which limit the kernel met."""
         for victim in victims:
             self._releaser.evict(victim)
         try:
@@ -146,7 +154,10 @@ class Buffers:
         except BackingError as e:
             self._store.finish_release(row.id, kind="reserve_failed")
             refusal = kernel_refusal(
-                e, self._budget, f"{row.size_bytes} bytes on node {row.numa_node}"
+                e,
+                self._budget,
+                f"{row.size_bytes} bytes on node {row.numa_node}",
+                hugetlb=live.row.backing == "hugetlb",
             )
             if refusal is None:
                 raise
@@ -204,7 +215,8 @@ class Buffers:
 
         An attach is on a worker's hot path; a synchronous commit there cost more
         than the rest of the attach together. Uses are batched instead: written by
-        the reaper every interval, and before any reserve (which may evict by them).
+        the reaper every interval, and by every reserve's admission (which may
+        evict by them), without a commit of their own on SQLite.
         """
         uses = self._runtime.take_uses()
         if uses:

@@ -14,23 +14,24 @@ limit long before its quota. Two bounds do:
 
 The budget, from the soft ``RLIMIT_NOFILE`` ``M`` (which ``maasd serve`` first
 raises to the hard limit), ``vm.max_map_count`` ``P``, the worker socket's
-``socket_max_connections`` ``S`` and the ledger's connection pool
-(``db_pool_size + db_max_overflow`` connections, 2 files each with SQLite,
-1 with PostgreSQL: ``L`` files)::
+``socket_max_connections`` ``S``, the REST server's connections ``R`` (its cap,
+``http_max_connections`` lowered to ``M // 4`` as :mod:`maasd.api.server` does,
+plus the eighth it still answers 507) and the ledger's connection pool
+(``db_pool_size + db_max_overflow`` connections, 2 files each with SQLite, 1
+with PostgreSQL: ``L`` files)::
 
-    rest          = clamp(M // 16, 16, 1024)         REST connections at once
-    reserved      = 64 + L + rest + S                the daemon's own files (listeners,
+    reserved      = 64 + L + R + S                   the daemon's own files (listeners,
                                                      logs, pipes, libraries), the ledger,
                                                      the REST and socket connections
     headroom      = max(reserved, M // 4)            fds for everything but regions
     region_budget = min(M - headroom,                regions held at once
                         P - max(1024, P // 8))
 
-With the defaults (``S = 1024``, SQLite, ``L = 160``) and ``M = 20000``: 15,000
-regions. With ``M = 524288`` (systemd's default hard limit) and ``P = 65530``
-the mappings bind: 57,339. With ``M = 1024`` nothing is left for buffers until
-``socket_max_connections`` is lowered (to 64: 672 regions) — the daemon says so
-when it starts.
+With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``) and
+``M = 20000``: 15,000 regions. With ``M = 524288`` (systemd's default hard
+limit) and ``P = 65530`` the mappings bind: 57,339. With ``M = 1024`` nothing is
+left for buffers until ``socket_max_connections`` is lowered (to 64: 448
+regions) — the daemon says so when it starts.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ __all__ = [
     "kernel_refusal",
     "raise_open_files",
     "read_limits",
+    "rest_connections",
 ]
 
 #: The daemon's own files besides the ledger and connections (listeners, logs, pipes,
@@ -61,8 +63,8 @@ OWN_FILES = 64
 MIN_FREE_FILES = 16
 #: Mappings never given to regions, at the least (the interpreter, libraries, thread stacks).
 MIN_MAP_HEADROOM = 1024
-#: REST connections at once, at the least and at the most.
-MIN_CONNECTIONS, MAX_CONNECTIONS = 16, 1024
+#: The share of the open-files limit REST connections may hold (maasd.api.server's rule).
+REST_FD_SHARE = 4
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
@@ -77,13 +79,15 @@ class Limits:
     max_map_count: int | None = None
     #: The worker socket's cap on connections (``socket_max_connections``).
     socket_connections: int = 0
+    #: REST connections held or still answered at once.
+    rest_connections: int = 0
     #: Files the ledger's connection pool may hold at most.
     ledger_files: int = 0
 
     @property
     def reserved(self) -> int:
         """Fds the daemon needs besides regions, at most."""
-        return OWN_FILES + self.ledger_files + self.connections + self.socket_connections
+        return OWN_FILES + self.ledger_files + self.rest_connections + self.socket_connections
 
     @property
     def headroom(self) -> int:
@@ -107,11 +111,6 @@ class Limits:
         return self.file_budget if maps is None else min(self.file_budget, maps)
 
     @property
-    def connections(self) -> int:
-        """REST connections served at once (part of the headroom)."""
-        return min(MAX_CONNECTIONS, max(MIN_CONNECTIONS, self.open_files // 16))
-
-    @property
     def binding(self) -> str:
         """Which limit the budget comes from, as an operator would name it."""
         maps = self.map_budget
@@ -128,7 +127,17 @@ def open_files() -> int:
         return -1
 
 
-def read_limits(*, socket_connections: int = 0, ledger_files: int = 0) -> Limits:
+def rest_connections(http_max_connections: int, open_files: int) -> int:
+    """REST connections the server may hold at once: ``http_max_connections`` lowered to
+    a quarter of the open files (as :class:`maasd.api.server.HttpLimits` caps it), plus
+    the eighth beyond the cap it still answers 507 before it closes them unanswered."""
+    cap = min(http_max_connections, max(8, open_files // REST_FD_SHARE))
+    return cap + max(4, cap // 8)
+
+
+def read_limits(
+    *, socket_connections: int = 0, http_max_connections: int = 0, ledger_files: int = 0
+) -> Limits:
     """This process's limits now, with what the daemon's configuration takes of its files."""
     soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
@@ -142,6 +151,9 @@ def read_limits(*, socket_connections: int = 0, ledger_files: int = 0) -> Limits
         open_files=int(soft),
         max_map_count=maps,
         socket_connections=socket_connections,
+        rest_connections=rest_connections(http_max_connections, int(soft))
+        if http_max_connections
+        else 0,
         ledger_files=ledger_files,
     )
 
@@ -223,13 +235,17 @@ class RegionBudget:
         )
 
 
-def kernel_refusal(e: BackingError, budget: RegionBudget, wanted: str) -> MaasdError | None:
+def kernel_refusal(
+    e: BackingError, budget: RegionBudget, wanted: str, *, hugetlb: bool = False
+) -> MaasdError | None:
     """The 507 a kernel refusal on the reserve path stands for, naming the limit; ``None``
     for a refusal that is no limit (a bug or a hostile input: the caller re-raises it).
 
     EMFILE/ENFILE: out of open files (the process's, or the whole system's); ENOMEM
-    from ``mmap``: out of mappings or address space; ENOMEM/ENOSPC otherwise: the
-    kernel has no memory for the pages (``wanted`` says which: "4096 bytes on node 0").
+    from ``mmap``: out of mappings or address space — but for ``hugetlb`` memory
+    it is the kernel reserving the huge pages at ``mmap`` and finding none free;
+    ENOMEM/ENOSPC otherwise: the kernel has no memory for the pages (``wanted``
+    says which: "4096 bytes on node 0").
     """
     if e.errno == errno.EMFILE:
         return ResourceLimit(f"the kernel refused a file ({e.detail}): {budget.describe()}")
@@ -237,7 +253,7 @@ def kernel_refusal(e: BackingError, budget: RegionBudget, wanted: str) -> MaasdE
         return ResourceLimit(
             f"the system-wide open files limit (fs.file-max) is reached ({e.detail})"
         )
-    if e.errno == errno.ENOMEM and e.detail.startswith("mmap"):
+    if e.errno == errno.ENOMEM and e.detail.startswith("mmap") and not hugetlb:
         return ResourceLimit(
             f"the kernel refused a mapping ({e.detail}): vm.max_map_count "
             f"{budget.limits.max_map_count} or the address space is exhausted; "

@@ -210,3 +210,10 @@ class Runtime:
         with self._uses_lock:
             uses, self._uses = self._uses, {}
             return uses
+
+    def untake_uses(self, uses: dict[str, float]) -> None:
+        """Remember again uses taken but not written (a newer use of a buffer wins)."""
+        with self._uses_lock:
+            for buffer_id, when in uses.items():
+                if self._uses.get(buffer_id, 0.0) < when:
+                    self._uses[buffer_id] = when

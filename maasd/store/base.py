@@ -82,6 +82,8 @@ class Connections:
     _write: Engine
     #: This process's writers queue here on SQLite (a no-op on PostgreSQL).
     _wlock: AbstractContextManager[Any]
+    #: PostgreSQL (row locks, several daemons) rather than SQLite (one writer).
+    is_postgres: bool
 
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Connection]:

@@ -12,7 +12,7 @@ needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -166,8 +166,21 @@ class ReserveRepo(Connections):
     #: The daemon sets it from ``Settings.max_buffers_per_tenant``.
     default_max_buffers: int | None = None
 
-    def begin_reserve(self, row: BufferRow, *, quota_check: bool = True) -> list[BufferRow]:
+    def begin_reserve(
+        self,
+        row: BufferRow,
+        *,
+        quota_check: bool = True,
+        uses: Mapping[str, float] | None = None,
+    ) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
+
+        First ``uses`` (``buffer_id → when``) are recorded, as
+        :meth:`BufferRepo.touch_many` does, since eviction orders by them: on
+        SQLite inside the transaction below, which saves them a commit of their
+        own; on PostgreSQL in a transaction of their own just before, because
+        row locks on those buffers held through the admission could deadlock
+        with a concurrent reserve marking them as victims.
 
         In one write transaction: lock the tenant and pool rows; refuse a
         tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
@@ -197,7 +210,14 @@ class ReserveRepo(Connections):
         if row.size_bytes <= 0:  # a size ≤ 0 would let the sums below undercount
             raise InvalidRequest(f"size_bytes must be > 0, got {row.size_bytes}")
         try:
+            touches = [{"p_id": b, "now": t} for b, t in (uses or {}).items()]
+            if touches and self.is_postgres:
+                with self._writing() as conn:
+                    conn.execute(_touch, touches)
+                touches = []
             with self._writing() as conn:
+                if touches:
+                    conn.execute(_touch, touches)
                 victims = self._admit(conn, row, quota_check)
                 conn.execute(_ins_buffer, msgspec.structs.asdict(row))
                 events = [

@@ -3,13 +3,18 @@
 Not run by CI (no assertion on timings). Run it from the project root::
 
     .venv/bin/python tests/bench/bench_reserve.py [--seconds 3] [--clients 1,16,64] [--size 1048576]
+                                                 [--prefault on|off]
 
-It starts a ``maasd serve`` of its own (temp data dir, SQLite) and, as the
-floor, a bare litestar app served by uvicorn in a subprocess the same way (one
-POST that decodes a small msgspec body). Each client is a thread with its own
-``httpx.Client`` doing reserve → release in a loop; the floor's clients POST in
-a loop. Both are measured in the same run on the same machine, and the table
-prints the ratios (absolute times on shared machines drift).
+It starts a ``maasd serve`` of its own (temp data dir, SQLite, one pool
+``node0`` with ``prefault`` as asked) and, as the floor, a bare litestar app
+served by uvicorn in a subprocess the same way (one POST that decodes a small
+msgspec body). Each client is a thread with its own ``httpx.Client`` doing
+reserve → release in a loop; the floor's clients POST in a loop. Both are
+measured in the same run on the same machine, and the table prints the ratios
+(absolute times on shared machines drift). It also prints the CPU each server
+process used per request (from ``/proc/PID/stat``; for maasd per reserve +
+release pair), which other load on the machine disturbs much less than
+latency.
 
 Target (not asserted): reserve p50 within 3x the floor, p99 within 10x, at 64 clients.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,22 +113,53 @@ def drive(
     return samples
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+HEAD = (
+    f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} {'cpu/req':>7} | "
+    f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} "
+    f"{'cpu/pair':>8} | {'p50 x':>6} {'p99 x':>6} {'cpu x':>6}"
+)
+
+
+def row(
+    n: int, f: dict[str, list[float]], m: dict[str, list[float]], f_cpu: float, m_cpu: float
+) -> str:
+    """One line of the table: the floor's and maasd's samples at ``n`` clients, and their CPU."""
+    fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
+    f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
+    r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
+    return (
+        f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms "
+        f"{len(fl) / f['_elapsed'][0]:>7.0f} {f_cpu * 1e3:>5.2f}ms | "
+        f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
+        f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
+        f"{len(rs) / m['_elapsed'][0]:>7.0f} {m_cpu * 1e3:>6.2f}ms | "
+        f"{r50 / f50:>6.1f} {r99 / f99:>6.1f} {m_cpu / f_cpu:>6.1f}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--clients", default="1,16,64")
     ap.add_argument("--size", type=int, default=MiB)
+    ap.add_argument("--prefault", choices=("on", "off"), default="on")
     args = ap.parse_args()
     levels = [int(x) for x in args.clients.split(",")]
 
     tmp = Path(tempfile.mkdtemp(prefix="maasd-bench-"))
-    d = Daemon(
-        tmp / "maasd",
-        env={
-            "MAASD_DEFAULT_POOL_BYTES": str(max(levels) * 4 * args.size),
-            "MAASD_LOG_LEVEL": "warning",
-        },
+    config = tmp / "maasd.toml"
+    config.write_text(
+        f'[[pools]]\nname = "node0"\nnuma_node = 0\n'
+        f"capacity_bytes = {max(levels) * 4 * args.size}\n"
+        f"prefault = {'true' if args.prefault == 'on' else 'false'}\n"
     )
+    d = Daemon(tmp / "maasd", env={"MAASD_LOG_LEVEL": "warning"}, config=config)
     port = free_port()
     floor_script = tmp / "floor.py"
     floor_script.write_text(FLOOR_APP)
@@ -160,28 +197,22 @@ def main() -> None:
             out.setdefault("release", []).append(t2 - t1)
 
         print(
-            f"maasd bench: {args.size} B buffers, {args.seconds:.0f} s per level, "
-            f"{os.cpu_count()} CPUs, SQLite ledger"
+            f"maasd bench: {args.size} B buffers, prefault {args.prefault}, "
+            f"{args.seconds:.0f} s per level, {os.cpu_count()} CPUs, SQLite ledger"
         )
-        head = (
-            f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} | "
-            f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} | "
-            f"{'p50 x':>6} {'p99 x':>6}"
-        )
-        print(head)
-        print("-" * len(head))
+        print(HEAD)
+        print("-" * len(HEAD))
+        assert d.proc is not None
         for n in levels:
+            c0 = cpu_s(floor.pid)
             f = drive(floor_url, {}, n, args.seconds, floor_step)
+            c1 = cpu_s(d.proc.pid)
             m = drive(d.url, {"Authorization": f"Bearer {key}"}, n, args.seconds, maasd_step)
-            fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
-            f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
-            r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
-            print(
-                f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms {len(fl) / f['_elapsed'][0]:>7.0f} | "
-                f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
-                f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
-                f"{len(rs) / m['_elapsed'][0]:>7.0f} | {r50 / f50:>6.1f} {r99 / f99:>6.1f}"
-            )
+            c2 = cpu_s(d.proc.pid)
+            # (the warm-up requests of each client are in the CPU too: a few per client)
+            f_cpu = (cpu_s(floor.pid) - c0) / max(1, len(f["floor"]) + n)
+            m_cpu = (c2 - c1) / max(1, len(m.get("reserve", [])) + n)
+            print(row(n, f, m, f_cpu, m_cpu))
         mean = d.metric("maasd_reserve_seconds_sum") / max(
             1.0, d.metric("maasd_reserve_seconds_count")
         )
@@ -189,7 +220,7 @@ def main() -> None:
             f"(daemon-side reserve time, mean over all levels: {mean * 1e3:.2f} ms; data dir {tmp})"
         )
     finally:
-        floor.terminate()
+        floor.send_signal(signal.SIGTERM)
         floor.wait(10)
         d.close()
 

@@ -94,9 +94,8 @@ class Clock:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rng = random.Random(args.seed)
-        #: The daemon's connection caps: REST (from its open files), socket (set here).
-        self.cap = min(1024, max(16, args.files // 16))
-        self.sockets = self.cap
+        #: The daemon's connection caps, REST and socket (both set here).
+        self.cap = self.sockets = 128
         self.record = Record()
         self.deadline = 0.0
         self.dir = Path(tempfile.mkdtemp(prefix="maasd-soak-"))
@@ -104,7 +103,9 @@ class Clock:
             self.dir / "data",
             wrapper=["prlimit", f"--nofile={args.files}:{args.files}", "--"],
             env={
-                "MAASD_HTTP_IDLE_S": "2",
+                "MAASD_HTTP_MAX_CONNECTIONS": str(self.cap),
+                "MAASD_HTTP_HEAD_TIMEOUT_S": "2",
+                "MAASD_HTTP_BODY_TIMEOUT_S": "2",
                 "MAASD_MAX_BUFFERS_PER_TENANT": "512",
                 "MAASD_SOCKET_MAX_CONNECTIONS": str(self.sockets),
             },
@@ -311,8 +312,8 @@ class Attacks(Clock):
             self.pause(5)
 
     def slow_clients(self) -> None:
-        """Requests whose body never comes: the daemon closes them (idle 2 s here: within
-        4 s; 8 s allowed for a loaded machine)."""
+        """Requests whose body never comes: the daemon closes them (head and body deadlines
+        of 2 s here; 8 s allowed for a loaded machine)."""
         while self.running():
             held = []
             for _ in range(10):

@@ -158,6 +158,20 @@ def test_guards_decide_on_the_event_loop(svc: Service) -> None:
             assert inspect.iscoroutinefunction(guard), (handler, guard)
 
 
+def test_one_guard_and_at_most_one_dependency_per_route(svc: Service) -> None:
+    """litestar copies a route's handler for each guard it runs, and resolves several
+    dependencies in a task group of their own, on every request: each route has one
+    guard (the role is in its ``opt``) and its handler at most one dependency."""
+    app = create_app(svc)
+    handlers = [h for route in app.routes for h in getattr(route, "route_handlers", [])]
+    roles = {h.opt.get("role") for h in handlers}
+    assert roles == {None, "admin", "tenant"}, roles  # a misspelt role would mean "any key"
+    for h in handlers:
+        assert len(h.resolve_guards()) <= 1, h
+        provided = h.resolve_dependencies().keys() & h.parsed_fn_signature.parameters.keys()
+        assert len(provided) <= 1, (h, provided)
+
+
 # -- /metrics -------------------------------------------------------------------------------
 
 

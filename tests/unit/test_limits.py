@@ -14,37 +14,40 @@ from maasd.core.limits import (
     kernel_refusal,
     open_files,
     read_limits,
+    rest_connections,
 )
 from maasd.errors import BackingError, PoolExhausted, ResourceLimit
 
 
 @pytest.mark.parametrize(
-    ("files", "maps", "socket", "headroom", "budget", "rest", "binding"),
+    ("files", "maps", "socket", "rest", "headroom", "budget", "binding"),
     [
-        (20000, 65530, 1024, 5000, 15000, 1024, "RLIMIT_NOFILE 20000"),
-        (1024, 65530, 1024, 1312, 0, 64, "RLIMIT_NOFILE 1024"),
-        (1024, 65530, 64, 352, 672, 64, "RLIMIT_NOFILE 1024"),
-        (2048, 65530, 128, 512, 1536, 128, "RLIMIT_NOFILE 2048"),
-        (524288, 65530, 1024, 131072, 57339, 1024, "vm.max_map_count 65530"),
-        (524288, None, 1024, 131072, 393216, 1024, "RLIMIT_NOFILE 524288"),
+        (20000, 65530, 1024, 576, 5000, 15000, "RLIMIT_NOFILE 20000"),
+        (1024, 65530, 1024, 288, 1536, 0, "RLIMIT_NOFILE 1024"),
+        (1024, 65530, 64, 288, 576, 448, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 128, 576, 928, 1120, "RLIMIT_NOFILE 2048"),
+        (524288, 65530, 1024, 576, 131072, 57339, "vm.max_map_count 65530"),
+        (524288, None, 1024, 576, 131072, 393216, "RLIMIT_NOFILE 524288"),
     ],
 )
 def test_the_budget_formula(
     files: int,
     maps: int | None,
     socket: int,
+    rest: int,
     headroom: int,
     budget: int,
-    rest: int,
     binding: str,
 ) -> None:
-    lim = Limits(open_files=files, max_map_count=maps, socket_connections=socket, ledger_files=160)
-    assert (lim.headroom, lim.region_budget, lim.connections, lim.binding) == (
-        headroom,
-        budget,
-        rest,
-        binding,
+    assert rest_connections(512, files) == rest  # http_max_connections 512, the default
+    lim = Limits(
+        open_files=files,
+        max_map_count=maps,
+        socket_connections=socket,
+        rest_connections=rest,
+        ledger_files=160,
     )
+    assert (lim.headroom, lim.region_budget, lim.binding) == (headroom, budget, binding)
     # whatever the numbers, the regions and everything else fit the limit
     assert lim.region_budget + lim.reserved <= max(files, lim.reserved)
 
@@ -57,7 +60,9 @@ def test_read_limits_reads_this_process() -> None:
 
 def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
     held = [0]
-    budget = RegionBudget(Limits(open_files=100, ledger_files=16), held=lambda: held[0])
+    budget = RegionBudget(
+        Limits(open_files=100, ledger_files=16, rest_connections=16), held=lambda: held[0]
+    )
     assert budget.limits.reserved == 96  # 64 own + 16 ledger + 16 REST: budget 4
     assert budget.budget == 4
     with budget.admit(), budget.admit():  # two being made count as held
@@ -77,11 +82,12 @@ def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
 
 
 def test_health_is_ok_at_the_budget_but_not_out_of_files() -> None:
-    budget = RegionBudget(Limits(open_files=82), held=lambda: 2)  # 80 reserved: budget 2
-    ok, detail = budget.health()
-    assert ok
-    assert detail.endswith("open files, 2 of 2 buffer regions")
     n = open_files()
+    lim = Limits(open_files=n + 1000)
+    full = RegionBudget(lim, held=lambda: lim.region_budget)  # at its budget
+    ok, detail = full.health()
+    assert ok
+    assert detail.endswith(f"open files, {lim.region_budget} of {lim.region_budget} buffer regions")
     tight = RegionBudget(Limits(open_files=n + MIN_FREE_FILES - 1), held=lambda: 0)
     ok, detail = tight.health()
     assert not ok
@@ -115,7 +121,7 @@ def test_other_kernel_refusals_are_not_limits() -> None:
 
 def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
     held = [0]
-    budget = RegionBudget(Limits(open_files=100 + 96, ledger_files=16), held=lambda: held[0])
+    budget = RegionBudget(Limits(open_files=100 + 64), held=lambda: held[0])
     assert budget.budget == 100
     held[0] = 74
     assert budget.room_for_stock()  # the 75th region leaves 25 free

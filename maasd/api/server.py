@@ -1,0 +1,330 @@
+"""The REST API's HTTP server: uvicorn's h11 protocol with deadlines and a connection cap.
+
+uvicorn keeps a connection for as long as its client likes: it has no deadline
+for a request's head or body (only an idle keep-alive timeout, which every byte
+received resets), and its ``limit_concurrency`` answers a plain-text 503. A
+local user sending half a request per connection could therefore hold the
+daemon's file descriptors until the open-files limit stopped it from
+answering anyone. :class:`GuardedH11` closes that hole, connection by
+connection, and :class:`Gate` bounds the connections of the whole server::
+
+    accept ─> connection_made ─ Gate.admit ─┬─ held      (≤ max_connections)
+                                            ├─ shed      the oldest *idle* held connection
+                                            │            is closed to make room for this one
+                                            ├─ refused   nothing idle to shed: the first request
+                                            │            is answered 507 resource-limit, then closed
+                                            └─ dropped   over the refusal allowance too: closed at once
+
+    head   from accept (or a keep-alive request's first byte): complete within head_timeout_s
+    body   from the end of the head: complete within body_timeout_s
+    send   a response the client does not read for send_timeout_s: closed
+
+A deadline that passes closes the connection (there is no one to answer a
+request that never finished arriving). *Idle* means no request is being
+answered: a connection waiting for (the rest of) a request head, or whose
+answer is complete. A client that trickles a head one byte at a time stays
+idle; so a flood of half-open connections is shed oldest first, and a real
+client, whose head arrives in one piece, gets through. Connections that are
+all busy (requests in flight, bodies arriving) are bounded by the deadlines
+above; while they last, new connections get the 507.
+
+Everything here runs on the event loop; the cost per request is two timer
+handles at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import h11
+import msgspec
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from maasd.errors import ResourceLimit
+from maasd.problems import problem_of
+
+if TYPE_CHECKING:
+    import uvicorn
+    from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
+
+    from maasd.metrics import Metrics
+    from maasd.settings import Settings
+
+__all__ = ["Gate", "GuardedH11", "HttpLimits", "Verdict", "http_config", "protocol_for"]
+
+logger = logging.getLogger(__name__)
+
+#: The share of the open-files limit REST connections may hold at most (the rest is
+#: for buffers, the worker socket, the ledger and checkpoint files).
+FD_SHARE = 4
+#: Connections answered 507 beyond the cap, at most, as a share of the cap.
+REFUSAL_SHARE = 8
+#: At most one "cap reached" warning in this many seconds.
+WARN_EVERY_S = 60.0
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Deadlines and the connection cap of the REST server (settings ``http_*``)."""
+
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    send_timeout_s: float = 30.0
+    max_connections: int = 512
+
+    @property
+    def max_refusals(self) -> int:
+        """Connections beyond the cap that are still answered (507) rather than just closed."""
+        return max(4, self.max_connections // REFUSAL_SHARE)
+
+    @classmethod
+    def of(cls, settings: Settings, fd_limit: int | None = None) -> HttpLimits:
+        """The limits the settings ask for, the cap lowered to a share of the open-files limit."""
+        if fd_limit is None:
+            fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        cap = settings.http_max_connections
+        if fd_limit != resource.RLIM_INFINITY:
+            cap = min(cap, max(8, fd_limit // FD_SHARE))
+        return cls(
+            head_timeout_s=settings.http_head_timeout_s,
+            body_timeout_s=settings.http_body_timeout_s,
+            send_timeout_s=settings.http_send_timeout_s,
+            max_connections=cap,
+        )
+
+
+class Verdict(Enum):
+    HELD = "held"
+    REFUSED = "refused"
+    DROPPED = "dropped"
+
+
+class Gate:
+    """The connections of one server: how many are held, which are idle, what happens at the cap."""
+
+    def __init__(self, limits: HttpLimits, metrics: Metrics | None = None) -> None:
+        self.limits = limits
+        self.held = 0
+        self.refusing = 0
+        self._idle: OrderedDict[GuardedH11, None] = OrderedDict()  # oldest idle first
+        self._metrics = metrics
+        self._warned = 0.0
+        problem = problem_of(
+            ResourceLimit(
+                f"the daemon holds its maximum of {limits.max_connections} REST connections "
+                "(http_max_connections), all with requests in progress; retry shortly"
+            )
+        )
+        self.refusal = msgspec.json.encode(problem)
+        if metrics is not None:
+            metrics.http_connections.set_function(lambda: self.held)
+
+    def admit(self) -> Verdict:
+        """Count a new connection in, shedding the oldest idle connection if the cap is reached."""
+        if self.held >= self.limits.max_connections:
+            if not self._idle:
+                self._warn()
+                if self.refusing >= self.limits.max_refusals:
+                    self.count_close("dropped")
+                    return Verdict.DROPPED
+                self.refusing += 1
+                self.count_close("refused")
+                return Verdict.REFUSED
+            victim, _ = self._idle.popitem(last=False)
+            self._warn()
+            victim.close_for("shed")  # leaves the count at once
+        self.held += 1
+        return Verdict.HELD
+
+    def idle(self, conn: GuardedH11) -> None:
+        """``conn`` answers nothing now (it keeps its place if it was idle already)."""
+        if conn not in self._idle:
+            self._idle[conn] = None
+
+    def busy(self, conn: GuardedH11) -> None:
+        self._idle.pop(conn, None)
+
+    def leave(self, verdict: Verdict, conn: GuardedH11) -> None:
+        self._idle.pop(conn, None)
+        if verdict is Verdict.HELD:
+            self.held -= 1
+        elif verdict is Verdict.REFUSED:
+            self.refusing -= 1
+
+    def count_close(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.http_closed.labels(reason=reason).inc()
+
+    def _warn(self) -> None:
+        now = time.monotonic()
+        if now - self._warned >= WARN_EVERY_S:
+            self._warned = now
+            logger.warning(
+                "REST connection cap reached: shedding idle connections, answering 507 when "
+                "none is idle",
+                extra={"http_max_connections": self.limits.max_connections},
+            )
+
+
+class _Phase(Enum):
+    HEAD = "head_timeout"
+    BODY = "body_timeout"
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with the deadlines and the cap of the module docstring.
+
+    A subclass per server carries its :class:`Gate` (:func:`protocol_for`).
+    """
+
+    gate: ClassVar[Gate]
+
+    _verdict: Verdict = Verdict.DROPPED
+    _phase: _Phase | None = None
+    _timer: asyncio.TimerHandle | None = None
+    _send_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._verdict = self.gate.admit()
+        if self._verdict is Verdict.DROPPED:
+            transport.abort()
+            return
+        if self._verdict is Verdict.REFUSED:
+            self.app = self._refuse  # uvicorn runs ``self.app`` for the request it reads next
+        self._arm(_Phase.HEAD)
+        if self._verdict is Verdict.HELD:
+            self.gate.idle(self)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._track()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Between keep-alive requests uvicorn's own keep-alive timeout watches the idle
+        # connection; the next head's deadline starts with its first byte (data_received).
+        self._track(after_response=True)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._arm(None)
+        self._send_deadline(False)
+        self.gate.leave(self._verdict, self)
+        self._verdict = Verdict.DROPPED  # counted out once
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._send_deadline(True)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._send_deadline(False)
+
+    def close_for(self, reason: str) -> None:
+        """Close now, counting ``reason``; the connection leaves the gate's count at once."""
+        self.gate.count_close(reason)
+        self.gate.leave(self._verdict, self)
+        self._verdict = Verdict.DROPPED
+        self._arm(None)
+        self._send_deadline(False)
+        logger.debug("closing a REST connection", extra={"reason": reason, "peer": self.client})
+        self.transport.abort()
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _track(self, *, after_response: bool = False) -> None:
+        """Follow the client's side of h11 after each event: which deadline runs, idle or busy."""
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:
+            if not after_response and self._phase is None:
+                self._arm(_Phase.HEAD)  # the first bytes of a keep-alive request's head
+        elif state is h11.SEND_BODY:
+            if self._phase is not _Phase.BODY:
+                self._arm(_Phase.BODY)
+        elif self._phase is not None:  # DONE, MUST_CLOSE, ...: the whole request is in
+            self._arm(None)
+        if self._verdict is not Verdict.HELD:
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            self.gate.idle(self)
+        else:
+            self.gate.busy(self)
+
+    def _arm(self, phase: _Phase | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._phase = phase
+        if phase is not None:
+            limits = self.gate.limits
+            delay = limits.head_timeout_s if phase is _Phase.HEAD else limits.body_timeout_s
+            self._timer = self.loop.call_later(delay, self.close_for, phase.value)
+
+    def _send_deadline(self, on: bool) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+        if on:
+            self._send_timer = self.loop.call_later(
+                self.gate.limits.send_timeout_s, self.close_for, "send_timeout"
+            )
+
+    async def _refuse(
+        self, _scope: Scope, _receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
+        """The answer to every connection over the cap: 507 ``resource-limit``, then close."""
+        body = self.gate.refusal
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 507,
+                "headers": [
+                    (b"content-type", b"application/problem+json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def protocol_for(gate: Gate) -> type[GuardedH11]:
+    """A :class:`GuardedH11` class bound to ``gate`` (uvicorn's ``http=`` takes a class)."""
+    return type("GuardedH11", (GuardedH11,), {"gate": gate})
+
+
+def http_config(app: Any, settings: Settings, metrics: Metrics | None = None) -> uvicorn.Config:
+    """The uvicorn configuration of ``maasd serve``: the guarded protocol, no access log."""
+    import uvicorn
+
+    limits = HttpLimits.of(settings)
+    if limits.max_connections < settings.http_max_connections:
+        logger.info(
+            "REST connections capped below http_max_connections by the open-files limit",
+            extra={
+                "http_max_connections": limits.max_connections,
+                "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            },
+        )
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http=protocol_for(Gate(limits, metrics)),
+        ws="none",  # no WebSocket routes; an upgrade would also take a connection out of the gate
+        log_config=None,
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=10,
+        server_header=False,
+    )

@@ -1,0 +1,120 @@
+"""The REST server's bounds: settings, the cap under the open-files limit, and the gate's rules.
+
+The deadlines themselves are exercised against a real daemon in
+``tests/integration/test_api_slow_clients.py``; here are the pure parts.
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any, cast
+
+import pytest
+
+from maasd.api.server import Gate, HttpLimits, Verdict
+from maasd.errors import ConfigError
+from maasd.metrics import Metrics
+from maasd.settings import Settings, load
+
+
+def test_http_settings_from_the_environment() -> None:
+    s = load(
+        env={
+            "MAASD_HTTP_MAX_CONNECTIONS": "64",
+            "MAASD_HTTP_HEAD_TIMEOUT_S": "2.5",
+            "MAASD_HTTP_BODY_TIMEOUT_S": "7",
+            "MAASD_HTTP_SEND_TIMEOUT_S": "9",
+        }
+    )
+    assert (s.http_max_connections, s.http_head_timeout_s) == (64, 2.5)
+    assert (s.http_body_timeout_s, s.http_send_timeout_s) == (7.0, 9.0)
+    defaults = load(env={})
+    assert (defaults.http_head_timeout_s, defaults.http_body_timeout_s) == (10.0, 30.0)
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        ("MAASD_HTTP_MAX_CONNECTIONS", "0"),
+        ("MAASD_HTTP_HEAD_TIMEOUT_S", "-1"),
+        ("MAASD_HTTP_BODY_TIMEOUT_S", "0"),
+        ("MAASD_HTTP_SEND_TIMEOUT_S", "nan"),
+    ],
+)
+def test_http_bounds_must_be_positive(var: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=var.removeprefix("MAASD_").lower()):
+        load(env={var: value})
+
+
+@pytest.mark.parametrize(
+    ("configured", "nofile", "cap"),
+    [
+        (512, 20000, 512),  # the limit leaves room: as configured
+        (512, 1024, 256),  # a quarter of the open files at most
+        (512, 16, 8),  # but never below 8
+        (512, resource.RLIM_INFINITY, 512),
+    ],
+)
+def test_the_cap_stays_below_the_open_files_limit(configured: int, nofile: int, cap: int) -> None:
+    limits = HttpLimits.of(Settings(http_max_connections=configured), fd_limit=nofile)
+    assert limits.max_connections == cap
+
+
+class FakeConnection:
+    """What the gate asks of a connection: to close itself (and leave the count)."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.closed_for: str | None = None
+
+    def close_for(self, reason: str) -> None:
+        self.closed_for = reason
+        self.gate.count_close(reason)
+        self.gate.leave(Verdict.HELD, cast(Any, self))
+
+
+def admitted(gate: Gate, *, idle: bool) -> FakeConnection:
+    conn = FakeConnection(gate)
+    assert gate.admit() is Verdict.HELD
+    if idle:
+        gate.idle(cast(Any, conn))
+    return conn
+
+
+def test_the_gate_sheds_the_oldest_idle_connection_at_the_cap() -> None:
+    metrics = Metrics()
+    gate = Gate(HttpLimits(max_connections=3), metrics)
+    first, second = admitted(gate, idle=True), admitted(gate, idle=True)
+    third = admitted(gate, idle=False)
+    gate.busy(cast(Any, third))
+    gate.idle(cast(Any, first))  # idle already: it keeps its place (a trickle buys nothing)
+    assert gate.held == 3
+    assert gate.admit() is Verdict.HELD  # the fourth takes the place of the oldest idle one
+    assert (first.closed_for, second.closed_for, third.closed_for) == ("shed", None, None)
+    assert gate.held == 3
+    sample = metrics.registry.get_sample_value
+    assert sample("maasd_http_connections_closed_total", {"reason": "shed"}) == 1
+    assert sample("maasd_http_connections") == 3  # the gauge reads the gate
+
+
+def test_with_nothing_idle_the_gate_refuses_then_drops() -> None:
+    gate = Gate(HttpLimits(max_connections=8))
+    conns = [admitted(gate, idle=False) for _ in range(8)]
+    verdicts = [gate.admit() for _ in range(gate.limits.max_refusals + 2)]
+    assert verdicts.count(Verdict.REFUSED) == gate.limits.max_refusals == 4
+    assert verdicts[-2:] == [Verdict.DROPPED, Verdict.DROPPED]
+    assert all(c.closed_for is None for c in conns)  # busy connections are never shed
+    gate.leave(Verdict.REFUSED, cast(Any, None))
+    assert gate.admit() is Verdict.REFUSED  # a refusal answered makes room for another
+    gate.leave(Verdict.HELD, cast(Any, conns[0]))
+    assert gate.admit() is Verdict.HELD
+
+
+def test_the_refusal_is_a_resource_limit_problem_naming_the_limit() -> None:
+    import msgspec
+
+    problem = msgspec.json.decode(Gate(HttpLimits(max_connections=42)).refusal)
+    assert problem["status"] == 507
+    assert problem["type"].endswith("/resource-limit")
+    assert "42 REST connections" in problem["detail"]
+    assert "http_max_connections" in problem["detail"]

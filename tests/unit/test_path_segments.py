@@ -1,0 +1,104 @@
+"""A path is routed as the client wrote it: one id per segment, or a 400 before routing.
+
+The pure check (:func:`maasd.api.paths.segment_problem`) on its own, then the app
+in-process: every route of the OpenAPI document that takes an id, with an id
+that would have moved the request to another route, is refused 400 without a
+service call. The same attacks through a real daemon (whose HTTP server decodes
+``%2F``) are in ``tests/integration/test_api_paths.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+from litestar import Litestar
+from litestar.testing import TestClient
+
+from bad_paths import ENCODED, id_routes
+from inprocess_api import ADMIN_KEY, ServiceCalls, auth, client, service, snapshot
+from maasd.api.paths import segment_problem
+from maasd.core import Service
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"/",
+        b"/healthz",
+        b"/v1/buffers/0123456789abcdef0123456789abcdef",
+        b"/v1/pools/node-0.a_b/reserve",
+        b"/v1/tenants/acme%20corp",  # an escape that is not a separator is the id's own business
+        b"/v1/buffers/%252F",  # double-encoded: the id is the text "%2F", one segment
+        b"/schema/openapi.json",
+        b"/v1/tenants/a..b",
+    ],
+)
+def test_paths_that_are_routed(raw: bytes) -> None:
+    assert segment_problem(raw) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "why"),
+    [
+        (b"/v1/tenants/t%2Fkeys%2Fk", "encoded '/'"),
+        (b"/v1/tenants/t%2fkeys%2fk", "encoded '/'"),
+        (b"/v1/buffers/%2F", "encoded '/'"),
+        (b"/v1/buffers/", "empty path segment"),
+        (b"/v1/tenants//keys", "empty path segment"),
+        (b"//v1/buffers", "empty path segment"),
+        (b"/v1/buffers/.", "'.' path segment"),
+        (b"/v1/buffers/..", "'..' path segment"),
+        (b"/v1/tenants/t/keys/%2E%2E", "'..' path segment"),
+        (b"/v1/tenants/t/keys/%2e", "'.' path segment"),
+    ],
+)
+def test_paths_that_are_refused(raw: bytes, why: str) -> None:
+    problem = segment_problem(raw)
+    assert problem is not None
+    assert why in problem, problem
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    s = service(tmp_path_factory.mktemp("api-paths"))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def api(svc: Service) -> Iterator[TestClient[Litestar]]:
+    with client(svc) as c:
+        yield c
+
+
+def routes(api: TestClient[Litestar]) -> list[tuple[str, str]]:
+    return id_routes(api.get("/schema/openapi.json").json())
+
+
+def test_the_openapi_document_lists_the_routes_with_ids(api: TestClient[Litestar]) -> None:
+    found = routes(api)
+    assert ("DELETE", "/v1/tenants/{tenant_id}/keys/{key_id}") in found
+    assert len(found) >= 13, found
+
+
+# (httpx removes literal '.' and '..' segments before sending; the real daemon's test
+# sends them as written.)
+@pytest.mark.parametrize("hostile", [h.format(tid="x", kid="y") for h in ENCODED])
+def test_an_id_that_is_not_one_segment_is_refused_without_a_service_call(
+    api: TestClient[Litestar], svc: Service, monkeypatch: pytest.MonkeyPatch, hostile: str
+) -> None:
+    before = snapshot(svc)
+    calls = ServiceCalls(svc, monkeypatch)
+    for method, template in routes(api):
+        path = re.sub(r"\{[^}]+\}", hostile, template, count=1)
+        path = re.sub(r"\{[^}]+\}", "0" * 32, path)
+        r = api.request(method, path, headers=auth(ADMIN_KEY))
+        assert r.request.url.raw_path == path.encode()
+        assert r.status_code == 400, (method, path, r.text)
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.json()["type"].endswith("/invalid-request"), r.text
+        assert "one path segment" in r.json()["detail"]
+    assert not calls.counts, calls.counts
+    assert snapshot(svc) == before
