@@ -13,7 +13,29 @@ msgpack map, a msgspec tagged union on ``"op"``::
                                      <-      ok       {}
     renew    {buffer_id, ttl_s}      ->
                                      <-      ok       {}
+
+    the entry fast path (one round trip each)
+    lookup   {keys}                  ->      keys ordered short → long, 1..1024 of them
+                                     <-      found    {key, buffer_id, size_bytes, numa_node}
+                                             + a READ-ONLY fd of the longest committed entry
+    put      {key, size_bytes, pool?, ttl_s?}  ->
+                                     <-      reserved {buffer_id, size_bytes, numa_node}
+                                             + a writable fd, for this connection only
+    commit   {buffer_id}             ->      the entry becomes immutable, its key visible
+                                     <-      ok       {}
+    abort    {buffer_id}             ->      the staged entry is released (scrubbed)
+                                     <-      ok       {}
+
     (any)                            <-      error    {status, title, detail, type}
+
+A ``lookup`` miss is a 404 error frame, with no fd. ``attach`` of a committed entry
+sends a read-only fd too. A ``put`` that cannot be served answers as a REST reserve
+of an evictable keyed buffer would (409 quota / duplicate key, 507 …); a ``commit``
+or ``abort`` of an entry this connection did not put answers 409 (404 for another
+tenant's or an unknown id); a ``commit`` that cannot be honoured answers 409/507 and
+leaves nothing behind. An entry whose writer's connection closes before its commit
+is released. A malformed frame (wrong types, no or more than 1024 keys, a size of 0,
+negative or beyond 2^63 − 1, an unknown field) answers 400; the connection stays.
 
 This module imports only msgspec and the standard library so that the client
 (which must not import the server) can share it. The pure parts —
@@ -40,22 +62,30 @@ from typing import Annotated
 
 import msgspec
 
+from maasd.bounds import EntryKey, EntryKeys, Id, PositiveBytes, Ref, TtlS
+
 __all__ = [
     "HEADER",
     "MAX_FD_PER_MESSAGE",
     "MAX_FRAME",
+    "Abort",
     "Attach",
     "Attached",
+    "Commit",
     "Detach",
     "Error",
+    "Found",
     "FrameReader",
     "FrameTooLarge",
     "Hello",
+    "Lookup",
     "Ok",
     "ProtocolError",
+    "Put",
     "Renew",
     "Reply",
     "Request",
+    "Reserved",
     "Welcome",
     "decode_reply",
     "decode_request",
@@ -122,7 +152,36 @@ class Renew(msgspec.Struct, tag="renew", tag_field="op", forbid_unknown_fields=T
     ttl_s: int
 
 
-Request = Hello | Attach | Detach | Renew
+class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Find the longest of ``keys`` (ordered short → long) with a committed entry;
+    answered by :class:`Found` plus a read-only fd, or a 404 error frame."""
+
+    keys: EntryKeys
+
+
+class Put(msgspec.Struct, tag="put", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Reserve an entry under ``key`` to write; answered by :class:`Reserved` plus a
+    writable fd. ``pool`` is an id or name (``None``: the pool with most free space)."""
+
+    key: EntryKey
+    size_bytes: PositiveBytes
+    pool: Ref | None = None
+    ttl_s: TtlS | None = None
+
+
+class Commit(msgspec.Struct, tag="commit", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Make an entry this connection put immutable and visible to lookups; :class:`Ok`."""
+
+    buffer_id: Id
+
+
+class Abort(msgspec.Struct, tag="abort", tag_field="op", forbid_unknown_fields=True, frozen=True):
+    """Release an entry this connection put and has not committed; :class:`Ok`."""
+
+    buffer_id: Id
+
+
+Request = Hello | Attach | Detach | Renew | Lookup | Put | Commit | Abort
 
 
 # --- replies (daemon -> worker): lenient, so a newer daemon may add fields ---
@@ -147,8 +206,26 @@ class Attached(msgspec.Struct, tag="attached", tag_field="op", frozen=True):
     numa_node: int
 
 
+class Found(msgspec.Struct, tag="found", tag_field="op", frozen=True):
+    """Answer to :class:`Lookup`: the key that matched; a read-only fd of the committed
+    entry travels in the same ``sendmsg``."""
+
+    key: str
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
+class Reserved(msgspec.Struct, tag="reserved", tag_field="op", frozen=True):
+    """Answer to :class:`Put`; the entry's writable fd travels in the same ``sendmsg``."""
+
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
 class Ok(msgspec.Struct, tag="ok", tag_field="op", frozen=True):
-    """Answer to :class:`Detach` and :class:`Renew`."""
+    """Answer to :class:`Detach`, :class:`Renew`, :class:`Commit` and :class:`Abort`."""
 
 
 class Error(msgspec.Struct, tag="error", tag_field="op", frozen=True):
@@ -160,7 +237,7 @@ class Error(msgspec.Struct, tag="error", tag_field="op", frozen=True):
     type: str | None = None
 
 
-Reply = Welcome | Attached | Ok | Error
+Reply = Welcome | Attached | Found | Reserved | Ok | Error
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -101,14 +101,21 @@ class FakeHandle:
     buffer_id: str
     size_bytes: int
     numa_node: int
+    key: str = ""
 
 
 class FakeService:
-    """Enough of maasd.core.Service for the broker: keys, sealed memfds, a gauge."""
+    """Enough of maasd.core.Service for the broker: keys, sealed memfds, a gauge, and
+    entries kept in dicts (a put is a memfd; a commit files it under its key)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        self.auth_generation = 0
         self.keys: dict[str, Principal] = {}
+        #: entry id -> (tenant, key, fd, size); committed ones are also in ``by_key``
+        self.entries: dict[str, tuple[str, str, int, int]] = {}
+        self.by_key: dict[tuple[str, str], str] = {}
+        self.abandoned: list[str] = []
         self.buffers: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, fd, size)
         self.attached: collections.Counter[str] = collections.Counter()
         self.renewals: list[tuple[str, int]] = []
@@ -124,6 +131,7 @@ class FakeService:
 
     def revoke(self, key: str) -> None:
         self.keys.pop(key, None)
+        self.auth_generation += 1
 
     def reserve(self, tenant_id: str, size: int) -> str:
         fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -175,6 +183,52 @@ class FakeService:
             gate.wait(60)
         self.renewals.append((buffer_id, ttl_s))
         return None
+
+    # entries
+    def lookup_entry(self, who: Principal, keys: list[str]) -> FakeHandle:
+        with self.lock:
+            for key in reversed(keys):
+                bid = self.by_key.get((str(who.tenant_id), key))
+                if bid is not None:
+                    _t, _k, fd, size = self.entries[bid]
+                    self.attached[str(who.tenant_id)] += 1
+                    ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    return FakeHandle(ro, bid, size, 0, key)
+        raise errors.NotFound("no committed entry carries any of these keys")
+
+    def put_entry(
+        self, who: Principal, key: str, size: int, _pool: str | None = None, _ttl: int | None = None
+    ) -> FakeHandle:
+        fd = os.memfd_create("fake-entry", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        bid = uuid.uuid4().hex
+        with self.lock:
+            self.entries[bid] = (str(who.tenant_id), key, fd, size)
+        return FakeHandle(os.dup(fd), bid, size, 0, key)
+
+    def commit_entry(self, who: Principal, bid: str, *, owned: bool) -> None:
+        with self.lock:
+            entry = self.entries.get(bid)
+            if entry is None or entry[0] != who.tenant_id:
+                raise errors.NotFound(f"no entry {bid!r}")
+            if not owned:
+                raise errors.StateConflict(f"entry {bid} was not put on this connection")
+            self.by_key[(entry[0], entry[1])] = bid
+
+    def abort_entry(self, who: Principal, bid: str, *, owned: bool) -> None:
+        if not owned:
+            raise errors.NotFound(f"no entry {bid!r}")
+        self.abandon_entry(who, bid)
+
+    def abandon_entry(self, _who: Principal, bid: str) -> None:
+        with self.lock:
+            entry = self.entries.get(bid)
+            if entry is None or self.by_key.get((entry[0], entry[1])) == bid:
+                return  # gone, or committed
+            del self.entries[bid]
+            os.close(entry[2])
+            self.abandoned.append(bid)
 
 
 class FakeEnv:

@@ -103,8 +103,12 @@ def restore(
     page_bytes: int | None = None,
     size: int | None = None,
     expected_checksum: str | None = None,
+    extra_seals: int = 0,
 ) -> Region:
     """Load a checkpoint into a fresh sealed region; verify the checksum when given.
+
+    ``extra_seals`` go on with the region's seals (``F_SEAL_FUTURE_WRITE`` for a
+    committed entry: the daemon's own mapping, made before them, stays writable).
 
     Raises :class:`BackingError` when the file is missing, shorter than ``size``,
     or its checksum does not match (the region is closed, nothing leaks).
@@ -117,7 +121,14 @@ def restore(
     size = file_size if size is None else size
     if file_size != size:
         raise BackingError(f"restore from {path}: file holds {file_size} bytes, expected {size}")
-    region = Region.create(size, node=node, backing=backing, page_bytes=page_bytes, prefault=True)
+    region = Region.create(
+        size,
+        node=node,
+        backing=backing,
+        page_bytes=page_bytes,
+        prefault=True,
+        extra_seals=extra_seals,
+    )
     try:
         _read_and_verify(path, region, file_size, expected_checksum)
     except BaseException:

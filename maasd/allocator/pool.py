@@ -126,20 +126,41 @@ class Pool:
 
     # -- reserve ----------------------------------------------------------------------------
 
-    def reserve(self, size: int, name: str = "maasd-buffer", *, extra_seals: int = 0) -> Region:
+    def reserve(
+        self,
+        size: int,
+        name: str = "maasd-buffer",
+        *,
+        extra_seals: int = 0,
+        accounted: bool = True,
+        prefault: bool | None = None,
+    ) -> Region:
         """A sealed region of exactly ``size`` rounded to pages: from the warm stock, or new.
 
-        ``extra_seals`` go on with :data:`~maasd.allocator.region.SEALS`. Raises
-        :class:`TooLarge` above capacity, :class:`PoolExhausted` when full now even
-        without the stock (nothing changes either way), :class:`BackingError` if the
-        kernel refuses (the capacity is given back).
+        ``extra_seals`` go on with :data:`~maasd.allocator.region.SEALS`; ``prefault``
+        overrides the pool's for a new region (a stocked one is always populated).
+        ``accounted=False`` makes a region that *takes over* the accounting of one of the
+        same size, which the caller then releases with ``give_back=False`` (an entry's
+        sealed copy at its commit): no capacity is taken (a stocked region's is given
+        back), so a full pool can still swap one region for another — the host holds
+        both for the length of the swap. Raises :class:`TooLarge` above capacity,
+        :class:`PoolExhausted` when full now even without the stock (nothing changes
+        either way), :class:`BackingError` if the kernel refuses (the capacity is
+        given back).
         """
         rounded = self.rounded(size)
         region = self._from_stock(rounded, extra_seals)
         if region is not None:
+            if not accounted:
+                self._give(rounded)
             return region
-        self._take(rounded)
-        options = {"prefault": self.prefault, "name": name, "extra_seals": extra_seals}
+        if accounted:
+            self._take(rounded)
+        options = {
+            "prefault": self.prefault if prefault is None else prefault,
+            "name": name,
+            "extra_seals": extra_seals,
+        }
         try:
             try:
                 return self._create(rounded, **options)
@@ -149,7 +170,8 @@ class Pool:
                     raise
             return self._create(rounded, **options)
         except BaseException:
-            self._give(rounded)
+            if accounted:
+                self._give(rounded)
             raise
 
     def _shed_everywhere(self) -> bool:
@@ -216,8 +238,11 @@ class Pool:
 
     # -- release ----------------------------------------------------------------------------
 
-    def release(self, region: Region) -> None:
+    def release(self, region: Region, *, give_back: bool = True) -> None:
         """Scrub the region with this pool's mode, give its bytes back, close it.
+
+        ``give_back=False`` keeps its bytes accounted: for a region whose accounting a
+        replacement took over (``reserve(accounted=False)``).
 
         Every byte reads zero when this returns. With ``scrub = "zero"`` on ``memfd``,
         only the memset happens here; the punch and the close are left to the pool's
@@ -240,7 +265,8 @@ class Pool:
                 region.scrub(self.scrub)
             finally:
                 region.close()
-        self._give(region.size)
+        if give_back:
+            self._give(region.size)
 
     # -- the warm stock ---------------------------------------------------------------------
 

@@ -248,6 +248,14 @@ class Region:
         view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
         return _sys.pread_into(self.fd, view, offset)
 
+    @property
+    def frozen(self) -> bool:
+        """Whether the region is sealed ``F_SEAL_FUTURE_WRITE``: immutable for everyone but
+        the daemon's own mapping (a committed entry). It cannot be punched; its scrub
+        zeroes it through that mapping, where every page is present."""
+        self._check_open()
+        return bool(fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & _sys.F_SEAL_FUTURE_WRITE)
+
     def view(self) -> memoryview:
         """A writable view of the daemon's mapping (valid until :meth:`close`)."""
         self._check_open()
@@ -390,7 +398,15 @@ class Region:
 
 
 def _punch(region: Region, *, zeroed: bool) -> None:
-    """Punch the whole file (the region's lock held); if refused, zero it unless ``zeroed``."""
+    """Punch the whole file (the region's lock held); if refused, zero it unless ``zeroed``.
+
+    A frozen region (a committed entry) is never punched — the kernel refuses it, as
+    expected: it is zeroed through the mapping instead, without a warning.
+    """
+    if region.frozen:
+        if not zeroed:
+            _zero_mapped(region)
+        return
     try:
         _sys.fallocate(
             region.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, region.size

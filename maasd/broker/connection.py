@@ -52,6 +52,7 @@ class Connection:
         "busy",
         "closed",
         "events",
+        "generation",
         "gid",
         "held",
         "in_backlog",
@@ -62,6 +63,7 @@ class Connection:
         "principal",
         "reader",
         "sock",
+        "staged",
         "uid",
     )
 
@@ -75,8 +77,12 @@ class Connection:
         #: set by a successful hello (and only then: the tenant count depends on it)
         self.principal: Principal | None = None
         self.api_key: str | None = None
+        #: the auth generation the key was last checked at (hello, or a re-check)
+        self.generation = 0
         #: buffer_id -> attachments handed to this peer and not yet dropped
         self.held: collections.Counter[str] = collections.Counter()
+        #: entries this peer put and has not committed or aborted (released if it goes)
+        self.staged: set[str] = set()
         self.out: collections.deque[_Outgoing] = collections.deque()
         self.busy = False  # an operation of this connection runs on the slow pool
         self.closed = False

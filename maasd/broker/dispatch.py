@@ -17,13 +17,25 @@ own close.
 Every error frame is built by :meth:`Dispatcher.error`, from
 :func:`maasd.problems.problem_of`: the same status, ``type``, title and detail
 that the REST API answers for the same failure.
+
+The key is checked once, at ``hello``. Every later op compares the connection's
+auth generation with the service's (an int compare; it moves on every key
+revocation) and checks the key again only when it moved — on the slow pool, as
+that may read the ledger: a revoked key gets 401 and the connection closes.
+
+The entry ops: ``lookup`` is inline (the service answers it from memory); ``put``
+(a reserve: eviction, prefault), ``commit`` (a copy) and ``abort`` (a scrub) are
+slow. A ``put`` leaves the connection holding a *staged* entry (``Outcome.staged``)
+until its ``commit`` or ``abort`` settles it; the connection's close abandons the
+entries it still holds staged (released, scrubbed).
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable, Mapping
+import os
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,22 +45,28 @@ from maasd import errors
 from maasd.models import BufferInfo, Principal
 from maasd.problems import problem_of
 from maasd.protocol import (
+    Abort,
     Attach,
     Attached,
+    Commit,
     Detach,
     Error,
+    Found,
     Hello,
+    Lookup,
     Ok,
+    Put,
     Renew,
     Reply,
     Request,
+    Reserved,
     Welcome,
     decode_request,
 )
 
 from .pacing import Fields, LogLimiter
 
-__all__ = ["OPS", "Call", "Dispatcher", "HandleService", "Op", "Outcome"]
+__all__ = ["OPS", "Call", "Dispatcher", "HandleService", "Op", "Outcome", "Session"]
 
 logger = logging.getLogger("maasd.broker")
 
@@ -65,13 +83,40 @@ class Handle(Protocol):
     def numa_node(self) -> int: ...
 
 
+class EntryHit(Handle, Protocol):
+    @property
+    def key(self) -> str: ...
+    @property
+    def buffer_id(self) -> str: ...
+
+
+class StagedHandle(Handle, Protocol):
+    @property
+    def buffer_id(self) -> str: ...
+
+
 class HandleService(Protocol):
     """The part of :class:`maasd.core.Service` the broker calls."""
 
+    @property
+    def auth_generation(self) -> int: ...
     def authenticate(self, token: str, /) -> Principal: ...
     def open_handle(self, principal: Principal, buffer_id: str, /) -> Handle: ...
     def drop_handle(self, principal: Principal, buffer_id: str, /) -> None: ...
     def renew(self, principal: Principal, buffer_id: str, ttl_s: int, /) -> BufferInfo | None: ...
+    def lookup_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
+    def put_entry(
+        self,
+        principal: Principal,
+        key: str,
+        size_bytes: int,
+        pool: str | None = None,
+        ttl_s: int | None = None,
+        /,
+    ) -> StagedHandle: ...
+    def commit_entry(self, principal: Principal, buffer_id: str, /, *, owned: bool) -> None: ...
+    def abort_entry(self, principal: Principal, buffer_id: str, /, *, owned: bool) -> None: ...
+    def abandon_entry(self, principal: Principal, buffer_id: str, /) -> None: ...
 
 
 @dataclass(slots=True)
@@ -87,6 +132,12 @@ class Outcome:
     detached: str | None = None
     #: close the connection once the reply is handed to the kernel
     close: bool = False
+    #: the connection now holds this entry staged (its writer: it may commit or abort it)
+    staged: str | None = None
+    #: the connection no longer holds this entry staged (committed, aborted or gone)
+    unstaged: str | None = None
+    #: the key was checked again at this auth generation
+    authed: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +148,8 @@ class Call:
     principal: Principal
     #: buffer_id -> attachments of this connection; read only (the loop applies changes)
     held: Mapping[str, int]
+    #: the entries this connection put and has not committed or aborted; read only
+    staged: Set[str] = frozenset()
 
 
 Handler = Callable[[Call, Any], Outcome]
@@ -110,6 +163,9 @@ class Op:
     #: True: run on the slow pool (the ledger, prefault, copies); False: inline on the loop,
     #: which every other connection waits for — only operations that answer from memory.
     slow: bool = False
+    #: True: once its handler ran, the request's ``buffer_id`` is no longer staged on the
+    #: connection, whatever the outcome (a commit or abort settles the entry either way)
+    settles_staged: bool = False
 
 
 def _attach(call: Call, req: Attach) -> Outcome:
@@ -131,11 +187,54 @@ def _renew(call: Call, req: Renew) -> Outcome:
     return Outcome(Ok())
 
 
+def _lookup(call: Call, req: Lookup) -> Outcome:
+    hit = call.service.lookup_entry(call.principal, req.keys)
+    reply = Found(
+        key=hit.key, buffer_id=hit.buffer_id, size_bytes=hit.size_bytes, numa_node=hit.numa_node
+    )
+    if call.held.get(hit.buffer_id, 0) <= 0:
+        return Outcome(reply, fds=(hit.fd,), attached=hit.buffer_id)
+    # The connection holds this entry already (a worker's mapping cache): one attachment
+    # per connection and entry, so the worker detaches once, when it unmaps it.
+    try:
+        call.service.drop_handle(call.principal, hit.buffer_id)
+    except BaseException:
+        os.close(hit.fd)
+        raise
+    return Outcome(reply, fds=(hit.fd,))
+
+
+def _put(call: Call, req: Put) -> Outcome:
+    h = call.service.put_entry(call.principal, req.key, req.size_bytes, req.pool, req.ttl_s)
+    reply = Reserved(buffer_id=h.buffer_id, size_bytes=h.size_bytes, numa_node=h.numa_node)
+    return Outcome(reply, fds=(h.fd,), staged=h.buffer_id)
+
+
+def _commit(call: Call, req: Commit) -> Outcome:
+    owned = req.buffer_id in call.staged
+    try:
+        call.service.commit_entry(call.principal, req.buffer_id, owned=owned)
+    except Exception:
+        if owned:  # whatever went wrong, nothing of it may stay behind
+            call.service.abandon_entry(call.principal, req.buffer_id)
+        raise
+    return Outcome(Ok())
+
+
+def _abort(call: Call, req: Abort) -> Outcome:
+    call.service.abort_entry(call.principal, req.buffer_id, owned=req.buffer_id in call.staged)
+    return Outcome(Ok())
+
+
 #: request type → how it is served (the one place to add an op).
 OPS: dict[type[Request], Op] = {
     Attach: Op(_attach),
     Detach: Op(_detach),
     Renew: Op(_renew, slow=True),
+    Lookup: Op(_lookup),
+    Put: Op(_put, slow=True),
+    Commit: Op(_commit, slow=True, settles_staged=True),
+    Abort: Op(_abort, slow=True, settles_staged=True),
 }
 
 
@@ -166,7 +265,10 @@ class Dispatcher:
     def hello(
         self, body: bytes, pid: int, fields: Fields
     ) -> tuple[Outcome, Principal | None, str | None]:
-        """The first frame: ``(outcome, principal, api_key)``; any failure closes."""
+        """The first frame: ``(outcome, principal, api_key)``; any failure closes.
+
+        A welcome's ``outcome.authed`` is the auth generation the key was checked at.
+        """
         try:
             req = decode_request(body)
         except msgspec.DecodeError as exc:
@@ -176,13 +278,15 @@ class Dispatcher:
             err = errors.InvalidRequest(f"the first frame must be hello, got {op}")
             return self.error(err, fields, close=True), None, None
         try:
-            principal = self.service.authenticate(req.api_key)
+            generation = self.service.auth_generation  # before the check: a revocation
+            principal = self.service.authenticate(req.api_key)  # racing it moves it on
         except errors.Unauthorized as exc:
             self.log.log(logging.INFO, "hello-refused", "hello refused", fields)
             return self.error(exc, fields, close=True), None, None
         except Exception as exc:
             return self.error(exc, fields, close=True), None, None
-        return Outcome(Welcome(tenant_id=principal.tenant_id, pid=pid)), principal, req.api_key
+        welcome = Outcome(Welcome(tenant_id=principal.tenant_id, pid=pid), authed=generation)
+        return welcome, principal, req.api_key
 
     def decode(self, body: bytes, fields: Fields) -> tuple[Request, Op] | Outcome:
         """A frame after hello: the request and its op, or the 400 to answer (no close)."""
@@ -198,15 +302,40 @@ class Dispatcher:
             return self.error(errors.InvalidRequest(detail), fields)
         return req, op
 
-    def run(
-        self, op: Op, req: Request, api_key: str, held: Mapping[str, int], fields: Fields
-    ) -> Outcome:
-        """Serve one request. The key is checked again on every op: a revoked key stops at once."""
+    def current(self, generation: int) -> bool:
+        """Whether a key checked at ``generation`` needs no new check (no revocation since)."""
+        return generation == self.service.auth_generation
+
+    def run(self, op: Op, req: Request, session: Session, fields: Fields) -> Outcome:
+        """Serve one request; the key is checked again first if any key was revoked since
+        the connection's last check (a revoked key answers 401 and closes)."""
+        principal, authed = session.principal, None
         try:
-            principal = self.service.authenticate(api_key)
-            return op.handler(Call(self.service, principal, held), req)
+            if not self.current(session.generation):
+                authed = self.service.auth_generation
+                principal = self.service.authenticate(session.api_key)
         except errors.Unauthorized as exc:
             self.log.log(logging.INFO, "key-revoked", "key no longer valid, closing", fields)
             return self.error(exc, fields)
         except Exception as exc:
             return self.error(exc, fields)
+        try:
+            outcome = op.handler(Call(self.service, principal, session.held, session.staged), req)
+        except Exception as exc:
+            outcome = self.error(exc, fields)
+        if op.settles_staged:
+            outcome.unstaged = getattr(req, "buffer_id", None)
+        outcome.authed = authed
+        return outcome
+
+
+@dataclass(frozen=True, slots=True)
+class Session:
+    """What a request runs with: the connection's principal, its key and the generation
+    the key was last checked at, and what it holds (snapshots for a slow op)."""
+
+    principal: Principal
+    api_key: str
+    generation: int
+    held: Mapping[str, int]
+    staged: Set[str]

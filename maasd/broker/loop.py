@@ -35,7 +35,7 @@ from maasd.protocol import ProtocolError, Request
 
 from .acceptor import Acceptor
 from .connection import Connection
-from .dispatch import Dispatcher, HandleService, Op, Outcome
+from .dispatch import Dispatcher, HandleService, Op, Outcome, Session
 from .limits import Limits
 from .pacing import Fields, LogLimiter
 from .slowpool import SlowPool
@@ -74,7 +74,9 @@ class EventLoop:
         self.sel = selectors.DefaultSelector()
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.sel.register(self.wake_r, READ, None)
-        self.table = ConnectionTable(self.sel, service, self.dispatcher, limits, log)
+        self.table = ConnectionTable(
+            self.sel, service, self.dispatcher, limits, log, abandon=self._abandon
+        )
         self.acceptor = Acceptor(listener, self.sel, self.dispatcher, log, self.table.admit)
         self.backlog: collections.deque[Connection] = collections.deque()
         self.results: collections.deque[tuple[Connection, Outcome]] = collections.deque()
@@ -226,27 +228,47 @@ class EventLoop:
         req, op = decoded
         assert conn.api_key is not None
         assert conn.tenant is not None
-        if not op.slow:
-            self.table.deliver(conn, self.dispatcher.run(op, req, conn.api_key, conn.held, fields))
+        assert conn.principal is not None
+        # Inline only if the key needs no new check (that may read the ledger).
+        if not op.slow and self.dispatcher.current(conn.generation):
+            session = Session(conn.principal, conn.api_key, conn.generation, conn.held, conn.staged)
+            self.table.deliver(conn, self.dispatcher.run(op, req, session, fields))
             return
         conn.busy = True
-        # A snapshot: the loop may drop the live counts if the connection closes meanwhile.
-        job = functools.partial(self._slow, conn, op, req, conn.api_key, dict(conn.held), fields)
+        # Snapshots: the loop may drop the live sets if the connection closes meanwhile.
+        session = Session(
+            conn.principal, conn.api_key, conn.generation, dict(conn.held), frozenset(conn.staged)
+        )
+        job = functools.partial(self._slow, conn, op, req, session, fields)
         self.pool.submit(conn.tenant, job)
 
     def _slow(
-        self,
-        conn: Connection,
-        op: Op,
-        req: Request,
-        key: str,
-        held: dict[str, int],
-        fields: Fields,
+        self, conn: Connection, op: Op, req: Request, session: Session, fields: Fields
     ) -> None:
         """On a slow-pool thread: serve, then hand the outcome back to the loop."""
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
-        self.post(conn, self.dispatcher.run(op, req, key, held, fields))
+        self.post(conn, self.dispatcher.run(op, req, session, fields))
+
+    def _abandon(self, conn: Connection, buffer_id: str) -> None:
+        """``conn`` went away holding a staged entry: release it on the slow pool (a scrub).
+
+        If the broker stops before the job runs, the daemon's close releases it.
+        """
+        principal = conn.principal
+        if principal is None:
+            return
+
+        def job() -> None:
+            try:
+                self.service.abandon_entry(principal, buffer_id)
+            except Exception as exc:
+                fields = conn.fields(buffer_id=buffer_id)
+                self.log.log(
+                    logging.ERROR, "abandon", "releasing an entry failed", fields, exc_info=exc
+                )
+
+        self.pool.submit(conn.tenant or "-", job)
 
     def post(self, conn: Connection, outcome: Outcome) -> None:
         """Hand ``outcome`` to the loop (any thread); cleaned up here if the loop is gone."""

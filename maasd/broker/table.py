@@ -2,8 +2,9 @@
 
 Everything a connection owns is given back in :meth:`ConnectionTable.close`,
 whichever way it ends (EOF, a failed send, a deadline, stop): its counts, its
-selector registration, its unsent replies' fds, and one ``drop_handle`` per
-attachment it still holds. Runs on the event loop thread only.
+selector registration, its unsent replies' fds, one ``drop_handle`` per
+attachment it still holds, and the entries it put but never committed (handed to
+``abandon``, which releases them off the loop). Runs on the event loop thread only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import os
 import selectors
 import time
+from collections.abc import Callable
 
 from maasd import errors
 from maasd.protocol import FrameTooLarge, encode_frame
@@ -40,7 +42,11 @@ class ConnectionTable:
         dispatcher: Dispatcher,
         limits: Limits,
         log: LogLimiter,
+        abandon: Callable[[Connection, str], None] | None = None,
     ) -> None:
+        """``abandon(conn, buffer_id)`` releases an entry ``conn`` put and never committed
+        (the loop hands it to the slow pool: it scrubs)."""
+        self.abandon = abandon
         self.sel = sel
         self.service = service
         self.dispatcher = dispatcher
@@ -80,6 +86,7 @@ class ConnectionTable:
             reason = self.counts.admit_tenant(conn.uid, tenant_of(principal))
             if reason is None:
                 conn.principal, conn.api_key = principal, key
+                conn.generation = outcome.authed or 0
                 self.hello_due.cancel(conn)
                 logger.debug("hello", extra=conn.fields())
             else:
@@ -99,9 +106,15 @@ class ConnectionTable:
         if conn.closed:
             self.undeliverable(conn, outcome)
             return
+        if outcome.authed is not None:
+            conn.generation = outcome.authed
         if outcome.attached is not None:
             # Counted before sending: if the send fails, closing owes one drop_handle.
             conn.held[outcome.attached] += 1
+        if outcome.staged is not None:
+            conn.staged.add(outcome.staged)  # likewise: closing abandons it
+        if outcome.unstaged is not None:
+            conn.staged.discard(outcome.unstaged)
         if outcome.detached is not None and conn.held[outcome.detached] > 0:
             conn.held[outcome.detached] -= 1
             if conn.held[outcome.detached] == 0:
@@ -141,6 +154,19 @@ class ConnectionTable:
                 os.close(fd)
         if outcome.attached is not None:
             self._drop(conn, outcome.attached)
+        if outcome.staged is not None:
+            self._abandon(conn, outcome.staged)
+
+    def _abandon(self, conn: Connection, buffer_id: str) -> None:
+        if self.abandon is None:
+            return
+        try:
+            self.abandon(conn, buffer_id)
+        except Exception as exc:
+            fields = conn.fields(buffer_id=buffer_id)
+            self.log.log(
+                logging.ERROR, "abandon", "abandoning an entry failed", fields, exc_info=exc
+            )
 
     def _drop(self, conn: Connection, buffer_id: str) -> None:
         assert conn.principal is not None
@@ -206,6 +232,9 @@ class ConnectionTable:
                     self._drop(conn, buffer_id)
             conn.held.clear()
             logger.debug("attachments dropped on close", extra=conn.fields(count=dropped))
+        for buffer_id in sorted(conn.staged):
+            self._abandon(conn, buffer_id)
+        conn.staged.clear()
         # Last, so that a connection no longer counted holds nothing any more.
         self.counts.leave(conn.uid, conn.tenant)
         self.conns.discard(conn)

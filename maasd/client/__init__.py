@@ -15,6 +15,7 @@ This package imports nothing from the daemon's side (only :mod:`maasd.protocol`,
 which is msgspec and the standard library). See ``docs/client.md``.
 """
 
+from maasd.client.entries import Entry, EntryMapping
 from maasd.client.errors import (
     BadRequest,
     BodyTooLarge,
@@ -73,6 +74,8 @@ __all__ = [
     "Conflict",
     "ConnectionFailed",
     "DuplicateKey",
+    "Entry",
+    "EntryMapping",
     "Event",
     "Forbidden",
     "Health",

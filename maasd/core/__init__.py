@@ -20,6 +20,7 @@ lives in a module of its own:
 :mod:`.checkpoints`      writing a persistent buffer's checkpoint, restoring one
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
+:mod:`.entries`          the socket's put / commit / abort / lookup of immutable entries
 :mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer and
                          the warmer (the warm stock's refill thread)
 :mod:`.limits`           the daemon's budget of open files and mappings for regions
@@ -40,6 +41,7 @@ from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.entries import Entries, Found
 from maasd.core.handles import Handle, Handles
 from maasd.core.hosts import Hosts
 from maasd.core.lifecycle import Lifecycle
@@ -48,7 +50,7 @@ from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.tenants import Tenants
-from maasd.metrics import LedgerCollector, Metrics, RuntimeCollector
+from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
 from maasd.models import (
     BufferInfo,
     Checkpoint,
@@ -68,7 +70,7 @@ from maasd.settings import Settings
 from maasd.store import Store
 from maasd.topology import Topology, discover
 
-__all__ = ["Handle", "Service"]
+__all__ = ["Found", "Handle", "Service"]
 
 
 class Service:
@@ -132,7 +134,8 @@ class Service:
             self.metrics,
             self.budget,
         )
-        self._handles = Handles(self.store, self.runtime, self.metrics)
+        self._handles = Handles(self.runtime, self.metrics)
+        self._entries = Entries(self.store, self.runtime, self._buffers, releaser, self.metrics)
         self._life = Lifecycle(
             settings,
             self.store,
@@ -153,6 +156,9 @@ class Service:
             RuntimeCollector(
                 self.runtime.released_attached, lambda: (self.budget.held(), self.budget.budget)
             )
+        )
+        self.metrics.attach_entries(
+            EntryCollector(self.runtime.entry_stats, self.runtime.released_entry_bytes)
         )
 
     @property
@@ -200,6 +206,11 @@ class Service:
 
     def authenticate(self, token: str | None) -> Principal:
         return self._auth.authenticate(token)
+
+    @property
+    def auth_generation(self) -> int:
+        """Moves on every key revocation: a holder of a checked principal re-checks then."""
+        return self._auth.generation
 
     require_admin = staticmethod(require_admin)
     require_tenant = staticmethod(require_tenant)
@@ -298,3 +309,27 @@ class Service:
 
     def drop_handle(self, who: Principal, buffer_id: str) -> None:
         self._handles.drop(who, buffer_id)
+
+    # -- entries (maasd.core.entries) -------------------------------------------------------
+
+    def lookup_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
+        return self._entries.lookup(who, lookup_keys)
+
+    def put_entry(
+        self,
+        who: Principal,
+        key: str,
+        size_bytes: int,
+        pool: str | None = None,
+        ttl_s: int | None = None,
+    ) -> Handle:
+        return self._entries.put(who, key, size_bytes, pool, ttl_s)
+
+    def commit_entry(self, who: Principal, buffer_id: str, *, owned: bool) -> None:
+        self._entries.commit(who, buffer_id, owned=owned)
+
+    def abort_entry(self, who: Principal, buffer_id: str, *, owned: bool) -> None:
+        self._entries.abort(who, buffer_id, owned=owned)
+
+    def abandon_entry(self, who: Principal, buffer_id: str) -> None:
+        self._entries.abandon(who, buffer_id)

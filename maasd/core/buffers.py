@@ -6,7 +6,10 @@ A reserve records its intent in the ledger before it touches memory::
     memory: victims scrubbed; region created, sealed, bound, prefaulted, placement checked
     ledger: row ``live``
 
-so that a crash at any point leaves rows that recovery can settle.
+so that a crash at any point leaves rows that recovery can settle. An entry's put
+is admitted ``staged`` (it stays so until its commit) and goes without the last
+write: once its region is held, a read checks that the row was not released
+meanwhile.
 """
 
 from __future__ import annotations
@@ -22,10 +25,19 @@ from maasd.core.checkpoints import Checkpoints
 from maasd.core.limits import RegionBudget, kernel_refusal
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
-from maasd.core.runtime import LivePool, Runtime
+from maasd.core.runtime import Held, LivePool, Runtime
 from maasd.errors import BackingError, NotFound, PoolExhausted, StateConflict
 from maasd.metrics import Metrics
-from maasd.models import BufferInfo, Checkpoint, LookupHit, Principal, ReserveSpec, rfc3339
+from maasd.models import (
+    BufferInfo,
+    BufferKind,
+    BufferState,
+    Checkpoint,
+    LookupHit,
+    Principal,
+    ReserveSpec,
+    rfc3339,
+)
 from maasd.settings import Settings
 from maasd.store import BufferRow, Store
 from maasd.tenancy import keys, leases
@@ -79,16 +91,20 @@ class Buffers:
 
     # -- reserve ----------------------------------------------------------------------------
 
-    def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
+    def reserve(
+        self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer"
+    ) -> BufferInfo:
         """Reserve a buffer in ``req.pool`` (id or name), or in the best pool meeting the QoS.
 
+        ``kind="entry"`` is a socket ``put``: the same reserve, ending ``staged`` (held
+        here, handed to no one but its writer) instead of ``live``.
         Raises InvalidRequest (a lease beyond ``max_ttl_s``), QosUnmet/PlacementError/
         TooLarge (never satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
         """
         tenant_id = require_tenant(who)
         started = time.perf_counter()
         try:
-            buf = self._reserve(tenant_id, req)
+            buf = self._reserve(tenant_id, req, kind)
         except Exception as e:
             self._metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
             raise
@@ -96,13 +112,14 @@ class Buffers:
         self._metrics.reserve_seconds.observe(time.perf_counter() - started)
         return buf
 
-    def _reserve(self, tenant_id: str, req: ReserveSpec) -> BufferInfo:
+    def _reserve(self, tenant_id: str, req: ReserveSpec, kind: BufferKind) -> BufferInfo:
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
         candidates = self._candidates(req)
         # Eviction picks by last use: the admitting transaction writes the latest
-        # attaches first (saving a commit of their own); unwritten, they are kept.
-        uses = self._runtime.take_uses()
+        # attaches and lookup hits first (saving a commit of their own); unwritten,
+        # they are kept.
+        uses, extended = self._runtime.take_uses()
         last_error: Exception | None = None
         for live in candidates:
             row = BufferRow(
@@ -120,24 +137,24 @@ class Buffers:
                 created_at=now,
                 expires_at=expires,
                 last_used_at=now,
-                kind="buffer",
+                kind=kind,
             )
             try:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
                 # before the ledger is asked: a region is one of each.
                 with self._budget.admit():
-                    victims = self._store.begin_reserve(row, uses=uses)
-                    uses = {}  # written by the admitting transaction
+                    victims = self._store.begin_reserve(row, uses=uses, leases=extended)
+                    uses, extended = {}, {}  # written by the admitting transaction
                     region = self._create(row, live, victims)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
             except BaseException:
-                self._runtime.untake_uses(uses)  # unwritten: kept for the next flush
+                self._runtime.untake_uses(uses, extended)  # unwritten: kept for later
                 raise
             self._check_placement(row, live, region)
             return self._go_live(row, region)
-        self._runtime.untake_uses(uses)
+        self._runtime.untake_uses(uses, extended)
         assert last_error is not None
         raise last_error
 
@@ -194,9 +211,18 @@ class Buffers:
             raise
 
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
-        # The region is in the runtime before the row goes live, so that whoever
-        # releases the row from then on finds its memory.
-        self._runtime.add_region(row.id, region)
+        state: BufferState = "staged" if row.kind == "entry" else "live"
+        ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
+        # The region is held before the row goes live (or is checked staged), so that
+        # whoever releases the row from then on finds its memory.
+        self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
+        if state == "staged":
+            try:
+                self._check_staged(row.id)
+            except NotFound:
+                self._releaser.drop_region(row)
+                raise
+            return buffer_info(msgspec.structs.replace(row, state=state))
         if not self._store.advance(row.id, "reserving", "live"):
             # Claimed while reserving by a tenant delete or a pool drain: this reserve
             # lost, so it scrubs its own region (unless the claimer took it already)
@@ -208,19 +234,32 @@ class Buffers:
                 f"buffer {row.id} was released while it was being reserved "
                 "(its tenant or its pool is being deleted)"
             )
-        return buffer_info(msgspec.structs.replace(row, state="live"))
+        self._runtime.set_live(row.id)
+        return buffer_info(msgspec.structs.replace(row, state=state))
+
+    def _check_staged(self, buffer_id: str) -> None:
+        """NotFound unless the entry's row is still staged (a read, not a write).
+
+        A release that took the row before the region was held found nothing to
+        drop; one after it finds the region and drops it itself.
+        """
+        row = self._store.buffer(buffer_id)
+        if row is None or row.state != "staged":
+            raise NotFound(f"entry {buffer_id} was released while it was put")
 
     def flush_uses(self) -> None:
-        """Write the attach times gathered since the last flush (the LRU order) to the ledger.
+        """Write the attach and lookup-hit times gathered since the last flush (the LRU
+        order), and the leases those hits extended, to the ledger.
 
-        An attach is on a worker's hot path; a synchronous commit there cost more
-        than the rest of the attach together. Uses are batched instead: written by
-        the reaper every interval, and by every reserve's admission (which may
-        evict by them), without a commit of their own on SQLite.
+        An attach or a lookup hit is on a worker's hot path; a synchronous commit there
+        cost more than the rest of it together. Uses (and the leases lookup hits extend)
+        are batched instead: written by the reaper every interval (before it reaps), and
+        by every reserve's admission (which may evict by them), without a commit of their
+        own on SQLite.
         """
-        uses = self._runtime.take_uses()
-        if uses:
-            self._store.touch_many(uses)
+        uses, leases = self._runtime.take_uses()
+        if uses or leases:
+            self._store.touch_many(uses, leases)
 
     # -- the others -------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import msgspec
 
 from maasd import allocator
 from maasd.allocator import Region
+from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
 from maasd.core.release import remove_checkpoint
 from maasd.core.runtime import LivePool, Runtime
 from maasd.errors import BackingError, NotFound, StateConflict
@@ -106,7 +107,11 @@ class Checkpoints:
     @staticmethod
     def restore(row: BufferRow, live: LivePool) -> Region | None:
         """A fresh region holding the buffer's last checkpoint (checksum verified), or
-        ``None`` (logged) when there is none or it is unusable."""
+        ``None`` (logged) when there is none or it is unusable.
+
+        A committed entry comes back committed: sealed ``F_SEAL_FUTURE_WRITE`` after the
+        daemon mapped it, so it is immutable again before anyone can see it.
+        """
         if not row.checkpoint_path or not row.checksum:
             logger.warning("persistent buffer %s was never checkpointed; releasing it", row.id)
             return None
@@ -118,6 +123,7 @@ class Checkpoints:
                 page_bytes=live.row.page_bytes,
                 size=row.size_bytes,
                 expected_checksum=row.checksum,
+                extra_seals=F_SEAL_FUTURE_WRITE if row.committed_at is not None else 0,
             )
         except BackingError as e:
             # An expected outcome (missing or corrupt file): the detail says it all.

@@ -37,15 +37,16 @@ import threading
 import time
 from collections import Counter
 
-from maasd.allocator import Warmer
+from maasd.allocator import Region, Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.entries import open_read_only
 from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
-from maasd.core.runtime import Runtime
+from maasd.core.runtime import Held, Runtime
 from maasd.core.tenants import Tenants
 from maasd.errors import ConfigError
 from maasd.metrics import Metrics
@@ -195,10 +196,17 @@ class Lifecycle:
     # -- the reaper -------------------------------------------------------------------------
 
     def reap(self, now: float | None = None) -> int:
-        """Release every buffer of this host whose lease has ended. Returns how many."""
+        """Release every buffer of this host whose lease has ended. Returns how many.
+
+        The leases lookup hits extended in memory are written first, and one extended
+        since is honoured too: an entry in use is never reaped.
+        """
         count = 0
+        self._buffers.flush_uses()
         now = time.time() if now is None else now
         for row in self._store.expired(now, self._host):
+            if (self._runtime.pending_lease(row.id) or 0.0) > now:
+                continue  # a hit since the flush: the next pass writes its lease
             # Compare-and-set: a lease renewed since the query above is left alone.
             marked = self._store.mark_expired(row.id, now)
             if marked is None:
@@ -213,7 +221,6 @@ class Lifecycle:
             try:
                 if not self._hosts.heartbeat():
                     self._rejoin()
-                self._buffers.flush_uses()
                 self.reap()
             except Exception:
                 logger.exception("reaper pass failed; retrying")
@@ -276,11 +283,26 @@ class Lifecycle:
             region = self._checkpoints.restore(row, live)
             if region is not None:
                 live.pool.adopt(region.size)
-                self._runtime.add_region(row.id, region)
+                self._runtime.hold(row.id, self._held(row, region))
                 return "restored"
         self._store.finish_release(row.id, kind="recover")
         remove_checkpoint(row)
         return "released"
+
+    @staticmethod
+    def _held(row: BufferRow, region: Region) -> Held:
+        """A restored buffer as the runtime holds it; a committed entry with its read-only
+        fd, published under its key."""
+        committed = row.committed_at is not None
+        return Held(
+            region,
+            row.tenant_id,
+            row.pool_id,
+            row.key,
+            live=True,
+            ro_fd=open_read_only(region) if committed else None,
+            ttl_s=max(1, round(row.expires_at - row.created_at)),
+        )
 
     def _remove_orphans(self, keep: set[str]) -> int:
         """Remove checkpoint files (and half-written ones) of spill dirs that no row names."""

@@ -132,3 +132,5 @@ class Releaser:
         self.release_memory(victim, reason="evict")
         self._store.finish_release(victim.id, kind="evict", record=False)
         self._metrics.evictions.inc()
+        if victim.kind == "entry":
+            self._metrics.entry_evictions.labels(tenant=victim.tenant_id).inc()

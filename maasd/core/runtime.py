@@ -1,8 +1,12 @@
-"""What this daemon holds in memory: live pools, live regions, per-buffer locks,
-attachments and the batch of uses not yet written to the ledger.
+"""What this daemon holds in memory: live pools, the buffers' regions, per-buffer locks,
+attachments, the index of committed entries and the batch of uses not yet written to
+the ledger.
 
 The ledger says what *should* exist; the runtime holds what *does* in this
-process — a buffer's memfd mapping exists only here. Every part of
+process — a buffer's memfd mapping exists only here. This daemon is the only
+manager of its host's buffers, so the runtime also knows, for each region, its
+tenant and whether it may be handed out: the worker socket's ``attach`` and
+``lookup`` are answered from here, without the ledger. Every part of
 :mod:`maasd.core` reaches that state through :class:`Runtime`, and only through
 its methods: none of them keeps a reference to the dicts behind them.
 
@@ -11,23 +15,29 @@ Locks, and the order they are taken in
 
 1. **A buffer's lock** (:meth:`Runtime.buffer_lock`), outermost. Held while a
    region's pages are read or moved through the daemon's mapping (checkpoint,
-   pin, a placement count), and while the region is taken out to be released —
-   so a release waits for a checkpoint in progress instead of unmapping under
-   it. Held across I/O and ledger calls. Never taken while holding any other lock.
-2. **The regions lock**: the regions and the buffer locks maps. Held only for
-   dict operations and the ``dup(2)`` of an fd (so that a region being handed
-   to a worker cannot be taken out and closed meanwhile).
+   pin, a placement count, an entry's commit), and while the region is taken out
+   to be released — so a release waits for a checkpoint or commit in progress
+   instead of unmapping under it. Held across I/O and ledger calls. Never taken
+   while holding any other lock.
+2. **The regions lock**: the held buffers, the entry index and the buffer locks
+   map. Held only for dict operations, the ``dup(2)`` of an fd and the ``close(2)``
+   of a committed entry's read-only fd (so that a region being handed to a worker
+   cannot be taken out and closed meanwhile), and around the attachments lock (so
+   that a handle is counted in the same step it is made, and a release sees it).
 3. **Leaf locks**, each guarding one thing and never held while taking another:
    the pools lock (the live pools map), the attachments lock, the uses lock —
    and outside this module the key cache's lock (:mod:`maasd.core.auth`), each
    allocator pool's lock, and the store's SQLite writer queue.
 
-So a thread may go 1 → 2, 1 → a leaf, 2 → nothing; nothing waits for a lock
-while holding one taken later in this order, which rules out deadlock.
+So a thread may go 1 → 2 → the attachments lock, 1 → a leaf, 2 → nothing else;
+nothing waits for a lock while holding one taken later in this order, which rules
+out deadlock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -36,7 +46,7 @@ from maasd.allocator import Pool, Region
 from maasd.errors import NotFound, StateConflict
 from maasd.store import PoolRow
 
-__all__ = ["LivePool", "Runtime"]
+__all__ = ["Held", "LivePool", "Opened", "Runtime"]
 
 
 @dataclass
@@ -47,6 +57,43 @@ class LivePool:
     pool: Pool
 
 
+@dataclass(slots=True)
+class Held:
+    """A buffer whose region this process holds, and what handing it out needs to know.
+
+    ``live`` is False until the ledger says the buffer is live (a reserve finishing, an
+    entry not yet committed): no worker gets a handle to it. A committed entry has
+    ``ro_fd``, an ``O_RDONLY`` fd of its sealed memfd opened once at commit, and
+    ``ttl_s``, the lease a lookup hit extends it to.
+    """
+
+    region: Region
+    tenant_id: str
+    pool_id: str
+    key: str | None = None
+    live: bool = False
+    ro_fd: int | None = None
+    ttl_s: int = 0
+
+    @property
+    def committed(self) -> bool:
+        return self.ro_fd is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """A handle made for a worker: ``fd`` is a new descriptor the receiver closes."""
+
+    buffer_id: str
+    fd: int
+    size_bytes: int
+    numa_node: int
+    #: the tenant's handles now, this one included
+    tenant_attached: int
+    key: str | None = None
+    ttl_s: int = 0
+
+
 class Runtime:
     """The in-process state of one daemon (see the module docstring for its locks)."""
 
@@ -54,15 +101,18 @@ class Runtime:
         self._pools_lock = threading.Lock()
         self._pools: dict[str, LivePool] = {}
         self._regions_lock = threading.Lock()
-        self._regions: dict[str, Region] = {}
+        self._held: dict[str, Held] = {}
+        self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
-        # Buffers released while workers still had handles attached: tenant, kind, size.
+        # Buffers released while workers still had handles attached: tenant, kind, size —
+        # until the last handle goes (released_attached, released_entry_bytes).
         self._released_attached: dict[str, tuple[str, str, int]] = {}
         self._uses_lock = threading.Lock()
         self._uses: dict[str, float] = {}
+        self._leases: dict[str, float] = {}
 
     # -- live pools ------------------------------------------------------------------------
 
@@ -93,12 +143,19 @@ class Runtime:
         with self._pools_lock:
             return list(self._pools.values())
 
-    # -- live regions ----------------------------------------------------------------------
+    # -- held regions ----------------------------------------------------------------------
 
     def region(self, buffer_id: str) -> Region | None:
         """The region of a buffer this process holds, or ``None``."""
         with self._regions_lock:
-            return self._regions.get(buffer_id)
+            held = self._held.get(buffer_id)
+            return None if held is None else held.region
+
+    def held(self, buffer_id: str) -> Held | None:
+        """What this process holds for a buffer (a snapshot), or ``None``."""
+        with self._regions_lock:
+            held = self._held.get(buffer_id)
+            return None if held is None else _copy(held)
 
     def live_region(self, buffer_id: str) -> Region:
         """The region of a buffer, open; :class:`StateConflict` if it is not live here."""
@@ -110,11 +167,38 @@ class Runtime:
     def buffer_ids(self) -> list[str]:
         """The buffers whose regions this process holds."""
         with self._regions_lock:
-            return list(self._regions)
+            return list(self._held)
 
-    def add_region(self, buffer_id: str, region: Region) -> None:
+    def hold(self, buffer_id: str, held: Held) -> None:
+        """Hold a buffer's region; a live committed entry is indexed under its key at once."""
         with self._regions_lock:
-            self._regions[buffer_id] = region
+            self._held[buffer_id] = held
+            if held.live and held.committed and held.key is not None:
+                self._entries[(held.tenant_id, held.key)] = buffer_id
+
+    def set_live(self, buffer_id: str) -> bool:
+        """Workers may get handles to the buffer from now on; False if it is not held."""
+        with self._regions_lock:
+            held = self._held.get(buffer_id)
+            if held is None:
+                return False
+            held.live = True
+            return True
+
+    def commit(self, buffer_id: str, region: Region, ro_fd: int) -> Region | None:
+        """Swap a staged entry's region for its sealed copy, publish it under its key.
+
+        Returns the staging region (the caller scrubs it), or ``None`` if the entry is
+        no longer held (the caller then disposes of ``region`` and ``ro_fd``).
+        """
+        with self._regions_lock:
+            held = self._held.get(buffer_id)
+            if held is None or held.live:
+                return None
+            staging, held.region, held.ro_fd, held.live = held.region, region, ro_fd, True
+            if held.key is not None:
+                self._entries[(held.tenant_id, held.key)] = buffer_id
+            return staging
 
     def buffer_lock(self, buffer_id: str) -> threading.Lock:
         """The lock that serialises work on this buffer's pages (lock 1 of the order)."""
@@ -124,29 +208,91 @@ class Runtime:
     def take_region(self, buffer_id: str) -> Region | None:
         """Take a buffer's region out (``None`` if none), after any work on it ends.
 
-        Waits for the buffer's lock, so a checkpoint or pin in progress finishes
-        first; from then on no one can find the region here.
+        Waits for the buffer's lock, so a checkpoint, pin or commit in progress
+        finishes first; from then on no one can find the region here, nor look the
+        entry up. A committed entry's read-only fd is closed; if workers still hold
+        handles of it, its bytes count in :meth:`released_entry_bytes` until they let go.
         """
         with self.buffer_lock(buffer_id), self._regions_lock:
             self._busy.pop(buffer_id, None)
-            return self._regions.pop(buffer_id, None)
+            held = self._held.pop(buffer_id, None)
+            if held is None:
+                return None
+            if held.key is not None and self._entries.get((held.tenant_id, held.key)) == buffer_id:
+                del self._entries[(held.tenant_id, held.key)]
+            if held.ro_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(held.ro_fd)
+                with self._attach_lock:
+                    if self._attached_by_buffer[buffer_id] > 0:
+                        self._released_attached[buffer_id] = (
+                            held.tenant_id,
+                            "entry",
+                            held.region.size,
+                        )
+            return held.region
 
     def dup_fd(self, buffer_id: str) -> int | None:
-        """A new fd of a live buffer's memfd, or ``None`` if it is not live here."""
+        """A new fd of a held buffer's memfd (writable), or ``None`` if it is not held here."""
         with self._regions_lock:
-            region = self._regions.get(buffer_id)
-            if region is None or region.closed:
+            held = self._held.get(buffer_id)
+            if held is None or held.region.closed:
                 return None
-            return region.dup_fd()
+            return held.region.dup_fd()
+
+    # -- handles for workers, answered from memory -----------------------------------------
+
+    def open_handle(self, tenant_id: str, buffer_id: str) -> Opened | None:
+        """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``.
+
+        A committed entry's handle is read-only (a dup of its ``O_RDONLY`` fd).
+        """
+        with self._regions_lock:
+            held = self._held.get(buffer_id)
+            if held is None or held.tenant_id != tenant_id:
+                return None
+            return self._open(buffer_id, held)
+
+    def lookup(self, tenant_id: str, keys: list[str]) -> Opened | None:
+        """The committed entry of the last of ``keys`` that has one, opened read-only."""
+        with self._regions_lock:
+            for key in reversed(keys):
+                buffer_id = self._entries.get((tenant_id, key))
+                if buffer_id is not None:
+                    return self._open(buffer_id, self._held[buffer_id])
+            return None
+
+    def _open(self, buffer_id: str, held: Held) -> Opened | None:
+        """(regions lock held) dup the fd and count the attachment in one step."""
+        region = held.region
+        if not held.live or region.closed:
+            return None
+        fd = os.dup(held.ro_fd) if held.ro_fd is not None else region.dup_fd()
+        with self._attach_lock:
+            count = self._attach_locked(held.tenant_id, buffer_id)
+        return Opened(buffer_id, fd, region.size, region.node, count, held.key, held.ttl_s)
+
+    def entry_stats(self) -> dict[str, tuple[int, int]]:
+        """Committed entries held now, per tenant: ``{tenant_id: (entries, bytes)}``."""
+        stats: dict[str, tuple[int, int]] = {}
+        with self._regions_lock:
+            for buffer_id in self._entries.values():
+                held = self._held[buffer_id]
+                n, size = stats.get(held.tenant_id, (0, 0))
+                stats[held.tenant_id] = (n + 1, size + held.region.size)
+        return stats
 
     # -- attachments -----------------------------------------------------------------------
 
     def attach(self, tenant_id: str, buffer_id: str) -> int:
         """Count one more handle of this tenant on this buffer; returns the tenant's count."""
         with self._attach_lock:
-            self._attached_by_buffer[buffer_id] += 1
-            self._attached_by_tenant[tenant_id] += 1
-            return self._attached_by_tenant[tenant_id]
+            return self._attach_locked(tenant_id, buffer_id)
+
+    def _attach_locked(self, tenant_id: str, buffer_id: str) -> int:
+        self._attached_by_buffer[buffer_id] += 1
+        self._attached_by_tenant[tenant_id] += 1
+        return self._attached_by_tenant[tenant_id]
 
     def detach(self, tenant_id: str, buffer_id: str) -> int:
         """Count one handle less; returns the tenant's count.
@@ -193,27 +339,58 @@ class Runtime:
         with self._attach_lock:
             return self._attached_by_tenant[tenant_id]
 
-    # -- uses (the LRU order), batched -----------------------------------------------------
+    def released_entry_bytes(self) -> int:
+        """Bytes of released committed entries that workers still hold handles of.
 
-    def touch(self, buffer_id: str, when: float) -> None:
-        """Remember a use of the buffer; written to the ledger by :meth:`take_uses`' caller."""
+        A committed entry cannot be punched: its pages stay resident (zeroed) until
+        the last handle of it is gone.
+        """
+        with self._attach_lock:
+            return sum(
+                size for _tenant, kind, size in self._released_attached.values() if kind == "entry"
+            )
+
+    # -- uses (the LRU order) and lease extensions, batched --------------------------------
+
+    def touch(self, buffer_id: str, when: float, expires_at: float | None = None) -> None:
+        """Remember a use of the buffer (and a lease extension to ``expires_at``); written
+        to the ledger by :meth:`take_uses`' caller."""
         with self._uses_lock:
             self._uses[buffer_id] = when
+            if expires_at is not None and expires_at > self._leases.get(buffer_id, 0.0):
+                self._leases[buffer_id] = expires_at
 
     def pending_uses(self) -> dict[str, float]:
         """The uses remembered and not yet taken (a copy)."""
         with self._uses_lock:
             return dict(self._uses)
 
-    def take_uses(self) -> dict[str, float]:
-        """The uses remembered so far, forgotten here (the caller writes them)."""
+    def pending_lease(self, buffer_id: str) -> float | None:
+        """A lease extension remembered for the buffer and not yet taken, if any."""
+        with self._uses_lock:
+            return self._leases.get(buffer_id)
+
+    def take_uses(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The uses and lease extensions remembered so far, forgotten here (the caller
+        writes them)."""
         with self._uses_lock:
             uses, self._uses = self._uses, {}
-            return uses
+            leases, self._leases = self._leases, {}
+            return uses, leases
 
-    def untake_uses(self, uses: dict[str, float]) -> None:
-        """Remember again uses taken but not written (a newer use of a buffer wins)."""
+    def untake_uses(self, uses: dict[str, float], leases: dict[str, float]) -> None:
+        """Remember again uses and lease extensions taken but not written (a newer use of
+        a buffer, and a later lease end, win)."""
         with self._uses_lock:
             for buffer_id, when in uses.items():
                 if self._uses.get(buffer_id, 0.0) < when:
                     self._uses[buffer_id] = when
+            for buffer_id, until in leases.items():
+                if self._leases.get(buffer_id, 0.0) < until:
+                    self._leases[buffer_id] = until
+
+
+def _copy(held: Held) -> Held:
+    return Held(
+        held.region, held.tenant_id, held.pool_id, held.key, held.live, held.ro_fd, held.ttl_s
+    )

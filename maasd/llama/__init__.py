@@ -12,13 +12,14 @@ evaluated skips recomputing it::
         kv = KVStore(Client(url, api_key), w, llm)      # llm: llama_cpp.Llama
         n = kv.restore(0, prompt, max_tokens=len(prompt) - 1)  # 0 on a miss
         llm.eval(prompt[n:])                            # only the rest
-        kv.save(0, prompt)                              # share it (409 → existing)
+        kv.save(0, prompt)                              # share it (None: a duplicate)
 
 The package, by layer (each imports only those before it, and the client)::
 
     format    entry header, keys, fingerprints: pure (numpy; xxhash on first checksum)
     adapter   LlamaSeqAdapter: every access to llama-cpp-python's internals
-    entries   Entries: what the store needs of the daemon; RestEntries does it today
+    entries   Entries: what the store needs of the daemon — SocketEntries (the worker
+              socket's entry fast path, the default) or RestEntries
     store     KVStore
     build     checks that the installed llama.cpp build runs on this machine
 
@@ -27,6 +28,7 @@ needs both (the ``llama`` extra). See ``docs/llama.md``.
 """
 
 from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
+from maasd.llama.entries import Entries, RestEntries, SocketEntries
 from maasd.llama.format import (
     DEFAULT_CHUNK,
     FORMAT_VERSION,
@@ -52,8 +54,11 @@ __all__ = [
     "MAGIC",
     "Header",
     "HeaderError",
+    "Entries",
     "KVStore",
     "LlamaSeqAdapter",
+    "RestEntries",
+    "SocketEntries",
     "chunk_keys",
     "file_identity",
     "fingerprint_of",

@@ -1,10 +1,17 @@
 """Where ``KVStore`` gets its entries from: the seam between the store and the daemon.
 
 :class:`Entries` is what :class:`~maasd.llama.store.KVStore` needs of maasd — create a
-keyed entry and map it writable, publish it, open the longest committed entry of a list
-of keys, keep an entry in use alive — and :class:`RestEntries` does it with today's
-client calls (a REST reserve / lookup / release, a socket attach / renew). A transport
-that does one socket round trip per operation replaces this class alone.
+keyed entry and map it writable, publish it, open the longest published entry of a list
+of keys, let go of it — and two classes do it:
+
+* :class:`SocketEntries` (the default): the worker socket's entry fast path, one round
+  trip per operation and no REST call — ``put`` (a writable staged entry), ``commit``
+  (immutable from then on, kernel-enforced), ``lookup`` (a read-only fd of the longest
+  committed entry, mapped once and kept in the worker's mapping cache; a hit extends
+  the entry's lease in the daemon).
+* :class:`RestEntries`: a REST reserve / lookup / release and a socket attach / renew,
+  for a daemon without the fast path. Its entries stay writable by the tenant's
+  workers, so a restore from them verifies the state checksum (``immutable = False``).
 
 Every error raised here is the client's (:mod:`maasd.client.errors`) or an ``OSError``:
 ``maasd.llama`` builds on the client only.
@@ -23,7 +30,15 @@ import numpy.typing as npt
 
 from maasd.client import errors as ce
 
-__all__ = ["CLIENT_ERRORS", "DUPLICATE_KEY", "Entries", "RestEntries", "close_quietly"]
+__all__ = [
+    "CLIENT_ERRORS",
+    "DUPLICATE_KEY",
+    "Entries",
+    "RestEntries",
+    "SocketEntries",
+    "close_quietly",
+    "entry_id",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +61,17 @@ class MappingLike(Protocol):
 
 
 class ClientLike(Protocol):
-    """The part of ``maasd.client.Client`` entries use."""
+    """The part of ``maasd.client.Client`` :class:`RestEntries` uses."""
 
-    def reserve(self, *, size_bytes: int, key: str | None, evictable: bool, ttl_s: int) -> Any: ...
+    def reserve(
+        self,
+        *,
+        size_bytes: int,
+        key: str | None,
+        evictable: bool,
+        ttl_s: int,
+        pool: str | None = ...,
+    ) -> Any: ...
 
     def lookup(self, keys: list[str]) -> Any: ...
 
@@ -56,41 +79,65 @@ class ClientLike(Protocol):
 
 
 class WorkerLike(Protocol):
-    """The part of ``maasd.client.Worker`` entries use."""
+    """The part of ``maasd.client.Worker`` :class:`RestEntries` uses."""
 
     def attach(self, buffer_id: str) -> Any: ...
 
     def renew(self, buffer_id: str, ttl_s: int | None = ...) -> Any: ...
 
 
+class SocketWorkerLike(Protocol):
+    """The part of ``maasd.client.Worker`` :class:`SocketEntries` uses."""
+
+    def put(
+        self, key: str, size_bytes: int, *, pool: str | None = ..., ttl_s: int | None = ...
+    ) -> Any: ...
+
+    def commit(self, entry: Any) -> Any: ...
+
+    def abort(self, entry: Any) -> None: ...
+
+    def lookup(self, keys: list[str]) -> Any | None: ...
+
+    def forget(self, buffer_id: str) -> None: ...
+
+
 class Entries(Protocol):
-    """What a ``KVStore`` needs of the daemon; buffers are ``maasd.client.Buffer``-like
-    (``.id``, ``.key``, ``.size_bytes``)."""
+    """What a ``KVStore`` needs of the daemon. Entries are records with ``.key`` and an id
+    (``.id`` or ``.buffer_id``, see :func:`entry_id`); mappings have ``.array``/``.size``."""
+
+    #: whether a published entry's bytes can never change (no state checksum needed)
+    immutable: bool
 
     def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Any, MappingLike]:
         """A new evictable entry under ``key``, mapped writable; raises ``DuplicateKey``."""
         ...
 
     def publish(self, buf: Any) -> Any:
-        """Make a fully written entry available to readers → the buffer."""
+        """Make a fully written entry available to readers → the published entry."""
         ...
 
     def discard(self, buf: Any) -> None:
         """Drop an entry that will never be published (best effort)."""
         ...
 
-    def existing(self, key: str) -> Any | None:
-        """The live entry under ``key``, or None."""
+    def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
+        """The entry of the longest published key (keys ordered short → long), mapped;
+        None on a miss or when it went away before it could be mapped."""
         ...
 
-    def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
-        """The entry of the longest live key (keys ordered short → long), mapped; None on a
-        miss or when it went away before it could be mapped."""
+    def done(self, buf: Any, mapping: MappingLike, *, stale: bool) -> None:
+        """The reader is done with an entry it opened; ``stale``: it read as released."""
         ...
 
     def keep(self, buf: Any, ttl_s: int) -> None:
         """A hit: keep ``buf`` alive for about ``ttl_s`` more (best effort)."""
         ...
+
+
+def entry_id(buf: Any) -> str:
+    """The buffer id of an entry record (``Buffer.id``, ``Entry.id``, ``EntryMapping.buffer_id``)."""
+    return str(getattr(buf, "id", None) or getattr(buf, "buffer_id", ""))
 
 
 def close_quietly(mapping: Any) -> None:
@@ -110,15 +157,53 @@ def lease_left(buf: Any) -> float:
         return 0.0
 
 
+class SocketEntries:
+    """:class:`Entries` over a ``Worker``'s entry fast path (SPEC §5): no REST call."""
+
+    immutable = True
+
+    def __init__(self, worker: SocketWorkerLike, *, pool: str | None = None) -> None:
+        self.worker = worker
+        self.pool = pool
+
+    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Any, MappingLike]:
+        m = self.worker.put(key, size_bytes, pool=self.pool, ttl_s=ttl_s)
+        return m, m
+
+    def publish(self, buf: Any) -> Any:
+        return self.worker.commit(buf)
+
+    def discard(self, buf: Any) -> None:
+        with contextlib.suppress(*CLIENT_ERRORS):
+            self.worker.abort(buf)
+
+    def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
+        hit = self.worker.lookup(keys)
+        return None if hit is None else (hit, hit)
+
+    def done(self, buf: Any, mapping: MappingLike, *, stale: bool) -> None:
+        mapping.close()  # back to the worker's mapping cache
+        if stale:  # released since it was mapped: map afresh next time
+            self.worker.forget(entry_id(buf))
+
+    def keep(self, buf: Any, ttl_s: int) -> None:
+        """Nothing to do: the daemon extended the lease when the lookup hit."""
+
+
 class RestEntries:
     """:class:`Entries` over a ``Client`` (REST) and a ``Worker`` (socket) of one tenant."""
 
-    def __init__(self, client: ClientLike, worker: WorkerLike) -> None:
+    immutable = False
+
+    def __init__(self, client: ClientLike, worker: WorkerLike, *, pool: str | None = None) -> None:
         self.client = client
         self.worker = worker
+        self.pool = pool
 
     def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Any, MappingLike]:
-        buf = self.client.reserve(size_bytes=size_bytes, key=key, evictable=True, ttl_s=ttl_s)
+        buf = self.client.reserve(
+            size_bytes=size_bytes, key=key, evictable=True, ttl_s=ttl_s, pool=self.pool
+        )
         try:
             return buf, self.worker.attach(buf.id)
         except BaseException:
@@ -134,9 +219,6 @@ class RestEntries:
         with contextlib.suppress(Exception):
             self.client.release(buf.id)
 
-    def existing(self, key: str) -> Any | None:
-        return self.client.lookup([key])
-
     def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
         buf = self.client.lookup(keys)
         if buf is None:
@@ -146,6 +228,10 @@ class RestEntries:
         except CLIENT_ERRORS as exc:  # evicted or expired since the lookup
             logger.info("kv entry %s gone before attach: %s", buf.id, exc)
             return None
+
+    def done(self, buf: Any, mapping: MappingLike, *, stale: bool) -> None:
+        del buf, stale
+        close_quietly(mapping)
 
     def keep(self, buf: Any, ttl_s: int) -> None:
         # Only once half of the lease is gone, so a hot prefix costs no ledger write per hit.

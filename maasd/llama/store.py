@@ -1,8 +1,15 @@
 """``KVStore``: llama.cpp sequence states saved into and restored from maasd entries.
 
 Both paths are zero-copy: llama.cpp writes the state straight into the worker's
-mapping of the buffer (``llama_state_seq_get_data`` on a pointer into the mmap) and
+mapping of the entry (``llama_state_seq_get_data`` on a pointer into the mmap) and
 reads it straight from there (``llama_state_seq_set_data``). See ``docs/llama.md``.
+
+By default both go through the worker socket's entry fast path (SPEC §5): a save is
+``put`` → write → ``commit`` (immutable from then on), a restore one ``lookup`` that
+answers with a read-only fd, then a header check, ``set_data`` from the mapping and
+the header check again (an entry evicted mid-read is scrubbed from its first page,
+so the second check catches it). Immutability, enforced by the kernel, replaces a
+hash of the whole state on every read.
 
 A save is keyed at the longest chunk boundary of its tokens (or at its whole length if
 shorter than one chunk) and stores *all* its tokens in the header; a restore looks up
@@ -25,15 +32,15 @@ from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
 from maasd.llama.entries import (
     CLIENT_ERRORS,
     DUPLICATE_KEY,
-    ClientLike,
     Entries,
     MappingLike,
-    RestEntries,
-    WorkerLike,
+    SocketEntries,
     close_quietly,
+    entry_id,
 )
 from maasd.llama.format import (
     DEFAULT_CHUNK,
+    MAGIC,
     HeaderError,
     as_tokens,
     chunk_keys,
@@ -54,14 +61,18 @@ Tokens = Sequence[int] | npt.NDArray[Any]
 
 
 class KVStore:
-    """Save and restore llama.cpp sequence states in maasd buffers.
+    """Save and restore llama.cpp sequence states in maasd entries.
 
-    ``model`` is a ``llama_cpp.Llama``; ``client`` a ``maasd.client.Client`` and
-    ``worker`` an open ``maasd.client.Worker`` of the same tenant. ``chunk`` is the
-    key granularity in tokens (all workers sharing entries must use the same);
-    ``ttl_s`` the lease of saved entries, renewed on a hit when ``renew_on_hit``;
-    ``fingerprint`` overrides :func:`model_fingerprint` (tests).
-    Not thread-safe (neither is a llama.cpp context).
+    ``model`` is a ``llama_cpp.Llama``; ``worker`` an open ``maasd.client.Worker``;
+    ``client`` a ``maasd.client.Client`` of the same tenant (the default transport,
+    the worker socket's entry fast path, makes no REST call: ``None`` will do).
+    ``pool`` (id or name) sends saved entries to that pool — a persistent pool keeps
+    them across daemon restarts. ``chunk`` is the key granularity in tokens (all
+    workers sharing entries must use the same); ``ttl_s`` the lease of saved entries
+    (a hit extends it by as much; with ``renew_on_hit`` over REST, a renew does);
+    ``fingerprint`` overrides :func:`model_fingerprint` (tests); ``entries``
+    replaces the transport (:class:`~maasd.llama.entries.RestEntries` for a daemon
+    without the fast path). Not thread-safe (neither is a llama.cpp context).
 
     Example::
 
@@ -69,27 +80,30 @@ class KVStore:
             kv = KVStore(Client(url, api_key), w, llm)      # llm: llama_cpp.Llama
             n = kv.restore(0, prompt, max_tokens=len(prompt) - 1)  # 0 on a miss
             llm.eval(prompt[n:])                            # only the rest
-            kv.save(0, prompt)                              # share it (409 → existing)
+            kv.save(0, prompt)                              # share it (None: a duplicate)
     """
 
     def __init__(
         self,
-        client: ClientLike,
-        worker: WorkerLike,
+        client: Any,
+        worker: Any,
         model: Any,
         *,
+        pool: str | None = None,
         chunk: int = DEFAULT_CHUNK,
         ttl_s: int = 600,
         renew_on_hit: bool = True,
         fingerprint: str | None = None,
+        entries: Entries | None = None,
     ) -> None:
         if chunk <= 0:
             raise ValueError("chunk must be > 0")
         self.client = client
         self.worker = worker
         self.model = model
+        self.pool = pool
         self.seq = LlamaSeqAdapter(model)
-        self.entries: Entries = RestEntries(client, worker)
+        self.entries: Entries = entries or SocketEntries(worker, pool=pool)
         self.chunk = chunk
         self.ttl_s = ttl_s
         self.renew_on_hit = renew_on_hit
@@ -108,10 +122,12 @@ class KVStore:
     # -- save
 
     def save(self, seq_id: int, tokens: Tokens) -> Any:
-        """Save sequence ``seq_id`` (which must hold exactly ``tokens``) → the Buffer.
+        """Save sequence ``seq_id`` (which must hold exactly ``tokens``) → the entry
+        (``maasd.client.Entry``: ``.id``, ``.key``, ``.size_bytes``), or ``None`` when
+        another worker has (or is writing) that prefix already (a 409 duplicate key).
 
-        The buffer is keyed, evictable and leased for ``ttl_s``. If another worker
-        saved the same prefix first (409 duplicate key), its buffer is returned.
+        The entry is keyed, evictable and leased for ``ttl_s``; it is published (and
+        immutable) only once whole, so no reader ever sees a half-written one.
         """
         arr = as_tokens(tokens)
         n = len(arr)
@@ -129,26 +145,19 @@ class KVStore:
         hlen = header_len_for(n)
         key = self.key(arr)
 
-        for _ in range(3):
-            try:
-                buf, mapping = self.entries.create(key, hlen + state_len, self.ttl_s)
-                break
-            except DUPLICATE_KEY:
-                existing = self.entries.existing(key)
-                if existing is not None:
-                    return existing
-                # released between the 409 and the lookup: try again
-        else:
-            raise RuntimeError(f"could not reserve or find key {key}")
-
+        try:
+            buf, mapping = self.entries.create(key, hlen + state_len, self.ttl_s)
+        except DUPLICATE_KEY:
+            return None  # another worker has it, or is writing it: nothing to do
         try:
             self._write_entry(mapping, seq_id, arr, hlen, state_len)
         except BaseException:  # never leave a keyed entry that can't be used
-            close_quietly(mapping)
             self.entries.discard(buf)
+            close_quietly(mapping)
             raise
+        published = self.entries.publish(buf)
         close_quietly(mapping)
-        return self.entries.publish(buf)
+        return published
 
     def _write_entry(
         self, mapping: MappingLike, seq_id: int, arr: npt.NDArray[np.int32], hlen: int, size: int
@@ -190,14 +199,16 @@ class KVStore:
         if hit is None:
             return 0
         buf, mapping = hit
+        n, stale = 0, False
         try:
             matched = by_key.get(getattr(buf, "key", None) or "")
-            n = 0 if matched is None else self._restore_from(seq_id, arr, mapping, matched, cap)
+            if matched is not None:
+                n, stale = self._restore_from(seq_id, arr, mapping, matched, cap)
         except Exception:  # a restore is an optimisation: it must not take the worker down
-            logger.exception("kv restore from %s failed", buf.id)
+            logger.exception("kv restore from %s failed", entry_id(buf))
             n = 0
         finally:
-            close_quietly(mapping)
+            self.entries.done(buf, mapping, stale=stale)
         if n == 0:
             self.seq.clear(seq_id)
             return 0
@@ -208,39 +219,42 @@ class KVStore:
 
     def _restore_from(
         self, seq_id: int, arr: npt.NDArray[np.int32], mapping: MappingLike, matched: int, cap: int
-    ) -> int:
+    ) -> tuple[int, bool]:
+        """Restore from a mapped entry → (tokens restored, whether it read as released)."""
         view = mapping.array
         try:
             hdr = parse_header(view, mapping.size)
         except HeaderError as exc:
             logger.warning("kv entry refused: %s", exc)
-            return 0
+            return 0, not view[: len(MAGIC)].any()  # all zeros: scrubbed by the daemon
         if hdr.fingerprint != self.fingerprint:
             logger.warning("kv entry refused: saved by another model (%s)", hdr.fingerprint)
-            return 0
+            return 0, False
         if hdr.n_tokens < matched or not np.array_equal(hdr.tokens[:matched], arr[:matched]):
             logger.warning("kv entry refused: its tokens do not match its key")
-            return 0
-        if state_crc(view, hdr) != hdr.state_crc:
+            return 0, False
+        # An immutable entry was whole when it was committed and no one can change it
+        # since: only an entry others may still write needs its state hashed.
+        if not self.entries.immutable and state_crc(view, hdr) != hdr.state_crc:
             logger.warning("kv entry refused: state checksum mismatch")
-            return 0
+            return 0, False
         common = int(np.argmin(np.append(hdr.tokens[: len(arr)] == arr[: hdr.n_tokens], False)))
         n = min(common, cap)
         if self.seq.state_set(seq_id, view, hdr.header_len, hdr.state_len) == 0:
             logger.warning("kv entry refused by llama.cpp (llama_state_seq_set_data returned 0)")
-            return 0
-        # The daemon may have evicted (scrubbed) the buffer while llama.cpp read it. A
+            return 0, False
+        # The daemon may have evicted (scrubbed) the entry while llama.cpp read it. A
         # scrub runs from the first page to the last (memset, or a hole punched in page
         # order), so if any byte read had been scrubbed, the header — first — no longer
-        # parses. Re-checking it costs microseconds; a second state checksum cost 2 ms.
+        # parses. Re-checking it costs microseconds.
         try:
             again = parse_header(view, mapping.size)
         except HeaderError:
             again = None
         if again is None or again.state_crc != hdr.state_crc:
             logger.warning("kv entry changed while it was read (evicted?)")
-            return 0
-        return n if self._usable(seq_id, hdr.n_tokens, n) else 0
+            return 0, True
+        return (n if self._usable(seq_id, hdr.n_tokens, n) else 0), False
 
     def _usable(self, seq_id: int, n_saved: int, n: int) -> bool:
         """Whether the restored ``seq_id`` (``n_saved`` positions) can continue at ``n``;

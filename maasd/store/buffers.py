@@ -3,7 +3,11 @@
 A buffer's life in the ledger::
 
     begin_reserve ─> reserving ─ set_state ─> live ─ mark_releasing/mark_expired ─> releasing
-                                                                   finish_release ─> (deleted)
+                └ (an entry) ─> staged ─ commit ──┘                     finish_release ─> (deleted)
+
+An entry (``kind = 'entry'``, a socket ``put``) is ``staged`` while its writer fills
+it: it counts like any buffer but no lookup sees it, until :meth:`BufferRepo.commit`
+makes it ``live`` with its ``committed_at``.
 
 Eviction marks its victims ``releasing`` inside the reserve transaction that
 needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
@@ -114,6 +118,7 @@ _mark_releasing = (
 _mark_own_releasing = _mark_releasing.where(_B.c.tenant_id == bindparam("p_tenant"))
 _mark_live_releasing = _mark_releasing.where(_B.c.state == "live")
 _mark_own_live_releasing = _mark_own_releasing.where(_B.c.state == "live")
+_mark_own_staged_releasing = _mark_own_releasing.where(_B.c.state == "staged")
 _mark_expired = _mark_releasing.where(_B.c.state == "live", _B.c.expires_at < bindparam("now"))
 _set_state = update(_B).where(_B.c.id == bindparam("p_id")).values(state=bindparam("p_state"))
 _advance = _set_state.where(_B.c.state == bindparam("p_from"))
@@ -125,6 +130,18 @@ _renew = (
 )
 _renew_own = _renew.where(_B.c.tenant_id == bindparam("p_tenant"))
 _touch = update(_B).where(_B.c.id == bindparam("p_id")).values(last_used_at=bindparam("now"))
+# A lease only ever grows here: a longer renew that landed meanwhile stays.
+_extend = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"), _B.c.expires_at < bindparam("p_expires"))
+    .values(expires_at=bindparam("p_expires"))
+)
+_commit = (
+    update(_B)
+    .where(_B.c.id == bindparam("p_id"), _B.c.state == "staged")
+    .values(state="live", committed_at=bindparam("now"))
+    .returning(*_B.c)
+)
 _set_numa = update(_B).where(_B.c.id == bindparam("p_id")).values(numa_node=bindparam("node"))
 _set_checkpoint = (
     update(_B)
@@ -159,6 +176,16 @@ def _check_state(state: str) -> None:
         raise InvalidRequest(f"unknown buffer state {state!r}")
 
 
+def _record_uses(
+    conn: Connection, touches: list[dict[str, Any]], extends: list[dict[str, Any]]
+) -> None:
+    """Uses (the LRU order) and lease extensions, batched: one executemany each."""
+    if touches:
+        conn.execute(_touch, touches)
+    if extends:
+        conn.execute(_extend, extends)
+
+
 class ReserveRepo(Connections):
     """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
 
@@ -172,15 +199,20 @@ class ReserveRepo(Connections):
         *,
         quota_check: bool = True,
         uses: Mapping[str, float] | None = None,
+        leases: Mapping[str, float] | None = None,
     ) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
 
-        First ``uses`` (``buffer_id → when``) are recorded, as
-        :meth:`BufferRepo.touch_many` does, since eviction orders by them: on
-        SQLite inside the transaction below, which saves them a commit of their
-        own; on PostgreSQL in a transaction of their own just before, because
-        row locks on those buffers held through the admission could deadlock
-        with a concurrent reserve marking them as victims.
+        First ``uses`` (``buffer_id → when``) and ``leases`` (``buffer_id →
+        expires_at``) are recorded, as :meth:`BufferRepo.touch_many` does, since
+        eviction orders by uses: on SQLite inside the transaction below, which saves
+        them a commit of their own; on PostgreSQL in a transaction of their own just
+        before, because row locks on those buffers held through the admission could
+        deadlock with a concurrent reserve marking them as victims.
+
+        An entry's put (``row.kind == "entry"``) is admitted ``staged`` straight away:
+        a crash leaves a staged row as it would a reserving one (recovery releases
+        both), and no lookup or eviction sees either — one ledger write less per save.
 
         In one write transaction: lock the tenant and pool rows; refuse a
         tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
@@ -205,19 +237,20 @@ class ReserveRepo(Connections):
         written here). The caller checks that ``row`` is smaller than the pool
         (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
         """
-        if row.state != "reserving":
-            row = msgspec.structs.replace(row, state="reserving")
+        state = "staged" if row.kind == "entry" else "reserving"
+        if row.state != state:
+            row = msgspec.structs.replace(row, state=state)
         if row.size_bytes <= 0:  # a size ≤ 0 would let the sums below undercount
             raise InvalidRequest(f"size_bytes must be > 0, got {row.size_bytes}")
         try:
             touches = [{"p_id": b, "now": t} for b, t in (uses or {}).items()]
-            if touches and self.is_postgres:
+            extends = [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()]
+            if (touches or extends) and self.is_postgres:
                 with self._writing() as conn:
-                    conn.execute(_touch, touches)
-                touches = []
+                    _record_uses(conn, touches, extends)
+                touches, extends = [], []
             with self._writing() as conn:
-                if touches:
-                    conn.execute(_touch, touches)
+                _record_uses(conn, touches, extends)
                 victims = self._admit(conn, row, quota_check)
                 conn.execute(_ins_buffer, msgspec.structs.asdict(row))
                 events = [
@@ -407,6 +440,14 @@ class BufferRepo(Connections):
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
 
+    def mark_staged_releasing(self, buffer_id: str, tenant_id: str) -> BufferRow | None:
+        """Mark a ``staged`` entry of ``tenant_id`` ``releasing`` (an abort); ``None`` if it
+        is not staged any more (committed, or released by someone else)."""
+        row = self._single_first(
+            _mark_own_staged_releasing, {"p_id": buffer_id, "p_tenant": tenant_id}
+        )
+        return None if row is None else BufferRow(*row)
+
     def mark_expired(self, buffer_id: str, now: float) -> BufferRow | None:
         """Mark a buffer ``releasing`` only if it is live and its lease ended before ``now``.
 
@@ -466,14 +507,28 @@ class BufferRepo(Connections):
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
 
-    def touch_many(self, uses: dict[str, float]) -> None:
-        """Record uses (attach, lookup hit; ``buffer_id → when``) in one transaction.
+    def touch_many(self, uses: dict[str, float], leases: dict[str, float] | None = None) -> None:
+        """Record uses (attach, lookup hit; ``buffer_id → when``) and lease extensions (a
+        lookup hit; ``buffer_id → expires_at``, never shortening one) in one transaction.
 
         A use moves the buffer to the back of the LRU order that eviction follows.
         """
-        if uses:
-            with self._writing() as conn:
-                conn.execute(_touch, [{"p_id": b, "now": t} for b, t in uses.items()])
+        if not uses and not leases:
+            return
+        with self._writing() as conn:
+            _record_uses(
+                conn,
+                [{"p_id": b, "now": t} for b, t in uses.items()],
+                [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()],
+            )
+
+    def commit(self, buffer_id: str, now: float) -> BufferRow | None:
+        """Make a ``staged`` entry ``live``, committed at ``now``, in one statement.
+
+        ``None`` when it is not staged (released meanwhile): nothing changes then.
+        """
+        row = self._single_first(_commit, {"p_id": buffer_id, "now": now})
+        return None if row is None else BufferRow(*row)
 
     def set_numa_node(self, buffer_id: str, node: int) -> None:
         """Record the node a buffer's pages were pinned to. :class:`NotFound` if unknown."""

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from maasd.broker import Broker, Limits
-from maasd.broker.dispatch import Dispatcher, Outcome
+from maasd.broker.dispatch import Dispatcher, Outcome, Session
 from maasd.broker.pacing import LogLimiter
+from maasd.errors import InvalidRequest
 from maasd.models import Principal
 from maasd.protocol import (
     Attach,
@@ -52,10 +53,14 @@ class _Handle:
     fd: int
     size_bytes: int
     numa_node: int
+    buffer_id: str = "b"
+    key: str = "k"
 
 
 class MemService:
-    """The four service methods the broker calls, answered from memory."""
+    """The service methods the broker calls, answered from memory (entries: lookup only)."""
+
+    auth_generation = 0
 
     def __init__(self) -> None:
         self.memfd = os.memfd_create("bench", os.MFD_CLOEXEC)
@@ -74,6 +79,21 @@ class MemService:
     def renew(self, _principal: Principal, _buffer_id: str, _ttl_s: int) -> None:
         return None
 
+    def lookup_entry(self, _principal: Principal, keys: list[str]) -> _Handle:
+        return _Handle(os.dup(self.memfd), MiB, 0, key=keys[-1])
+
+    def put_entry(self, *_args: object) -> _Handle:
+        raise InvalidRequest("the bench service serves no put")
+
+    def commit_entry(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
+        raise InvalidRequest("the bench service serves no commit")
+
+    def abort_entry(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
+        raise InvalidRequest("the bench service serves no abort")
+
+    def abandon_entry(self, _p: Principal, _b: str) -> None:
+        return None
+
 
 class ThreadedReference:
     """One blocking thread per connection over the same Dispatcher (the replaced design)."""
@@ -90,18 +110,21 @@ class ThreadedReference:
             threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
-        reader, held, key = FrameReader(), collections.Counter[str](), None
+        reader, held = FrameReader(), collections.Counter[str]()
+        session: Session | None = None
         while data := sock.recv(65536):
             for body in reader.feed(data):
-                if key is None:
-                    outcome, _principal, key = self.dispatcher.hello(body, 0, {})
+                if session is None:
+                    outcome, principal, key = self.dispatcher.hello(body, 0, {})
+                    if principal is not None and key is not None:
+                        session = Session(principal, key, outcome.authed or 0, held, frozenset())
                 else:
                     decoded = self.dispatcher.decode(body, {})
                     if isinstance(decoded, Outcome):
                         outcome = decoded
                     else:
                         req, op = decoded
-                        outcome = self.dispatcher.run(op, req, key, held, {})
+                        outcome = self.dispatcher.run(op, req, session, {})
                 send_message(sock, outcome.reply, outcome.fds)
                 for fd in outcome.fds:
                     os.close(fd)

@@ -29,13 +29,19 @@ from maasd.client import ConnectionFailed, NotFound, Unauthorized, Worker
 from maasd.protocol import (
     HEADER,
     MAX_FRAME,
+    Abort,
     Attach,
     Attached,
+    Commit,
     Detach,
     Error,
+    Found,
     Hello,
+    Lookup,
     Ok,
+    Put,
     Renew,
+    Reserved,
     decode_reply,
 )
 from sockpeer import SEALS, FakeEnv, FakeService, MiB, Raw
@@ -391,6 +397,67 @@ def test_unexpected_exception_is_500_and_the_connection_survives(fake):
         assert "simulated" not in reply.detail  # internals stay in the log
         reply, fds = r.call(Attach(buffer_id=bid))
         assert isinstance(reply, Attached)
+        os.close(fds[0])
+
+
+def test_the_key_is_checked_at_hello_and_again_only_after_a_revocation(fake):
+    tenant = fake.new_tenant()
+    bid = fake.reserve(tenant)
+    checks: list[str] = []
+    authenticate = fake.svc.authenticate
+
+    def counting(token: str):
+        checks.append(token)
+        return authenticate(token)
+
+    fake.svc.authenticate = counting
+    key, revoke = fake.revocable_key(tenant[0])
+    with contextlib.closing(Raw(fake.socket_path)) as r:
+        r.hello(key)
+        for _ in range(20):
+            reply, fds = r.call(Attach(buffer_id=bid))
+            assert isinstance(reply, Attached)
+            os.close(fds[0])
+            assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+        assert checks == [key]  # once, at hello: no ledger read per op
+        _other, revoke_other = fake.revocable_key(tenant[0])
+        revoke_other()  # any revocation moves the generation: the next op checks again
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached)
+        os.close(fds[0])
+        assert checks == [key, key]
+        reply, fds = r.call(Attach(buffer_id=bid))
+        os.close(fds[0])
+        assert checks == [key, key]
+        revoke()
+        reply, fds = r.call(Detach(buffer_id=bid))  # an inline op, refused at once
+        assert isinstance(reply, Error)
+        assert reply.status == 401
+        assert r.closed_by_peer()
+
+
+def test_a_connection_that_closes_abandons_the_entries_it_did_not_commit(fake):
+    tenant = fake.new_tenant()
+    r = Raw(fake.socket_path)
+    r.hello(tenant[1])
+    staged, fds = r.call(Put(key="a", size_bytes=4096))
+    assert isinstance(staged, Reserved)
+    os.close(fds[0])
+    kept, fds = r.call(Put(key="b", size_bytes=4096))
+    assert isinstance(kept, Reserved)
+    os.close(fds[0])
+    assert r.call(Commit(buffer_id=kept.buffer_id)) == (Ok(), [])
+    aborted, fds = r.call(Put(key="c", size_bytes=4096))
+    os.close(fds[0])
+    assert r.call(Abort(buffer_id=aborted.buffer_id)) == (Ok(), [])
+    r.close()
+    wait_until(lambda: staged.buffer_id in fake.svc.abandoned, message="abandoned on close")
+    assert fake.svc.abandoned == [aborted.buffer_id, staged.buffer_id]
+    with contextlib.closing(Raw(fake.socket_path)) as r2:
+        r2.hello(tenant[1])
+        found, fds = r2.call(Lookup(keys=["a", "b", "c"]))
+        assert isinstance(found, Found)
+        assert found.buffer_id == kept.buffer_id
         os.close(fds[0])
 
 

@@ -18,7 +18,7 @@ from maasd.broker.limits import ConnectionCounts
 from maasd.broker.pacing import Backoff, LogLimiter
 from maasd.broker.slowpool import SlowPool
 from maasd.problems import problem_of
-from maasd.protocol import Attach, Detach, Error, Renew
+from maasd.protocol import Abort, Attach, Commit, Detach, Error, Lookup, Put, Renew
 from maasd.settings import SOCKET_BOUNDS, load
 from waiting import wait_until
 
@@ -186,9 +186,16 @@ def test_a_failing_job_does_not_kill_its_thread() -> None:
 
 
 def test_the_op_table_serves_each_request_once() -> None:
-    assert set(OPS) == {Attach, Detach, Renew}
-    assert not OPS[Attach].slow  # the hot path: no thread hop
+    assert set(OPS) == {Attach, Detach, Renew, Lookup, Put, Commit, Abort}
+    # the hot path, answered from memory: no thread hop
+    assert not OPS[Attach].slow
+    assert not OPS[Detach].slow
+    assert not OPS[Lookup].slow
     assert OPS[Renew].slow  # writes the ledger
+    assert OPS[Put].slow  # a reserve: eviction, prefault
+    assert OPS[Commit].slow  # a copy
+    assert OPS[Abort].slow  # a scrub
+    assert {t for t, op in OPS.items() if op.settles_staged} == {Commit, Abort}
 
 
 @pytest.mark.parametrize(

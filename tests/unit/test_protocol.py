@@ -20,18 +20,24 @@ from hypothesis import strategies as st
 from maasd.protocol import (
     HEADER,
     MAX_FRAME,
+    Abort,
     Attach,
     Attached,
+    Commit,
     Detach,
     Error,
+    Found,
     FrameReader,
     FrameTooLarge,
     Hello,
+    Lookup,
     Ok,
     ProtocolError,
+    Put,
     Renew,
     Reply,
     Request,
+    Reserved,
     Welcome,
     decode_reply,
     decode_request,
@@ -48,6 +54,16 @@ requests = st.one_of(
     st.builds(Attach, buffer_id=ids),
     st.builds(Detach, buffer_id=ids),
     st.builds(Renew, buffer_id=ids, ttl_s=st.integers(-(2**63), 2**63 - 1)),
+    st.builds(Lookup, keys=st.lists(st.text(min_size=1, max_size=32), min_size=1, max_size=8)),
+    st.builds(
+        Put,
+        key=st.text(min_size=1, max_size=64),
+        size_bytes=st.integers(1, 2**63 - 1),
+        pool=st.none() | ids,
+        ttl_s=st.none() | st.integers(1, 2**31),
+    ),
+    st.builds(Commit, buffer_id=ids),
+    st.builds(Abort, buffer_id=ids),
 )
 replies = st.one_of(
     st.builds(Welcome, tenant_id=st.none() | ids, pid=st.none() | st.integers(0, 2**31)),
@@ -58,6 +74,19 @@ replies = st.one_of(
         numa_node=st.integers(0, 1024),
     ),
     st.just(Ok()),
+    st.builds(
+        Found,
+        key=ids,
+        buffer_id=ids,
+        size_bytes=st.integers(0, 2**63 - 1),
+        numa_node=st.integers(0, 1024),
+    ),
+    st.builds(
+        Reserved,
+        buffer_id=ids,
+        size_bytes=st.integers(0, 2**63 - 1),
+        numa_node=st.integers(0, 1024),
+    ),
     st.builds(
         Error,
         status=st.integers(100, 599),
@@ -93,6 +122,12 @@ class TestEncodeFrame:
             (Attach(buffer_id="b"), "attach"),
             (Detach(buffer_id="b"), "detach"),
             (Renew(buffer_id="b", ttl_s=5), "renew"),
+            (Lookup(keys=["a", "ab"]), "lookup"),
+            (Put(key="k", size_bytes=4096), "put"),
+            (Commit(buffer_id="b"), "commit"),
+            (Abort(buffer_id="b"), "abort"),
+            (Found(key="k", buffer_id="b", size_bytes=4096, numa_node=0), "found"),
+            (Reserved(buffer_id="b", size_bytes=4096, numa_node=0), "reserved"),
             (Welcome(tenant_id="t", pid=3), "welcome"),
             (Ok(), "ok"),
             (Attached(buffer_id="b", size_bytes=4096, numa_node=0), "attached"),
@@ -274,5 +309,34 @@ def test_client_and_protocol_import_nothing_from_the_server():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = set(ast.literal_eval(out.stdout))
-    allowed = {"maasd", "maasd.protocol", "maasd.client"}
+    # maasd.bounds: the request bounds both edges decode with (msgspec and stdlib only)
+    allowed = {"maasd", "maasd.protocol", "maasd.bounds", "maasd.client"}
     assert {m for m in loaded if not m.startswith("maasd.client.")} <= allowed, loaded
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"op": "put", "key": "k", "size_bytes": 0},
+        {"op": "put", "key": "k", "size_bytes": -1},
+        {"op": "put", "key": "k", "size_bytes": 2**64 - 1},
+        {"op": "put", "key": "", "size_bytes": 1},
+        {"op": "put", "key": "k", "size_bytes": 1, "ttl_s": 0},
+        {"op": "put", "key": "k", "size_bytes": 1, "x": 1},
+        {"op": "lookup", "keys": []},
+        {"op": "lookup", "keys": ["k"] * 1025},
+        {"op": "lookup", "keys": [""]},
+        {"op": "commit", "buffer_id": ""},
+        {"op": "abort", "buffer_id": 1},
+    ],
+)
+def test_entry_requests_are_decoded_with_the_shared_bounds(body):
+    with pytest.raises(msgspec.ValidationError):
+        decode_request(msgspec.msgpack.encode(body))
+
+
+def test_1024_lookup_keys_and_the_largest_size_are_accepted():
+    keys = [f"k{i}" for i in range(1024)]
+    assert decode_request(encode_frame(Lookup(keys=keys))[4:]) == Lookup(keys=keys)
+    big = Put(key="k", size_bytes=2**63 - 1)
+    assert decode_request(encode_frame(big)[4:]) == big

@@ -927,3 +927,24 @@ def test_an_unusable_admin_key_file_stops_the_start(
     finally:
         s.reclaimer.stop()
         s.store.dispose()
+
+
+def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Service) -> None:
+    who = tenant(svc)
+    svc.update_tenant(who.tenant_id or "", max_buffers=2)
+    a = svc.put_entry(who, "k1", 4096, pool="fast")
+    os.close(a.fd)
+    svc.reserve(who, req(4096, pool="fast"))
+    with pytest.raises(errors.BufferCountExceeded):  # staged entries count too
+        svc.put_entry(who, "k2", 4096, pool="fast")
+    svc.commit_entry(who, a.buffer_id, owned=True)
+    b = svc.put_entry(who, "k3", 4096, pool="fast")  # the committed entry k1 is evicted
+    os.close(b.fd)
+    assert {r.key for r in svc.store.buffers(tenant_id=who.tenant_id, states=None)} == {
+        None,
+        "k3",
+    }
+    svc.update_tenant(who.tenant_id or "", max_buffers=10)
+    svc.budget.budget = svc.budget.held()  # the daemon's own budget is full
+    with pytest.raises(errors.ResourceLimit):
+        svc.put_entry(who, "k4", 4096, pool="fast")

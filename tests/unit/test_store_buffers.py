@@ -3,6 +3,7 @@ states, visibility, leases, uses, lookups, a host's buffers."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from ledger import (
@@ -232,3 +233,44 @@ def test_staged_buffers_are_accounted_but_never_found(store: Store) -> None:
     assert store.buffers() == []  # default: live only
     assert [b.id for b in store.buffers(states=("staged",))] == [row.id]
     assert [b.id for b in store.buffers_on_host(HOST)] == [row.id]
+
+
+def _staged_entry(store: Store, tenant: object, pool: object, key: str) -> str:
+    row = msgspec.structs.replace(buf(tenant, pool, 10, key=key), kind="entry")  # type: ignore[arg-type]
+    store.begin_reserve(row)
+    store.set_state(row.id, "staged")
+    return row.id
+
+
+def test_an_entry_is_staged_until_its_commit(store: Store) -> None:
+    pool, t, other = make_pool(store), make_tenant(store), make_tenant(store, "other")
+    entry = _staged_entry(store, t, pool, "k")
+    assert store.lookup(t.id, ["k"]) is None  # staged: no lookup sees it
+    assert store.tenant(t.id).used_bytes == 10  # type: ignore[union-attr]  # but it counts
+    assert store.mark_staged_releasing(entry, other.id) is None  # foreign
+    committed = store.commit(entry, NOW + 1)
+    assert committed is not None
+    assert (committed.state, committed.kind, committed.committed_at) == ("live", "entry", NOW + 1)
+    assert store.commit(entry, NOW + 2) is None  # once only
+    assert store.mark_staged_releasing(entry, t.id) is None  # committed: no abort
+    hit = store.lookup(t.id, ["k"])
+    assert hit is not None
+    assert hit[1].id == entry
+    aborted = _staged_entry(store, t, pool, "k2")
+    row = store.mark_staged_releasing(aborted, t.id)
+    assert row is not None
+    assert (row.state, row.key) == ("releasing", None)
+    assert store.commit(aborted, NOW) is None  # released meanwhile: the commit refuses
+
+
+def test_uses_and_lease_extensions_are_written_together_and_never_shorten(store: Store) -> None:
+    pool, t = make_pool(store), make_tenant(store)
+    a = reserve_live(store, buf(t, pool, 10, expires=NOW + 100))
+    b = reserve_live(store, buf(t, pool, 10, expires=NOW + 100))
+    store.touch_many({a.id: NOW + 5}, {a.id: NOW + 200, b.id: NOW + 50})
+    got_a, got_b = store.buffer(a.id), store.buffer(b.id)
+    assert got_a is not None
+    assert got_b is not None
+    assert (got_a.last_used_at, got_a.expires_at) == (NOW + 5, NOW + 200)
+    assert got_b.expires_at == NOW + 100  # a shorter lease than it has changes nothing
+    store.touch_many({}, {})  # nothing to write: no transaction

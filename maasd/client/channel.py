@@ -1,0 +1,184 @@
+"""The worker socket as a request/response channel: one frame out, one frame (and its
+fds) back, under a lock, with the daemon's error frames raised as typed exceptions.
+
+A ``Worker`` (:mod:`maasd.client.worker`) sends every request through one
+:class:`Channel`. When the stream can no longer be trusted (a timeout, a bad frame,
+the daemon gone, a 401 after which the daemon closes) the channel is *broken*:
+later requests raise :class:`~maasd.client.errors.ConnectionFailed` at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from typing import Any, TypeVar
+
+import msgspec
+
+from maasd import protocol
+from maasd.client.errors import (
+    ConnectionFailed,
+    MaasdClientError,
+    ProtocolError,
+    Unauthorized,
+    error_from_problem,
+)
+
+__all__ = ["PENDING_ERROR_S", "Channel", "close_fds"]
+
+#: A reply that carries one fd.
+R = TypeVar("R", protocol.Attached, protocol.Found, protocol.Reserved)
+
+#: How long a request whose send failed waits for the error frame the daemon sent first.
+PENDING_ERROR_S = 1.0
+
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def error_of(reply: protocol.Error) -> MaasdClientError:
+    """The typed exception of an error frame."""
+    problem: dict[str, Any] = {
+        "type": reply.type or "about:blank",
+        "title": reply.title,
+        "status": reply.status,
+        "detail": reply.detail,
+    }
+    return error_from_problem(reply.status, problem)
+
+
+class Channel:
+    """A connected Unix stream socket to the daemon; thread-safe (one request at a time)."""
+
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        self.socket_path = socket_path
+        self._lock = threading.Lock()
+        self._reader = protocol.FrameReader()
+        #: why the stream is unusable, once it is
+        self.broken: str | None = None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(socket_path)
+        except OSError as exc:
+            sock.close()
+            raise ConnectionFailed(f"cannot connect to {socket_path}: {exc}") from exc
+        self._sock = sock
+
+    def request(self, msg: protocol.Request) -> tuple[protocol.Reply, list[int]]:
+        """Send ``msg``; its reply and the fds that came with it (the caller owns them).
+
+        An error frame is raised as its typed exception (its fds closed). A send that
+        fails because the daemon refused the connection (429 at a cap) and closed it
+        raises that refusal, read from the frame it sent before closing.
+        """
+        with self._lock:
+            if self.broken is not None:
+                raise ConnectionFailed(f"connection unusable: {self.broken}")
+            try:
+                protocol.send_message(self._sock, msg)
+            except OSError as exc:
+                pending = self._pending_error()
+                if pending is not None:
+                    raise pending from exc
+                raise self._fail(f"socket error: {exc}") from exc
+            return self._receive()
+
+    def hello(self, api_key: str) -> protocol.Welcome:
+        """Say ``hello``: the daemon's welcome. On any failure the socket is shut down."""
+        try:
+            reply, _ = self.request(protocol.Hello(api_key=api_key))
+        except BaseException:
+            self.shutdown()
+            raise
+        if not isinstance(reply, protocol.Welcome):
+            self.shutdown()
+            raise ProtocolError(f"expected welcome, got {type(reply).__name__.lower()}")
+        return reply
+
+    def request_fd(self, msg: protocol.Request, kind: type[R]) -> tuple[R, int]:
+        """Send ``msg``; the reply of type ``kind`` and the one fd that came with it.
+
+        Anything else is a :class:`ProtocolError`; what the daemon handed out with it
+        is given back (detach, abort) and its fds are closed.
+        """
+        reply, fds = self.request(msg)
+        if isinstance(reply, kind) and len(fds) == 1:
+            return reply, fds[0]
+        close_fds(fds)
+        undo: protocol.Request | None = None
+        if isinstance(reply, protocol.Attached | protocol.Found):
+            undo = protocol.Detach(buffer_id=reply.buffer_id)
+        elif isinstance(reply, protocol.Reserved):
+            undo = protocol.Abort(buffer_id=reply.buffer_id)
+        if undo is not None:
+            with contextlib.suppress(MaasdClientError):
+                self.request(undo)
+        raise ProtocolError(
+            f"expected {kind.__name__.lower()} with one fd, got "
+            f"{type(reply).__name__.lower()} with {len(fds)} fds"
+        )
+
+    def shutdown(self) -> None:
+        """Wake a request blocked in recv (from any thread); the channel stays open."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        """Close the socket, after any request in progress."""
+        self.shutdown()
+        with self._lock:
+            self._sock.close()
+
+    def _fail(self, why: str) -> ConnectionFailed:
+        """Mark the stream unusable (it may be out of sync) and build the error."""
+        self.broken = why
+        self.shutdown()
+        return ConnectionFailed(why)
+
+    def _receive(self) -> tuple[protocol.Reply, list[int]]:
+        """One reply (the lock held): the reply, or its error raised; fds closed on error."""
+        try:
+            body, fds = protocol.recv_message(self._sock, self._reader)
+        except TimeoutError as exc:
+            raise self._fail(f"no answer from {self.socket_path} in time") from exc
+        except protocol.ProtocolError as exc:
+            raise self._fail(f"bad frame from daemon: {exc}") from exc
+        except OSError as exc:
+            raise self._fail(f"socket error: {exc}") from exc
+        if body is None:
+            close_fds(fds)
+            raise self._fail("the daemon closed the connection")
+        try:
+            reply = protocol.decode_reply(body)
+        except msgspec.DecodeError as exc:
+            close_fds(fds)
+            raise self._fail(f"undecodable frame from daemon: {exc}") from exc
+        if isinstance(reply, protocol.Error):
+            close_fds(fds)
+            err = error_of(reply)
+            if isinstance(err, Unauthorized):
+                # The daemon closes the connection after a 401.
+                self.broken = f"{reply.status} {reply.title}: {reply.detail}"
+                self.shutdown()
+            raise err
+        return reply, fds
+
+    def _pending_error(self) -> MaasdClientError | None:
+        """After a failed send: the error frame the daemon sent before closing, if any."""
+        with contextlib.suppress(OSError):
+            self._sock.settimeout(PENDING_ERROR_S)
+        try:
+            self._receive()
+        except MaasdClientError as exc:
+            if not isinstance(exc, ConnectionFailed):
+                self.broken = self.broken or f"{exc.status} {exc.title}: {exc.detail}"
+                return exc
+        except OSError:
+            pass
+        return None

@@ -1,0 +1,218 @@
+"""Committed entries as a worker maps them: :class:`EntryMapping` and the mapping cache.
+
+A ``Worker.lookup`` is one socket round trip that answers with a read-only fd of the
+committed entry; mapping that fd and faulting its pages in is what a second lookup
+of the same entry should not pay again. :class:`MappingCache` keeps one read-only
+mapping per entry, shared by every :class:`EntryMapping` handed out for it, bounded
+in bytes and in idle time. The daemon counts one attachment per connection and
+entry however often it is looked up, so the cache detaches an entry once, when it
+unmaps it.
+
+An entry the daemon released (evicted, expired) reads zeros through a mapping kept
+here. Every lookup still asks the daemon, so a released entry is not found again:
+a miss drops the cached mappings of the keys asked for, and a hit drops one cached
+under the same key with another id (the key was published again). An entry released
+between a lookup and its read fails the reader's header check, and
+``Worker.forget(buffer_id)`` drops it.
+
+Only ``mmap``, ``numpy`` and the standard library are used here.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from maasd.client.worker import Mapping
+
+__all__ = ["DEFAULT_CACHE_AGE_S", "DEFAULT_CACHE_BYTES", "Entry", "EntryMapping", "MappingCache"]
+
+#: Bytes of idle entry mappings a worker keeps (``Worker(cache_bytes=…)``).
+DEFAULT_CACHE_BYTES = 256 << 20
+#: Seconds an entry mapping may stay idle in the cache (``Worker(cache_age_s=…)``).
+DEFAULT_CACHE_AGE_S = 30.0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed entry, as its writer knows it after ``Worker.commit``."""
+
+    id: str
+    key: str
+    size_bytes: int
+    numa_node: int
+
+
+@dataclass(eq=False)
+class Slot:
+    """One cached mapping: the read-only :class:`Mapping` and who uses it now."""
+
+    mapping: Mapping
+    key: str
+    users: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    forgotten: bool = False
+
+    @property
+    def buffer_id(self) -> str:
+        return self.mapping.buffer_id
+
+
+#: gives a slot back to the worker that handed it out
+_Release = Callable[[Slot], None]
+
+
+class EntryMapping:
+    """A committed entry mapped read-only (``Worker.lookup``'s answer).
+
+    ``array`` is a read-only ``numpy.uint8`` view of the whole entry (zero-copy;
+    writing raises, and so does every attempt to make it writable — the kernel
+    refuses); ``key`` is the key that matched, ``size`` the entry's size in bytes.
+    :meth:`close` (or leaving a ``with`` block) gives it back: the worker's mapping
+    cache keeps the mapping for the next lookup, or unmaps it.
+    """
+
+    def __init__(self, slot: Slot, release: _Release) -> None:
+        self._slot: Slot | None = slot
+        self._release = release
+        self.buffer_id = slot.buffer_id
+        self.key = slot.key
+        self.size = slot.mapping.size
+        self.numa_node = slot.mapping.numa_node
+
+    @property
+    def closed(self) -> bool:
+        return self._slot is None
+
+    @property
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The entry as a read-only numpy ``uint8`` array (zero-copy)."""
+        if self._slot is None:
+            raise ValueError(f"entry mapping {self.buffer_id} is closed")
+        return self._slot.mapping.array
+
+    def close(self) -> None:
+        """Give the mapping back (idempotent); do not use ``array`` afterwards."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self._release(slot)
+
+    def __enter__(self) -> EntryMapping:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"EntryMapping(buffer_id={self.buffer_id!r}, key={self.key!r}, size={self.size}, {state})"
+
+
+class MappingCache:
+    """Entry mappings by buffer id, least recently used first; thread-safe.
+
+    Slots in use are never evicted. Idle slots are evicted beyond ``max_bytes`` (0:
+    none is kept idle) and after ``max_age_s`` seconds idle. Every method returns
+    the slots it evicted: the caller unmaps them and tells the daemon (detach).
+    """
+
+    def __init__(
+        self, max_bytes: int = DEFAULT_CACHE_BYTES, max_age_s: float = DEFAULT_CACHE_AGE_S
+    ):
+        if max_bytes < 0 or max_age_s < 0:
+            raise ValueError("cache_bytes and cache_age_s must be >= 0")
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._slots: collections.OrderedDict[str, Slot] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._slots)
+
+    def __contains__(self, buffer_id: object) -> bool:
+        with self._lock:
+            return buffer_id in self._slots
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every mapping the cache holds (in use or idle)."""
+        with self._lock:
+            return sum(s.mapping.size for s in self._slots.values())
+
+    def checkout(self, buffer_id: str) -> Slot | None:
+        """The slot of ``buffer_id``, one more user counted; ``None`` if not cached."""
+        with self._lock:
+            slot = self._slots.get(buffer_id)
+            if slot is None or slot.forgotten:
+                return None
+            slot.users += 1
+            slot.last_used = time.monotonic()
+            self._slots.move_to_end(buffer_id)
+            return slot
+
+    def add(self, slot: Slot) -> list[Slot]:
+        """Cache a new slot (with its first user); returns the slots evicted for room."""
+        with self._lock:
+            slot.users += 1
+            slot.last_used = time.monotonic()
+            self._slots[slot.buffer_id] = slot
+            return self._trim()
+
+    def checkin(self, slot: Slot) -> list[Slot]:
+        """One user less; returns the slots to drop now (over budget, forgotten)."""
+        with self._lock:
+            slot.users = max(0, slot.users - 1)
+            slot.last_used = time.monotonic()
+            return self._trim()
+
+    def forget(self, buffer_id: str) -> list[Slot]:
+        """Drop ``buffer_id`` (now if idle, else when its last user gives it back)."""
+        with self._lock:
+            slot = self._slots.get(buffer_id)
+            if slot is not None:
+                slot.forgotten = True
+            return self._trim()
+
+    def forget_keys(self, keys: list[str], keep: str | None = None) -> list[Slot]:
+        """Drop the slots cached under any of ``keys`` (but ``keep``, a buffer id): the
+        daemon found none of them, or another entry under that key."""
+        wanted = set(keys)
+        with self._lock:
+            for slot in self._slots.values():
+                if slot.key in wanted and slot.buffer_id != keep:
+                    slot.forgotten = True
+            return self._trim()
+
+    def expire(self, now: float | None = None) -> list[Slot]:
+        """The idle slots older than ``max_age_s`` (and any beyond the budget), removed."""
+        with self._lock:
+            return self._trim(time.monotonic() if now is None else now)
+
+    def clear(self) -> list[Slot]:
+        """Every slot, removed (the worker is closing)."""
+        with self._lock:
+            slots = list(self._slots.values())
+            self._slots.clear()
+            return slots
+
+    def _trim(self, now: float | None = None) -> list[Slot]:
+        gone: list[Slot] = []
+        idle_bytes = sum(s.mapping.size for s in self._slots.values() if s.users == 0)
+        for buffer_id, slot in list(self._slots.items()):  # least recently used first
+            if slot.users:
+                continue
+            aged = now is not None and now - slot.last_used > self.max_age_s
+            if slot.forgotten or aged or idle_bytes > self.max_bytes:
+                del self._slots[buffer_id]
+                idle_bytes -= slot.mapping.size
+                gone.append(slot)
+        return gone

@@ -1,0 +1,300 @@
+"""Entries: the worker socket's ``put``, ``commit``, ``abort`` and ``lookup`` (SPEC §5, §2.8).
+
+An entry is a keyed, evictable buffer that its writer fills once; from its commit on
+its bytes are immutable, enforced by the kernel, and every handle to it is read-only::
+
+    put     the reserve of an evictable keyed buffer (Buffers.reserve, kind "entry"):
+            quota, capacity, eviction and pool choice as for REST; the row ends
+            ``staged``, the writer gets a writable dup of the staging region
+    commit  under the buffer's lock —
+              a fresh region of the pool, mapped by the daemon, sealed
+              F_SEAL_FUTURE_WRITE|SHRINK|GROW|SEAL, fully populated (it takes over
+              the staging region's accounting: the pool counts the entry once)
+              the staged bytes pread into it (a hole reads as zeros, nothing faults)
+              an O_RDONLY fd of it, opened once (every later handle is a dup of it)
+              ledger: staged → live + committed_at (compare-and-set, one statement)
+              the regions swapped, the key published; the staging region scrubbed
+    abort   a staged entry released (scrubbed); also when its writer's connection
+            closes before the commit
+    lookup  from memory: the runtime's index of this host's committed entries; a hit
+            is a use (LRU) and extends the lease, batched like attach times
+
+No worker ever held the fresh region writable, and after the seal no one can get a
+writable mapping of it or ``write`` it, through any fd (a re-open of
+``/proc/self/fd`` included): a writer that kept its staging mapping, forked, passed
+its fd on or ``mprotect``\\ s a mapping changes only the staging region, which is
+scrubbed and never read again. Only the daemon's own mapping, made before the seal,
+still writes the entry: to scrub it.
+
+A commit that cannot be honoured leaves nothing behind: the entry is released.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from dataclasses import dataclass
+
+from maasd.allocator import Region
+from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
+from maasd.core.auth import require_tenant
+from maasd.core.buffers import Buffers
+from maasd.core.handles import Handle
+from maasd.core.release import Releaser
+from maasd.core.runtime import Held, LivePool, Runtime
+from maasd.errors import (
+    BackingError,
+    MaasdError,
+    NotFound,
+    PoolExhausted,
+    ResourceLimit,
+    StateConflict,
+)
+from maasd.metrics import Metrics
+from maasd.models import Principal, ReserveSpec
+from maasd.store import BufferRow, Store
+
+__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
+
+#: An entry's lease when its put names none (the REST reserve's default too).
+DEFAULT_ENTRY_TTL_S = 600
+#: errnos of a copy that found no memory for the fresh region (answered 507).
+_NO_MEMORY = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EFAULT, errno.EAGAIN})
+#: errnos of the daemon at a limit of its own (open files).
+_AT_LIMIT = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+@dataclass(frozen=True)
+class Found:
+    """A lookup hit: ``fd`` is a new read-only descriptor the receiver closes."""
+
+    fd: int
+    buffer_id: str
+    key: str
+    size_bytes: int
+    numa_node: int
+
+
+def open_read_only(region: Region) -> int:
+    """An ``O_RDONLY`` fd of the region's memfd (a re-open through ``/proc/self/fd``)."""
+    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+class Entries:
+    """The entry use-cases of one daemon."""
+
+    def __init__(
+        self,
+        store: Store,
+        runtime: Runtime,
+        buffers: Buffers,
+        releaser: Releaser,
+        metrics: Metrics,
+    ) -> None:
+        self._store = store
+        self._runtime = runtime
+        self._buffers = buffers
+        self._releaser = releaser
+        self._metrics = metrics
+
+    # -- put --------------------------------------------------------------------------------
+
+    def put(
+        self,
+        who: Principal,
+        key: str,
+        size_bytes: int,
+        pool: str | None = None,
+        ttl_s: int | None = None,
+    ) -> Handle:
+        """Reserve a staged entry under ``key``; a writable handle of it for its writer.
+
+        Raises what a REST reserve of an evictable keyed buffer raises (QuotaExceeded,
+        DuplicateKey — also for a key another writer is filling —, PoolExhausted …).
+        """
+        tenant_id = require_tenant(who)
+        spec = ReserveSpec(
+            size_bytes=size_bytes,
+            pool=pool,
+            ttl_s=DEFAULT_ENTRY_TTL_S if ttl_s is None else ttl_s,
+            key=key,
+            evictable=True,
+        )
+        try:
+            info = self._buffers.reserve(who, spec, kind="entry")
+            fd = self._writable_fd(info.id)
+        except Exception as e:
+            self._count(self._metrics.entry_puts, tenant_id, e)
+            raise
+        self._metrics.entry_puts.labels(tenant=tenant_id, outcome="ok").inc()
+        return Handle(
+            fd=fd, buffer_id=info.id, size_bytes=info.size_bytes, numa_node=info.numa_node
+        )
+
+    def _writable_fd(self, buffer_id: str) -> int:
+        fd = self._runtime.dup_fd(buffer_id)
+        if fd is None:  # its tenant or pool was deleted meanwhile
+            raise StateConflict(f"entry {buffer_id} was released before it was handed out")
+        return fd
+
+    # -- commit -----------------------------------------------------------------------------
+
+    def commit(self, who: Principal, buffer_id: str, *, owned: bool) -> None:
+        """Make a staged entry immutable and publish its key (see the module docstring).
+
+        ``owned``: the caller's connection put this entry (the broker knows). Raises
+        NotFound (unknown or foreign), StateConflict (released meanwhile, committed
+        already, put by another connection), PoolExhausted / ResourceLimit (no memory
+        or fds for the copy: the entry is released).
+        """
+        tenant_id = require_tenant(who)
+        try:
+            self._commit(tenant_id, buffer_id, owned)
+        except Exception as e:
+            self._count(self._metrics.entry_commits, tenant_id, e)
+            raise
+        self._metrics.entry_commits.labels(tenant=tenant_id, outcome="ok").inc()
+
+    def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> None:
+        self._check_own_staged(tenant_id, buffer_id, owned, "committed")
+        failure: Exception
+        with self._runtime.buffer_lock(buffer_id):
+            held = self._runtime.held(buffer_id)
+            live = None if held is None else self._runtime.pool(held.pool_id)
+            if held is None or held.live or live is None:
+                raise StateConflict(f"entry {buffer_id} was released before its commit")
+            try:
+                fresh, ro_fd = _copy(held, live, buffer_id)
+            except (OSError, MaasdError) as e:
+                failure = e
+            else:
+                if self._store.commit(buffer_id, time.time()) is None:
+                    _dispose(live, fresh, ro_fd)
+                    raise StateConflict(f"entry {buffer_id} was released before its commit")
+                staging = self._runtime.commit(buffer_id, fresh, ro_fd)
+                assert staging is not None  # held under its lock: a release waits for it
+                live.pool.release(staging, give_back=False)  # the copy took over its bytes
+                return
+        # The copy failed: nothing may stay behind (the row is still staged).
+        self._release_staged(tenant_id, buffer_id, "commit_failed")
+        answer = _storage_error(buffer_id, failure)
+        if answer is failure:
+            raise failure
+        raise answer from failure
+
+    # -- abort ------------------------------------------------------------------------------
+
+    def abort(self, who: Principal, buffer_id: str, *, owned: bool) -> None:
+        """Release a staged entry (scrubbed). One released meanwhile is fine: it is gone."""
+        tenant_id = require_tenant(who)
+        if self._check_own_staged(tenant_id, buffer_id, owned, "aborted") is not None:
+            self._release_staged(tenant_id, buffer_id, "abort")
+
+    def abandon(self, who: Principal, buffer_id: str) -> None:
+        """The writer's connection closed: release the entry if it is still staged."""
+        if who.tenant_id is not None:
+            self._release_staged(who.tenant_id, buffer_id, "disconnect")
+
+    def _check_own_staged(
+        self, tenant_id: str, buffer_id: str, owned: bool, what: str
+    ) -> Held | None:
+        """The entry if it is staged and the caller's connection put it; ``None`` if the
+        caller put it and it was released meanwhile. NotFound/StateConflict otherwise."""
+        held = self._runtime.held(buffer_id)
+        if held is None or held.tenant_id != tenant_id:
+            if owned:
+                if what == "aborted":
+                    return None
+                raise StateConflict(f"entry {buffer_id} was released before its commit")
+            raise NotFound(f"no entry {buffer_id!r}")
+        if not owned:
+            raise StateConflict(
+                f"entry {buffer_id} can only be {what} by the connection that put it"
+            )
+        if held.live:
+            raise StateConflict(f"entry {buffer_id} is committed already")
+        return held
+
+    def _release_staged(self, tenant_id: str, buffer_id: str, reason: str) -> None:
+        """Release the entry if it is still staged (a compare-and-set in the ledger)."""
+        row: BufferRow | None = self._store.mark_staged_releasing(buffer_id, tenant_id)
+        if row is None:
+            return  # committed, or someone else releases it
+        self._releaser.release_row(row, reason=reason, marked=True)
+        self._metrics.entry_aborts.labels(tenant=tenant_id, reason=reason).inc()
+
+    # -- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, who: Principal, keys: list[str]) -> Found:
+        """The committed entry of the longest of ``keys`` (short → long), read-only.
+
+        Answered from memory. A hit counts as an attachment of the caller, as a use and
+        extends the entry's lease by its ``ttl_s``, both written in a batch later.
+        """
+        tenant_id = require_tenant(who)
+        opened = self._runtime.lookup(tenant_id, keys)
+        series = self._metrics.tenant(tenant_id)
+        if opened is None:
+            series.misses.inc()
+            raise NotFound("no committed entry carries any of these keys")
+        now = time.time()
+        self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
+        series.hits.inc()
+        series.restored.inc(opened.size_bytes)
+        series.attached.set(opened.tenant_attached)
+        assert opened.key is not None
+        return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
+
+    @staticmethod
+    def _count(counter: object, tenant_id: str, exc: BaseException) -> None:
+        outcome = getattr(exc, "code", "error")
+        counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
+
+
+def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
+    """The staged bytes in a fresh, frozen region of the pool, and its read-only fd."""
+    staging = held.region
+    fresh = live.pool.reserve(
+        staging.size,
+        name=f"maasd-e-{buffer_id[:8]}",
+        extra_seals=F_SEAL_FUTURE_WRITE,
+        accounted=False,
+        prefault=True,  # every page present: the copy and a later scrub cannot fault
+    )
+    try:
+        if live.row.prefault:
+            fresh.verify_node(sample=16)
+        _read_all(staging, fresh)
+        ro_fd = open_read_only(fresh)
+    except BaseException:
+        live.pool.release(fresh, give_back=False)
+        raise
+    return fresh, ro_fd
+
+
+def _read_all(staging: Region, fresh: Region) -> None:
+    """``pread`` every staged byte into the fresh region's (populated) mapping."""
+    view = fresh.view()
+    try:
+        copied = staging.read_into(view)
+    finally:
+        view.release()
+    if copied != staging.size:
+        raise BackingError(f"copied {copied} of {staging.size} staged bytes", errno.EIO)
+
+
+def _dispose(live: LivePool, region: Region, ro_fd: int) -> None:
+    os.close(ro_fd)
+    live.pool.release(region, give_back=False)
+
+
+def _storage_error(buffer_id: str, exc: Exception) -> Exception:
+    """What a failed copy answers: 507 when memory or fds ran out, else the error itself."""
+    err = getattr(exc, "errno", None)
+    detail = getattr(exc, "detail", None) or str(exc)
+    if err in _NO_MEMORY:
+        return PoolExhausted(f"no memory to commit entry {buffer_id} ({detail}); it was released")
+    if err in _AT_LIMIT:
+        return ResourceLimit(f"the daemon is out of file descriptors ({detail})")
+    return exc

@@ -1,0 +1,211 @@
+"""Entries in-process: the service's put / commit / abort / lookup over a real SQLite ledger
+and real memfds, no daemon, no socket (``tests/integration/test_entries.py`` has those).
+
+What is checked here: accounting through a commit (the pool and the quota count an
+entry once, also in a full pool), a commit that runs out of memory leaving nothing
+behind, the seals of a committed entry, the in-memory lookup index and lease, and the
+released-entry bytes.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from maasd import errors
+from maasd.allocator import Pool
+from maasd.core import Service
+from maasd.models import PoolSpec, Principal
+from maasd.settings import Settings
+
+MiB = 1 << 20
+F_SEAL_FUTURE_WRITE = 0x10
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[Service]:
+    s = Service(
+        Settings(
+            data_dir=str(tmp_path / "data"),
+            admin_key="admin-key-for-tests",
+            pools=[PoolSpec(name="small", numa_node=0, capacity_bytes=8 * MiB)],
+            node_name="unit-host",
+        )
+    )
+    s.start(reaper=False)
+    yield s
+    s.close()
+
+
+def tenant(svc: Service, quota: int = 64 * MiB, name: str = "t") -> Principal:
+    return svc.authenticate(svc.create_tenant(name, quota).api_key)
+
+
+def pool(svc: Service) -> Pool:
+    (live,) = svc.runtime.pools()
+    return live.pool
+
+
+def put_committed(svc: Service, who: Principal, key: str, size: int) -> str:
+    h = svc.put_entry(who, key, size)
+    os.pwrite(h.fd, b"entry:" + key.encode(), 0)
+    os.close(h.fd)
+    svc.commit_entry(who, h.buffer_id, owned=True)
+    return h.buffer_id
+
+
+def test_a_full_pool_commits_and_counts_the_entry_once(svc: Service) -> None:
+    who = tenant(svc)
+    bid = put_committed(svc, who, "whole-pool", 8 * MiB)  # the pool holds nothing else
+    assert pool(svc).used == 8 * MiB
+    assert svc.usage(who).used_bytes == 8 * MiB
+    found = svc.lookup_entry(who, ["whole-pool"])
+    try:
+        assert found.buffer_id == bid
+        assert os.pread(found.fd, 16, 0) == b"entry:whole-pool"
+        assert fcntl.fcntl(found.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        assert fcntl.fcntl(found.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
+    finally:
+        os.close(found.fd)
+        svc.drop_handle(who, bid)
+    region = svc.runtime.region(bid)
+    assert region is not None
+    assert region.frozen
+    svc.release(who, bid)
+    assert pool(svc).used == 0
+    assert svc.usage(who).used_bytes == 0
+
+
+def test_a_commit_without_memory_is_507_and_leaves_nothing(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    who = tenant(svc)
+    h = svc.put_entry(who, "no-room", MiB)
+    os.close(h.fd)
+    reserve = Pool.reserve
+
+    def no_memory(self: Pool, size: int, *args: object, **kw: object) -> object:
+        if kw.get("accounted") is False:  # the commit's copy
+            raise errors.BackingError("madvise(23): [ENOMEM] Cannot allocate memory", errno.ENOMEM)
+        return reserve(self, size, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Pool, "reserve", no_memory)
+    with pytest.raises(errors.PoolExhausted, match="no memory to commit"):
+        svc.commit_entry(who, h.buffer_id, owned=True)
+    assert svc.runtime.region(h.buffer_id) is None
+    assert svc.usage(who).used_bytes == 0
+    assert pool(svc).used == 0
+    with pytest.raises(errors.NotFound):
+        svc.lookup_entry(who, ["no-room"])
+    assert svc.metrics.registry.get_sample_value(
+        "maasd_entry_aborts_total", {"tenant": str(who.tenant_id), "reason": "commit_failed"}
+    )
+
+
+def test_commit_and_abort_rules(svc: Service) -> None:
+    who, other = tenant(svc, name="a"), tenant(svc, name="b")
+    h = svc.put_entry(who, "k", 4096)
+    os.close(h.fd)
+    with pytest.raises(errors.NotFound):
+        svc.lookup_entry(who, ["k"])  # staged: invisible
+    with pytest.raises(errors.NotFound):
+        svc.open_handle(who, h.buffer_id)  # not even attachable
+    with pytest.raises(errors.NotFound):
+        svc.commit_entry(other, h.buffer_id, owned=False)  # foreign
+    with pytest.raises(errors.StateConflict):
+        svc.commit_entry(who, h.buffer_id, owned=False)  # another connection's
+    with pytest.raises(errors.DuplicateKey):
+        svc.put_entry(who, "k", 4096)
+    svc.commit_entry(who, h.buffer_id, owned=True)
+    with pytest.raises(errors.StateConflict):
+        svc.commit_entry(who, h.buffer_id, owned=True)
+    with pytest.raises(errors.StateConflict):
+        svc.abort_entry(who, h.buffer_id, owned=True)  # committed: DELETE releases it
+    svc.abandon_entry(who, h.buffer_id)  # a connection closing: leaves a committed one alone
+    assert svc.runtime.region(h.buffer_id) is not None
+    g = svc.put_entry(who, "g", 4096)
+    os.close(g.fd)
+    svc.abort_entry(who, g.buffer_id, owned=True)
+    svc.abort_entry(who, g.buffer_id, owned=True)  # gone already: nothing left to do
+    assert svc.usage(who).used_bytes == 4096
+
+
+def test_lookup_takes_the_longest_key_and_extends_the_lease_in_memory(svc: Service) -> None:
+    who = tenant(svc)
+    short = put_committed(svc, who, "a", 4096)
+    long_ = put_committed(svc, who, "ab", 4096)
+    before = svc.buffer(who, long_).expires_at
+    time.sleep(0.01)
+    found = svc.lookup_entry(who, ["a", "ab", "abc"])
+    os.close(found.fd)
+    assert (found.key, found.buffer_id) == ("ab", long_)
+    assert long_ in svc.runtime.pending_uses()
+    assert svc.runtime.pending_lease(long_) is not None
+    assert svc.buffer(who, long_).expires_at == before  # nothing written yet
+    svc.flush_uses()
+    assert svc.buffer(who, long_).expires_at > before
+    svc.release(who, long_)
+    found = svc.lookup_entry(who, ["a", "ab"])
+    os.close(found.fd)
+    assert found.buffer_id == short
+    assert svc.runtime.attached(short) == 1
+
+
+def test_the_reaper_spares_an_entry_hit_after_its_lease_ended_in_the_ledger(
+    svc: Service,
+) -> None:
+    who = tenant(svc)
+    h = svc.put_entry(who, "hot", 4096, None, 1)
+    os.close(h.fd)
+    svc.commit_entry(who, h.buffer_id, owned=True)
+    later = time.time() + 5  # the ledger's lease (1 s) has ended by then
+    found = svc.lookup_entry(who, ["hot"])
+    os.close(found.fd)
+    svc.runtime.touch(h.buffer_id, later, later + 1)  # a hit "at" that time
+    assert svc.reap(now=later) == 0  # flushed first: the lease moved past `later`
+    assert svc.runtime.region(h.buffer_id) is not None
+    assert svc.reap(now=later + 10) == 1
+
+
+def test_released_entry_bytes_count_until_the_last_handle_goes(svc: Service) -> None:
+    who = tenant(svc)
+    bid = put_committed(svc, who, "r", 64 * 1024)
+    found = svc.lookup_entry(who, ["r"])
+    attach = svc.open_handle(who, bid)
+    assert svc.runtime.released_entry_bytes() == 0
+    svc.release(who, bid)
+    assert os.pread(found.fd, 8, 0) == bytes(8)  # scrubbed under the reader
+    assert svc.runtime.released_entry_bytes() == 64 * 1024
+    svc.drop_handle(who, bid)
+    assert svc.runtime.released_entry_bytes() == 64 * 1024  # one handle left
+    svc.drop_handle(who, bid)
+    assert svc.runtime.released_entry_bytes() == 0
+    os.close(found.fd)
+    os.close(attach.fd)
+    assert svc.runtime.entry_stats() == {}
+
+
+def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
+    svc: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    who = tenant(svc)
+    reserve = Pool.reserve
+
+    def released_meanwhile(self: Pool, size: int, *args: object, **kw: object) -> object:
+        region = reserve(self, size, *args, **kw)  # type: ignore[arg-type]
+        (row,) = svc.store.buffers(tenant_id=who.tenant_id, states=None)
+        svc.store.finish_release(row.id, kind="tenant_delete")  # e.g. a tenant deletion won
+        return region
+
+    monkeypatch.setattr(Pool, "reserve", released_meanwhile)
+    with pytest.raises(errors.NotFound, match="released while it was put"):
+        svc.put_entry(who, "gone", MiB)
+    assert svc.runtime.buffer_ids() == []
+    assert pool(svc).used == 0
+    assert svc.usage(who).used_bytes == 0
