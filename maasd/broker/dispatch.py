@@ -123,7 +123,8 @@ class HandleService(Protocol):
 class Outcome:
     """What to send for one frame, and what the connection holds afterwards."""
 
-    reply: Reply
+    #: ``None``: nothing to send (a key re-checked between requests, still valid)
+    reply: Reply | None
     #: fds sent with the reply (SCM_RIGHTS); owned by the outcome, closed once sent or dropped
     fds: tuple[int, ...] = ()
     #: the connection now holds one more attachment of this buffer
@@ -305,6 +306,22 @@ class Dispatcher:
     def current(self, generation: int) -> bool:
         """Whether a key checked at ``generation`` needs no new check (no revocation since)."""
         return generation == self.service.auth_generation
+
+    def recheck(self, session: Session, fields: Fields) -> Outcome:
+        """Check an idle connection's key again after a revocation (off the loop: it may read
+        the ledger). Revoked: a 401 frame and a close, without waiting for the worker's next
+        request. Still valid: nothing to send. The ledger unreachable: nothing now — the
+        next request checks again."""
+        authed = self.service.auth_generation
+        try:
+            self.service.authenticate(session.api_key)
+        except errors.Unauthorized as exc:
+            self.log.log(logging.INFO, "key-revoked", "key revoked, closing", fields)
+            return self.error(exc, fields)
+        except Exception as exc:
+            self.log.log(logging.WARNING, "recheck", "key re-check failed", fields, exc_info=exc)
+            return Outcome(None)
+        return Outcome(None, authed=authed)
 
     def run(self, op: Op, req: Request, session: Session, fields: Fields) -> Outcome:
         """Serve one request; the key is checked again first if any key was revoked since

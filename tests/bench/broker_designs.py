@@ -125,6 +125,7 @@ class ThreadedReference:
                     else:
                         req, op = decoded
                         outcome = self.dispatcher.run(op, req, session, {})
+                assert outcome.reply is not None
                 send_message(sock, outcome.reply, outcome.fds)
                 for fd in outcome.fds:
                     os.close(fd)
