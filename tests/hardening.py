@@ -42,6 +42,18 @@ def daemon_fds(pid: int) -> list[str]:
     return out
 
 
+def memfd_of(pid: int, buffer_id: str) -> str:
+    """The fd number (as in /proc/PID/fd) of the buffer's memfd in process ``pid``."""
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if f"maasd-{buffer_id[:8]}" in link:
+            return name
+    raise AssertionError(f"no memfd of buffer {buffer_id} in process {pid}")
+
+
 def buffer_memfds(pid: int) -> Counter[str]:
     """The daemon's open buffer memfds, by name."""
     names = (_BUFFER_MEMFD.match(link) for link in daemon_fds(pid))

@@ -103,10 +103,6 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
                 )
             command.upgrade(alembic_config(connection=conn), revision)
 
-    def ping(self) -> None:
-        """One trivial read: raises if the database does not answer (for ``/healthz``)."""
-        self._read_first(sa.select(sa.literal(1)), {})
-
     def listener(
         self,
         channel: str,

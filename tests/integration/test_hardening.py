@@ -28,7 +28,13 @@ import httpx
 import pytest
 
 from conftest import Daemon, MiB
-from hardening import after_attack, buffer_memfds, ledger_ids, wait_ledger_matches_memfds
+from hardening import (
+    after_attack,
+    buffer_memfds,
+    ledger_ids,
+    memfd_of,
+    wait_ledger_matches_memfds,
+)
 from maasd.client import Worker
 from maasd.store import Store
 
@@ -457,11 +463,7 @@ def test_a_process_of_the_daemons_uid_cannot_reach_its_fds_or_environ(
         assert d.proc is not None
         pid = d.proc.pid
         assert os.stat(f"/proc/{pid}").st_uid == NOBODY  # it does run as nobody
-        memfd = next(
-            n
-            for n in os.listdir(f"/proc/{pid}/fd")
-            if f"maasd-{buf['id'][:8]}" in os.readlink(f"/proc/{pid}/fd/{n}")
-        )
+        memfd = memfd_of(pid, buf["id"])
         assert try_as_nobody(pid, memfd) == {
             "fd": "PermissionError",
             "fds": "PermissionError",
