@@ -117,6 +117,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_head_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_send_timeout_s: float = 30.0
+    # The shared prefix tier (docs/scale-out.md, "The L2 tier"): a Redis or Valkey URL
+    # (redis://, rediss://, unix://); needs the PostgreSQL ledger. Only the daemon uses it.
+    l2_url: str | None = None
+    l2_timeout_s: float = 0.1  # connect and each read/write of one L2 request
+    l2_tenant_bytes: int = 1 << 30  # a tenant's bytes in L2 at most (oldest evicted there)
+    l2_ttl_s: int = 24 * 3600  # an entry's life in L2 (renewed by each new write of it)
+    l2_queue_entries: int = 64  # committed entries waiting to be written behind, at most
+    l2_queue_bytes: int = 512 << 20  # … and their bytes; past either, a write is dropped
+    l2_breaker_failures: int = 3  # consecutive L2 failures that open the circuit breaker
+    l2_breaker_backoff_s: float = 2.0  # open this long, then one probe (half-open)
+    l2_prefix: str = "maasd"  # of every Redis key: several fleets can share one Redis
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -141,11 +152,26 @@ SOCKET_BOUNDS = tuple(
 
 #: Settings that are sizes (plain bytes or with units, in the environment and the file),
 #: and the keys of a ``[[pools]]`` table that are: whether 0 is a valid value of each.
-SIZES = {"default_pool_bytes": False, "default_warm_bytes": True, "warm_min_available_bytes": True}
+SIZES = {
+    "default_pool_bytes": False,
+    "default_warm_bytes": True,
+    "warm_min_available_bytes": True,
+    "l2_tenant_bytes": False,
+    "l2_queue_bytes": False,
+}
 POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
 
 #: The REST server's bounds: each must be > 0.
 HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
+
+#: The L2 tier's bounds: each must be > 0 (its URL and key prefix are checked apart).
+L2_BOUNDS = tuple(
+    name
+    for name in Settings.__struct_fields__
+    if name.startswith("l2_") and name not in ("l2_url", "l2_prefix")
+)
+#: URL schemes redis-py connects with.
+L2_SCHEMES = ("redis", "rediss", "unix")
 
 #: environment variable → field
 ENV = {
@@ -173,6 +199,9 @@ ENV = {
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
     **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
+    "MAASD_L2_URL": "l2_url",
+    "MAASD_L2_PREFIX": "l2_prefix",
+    **{f"MAASD_{name.upper()}": name for name in L2_BOUNDS},
 }
 
 
@@ -223,7 +252,7 @@ def _check(settings: Settings) -> None:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
     if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
         raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
-    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS):
+    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:
@@ -241,6 +270,7 @@ def _check(settings: Settings) -> None:
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
             "(e.g. `openssl rand -hex 24`)"
         )
+    check_l2(settings)
     group_id(settings.socket_group)  # an unknown group fails here, before anything starts
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):
@@ -267,6 +297,27 @@ def _sizes(values: dict[str, Any], key: str, origin: str, allow_zero: bool = Fal
             values[key] = parse_size(raw, allow_zero=allow_zero)
         except SizeError as e:
             raise ConfigError(f"{origin}: {e}") from None
+
+
+def check_l2(settings: Settings) -> None:
+    """A ``ConfigError`` unless the L2 settings can work: a Redis URL, and the shared
+    PostgreSQL ledger (tenant ids, which namespace L2, are global only there)."""
+    if settings.l2_url is None:
+        return
+    scheme = settings.l2_url.partition("://")[0].lower()
+    if "://" not in settings.l2_url or scheme not in L2_SCHEMES:
+        raise ConfigError(
+            f"settings: l2_url must be a redis://, rediss:// or unix:// URL (got a {scheme!r} URL)"
+        )
+    backend = settings.database_url.partition(":")[0].partition("+")[0].lower()
+    if backend not in ("postgresql", "postgres"):
+        raise ConfigError(
+            "settings: --l2-url needs the shared PostgreSQL ledger (--db postgresql+psycopg://…): "
+            "L2 keys are namespaced by tenant id, and tenant ids are global only there; this "
+            f"daemon's ledger is {backend or 'not a URL'}"
+        )
+    if not settings.l2_prefix or any(c in settings.l2_prefix for c in "{}: \t\n"):
+        raise ConfigError("settings: l2_prefix must be a non-empty word without {, }, : or spaces")
 
 
 def group_id(group: str | None) -> int | None:

@@ -123,6 +123,11 @@ class FakeService:
         self.renew_gates: dict[str, threading.Event] = {}
         #: tenant_id -> an event its attaches wait for (an inline call that blocks the loop)
         self.attach_gates: dict[str, threading.Event] = {}
+        #: a shared tier in a dict: (tenant, key) -> size; None: no tier (a miss is final)
+        self.remote: dict[tuple[str, str], int] | None = None
+        #: what a fill waits for (a slow L2), and the threads fills ran on
+        self.fill_gate: threading.Event | None = None
+        self.fill_threads: list[str] = []
 
     def add_key(self, tenant_id: str) -> str:
         key = uuid.uuid4().hex
@@ -194,6 +199,24 @@ class FakeService:
                     self.attached[str(who.tenant_id)] += 1
                     ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
                     return FakeHandle(ro, bid, size, 0, key)
+        raise errors.NotFound("no committed entry carries any of these keys")
+
+    def l2_ready(self) -> bool:
+        return self.remote is not None
+
+    def fill_entry(self, who: Principal, keys: list[str]) -> FakeHandle:
+        """A miss asked of the fake tier: a hit becomes a committed local entry."""
+        self.fill_threads.append(threading.current_thread().name)
+        if self.fill_gate is not None:
+            self.fill_gate.wait(60)
+        tenant = str(who.tenant_id)
+        for key in reversed(keys):
+            size = (self.remote or {}).get((tenant, key))
+            if size is not None:
+                h = self.put_entry(who, key, size)
+                os.close(h.fd)
+                self.commit_entry(who, h.buffer_id, owned=True)
+                return self.lookup_entry(who, keys)
         raise errors.NotFound("no committed entry carries any of these keys")
 
     def put_entry(

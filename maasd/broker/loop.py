@@ -239,8 +239,11 @@ class EventLoop:
         # Inline only if the key needs no new check (that may read the ledger).
         if not op.slow and self.dispatcher.current(conn.generation):
             session = Session(conn.principal, conn.api_key, conn.generation, conn.held, conn.staged)
-            self.table.deliver(conn, self.dispatcher.run(op, req, session, fields))
-            return
+            outcome = self.dispatcher.run(op, req, session, fields, inline=True)
+            if not outcome.defer:
+                self.table.deliver(conn, outcome)
+                return
+            # the op must wait for something (a lookup asking L2): on to the slow pool
         conn.busy = True
         # Snapshots: the loop may drop the live sets if the connection closes meanwhile.
         session = Session(

@@ -5,7 +5,7 @@ Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
     harden    not dumpable (PR_SET_DUMPABLE 0: /proc/PID/fd, mem and environ are
               root's only), soft RLIMIT_NOFILE raised to the hard limit
     settings  flags > MAASD_* env > --config TOML > defaults; the admin and
-              metrics keys and the database URL then leave os.environ
+              metrics keys, the database and L2 URLs then leave os.environ
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
     service   migrate to head, recover(), finish deletes, provision pools, reaper
     broker    the Unix socket for worker handles
@@ -118,11 +118,11 @@ def _settings(**flags: Any) -> Settings:
         raise click.ClickException(e.detail) from e
 
 
-#: Environment variables holding secrets (a database URL may carry a password): dropped
+#: Environment variables holding secrets (a database or L2 URL may carry a password): dropped
 #: from ``os.environ`` once read, so that nothing the daemon starts inherits them. (The
 #: copy the kernel keeps in /proc/PID/environ stays; the daemon being non-dumpable makes
 #: that root's only.)
-SECRET_ENV = ("MAASD_ADMIN_KEY", "MAASD_METRICS_KEY", "MAASD_DB_URL")
+SECRET_ENV = ("MAASD_ADMIN_KEY", "MAASD_METRICS_KEY", "MAASD_DB_URL", "MAASD_L2_URL")
 
 _PR_SET_DUMPABLE = 4
 
@@ -200,6 +200,12 @@ def common(fn: _F) -> _F:
     help="Serve GET /metrics to anyone, without a key [env MAASD_METRICS_PUBLIC=1]. "
     "Otherwise it needs the admin key or the metrics key [env MAASD_METRICS_KEY].",
 )
+@click.option(
+    "--l2-url",
+    help="Redis or Valkey URL of the shared prefix tier (redis://[:PASSWORD@]HOST:PORT/DB); "
+    "needs a PostgreSQL ledger. Prefer the environment for a URL with a password "
+    "[env MAASD_L2_URL].",
+)
 @common
 def serve(**flags: Any) -> None:
     """Run the daemon: REST control plane + worker socket.
@@ -273,8 +279,14 @@ def _serve(settings: Settings) -> None:
             "socket": settings.socket_path,
             "db": _redact(settings.database_url),
             "pools": ",".join(p.name for p in service.pools()),
+            # the L2 address stays out of info lines: whoever reads the log gets no route
+            "l2": "on" if settings.l2_url else "off",
         },
     )
+    if settings.l2_url:
+        from maasd.l2.client import redact
+
+        logger.debug("L2 tier", extra={"l2_url": redact(settings.l2_url)})
     try:
         server.run()
     finally:

@@ -21,6 +21,8 @@ lives in a module of its own:
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
 :mod:`.entries`          the socket's put / commit / abort / lookup of immutable entries
+:mod:`.shared`           the shared prefix tier (L2): commits written behind, a local
+                         lookup miss filled from it
 :mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer and
                          the warmer (the warm stock's refill thread)
 :mod:`.limits`           the daemon's budget of open files and mappings for regions
@@ -49,7 +51,9 @@ from maasd.core.limits import RegionBudget, read_limits
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
+from maasd.core.shared import Shared
 from maasd.core.tenants import Tenants
+from maasd.errors import NotFound
 from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
 from maasd.models import (
     BufferInfo,
@@ -136,6 +140,7 @@ class Service:
         )
         self._handles = Handles(self.runtime, self.metrics)
         self._entries = Entries(self.store, self.runtime, self._buffers, releaser, self.metrics)
+        self._shared = Shared(settings, self.store, self._entries, self.metrics)
         self._life = Lifecycle(
             settings,
             self.store,
@@ -175,8 +180,10 @@ class Service:
 
     def start(self, *, reaper: bool = True) -> None:
         self._life.start(reaper=reaper)
+        self._shared.start()
 
     def close(self) -> None:
+        self._shared.close()  # the writer stops before the entries it reads are released
         self._life.close()
 
     def health_checks(self) -> dict[str, Callable[[], tuple[bool, str]]]:
@@ -307,7 +314,24 @@ class Service:
     # -- entries (maasd.core.entries) -------------------------------------------------------
 
     def lookup_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
-        return self._entries.lookup(who, lookup_keys)
+        """From memory; a miss that the L2 tier will be asked about is not counted here."""
+        ready = self._shared.ready()
+        try:
+            return self._entries.lookup(who, lookup_keys, count_miss=not ready)
+        except NotFound:
+            if not ready:
+                self._shared.skipped()
+            raise
+
+    def l2_ready(self) -> bool:
+        """Whether a local lookup miss should go on to :meth:`fill_entry` (on a thread that
+        may wait for L2): an L2 tier is configured and its circuit breaker lets calls in."""
+        return self._shared.ready()
+
+    def fill_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
+        """A lookup that missed locally, asked of L2 (restored here on a hit); may wait for
+        L2 up to its timeout, so never on an event loop. NotFound for any other outcome."""
+        return self._shared.fill(who, lookup_keys)
 
     def put_entry(
         self,

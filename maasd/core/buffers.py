@@ -19,6 +19,7 @@ import time
 import msgspec
 
 from maasd.allocator import Region
+from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
 from maasd.core import placement
 from maasd.core.auth import require_tenant
 from maasd.core.checkpoints import Checkpoints
@@ -92,19 +93,21 @@ class Buffers:
     # -- reserve ----------------------------------------------------------------------------
 
     def reserve(
-        self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer"
+        self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer", frozen: bool = False
     ) -> BufferInfo:
         """Reserve a buffer in ``req.pool`` (id or name), or in the best pool meeting the QoS.
 
         ``kind="entry"`` is a socket ``put``: the same reserve, ending ``staged`` (held
-        here, handed to no one but its writer) instead of ``live``.
+        here, handed to no one but its writer) instead of ``live``. ``frozen``: the region
+        is sealed ``F_SEAL_FUTURE_WRITE`` from the start, fully populated — an entry only
+        the daemon writes (through its own mapping) before committing it in place.
         Raises InvalidRequest (a lease beyond ``max_ttl_s``), QosUnmet/PlacementError/
         TooLarge (never satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
         """
         tenant_id = require_tenant(who)
         started = time.perf_counter()
         try:
-            buf = self._reserve(tenant_id, req, kind)
+            buf = self._reserve(tenant_id, req, kind, frozen)
         except Exception as e:
             self._metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
             raise
@@ -112,7 +115,9 @@ class Buffers:
         self._metrics.reserve_seconds.observe(time.perf_counter() - started)
         return buf
 
-    def _reserve(self, tenant_id: str, req: ReserveSpec, kind: BufferKind) -> BufferInfo:
+    def _reserve(
+        self, tenant_id: str, req: ReserveSpec, kind: BufferKind, frozen: bool
+    ) -> BufferInfo:
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
         candidates = self._candidates(req)
@@ -145,7 +150,7 @@ class Buffers:
                 with self._budget.admit():
                     victims = self._store.begin_reserve(row, uses=uses, leases=extended)
                     uses, extended = {}, {}  # written by the admitting transaction
-                    region = self._create(row, live, victims)
+                    region = self._create(row, live, victims, frozen=frozen)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
@@ -158,13 +163,22 @@ class Buffers:
         assert last_error is not None
         raise last_error
 
-    def _create(self, row: BufferRow, live: LivePool, victims: list[BufferRow]) -> Region:
+    def _create(
+        self, row: BufferRow, live: LivePool, victims: list[BufferRow], *, frozen: bool
+    ) -> Region:
         """``row`` is admitted: its victims scrubbed, then its region made. A failure
         finishes the row (``reserve_failed``) and says which limit the kernel met."""
         for victim in victims:
             self._releaser.evict(victim)
         try:
-            return live.pool.reserve(row.size_bytes, name=f"maasd-{row.id[:8]}")
+            return live.pool.reserve(
+                row.size_bytes,
+                name=f"maasd-{row.id[:8]}",
+                # frozen: no one but the daemon may write it, and every page is
+                # present (writing it through the daemon's mapping cannot fault)
+                extra_seals=F_SEAL_FUTURE_WRITE if frozen else 0,
+                prefault=True if frozen else None,
+            )
         except PoolExhausted:  # the in-process guard disagreed with the ledger
             self._store.finish_release(row.id, kind="reserve_failed")
             raise
