@@ -298,6 +298,13 @@ class FakeEnv:
 
     def close(self) -> None:
         self.broker.stop()
+        # The fake's memfds live in the test process: a test that reserves in a loop
+        # (thousands) would otherwise leave them to the garbage collector, and a later
+        # test's select() (pexpect) fails on fd numbers above 1024.
+        with self.svc.lock:
+            buffers, self.svc.buffers = self.svc.buffers, {}
+        for _tenant, fd, _size in buffers.values():
+            os.close(fd)
 
 
 def serve_main(directory: str, limits: str = "{}") -> None:
