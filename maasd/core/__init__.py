@@ -127,7 +127,14 @@ class Service:
             self.warmer,
             topology or discover(),
         )
-        self._tenants = Tenants(self.store, self._auth, releaser, settings.max_buffers_per_tenant)
+        self._tenants = Tenants(
+            self.store,
+            self._auth,
+            releaser,
+            settings.max_buffers_per_tenant,
+            host=settings.node_name,
+            remote_wait_s=3 * settings.reaper_interval_s,
+        )
         self._buffers = Buffers(
             settings,
             self.store,

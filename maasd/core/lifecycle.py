@@ -6,7 +6,8 @@ revocation listener; the ledger's pools of this host made live;
 :meth:`Lifecycle.recover` settling what a previous run left; the tenant deletes
 and pool drains a previous run began, finished; the configured pools the
 ledger lacks created; the warm stock's refill thread; the reaper thread, which
-also beats this host's heartbeat. Close undoes it: reaper and refill thread
+also beats this host's heartbeat and releases this host's share of a tenant
+deleted through another daemon. Close undoes it: reaper and refill thread
 stopped and every pool's warm stock given back, uses flushed, persistent
 buffers checkpointed, volatile ones scrubbed and their rows deleted in one
 transaction, the host marked stopped, the reclaimer drained and stopped, the
@@ -222,6 +223,8 @@ class Lifecycle:
                 if not self._hosts.heartbeat():
                     self._rejoin()
                 self.reap()
+                # A tenant deleted through another daemon: release this host's share.
+                self._tenants.finish_deletes()
             except Exception:
                 logger.exception("reaper pass failed; retrying")
 

@@ -10,6 +10,14 @@ Deleting a tenant never stops half-way (SPEC §4)::
 
 A daemon that stops in the middle finishes the delete when it starts again
 (:meth:`Tenants.finish_deletes`).
+
+With several daemons on one ledger each host scrubs only its own memory: the host that
+took the DELETE releases the buffers it holds, every other host releases its share at its
+next reaper pass (:meth:`Tenants.finish_deletes`, every ``reaper_interval_s``), and
+whichever host releases the last buffer deletes the tenant. The DELETE waits a bounded
+time for that (``remote_wait_s``) and answers 204 either way: from the first step on the
+tenant can do nothing. A host that is down keeps its share, and the tenant its row, until
+it starts again (recovery) or is forgotten (``maasctl hosts forget``).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import time
 
 from maasd.core.auth import Auth, require_tenant
 from maasd.core.release import Releaser
-from maasd.errors import NotFound
+from maasd.errors import NotFound, StateConflict
 from maasd.models import Event, KeyInfo, NewTenant, Principal, TenantInfo, Usage, rfc3339
 from maasd.store import ACCOUNTED_STATES, Store, TenantRow
 from maasd.tenancy import keys
@@ -45,16 +53,27 @@ def tenant_info(row: TenantRow, default_max_buffers: int) -> TenantInfo:
 class Tenants:
     """The admin's tenant use-cases, and a tenant's view of its own use.
 
-    ``default_max_buffers`` is the cap of a tenant that has none of its own.
+    ``default_max_buffers`` is the cap of a tenant that has none of its own; ``host`` is
+    this daemon's host (it releases only the buffers it holds); ``remote_wait_s`` bounds
+    how long a DELETE waits for other hosts to release theirs.
     """
 
     def __init__(
-        self, store: Store, auth: Auth, releaser: Releaser, default_max_buffers: int
+        self,
+        store: Store,
+        auth: Auth,
+        releaser: Releaser,
+        default_max_buffers: int,
+        *,
+        host: str,
+        remote_wait_s: float = 5.0,
     ) -> None:
         self._store = store
         self._auth = auth
         self._releaser = releaser
         self._default_max_buffers = default_max_buffers
+        self._host = host
+        self._remote_wait_s = remote_wait_s
 
     def create(self, name: str, quota_bytes: int) -> NewTenant:
         """A new tenant and its first key (shown only here). :class:`StateConflict` if the
@@ -101,31 +120,57 @@ class Tenants:
 
     def delete(self, id_or_name: str) -> None:
         """Mark the tenant deleting and revoke its keys, release (scrub) every buffer it
-        holds — also those whose reserve is in flight — and delete it."""
+        holds here — also those whose reserve is in flight — and delete it once no host
+        holds any (waiting up to ``remote_wait_s`` for the others)."""
         t = self.info(id_or_name)
         self._store.mark_tenant_deleting(t.id)
         self._auth.forget_keys()
-        self._finish_delete(t.id)
+        if self._finish_delete(t.id):
+            return
+        deadline = time.monotonic() + self._remote_wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if self._store.tenant(t.id) is None:
+                return
+        logger.warning(
+            "tenant %s: deleting; other hosts still hold some of its buffers "
+            "(each releases its own at its next reaper pass)",
+            t.id,
+        )
 
     def finish_deletes(self) -> int:
-        """Finish the deletes a previous run began (at start). Returns how many."""
+        """Release this host's share of every tenant being deleted, and delete those no host
+        holds anything of any more (at start, and at every reaper pass). Returns how many
+        tenants were deleted."""
         done = 0
         for tenant_id in self._store.deleting_tenants():
             logger.info("finishing the delete of tenant %s", tenant_id)
-            self._auth.forget_keys()
-            self._finish_delete(tenant_id)
-            done += 1
+            done += self._finish_delete(tenant_id)
         return done
 
-    def _finish_delete(self, tenant_id: str) -> None:
-        """Release the deleting tenant's buffers until it holds none, then delete it."""
+    def _finish_delete(self, tenant_id: str) -> bool:
+        """Release the deleting tenant's buffers on this host, then delete it if no host
+        holds any. True if the tenant is gone."""
+        gone = True
+
+        def delete_if_empty() -> None:
+            nonlocal gone
+            try:
+                self._store.delete_tenant(tenant_id)
+            except StateConflict:
+                if self._store.buffers(tenant_id=tenant_id, states=None, host=self._host):
+                    raise  # ours, released meanwhile or raced: another pass
+                gone = False  # other hosts' share: theirs to release
+
         self._releaser.release_all(
-            lambda: self._store.buffers(tenant_id=tenant_id, states=ACCOUNTED_STATES),
-            lambda: self._store.delete_tenant(tenant_id),
+            lambda: self._store.buffers(
+                tenant_id=tenant_id, states=ACCOUNTED_STATES, host=self._host
+            ),
+            delete_if_empty,
             reason="tenant_delete",
             what=f"tenant {tenant_id}",
         )
-        self._auth.forget_keys()
+        return gone
 
     def issue_key(self, id_or_name: str) -> KeyInfo:
         """A new key for the tenant (shown only here)."""
