@@ -49,6 +49,7 @@ from maasd.client.rest import Client, raw_json
 from maasd.client.types import (
     Buffer,
     Checkpoint,
+    Component,
     Event,
     Health,
     Host,
@@ -69,6 +70,7 @@ __all__ = [
     "Buffer",
     "BufferCountExceeded",
     "Checkpoint",
+    "Component",
     "Client",
     "Conflict",
     "ConnectionFailed",

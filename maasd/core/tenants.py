@@ -1,21 +1,44 @@
-"""Tenants: creating and deleting them, their quotas, their keys, their use, the audit trail."""
+"""Tenants: creating and deleting them, their quotas and caps, their keys, their use, the
+audit trail.
+
+Deleting a tenant never stops half-way (SPEC §4)::
+
+    ledger: deleting_at set, keys revoked (one transaction)   from here: 401, no reserve
+    memory: every buffer released (scrubbed) — also those whose reserve is in flight,
+            which lose their compare-and-set to ``live`` and scrub their own region
+    ledger: tenant and keys deleted once it holds no buffer
+
+A daemon that stops in the middle finishes the delete when it starts again
+(:meth:`Tenants.finish_deletes`).
+
+With several daemons on one ledger each host scrubs only its own memory: the host that
+took the DELETE releases the buffers it holds, every other host releases its share at its
+next reaper pass (:meth:`Tenants.finish_deletes`, every ``reaper_interval_s``), and
+whichever host releases the last buffer deletes the tenant. The DELETE waits a bounded
+time for that (``remote_wait_s``) and answers 204 either way: from the first step on the
+tenant can do nothing. A host that is down keeps its share, and the tenant its row, until
+it starts again (recovery) or is forgotten (``maasctl hosts forget``).
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from maasd.core.auth import Auth, require_tenant
 from maasd.core.release import Releaser
-from maasd.errors import NotFound
+from maasd.errors import NotFound, StateConflict
 from maasd.models import Event, KeyInfo, NewTenant, Principal, TenantInfo, Usage, rfc3339
 from maasd.store import ACCOUNTED_STATES, Store, TenantRow
 from maasd.tenancy import keys
 
 __all__ = ["Tenants", "tenant_info"]
 
+logger = logging.getLogger(__name__)
 
-def tenant_info(row: TenantRow) -> TenantInfo:
-    """The API record of a tenant, with its usage."""
+
+def tenant_info(row: TenantRow, default_max_buffers: int) -> TenantInfo:
+    """The API record of a tenant, with its usage and the buffer cap in force."""
     return TenantInfo(
         id=row.id,
         name=row.name,
@@ -23,16 +46,34 @@ def tenant_info(row: TenantRow) -> TenantInfo:
         used_bytes=row.used_bytes,
         buffers=row.buffers,
         created_at=rfc3339(row.created_at),
+        max_buffers=row.max_buffers if row.max_buffers is not None else default_max_buffers,
     )
 
 
 class Tenants:
-    """The admin's tenant use-cases, and a tenant's view of its own use."""
+    """The admin's tenant use-cases, and a tenant's view of its own use.
 
-    def __init__(self, store: Store, auth: Auth, releaser: Releaser) -> None:
+    ``default_max_buffers`` is the cap of a tenant that has none of its own; ``host`` is
+    this daemon's host (it releases only the buffers it holds); ``remote_wait_s`` bounds
+    how long a DELETE waits for other hosts to release theirs.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        auth: Auth,
+        releaser: Releaser,
+        default_max_buffers: int,
+        *,
+        host: str,
+        remote_wait_s: float = 5.0,
+    ) -> None:
         self._store = store
         self._auth = auth
         self._releaser = releaser
+        self._default_max_buffers = default_max_buffers
+        self._host = host
+        self._remote_wait_s = remote_wait_s
 
     def create(self, name: str, quota_bytes: int) -> NewTenant:
         """A new tenant and its first key (shown only here). :class:`StateConflict` if the
@@ -52,29 +93,84 @@ class Tenants:
         )
 
     def infos(self) -> list[TenantInfo]:
-        return [tenant_info(t) for t in self._store.tenants()]
+        return [tenant_info(t, self._default_max_buffers) for t in self._store.tenants()]
 
     def info(self, id_or_name: str) -> TenantInfo:
         """One tenant by id (preferred) or name; :class:`NotFound` otherwise."""
         row = self._store.tenant(id_or_name)
         if row is None:
             raise NotFound(f"no tenant {id_or_name!r}")
-        return tenant_info(row)
+        return tenant_info(row, self._default_max_buffers)
+
+    def update(
+        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+    ) -> TenantInfo:
+        """Change the quota and/or the buffer cap, atomically (one event each).
+
+        Lowering either below current use is allowed: it blocks new reserves until use
+        falls below it. At least one must be given (:class:`InvalidRequest`).
+        """
+        t = self.info(id_or_name)
+        self._store.update_tenant(t.id, quota_bytes=quota_bytes, max_buffers=max_buffers)
+        return self.info(t.id)
 
     def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
         """Change the quota; lowering it below use is allowed (it blocks new reserves)."""
-        t = self.info(id_or_name)
-        self._store.set_quota(t.id, quota_bytes)
-        return self.info(t.id)
+        return self.update(id_or_name, quota_bytes=quota_bytes)
 
     def delete(self, id_or_name: str) -> None:
-        """Revoke the tenant's keys, release (scrub) all its buffers, delete it."""
+        """Mark the tenant deleting and revoke its keys, release (scrub) every buffer it
+        holds here — also those whose reserve is in flight — and delete it once no host
+        holds any (waiting up to ``remote_wait_s`` for the others)."""
         t = self.info(id_or_name)
-        self._store.revoke_keys(t.id)
+        self._store.mark_tenant_deleting(t.id)
         self._auth.forget_keys()
-        for row in self._store.buffers(tenant_id=t.id, states=ACCOUNTED_STATES):
-            self._releaser.release_row(row, reason="tenant_delete")
-        self._store.delete_tenant(t.id)
+        if self._finish_delete(t.id):
+            return
+        deadline = time.monotonic() + self._remote_wait_s
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            if self._store.tenant(t.id) is None:
+                return
+        logger.warning(
+            "tenant %s: deleting; other hosts still hold some of its buffers "
+            "(each releases its own at its next reaper pass)",
+            t.id,
+        )
+
+    def finish_deletes(self) -> int:
+        """Release this host's share of every tenant being deleted, and delete those no host
+        holds anything of any more (at start, and at every reaper pass). Returns how many
+        tenants were deleted."""
+        done = 0
+        for tenant_id in self._store.deleting_tenants():
+            logger.info("finishing the delete of tenant %s", tenant_id)
+            done += self._finish_delete(tenant_id)
+        return done
+
+    def _finish_delete(self, tenant_id: str) -> bool:
+        """Release the deleting tenant's buffers on this host, then delete it if no host
+        holds any. True if the tenant is gone."""
+        gone = True
+
+        def delete_if_empty() -> None:
+            nonlocal gone
+            try:
+                self._store.delete_tenant(tenant_id)
+            except StateConflict:
+                if self._store.buffers(tenant_id=tenant_id, states=None, host=self._host):
+                    raise  # ours, released meanwhile or raced: another pass
+                gone = False  # other hosts' share: theirs to release
+
+        self._releaser.release_all(
+            lambda: self._store.buffers(
+                tenant_id=tenant_id, states=ACCOUNTED_STATES, host=self._host
+            ),
+            delete_if_empty,
+            reason="tenant_delete",
+            what=f"tenant {tenant_id}",
+        )
+        return gone
 
     def issue_key(self, id_or_name: str) -> KeyInfo:
         """A new key for the tenant (shown only here)."""
@@ -119,5 +215,9 @@ class Tenants:
         """The calling tenant's quota and use."""
         t = self.info(require_tenant(who))
         return Usage(
-            tenant_id=t.id, quota_bytes=t.quota_bytes, used_bytes=t.used_bytes, buffers=t.buffers
+            tenant_id=t.id,
+            quota_bytes=t.quota_bytes,
+            used_bytes=t.used_bytes,
+            buffers=t.buffers,
+            max_buffers=t.max_buffers,
         )

@@ -37,6 +37,7 @@ import pytest
 import sqlalchemy as sa
 
 from conftest import Daemon
+from hardening import buffer_memfds
 from maasd import protocol
 from maasd.client import Worker
 from maasd.core.auth import Auth
@@ -404,6 +405,54 @@ def test_a_key_revoked_through_one_daemon_is_refused_by_all_within_a_second(
     finally:
         for cl in clients.values():
             cl.close()
+
+
+def test_a_tenant_deleted_through_one_daemon_is_scrubbed_on_every_host(
+    fleet: list[Daemon], ledger: sa.Engine
+) -> None:
+    """Each host scrubs its own share of a deleted tenant's buffers (none can reach another
+    host's memory): the DELETE through A releases A's, B and C release theirs at their next
+    reaper pass, and the last one deletes the tenant. Nothing stays in any daemon's fds."""
+    a, b, c = fleet
+    tenant_id, key = tenant_on(a, 64 * MiB)
+    before = {d.port: buffer_memfds(d.proc.pid) for d in fleet}  # type: ignore[union-attr]
+    held: dict[int, list[str]] = {}
+    for d in fleet:
+        with d.client(key) as cl:
+            for _ in range(2):
+                r = cl.post("/v1/pools/node0/reserve", json={"size_bytes": MiB, "ttl_s": 600})
+                assert r.status_code == 201, r.text
+                held.setdefault(d.port, []).append(r.json()["id"][:8])
+    with Worker(b.socket_path, key) as w:  # B's worker holds a mapping of one of them
+        view = w.attach(_ids_in_ledger_on(ledger, tenant_id, "host-b")[0])
+        view.array[:4] = 7
+        assert a.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+        wait_until(lambda: not _ids_in_ledger(ledger, tenant_id), timeout=10)
+        assert a.admin.get(f"/v1/tenants/{tenant_id}").status_code == 404
+        assert not view.array.any()  # scrubbed under the worker's own mapping
+    for d in fleet:
+        assert d.proc is not None
+        wait_until(
+            lambda d=d: buffer_memfds(d.proc.pid) == before[d.port],  # type: ignore[misc]
+            timeout=10,
+            message=f"{d.port}: the deleted tenant's memfds are closed",
+        )
+        assert not set(held[d.port]) & {n[len("maasd-") :] for n in buffer_memfds(d.proc.pid)}
+        assert d.admin.get("/healthz").status_code == 200
+    with ledger.connect() as conn:
+        kinds = conn.execute(
+            sa.text("SELECT kind FROM events WHERE tenant_id = :t"), {"t": tenant_id}
+        ).scalars()
+        assert "tenant_delete" in set(kinds)
+
+
+def _ids_in_ledger_on(ledger: sa.Engine, tenant_id: str, host: str) -> list[str]:
+    with ledger.connect() as conn:
+        rows = conn.execute(
+            sa.text("SELECT id FROM buffers WHERE tenant_id = :t AND host = :h ORDER BY id"),
+            {"t": tenant_id, "h": host},
+        )
+        return [r[0] for r in rows]
 
 
 def test_the_key_cache_answers_on_postgresql_and_forgets_a_remote_revocation(
