@@ -35,7 +35,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from maasd.allocator import Region
@@ -245,16 +245,24 @@ class Entries:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, who: Principal, keys: list[str], *, count_miss: bool = True) -> Found:
+    def lookup(
+        self,
+        who: Principal,
+        keys: list[str],
+        *,
+        count_miss: bool = True,
+        attached: Container[str] = (),
+    ) -> Found:
         """The committed entry of the longest of ``keys`` (short → long), read-only.
 
-        Answered from memory. A hit counts as an attachment of the caller, as a use and
+        Answered from memory. A hit counts as an attachment of the caller — unless the
+        entry is one of ``attached``, which the caller holds already — as a use and
         extends the entry's lease by its ``ttl_s``, both written in a batch later.
         ``count_miss=False``: a miss is not counted (the L2 tier is asked next, and the
         lookup's outcome is counted once that answered).
         """
         tenant_id = require_tenant(who)
-        opened = self._runtime.lookup(tenant_id, keys)
+        opened = self._runtime.lookup(tenant_id, keys, attached)
         series = self._metrics.tenant(tenant_id)
         if opened is None:
             if count_miss:
@@ -264,7 +272,8 @@ class Entries:
         self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
         series.hits.inc()
         series.restored.inc(opened.size_bytes)
-        series.attached.set(opened.tenant_attached)
+        if opened.tenant_attached is not None:
+            series.attached.set(opened.tenant_attached)
         assert opened.key is not None
         return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
 
