@@ -238,11 +238,8 @@ class ReserveRepo(Connections):
         written here). The caller checks that ``row`` is smaller than the pool
         (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
 
-        ``durable=False`` (a volatile pool's buffer) commits without waiting for the
-        disk — also when a victim is a persistent pool's buffer: a power loss that
-        rolls the admission back leaves that victim ``live`` in the ledger, which
-        ``recover()`` restores from its checkpoint if the file is still there (its
-        removal may be lost too) or releases (docs/operations.md, "Crash safety").
+        ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also
+        with persistent victims (why that is safe: docs/operations.md, "Crash safety").
         """
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
