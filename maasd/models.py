@@ -8,17 +8,45 @@ under another thread. Field names are the contract of SPEC §4.
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import msgspec
 
 from maasd import bounds
+from maasd.bounds import (
+    Backing,
+    BufferKind,
+    BufferState,
+    EntryAbortReason,
+    EventKind,
+    Persistence,
+    ReleaseReason,
+    ScrubMode,
+)
 
-Backing = Literal["memfd", "hugetlb"]
-Persistence = Literal["volatile", "persistent"]
-ScrubMode = Literal["zero", "punch"]
-BufferState = Literal["reserving", "staged", "live", "releasing"]
-BufferKind = Literal["buffer", "entry"]
+__all__ = [
+    "Backing",
+    "BufferInfo",
+    "BufferKind",
+    "BufferState",
+    "Checkpoint",
+    "EntryAbortReason",
+    "Event",
+    "EventKind",
+    "HostInfo",
+    "KeyInfo",
+    "LookupHit",
+    "NewTenant",
+    "Persistence",
+    "PoolInfo",
+    "PoolSpec",
+    "Principal",
+    "ReleaseReason",
+    "ReserveSpec",
+    "ScrubMode",
+    "TenantInfo",
+    "Usage",
+    "rfc3339",
+]
 
 #: RFC 3339, UTC, microseconds, always the same width: sorts as text.
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.{us:06d}Z"
@@ -199,11 +227,13 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
 class Event(msgspec.Struct, frozen=True, kw_only=True):
     """One entry of the audit trail: what happened to which tenant, buffer or pool.
 
-    ``kind`` is one of ``reserve``, ``release``, ``evict``, ``expire``, ``pool_drain``,
-    ``shutdown``, ``recover``, ``reserve_failed`` (buffers), ``tenant_create``,
-    ``tenant_delete``, ``quota_set``, ``max_buffers_set`` (``detail``: the cap),
-    ``key_issue``, ``key_revoke`` (tenants),
-    ``pool_create``, ``pool_delete`` (pools). ``bytes`` is the buffer size (or quota,
+    ``kind`` is an :data:`~maasd.bounds.EventKind`: ``reserve`` and every
+    :data:`~maasd.bounds.ReleaseReason` (``release``, ``evict``, ``expire``, ``pool_drain``,
+    ``shutdown``, ``recover``, ``reserve_failed``, and an entry's ``abort``, ``disconnect``,
+    ``commit_failed``) for buffers; ``tenant_create``, ``tenant_delete``, ``quota_set``,
+    ``max_buffers_set`` (``detail``: the cap), ``key_issue``, ``key_revoke`` (tenants);
+    ``pool_create``, ``pool_delete`` (pools); ``host_forget`` (a forgotten host: one per
+    buffer it held and one for the host). ``bytes`` is the buffer size (or quota,
     capacity); ``detail`` a name or id the kind needs (never a key itself).
     """
 

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from maasd.allocator.region import Region
+from maasd.bounds import Backing
 from maasd.errors import BackingError
 
 CHUNK = 8 << 20
@@ -99,7 +100,7 @@ def restore(
     path: str | os.PathLike[str],
     *,
     node: int,
-    backing: str = "memfd",
+    backing: Backing = "memfd",
     page_bytes: int | None = None,
     size: int | None = None,
     expected_checksum: str | None = None,
