@@ -239,7 +239,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
 
     id: int
     at: str
-    kind: str
+    kind: EventKind
     tenant_id: str | None
     buffer_id: str | None
     pool_id: str | None

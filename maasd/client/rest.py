@@ -28,6 +28,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from maasd.bounds import Persistence
 from maasd.client.errors import (
     ConnectionFailed,
     InvalidReference,
@@ -276,7 +277,7 @@ class Client(_Http):
         *,
         size_gb: float | None = None,
         pool: str | None = None,
-        persistence: str | None = None,
+        persistence: Persistence | None = None,
         latency_us: int | None = None,
         ttl_s: int = 600,
         label: str | None = None,

@@ -46,8 +46,11 @@ __all__ = [
 ]
 
 
-# Enumerations (backing, persistence, scrub, state) are plain ``str`` on purpose:
-# a value added by a newer daemon must not make a whole listing undecodable.
+# Enumerations (backing, persistence, scrub, state, an event's kind) are plain ``str``
+# here on purpose: a value added by a newer daemon must not make a whole listing
+# undecodable. The values this daemon sends are the Literals of ``maasd.bounds``
+# (``Backing``, ``Persistence``, ``ScrubMode``, ``BufferState``, ``EventKind``), which the
+# client takes for what it sends (``Client.reserve(persistence=…)``).
 
 
 class Pool(msgspec.Struct, frozen=True, kw_only=True):
