@@ -82,7 +82,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(?!\n)$"
 MAX_LABEL = 128
 #: A buffer's (prefix-cache) key.
 MAX_KEY = 512
-#: Keys in one lookup, ordered short → long (SPEC §5).
+#: Keys in one lookup, ordered short → long (the longest held is found).
 MAX_LOOKUP_KEYS = 1024
 #: Ids (buffers, pools, tenants, keys) and "id or name" references. Ours are 32 hex
 #: characters; a longer one cannot exist, but it is a 404, not a 400.
@@ -91,7 +91,7 @@ MAX_ID = 256
 MAX_API_KEY = 1024
 #: ``size_gb`` is in GiB and must stay below 2^63 bytes.
 MAX_SIZE_GIB = 2.0**33
-#: A tenant's live-buffer cap (SPEC §4 ``max_buffers``).
+#: A tenant's cap on its buffers at once (``max_buffers``).
 MAX_BUFFERS = 1 << 24
 #: Events in one page of the audit trail.
 MAX_EVENTS = 1000

@@ -2,7 +2,7 @@
 
 They are ``msgspec.Struct``s so that the API answers without a conversion
 layer, and frozen so that a record handed to a caller can never be mutated
-under another thread. Field names are the contract of SPEC §4.
+under another thread. Field names are the API's contract (docs/api.md).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def rfc3339(epoch_s: float) -> str:
 
 
 class PoolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The fixed properties of a pool (SPEC §1), as configured (TOML) or POSTed.
+    """The fixed properties of a pool (docs/api.md), as configured (TOML) or POSTed.
 
     Decoded strictly at either edge with the bounds of :mod:`maasd.bounds`; the
     service checks only the rules (the node exists, the capacity fits the node).
@@ -127,7 +127,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A daemon host sharing the ledger (SPEC §9), as the ledger knows it.
+    """A daemon host sharing the ledger (docs/scale-out.md), as the ledger knows it.
 
     ``live``: not stopped cleanly and a heartbeat younger than the daemon's
     ``host_timeout_s``; ``last_seen_age_s`` is that heartbeat's age on the

@@ -26,7 +26,7 @@ The daemon keeps its own mapping for the region's whole life: ``move_pages``
 only reports pages mapped in the calling process, and scrubbing through an
 existing mapping avoids a map/unmap per release.
 
-**Nothing a worker does may fault the daemon** (SPEC §2.9). A worker may punch
+**Nothing a worker does may fault the daemon** (docs/allocator.md). A worker may punch
 holes in its buffer (the seals allow it). On hugetlb memory, a later touch of a
 hole through the daemon's mapping needs a fresh huge page, and when a worker
 has taken them all, the kernel answers with SIGBUS. So once a region is handed
@@ -224,7 +224,7 @@ class Region:
 
         The tail is unmapped from the daemon and its pages freed by the truncation
         (~6 ms per populated 64 MiB here), so the file is exactly ``size`` bytes —
-        SPEC §1 — before the seals of :data:`SEALS` (plus ``extra_seals``) go on.
+        a worker's fd covers its buffer and nothing more — before the seals of :data:`SEALS` (plus ``extra_seals``) go on.
         """
         with self._lock:
             self._check_open()

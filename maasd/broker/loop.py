@@ -262,8 +262,8 @@ class EventLoop:
 
     def _sweep_revocations(self) -> None:
         """A key was revoked: re-check every authenticated connection's key off the loop, so
-        an idle worker of a revoked key is closed now, not at its next request (SPEC §4:
-        a revoked key answers 401 at once, on the socket too). Connections with a request in
+        an idle worker of a revoked key is closed now, not at its next request (a
+        revoked key answers 401 at once, on the socket too). Connections with a request in
         flight are re-checked by that request, or here once its reply is out."""
         generation = self.service.auth_generation
         if generation != self.swept:

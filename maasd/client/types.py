@@ -1,4 +1,4 @@
-"""The objects of SPEC §4 as the client sees them: frozen msgspec Structs.
+"""The REST API's records (docs/api.md) as the client sees them: frozen msgspec Structs.
 
 They mirror the daemon's records field for field (``maasd.models``,
 ``maasd.topology``) but are defined here, so the client imports nothing from the

@@ -1,4 +1,4 @@
-"""Entries: the worker socket's ``put``, ``commit``, ``abort`` and ``lookup`` (SPEC §5, §2.8).
+"""Entries: the worker socket's ``put``, ``commit``, ``abort`` and ``lookup``: committed entries are immutable.
 
 An entry is a keyed, evictable buffer that its writer fills once; from its commit on
 its bytes are immutable, enforced by the kernel, and every handle to it is read-only::

@@ -3,7 +3,7 @@
 Every path that ends a buffer goes through :class:`Releaser` — a tenant's
 DELETE, lease expiry, eviction, a tenant's or a pool's deletion, shutdown — so
 that each one records its intent first and scrubs before it says done
-(SPEC §2.4)::
+(every byte reads zero, also through a stale mapping, before it answers)::
 
     ledger: row ``releasing`` (its key given up)
     memory: region taken out (after any checkpoint or pin of it), scrubbed, closed

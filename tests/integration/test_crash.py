@@ -1,4 +1,4 @@
-"""Crash safety (SPEC §2.6): SIGKILL the daemon under load, restart, check the ledger.
+"""Crash safety (no accounting leak, checkpoints come back intact): SIGKILL the daemon under load, restart, check the ledger.
 
 Each round: clients (threads, each with its own HTTP connection) reserve and
 release volatile buffers while a persistent buffer is being re-checkpointed;

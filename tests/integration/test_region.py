@@ -650,7 +650,7 @@ HOG_VICTIM = textwrap.dedent("""
 @pytest.mark.hugetlb
 @pytest.mark.usefixtures("huge_pages")
 class TestHugetlbHoles:
-    """Nothing the daemon does to a region a worker punched can fault it (SPEC §2.9)."""
+    """Nothing the daemon does to a region a worker punched can fault it."""
 
     def test_punch_and_hog_then_everything_the_daemon_does(self, tmp_path):
         victim = subprocess.Popen(
