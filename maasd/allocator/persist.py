@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from maasd.allocator.region import Region
+from maasd.bounds import Backing
 from maasd.errors import BackingError
 
 CHUNK = 8 << 20
@@ -36,7 +37,7 @@ def checkpoint(region: Region, path: str | os.PathLike[str], *, sync: bool = Tru
     The bytes are read with ``pread`` from the region's fd, never through the
     daemon's mapping: a worker may have punched holes in its buffer, which read as
     zeros this way and cost nothing, where a touch through the mapping of a
-    ``hugetlb`` hole could fault the daemon (SPEC §2.9). The temporary file is
+    ``hugetlb`` hole could fault the daemon (no worker action may: docs/allocator.md). The temporary file is
     created with ``O_EXCL | O_NOFOLLOW`` after removing any stale one (a crash's
     leftover, or a planted symlink, which is removed and never followed).
 
@@ -99,7 +100,7 @@ def restore(
     path: str | os.PathLike[str],
     *,
     node: int,
-    backing: str = "memfd",
+    backing: Backing = "memfd",
     page_bytes: int | None = None,
     size: int | None = None,
     expected_checksum: str | None = None,

@@ -46,6 +46,7 @@ from maasd.errors import (
     TooLarge,
     Unauthorized,
 )
+from maasd.models import BufferState, ReleaseReason
 from maasd.store import schema
 from maasd.store.base import Connections, used, violation
 from maasd.store.events import buffer_event, ins_event
@@ -348,7 +349,7 @@ class ReserveRepo(Connections):
     def finish_release(
         self,
         buffer_id: str,
-        kind: str = "release",
+        kind: ReleaseReason = "release",
         *,
         now: float | None = None,
         detail: str | None = None,
@@ -371,7 +372,7 @@ class ReserveRepo(Connections):
         return row
 
     def finish_release_many(
-        self, buffer_ids: Sequence[str], kind: str, *, now: float | None = None
+        self, buffer_ids: Sequence[str], kind: ReleaseReason, *, now: float | None = None
     ) -> int:
         """Delete many buffers' rows (their memory is scrubbed) with a ``kind`` event each,
         in one transaction — what shutdown does instead of a round trip per buffer.
@@ -395,7 +396,7 @@ def _even_after(freed: int) -> str:
 class BufferRepo(Connections):
     """Reading buffers, changing their state, lease, placement and checkpoint."""
 
-    def set_state(self, buffer_id: str, state: str) -> None:
+    def set_state(self, buffer_id: str, state: BufferState) -> None:
         """Set a buffer's state (``releasing`` also clears its key). :class:`NotFound` if unknown."""
         _check_state(state)
         if state == "releasing":
@@ -404,7 +405,7 @@ class BufferRepo(Connections):
         if self._single_count(_set_state, {"p_id": buffer_id, "p_state": state}) == 0:
             raise NotFound(f"buffer {buffer_id} not found")
 
-    def advance(self, buffer_id: str, from_state: str, to_state: str) -> bool:
+    def advance(self, buffer_id: str, from_state: BufferState, to_state: BufferState) -> bool:
         """Compare-and-set a buffer's state: ``from_state`` → ``to_state``, only if it is
         still in ``from_state``. ``False`` when it is not (released meanwhile, or gone).
 
