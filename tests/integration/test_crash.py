@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from maasd.client import Worker
+from waiting import wait_until
 
 if TYPE_CHECKING:
     from conftest import Daemon
@@ -231,7 +232,8 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
         )
         with Churn(d.url, key, CLIENTS) as churn:
             hot_thread.start()
-            time.sleep(rnd.uniform(0.4, 1.2))
+            wait_until(lambda: churn.granted > 0, timeout=60, message="load under way")
+            time.sleep(rnd.uniform(0.2, 0.8))
             d.kill()
         stop_hot.set()
         hot_thread.join(10)
