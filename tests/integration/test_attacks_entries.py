@@ -2,7 +2,9 @@
 
 A writer that ``put`` an entry and then never commits (a hung worker, or one that
 does it on purpose) must not hold the entry's bytes beyond what a buffer may: its
-lease ends it, and the tenant or the admin can release it.
+lease ends it, and the tenant or the admin can release it. A reader that keeps a
+committed entry's read-only fd after the entry is released must not make the daemon
+keep memory beyond the tenant's quota.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import pytest
 
 from conftest import Daemon
 from hardening import after_attack
-from maasd.protocol import Commit, Error, Put, Reserved
+from maasd.protocol import Commit, Detach, Error, Found, Lookup, Ok, Put, Reserved
 from sockpeer import Raw
 from waiting import wait_until
 
@@ -90,5 +92,45 @@ def test_a_staged_entry_can_be_released_by_delete(daemon: Daemon, who: str) -> N
         released(daemon, tenant_id, w, reserved, fd)
     finally:
         os.close(fd)
+        w.close()
+    after_attack(daemon)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a committed entry is sealed F_SEAL_FUTURE_WRITE, so its pages cannot be punched: "
+    "a read-only fd kept after the release keeps them resident in the daemon's memory, "
+    "counted nowhere — a tenant holds any multiple of its quota",
+)
+def test_read_only_fds_kept_after_release_hold_no_more_than_the_quota(daemon: Daemon) -> None:
+    quota = 4 * MiB
+    _, key = daemon.tenant("fd-keeper", quota)
+    w = Raw(daemon.socket_path, timeout=30)
+    w.hello(key)
+    kept: list[int] = []
+    try:
+        with daemon.client(key) as c:
+            for i in range(6):
+                reply, fds = w.call(Put(key=f"keep-{i}", size_bytes=quota))
+                for fd in fds:
+                    os.pwrite(fd, b"\xa5" * quota, 0)
+                    os.close(fd)
+                if not isinstance(reply, Reserved):
+                    break  # refused: what is still held counts
+                assert isinstance(w.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
+                found, fds = w.call(Lookup(keys=[f"keep-{i}"]))
+                assert isinstance(found, Found), found
+                kept.extend(fds)  # the attacker keeps the read-only fd ...
+                assert isinstance(w.call(Detach(buffer_id=reply.buffer_id))[0], Ok)
+                r = c.delete(f"/v1/buffers/{reply.buffer_id}")  # ... of a released entry
+                assert r.status_code == 204, r.text
+        for fd in kept:
+            assert os.pread(fd, 4096, 0) == bytes(4096)  # scrubbed, as it should be
+        # But its pages are still there: memory no pool and no quota counts.
+        resident = sum(os.fstat(fd).st_blocks * 512 for fd in kept)
+        assert resident <= quota, f"{resident >> 20} MiB held by a tenant of {quota >> 20} MiB"
+    finally:
+        for fd in kept:
+            os.close(fd)
         w.close()
     after_attack(daemon)
