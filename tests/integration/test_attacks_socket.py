@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ import pytest
 
 from conftest import Daemon
 from hardening import after_attack
-from maasd.protocol import Attach, Attached, encode_frame
+from maasd.protocol import Attach, Attached, Hello, Welcome, encode_frame
 from sockpeer import Raw
 
 KiB = 1 << 10
@@ -116,3 +117,36 @@ def test_fds_left_unread_in_sockets_do_not_cut_other_tenants_off(nobody_dir: Pat
             after_attack(d)
         finally:
             d.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="connections waiting for hello are capped per uid (half of "
+    "socket_max_unauthenticated) and in total, and a new one past the cap is refused "
+    "(429) instead of shedding the oldest: idle connects lock out every worker of the uid",
+)
+def test_connections_that_never_say_hello_do_not_lock_out_a_worker(daemon: Daemon) -> None:
+    # No key needed: anyone who may connect to the socket opens connections and never
+    # sends hello, re-opening each one the hello deadline closes. A worker of the same
+    # uid (workers of several tenants often share one) connects and says hello at once.
+    _, key = daemon.tenant("victim", 16 * MiB)
+    with daemon.client(key) as c:
+        buffer_id = c.post("/v1/reserve", json={"size_bytes": 4 * KiB}).json()["id"]
+    idle: list[socket.socket] = []
+    try:
+        for _ in range(70):  # more than socket_max_unauthenticated (64)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            idle.append(s)
+            s.connect(daemon.socket_path)
+        r = Raw(daemon.socket_path)
+        try:
+            reply, fds = r.call(Hello(api_key=key))
+        finally:
+            r.close()
+        assert fds == []
+        assert isinstance(reply, Welcome), reply
+    finally:
+        for s in idle:
+            s.close()
+    assert isinstance(attach_once(daemon.socket_path, key, buffer_id), Attached)
+    after_attack(daemon)
