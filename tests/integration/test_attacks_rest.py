@@ -7,8 +7,11 @@ the attacker's requests go on completing — counted, not timed.
 
 from __future__ import annotations
 
+import os
 import secrets
+import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,6 +25,22 @@ MiB = 1 << 20
 FLOOD = 100
 
 
+def persistent_pool(daemon: Daemon, spill_dir: Path, capacity: int) -> str:
+    """A new persistent pool spilling to ``spill_dir``; its id."""
+    r = daemon.admin.post(
+        "/v1/pools",
+        json={
+            "name": f"spill-{secrets.token_hex(3)}",
+            "numa_node": 0,
+            "capacity_bytes": capacity,
+            "persistence": "persistent",
+            "spill_dir": str(spill_dir),
+        },
+    )
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"])
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="every REST service call takes a thread of one shared limiter (64), with no "
@@ -29,18 +48,7 @@ FLOOD = 100
     "and every other tenant's request queues behind them",
 )
 def test_a_checkpoint_flood_does_not_starve_another_tenant(daemon: Daemon, tmp_path: Path) -> None:
-    r = daemon.admin.post(
-        "/v1/pools",
-        json={
-            "name": f"spill-{secrets.token_hex(3)}",
-            "numa_node": 0,
-            "capacity_bytes": 64 * MiB,
-            "persistence": "persistent",
-            "spill_dir": str(tmp_path / "spill"),
-        },
-    )
-    assert r.status_code == 201, r.text
-    pool = r.json()["id"]
+    pool = persistent_pool(daemon, tmp_path / "spill", 64 * MiB)
     _, evil = daemon.tenant("checkpointer", 64 * MiB)
     _, good = daemon.tenant("bystander", 16 * MiB)
     with daemon.client(evil) as c:
@@ -91,4 +99,49 @@ def test_a_checkpoint_flood_does_not_starve_another_tenant(daemon: Daemon, tmp_p
         for t in threads:
             t.join()
     assert daemon.admin.delete(f"/v1/pools/{pool}", params={"drain": "true"}).status_code == 204
+    after_attack(daemon)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a spill directory that fills up."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_checkpoint_into_a_full_spill_dir_is_507_and_leaves_nothing(
+    daemon: Daemon, tiny_fs: Path
+) -> None:
+    spill = tiny_fs / "spill"
+    pool = persistent_pool(daemon, spill, 16 * MiB)
+    _, key = daemon.tenant("spiller", 16 * MiB)
+    with daemon.client(key) as c:
+        big = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 4 * MiB}).json()["id"]
+        small = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 256 << 10}).json()["id"]
+        for _ in range(3):  # more than the filesystem holds: a clear 507, every time
+            r = c.post(f"/v1/buffers/{big}/checkpoint")
+            assert r.status_code == 507, r.text
+            assert r.json()["type"].endswith("resource-limit"), r.text
+            assert str(spill) in r.json()["detail"]
+            assert os.listdir(spill) == []  # no partial file keeps the filesystem full
+        assert c.get(f"/v1/buffers/{big}").json()["checksum"] is None  # nothing recorded
+        # So another buffer of the pool still checkpoints there.
+        r = c.post(f"/v1/buffers/{small}/checkpoint")
+        assert r.status_code == 200, r.text
+        assert len(os.listdir(spill)) == 1
+    r = daemon.admin.delete(f"/v1/pools/{pool}", params={"drain": "true"})
+    assert r.status_code == 204, r.text
+    assert os.listdir(spill) == []
     after_attack(daemon)
