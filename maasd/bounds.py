@@ -21,7 +21,7 @@ refused
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -40,9 +40,14 @@ __all__ = [
     "NAME_PATTERN",
     "PATH_PATTERN",
     "ApiKey",
+    "Backing",
+    "BufferKind",
+    "BufferState",
     "Bytes",
     "EntryKey",
+    "EntryAbortReason",
     "EntryKeys",
+    "EventKind",
     "EventLimit",
     "Id",
     "Label",
@@ -50,8 +55,11 @@ __all__ = [
     "MaxBuffers",
     "Name",
     "NodeId",
+    "Persistence",
     "PositiveBytes",
     "Ref",
+    "ReleaseReason",
+    "ScrubMode",
     "SizeGiB",
     "SpillDir",
     "TtlS",
@@ -74,7 +82,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(?!\n)$"
 MAX_LABEL = 128
 #: A buffer's (prefix-cache) key.
 MAX_KEY = 512
-#: Keys in one lookup, ordered short → long (SPEC §5).
+#: Keys in one lookup, ordered short → long (the longest held is found).
 MAX_LOOKUP_KEYS = 1024
 #: Ids (buffers, pools, tenants, keys) and "id or name" references. Ours are 32 hex
 #: characters; a longer one cannot exist, but it is a 404, not a 400.
@@ -83,7 +91,7 @@ MAX_ID = 256
 MAX_API_KEY = 1024
 #: ``size_gb`` is in GiB and must stay below 2^63 bytes.
 MAX_SIZE_GIB = 2.0**33
-#: A tenant's live-buffer cap (SPEC §4 ``max_buffers``).
+#: A tenant's cap on its buffers at once (``max_buffers``).
 MAX_BUFFERS = 1 << 24
 #: Events in one page of the audit trail.
 MAX_EVENTS = 1000
@@ -113,6 +121,52 @@ ApiKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_API_KEY)]
 MaxBuffers = Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERS)]
 EventLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENTS)]
 SpillDir = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH, pattern=PATH_PATTERN)]
+
+# -- Closed vocabularies: every value these fields can take, declared once. -----------------
+# The server's records, its ledger rows and the allocator use them as they are; the client
+# (which may grow older than the daemon) takes them for what it sends.
+
+#: What a pool's memory is: ordinary shared memory, or huge pages.
+Backing = Literal["memfd", "hugetlb"]
+#: Whether a pool's buffers survive a restart (checkpointed to its spill dir) or not.
+Persistence = Literal["volatile", "persistent"]
+#: How a released buffer is made to read zero: overwritten, or its pages punched out.
+ScrubMode = Literal["zero", "punch"]
+#: A buffer's state in the ledger: ``reserving`` (admitted, its region being made),
+#: ``staged`` (a socket entry not yet committed), ``live``, ``releasing`` (being scrubbed).
+BufferState = Literal["reserving", "staged", "live", "releasing"]
+#: How a buffer was made: a REST reserve (``buffer``) or a socket put (``entry``).
+BufferKind = Literal["buffer", "entry"]
+#: Why a staged entry was released before its commit (``maasd_entry_aborts``' reason).
+EntryAbortReason = Literal["abort", "disconnect", "commit_failed"]
+#: Why a buffer ended: the kind of the event its release records, and the ``reason``
+#: label of ``maasd_release``.
+ReleaseReason = Literal[
+    EntryAbortReason,
+    "release",
+    "expire",
+    "evict",
+    "tenant_delete",
+    "pool_drain",
+    "shutdown",
+    "recover",
+    "reserve_failed",
+]
+#: The kinds of the audit trail's events: every release reason, and the changes to
+#: buffers, tenants, keys, pools and hosts.
+EventKind = Literal[
+    ReleaseReason,
+    "reserve",
+    "tenant_create",
+    "tenant_delete",
+    "quota_set",
+    "max_buffers_set",
+    "key_issue",
+    "key_revoke",
+    "pool_create",
+    "pool_delete",
+    "host_forget",
+]
 
 
 def bytes_of_gib(gib: float) -> int:

@@ -178,7 +178,13 @@ class Metrics:
 
     def __init__(self) -> None:
         self._tenants: dict[str, TenantMetrics] = {}
-        r = self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._buffer_series(self.registry)
+        self._entry_series(self.registry)
+        self._connection_series(self.registry)
+
+    def _buffer_series(self, r: CollectorRegistry) -> None:
+        """Reserves, releases, scrubs, evictions, leases, attachments and checkpoints."""
         self.reserve_total = Counter(
             "maasd_reserve", "Reserve requests by outcome", ["outcome"], registry=r
         )
@@ -210,6 +216,13 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self.checkpoints = Counter("maasd_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_bytes = Counter(
+            "maasd_checkpoint_bytes", "Bytes written by checkpoints", registry=r
+        )
+
+    def _entry_series(self, r: CollectorRegistry) -> None:
+        """The socket's entries: lookups, puts, commits, aborts, evictions."""
         self.entry_lookups = Counter(
             "maasd_entry_lookups",
             "Socket lookups of entries, by tenant and outcome (hit, miss)",
@@ -247,10 +260,9 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
-        self.checkpoints = Counter("maasd_checkpoints", "Checkpoints written", registry=r)
-        self.checkpoint_bytes = Counter(
-            "maasd_checkpoint_bytes", "Bytes written by checkpoints", registry=r
-        )
+
+    def _connection_series(self, r: CollectorRegistry) -> None:
+        """The REST server's connections."""
         self.http_connections = Gauge(
             "maasd_http_connections", "REST connections held open", registry=r
         )

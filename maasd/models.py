@@ -2,23 +2,51 @@
 
 They are ``msgspec.Struct``s so that the API answers without a conversion
 layer, and frozen so that a record handed to a caller can never be mutated
-under another thread. Field names are the contract of SPEC §4.
+under another thread. Field names are the API's contract (docs/api.md).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
 
 import msgspec
 
 from maasd import bounds
+from maasd.bounds import (
+    Backing,
+    BufferKind,
+    BufferState,
+    EntryAbortReason,
+    EventKind,
+    Persistence,
+    ReleaseReason,
+    ScrubMode,
+)
 
-Backing = Literal["memfd", "hugetlb"]
-Persistence = Literal["volatile", "persistent"]
-ScrubMode = Literal["zero", "punch"]
-BufferState = Literal["reserving", "staged", "live", "releasing"]
-BufferKind = Literal["buffer", "entry"]
+__all__ = [
+    "Backing",
+    "BufferInfo",
+    "BufferKind",
+    "BufferState",
+    "Checkpoint",
+    "EntryAbortReason",
+    "Event",
+    "EventKind",
+    "HostInfo",
+    "KeyInfo",
+    "LookupHit",
+    "NewTenant",
+    "Persistence",
+    "PoolInfo",
+    "PoolSpec",
+    "Principal",
+    "ReleaseReason",
+    "ReserveSpec",
+    "ScrubMode",
+    "TenantInfo",
+    "Usage",
+    "rfc3339",
+]
 
 #: RFC 3339, UTC, microseconds, always the same width: sorts as text.
 TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%S.{us:06d}Z"
@@ -38,7 +66,7 @@ def rfc3339(epoch_s: float) -> str:
 
 
 class PoolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The fixed properties of a pool (SPEC §1), as configured (TOML) or POSTed.
+    """The fixed properties of a pool (docs/api.md), as configured (TOML) or POSTed.
 
     Decoded strictly at either edge with the bounds of :mod:`maasd.bounds`; the
     service checks only the rules (the node exists, the capacity fits the node).
@@ -99,7 +127,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
-    """A daemon host sharing the ledger (SPEC §9), as the ledger knows it.
+    """A daemon host sharing the ledger (docs/scale-out.md), as the ledger knows it.
 
     ``live``: not stopped cleanly and a heartbeat younger than the daemon's
     ``host_timeout_s``; ``last_seen_age_s`` is that heartbeat's age on the
@@ -199,17 +227,19 @@ class Principal(msgspec.Struct, frozen=True, kw_only=True):
 class Event(msgspec.Struct, frozen=True, kw_only=True):
     """One entry of the audit trail: what happened to which tenant, buffer or pool.
 
-    ``kind`` is one of ``reserve``, ``release``, ``evict``, ``expire``, ``pool_drain``,
-    ``shutdown``, ``recover``, ``reserve_failed`` (buffers), ``tenant_create``,
-    ``tenant_delete``, ``quota_set``, ``max_buffers_set`` (``detail``: the cap),
-    ``key_issue``, ``key_revoke`` (tenants),
-    ``pool_create``, ``pool_delete`` (pools). ``bytes`` is the buffer size (or quota,
+    ``kind`` is an :data:`~maasd.bounds.EventKind`: ``reserve`` and every
+    :data:`~maasd.bounds.ReleaseReason` (``release``, ``evict``, ``expire``, ``pool_drain``,
+    ``shutdown``, ``recover``, ``reserve_failed``, and an entry's ``abort``, ``disconnect``,
+    ``commit_failed``) for buffers; ``tenant_create``, ``tenant_delete``, ``quota_set``,
+    ``max_buffers_set`` (``detail``: the cap), ``key_issue``, ``key_revoke`` (tenants);
+    ``pool_create``, ``pool_delete`` (pools); ``host_forget`` (a forgotten host: one per
+    buffer it held and one for the host). ``bytes`` is the buffer size (or quota,
     capacity); ``detail`` a name or id the kind needs (never a key itself).
     """
 
     id: int
     at: str
-    kind: str
+    kind: EventKind
     tenant_id: str | None
     buffer_id: str | None
     pool_id: str | None

@@ -1,4 +1,4 @@
-"""The wire protocol of the local data plane (SPEC §5), shared by broker and client.
+"""The wire protocol of the local data plane (docs/client.md, "Wire protocol"), shared by broker and client.
 
 A frame is a 4-byte big-endian length followed by that many bytes of one
 msgpack map, a msgspec tagged union on ``"op"``::
@@ -94,7 +94,7 @@ __all__ = [
     "send_message",
 ]
 
-#: Largest frame body accepted or produced, in bytes (SPEC §5).
+#: Largest frame body accepted or produced, in bytes (a longer announced length is refused).
 MAX_FRAME = 64 * 1024
 #: The length prefix: 4 bytes, big-endian, unsigned.
 HEADER = struct.Struct(">I")

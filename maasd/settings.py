@@ -2,7 +2,7 @@
 
 Precedence, highest first: command-line flags, environment variables, the
 config file (``--config`` / ``MAASD_CONFIG``), built-in defaults. The config
-file may also hold ``[[pools]]`` tables (SPEC §1 fields plus ``spill_dir``);
+file may also hold ``[[pools]]`` tables (the fields of :class:`~maasd.models.PoolSpec`);
 without any, the daemon makes one volatile memfd pool per NUMA node
 (:func:`default_pools`).
 
@@ -335,7 +335,7 @@ def group_id(group: str | None) -> int | None:
 def default_pools(
     topology: Topology, pool_bytes: int | None = None, warm_bytes: int | None = None
 ) -> list[PoolSpec]:
-    """SPEC §3: one volatile memfd pool per node, ``node<N>``.
+    """The default without configured pools: one volatile memfd pool per node, ``node<N>``.
 
     Size: ``pool_bytes`` when given, else a quarter of the node's free memory,
     at most 8 GiB — rounded down to whole pages. Warm stock: ``warm_bytes`` when

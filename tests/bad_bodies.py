@@ -1,4 +1,4 @@
-"""The hostile request bodies of SPEC §2.7, one table per body, for the API tests.
+"""The hostile request bodies (each must get a 4xx and change nothing), one table per body, for the API tests.
 
 Shared by the tests through a real daemon (``integration/test_api_bad_input.py``)
 and the in-process ones (``unit/test_api_bodies.py``); import as ``from

@@ -1,4 +1,4 @@
-"""What must still hold after any attack on a real daemon (SPEC §2.7, §2.9).
+"""What must still hold after any attack on a real daemon: healthy, nothing leaked, others served.
 
 :func:`after_attack` checks, in order: the daemon is alive; ``/healthz`` tells the
 truth (200 ``ok`` with every component healthy); another tenant can still reserve,

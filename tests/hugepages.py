@@ -9,9 +9,9 @@ test and says why. The count is global to the host, so the block holds an
 exclusive ``flock`` on a lock file for its whole length: two test runs on one
 machine never restore each other's pages away.
 
-:class:`Hog` is the attacker of SPEC §2.9: a child process that maps every free
-huge page (``MAP_ANONYMOUS | MAP_HUGETLB``) and touches each one, until it is
-closed.
+:class:`Hog` is the attacker no worker action may harm the daemon against: a child
+process that maps every free huge page (``MAP_ANONYMOUS | MAP_HUGETLB``) and touches
+each one, until it is closed.
 """
 
 from __future__ import annotations

@@ -16,16 +16,21 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import hashlib
 import os
 from pathlib import Path
 
 from maasd.allocator.region import Region
-from maasd.errors import BackingError
+from maasd.bounds import Backing
+from maasd.errors import BackingError, MaasdError, ResourceLimit
 
 CHUNK = 8 << 20
 #: A checkpoint's temporary file: created new, never through a symlink.
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+#: errnos of a spill filesystem with no room left (answered 507, like any daemon limit).
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
@@ -36,43 +41,81 @@ def checkpoint(region: Region, path: str | os.PathLike[str], *, sync: bool = Tru
     The bytes are read with ``pread`` from the region's fd, never through the
     daemon's mapping: a worker may have punched holes in its buffer, which read as
     zeros this way and cost nothing, where a touch through the mapping of a
-    ``hugetlb`` hole could fault the daemon (SPEC §2.9). The temporary file is
+    ``hugetlb`` hole could fault the daemon (no worker action may: docs/allocator.md). The temporary file is
     created with ``O_EXCL | O_NOFOLLOW`` after removing any stale one (a crash's
     leftover, or a planted symlink, which is removed and never followed).
 
     ``sync=False`` leaves out the two fsyncs (file and directory): for many checkpoints
     at once, made durable together by one :func:`sync_filesystem` — which must happen
     before anything (the ledger) relies on them.
+
+    A checkpoint that fails leaves no file behind. Raises :class:`ResourceLimit` (507)
+    when the spill filesystem is full, :class:`BackingError` for any other failure.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    digest = hashlib.sha256()
-    chunk = bytearray(min(CHUNK, region.size))
     try:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         fd = os.open(tmp, _CREATE, 0o600)
-        try:
-            off = 0
-            while off < region.size:
-                n = region.read_into(chunk, off)
-                if not n:
-                    raise BackingError(f"checkpoint to {path}: short read of the region at {off}")
-                data = memoryview(chunk)[:n]
-                digest.update(data)
-                while data:
-                    data = data[os.write(fd, data) :]
-                off += n
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        if sync:
-            _fsync_dir(path.parent)
     except OSError as e:
-        raise BackingError(f"checkpoint to {path}: {e.strerror}", e.errno) from e
+        raise _checkpoint_error(path, e) from e
+    try:
+        digest = _write_all(region, fd, path, sync=sync)
+    except BaseException as e:
+        # A failed checkpoint leaves no file behind: a partial one would keep a full
+        # spill directory full, for every buffer of the pool, after its buffer is gone.
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise _checkpoint_error(path, e) from e
+        raise
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise _checkpoint_error(path, e) from e
+    if sync:
+        try:
+            _fsync_dir(path.parent)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise _checkpoint_error(path, e) from e
+    return digest
+
+
+def _write_all(region: Region, fd: int, path: Path, *, sync: bool) -> str:
+    """Write the region's bytes to ``fd`` (then close it); their SHA-256 (hex)."""
+    digest = hashlib.sha256()
+    chunk = bytearray(min(CHUNK, region.size))
+    try:
+        off = 0
+        while off < region.size:
+            n = region.read_into(chunk, off)
+            if not n:
+                raise BackingError(f"checkpoint to {path}: short read of the region at {off}")
+            data = memoryview(chunk)[:n]
+            digest.update(data)
+            while data:
+                data = data[os.write(fd, data) :]
+            off += n
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
     return digest.hexdigest()
+
+
+def _checkpoint_error(path: Path, e: OSError) -> MaasdError:
+    """A full spill filesystem is a limit the daemon is at (507), not a bug (500)."""
+    if e.errno in _FULL:
+        return ResourceLimit(
+            f"the spill directory {path.parent} has no room for a checkpoint: "
+            f"{e.strerror}; free space there or give the pool a larger spill_dir"
+        )
+    return BackingError(f"checkpoint to {path}: {e.strerror}", e.errno)
 
 
 def sync_filesystem(path: str | os.PathLike[str]) -> None:
@@ -99,7 +142,7 @@ def restore(
     path: str | os.PathLike[str],
     *,
     node: int,
-    backing: str = "memfd",
+    backing: Backing = "memfd",
     page_bytes: int | None = None,
     size: int | None = None,
     expected_checksum: str | None = None,

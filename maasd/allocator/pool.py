@@ -22,12 +22,14 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, get_args
 
 from maasd.allocator.arith import Ledger, check_size, round_up
 from maasd.allocator.reclaim import Reclaimer, reclaim
+from maasd.allocator.refill import FILL_WAIT_S, Refilling
 from maasd.allocator.region import BACKINGS, SCRUB_MODES, Region
-from maasd.allocator.stock import Stock, size_class, warm_budget
+from maasd.allocator.stock import Stock, warm_budget
+from maasd.bounds import Backing, Persistence, ScrubMode
 from maasd.errors import BackingError, InvalidRequest, PoolExhausted
 
 if TYPE_CHECKING:
@@ -35,10 +37,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PERSISTENCES = ("volatile", "persistent")
-#: Longest a reserve waits for a refill in flight to give its capacity back (it stops
-#: within one populate step, ~30 ms here).
-FILL_WAIT_S = 10.0
+PERSISTENCES: tuple[Persistence, ...] = get_args(Persistence)
 
 
 def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
@@ -49,23 +48,24 @@ def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
 
 
 @dataclass
-class Pool:
+class Pool(Refilling):
     """Capacity accounting, region creation and a warm stock for one pool. Thread-safe.
 
     ``reclaimer`` gives the pages of released ``zero``-scrubbed regions back in the
     background (see :meth:`release`); without one, that happens in the releasing call.
     ``warmer`` refills the warm stock of ``warm_bytes`` (the pool registers itself with
-    it); without one, :meth:`refill_step` is the caller's to call.
+    it); without one, :meth:`refill_step` is the caller's to call. Taking from, refilling
+    and shedding the stock is :class:`~maasd.allocator.refill.Refilling`'s part.
     """
 
     name: str
     numa_node: int
     capacity: int
-    backing: str = "memfd"
-    persistence: str = "volatile"
+    backing: Backing = "memfd"
+    persistence: Persistence = "volatile"
     latency_us: int = 1
     prefault: bool = True
-    scrub: str = "zero"
+    scrub: ScrubMode = "zero"
     page_bytes: int = 0
     warm_bytes: int = 0
     reclaimer: Reclaimer | None = field(default=None, repr=False, compare=False)
@@ -177,34 +177,6 @@ class Pool:
     def _shed_everywhere(self) -> bool:
         return self.warmer is not None and self.warmer.shed(backing=self.backing) > 0
 
-    def _create(self, size: int, **options: Any) -> Region:
-        return Region.create(
-            size, node=self.numa_node, backing=self.backing, page_bytes=self.page_bytes, **options
-        )
-
-    def _from_stock(self, rounded: int, extra_seals: int) -> Region | None:
-        """A stocked region of ``rounded``'s class, cut to ``rounded`` and sealed; or ``None``."""
-        if not self.warm_bytes:
-            return None
-        cls = size_class(rounded, self.page_bytes)
-        with self._lock:
-            self._stock.demand.note(cls, rounded)
-            region = self._stock.take(cls, rounded)
-        if self.warmer is not None:
-            self.warmer.wake()
-        if region is None:
-            return None
-        held = region.size
-        try:
-            region.seal_at(rounded, extra_seals)
-        except BackingError as e:
-            logger.warning("pool %s: a stocked region could not be cut (%s)", self.name, e.detail)
-            self._give(held)
-            self._discard([region])
-            return None
-        self._give(held - rounded)  # the cut tail
-        return region
-
     def _take(self, size: int) -> None:
         """Account ``size`` bytes as used, giving warm stock back if that makes them fit."""
         shed: list[Region] = []
@@ -227,10 +199,6 @@ class Pool:
                             raise
         finally:
             self._discard(shed)
-
-    def _give(self, size: int) -> None:
-        with self._lock:
-            self._ledger.give(size)
 
     def adopt(self, size: int) -> None:
         """Account for a region made elsewhere (restored from a checkpoint)."""
@@ -268,92 +236,6 @@ class Pool:
         if give_back:
             self._give(region.size)
 
-    # -- the warm stock ---------------------------------------------------------------------
-
-    def refill_step(self, room: int | None = None) -> bool:
-        """One step towards the planned stock; ``True`` if it changed anything.
-
-        Gives back the stocked regions no longer planned for, or else makes one
-        missing region: from free capacity only, within the budget and within
-        ``room`` (bytes the host can spare; ``None``: no limit).
-        """
-        with self._lock:
-            if self._stock.closed or not self.warm_bytes:
-                return False
-            want, sizes = self._stock.demand.plan(self.warm_bytes)
-            surplus = list(self._stock.surplus(want))
-            for region in surplus:
-                self._ledger.give(region.size)
-            cls = None
-            if not surplus:
-                have = self._stock.counts()
-                spare = min(
-                    self._ledger.free,
-                    self.warm_bytes - self._stock.bytes - self._stock.filling,
-                    self._ledger.capacity if room is None else room,
-                )
-                cls = next(
-                    (c for c, n in want.items() if have.get(c, 0) < n and sizes[c] <= spare), None
-                )
-                if cls is None:
-                    return False
-                self._ledger.take(sizes[cls])
-                self._stock.filling += sizes[cls]
-        if surplus:
-            self._discard(surplus)
-            return True
-        assert cls is not None
-        return self._fill(cls, sizes[cls])
-
-    def _fill(self, cls: int, size: int) -> bool:
-        """Make, bind and populate one unsealed region of ``size`` bytes into class ``cls``."""
-        region: Region | None = None
-        done = False
-        try:
-            region = self._create(size, prefault=False, name="maasd-warm", seal=False)
-            done = region.populate(abort=lambda: self._stock.abort or self._stock.closed)
-        except BackingError as e:
-            log = logger.debug if self._stock.failed else logger.warning
-            log("pool %s: no warm region of %d bytes now (%s)", self.name, size, e.detail)
-        finally:
-            with self._lock:
-                self._stock.filling -= size
-                keep = (
-                    done and region is not None and not self._stock.closed and not self._stock.abort
-                )
-                if keep:
-                    assert region is not None
-                    self._stock.put(cls, region)
-                else:
-                    self._ledger.give(size)
-                if not self._stock.filling:
-                    self._stock.abort = False
-                self._stock.failed = region is None
-                self._room.notify_all()
-            if not keep and region is not None:
-                self._discard([region])
-        return keep
-
-    def shed(self, *, now: bool = False) -> int:
-        """Give the whole stock back (memory is short); returns the bytes given.
-
-        A refill in flight stops too. With ``now``, the regions are closed before
-        this returns (their memory is free); else the reclaimer closes them.
-        """
-        with self._lock:
-            regions = self._stock.take_all()
-            for region in regions:
-                self._ledger.give(region.size)
-            if self._stock.filling:
-                self._stock.abort = True
-        self._discard(regions, now=now)
-        return sum(r.size for r in regions)
-
-    def interrupt_refill(self) -> None:
-        """Stop a refill in flight (its region is given back); the stock stays."""
-        with self._lock:
-            self._stock.abort = bool(self._stock.filling)
-
     def close(self) -> None:
         """No more stock: leave the warmer, stop a refill in flight, close every stocked region.
 
@@ -365,11 +247,3 @@ class Pool:
             self._stock.closed = True
             self._room.wait_for(lambda: not self._stock.filling, FILL_WAIT_S)
         self.shed(now=True)
-
-    def _discard(self, regions: list[Region], *, now: bool = False) -> None:
-        """Close regions no buffer ever had (no scrub needed), in the background unless ``now``."""
-        for region in regions:
-            if self.reclaimer is not None and not now:
-                self.reclaimer.submit(region)
-            else:
-                reclaim(region)

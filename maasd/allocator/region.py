@@ -26,7 +26,7 @@ The daemon keeps its own mapping for the region's whole life: ``move_pages``
 only reports pages mapped in the calling process, and scrubbing through an
 existing mapping avoids a map/unmap per release.
 
-**Nothing a worker does may fault the daemon** (SPEC §2.9). A worker may punch
+**Nothing a worker does may fault the daemon** (docs/allocator.md). A worker may punch
 holes in its buffer (the seals allow it). On hugetlb memory, a later touch of a
 hole through the daemon's mapping needs a fresh huge page, and when a worker
 has taken them all, the kernel answers with SIGBUS. So once a region is handed
@@ -45,19 +45,21 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import get_args
 
 import numpy as np
 
 from maasd.allocator import _sys
 from maasd.allocator.arith import round_up
+from maasd.bounds import Backing, ScrubMode
 from maasd.errors import BackingError, InvalidRequest, PlacementError
 
 logger = logging.getLogger(__name__)
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
-BACKINGS = ("memfd", "hugetlb")
-SCRUB_MODES = ("zero", "punch")
+BACKINGS: tuple[Backing, ...] = get_args(Backing)
+SCRUB_MODES: tuple[ScrubMode, ...] = get_args(ScrubMode)
 #: Bytes populated per step when a populate may be cut short (the warm stock's refills).
 POPULATE_CHUNK = 16 << 20
 
@@ -86,6 +88,28 @@ def _huge_flag(page_bytes: int) -> int:
     return _sys.MFD_HUGETLB | ((page_bytes.bit_length() - 1) << _sys.MFD_HUGE_SHIFT)
 
 
+def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tuple[int, int]:
+    """A new memfd of ``size`` bytes and the daemon's shared mapping of it: ``(fd, address)``.
+
+    Unsealed, unbound, nothing populated; on failure nothing is left open.
+    """
+    if backing not in BACKINGS:
+        raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
+    flags = _sys.MFD_CLOEXEC | _sys.MFD_ALLOW_SEALING
+    if backing == "hugetlb":
+        flags |= _huge_flag(page_bytes)
+    fd = _sys.memfd_create(name, flags)
+    try:
+        try:
+            os.ftruncate(fd, size)
+        except OSError as e:
+            raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
+        return fd, _sys.mmap_shared(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class Region:
     """One buffer's memory. Create with :meth:`create`; thread-safe to scrub/close once.
 
@@ -109,7 +133,7 @@ class Region:
     )
 
     def __init__(
-        self, fd: int, addr: int, size: int, node: int, backing: str, page_bytes: int, name: str
+        self, fd: int, addr: int, size: int, node: int, backing: Backing, page_bytes: int, name: str
     ) -> None:
         self.fd = fd
         self._addr = addr
@@ -132,7 +156,7 @@ class Region:
         size: int,
         *,
         node: int,
-        backing: str = "memfd",
+        backing: Backing = "memfd",
         page_bytes: int | None = None,
         prefault: bool = True,
         name: str = "maasd-buffer",
@@ -147,23 +171,12 @@ class Region:
         a warm stock (:meth:`seal_at` seals it). Raises :class:`InvalidRequest` for a
         bad size or backing and :class:`BackingError` when the kernel refuses.
         """
-        if backing not in BACKINGS:
-            raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
         if page_bytes is None:
             page_bytes = os.sysconf("SC_PAGE_SIZE") if backing == "memfd" else 2 << 20
         size = round_up(size, page_bytes)
-        flags = _sys.MFD_CLOEXEC | _sys.MFD_ALLOW_SEALING
-        if backing == "hugetlb":
-            flags |= _huge_flag(page_bytes)
-        fd = _sys.memfd_create(name, flags)
-        addr = 0
+        fd, addr = _mapped_file(name, size, backing, page_bytes)
         region: Region | None = None
         try:
-            try:
-                os.ftruncate(fd, size)
-            except OSError as e:
-                raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
-            addr = _sys.mmap_shared(fd, size)
             region = cls(fd, addr, size, node, backing, page_bytes, name)
             region.sealed = False
             if seal:
@@ -175,8 +188,7 @@ class Region:
             if region is not None:
                 region.close()  # once: its __del__ must not close the fd number again
             else:
-                if addr:
-                    _sys.munmap(addr, size)
+                _sys.munmap(addr, size)
                 os.close(fd)
             raise
         return region
@@ -212,7 +224,7 @@ class Region:
 
         The tail is unmapped from the daemon and its pages freed by the truncation
         (~6 ms per populated 64 MiB here), so the file is exactly ``size`` bytes —
-        SPEC §1 — before the seals of :data:`SEALS` (plus ``extra_seals``) go on.
+        a worker's fd covers its buffer and nothing more — before the seals of :data:`SEALS` (plus ``extra_seals``) go on.
         """
         with self._lock:
             self._check_open()
@@ -321,7 +333,7 @@ class Region:
             raise PlacementError(f"after pinning to node {node}, pages remain elsewhere: {stray}")
         return placed
 
-    def scrub(self, mode: str = "zero", *, punch: bool = True) -> None:
+    def scrub(self, mode: ScrubMode = "zero", *, punch: bool = True) -> None:
         """Make every byte read zero — through this mapping and any other process's.
 
         ``memfd``: ``zero`` overwrites through the daemon's mapping (memset), then

@@ -5,7 +5,7 @@ what to stock within a byte budget — touches no kernel and is tested on its ow
 (``tests/unit/test_stock.py``). :class:`Stock` only holds regions by class;
 :class:`~maasd.allocator.pool.Pool` guards it with its lock.
 
-**Size classes.** A buffer's memfd is exactly its page-rounded size (SPEC §1),
+**Size classes.** A buffer's memfd is exactly its page-rounded size (no more),
 so a stocked region is truncated down to the exact size when it is taken, and a
 region serves the requests of its size *class* that are no larger than it.
 Classes are geometric with 16 steps per doubling — ``m·2^e`` pages with

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from maasd.allocator import _sys
+from maasd.bounds import Backing
 
 if TYPE_CHECKING:
     from maasd.allocator.pool import Pool
@@ -126,7 +127,7 @@ class Warmer:
             pool.interrupt_refill()
         thread.join()
 
-    def shed(self, backing: str | None = None) -> int:
+    def shed(self, backing: Backing | None = None) -> int:
         """Give back (and close, before returning) the stock of every pool of ``backing``
         (all when ``None``); returns the bytes freed. For a reserve the kernel refused."""
         freed = sum(pool.shed(now=True) for pool in self.pools() if backing in (None, pool.backing))

@@ -89,7 +89,7 @@ def create_app(
             title="maasd",
             version=__version__,
             path="/schema",
-            description="Memory-as-a-service control plane (see SPEC §4).",
+            description="Memory-as-a-service control plane: tenants reserve sealed-memfd buffers that workers map zero-copy.",
             components=Components(
                 security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}
             ),

@@ -163,7 +163,7 @@ async def authenticated(
 async def may_read_metrics(
     connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler
 ) -> None:
-    """Guard of ``GET /metrics``: public, the metrics key, or the admin key (SPEC §4)."""
+    """Guard of ``GET /metrics``: public, the metrics key, or the admin key (docs/api.md)."""
     ctx = context(connection)
     if ctx.metrics_public:
         return

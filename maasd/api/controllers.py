@@ -1,4 +1,4 @@
-"""The routes of the REST API (SPEC §4), one controller per noun.
+"""The routes of the REST API (docs/api.md), one controller per noun.
 
 Each handler is one service call in a worker thread (``call.run``) and a return.
 Who may call is decided before that, by the /v1 guard on the event loop and the

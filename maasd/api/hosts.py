@@ -1,4 +1,4 @@
-"""``/v1/hosts``: the daemon hosts sharing the ledger (SPEC §9), for the admin.
+"""``/v1/hosts``: the daemon hosts sharing the ledger (docs/scale-out.md), for the admin.
 
 ``GET /v1/hosts`` lists them with their heartbeat and what the ledger holds
 for each; ``DELETE /v1/hosts/{name}`` forgets a host that is not serving

@@ -19,7 +19,7 @@ MAX_BODY = 64 * 1024
 
 
 class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/reserve`` and ``POST /v1/pools/{pool_id}/reserve`` (SPEC §4)."""
+    """``POST /v1/reserve`` and ``POST /v1/pools/{pool_id}/reserve`` (docs/api.md)."""
 
     size_bytes: bounds.PositiveBytes | None = None
     size_gb: bounds.SizeGiB | None = None
@@ -92,7 +92,7 @@ class LookupBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Status(msgspec.Struct, frozen=True):
-    """``GET /healthz`` when every component is healthy: ``{"status": "ok"}`` (SPEC §4)."""
+    """``GET /healthz`` when every component is healthy: ``{"status": "ok"}`` (docs/api.md)."""
 
     status: str
 

@@ -1,4 +1,4 @@
-"""The Unix-socket handle server: hands workers their buffers' memfds (SPEC §5).
+"""The Unix-socket handle server: hands workers their buffers' memfds (docs/client.md).
 
 One event-loop thread serves every connection (:mod:`.loop`); operations that
 may block for long run on a small fair pool (:mod:`.slowpool`); every bound is

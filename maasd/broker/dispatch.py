@@ -1,4 +1,4 @@
-"""Frame dispatch: one frame body → one service call → one :class:`Outcome` (SPEC §5).
+"""Frame dispatch: one frame body → one service call → one :class:`Outcome` (ops: :mod:`maasd.protocol`).
 
 No sockets here: the event loop (:mod:`maasd.broker.loop`) hands in frame
 bodies and sends what comes back. The table :data:`OPS` is the one place that

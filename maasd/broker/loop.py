@@ -39,6 +39,7 @@ from .connection import Connection
 from .dispatch import Dispatcher, HandleService, Op, Outcome, Session
 from .limits import Limits
 from .pacing import Fields, LogLimiter
+from .revocations import Revocations
 from .slowpool import SlowPool
 from .table import ConnectionTable
 
@@ -84,10 +85,7 @@ class EventLoop:
         self.stopping = threading.Event()
         self.tick = time.monotonic()
         self.crash: str | None = None
-        #: the auth generation of the last revocation sweep, and the connections it found
-        #: busy (re-checked once their reply is out)
-        self.swept = service.auth_generation
-        self.stale: set[Connection] = set()
+        self.revocations = Revocations(service, self.table, self.dispatcher, pool, self.post)
         self._finished = False
         self._post_lock = threading.Lock()
 
@@ -123,8 +121,8 @@ class EventLoop:
             self._run_results()
         if self.backlog:
             self._run_backlog()
-        if self.stale or self.service.auth_generation != self.swept:
-            self._sweep_revocations()
+        if self.revocations.due():
+            self.revocations.sweep()
         if due is not None and (now := time.monotonic()) >= due:
             self.table.expire(now)
             self.acceptor.tick(now)
@@ -259,35 +257,6 @@ class EventLoop:
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
         self.post(conn, self.dispatcher.run(op, req, session, fields))
-
-    def _sweep_revocations(self) -> None:
-        """A key was revoked: re-check every authenticated connection's key off the loop, so
-        an idle worker of a revoked key is closed now, not at its next request (SPEC §4:
-        a revoked key answers 401 at once, on the socket too). Connections with a request in
-        flight are re-checked by that request, or here once its reply is out."""
-        generation = self.service.auth_generation
-        if generation != self.swept:
-            self.swept = generation
-            self.stale = {c for c in self.table.conns if c.principal is not None}
-        for conn in list(self.stale):
-            if conn.closed or conn.generation == generation:
-                self.stale.discard(conn)
-            elif not (conn.busy or conn.out):
-                self.stale.discard(conn)
-                self._recheck(conn)
-
-    def _recheck(self, conn: Connection) -> None:
-        assert conn.principal is not None
-        assert conn.api_key is not None
-        conn.busy = True  # nothing else of it runs until the check is back
-        session = Session(conn.principal, conn.api_key, conn.generation, {}, frozenset())
-        fields = conn.fields()
-
-        def job() -> None:
-            if not conn.closed:
-                self.post(conn, self.dispatcher.recheck(session, fields))
-
-        self.pool.submit(conn.tenant or "-", job)
 
     def _abandon(self, conn: Connection, buffer_id: str) -> None:
         """``conn`` went away holding a staged entry: release it on the slow pool (a scrub).

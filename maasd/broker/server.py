@@ -40,7 +40,7 @@ LOG_INTERVAL_S = 10.0
 
 
 class Broker:
-    """Serve worker handles on a Unix stream socket at ``path`` (SPEC §5).
+    """Serve worker handles on a Unix stream socket at ``path`` (:mod:`maasd.protocol`).
 
     ``service`` is the daemon's service (or anything with the methods of
     :class:`maasd.broker.dispatch.HandleService`). ``mode`` (and ``group``, a

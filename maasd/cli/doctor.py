@@ -27,7 +27,7 @@ import stat
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import click
 import msgspec
@@ -36,7 +36,12 @@ from maasd.errors import ConfigError
 from maasd.settings import Settings
 from maasd.topology import SYSFS_NODES, Topology, discover
 
-__all__ = ["Check", "Needs", "doctor", "needs", "run_checks"]
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
+
+    from maasd.core.limits import Limits
+
+__all__ = ["Check", "Needs", "check_region_budget", "doctor", "needs", "region_need", "run_checks"]
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -265,6 +270,139 @@ def check_limits(settings: Settings) -> list[Check]:
     return out
 
 
+# -- the region budget --------------------------------------------------------------------
+
+
+def region_need(
+    max_per_tenant: int, tenant_caps: list[int | None] | None, pool_regions: int
+) -> tuple[int, str]:
+    """Regions the configured tenants and pools could hold at once, and how that was counted.
+
+    Each tenant may hold its cap (``None``: the daemon's ``max_buffers_per_tenant``); with
+    no tenants known (no ledger yet) one tenant at the default cap. The pools can hold no
+    more regions than their pages (a region is at least one page).
+    """
+    if tenant_caps:
+        tenants = sum(max_per_tenant if cap is None else cap for cap in tenant_caps)
+        why = f"{len(tenant_caps)} tenant(s) at their caps: {tenants}"
+    else:
+        tenants = max_per_tenant
+        why = f"one tenant at max_buffers_per_tenant: {tenants}"
+    if pool_regions < tenants:
+        return pool_regions, f"the pools' pages: {pool_regions} ({why})"
+    return tenants, why
+
+
+def check_region_budget(
+    limits: Limits,
+    max_per_tenant: int,
+    tenant_caps: list[int | None] | None,
+    pool_regions: int,
+    *,
+    soft_now: int | None = None,
+) -> Check:
+    """The region budget ``maasd serve`` would derive (docs/operations.md, "Limits") against
+    what the configured tenants and pools could hold. ``limits.open_files`` is the limit
+    the daemon will run with; ``soft_now``, when lower, the soft limit it raises."""
+    name = "region budget"
+    budget = limits.region_budget
+    maps = "unknown" if limits.max_map_count is None else str(limits.max_map_count)
+    raised = (
+        f" (raised from {soft_now} by maasd serve)"
+        if soft_now is not None and soft_now < limits.open_files
+        else ""
+    )
+    basis = (
+        f"RLIMIT_NOFILE {limits.open_files}{raised}, vm.max_map_count {maps}, "
+        f"{limits.headroom} files kept for the ledger and connections"
+    )
+    fix = (
+        "raise the hard open-files limit (LimitNOFILE= in the unit, --ulimit nofile= for a "
+        "container), lower socket_max_connections, or lower max_buffers_per_tenant / the "
+        "tenants' max_buffers"
+    )
+    if budget == 0:
+        return Check(
+            name,
+            "fail",
+            f"no buffer can be reserved: budget 0 regions from {basis}",
+            fix,
+        )
+    need, why = region_need(max_per_tenant, tenant_caps, pool_regions)
+    detail = f"{budget} regions from {basis} ({limits.binding} binds); could need {need}: {why}"
+    if max_per_tenant >= budget:
+        return Check(
+            name,
+            "warn",
+            f"max_buffers_per_tenant {max_per_tenant} ≥ the budget: one tenant could hold every "
+            f"region; {detail}",
+            fix,
+        )
+    if need > budget:
+        return Check(name, "warn", f"below what could be asked for: {detail}", fix)
+    return Check(name, "ok", detail)
+
+
+def _ledger_tenant_caps(url: URL) -> list[int | None] | None:
+    """The ``max_buffers`` of every tenant in the ledger (``None``: the default); ``None``
+    when there is no ledger to read (not created, unreachable, not migrated yet)."""
+    import sqlalchemy as sa
+
+    if url.get_backend_name() == "sqlite" and (not url.database or not Path(url.database).exists()):
+        return None
+    args = {"connect_timeout": 5} if url.get_backend_name() == "postgresql" else {}
+    engine = sa.create_engine(url, connect_args=args)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                sa.text("SELECT max_buffers FROM tenants WHERE deleting_at IS NULL")
+            ).all()
+    except sa.exc.SQLAlchemyError:
+        return None
+    finally:
+        engine.dispose()
+    return [None if r[0] is None else int(r[0]) for r in rows]
+
+
+def _pool_regions(settings: Settings, topology: Topology) -> int:
+    from maasd.settings import default_pools
+
+    pools = settings.pools or default_pools(
+        topology, settings.default_pool_bytes, settings.default_warm_bytes
+    )
+    return sum(
+        p.capacity_bytes
+        // (topology.hugepage_bytes if p.backing == "hugetlb" else topology.page_bytes)
+        for p in pools
+    )
+
+
+def check_regions(settings: Settings, topology: Topology) -> Check:
+    from maasd.core.limits import read_limits
+    from maasd.store.engine import normalize_url
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        url = normalize_url(settings.database_url)
+    except ConfigError as e:
+        return Check("region budget", "fail", e.detail, "fix MAASD_DB_URL / --db")
+    pooled = settings.db_pool_size + settings.db_max_overflow
+    limits = read_limits(
+        socket_connections=settings.socket_max_connections,
+        http_max_connections=settings.http_max_connections,
+        ledger_files=pooled * (1 if url.get_backend_name() == "postgresql" else 2),
+        open_files=soft if hard == resource.RLIM_INFINITY else hard,
+    )
+    return check_region_budget(
+        limits,
+        settings.max_buffers_per_tenant,
+        _ledger_tenant_caps(url),
+        _pool_regions(settings, topology),
+        soft_now=soft,
+    )
+
+
 # -- the worker socket's directory ---------------------------------------------------------
 
 
@@ -466,7 +604,7 @@ def run_checks(
         ("hugetlb memfd", lambda: check_hugetlb_memfd(topology)),
         ("huge pages", lambda: check_hugepages(topology, settings)),
         ("NUMA placement", lambda: check_numa(topology)),
-        ("limits", lambda: check_limits(settings)),
+        ("limits", lambda: [*check_limits(settings), check_regions(settings, topology)]),
         ("socket directory", lambda: check_socket_dir(settings)),
         ("ledger", lambda: check_ledger(settings)),
         ("llama-cpp-python", lambda: check_llama(llama_model)),

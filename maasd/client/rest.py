@@ -1,4 +1,4 @@
-"""``Client``: the REST control plane of SPEC §4 over a synchronous ``httpx.Client``.
+"""``Client``: the REST control plane (docs/api.md) over a synchronous ``httpx.Client``.
 
 Example::
 
@@ -28,6 +28,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from maasd.bounds import Persistence
 from maasd.client.errors import (
     ConnectionFailed,
     InvalidReference,
@@ -276,7 +277,7 @@ class Client(_Http):
         *,
         size_gb: float | None = None,
         pool: str | None = None,
-        persistence: str | None = None,
+        persistence: Persistence | None = None,
         latency_us: int | None = None,
         ttl_s: int = 600,
         label: str | None = None,
@@ -413,7 +414,7 @@ class Client(_Http):
         return self._call("GET", "/v1/events", list[Event], params=params)
 
     def hosts(self) -> list[Host]:
-        """The daemon hosts sharing the ledger, with their heartbeat and use (SPEC §9)."""
+        """The daemon hosts sharing the ledger, with their heartbeat and use (docs/scale-out.md)."""
         return self._call("GET", "/v1/hosts", list[Host])
 
     def forget_host(self, host: str) -> None:
@@ -425,7 +426,7 @@ class Client(_Http):
         self.request("DELETE", f"/v1/hosts/{_seg(host)}")
 
     def create_pool(self, **fields: Any) -> Pool:
-        """``POST /v1/pools`` with the pool fields of SPEC §1 (``name``, ``numa_node``, …)."""
+        """``POST /v1/pools`` with the pool fields of docs/api.md (``name``, ``numa_node``, …)."""
         return self._call("POST", "/v1/pools", Pool, json=fields)
 
     def delete_pool(self, pool: str, drain: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""The objects of SPEC §4 as the client sees them: frozen msgspec Structs.
+"""The REST API's records (docs/api.md) as the client sees them: frozen msgspec Structs.
 
 They mirror the daemon's records field for field (``maasd.models``,
 ``maasd.topology``) but are defined here, so the client imports nothing from the
@@ -46,8 +46,11 @@ __all__ = [
 ]
 
 
-# Enumerations (backing, persistence, scrub, state) are plain ``str`` on purpose:
-# a value added by a newer daemon must not make a whole listing undecodable.
+# Enumerations (backing, persistence, scrub, state, an event's kind) are plain ``str``
+# here on purpose: a value added by a newer daemon must not make a whole listing
+# undecodable. The values this daemon sends are the Literals of ``maasd.bounds``
+# (``Backing``, ``Persistence``, ``ScrubMode``, ``BufferState``, ``EventKind``), which the
+# client takes for what it sends (``Client.reserve(persistence=…)``).
 
 
 class Pool(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,4 +1,4 @@
-"""``Worker``: the local data plane (SPEC §5) — buffers' memfds mapped as numpy arrays.
+"""``Worker``: the local data plane (docs/client.md) — buffers' memfds mapped as numpy arrays.
 
 Example::
 

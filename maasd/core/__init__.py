@@ -102,14 +102,7 @@ class Service:
         self.metrics = Metrics()
         self.runtime = Runtime()
         self.reclaimer = Reclaimer()
-        pooled = settings.db_pool_size + settings.db_max_overflow
-        self.budget = RegionBudget(
-            read_limits(
-                socket_connections=settings.socket_max_connections,
-                http_max_connections=settings.http_max_connections,
-                ledger_files=pooled * (1 if self.store.is_postgres else 2),
-            )
-        )
+        self.budget = _region_budget(settings, self.store)
         self.warmer = Warmer(
             min_available=settings.warm_min_available_bytes,
             may_grow=self.budget.room_for_stock,
@@ -163,6 +156,10 @@ class Service:
             self.reclaimer,
             self.warmer,
         )
+        self._attach_collectors()
+
+    def _attach_collectors(self) -> None:
+        """The metrics read at scrape time: the ledger's, the runtime's, the entries'."""
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
         self.metrics.attach_runtime(
             RuntimeCollector(
@@ -366,3 +363,16 @@ class Service:
 
     def abandon_entry(self, who: Principal, buffer_id: str) -> None:
         self._entries.abandon(who, buffer_id)
+
+
+def _region_budget(settings: Settings, store: Store) -> RegionBudget:
+    """The daemon-wide region budget: the open-files limit less the ledger's connections,
+    the sockets' and REST's caps (docs/operations.md, "Limits")."""
+    pooled = settings.db_pool_size + settings.db_max_overflow
+    return RegionBudget(
+        read_limits(
+            socket_connections=settings.socket_max_connections,
+            http_max_connections=settings.http_max_connections,
+            ledger_files=pooled * (1 if store.is_postgres else 2),
+        )
+    )

@@ -216,7 +216,7 @@ class Buffers:
         return [by_id[row.id] for row in rows]
 
     def _check_placement(self, row: BufferRow, live: LivePool, region: Region) -> None:
-        """Placement is measured, not assumed (SPEC §2.5): a sample of pages, ~30 µs."""
+        """Placement is measured, not assumed (``move_pages``): a sample of pages, ~30 µs."""
         if not live.row.prefault:
             return  # no pages yet: nothing to measure
         try:

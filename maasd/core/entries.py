@@ -1,4 +1,4 @@
-"""Entries: the worker socket's ``put``, ``commit``, ``abort`` and ``lookup`` (SPEC §5, §2.8).
+"""Entries: the worker socket's ``put``, ``commit``, ``abort`` and ``lookup``: committed entries are immutable.
 
 An entry is a keyed, evictable buffer that its writer fills once; from its commit on
 its bytes are immutable, enforced by the kernel, and every handle to it is read-only::
@@ -54,7 +54,7 @@ from maasd.errors import (
     StateConflict,
 )
 from maasd.metrics import Metrics
-from maasd.models import Principal, ReserveSpec
+from maasd.models import EntryAbortReason, Principal, ReserveSpec
 from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
@@ -232,7 +232,7 @@ class Entries:
             raise StateConflict(f"entry {buffer_id} is committed already")
         return held
 
-    def _release_staged(self, tenant_id: str, buffer_id: str, reason: str) -> None:
+    def _release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
         held = self._runtime.held(buffer_id)
         row: BufferRow | None = self._store.mark_staged_releasing(

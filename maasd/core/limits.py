@@ -136,10 +136,18 @@ def rest_connections(http_max_connections: int, open_files: int) -> int:
 
 
 def read_limits(
-    *, socket_connections: int = 0, http_max_connections: int = 0, ledger_files: int = 0
+    *,
+    socket_connections: int = 0,
+    http_max_connections: int = 0,
+    ledger_files: int = 0,
+    open_files: int | None = None,
 ) -> Limits:
-    """This process's limits now, with what the daemon's configuration takes of its files."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """This process's limits now, with what the daemon's configuration takes of its files.
+
+    ``open_files`` replaces the soft RLIMIT_NOFILE (``maasd doctor`` passes the hard
+    limit, which ``maasd serve`` raises the soft one to).
+    """
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if open_files is None else open_files
     try:
         with open(_MAX_MAP_COUNT) as f:
             maps: int | None = int(f.read().strip())

@@ -1,6 +1,6 @@
 """Which pools could hold a reserve, best first: pure functions of the pools and the request.
 
-The rules (SPEC §4): a pool qualifies if its ``latency_us`` is at most the one
+The rules (docs/api.md, reserve): a pool qualifies if its ``latency_us`` is at most the one
 asked for, its persistence is the one asked for and it is on the NUMA node asked
 for (each only when asked); among those, the ones whose whole capacity could
 hold the size; among those, the one with the most free space first.

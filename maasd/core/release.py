@@ -3,7 +3,7 @@
 Every path that ends a buffer goes through :class:`Releaser` — a tenant's
 DELETE, lease expiry, eviction, a tenant's or a pool's deletion, shutdown — so
 that each one records its intent first and scrubs before it says done
-(SPEC §2.4)::
+(every byte reads zero, also through a stale mapping, before it answers)::
 
     ledger: row ``releasing`` (its key given up)
     memory: region taken out (after any checkpoint or pin of it), scrubbed, closed
@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 from maasd.core.runtime import Runtime
 from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
+from maasd.models import ReleaseReason
 from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["DELETE_PASSES", "Releaser", "remove_checkpoint"]
@@ -45,7 +46,7 @@ class Releaser:
         self._runtime = runtime
         self._metrics = metrics
 
-    def release_row(self, row: BufferRow, *, reason: str, marked: bool = False) -> None:
+    def release_row(self, row: BufferRow, *, reason: ReleaseReason, marked: bool = False) -> None:
         """Mark releasing (unless ``marked`` already), scrub and free, delete the row.
 
         ``reason`` is the event's kind (``release``, ``expire``, ``tenant_delete`` …).
@@ -61,7 +62,7 @@ class Releaser:
         rows: Callable[[], Iterable[BufferRow]],
         delete: Callable[[], None],
         *,
-        reason: str,
+        reason: ReleaseReason,
         what: str,
     ) -> None:
         """Release every buffer ``rows()`` lists, then ``delete()`` their owner (a tenant or
@@ -88,7 +89,7 @@ class Releaser:
             "its delete continues at the next DELETE or daemon start"
         )
 
-    def release_memory(self, row: BufferRow, *, reason: str) -> None:
+    def release_memory(self, row: BufferRow, *, reason: ReleaseReason) -> None:
         """Scrub and free a buffer's memory and remove its checkpoint files; the row stays."""
         started = time.perf_counter()
         self.drop_region(row)

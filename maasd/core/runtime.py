@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from maasd.allocator import Pool, Region
 from maasd.errors import NotFound, StateConflict
+from maasd.models import BufferKind
 from maasd.store import PoolRow
 
 __all__ = ["Held", "LivePool", "Opened", "Runtime"]
@@ -325,7 +326,7 @@ class Runtime:
         with self._attach_lock:
             return self._attached_by_buffer[buffer_id]
 
-    def note_released(self, buffer_id: str, tenant_id: str, kind: str, size: int) -> None:
+    def note_released(self, buffer_id: str, tenant_id: str, kind: BufferKind, size: int) -> None:
         """A buffer was released: if workers still have handles attached, remember it until
         they detach (their fds can fault fresh pages in that no ledger counts)."""
         with self._attach_lock:

@@ -1,4 +1,4 @@
-"""The core's side of the shared prefix tier (SPEC §9; docs/scale-out.md, "The L2 tier").
+"""The core's side of the shared prefix tier (docs/scale-out.md, "The L2 tier").
 
 Two hooks, both off the worker's hot path::
 

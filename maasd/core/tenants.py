@@ -1,7 +1,7 @@
 """Tenants: creating and deleting them, their quotas and caps, their keys, their use, the
 audit trail.
 
-Deleting a tenant never stops half-way (SPEC §4)::
+Deleting a tenant never stops half-way (docs/operations.md)::
 
     ledger: deleting_at set, keys revoked (one transaction)   from here: 401, no reserve
     memory: every buffer released (scrubbed) — also those whose reserve is in flight,

@@ -1,4 +1,4 @@
-"""The shared prefix tier on Redis or Valkey (SPEC §9; docs/scale-out.md, "The L2 tier").
+"""The shared prefix tier on Redis or Valkey (docs/scale-out.md, "The L2 tier").
 
 A layer below the core, beside the store and the allocator: it knows Redis, the value
 format and the failure handling, and nothing of regions, ledgers or sockets.

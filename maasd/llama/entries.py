@@ -158,7 +158,7 @@ def lease_left(buf: Any) -> float:
 
 
 class SocketEntries:
-    """:class:`Entries` over a ``Worker``'s entry fast path (SPEC §5): no REST call."""
+    """:class:`Entries` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no REST call."""
 
     immutable = True
 

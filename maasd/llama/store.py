@@ -4,7 +4,7 @@ Both paths are zero-copy: llama.cpp writes the state straight into the worker's
 mapping of the entry (``llama_state_seq_get_data`` on a pointer into the mmap) and
 reads it straight from there (``llama_state_seq_set_data``). See ``docs/llama.md``.
 
-By default both go through the worker socket's entry fast path (SPEC §5): a save is
+By default both go through the worker socket's entry fast path (docs/client.md): a save is
 ``put`` → write → ``commit`` (immutable from then on), a restore one ``lookup`` that
 answers with a read-only fd, then a header check, ``set_data`` from the mapping and
 the header check again (an entry evicted mid-read is scrubbed from its first page,

@@ -46,6 +46,7 @@ from maasd.errors import (
     TooLarge,
     Unauthorized,
 )
+from maasd.models import BufferState, ReleaseReason
 from maasd.store import schema
 from maasd.store.base import Connections, used, violation
 from maasd.store.events import buffer_event, ins_event
@@ -352,7 +353,7 @@ class ReserveRepo(Connections):
     def finish_release(
         self,
         buffer_id: str,
-        kind: str = "release",
+        kind: ReleaseReason = "release",
         *,
         now: float | None = None,
         detail: str | None = None,
@@ -377,7 +378,7 @@ class ReserveRepo(Connections):
         return row
 
     def finish_release_many(
-        self, buffer_ids: Sequence[str], kind: str, *, now: float | None = None
+        self, buffer_ids: Sequence[str], kind: ReleaseReason, *, now: float | None = None
     ) -> int:
         """Delete many buffers' rows (their memory is scrubbed) with a ``kind`` event each,
         in one transaction — what shutdown does instead of a round trip per buffer.
@@ -401,7 +402,7 @@ def _even_after(freed: int) -> str:
 class BufferRepo(Connections):
     """Reading buffers, changing their state, lease, placement and checkpoint."""
 
-    def set_state(self, buffer_id: str, state: str, *, durable: bool = True) -> None:
+    def set_state(self, buffer_id: str, state: BufferState, *, durable: bool = True) -> None:
         """Set a buffer's state (``releasing`` also clears its key). :class:`NotFound` if unknown."""
         _check_state(state)
         if state == "releasing":
@@ -412,7 +413,12 @@ class BufferRepo(Connections):
             raise NotFound(f"buffer {buffer_id} not found")
 
     def advance(
-        self, buffer_id: str, from_state: str, to_state: str, *, durable: bool = True
+        self,
+        buffer_id: str,
+        from_state: BufferState,
+        to_state: BufferState,
+        *,
+        durable: bool = True,
     ) -> bool:
         """Compare-and-set a buffer's state: ``from_state`` → ``to_state``, only if it is
         still in ``from_state``. ``False`` when it is not (released meanwhile, or gone).

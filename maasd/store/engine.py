@@ -5,7 +5,7 @@ Why the store is synchronous, even for ``postgresql+asyncpg://`` URLs: every
 use-case of :mod:`maasd.core` runs in a worker thread (the REST API hands each
 call to ``anyio.to_thread``, the broker serves each connection in a thread of
 its own), next to blocking memory work. A synchronous
-engine fits that; an async one would need an event loop per thread. SPEC §3
+engine fits that; an async one would need an event loop per thread. The daemon
 still accepts asyncpg URLs (operators copy them from other services), so they
 are translated to the equivalent psycopg 3 URL — same server, same database,
 synchronous driver.
@@ -62,7 +62,7 @@ _SQLITE_PRAGMAS = (
     # First, so that even switching to WAL waits for a concurrent writer.
     f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",
     "PRAGMA journal_mode=WAL",
-    # FULL: a commit is on disk before it returns (crash safety, SPEC §2.6).
+    # FULL: a commit is on disk before it returns (crash safety: docs/operations.md).
     "PRAGMA synchronous=FULL",
     "PRAGMA foreign_keys=ON",
 )

@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import bindparam, insert, select
 
+from maasd.models import EventKind
 from maasd.store import schema
 from maasd.store.base import Connections
 from maasd.store.records import BufferRow, EventRow
@@ -25,7 +26,7 @@ _sel_events = select(_E).order_by(_E.c.id.desc()).limit(bindparam("limit"))
 
 
 def event(
-    kind: str,
+    kind: EventKind,
     at: float,
     *,
     tenant_id: str | None = None,
@@ -46,7 +47,9 @@ def event(
     }
 
 
-def buffer_event(kind: str, at: float, row: BufferRow, detail: str | None = None) -> dict[str, Any]:
+def buffer_event(
+    kind: EventKind, at: float, row: BufferRow, detail: str | None = None
+) -> dict[str, Any]:
     """The values of an event about ``row`` (its tenant, pool and size)."""
     return event(
         kind,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from maasd.models import Backing, BufferKind, BufferState, Persistence, ScrubMode
+from maasd.models import Backing, BufferKind, BufferState, EventKind, Persistence, ScrubMode
 from maasd.store import schema
 
 __all__ = ["BufferRow", "EventRow", "HostRow", "KeyRow", "PoolRow", "TenantRow"]
@@ -102,7 +102,7 @@ class EventRow(msgspec.Struct, frozen=True):
 
     id: int
     at: float
-    kind: str
+    kind: EventKind
     tenant_id: str | None
     buffer_id: str | None
     pool_id: str | None

@@ -62,7 +62,7 @@ BUFFER_STATES = ("reserving", "staged", "live", "releasing")
 #: being set up, written or scrubbed is still memory in use.
 ACCOUNTED_STATES = BUFFER_STATES
 #: What a buffer row is: ``buffer`` (a REST reserve) or ``entry`` (a socket
-#: put/commit, SPEC §5).
+#: put/commit).
 BUFFER_KINDS = ("buffer", "entry")
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
@@ -103,7 +103,7 @@ tenants = Table(
     Column("name", String(128), nullable=False, unique=True),
     Column("quota_bytes", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
-    # How many buffers the tenant may hold at once (SPEC §4 max_buffers), counted
+    # How many buffers the tenant may hold at once (max_buffers), counted
     # over the accounted states like its bytes; NULL = the daemon's default cap.
     Column("max_buffers", BigInteger, nullable=True),
     # Set when a delete of the tenant starts: from then on its new reserves are
@@ -146,7 +146,7 @@ buffers = Table(
     Column("last_used_at", Float, nullable=False),
     # One of BUFFER_KINDS: "buffer" (REST reserve) or "entry" (socket put/commit).
     Column("kind", String(16), nullable=False, server_default="buffer"),
-    # When an entry was committed; from then on its bytes are immutable (SPEC §2.8).
+    # When an entry was committed; from then on no process but the daemon can change its bytes.
     # NULL for buffers and for entries not yet committed.
     Column("committed_at", Float, nullable=True),
     Column("checkpoint_path", Text, nullable=True),
@@ -159,7 +159,7 @@ buffers = Table(
 # A key is unique among one tenant's buffers on one host; NULL keys do not take
 # part. (Keys are cleared when a buffer starts releasing, so this is "among its
 # buffers not being released".) Per host, because several hosts sharing one
-# PostgreSQL each keep their own copy of a prefix (SPEC §9).
+# PostgreSQL each keep their own copy of a prefix (docs/scale-out.md).
 Index(
     "uq_buffers_tenant_id_host_key",
     buffers.c.tenant_id,

@@ -51,6 +51,7 @@ import numpy as np
 from maasd.allocator import Pool, _sys
 from maasd.allocator.region import Region
 from maasd.allocator.stock import size_class
+from maasd.bounds import Backing, ScrubMode
 from maasd.core import Service
 from maasd.models import PoolSpec, ReserveSpec
 from maasd.settings import Settings
@@ -98,7 +99,7 @@ def bench_memset(size: int, reps: int) -> float:
         m.close()
 
 
-def bench_prefault(size: int, backing: str, reps: int) -> float:
+def bench_prefault(size: int, backing: Backing, reps: int) -> float:
     """``Region.create(prefault=True)`` alone (the previous rep's region closed, untimed)."""
     held: list[Region] = []
 
@@ -114,7 +115,7 @@ def bench_prefault(size: int, backing: str, reps: int) -> float:
         close()
 
 
-def bench_cold(size: int, backing: str, reps: int) -> float:
+def bench_cold(size: int, backing: Backing, reps: int) -> float:
     pool = Pool("cold", numa_node=0, capacity=size, backing=backing)
     held: list[Region] = []
 
@@ -128,7 +129,7 @@ def bench_cold(size: int, backing: str, reps: int) -> float:
         release()
 
 
-def bench_warm(size: int, backing: str, reps: int, stocked: int | None = None) -> float:
+def bench_warm(size: int, backing: Backing, reps: int, stocked: int | None = None) -> float:
     """A reserve of ``size`` from a stock holding a region of ``stocked`` bytes (default:
     ``size``; a larger size of the same class is cut down to ``size``), refilled untimed."""
     stocked = stocked or size
@@ -151,7 +152,9 @@ def bench_warm(size: int, backing: str, reps: int, stocked: int | None = None) -
         pool.close()
 
 
-def bench_scrub(size: int, backing: str, mode: str, reps: int, *, memset_only: bool) -> float:
+def bench_scrub(
+    size: int, backing: Backing, mode: ScrubMode, reps: int, *, memset_only: bool
+) -> float:
     r = Region.create(size, node=0, backing=backing)
     try:
         scrub = (
@@ -220,7 +223,7 @@ def hugepages(need: int) -> Iterator[str | None]:
                 NR_HUGEPAGES.write_text(str(old))
 
 
-def rows_for(size: int, backing: str, reps: int) -> Iterator[tuple[str, float]]:
+def rows_for(size: int, backing: Backing, reps: int) -> Iterator[tuple[str, float]]:
     page = PAGE if backing == "memfd" else HUGE
     yield "prefault (create)", bench_prefault(size, backing, reps)
     yield "reserve cold", bench_cold(size, backing, reps)
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# transparent hugepages: {thp.read_text().strip()}")
     # The largest warm row holds a stocked region of the class above the size and takes it.
     need = 2 * size_class(max(sizes) + HUGE, HUGE) // HUGE + 8
-    backings = ["memfd"] if args.no_hugetlb else ["memfd", "hugetlb"]
+    backings: list[Backing] = ["memfd"] if args.no_hugetlb else ["memfd", "hugetlb"]
     with hugepages(need if "hugetlb" in backings else 0) as why_not:
         if why_not is not None:
             print(f"# hugetlb left out: {why_not}")

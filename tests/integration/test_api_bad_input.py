@@ -1,4 +1,4 @@
-"""SPEC §2.7 "bad input never harms", through real HTTP.
+"""Bad input never harms (a 4xx problem that says what is wrong, nothing changed), through real HTTP.
 
 Every malformed, oversized, negative, unknown-field or wrongly-typed body gets a
 4xx ``application/problem+json`` answer with ``type``, ``title``, ``status`` and

@@ -1,4 +1,4 @@
-"""SPEC §2.1 "no over-commit" under concurrent REST requests.
+"""No over-commit (quota and capacity hold) under concurrent REST requests.
 
 64 reserves from 32 threads (one ``httpx.Client`` per thread) race for a quota,
 or for a pool's capacity, that fits exactly N of them: exactly N are granted,

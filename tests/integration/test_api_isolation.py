@@ -1,4 +1,4 @@
-"""SPEC §2.2 isolation through real HTTP.
+"""Isolation (another tenant's buffer is a 404 like an unknown one) through real HTTP.
 
 Tenant B can never see, pin, renew, checkpoint, release or learn the existence
 of tenant A's buffer: every operation answers 404 exactly as for an id that

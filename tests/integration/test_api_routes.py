@@ -1,6 +1,6 @@
-"""Every REST route of SPEC §4 through real HTTP against a real ``maasd serve``.
+"""Every REST route of docs/api.md through real HTTP against a real ``maasd serve``.
 
-Happy paths first, then every status code the SPEC lists (401, 403, 404, 409,
+Happy paths first, then every status code the API answers (401, 403, 404, 409,
 422, 507), each checked as an RFC 9457 problem. The module shares one daemon
 (256 MiB ``node0`` pool); every test makes its own tenants and pools (names
 made unique) and releases what it reserved, so the order of tests is free.
@@ -130,7 +130,7 @@ def test_metrics_is_prometheus_text(daemon: Daemon, tenant) -> None:
     assert daemon.metric("maasd_pool_capacity_bytes", pool="node0") == 256 * MiB
     for name in ("maasd_pool_capacity_bytes", "maasd_pool_used_bytes", "maasd_tenant_used_bytes"):
         assert name in samples, name
-    # reserve/release counts and latency histograms, scrub bytes (SPEC §4)
+    # reserve/release counts and latency histograms, scrub bytes
     assert any(s.startswith("maasd_reserve") and s.endswith("_bucket") for s in samples), samples
     assert any(s.startswith("maasd_release") and s.endswith("_total") for s in samples), samples
     assert any(s.startswith("maasd_scrub") and "bytes" in s for s in samples), samples
@@ -618,7 +618,7 @@ def test_lookup_longest_key_wins(tenant) -> None:
     assert c.post("/v1/buffers/lookup", json={"keys": ["m:a", "m:a:b:c"]}).json()["key"] == "m:a"
 
 
-# -- the status codes of SPEC §4 ------------------------------------------------------------
+# -- the status codes of the API -------------------------------------------------------------
 
 
 ADMIN_ROUTES = [

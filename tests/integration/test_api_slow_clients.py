@@ -1,4 +1,4 @@
-"""Slow and hostile HTTP clients against a real daemon (SPEC §2.7, §2.9).
+"""Slow and hostile HTTP clients against a real daemon: answered with a problem, never stalling others.
 
 The daemon runs with small REST limits (16 connections, deadlines of 2 s for a
 head, 5 s for a body, 2 s for an unread response) so that each attack is

@@ -338,7 +338,7 @@ def test_revoked_key_while_connected_answers_401_and_closes(env):
 
 
 def test_an_idle_connection_of_a_revoked_key_is_closed_without_a_request(env):
-    """SPEC §4: a revoked key answers 401 at once on the socket too — a worker that only
+    """A revoked key answers 401 at once on the socket too — a worker that only
     holds its mapping (sends nothing) is told and cut off, and its attachment dropped."""
     tenant = env.new_tenant()
     bid = env.reserve(tenant)

@@ -1,4 +1,4 @@
-"""What no worker can do to the socket: crash it, starve it, stall it (SPEC §2.9, §5).
+"""What no worker can do to the socket: crash it, starve it, stall it.
 
 Each test performs the attack: connection floods from one uid, one tenant and
 before hello; a hello trickled one byte at a time; a peer that never reads; a

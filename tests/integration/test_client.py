@@ -145,7 +145,7 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(tenant):
     assert topo.nodes[0].id == 0
     assert c.health().status == "ok"
     with pytest.raises(Forbidden):
-        c.metrics()  # the admin key or the metrics key only (SPEC §4)
+        c.metrics()  # the admin key or the metrics key only
 
 
 def test_admin_helpers(daemon, admin):

@@ -1,4 +1,4 @@
-"""Crash safety (SPEC §2.6): SIGKILL the daemon under load, restart, check the ledger.
+"""Crash safety (no accounting leak, checkpoints come back intact): SIGKILL the daemon under load, restart, check the ledger.
 
 Each round: clients (threads, each with its own HTTP connection) reserve and
 release volatile buffers while a persistent buffer is being re-checkpointed;
@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 
 from maasd.client import Worker
+from waiting import wait_until
 
 if TYPE_CHECKING:
     from conftest import Daemon
@@ -143,6 +144,55 @@ class Churn:
                     return  # the daemon is gone
 
 
+def checkpoint_hot(
+    d: Daemon, key: str, hot_id: str, first: int, stop: threading.Event, fills: set[int]
+) -> None:
+    """Fill the hot buffer with one byte value after another, checkpointing each, until
+    ``stop`` or the daemon dies; every value asked for is added to ``fills``."""
+    fill = first
+    try:
+        with (
+            Worker(d.socket_path, key, renew_interval_s=0) as w,
+            httpx.Client(
+                base_url=d.url, timeout=10.0, headers={"Authorization": f"Bearer {key}"}
+            ) as c,
+        ):
+            m = w.attach(hot_id)
+            while not stop.is_set():
+                m.array[:] = fill
+                fills.add(fill)  # before asking: the kill may land mid-checkpoint
+                c.post(f"/v1/buffers/{hot_id}/checkpoint")
+                fill = (fill + 1) % 256
+    except Exception:
+        return  # the daemon died under us
+
+
+def assert_recovered(
+    d: Daemon,
+    user: httpx.Client,
+    key: str,
+    stable_id: str,
+    hot_id: str,
+    checksum: str,
+    content: bytes,
+    rnd_no: int,
+) -> None:
+    """After the restart: only persistent buffers survived, the ledger counts exactly
+    them, and the stable buffer is byte-identical to its checkpoint."""
+    used = ledger_totals(d)
+    survivors = d.admin.get("/v1/buffers").json()
+    assert {b["id"] for b in survivors} <= {stable_id, hot_id}
+    assert all(b["persistence"] == "persistent" for b in survivors)
+    assert used == sum(b["size_bytes"] for b in survivors)
+    assert d.metric("maasd_pool_used_bytes", pool="vol") == 0
+
+    # The stable buffer: byte-identical to its checkpoint, same checksum.
+    got = user.get(f"/v1/buffers/{stable_id}")
+    assert got.status_code == 200, f"round {rnd_no}: persistent buffer lost\n{d.log()}"
+    assert got.json()["checksum"] == checksum
+    assert read_buffer(d, key, stable_id) == content
+
+
 @pytest.mark.timeout(120)
 def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
     d = fresh_daemon
@@ -175,30 +225,15 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
 
         stop_hot = threading.Event()
 
-        def checkpoint_hot(
-            first: int, hot_id: str = hot_id, stop: threading.Event = stop_hot
-        ) -> None:
-            fill = first
-            try:
-                with (
-                    Worker(d.socket_path, key, renew_interval_s=0) as w,
-                    httpx.Client(
-                        base_url=d.url, timeout=10.0, headers={"Authorization": f"Bearer {key}"}
-                    ) as c,
-                ):
-                    m = w.attach(hot_id)
-                    while not stop.is_set():
-                        m.array[:] = fill
-                        hot_fills.add(fill)  # before asking: the kill may land mid-checkpoint
-                        c.post(f"/v1/buffers/{hot_id}/checkpoint")
-                        fill = (fill + 1) % 256
-            except Exception:
-                return  # the daemon died under us
-
-        hot_thread = threading.Thread(target=checkpoint_hot, args=(rnd_no * 50 + 1,), daemon=True)
+        hot_thread = threading.Thread(
+            target=checkpoint_hot,
+            args=(d, key, hot_id, rnd_no * 50 + 1, stop_hot, hot_fills),
+            daemon=True,
+        )
         with Churn(d.url, key, CLIENTS) as churn:
             hot_thread.start()
-            time.sleep(rnd.uniform(0.4, 1.2))
+            wait_until(lambda: churn.granted > 0, timeout=60, message="load under way")
+            time.sleep(rnd.uniform(0.2, 0.8))
             d.kill()
         stop_hot.set()
         hot_thread.join(10)
@@ -206,18 +241,7 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
         assert not churn.errors, churn.errors[:5]
 
         d.start()
-        used = ledger_totals(d)
-        survivors = d.admin.get("/v1/buffers").json()
-        assert {b["id"] for b in survivors} <= {stable_id, hot_id}
-        assert all(b["persistence"] == "persistent" for b in survivors)
-        assert used == sum(b["size_bytes"] for b in survivors)
-        assert d.metric("maasd_pool_used_bytes", pool="vol") == 0
-
-        # The stable buffer: byte-identical to its checkpoint, same checksum.
-        got = user.get(f"/v1/buffers/{stable_id}")
-        assert got.status_code == 200, f"round {rnd_no}: persistent buffer lost\n{d.log()}"
-        assert got.json()["checksum"] == checksum
-        assert read_buffer(d, key, stable_id) == content
+        assert_recovered(d, user, key, stable_id, hot_id, checksum, content, rnd_no)
 
         # The hot buffer: the bytes of one whole checkpoint, matching the ledger's checksum.
         hot_now = user.get(f"/v1/buffers/{hot_id}")

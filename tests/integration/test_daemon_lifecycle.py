@@ -1,4 +1,4 @@
-"""The daemon's lifecycle (SPEC §3), as an operator sees it.
+"""The daemon's lifecycle (serve, migrate, stop), as an operator sees it.
 
 * SIGTERM/SIGINT: finish, checkpoint persistent buffers (their *latest*
   content, not only what was last checkpointed by hand), exit 0;

@@ -1,4 +1,4 @@
-"""The entry fast path through a real daemon, with frames written by the test (SPEC §5, §2.8).
+"""The entry fast path through a real daemon, with frames written by the test (committed entries immutable).
 
 ``put`` → write → ``commit`` → ``lookup`` from other processes; what a committed
 entry refuses (kernel-enforced immutability); what a writer that goes away, a
@@ -360,7 +360,7 @@ def test_put_over_pool_capacity_evicts_entries_then_answers_507(daemon):
             held = mmap.mmap(reader_fd, 3 * MiB, prot=mmap.PROT_READ)
             assert held[:64] == pattern(3 * MiB)[:64]
             evictions = daemon.metric("maasd_entry_evictions_total", tenant=_a)
-            # another tenant needs the room: the least recently used entry goes (SPEC §4)
+            # another tenant needs the room: the least recently used entry goes
             got, fd_b = put(rb, "new", 3 * MiB, pool=pool)
             os.close(fd_b)
             miss(ra, ["old"])

@@ -1,4 +1,4 @@
-"""Eviction (SPEC §4, last paragraph), against a real daemon.
+"""Eviction (evictable buffers go least recently used first to make room), against a real daemon.
 
 Evictable buffers are released by the daemon — least recently attached
 first, scrubbed — when a reserve would otherwise fail for the tenant's quota

@@ -1,4 +1,4 @@
-"""Attacks on a real daemon, each kept as a regression test (SPEC §2 inv. 7 and 9, §4).
+"""Attacks on a real daemon, each kept as a regression test.
 
 After every attack :func:`hardening.after_attack` checks that the daemon is alive,
 that ``/healthz`` tells the truth, that another tenant can still reserve and attach,

@@ -1,4 +1,4 @@
-"""The shared prefix tier (SPEC §9): two daemons, one PostgreSQL, one real Redis.
+"""The shared prefix tier: two daemons, one PostgreSQL, one real Redis.
 
 Hosts ``l2-a`` and ``l2-b`` (real ``maasd serve`` processes) share a fresh PostgreSQL
 database and a ``redis-server`` the suite starts on a free loopback port, with a
@@ -142,7 +142,7 @@ def test_an_entry_committed_on_a_is_restored_through_b(
         assert not hit.array.flags.writeable
         restored = hit.buffer_id
         hit.close()
-        with wb.attach(restored) as m:  # immutable like any committed entry (SPEC §2.8)
+        with wb.attach(restored) as m:  # immutable like any committed entry
             assert not m.writable
             assert fcntl.fcntl(m.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
             rw = os.open(f"/proc/self/fd/{m.fd}", os.O_RDWR)  # a writable re-open …

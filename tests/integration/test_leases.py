@@ -1,4 +1,4 @@
-"""Leases (SPEC §1, §4) and tenant deletion, against a real daemon (reaper every 0.2 s).
+"""Leases (a buffer not renewed is released at expiry) and tenant deletion, against a real daemon (reaper every 0.2 s).
 
 * an expired lease is reaped: the buffer is gone within a few seconds, its
   bytes are no longer counted by the pool or the tenant, the reaped counter

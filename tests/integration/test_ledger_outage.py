@@ -1,7 +1,7 @@
 """The ledger database goes away under a running daemon: answers are 507, never 500.
 
-SPEC §2.7: no input yields a 5xx but 507, "when … the daemon is at a resource limit
-it states in detail". A ledger that cannot be reached is that: nothing the request
+No input yields a 5xx but 507, when the daemon is at a resource limit it states in
+``detail``. A ledger that cannot be reached is that: nothing the request
 did was wrong, nothing changed, and it may be retried. The daemon reaches its
 PostgreSQL through a TCP proxy this test owns; cutting the proxy is the outage.
 """

@@ -146,7 +146,7 @@ class FakeWorker:
 
 class FakeDaemon:
     """Client + Worker of one tenant over REST, in memory (lookup returns the longest key,
-    like §4): what :class:`maasd.llama.RestEntries` talks to."""
+    like the daemon): what :class:`maasd.llama.RestEntries` talks to."""
 
     def __init__(self) -> None:
         self.bufs: dict[str, FakeBuffer] = {}

@@ -1,4 +1,4 @@
-"""Several daemons on one PostgreSQL ledger (SPEC §9, control plane).
+"""Several daemons on one PostgreSQL ledger (the control plane).
 
 Three real ``maasd serve`` processes — hosts ``host-a``, ``host-b``, ``host-c``,
 each with its own data dir, port and socket — share one fresh PostgreSQL
@@ -56,7 +56,7 @@ pytestmark = [
 
 MiB = 1 << 20
 HOSTS = ("host-a", "host-b", "host-c")
-#: What "within 1 s" of a revocation means here (SPEC §4: "at once"; docs/scale-out.md).
+#: What "within 1 s" of a revocation means here ("at once"; docs/scale-out.md).
 REVOCATION_BOUND_S = 1.0
 HOST_TIMEOUT_S = 3.0
 
@@ -334,7 +334,7 @@ def test_a_global_quota_holds_under_concurrent_reserves_on_every_host(
 
 # ------------------------------------------------------------------ revocation
 class Conn:
-    """A raw worker-socket connection (frames as SPEC §5 has them)."""
+    """A raw worker-socket connection (frames as maasd.protocol has them)."""
 
     def __init__(self, path: str) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,4 +1,4 @@
-"""Persistent pools (SPEC §1, §2.6, §4 checkpoint) against a real daemon.
+"""Persistent pools (checkpoints, restored with their checksum after a restart) against a real daemon.
 
 A persistent buffer is a memfd like any other; ``checkpoint`` writes it to the
 pool's spill dir with a SHA-256 in the ledger, and a restarted daemon loads it

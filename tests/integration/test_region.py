@@ -26,6 +26,7 @@ import hugepages
 from maasd.allocator import _sys
 from maasd.allocator.persist import checkpoint, file_checksum, restore
 from maasd.allocator.region import POPULATE_CHUNK, SEALS, Region
+from maasd.bounds import ScrubMode
 from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
 from maasd.topology import discover
 
@@ -201,7 +202,7 @@ class ChildMapping:
         self.close()
 
 
-def scrub_seen_by_child(region: Region, mode: str) -> None:
+def scrub_seen_by_child(region: Region, mode: ScrubMode) -> None:
     with ChildMapping(region) as child:
         assert child.check() == {"any": True, "all_a5": True}
         assert (as_array(region) == 0xA5).all()  # the daemon's mapping shares the page
@@ -284,7 +285,7 @@ class TestCreate:
 
     def test_unknown_backing(self):
         with pytest.raises(InvalidRequest, match="backing"):
-            Region.create(PAGE, node=0, backing="ramdisk")
+            Region.create(PAGE, node=0, backing="ramdisk")  # type: ignore[arg-type]
 
     def test_unknown_scrub_mode(self, region):
         as_array(region)[:] = 1
@@ -649,7 +650,7 @@ HOG_VICTIM = textwrap.dedent("""
 @pytest.mark.hugetlb
 @pytest.mark.usefixtures("huge_pages")
 class TestHugetlbHoles:
-    """Nothing the daemon does to a region a worker punched can fault it (SPEC §2.9)."""
+    """Nothing the daemon does to a region a worker punched can fault it."""
 
     def test_punch_and_hog_then_everything_the_daemon_does(self, tmp_path):
         victim = subprocess.Popen(

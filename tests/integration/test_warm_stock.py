@@ -1,4 +1,4 @@
-"""The warm stock against a real daemon (SPEC §1, §2.3): reserves the stock covers fault
+"""The warm stock against a real daemon: reserves the stock covers fault
 no page on the request path, the stock refills, it is never a tenant's, it gives way
 to reserves, and it goes back on pool delete and on shutdown.
 

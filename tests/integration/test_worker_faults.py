@@ -1,4 +1,4 @@
-"""No worker action can fault the daemon (SPEC §2.9): the hugetlb punch-and-hog attack.
+"""No worker action can fault the daemon: the hugetlb punch-and-hog attack.
 
 A worker attaches its own hugetlb buffers, punches holes in them (the seals
 allow ``FALLOC_FL_PUNCH_HOLE``), then another of its processes takes every free

@@ -1,4 +1,4 @@
-"""Bodies are decoded once, strictly, in-process: every hostile body of SPEC §2.7.
+"""Bodies are decoded once, strictly, in-process: every hostile body gets a 4xx and changes nothing.
 
 Each bad body of ``bad_bodies`` (the tables the daemon-level test sends too) is
 answered with a problem, and changes nothing; where msgspec refuses the body, the

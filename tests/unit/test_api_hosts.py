@@ -1,4 +1,4 @@
-"""One daemon on its own SQLite ledger, seen through the multi-host routes (SPEC §9).
+"""One daemon on its own SQLite ledger, seen through the multi-host routes.
 
 The fleet itself (three daemons on PostgreSQL) is tested in
 ``tests/integration/test_multihost.py``; here the same routes on the embedded

@@ -26,7 +26,7 @@ from maasd.allocator import Region
 from maasd.bounds import bytes_of_gib
 from maasd.core import Service, limits
 from maasd.core.runtime import LivePool
-from maasd.models import Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
+from maasd.models import BufferState, Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
 from maasd.settings import Settings
 from maasd.store import BufferRow, KeyRow
 
@@ -240,7 +240,7 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
     seen: list[Any] = []
 
     def claimed_meanwhile(
-        buffer_id: str, from_state: str, to_state: str, *, durable: bool = True
+        buffer_id: str, from_state: BufferState, to_state: BufferState, *, durable: bool = True
     ) -> bool:
         region = svc.runtime.region(buffer_id)
         assert region is not None  # the region is findable before the row can go live
@@ -403,7 +403,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
     spill = spill_dir(s, pools["pers"].id)
     now = time.time()
 
-    def row(name: str, pool: str, state: str, **kw: Any) -> BufferRow:
+    def row(name: str, pool: str, state: BufferState, **kw: Any) -> BufferRow:
         r = BufferRow(
             id=f"{name:0<32}",
             tenant_id=t.id,

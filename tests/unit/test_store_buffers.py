@@ -62,7 +62,7 @@ def test_set_state(store: Store) -> None:
     assert got.state == "releasing"
     assert got.key is None
     with pytest.raises(InvalidRequest):
-        store.set_state(row.id, "dead")
+        store.set_state(row.id, "dead")  # type: ignore[arg-type]
     with pytest.raises(NotFound):
         store.set_state(new_id(), "live")
 

@@ -172,7 +172,7 @@ def test_advance_is_a_compare_and_set(store: Store) -> None:
     assert state_of(store, other.id) == "releasing"
     assert not store.advance(new_id(), "reserving", "live")
     with pytest.raises(InvalidRequest):
-        store.advance(row.id, "reserving", "gone")
+        store.advance(row.id, "reserving", "gone")  # type: ignore[arg-type]
 
 
 def test_finish_release_many_deletes_in_one_go_with_an_event_each(store: Store) -> None:

@@ -1,4 +1,4 @@
-"""``maasctl``: the admin CLI of maasd (SPEC §7), built on :class:`maasd.client.Client`.
+"""``maasctl``: the admin CLI of maasd (docs/maasctl.md), built on :class:`maasd.client.Client`.
 
 It talks to the REST API only — no database, no memory of its own — so it works
 the same against a local or a remote daemon. One module per noun:
