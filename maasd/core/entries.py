@@ -150,13 +150,15 @@ class Entries:
         """
         tenant_id = require_tenant(who)
         try:
-            self._commit(tenant_id, buffer_id, owned)
+            size = self._commit(tenant_id, buffer_id, owned)
         except Exception as e:
             self._count(self._metrics.entry_commits, tenant_id, e)
             raise
         self._metrics.entry_commits.labels(tenant=tenant_id, outcome="ok").inc()
+        self._metrics.entry_committed_bytes.labels(tenant=tenant_id).inc(size)
 
-    def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> None:
+    def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> int:
+        """The commit; returns the entry's size."""
         self._check_own_staged(tenant_id, buffer_id, owned, "committed")
         failure: Exception
         with self._runtime.buffer_lock(buffer_id):
@@ -175,7 +177,7 @@ class Entries:
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
                 assert staging is not None  # held under its lock: a release waits for it
                 live.pool.release(staging, give_back=False)  # the copy took over its bytes
-                return
+                return fresh.size
         # The copy failed: nothing may stay behind (the row is still staged).
         self._release_staged(tenant_id, buffer_id, "commit_failed")
         answer = _storage_error(buffer_id, failure)
