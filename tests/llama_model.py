@@ -139,6 +139,7 @@ _CAPITALS = [
     ("Norway", "Oslo"),
     ("Poland", "Warsaw"),
 ]
+CAPITAL_OF = dict(_CAPITALS)
 CAPITALS = "".join(f"The capital of {c} is {x}.\n" for c, x in _CAPITALS)
 GERMANY = CAPITALS + "The capital of Germany is"
 SWEDEN = GERMANY + " Berlin.\nThe capital of Sweden is"

@@ -27,12 +27,25 @@ instead of what ``LlamaRAMCache`` does (llama-cpp-python 0.3.36, ``Llama._create
   with ``logits_all=True`` reads prompt rows (``echo`` with ``logprobs``), so such a model
   is refused here.
 
-Which keys a save goes under (all workers must use the same ``chunk``): the longest chunk
-boundary of what the context holds (the next turn of the same conversation finds it), and,
-when this completion's lookup showed that other prompts share a longer prefix than any
-key says — the *fork point* — that boundary too (a miss: the largest power-of-two number
-of chunks within the prompt). A shared system prompt is then found by every conversation
-from the second one on.
+Which keys a save goes under (all workers must use the same ``chunk``). A daemon entry has
+one key, and a lookup finds an entry only under a key it asks for: the chained hash of one
+of the prompt's chunk boundaries. So:
+
+* the longest chunk boundary of what the context holds: the next turn of the same
+  conversation, whose prompt extends this one, finds it;
+* the *fork point*, when this completion's lookup hit an entry sharing a longer prefix
+  with the prompt than the key it was found under: the chunk boundary of that shared
+  prefix, so the next prompt that shares it finds it under its own key;
+* after a miss, where the fork point is unknown, the largest ``MISS_FORKS`` key lengths
+  of ``chunk × 2^k`` within the prompt: a prompt sharing S tokens with this one (S at
+  least a chunk and a quarter of this prompt) finds one of them at a boundary
+  above S/2,
+  still restores all S (an entry holds all its tokens: the restore keeps the common
+  prefix), and saves its fork point for the next ones.
+
+A shared system prompt is then restored in full by every conversation from the second on.
+Each key is an entry of its own (the same state, stored again): a miss costs up to
+``1 + MISS_FORKS`` saves, a hit one or two.
 
 A miss, a daemon that is down, a refused entry: never an exception into ``Llama``; they
 are logged and counted, and behave as a miss. See ``docs/llama.md``.
@@ -61,9 +74,12 @@ from maasd.llama.context import (
 from maasd.llama.format import DEFAULT_CHUNK, as_tokens, save_prefix_len
 from maasd.llama.link import Link
 
-__all__ = ["CacheObserver", "CacheStats", "MaasdCache"]
+__all__ = ["CacheObserver", "CacheStats", "MaasdCache", "save_lengths"]
 
 logger = logging.getLogger(__name__)
+
+#: After a miss, a save also goes under this many power-of-two key lengths (see above).
+MISS_FORKS = 3
 
 
 class CacheObserver(Protocol):
@@ -242,22 +258,8 @@ class MaasdCache(llama_cpp.BaseLlamaCache):
         return outcomes, nbytes * outcomes.count("saved")
 
     def save_lengths(self, n: int, last: tuple[Restore, int] | None) -> list[int]:
-        """The key lengths a save of ``n`` held tokens goes under (see the module docstring),
-        given this completion's lookup ``(outcome, prompt length)``; none already known."""
-        chunk = self.store.chunk
-        end = save_prefix_len(n, chunk)
-        if last is None:
-            return [end]
-        r, n_prompt = last
-        fork = 0
-        if r.outcome == "miss":
-            fork = chunk
-            while fork * 2 <= min(n_prompt, n):
-                fork *= 2
-            fork = fork if fork <= min(n_prompt, n) else 0
-        elif r.outcome in ("hit", "not_better", "refused"):
-            fork = min(r.common, n) // chunk * chunk
-        return [k for k in dict.fromkeys((end, fork)) if 0 < k <= n and k != r.matched]
+        """The key lengths a save of ``n`` held tokens goes under: :func:`save_lengths`."""
+        return save_lengths(n, self.store.chunk, last)
 
     def _sharing_changed(self, up: bool, why: str) -> None:
         del why  # the link logged it
@@ -287,3 +289,22 @@ class MaasdCache(llama_cpp.BaseLlamaCache):
         self.stats.save_seconds += seconds
         if self.observer is not None and outcomes:
             self.observer.saved(outcomes, nbytes, seconds)
+
+
+def save_lengths(n: int, chunk: int, last: tuple[Restore, int] | None) -> list[int]:
+    """The key lengths a save of ``n`` held tokens goes under (see the module docstring),
+    given the completion's lookup ``(outcome, prompt length)``; none it found there."""
+    end = save_prefix_len(n, chunk)
+    if last is None:
+        return [end]
+    r, n_prompt = last
+    forks: list[int] = []
+    if r.outcome == "miss":  # chunk × 2^k within the prompt: the largest MISS_FORKS
+        k = chunk
+        while k <= min(n_prompt, n):
+            forks.insert(0, k)
+            k *= 2
+        forks = forks[:MISS_FORKS]
+    elif r.outcome in ("hit", "not_better", "refused"):
+        forks = [min(r.common, n) // chunk * chunk]
+    return [k for k in dict.fromkeys((end, *forks)) if 0 < k <= n and k != r.matched]

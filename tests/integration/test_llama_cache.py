@@ -81,11 +81,15 @@ def caches(daemon: Any, tenant: tuple[str, str]) -> Iterator[Any]:
         c.close()
 
 
-def test_a_second_model_evaluates_only_what_the_first_did_not(path0: Path, caches: Any) -> None:
+def test_a_second_model_evaluates_only_what_the_first_did_not(
+    daemon: Any, tenant: tuple[str, str], path0: Path, caches: Any
+) -> None:
     a = caches(load(path0))
     a.create_completion(SYSTEM, max_tokens=6, temperature=0)
     assert a.cache.stats.lookups["miss"] == 1
     assert a.cache.stats.saves["saved"] >= 1
+    committed = daemon.metric("maasd_entry_committed_bytes_total", tenant=tenant[0])
+    assert committed >= a.cache.stats.saved_bytes  # (entries are page-rounded)
 
     prompt = SYSTEM + " and the dog ran off"
     b = caches(load(path0))
@@ -100,6 +104,8 @@ def test_a_second_model_evaluates_only_what_the_first_did_not(path0: Path, cache
 
     plain = load(path0)
     assert text(got) == text(plain.create_completion(prompt, max_tokens=8, temperature=0))
+    found = daemon.metric("maasd_entry_restored_bytes_total", tenant=tenant[0])
+    assert found >= b.cache.stats.restored_bytes
 
 
 def test_streams_and_chats_save_and_restore_too(path0: Path, caches: Any) -> None:
