@@ -1,9 +1,8 @@
 """One process of ``maasd worker``: llama-cpp-python's OpenAI server on a ``MaasdCache``.
 
 The supervisor (:mod:`maasd.llama.worker`) starts ``python -m maasd.llama.worker_process``
-with the listening socket and a readiness pipe inherited, and writes a
-:class:`ProcessSpec` (JSON, with the tenant key: never on a command line) to its stdin.
-This process then:
+with a readiness pipe inherited, and writes a :class:`ProcessSpec` (JSON, with the tenant
+key: never on a command line) to its stdin. This process then:
 
 1. builds llama-cpp-python's app (``llama_cpp.server.app.create_app``), which loads the
    model — the routes, request types, errors and streaming are llama-cpp-python's own;
@@ -12,8 +11,9 @@ This process then:
    maasd once to say whether prefixes are shared, and times the first sampled token;
 3. adds ``GET /metrics`` and a middleware (request arrival for the TTFT, an
    ``x-maasd-worker-pid`` header on every answer);
-4. serves on the inherited socket until SIGTERM/SIGINT, then finishes the requests in
-   flight and exits 0.
+4. listens on the worker's port with a socket of its own (``SO_REUSEPORT``: the kernel
+   spreads new connections over the processes), and serves until SIGTERM/SIGINT, then
+   finishes the requests in flight and exits 0.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True):
     key: str | None
     pool: str | None
     maasd_url: str | None
-    listen_fd: int
+    host: str
+    port: int
     ready_fd: int
     parent_pid: int
     log_level: str = "info"
@@ -73,7 +74,7 @@ def main() -> int:
 
     metrics = WorkerMetrics()
     app, cache = build_app(spec, metrics)
-    listener = socket.socket(fileno=spec.listen_fd)
+    listener = listen(spec.host, spec.port)  # after the model loaded: no request waits on it
     config = _config(app, spec)
     server = make_server(config, ready=lambda: _ready(spec.ready_fd))
     try:
@@ -83,6 +84,28 @@ def main() -> int:
             cache.close()
         listener.close()
     return 0
+
+
+def reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with ``SO_REUSEPORT`` (not listening yet)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """This process's own listening socket on the worker's port: the kernel spreads new
+    connections over the processes' sockets (``SO_REUSEPORT``)."""
+    sock = reuse_port_socket(host, port)
+    sock.listen(2048)
+    return sock
 
 
 def build_app(spec: ProcessSpec, metrics: WorkerMetrics) -> tuple[Any, Any]:

@@ -1,9 +1,14 @@
 """The supervisor of ``maasd worker``: N server processes on one listening socket.
 
-It binds the port once (so a port in use fails at once, with one message), starts
-``--processes`` children (``python -m maasd.llama.worker_process``) that inherit the
-socket and accept on it in turn — each loads its own model and talks to maasd over its
-own connection — and waits until each says it serves. Then:
+It checks that the port is free and holds it (bound with ``SO_REUSEPORT``, not
+listening: a port in use fails at once, with one message), starts ``--processes``
+children (``python -m maasd.llama.worker_process``) — each loads its own model, talks to
+maasd over its own connection and, once loaded, listens on the port with a socket of its
+own, among which the kernel spreads new connections — and waits until each says it
+serves. One socket per process rather than one shared: from a shared socket, the
+process whose event loop wakes first accepts every connection waiting (a burst of
+clients all lands on one process), and a keep-alive connection stays where it landed.
+Then:
 
 * a child that dies is started again (after a back-off: 1 s, doubling, at most 30 s);
 * SIGTERM or SIGINT: every child gets SIGTERM, finishes what it serves (``--graceful-timeout``)
@@ -34,7 +39,7 @@ from typing import TextIO
 import msgspec
 
 from maasd.llama.worker import WorkerConfig
-from maasd.llama.worker_process import ProcessSpec
+from maasd.llama.worker_process import ProcessSpec, reuse_port_socket
 
 __all__ = ["Supervisor", "sharing_check"]
 
@@ -100,6 +105,7 @@ class Supervisor:
         self.metrics_dir = ""
         self._stop = threading.Event()
         self._listener: socket.socket | None = None
+        self.port = cfg.port
         self._respawn_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
 
@@ -127,7 +133,7 @@ class Supervisor:
             if started == "ready":
                 pids = ", ".join(str(c.proc.pid) for c in self.children)
                 self.say(
-                    f"serving http://{self.cfg.host}:{self.cfg.port} with "
+                    f"serving http://{self.cfg.host}:{self.port} with "
                     f"{self.cfg.processes} process(es) (pids {pids})"
                     + ("" if ok else ", WITHOUT prefix sharing")
                 )
@@ -143,12 +149,19 @@ class Supervisor:
     # -- processes
 
     def _bind(self) -> socket.socket:
+        """Hold the port for the children (bound, ``SO_REUSEPORT``, never listening), once a
+        plain bind showed that no one else has it — not even another worker's processes,
+        which a ``SO_REUSEPORT`` bind would join."""
         host, port = self.cfg.host, self.cfg.port
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=2048)
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+            port = probe.getsockname()[1]  # --port 0: the one the kernel chose
+        self.port = port
+        return reuse_port_socket(host, port)
 
     def _spawn(self, slot: int) -> Child:
-        assert self._listener is not None
         ready_r, ready_w = os.pipe()
         spec = ProcessSpec(
             server=self.cfg.server,
@@ -157,7 +170,8 @@ class Supervisor:
             key=self.cfg.key,
             pool=self.cfg.pool,
             maasd_url=self.cfg.maasd_url,
-            listen_fd=self._listener.fileno(),
+            host=self.cfg.host,
+            port=self.port,
             ready_fd=ready_w,
             parent_pid=os.getpid(),
             log_level=self.cfg.log_level,
@@ -168,7 +182,7 @@ class Supervisor:
             proc = subprocess.Popen(
                 [self.python, "-m", "maasd.llama.worker_process"],
                 stdin=subprocess.PIPE,
-                pass_fds=(self._listener.fileno(), ready_w),
+                pass_fds=(ready_w,),
                 env=env,
             )
         finally:

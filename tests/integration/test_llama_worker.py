@@ -199,6 +199,27 @@ def test_the_grafana_dashboard_reads_only_metrics_that_exist(daemon: Any, shared
     assert not missing, f"the dashboard queries metrics nobody exposes: {sorted(missing)}"
 
 
+def test_a_port_in_use_or_a_model_that_does_not_load_exits_1(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        p = subprocess.run(
+            worker_cmd(tmp_path / "none.gguf", port), capture_output=True, text=True, timeout=60
+        )
+    assert p.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in p.stderr
+    p = subprocess.run(
+        worker_cmd(tmp_path / "none.gguf", free_port(), "--socket", str(tmp_path / "no.sock")),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 1
+    assert "before serving" in p.stderr
+
+
 def test_sigterm_stops_every_process_with_exit_0(shared: Served, unshared: Served) -> None:
     # The supervisor exits 0 only if every server process it ran exited 0 (and reaped it).
     pids = {int(p) for p in by_pid(shared, "maasd_worker_sharing_enabled")}
