@@ -38,6 +38,7 @@ __all__ = [
     "MAX_SIZE_GIB",
     "MAX_WIRE_INT",
     "NAME_PATTERN",
+    "PATH_PATTERN",
     "ApiKey",
     "Bytes",
     "EntryKey",
@@ -88,6 +89,9 @@ MAX_BUFFERS = 1 << 24
 MAX_EVENTS = 1000
 #: A spill directory path (Linux's PATH_MAX).
 MAX_PATH = 4096
+#: An absolute path without a NUL byte (the kernel refuses those; Python raises on them).
+#: ``\x00`` means the same to Python's ``re`` and to JSON Schema's ECMA-262 regexes.
+PATH_PATTERN = r"^/[^\x00]*$"
 
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=MAX_NAME)]
 NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)]
@@ -108,7 +112,7 @@ Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
 ApiKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_API_KEY)]
 MaxBuffers = Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERS)]
 EventLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENTS)]
-SpillDir = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH)]
+SpillDir = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH, pattern=PATH_PATTERN)]
 
 
 def bytes_of_gib(gib: float) -> int:

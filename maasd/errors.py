@@ -19,7 +19,8 @@ Every failure that a caller can act on is a :class:`MaasdError`. The tree::
     ├── LimitExceeded           a per-tenant or per-peer cap (connections, requests in flight)
     ├── InsufficientStorage     the request could be met, but not now
     │   ├── PoolExhausted       the pool could hold it, but has too little free now
-    │   └── ResourceLimit       the daemon is at a limit of its own (open files, threads, …)
+    │   ├── ResourceLimit       the daemon is at a limit of its own (open files, threads, …)
+    │   └── LedgerUnavailable   the ledger database cannot be reached (or is busy) now
     ├── BackingError            the kernel refused a memory operation (errno and what was tried)
     └── ConfigError             the operator's configuration is unusable (never a request's fault)
 
@@ -41,6 +42,7 @@ __all__ = [
     "Forbidden",
     "InsufficientStorage",
     "InvalidRequest",
+    "LedgerUnavailable",
     "LimitExceeded",
     "MaasdError",
     "NotFound",
@@ -191,6 +193,15 @@ class ResourceLimit(InsufficientStorage):
 
     code = "resource-limit"
     title = "Daemon resource limit"
+
+
+class LedgerUnavailable(InsufficientStorage):
+    """Raised when the ledger database cannot be reached now (PostgreSQL down or out of
+    connections, SQLite locked past its busy timeout, the disk full). Nothing changed; the
+    request may be retried. ``detail`` says what the database answered."""
+
+    code = "ledger-unavailable"
+    title = "Ledger unavailable"
 
 
 class BackingError(MaasdError):

@@ -79,6 +79,61 @@ class LedgerCollector(Collector):
         yield from (cap, used, nbuf, warm, warm_target, tused, tquota)
 
 
+class RuntimeCollector(Collector):
+    """What the daemon holds outside the ledger, read at scrape time.
+
+    ``released_attached`` gives ``(tenant, kind, size_bytes, handles)`` of the buffers
+    released while workers still had handles attached (a handle can fault fresh pages
+    in after the scrub: memory no quota counts); ``regions`` gives ``(held, budget)``
+    of the daemon's buffer regions (each one open file and one mapping).
+    """
+
+    def __init__(
+        self,
+        released_attached: Callable[[], Iterable[tuple[str, str, int, int]]],
+        regions: Callable[[], tuple[int, int]],
+    ) -> None:
+        self._released_attached = released_attached
+        self._regions = regions
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["tenant", "kind"]
+        nbuf = GaugeMetricFamily(
+            "maasd_released_attached_buffers",
+            "Released buffers that workers still hold handles on (attached, not detached)",
+            labels=labels,
+        )
+        nbytes = GaugeMetricFamily(
+            "maasd_released_attached_bytes",
+            "Size of the released buffers that workers still hold handles on",
+            labels=labels,
+        )
+        handles = GaugeMetricFamily(
+            "maasd_released_attached_handles",
+            "Handles still attached on released buffers",
+            labels=labels,
+        )
+        totals: dict[tuple[str, str], list[int]] = {}
+        for tenant, kind, size, n in self._released_attached():
+            t = totals.setdefault((tenant, kind), [0, 0, 0])
+            t[0], t[1], t[2] = t[0] + 1, t[1] + size, t[2] + n
+        for (tenant, kind), (count, size, n) in sorted(totals.items()):
+            nbuf.add_metric([tenant, kind], count)
+            nbytes.add_metric([tenant, kind], size)
+            handles.add_metric([tenant, kind], n)
+        held, budget = self._regions()
+        regions = GaugeMetricFamily(
+            "maasd_buffer_regions", "Buffer regions the daemon holds (one fd and one mapping each)"
+        )
+        regions.add_metric([], held)
+        cap = GaugeMetricFamily(
+            "maasd_buffer_region_budget",
+            "Buffer regions the daemon may hold at once (from RLIMIT_NOFILE and vm.max_map_count)",
+        )
+        cap.add_metric([], budget)
+        yield from (nbuf, nbytes, handles, regions, cap)
+
+
 class EntryCollector(Collector):
     """The gauges of committed entries, read from the daemon's memory at scrape time."""
 
@@ -231,6 +286,9 @@ class Metrics:
         self.registry.register(collector)
 
     def attach_entries(self, collector: EntryCollector) -> None:
+        self.registry.register(collector)
+
+    def attach_runtime(self, collector: RuntimeCollector) -> None:
         self.registry.register(collector)
 
     def render(self) -> bytes:

@@ -122,12 +122,16 @@ class HostInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant with its use. ``max_buffers`` is the cap on its buffers in force: its own,
+    or the daemon's default (``max_buffers_per_tenant``) when it has none."""
+
     id: str
     name: str
     quota_bytes: int
     used_bytes: int
     buffers: int
     created_at: str
+    max_buffers: int
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -154,6 +158,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     quota_bytes: int
     used_bytes: int
     buffers: int
+    max_buffers: int
 
 
 class BufferInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,7 +201,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
 
     ``kind`` is one of ``reserve``, ``release``, ``evict``, ``expire``, ``pool_drain``,
     ``shutdown``, ``recover``, ``reserve_failed`` (buffers), ``tenant_create``,
-    ``tenant_delete``, ``quota_set``, ``key_issue``, ``key_revoke`` (tenants),
+    ``tenant_delete``, ``quota_set``, ``max_buffers_set`` (``detail``: the cap),
+    ``key_issue``, ``key_revoke`` (tenants),
     ``pool_create``, ``pool_delete`` (pools). ``bytes`` is the buffer size (or quota,
     capacity); ``detail`` a name or id the kind needs (never a key itself).
     """

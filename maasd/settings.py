@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from maasd.bounds import MAX_BUFFERS
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
@@ -74,7 +75,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     data_dir: str = msgspec.field(default_factory=default_data_dir)
     db_url: str | None = None  # default: sqlite:///DATA_DIR/maasd.db
     config: str | None = None
-    admin_key: str | None = None  # default: DATA_DIR/admin.key, generated once
+    # The admin key: this, else the file admin_key_file, else $CREDENTIALS_DIRECTORY/admin-key
+    # (systemd LoadCredential=), else DATA_DIR/admin.key (generated once).
+    admin_key: str | None = None
+    admin_key_file: str | None = None
     metrics_key: str | None = None  # a key good for GET /metrics only
     metrics_public: bool = False  # GET /metrics needs no key at all
     node_name: str = msgspec.field(default_factory=_socket.gethostname)
@@ -89,6 +93,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
     db_pool_size: int = 16  # ledger connections kept open (docs/scale-out.md: sizing)
     db_max_overflow: int = 64  # more, opened under load and closed after
+    # A tenant's cap on buffers (entries included) when it has none of its own. Each buffer
+    # holds one of the daemon's open files and one mapping: 4096 lets a prefix cache of
+    # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
+    # regions that vm.max_map_count's default allows (maasd.core.limits).
+    max_buffers_per_tenant: int = 4096
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
@@ -108,6 +117,17 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_head_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_send_timeout_s: float = 30.0
+    # The shared prefix tier (docs/scale-out.md, "The L2 tier"): a Redis or Valkey URL
+    # (redis://, rediss://, unix://); needs the PostgreSQL ledger. Only the daemon uses it.
+    l2_url: str | None = None
+    l2_timeout_s: float = 0.1  # connect and each read/write of one L2 request
+    l2_tenant_bytes: int = 1 << 30  # a tenant's bytes in L2 at most (oldest evicted there)
+    l2_ttl_s: int = 24 * 3600  # an entry's life in L2 (renewed by each new write of it)
+    l2_queue_entries: int = 64  # committed entries waiting to be written behind, at most
+    l2_queue_bytes: int = 512 << 20  # … and their bytes; past either, a write is dropped
+    l2_breaker_failures: int = 3  # consecutive L2 failures that open the circuit breaker
+    l2_breaker_backoff_s: float = 2.0  # open this long, then one probe (half-open)
+    l2_prefix: str = "maasd"  # of every Redis key: several fleets can share one Redis
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -132,11 +152,26 @@ SOCKET_BOUNDS = tuple(
 
 #: Settings that are sizes (plain bytes or with units, in the environment and the file),
 #: and the keys of a ``[[pools]]`` table that are: whether 0 is a valid value of each.
-SIZES = {"default_pool_bytes": False, "default_warm_bytes": True, "warm_min_available_bytes": True}
+SIZES = {
+    "default_pool_bytes": False,
+    "default_warm_bytes": True,
+    "warm_min_available_bytes": True,
+    "l2_tenant_bytes": False,
+    "l2_queue_bytes": False,
+}
 POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
 
 #: The REST server's bounds: each must be > 0.
 HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
+
+#: The L2 tier's bounds: each must be > 0 (its URL and key prefix are checked apart).
+L2_BOUNDS = tuple(
+    name
+    for name in Settings.__struct_fields__
+    if name.startswith("l2_") and name not in ("l2_url", "l2_prefix")
+)
+#: URL schemes redis-py connects with.
+L2_SCHEMES = ("redis", "rediss", "unix")
 
 #: environment variable → field
 ENV = {
@@ -148,6 +183,7 @@ ENV = {
     "MAASD_DB_URL": "db_url",
     "MAASD_CONFIG": "config",
     "MAASD_ADMIN_KEY": "admin_key",
+    "MAASD_ADMIN_KEY_FILE": "admin_key_file",
     "MAASD_METRICS_KEY": "metrics_key",
     "MAASD_METRICS_PUBLIC": "metrics_public",
     "MAASD_NODE_NAME": "node_name",
@@ -159,9 +195,13 @@ ENV = {
     "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
     "MAASD_DB_POOL_SIZE": "db_pool_size",
     "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
+    "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
     **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
+    "MAASD_L2_URL": "l2_url",
+    "MAASD_L2_PREFIX": "l2_prefix",
+    **{f"MAASD_{name.upper()}": name for name in L2_BOUNDS},
 }
 
 
@@ -174,13 +214,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     from_env: dict[str, Any] = {field: env[var] for var, field in ENV.items() if env.get(var)}
     config_path = flags.get("config") or from_env.get("config")
-    from_file: dict[str, Any] = {}
-    if config_path:
-        try:
-            with open(config_path, "rb") as f:
-                from_file = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"config file {config_path}: {e}") from e
+    from_file = _read_config(config_path) if config_path else {}
     _parse_sizes(from_env, from_file, config_path)
     merged = {**from_file, **from_env, **flags}
     try:
@@ -191,11 +225,34 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"settings: {e}") from e
+    _check(settings)
+    settings.data_dir = str(Path(settings.data_dir).expanduser())
+    return settings
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    """The TOML config file's table; :class:`ConfigError` for a bad path or file."""
+    if "\0" in path:
+        raise ConfigError(f"config file {path!r}: a path cannot hold a NUL byte")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path}: {e}") from e
+
+
+def _check(settings: Settings) -> None:
+    """The rules no type says: ranges, relations between fields, names that must exist."""
+    for field, value in msgspec.structs.asdict(settings).items():
+        if isinstance(value, str) and "\0" in value:  # paths and names: the kernel refuses them
+            raise ConfigError(f"settings: {field} cannot hold a NUL byte")
     if not 0 < settings.port < 65536:
         raise ConfigError(f"settings: port must be 1..65535, got {settings.port}")
     if settings.max_ttl_s < 1:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
-    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS):
+    if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
+        raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
+    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:
@@ -213,12 +270,11 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
             f"settings: metrics_key must be at least {MIN_METRICS_KEY} characters "
             "(e.g. `openssl rand -hex 24`)"
         )
+    check_l2(settings)
     group_id(settings.socket_group)  # an unknown group fails here, before anything starts
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
-    settings.data_dir = str(Path(settings.data_dir).expanduser())
-    return settings
 
 
 def _parse_sizes(from_env: dict[str, Any], from_file: dict[str, Any], path: str | None) -> None:
@@ -241,6 +297,27 @@ def _sizes(values: dict[str, Any], key: str, origin: str, allow_zero: bool = Fal
             values[key] = parse_size(raw, allow_zero=allow_zero)
         except SizeError as e:
             raise ConfigError(f"{origin}: {e}") from None
+
+
+def check_l2(settings: Settings) -> None:
+    """A ``ConfigError`` unless the L2 settings can work: a Redis URL, and the shared
+    PostgreSQL ledger (tenant ids, which namespace L2, are global only there)."""
+    if settings.l2_url is None:
+        return
+    scheme = settings.l2_url.partition("://")[0].lower()
+    if "://" not in settings.l2_url or scheme not in L2_SCHEMES:
+        raise ConfigError(
+            f"settings: l2_url must be a redis://, rediss:// or unix:// URL (got a {scheme!r} URL)"
+        )
+    backend = settings.database_url.partition(":")[0].partition("+")[0].lower()
+    if backend not in ("postgresql", "postgres"):
+        raise ConfigError(
+            "settings: --l2-url needs the shared PostgreSQL ledger (--db postgresql+psycopg://…): "
+            "L2 keys are namespaced by tenant id, and tenant ids are global only there; this "
+            f"daemon's ledger is {backend or 'not a URL'}"
+        )
+    if not settings.l2_prefix or any(c in settings.l2_prefix for c in "{}: \t\n"):
+        raise ConfigError("settings: l2_prefix must be a non-empty word without {, }, : or spaces")
 
 
 def group_id(group: str | None) -> int | None:

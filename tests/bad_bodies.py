@@ -202,12 +202,21 @@ TENANT_BAD: list[tuple[str, Any]] = [
 ]
 
 
-QUOTA_BAD: list[tuple[str, Any]] = [
+TENANT_PATCH_BAD: list[tuple[str, Any]] = [
     ("empty-object", {}),
     ("negative", {"quota_bytes": -1}),
     ("2^64", {"quota_bytes": 2**64}),
     ("string", {"quota_bytes": "1"}),
     ("null", {"quota_bytes": None}),
+    ("null-with-cap", {"quota_bytes": None, "max_buffers": 5}),
+    ("cap-zero", {"max_buffers": 0}),
+    ("cap-negative", {"max_buffers": -1}),
+    ("cap-huge", {"max_buffers": 2**40}),
+    ("cap-string", {"max_buffers": "5"}),
+    ("cap-float", {"max_buffers": 5.0}),
+    ("cap-bool", {"max_buffers": True}),
+    ("cap-null", {"max_buffers": None}),
+    ("good-quota-bad-cap", {"quota_bytes": MiB, "max_buffers": 0}),
     ("rename", {"name": "other"}),
     ("unknown-field", {"quota_bytes": MiB, "name": "other"}),
     *_common_bad_bodies(),

@@ -3,7 +3,7 @@
 persistent pools."""
 
 from maasd.allocator.arith import Ledger, check_size, round_up
-from maasd.allocator.persist import checkpoint, file_checksum, restore
+from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
 from maasd.allocator.pool import Pool, default_page_bytes
 from maasd.allocator.region import SEALS, Region
 from maasd.allocator.warm import Warmer
@@ -20,4 +20,5 @@ __all__ = [
     "file_checksum",
     "restore",
     "round_up",
+    "sync_filesystem",
 ]

@@ -62,6 +62,26 @@ SCRUB_MODES = ("zero", "punch")
 POPULATE_CHUNK = 16 << 20
 
 
+_open_lock = threading.Lock()
+_open = 0
+
+
+def open_regions() -> int:
+    """Regions of this process not yet closed: each holds one fd and one mapping.
+
+    The daemon's budget of open files and mappings (:mod:`maasd.core.limits`)
+    counts these, whoever holds them (live buffers, regions waiting to be
+    reclaimed, warm stock).
+    """
+    return _open
+
+
+def _count_open(delta: int) -> None:
+    global _open
+    with _open_lock:
+        _open += delta
+
+
 def _huge_flag(page_bytes: int) -> int:
     return _sys.MFD_HUGETLB | ((page_bytes.bit_length() - 1) << _sys.MFD_HUGE_SHIFT)
 
@@ -104,6 +124,7 @@ class Region:
         self.released = False
         #: whether the seals are on (a stocked region gets them when it is taken)
         self.sealed = True
+        _count_open(1)
 
     @classmethod
     def create(
@@ -347,6 +368,7 @@ class Region:
                 _sys.munmap(self._addr, self.size)
             finally:
                 os.close(self.fd)
+                _count_open(-1)
             return True
 
     @property

@@ -16,7 +16,9 @@ round), and a reserve that finds none gives the other pools' ``hugetlb`` stock
 back first (:meth:`Warmer.shed`).
 
 Its owner starts it and stops it; a pool registers itself (``Pool(warmer=...)``)
-and leaves at :meth:`~maasd.allocator.pool.Pool.close`.
+and leaves at :meth:`~maasd.allocator.pool.Pool.close`. ``may_grow`` (the daemon's
+region budget, :mod:`maasd.core.limits`) says whether one more region may be made:
+every region holds an open file and a mapping of the daemon, stocked or not.
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ class Warmer:
         min_available: int | None = None,
         available: Callable[[], int | None] = mem_available,
         interval_s: float = 1.0,
+        may_grow: Callable[[], bool] = lambda: True,
     ) -> None:
         #: Below this much ``MemAvailable`` the memfd stock is given back.
         self.min_available = default_min_available() if min_available is None else min_available
         self._available = available
         self._interval_s = interval_s
+        self._may_grow = may_grow
         self._lock = threading.Lock()
         self._pools: list[Pool] = []
         self._wake = threading.Event()
@@ -150,6 +154,8 @@ class Warmer:
             room = None
             if pool.backing == "memfd" and (available := self._available()) is not None:
                 room = available - 2 * self.min_available
+            if not self._may_grow():
+                room = 0  # no new region; a surplus is still given back
             changed |= pool.refill_step(room)
         return changed
 

@@ -24,11 +24,11 @@ from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, Call, may_read_m
 from maasd.api.schemas import (
     LookupBody,
     PinBody,
-    QuotaBody,
     RenewBody,
     ReserveBody,
     Status,
     TenantBody,
+    TenantPatchBody,
     Unhealthy,
 )
 from maasd.metrics import CONTENT_TYPE
@@ -177,16 +177,19 @@ class TenantsController(Controller):
 
     @patch(
         "/tenants/{tenant_id:str}",
-        summary="Set a tenant's quota (admin)",
+        summary="Set a tenant's quota and/or buffer cap (admin)",
         responses=problems.responses(*ADMIN + BODY + (404,)),
     )
-    async def set_quota(
+    async def update_tenant(
         self,
         call: NamedDependency[Call],
         tenant_id: FromPath[str],
-        data: JSONBody[QuotaBody],
+        data: JSONBody[TenantPatchBody],
     ) -> TenantInfo:
-        return await call.run(call.service.set_quota, tenant_id, data.quota_bytes)
+        quota, cap = data.given()
+        return await call.run(
+            partial(call.service.update_tenant, quota_bytes=quota, max_buffers=cap), tenant_id
+        )
 
     @delete(
         "/tenants/{tenant_id:str}",

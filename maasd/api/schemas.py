@@ -57,8 +57,26 @@ class TenantBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     quota_bytes: bounds.Bytes
 
 
-class QuotaBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    quota_bytes: bounds.Bytes
+class TenantPatchBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``PATCH /v1/tenants/{id}``: the quota, the buffer cap, or both (at least one).
+
+    A field left out is left alone; ``null`` is refused like any wrong type.
+    """
+
+    quota_bytes: bounds.Bytes | msgspec.UnsetType = msgspec.UNSET
+    max_buffers: bounds.MaxBuffers | msgspec.UnsetType = msgspec.UNSET
+
+    def __post_init__(self) -> None:
+        if self.quota_bytes is msgspec.UNSET and self.max_buffers is msgspec.UNSET:
+            raise ValueError("give quota_bytes, max_buffers or both")
+
+    def given(self) -> tuple[int | None, int | None]:
+        """``(quota_bytes, max_buffers)`` as the service takes them: ``None`` = leave alone."""
+        quota, cap = self.quota_bytes, self.max_buffers
+        return (
+            None if isinstance(quota, msgspec.UnsetType) else quota,
+            None if isinstance(cap, msgspec.UnsetType) else cap,
+        )
 
 
 class PinBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -134,9 +134,10 @@ class Acceptor:
         self.log.log(
             logging.WARNING, "refused", "connection refused at a limit", conn.fields(reason=reason)
         )
-        outcome = self.dispatcher.error(errors.LimitExceeded(reason), conn.fields(), close=True)
+        reply = self.dispatcher.error(errors.LimitExceeded(reason), conn.fields()).reply
+        assert reply is not None  # an error outcome always has its frame
         try:
-            conn.send(encode_frame(outcome.reply))  # a fresh socket's buffer takes it whole
+            conn.send(encode_frame(reply))  # a fresh socket's buffer takes it whole
             conn.sock.shutdown(socket.SHUT_WR)
         except OSError:
             conn.close()

@@ -23,7 +23,9 @@ auth generation with the service's (an int compare; it moves on every key
 revocation) and checks the key again only when it moved — on the slow pool, as
 that may read the ledger: a revoked key gets 401 and the connection closes.
 
-The entry ops: ``lookup`` is inline (the service answers it from memory); ``put``
+The entry ops: ``lookup`` is inline (the service answers it from memory) — but a local
+miss that the shared tier (L2) is to be asked about is deferred (``Outcome.defer``) and
+runs again on the slow pool, since that waits for the network; ``put``
 (a reserve: eviction, prefault), ``commit`` (a copy) and ``abort`` (a scrub) are
 slow. A ``put`` leaves the connection holding a *staged* entry (``Outcome.staged``)
 until its ``commit`` or ``abort`` settles it; the connection's close abandons the
@@ -105,6 +107,8 @@ class HandleService(Protocol):
     def drop_handle(self, principal: Principal, buffer_id: str, /) -> None: ...
     def renew(self, principal: Principal, buffer_id: str, ttl_s: int, /) -> BufferInfo | None: ...
     def lookup_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
+    def l2_ready(self) -> bool: ...
+    def fill_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
     def put_entry(
         self,
         principal: Principal,
@@ -123,7 +127,8 @@ class HandleService(Protocol):
 class Outcome:
     """What to send for one frame, and what the connection holds afterwards."""
 
-    reply: Reply
+    #: ``None``: nothing to send (a key re-checked between requests, still valid)
+    reply: Reply | None
     #: fds sent with the reply (SCM_RIGHTS); owned by the outcome, closed once sent or dropped
     fds: tuple[int, ...] = ()
     #: the connection now holds one more attachment of this buffer
@@ -138,6 +143,8 @@ class Outcome:
     unstaged: str | None = None
     #: the key was checked again at this auth generation
     authed: int | None = None
+    #: nothing to send yet: run the op again on the slow pool (an inline op that must wait)
+    defer: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +157,8 @@ class Call:
     held: Mapping[str, int]
     #: the entries this connection put and has not committed or aborted; read only
     staged: Set[str] = frozenset()
+    #: running on the event loop (a handler that would wait answers ``Outcome.defer``)
+    inline: bool = False
 
 
 Handler = Callable[[Call, Any], Outcome]
@@ -188,7 +197,17 @@ def _renew(call: Call, req: Renew) -> Outcome:
 
 
 def _lookup(call: Call, req: Lookup) -> Outcome:
-    hit = call.service.lookup_entry(call.principal, req.keys)
+    service = call.service
+    try:
+        hit = service.lookup_entry(call.principal, req.keys)
+    except errors.NotFound:
+        # A local miss goes on to the shared tier (L2) when there is one and its breaker
+        # lets calls through — on the slow pool, as it waits for the network.
+        if not service.l2_ready():
+            raise
+        if call.inline:
+            return Outcome(None, defer=True)
+        hit = service.fill_entry(call.principal, req.keys)
     reply = Found(
         key=hit.key, buffer_id=hit.buffer_id, size_bytes=hit.size_bytes, numa_node=hit.numa_node
     )
@@ -306,9 +325,28 @@ class Dispatcher:
         """Whether a key checked at ``generation`` needs no new check (no revocation since)."""
         return generation == self.service.auth_generation
 
-    def run(self, op: Op, req: Request, session: Session, fields: Fields) -> Outcome:
+    def recheck(self, session: Session, fields: Fields) -> Outcome:
+        """Check an idle connection's key again after a revocation (off the loop: it may read
+        the ledger). Revoked: a 401 frame and a close, without waiting for the worker's next
+        request. Still valid: nothing to send. The ledger unreachable: nothing now — the
+        next request checks again."""
+        authed = self.service.auth_generation
+        try:
+            self.service.authenticate(session.api_key)
+        except errors.Unauthorized as exc:
+            self.log.log(logging.INFO, "key-revoked", "key revoked, closing", fields)
+            return self.error(exc, fields)
+        except Exception as exc:
+            self.log.log(logging.WARNING, "recheck", "key re-check failed", fields, exc_info=exc)
+            return Outcome(None)
+        return Outcome(None, authed=authed)
+
+    def run(
+        self, op: Op, req: Request, session: Session, fields: Fields, *, inline: bool = False
+    ) -> Outcome:
         """Serve one request; the key is checked again first if any key was revoked since
-        the connection's last check (a revoked key answers 401 and closes)."""
+        the connection's last check (a revoked key answers 401 and closes). ``inline``: on
+        the event loop; the outcome may then be a ``defer`` (run it on the slow pool)."""
         principal, authed = session.principal, None
         try:
             if not self.current(session.generation):
@@ -320,7 +358,8 @@ class Dispatcher:
         except Exception as exc:
             return self.error(exc, fields)
         try:
-            outcome = op.handler(Call(self.service, principal, session.held, session.staged), req)
+            call = Call(self.service, principal, session.held, session.staged, inline)
+            outcome = op.handler(call, req)
         except Exception as exc:
             outcome = self.error(exc, fields)
         if op.settles_staged:

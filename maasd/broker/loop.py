@@ -9,6 +9,7 @@ Per turn::
     results of slow operations → send them, resume that connection's frames
     connections with frames left over (a burst) → their next share
     deadlines: hello (absolute, from accept), send (a reply nobody reads), linger
+    a key revoked since the last turn → idle connections' keys re-checked (slow pool)
 
 A connection has at most one frame in flight: while an operation of it runs
 on the slow pool, or a reply of it is not yet wholly in the kernel, the loop
@@ -83,6 +84,10 @@ class EventLoop:
         self.stopping = threading.Event()
         self.tick = time.monotonic()
         self.crash: str | None = None
+        #: the auth generation of the last revocation sweep, and the connections it found
+        #: busy (re-checked once their reply is out)
+        self.swept = service.auth_generation
+        self.stale: set[Connection] = set()
         self._finished = False
         self._post_lock = threading.Lock()
 
@@ -118,6 +123,8 @@ class EventLoop:
             self._run_results()
         if self.backlog:
             self._run_backlog()
+        if self.stale or self.service.auth_generation != self.swept:
+            self._sweep_revocations()
         if due is not None and (now := time.monotonic()) >= due:
             self.table.expire(now)
             self.acceptor.tick(now)
@@ -232,8 +239,11 @@ class EventLoop:
         # Inline only if the key needs no new check (that may read the ledger).
         if not op.slow and self.dispatcher.current(conn.generation):
             session = Session(conn.principal, conn.api_key, conn.generation, conn.held, conn.staged)
-            self.table.deliver(conn, self.dispatcher.run(op, req, session, fields))
-            return
+            outcome = self.dispatcher.run(op, req, session, fields, inline=True)
+            if not outcome.defer:
+                self.table.deliver(conn, outcome)
+                return
+            # the op must wait for something (a lookup asking L2): on to the slow pool
         conn.busy = True
         # Snapshots: the loop may drop the live sets if the connection closes meanwhile.
         session = Session(
@@ -249,6 +259,35 @@ class EventLoop:
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
         self.post(conn, self.dispatcher.run(op, req, session, fields))
+
+    def _sweep_revocations(self) -> None:
+        """A key was revoked: re-check every authenticated connection's key off the loop, so
+        an idle worker of a revoked key is closed now, not at its next request (SPEC §4:
+        a revoked key answers 401 at once, on the socket too). Connections with a request in
+        flight are re-checked by that request, or here once its reply is out."""
+        generation = self.service.auth_generation
+        if generation != self.swept:
+            self.swept = generation
+            self.stale = {c for c in self.table.conns if c.principal is not None}
+        for conn in list(self.stale):
+            if conn.closed or conn.generation == generation:
+                self.stale.discard(conn)
+            elif not (conn.busy or conn.out):
+                self.stale.discard(conn)
+                self._recheck(conn)
+
+    def _recheck(self, conn: Connection) -> None:
+        assert conn.principal is not None
+        assert conn.api_key is not None
+        conn.busy = True  # nothing else of it runs until the check is back
+        session = Session(conn.principal, conn.api_key, conn.generation, {}, frozenset())
+        fields = conn.fields()
+
+        def job() -> None:
+            if not conn.closed:
+                self.post(conn, self.dispatcher.recheck(session, fields))
+
+        self.pool.submit(conn.tenant or "-", job)
 
     def _abandon(self, conn: Connection, buffer_id: str) -> None:
         """``conn`` went away holding a staged entry: release it on the slow pool (a scrub).
@@ -299,6 +338,12 @@ class EventLoop:
             self._guard(conn, self._process, conn)
 
     # --- waking, shutting down -------------------------------------------------------
+
+    def wake(self) -> None:
+        """Make the loop turn now (any thread): e.g. a key was revoked."""
+        with self._post_lock:
+            if not self._finished:
+                self._wake()
 
     def _wake(self) -> None:
         """Make select() return (caller holds ``_post_lock`` and the loop is not finished)."""

@@ -87,6 +87,12 @@ class Broker:
         try:
             pool.start()
             loop = EventLoop(sock, self.service, self.limits, pool, self.log)
+            # A revocation made on another thread (REST, or another daemon's, heard by the
+            # ledger listener) wakes the loop, so idle connections of the key are cut at
+            # once instead of at the loop's next turn (up to a second later).
+            watch = getattr(self.service, "watch_revocations", None)
+            if watch is not None:
+                watch(loop.wake)
             thread = threading.Thread(target=loop.run, name="maasd-broker", daemon=True)
             thread.start()
         except BaseException:

@@ -120,10 +120,16 @@ class ConnectionTable:
             if conn.held[outcome.detached] == 0:
                 del conn.held[outcome.detached]
             self._drop(conn, outcome.detached)
+        if outcome.reply is None:
+            if outcome.close:
+                self.close(conn, "closed")
+            return
         try:
             frame = encode_frame(outcome.reply)
         except FrameTooLarge as exc:  # a reply of ours over 64 KiB is a bug: answer 500
-            frame = encode_frame(self.dispatcher.error(exc, conn.fields()).reply)
+            reply = self.dispatcher.error(exc, conn.fields()).reply
+            assert reply is not None  # an error outcome always has its frame
+            frame = encode_frame(reply)
         try:
             done = conn.send(frame, outcome.fds)
         except OSError as exc:

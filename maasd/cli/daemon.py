@@ -2,19 +2,25 @@
 
 Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
 
-    settings  flags > MAASD_* env > --config TOML > defaults
+    harden    not dumpable (PR_SET_DUMPABLE 0: /proc/PID/fd, mem and environ are
+              root's only), soft RLIMIT_NOFILE raised to the hard limit
+    settings  flags > MAASD_* env > --config TOML > defaults; the admin and
+              metrics keys, the database and L2 URLs then leave os.environ
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
-    service   migrate to head, recover(), provision pools, start the lease reaper
+    service   migrate to head, recover(), finish deletes, provision pools, reaper
     broker    the Unix socket for worker handles
-    serve     uvicorn in-process until SIGTERM/SIGINT
+    serve     uvicorn in-process until SIGTERM/SIGINT (maasd.api.server: REST
+              connections capped, request deadlines)
     shutdown  stop accepting, finish in-flight requests (10 s grace),
-              close the socket, checkpoint persistent buffers, release
-              volatile ones (scrubbed), close the database, exit 0
+              close the socket, checkpoint persistent buffers, scrub volatile
+              ones (their rows go in one statement), close the database, exit 0
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import fcntl
 import json
 import logging
@@ -112,6 +118,36 @@ def _settings(**flags: Any) -> Settings:
         raise click.ClickException(e.detail) from e
 
 
+#: Environment variables holding secrets (a database or L2 URL may carry a password): dropped
+#: from ``os.environ`` once read, so that nothing the daemon starts inherits them. (The
+#: copy the kernel keeps in /proc/PID/environ stays; the daemon being non-dumpable makes
+#: that root's only.)
+SECRET_ENV = ("MAASD_ADMIN_KEY", "MAASD_METRICS_KEY", "MAASD_DB_URL", "MAASD_L2_URL")
+
+_PR_SET_DUMPABLE = 4
+
+
+def harden() -> tuple[int, int]:
+    """Make this process non-dumpable and raise its soft open-files limit to the hard one.
+
+    Non-dumpable: /proc/PID/fd, /proc/PID/mem and /proc/PID/environ belong to root,
+    so another process of the daemon's uid can neither open a tenant's memfd through
+    /proc/PID/fd/N nor read the admin key from the environment, and no core dump
+    (which would hold tenants' memory) is written. Returns the open-files limit
+    ``(before, after)``.
+    """
+    from maasd.core.limits import raise_open_files
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise click.ClickException(f"prctl(PR_SET_DUMPABLE, 0) failed: {os.strerror(err)}")
+    before, after = raise_open_files()
+    if after != before:
+        logger.info("open files limit raised", extra={"before": before, "after": after})
+    return before, after
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="maasd")
 def cli() -> None:
@@ -152,11 +188,23 @@ def common(fn: _F) -> _F:
     "of that group can connect [env MAASD_SOCKET_GROUP].",
 )
 @click.option(
+    "--admin-key-file",
+    type=click.Path(dir_okay=False),
+    help="File holding the admin key, mode 0600 [env MAASD_ADMIN_KEY_FILE]; "
+    "$CREDENTIALS_DIRECTORY/admin-key (systemd LoadCredential=admin-key:…) is read too.",
+)
+@click.option(
     "--metrics-public",
     is_flag=True,
     default=None,
     help="Serve GET /metrics to anyone, without a key [env MAASD_METRICS_PUBLIC=1]. "
     "Otherwise it needs the admin key or the metrics key [env MAASD_METRICS_KEY].",
+)
+@click.option(
+    "--l2-url",
+    help="Redis or Valkey URL of the shared prefix tier (redis://[:PASSWORD@]HOST:PORT/DB); "
+    "needs a PostgreSQL ledger. Prefer the environment for a URL with a password "
+    "[env MAASD_L2_URL].",
 )
 @common
 def serve(**flags: Any) -> None:
@@ -167,7 +215,10 @@ def serve(**flags: Any) -> None:
       maasd serve --data-dir /var/lib/maasd --port 7878
     """
     settings = _settings(**flags)
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
     setup_logging(settings.log_level)
+    harden()
     with data_dir_lock(settings.data_dir):
         _serve(settings)
 
@@ -186,6 +237,7 @@ def _serve(settings: Settings) -> None:
         service.start()
     except MaasdError as e:  # a ConfigError (database URL, admin key file) above all
         raise click.ClickException(f"cannot start: {e.detail}") from e
+    _log_limits(service, settings)
     if service.admin_key_generated:
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
         click.echo(
@@ -207,7 +259,7 @@ def _serve(settings: Settings) -> None:
             f"cannot open the worker socket {settings.socket_path}: "
             f"{getattr(e, 'detail', None) or e}"
         ) from e
-    health = of_checks(_broker_checks(broker))
+    health = of_checks({**service.health_checks(), **_broker_checks(broker)})
     systemd = Systemd.from_env(health)  # READY=1, WATCHDOG=1, STOPPING=1 (maasd.notify)
     app = create_app(
         service,
@@ -227,17 +279,56 @@ def _serve(settings: Settings) -> None:
             "socket": settings.socket_path,
             "db": _redact(settings.database_url),
             "pools": ",".join(p.name for p in service.pools()),
+            # the L2 address stays out of info lines: whoever reads the log gets no route
+            "l2": "on" if settings.l2_url else "off",
         },
     )
+    if settings.l2_url:
+        from maasd.l2.client import redact
+
+        logger.debug("L2 tier", extra={"l2_url": redact(settings.l2_url)})
     try:
         server.run()
     finally:
+        stopping = time.monotonic()
         systemd.close()
         broker.stop()
         service.close()
-        logger.info("stopped")
+        logger.info("stopped", extra={"close_s": round(time.monotonic() - stopping, 3)})
     if not server.started:
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
+
+
+def _log_limits(service: Any, settings: Settings) -> None:
+    """Say what the daemon may hold, and warn when one tenant could take all of it."""
+    budget = service.budget
+    logger.info(
+        "limits",
+        extra={
+            "open_files": budget.limits.open_files,
+            "max_map_count": budget.limits.max_map_count,
+            "region_budget": budget.budget,
+            "rest_connections": budget.limits.rest_connections,
+            "socket_connections": budget.limits.socket_connections,
+            "max_buffers_per_tenant": settings.max_buffers_per_tenant,
+        },
+    )
+    if budget.budget == 0:
+        logger.warning(
+            "the open-files limit (%d) leaves no file for a buffer once connections and the "
+            "ledger have theirs (%d): every reserve answers 507 until LimitNOFILE is raised "
+            "or socket_max_connections lowered",
+            budget.limits.open_files,
+            budget.limits.reserved,
+        )
+    elif settings.max_buffers_per_tenant >= budget.budget:
+        logger.warning(
+            "one tenant at its default max_buffers could hold every buffer region the "
+            "daemon can hold (%d, from %s): raise LimitNOFILE or lower "
+            "max_buffers_per_tenant",
+            budget.budget,
+            budget.limits.binding,
+        )
 
 
 def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop) -> None:
@@ -246,6 +337,8 @@ def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop
     systemd.ready(loop, status=f"serving on {url}")
     if settings.admin_key:
         key = "set by MAASD_ADMIN_KEY or the config file"
+    elif settings.admin_key_file:
+        key = f"in {settings.admin_key_file}"
     elif (creds := os.environ.get("CREDENTIALS_DIRECTORY")) and os.path.exists(
         cred := os.path.join(creds, "admin-key")
     ):

@@ -24,7 +24,8 @@ and its status; :data:`PROBLEMS` is the table, kept equal to the daemon's
     ├── LimitExceeded             429  limit-exceeded: a per-tenant or per-peer cap
     ├── InsufficientStorage       507  insufficient-storage: could be met, but not now
     │   ├── PoolExhausted         507  pool-exhausted: the pool is full now
-    │   └── ResourceLimit         507  resource-limit: the daemon is at a limit of its own
+    │   ├── ResourceLimit         507  resource-limit: the daemon is at a limit of its own
+    │   └── LedgerUnavailable     507  ledger-unavailable: its database cannot be reached now
     ├── ServerError               any other 5xx
     │   └── InternalError         500  internal: a bug of the daemon (see its log)
     ├── ConnectionFailed          transport failure: refused, timeout, socket closed (status 0)
@@ -64,6 +65,7 @@ __all__ = [
     "InsufficientStorage",
     "InternalError",
     "InvalidReference",
+    "LedgerUnavailable",
     "LimitExceeded",
     "MaasdClientError",
     "MethodNotAllowed",
@@ -244,6 +246,12 @@ class ResourceLimit(InsufficientStorage):
     code = "resource-limit"
 
 
+class LedgerUnavailable(InsufficientStorage):
+    """507: the daemon's ledger database cannot be reached now; nothing changed, retry."""
+
+    code = "ledger-unavailable"
+
+
 class ServerError(MaasdClientError):
     """Any 5xx other than 507."""
 
@@ -304,6 +312,7 @@ PROBLEMS: dict[str, tuple[int, type[MaasdClientError]]] = {
         (507, InsufficientStorage),
         (507, PoolExhausted),
         (507, ResourceLimit),
+        (507, LedgerUnavailable),
         (500, InternalError),
     )
 }

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json as jsonlib
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any, Self, TypeVar
 from urllib.parse import quote
 
@@ -163,8 +163,10 @@ class _Http:
         content: bytes | None = None,
         params: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        answers: Collection[int] = (),
     ) -> httpx.Response:
-        """Send one request; return the response if its status is < 400, else raise.
+        """Send one request; return the response if its status is < 400 or in ``answers``
+        (a status that is an answer, not a problem), else raise.
 
         ``json`` is encoded with msgspec; ``content`` sends raw bytes (as JSON
         unless ``headers`` says otherwise) — handy for testing malformed bodies.
@@ -187,7 +189,7 @@ class _Http:
             raise ConnectionFailed(f"{method} {path}: {exc}") from exc
         for sink in self._local.__dict__.get("sinks", ()):
             sink.append(resp)
-        if resp.status_code >= 400:
+        if resp.status_code >= 400 and resp.status_code not in answers:
             raise error_from_problem(resp.status_code, _problem_of(resp))
         return resp
 
@@ -215,8 +217,13 @@ class Client(_Http):
     # --- anyone ----------------------------------------------------------------
 
     def health(self) -> Health:
-        """``GET /healthz``."""
-        return self._call("GET", "/healthz", Health)
+        """``GET /healthz``: the daemon's health, healthy (200) or not (503) alike.
+
+        >>> h = c.health()                                        # doctest: +SKIP
+        >>> h.ok, {n: x.detail for n, x in h.components.items() if not x.ok}  # doctest: +SKIP
+        (False, {'broker': 'the accept thread died'})
+        """
+        return self._call("GET", "/healthz", Health, answers=(503,))
 
     def metrics(self) -> str:
         """``GET /metrics``: the Prometheus text exposition."""
@@ -362,9 +369,25 @@ class Client(_Http):
         return self._call("GET", f"/v1/tenants/{_seg(tenant)}", Tenant)
 
     def set_quota(self, tenant: str, quota_bytes: int) -> Tenant:
-        return self._call(
-            "PATCH", f"/v1/tenants/{_seg(tenant)}", Tenant, json={"quota_bytes": quota_bytes}
-        )
+        return self.update_tenant(tenant, quota_bytes=quota_bytes)
+
+    def set_max_buffers(self, tenant: str, max_buffers: int) -> Tenant:
+        """Cap the tenant's buffers (entries included); at the cap a reserve first evicts
+        its evictable ones, then answers 409 ``BufferCountExceeded``."""
+        return self.update_tenant(tenant, max_buffers=max_buffers)
+
+    def update_tenant(
+        self, tenant: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+    ) -> Tenant:
+        """``PATCH /v1/tenants/{tenant}``: the quota, the buffer cap, or both at once."""
+        body = {
+            k: v
+            for k, v in (("quota_bytes", quota_bytes), ("max_buffers", max_buffers))
+            if v is not None
+        }
+        if not body:
+            raise ValueError("give quota_bytes, max_buffers or both")
+        return self._call("PATCH", f"/v1/tenants/{_seg(tenant)}", Tenant, json=body)
 
     def delete_tenant(self, tenant: str) -> None:
         """Revoke its keys, release (scrub) all its buffers, forget it."""

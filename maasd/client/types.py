@@ -31,6 +31,7 @@ import msgspec
 __all__ = [
     "Buffer",
     "Checkpoint",
+    "Component",
     "Event",
     "Health",
     "Host",
@@ -86,12 +87,16 @@ class Host(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Tenant(msgspec.Struct, frozen=True, kw_only=True):
+    """A tenant; ``max_buffers`` is the cap on its buffers in force (its own or the
+    daemon's default; ``None`` from a daemon that has no caps)."""
+
     id: str
     name: str
     quota_bytes: int
     used_bytes: int = 0
     buffers: int = 0
     created_at: str | None = None
+    max_buffers: int | None = None
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +127,7 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     quota_bytes: int
     used_bytes: int
     buffers: int
+    max_buffers: int | None = None
 
 
 class Buffer(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,5 +192,20 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     page_bytes: int = 4096
 
 
+class Component(msgspec.Struct, frozen=True, kw_only=True):
+    """One component of the daemon's health: ``ok``, and why not when it is not."""
+
+    ok: bool
+    detail: str = ""
+
+
 class Health(msgspec.Struct, frozen=True, kw_only=True):
+    """``GET /healthz``: ``status`` is ``ok`` (200) or ``unhealthy`` (503), and then
+    ``components`` says which part is not healthy and why."""
+
     status: str
+    components: dict[str, Component] = msgspec.field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"

@@ -21,8 +21,11 @@ lives in a module of its own:
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
 :mod:`.entries`          the socket's put / commit / abort / lookup of immutable entries
+:mod:`.shared`           the shared prefix tier (L2): commits written behind, a local
+                         lookup miss filled from it
 :mod:`.lifecycle`        start and close, recovery, the reaper; owns the reclaimer and
                          the warmer (the warm stock's refill thread)
+:mod:`.limits`           the daemon's budget of open files and mappings for regions
 =======================  ===========================================================
 
 >>> svc = Service(settings); svc.start()                       # doctest: +SKIP
@@ -33,6 +36,8 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
@@ -42,11 +47,14 @@ from maasd.core.entries import Entries, Found
 from maasd.core.handles import Handle, Handles
 from maasd.core.hosts import Hosts
 from maasd.core.lifecycle import Lifecycle
+from maasd.core.limits import RegionBudget, read_limits
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
+from maasd.core.shared import Shared
 from maasd.core.tenants import Tenants
-from maasd.metrics import EntryCollector, LedgerCollector, Metrics
+from maasd.errors import NotFound
+from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
 from maasd.models import (
     BufferInfo,
     Checkpoint,
@@ -75,7 +83,9 @@ class Service:
     ``runtime`` is the in-process state (read it in tests: ``svc.runtime.region(id)``,
     ``svc.runtime.pending_uses()``); ``reclaimer`` gives released pages back in the
     background (``svc.reclaimer.drain()`` waits for it); ``warmer`` refills the pools'
-    warm stock (``svc.warmer.run_once()`` does one round in the caller's thread).
+    warm stock (``svc.warmer.run_once()`` does one round in the caller's thread);
+    ``budget`` bounds the regions the process holds (from its open-files and mapping
+    limits, read here), stocked ones included.
     """
 
     def __init__(
@@ -88,10 +98,22 @@ class Service:
             pool_size=settings.db_pool_size,
             max_overflow=settings.db_max_overflow,
         )
+        self.store.default_max_buffers = settings.max_buffers_per_tenant
         self.metrics = Metrics()
         self.runtime = Runtime()
         self.reclaimer = Reclaimer()
-        self.warmer = Warmer(min_available=settings.warm_min_available_bytes)
+        pooled = settings.db_pool_size + settings.db_max_overflow
+        self.budget = RegionBudget(
+            read_limits(
+                socket_connections=settings.socket_max_connections,
+                http_max_connections=settings.http_max_connections,
+                ledger_files=pooled * (1 if self.store.is_postgres else 2),
+            )
+        )
+        self.warmer = Warmer(
+            min_available=settings.warm_min_available_bytes,
+            may_grow=self.budget.room_for_stock,
+        )
         self._auth = Auth(settings, self.store)
         self._hosts = Hosts(settings, self.store, self.runtime)
         releaser = Releaser(self.store, self.runtime, self.metrics)
@@ -105,12 +127,20 @@ class Service:
             self.warmer,
             topology or discover(),
         )
-        self._tenants = Tenants(self.store, self._auth, releaser)
+        self._tenants = Tenants(self.store, self._auth, releaser, settings.max_buffers_per_tenant)
         self._buffers = Buffers(
-            settings, self.store, self.runtime, self._pools, releaser, checkpoints, self.metrics
+            settings,
+            self.store,
+            self.runtime,
+            self._pools,
+            releaser,
+            checkpoints,
+            self.metrics,
+            self.budget,
         )
         self._handles = Handles(self.runtime, self.metrics)
         self._entries = Entries(self.store, self.runtime, self._buffers, releaser, self.metrics)
+        self._shared = Shared(settings, self.store, self._entries, self.metrics)
         self._life = Lifecycle(
             settings,
             self.store,
@@ -118,6 +148,7 @@ class Service:
             self._auth,
             self._hosts,
             self._pools,
+            self._tenants,
             self._buffers,
             releaser,
             checkpoints,
@@ -126,6 +157,11 @@ class Service:
             self.warmer,
         )
         self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
+        self.metrics.attach_runtime(
+            RuntimeCollector(
+                self.runtime.released_attached, lambda: (self.budget.held(), self.budget.budget)
+            )
+        )
         self.metrics.attach_entries(
             EntryCollector(self.runtime.entry_stats, self.runtime.released_entry_bytes)
         )
@@ -144,9 +180,16 @@ class Service:
 
     def start(self, *, reaper: bool = True) -> None:
         self._life.start(reaper=reaper)
+        self._shared.start()
 
     def close(self) -> None:
+        self._shared.close()  # the writer stops before the entries it reads are released
         self._life.close()
+
+    def health_checks(self) -> dict[str, Callable[[], tuple[bool, str]]]:
+        """The core's components for ``/healthz``: files can be opened. (Not the ledger: an
+        outage of it answers 507 and is no reason to restart and lose every buffer.)"""
+        return {"files": self.budget.health}
 
     def reap(self, now: float | None = None) -> int:
         return self._life.reap(now)
@@ -169,6 +212,10 @@ class Service:
     def auth_generation(self) -> int:
         """Moves on every key revocation: a holder of a checked principal re-checks then."""
         return self._auth.generation
+
+    def watch_revocations(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` right after every key revocation (the broker wakes with it)."""
+        self._auth.watch_revocations(callback)
 
     require_admin = staticmethod(require_admin)
     require_tenant = staticmethod(require_tenant)
@@ -211,6 +258,11 @@ class Service:
 
     def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
         return self._tenants.set_quota(id_or_name, quota_bytes)
+
+    def update_tenant(
+        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+    ) -> TenantInfo:
+        return self._tenants.update(id_or_name, quota_bytes=quota_bytes, max_buffers=max_buffers)
 
     def delete_tenant(self, id_or_name: str) -> None:
         self._tenants.delete(id_or_name)
@@ -266,7 +318,24 @@ class Service:
     # -- entries (maasd.core.entries) -------------------------------------------------------
 
     def lookup_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
-        return self._entries.lookup(who, lookup_keys)
+        """From memory; a miss that the L2 tier will be asked about is not counted here."""
+        ready = self._shared.ready()
+        try:
+            return self._entries.lookup(who, lookup_keys, count_miss=not ready)
+        except NotFound:
+            if not ready:
+                self._shared.skipped()
+            raise
+
+    def l2_ready(self) -> bool:
+        """Whether a local lookup miss should go on to :meth:`fill_entry` (on a thread that
+        may wait for L2): an L2 tier is configured and its circuit breaker lets calls in."""
+        return self._shared.ready()
+
+    def fill_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
+        """A lookup that missed locally, asked of L2 (restored here on a hit); may wait for
+        L2 up to its timeout, so never on an event loop. NotFound for any other outcome."""
+        return self._shared.fill(who, lookup_keys)
 
     def put_entry(
         self,

@@ -1,9 +1,12 @@
 """Who is calling: the admin key, tenant keys (with a cache), and the two role checks.
 
-The admin key comes from the settings, else from the systemd credential
-``admin-key`` (``$CREDENTIALS_DIRECTORY/admin-key``, from the unit's
-``LoadCredential=``), else from ``DATA_DIR/admin.key`` (which must be private to
-its owner), else it is generated once and written there.
+The admin key comes, first found wins, from the settings (``MAASD_ADMIN_KEY``),
+from the file ``admin_key_file`` (``--admin-key-file``, ``MAASD_ADMIN_KEY_FILE``),
+from the systemd credential ``admin-key`` (``$CREDENTIALS_DIRECTORY/admin-key``,
+from the unit's ``LoadCredential=``), or from ``DATA_DIR/admin.key``; when none
+exists it is generated once and written there. A key file must be private to
+its owner, with no group or other permission bits (systemd makes the credential
+so), and no key may be empty, else :class:`ConfigError`.
 
 Tenant keys are looked up by digest and remembered, so that a request's
 authentication costs one hash, not a database round trip. A remembered key must
@@ -30,9 +33,11 @@ transaction-pooling proxy (docs/scale-out.md).
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -42,6 +47,8 @@ from maasd.settings import Settings
 from maasd.store import KEYS_CHANNEL, Store
 from maasd.store.notify import Listener
 from maasd.tenancy import keys
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Auth", "require_admin", "require_tenant"]
 
@@ -60,6 +67,22 @@ def require_tenant(who: Principal) -> str:
     if who.tenant_id is None:
         raise Forbidden("this operation needs a tenant key (the admin owns no buffers)")
     return who.tenant_id
+
+
+def _read_key_file(path: Path) -> str:
+    """The key a file holds; :class:`ConfigError` if it is missing, empty or not private."""
+    try:
+        st = path.stat()
+        text = path.read_text()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"admin key file {path}: {getattr(e, 'strerror', None) or e}") from e
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise ConfigError(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
+    key = text.strip()
+    if not key:
+        raise ConfigError(f"admin key file {path} is empty")
+    return key
 
 
 def _missing_key() -> Unauthorized:
@@ -84,6 +107,8 @@ class Auth:
         self._trusted = not store.is_postgres
         self._listener: Listener | None = None
         self._generation = 0
+        #: called (outside the lock, on the revoking thread) after the generation moves
+        self._watchers: list[Callable[[], None]] = []
         self._admin_digest = b""
         #: The admin key when this process generated it (print it once), else ``None``.
         self.admin_key_generated: str | None = None
@@ -124,6 +149,8 @@ class Auth:
     def _admin_key(self) -> str:
         if self._settings.admin_key:
             return self._settings.admin_key
+        if self._settings.admin_key_file:
+            return _read_key_file(Path(self._settings.admin_key_file))
         credentials = os.environ.get("CREDENTIALS_DIRECTORY")
         if credentials and (cred := Path(credentials, "admin-key")).exists():
             # systemd made it (mode 0400, this service's alone): no mode check to do.
@@ -133,10 +160,7 @@ class Auth:
             return key
         path = Path(self._settings.admin_key_path)
         if path.exists():
-            mode = stat.S_IMODE(path.stat().st_mode)
-            if mode & 0o077:
-                raise ConfigError(f"{path} is readable by others (mode {mode:o}); chmod 600 it")
-            return path.read_text().strip()
+            return _read_key_file(path)
         token = keys.new_token()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -189,9 +213,21 @@ class Auth:
         connection) re-checks its key only when this moved: an int compare per operation."""
         return self._generation
 
+    def watch_revocations(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after every revocation (on the revoking thread: keep it short
+        and never blocking — the broker wakes its event loop with it)."""
+        with self._lock:
+            self._watchers.append(callback)
+
     def forget_keys(self) -> None:
         """Call after any key is revoked (its commit done), here or by another daemon: no
-        cached key outlives it, and :attr:`generation` moves."""
+        cached key outlives it, :attr:`generation` moves, and the watchers are told."""
         with self._lock:
             self._generation += 1
             self._cache.clear()
+            watchers = list(self._watchers)
+        for callback in watchers:
+            try:
+                callback()
+            except Exception:  # a watcher's bug must not undo a revocation's effect here
+                logger.exception("a revocation watcher failed")

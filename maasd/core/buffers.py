@@ -14,15 +14,16 @@ meanwhile.
 
 from __future__ import annotations
 
-import errno
 import time
 
 import msgspec
 
 from maasd.allocator import Region
+from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
 from maasd.core import placement
 from maasd.core.auth import require_tenant
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.limits import RegionBudget, kernel_refusal
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Held, LivePool, Runtime
@@ -77,8 +78,10 @@ class Buffers:
         releaser: Releaser,
         checkpoints: Checkpoints,
         metrics: Metrics,
+        budget: RegionBudget,
     ) -> None:
         self._settings = settings
+        self._budget = budget
         self._host = settings.node_name
         self._store = store
         self._runtime = runtime
@@ -90,19 +93,21 @@ class Buffers:
     # -- reserve ----------------------------------------------------------------------------
 
     def reserve(
-        self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer"
+        self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer", frozen: bool = False
     ) -> BufferInfo:
         """Reserve a buffer in ``req.pool`` (id or name), or in the best pool meeting the QoS.
 
         ``kind="entry"`` is a socket ``put``: the same reserve, ending ``staged`` (held
-        here, handed to no one but its writer) instead of ``live``.
+        here, handed to no one but its writer) instead of ``live``. ``frozen``: the region
+        is sealed ``F_SEAL_FUTURE_WRITE`` from the start, fully populated — an entry only
+        the daemon writes (through its own mapping) before committing it in place.
         Raises InvalidRequest (a lease beyond ``max_ttl_s``), QosUnmet/PlacementError/
         TooLarge (never satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
         """
         tenant_id = require_tenant(who)
         started = time.perf_counter()
         try:
-            buf = self._reserve(tenant_id, req, kind)
+            buf = self._reserve(tenant_id, req, kind, frozen)
         except Exception as e:
             self._metrics.reserve_total.labels(outcome=getattr(e, "code", "error")).inc()
             raise
@@ -110,7 +115,9 @@ class Buffers:
         self._metrics.reserve_seconds.observe(time.perf_counter() - started)
         return buf
 
-    def _reserve(self, tenant_id: str, req: ReserveSpec, kind: BufferKind) -> BufferInfo:
+    def _reserve(
+        self, tenant_id: str, req: ReserveSpec, kind: BufferKind, frozen: bool
+    ) -> BufferInfo:
         now = time.time()
         expires = leases.expires_at(now, req.ttl_s, self._settings.max_ttl_s)
         candidates = self._candidates(req)
@@ -138,29 +145,17 @@ class Buffers:
                 kind=kind,
             )
             try:
-                victims = self._store.begin_reserve(row, uses=uses, leases=extended)
+                # The daemon's own budget of fds and mappings first (507 resource-limit),
+                # before the ledger is asked: a region is one of each.
+                with self._budget.admit():
+                    victims = self._store.begin_reserve(row, uses=uses, leases=extended)
+                    uses, extended = {}, {}  # written by the admitting transaction
+                    region = self._create(row, live, victims, frozen=frozen)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
             except BaseException:
-                self._runtime.untake_uses(uses, extended)
-                raise
-            uses, extended = {}, {}
-            for victim in victims:
-                self._releaser.evict(victim)
-            try:
-                region = live.pool.reserve(row.size_bytes, name=f"maasd-{row.id[:8]}")
-            except PoolExhausted as e:  # the in-process guard disagreed with the ledger
-                self._store.finish_release(row.id, kind="reserve_failed")
-                last_error = e
-                continue
-            except BackingError as e:
-                self._store.finish_release(row.id, kind="reserve_failed")
-                if e.errno in (errno.ENOMEM, errno.ENOSPC):
-                    raise PoolExhausted(
-                        f"the kernel has no memory for {row.size_bytes} bytes on node "
-                        f"{row.numa_node} ({e.detail})"
-                    ) from e
+                self._runtime.untake_uses(uses, extended)  # unwritten: kept for later
                 raise
             self._check_placement(row, live, region)
             return self._go_live(row, region)
@@ -168,11 +163,49 @@ class Buffers:
         assert last_error is not None
         raise last_error
 
+    def _create(
+        self, row: BufferRow, live: LivePool, victims: list[BufferRow], *, frozen: bool
+    ) -> Region:
+        """``row`` is admitted: its victims scrubbed, then its region made. A failure
+        finishes the row (``reserve_failed``) and says which limit the kernel met."""
+        for victim in victims:
+            self._releaser.evict(victim)
+        try:
+            return live.pool.reserve(
+                row.size_bytes,
+                name=f"maasd-{row.id[:8]}",
+                # frozen: no one but the daemon may write it, and every page is
+                # present (writing it through the daemon's mapping cannot fault)
+                extra_seals=F_SEAL_FUTURE_WRITE if frozen else 0,
+                prefault=True if frozen else None,
+            )
+        except PoolExhausted:  # the in-process guard disagreed with the ledger
+            self._store.finish_release(row.id, kind="reserve_failed")
+            raise
+        except BackingError as e:
+            self._store.finish_release(row.id, kind="reserve_failed")
+            refusal = kernel_refusal(
+                e,
+                self._budget,
+                f"{row.size_bytes} bytes on node {row.numa_node}",
+                hugetlb=live.row.backing == "hugetlb",
+            )
+            if refusal is None:
+                raise
+            raise refusal from e
+
     def _candidates(self, req: ReserveSpec) -> list[LivePool]:
-        """The live pools that could hold the request, most free space first."""
-        live = (
-            [self._runtime.find_pool(req.pool)] if req.pool is not None else self._runtime.pools()
-        )
+        """The live pools that could hold the request, most free space first.
+
+        A pool being deleted takes no reserve: named, it answers 409; otherwise it is
+        not a candidate.
+        """
+        if req.pool is not None:
+            live = [self._runtime.find_pool(req.pool)]
+            if live[0].row.deleting_at is not None:
+                raise StateConflict(f"pool {live[0].row.name!r} is being deleted")
+        else:
+            live = [p for p in self._runtime.pools() if p.row.deleting_at is None]
         rows = placement.candidates([p.row for p in live], req, self._pools.topology.node_ids)
         if len(rows) > 1:
             usage = self._store.usage_by_pool(self._host)
@@ -194,19 +227,28 @@ class Buffers:
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
         state: BufferState = "staged" if row.kind == "entry" else "live"
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
+        # The region is held before the row goes live (or is checked staged), so that
+        # whoever releases the row from then on finds its memory.
         self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
-        try:
-            if state == "live":
-                self._store.set_state(row.id, state)
-            else:
+        if state == "staged":
+            try:
                 self._check_staged(row.id)
-        except NotFound:
-            # Released while reserving (its tenant or pool was deleted meanwhile):
-            # the memory must not outlive its row.
+            except NotFound:
+                self._releaser.drop_region(row)
+                raise
+            return buffer_info(msgspec.structs.replace(row, state=state))
+        if not self._store.advance(row.id, "reserving", "live"):
+            # Claimed while reserving by a tenant delete or a pool drain: this reserve
+            # lost, so it scrubs its own region (unless the claimer took it already)
+            # and finishes the release the claimer began. The memory never outlives
+            # its row, and no one ever saw it.
             self._releaser.drop_region(row)
-            raise
-        if state == "live":
-            self._runtime.set_live(row.id)
+            self._store.finish_release(row.id, kind="reserve_failed")
+            raise StateConflict(
+                f"buffer {row.id} was released while it was being reserved "
+                "(its tenant or its pool is being deleted)"
+            )
+        self._runtime.set_live(row.id)
         return buffer_info(msgspec.structs.replace(row, state=state))
 
     def _check_staged(self, buffer_id: str) -> None:

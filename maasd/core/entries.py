@@ -32,8 +32,10 @@ A commit that cannot be honoured leaves nothing behind: the entry is released.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from maasd.allocator import Region
@@ -56,6 +58,8 @@ from maasd.models import Principal, ReserveSpec
 from maasd.store import BufferRow, Store
 
 __all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
+
+logger = logging.getLogger(__name__)
 
 #: An entry's lease when its put names none (the REST reserve's default too).
 DEFAULT_ENTRY_TTL_S = 600
@@ -97,6 +101,12 @@ class Entries:
         self._buffers = buffers
         self._releaser = releaser
         self._metrics = metrics
+        self._on_commit: Callable[[str, str, str, int], None] | None = None
+
+    def on_commit(self, hook: Callable[[str, str, str, int], None]) -> None:
+        """Call ``hook(tenant_id, key, buffer_id, size)`` after each commit (the L2 tier's
+        write-behind: it must not block, and what it raises is logged, never answered)."""
+        self._on_commit = hook
 
     # -- put --------------------------------------------------------------------------------
 
@@ -150,15 +160,20 @@ class Entries:
         """
         tenant_id = require_tenant(who)
         try:
-            size = self._commit(tenant_id, buffer_id, owned)
+            key, size = self._commit(tenant_id, buffer_id, owned)
         except Exception as e:
             self._count(self._metrics.entry_commits, tenant_id, e)
             raise
         self._metrics.entry_commits.labels(tenant=tenant_id, outcome="ok").inc()
         self._metrics.entry_committed_bytes.labels(tenant=tenant_id).inc(size)
+        if self._on_commit is not None and key is not None:
+            try:
+                self._on_commit(tenant_id, key, buffer_id, size)
+            except Exception:
+                logger.exception("the commit hook failed for entry %s", buffer_id)
 
-    def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> int:
-        """The commit; returns the entry's size."""
+    def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> tuple[str | None, int]:
+        """The commit; returns the entry's key and size."""
         self._check_own_staged(tenant_id, buffer_id, owned, "committed")
         failure: Exception
         with self._runtime.buffer_lock(buffer_id):
@@ -177,7 +192,7 @@ class Entries:
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
                 assert staging is not None  # held under its lock: a release waits for it
                 live.pool.release(staging, give_back=False)  # the copy took over its bytes
-                return fresh.size
+                return held.key, fresh.size
         # The copy failed: nothing may stay behind (the row is still staged).
         self._release_staged(tenant_id, buffer_id, "commit_failed")
         answer = _storage_error(buffer_id, failure)
@@ -228,17 +243,20 @@ class Entries:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, who: Principal, keys: list[str]) -> Found:
+    def lookup(self, who: Principal, keys: list[str], *, count_miss: bool = True) -> Found:
         """The committed entry of the longest of ``keys`` (short → long), read-only.
 
         Answered from memory. A hit counts as an attachment of the caller, as a use and
         extends the entry's lease by its ``ttl_s``, both written in a batch later.
+        ``count_miss=False``: a miss is not counted (the L2 tier is asked next, and the
+        lookup's outcome is counted once that answered).
         """
         tenant_id = require_tenant(who)
         opened = self._runtime.lookup(tenant_id, keys)
         series = self._metrics.tenant(tenant_id)
         if opened is None:
-            series.misses.inc()
+            if count_miss:
+                series.misses.inc()
             raise NotFound("no committed entry carries any of these keys")
         now = time.time()
         self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
@@ -247,6 +265,62 @@ class Entries:
         series.attached.set(opened.tenant_attached)
         assert opened.key is not None
         return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
+
+    # -- the L2 tier's side: an entry read back, an entry's bytes read out ---------------------
+
+    def materialise(self, who: Principal, key: str, data: memoryview) -> str:
+        """A committed entry of ``key`` holding ``data`` (read back from L2); its id.
+
+        The reserve of a put (quota, ``max_buffers``, capacity and eviction as for any
+        entry), into a region sealed ``F_SEAL_FUTURE_WRITE`` from the start: no worker
+        ever holds it writable, so the daemon writes ``data`` through its own mapping and
+        commits the region in place, without a copy. Raises what a put raises
+        (DuplicateKey when the key is here already, QuotaExceeded, PoolExhausted …).
+        """
+        tenant_id = require_tenant(who)
+        spec = ReserveSpec(size_bytes=len(data), ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True)
+        info = self._buffers.reserve(who, spec, kind="entry", frozen=True)
+        try:
+            self._publish(info.id, data)
+        except Exception:
+            self._release_staged(tenant_id, info.id, "commit_failed")
+            raise
+        return info.id
+
+    def _publish(self, buffer_id: str, data: memoryview) -> None:
+        with self._runtime.buffer_lock(buffer_id):
+            held = self._runtime.held(buffer_id)
+            if held is None or held.live:
+                raise StateConflict(f"entry {buffer_id} was released before its commit")
+            region = held.region
+            view = region.view()
+            try:
+                view[: len(data)] = data
+            finally:
+                view.release()
+            ro_fd = open_read_only(region)
+            if self._store.commit(buffer_id, time.time()) is None:
+                os.close(ro_fd)
+                raise StateConflict(f"entry {buffer_id} was released before its commit")
+            self._runtime.commit(buffer_id, region, ro_fd)
+
+    def read(self, buffer_id: str, tenant_id: str, key: str, head: int) -> bytearray | None:
+        """``head`` free bytes, then the bytes of the committed entry ``buffer_id`` of this
+        tenant and key; None if it is not (or no longer) that. Read under the entry's lock,
+        so a release cannot scrub it halfway through (L2 would get a mix of it and zeros)."""
+        with self._runtime.buffer_lock(buffer_id):
+            held = self._runtime.held(buffer_id)
+            if (
+                held is None
+                or not held.committed
+                or held.tenant_id != tenant_id
+                or held.key != key
+                or held.region.closed
+            ):
+                return None
+            buf = bytearray(head + held.region.size)
+            held.region.read_into(memoryview(buf)[head:])
+            return buf
 
     @staticmethod
     def _count(counter: object, tenant_id: str, exc: BaseException) -> None:

@@ -3,12 +3,23 @@
 Start, in order: the reclaimer thread; the ledger migrated to the newest
 schema; the admin key; this host claimed (:mod:`maasd.core.hosts`); the
 revocation listener; the ledger's pools of this host made live;
-:meth:`Lifecycle.recover` settling what a previous run left; the configured
-pools the ledger lacks created; the warm stock's refill thread; the reaper
-thread, which also beats this host's heartbeat. Close undoes it: reaper and
-refill thread stopped and every pool's warm stock given back, uses flushed,
-persistent buffers checkpointed (volatile ones released, scrubbed), the host
-marked stopped, the reclaimer drained and stopped, the store closed.
+:meth:`Lifecycle.recover` settling what a previous run left; the tenant deletes
+and pool drains a previous run began, finished; the configured pools the
+ledger lacks created; the warm stock's refill thread; the reaper thread, which
+also beats this host's heartbeat. Close undoes it: reaper and refill thread
+stopped and every pool's warm stock given back, uses flushed, persistent
+buffers checkpointed, volatile ones scrubbed and their rows deleted in one
+transaction, the host marked stopped, the reclaimer drained and stopped, the
+store closed.
+
+Close is bounded. Per volatile buffer it costs a scrub (memset, ~30 ms per GiB
+here; a punch for ``scrub = "punch"`` pools) and a close — no ledger round
+trip: their rows go in one statement. Per persistent buffer it costs writing
+its bytes to a file; the files are made durable by one ``syncfs`` per spill
+dir and recorded in one ledger transaction (:meth:`Checkpoints.write_many`).
+Measured on the test VM: 4,000 volatile 4 KiB buffers in 0.4 s (19 s before,
+with three ledger commits each), 4,000 persistent ones in 2.4 s (400 took 4.4 s
+before).
 
 Recovery. Every change that touches memory records its intent in the ledger
 first (:mod:`maasd.core.buffers`, :mod:`maasd.core.release`), so a crash at any
@@ -36,6 +47,7 @@ from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.core.runtime import Held, Runtime
+from maasd.core.tenants import Tenants
 from maasd.errors import ConfigError
 from maasd.metrics import Metrics
 from maasd.settings import Settings
@@ -57,6 +69,7 @@ class Lifecycle:
         auth: Auth,
         hosts: Hosts,
         pools: Pools,
+        tenants: Tenants,
         buffers: Buffers,
         releaser: Releaser,
         checkpoints: Checkpoints,
@@ -71,6 +84,7 @@ class Lifecycle:
         self._auth = auth
         self._hosts = hosts
         self._pools = pools
+        self._tenants = tenants
         self._buffers = buffers
         self._releaser = releaser
         self._checkpoints = checkpoints
@@ -93,6 +107,9 @@ class Lifecycle:
         self._auth.start()
         self._pools.load()
         self.recover()
+        # Deletes a previous run began (SIGKILL in the middle) finish before serving.
+        self._tenants.finish_deletes()
+        self._pools.finish_deletes()
         self._pools.provision()
         self.warmer.start()
         if reaper:
@@ -109,23 +126,31 @@ class Lifecycle:
         self.warmer.stop()
         for live in self._runtime.pools():
             live.pool.close()  # the warm stock is nobody's: given back first
-        self._buffers.flush_uses()
+        try:
+            self._buffers.flush_uses()
+            rows = self._store.buffers_on_host(self._host)
+        except Exception:
+            logger.exception("shutdown: the ledger could not be read; scrubbing what is held")
+            rows = []
+        kept = self._checkpoint_all(rows)
+        gone = [row for row in rows if row.id not in kept]
+        for row in gone:
+            self._scrub(row, remove=True)
+        try:
+            # One statement for every row that ends here (volatile, or persistent
+            # without a checkpoint): no ledger round trip per buffer.
+            n = self._store.finish_release_many([row.id for row in gone], "shutdown")
+            self._metrics.release_total.labels(reason="shutdown").inc(n)
+        except Exception:
+            logger.exception("shutdown: could not record the releases; recovery will")
+        # Regions no row named when the ledger was read (a reserve that finished since):
+        # scrubbed all the same; their rows, if any, are settled by the next start.
         for buffer_id in self._runtime.buffer_ids():
-            row = self._store.buffer(buffer_id, None)
-            if row is None:
-                continue
-            try:
-                if (
-                    row.state == "live"
-                    and row.persistence == "persistent"
-                    and self._settings.checkpoint_on_shutdown
-                ):
-                    self._checkpoints.write(row)
-                    self._releaser.drop_region(row)
-                else:
-                    self._releaser.release_row(row, reason="shutdown")
-            except Exception:
-                logger.exception("shutdown: could not settle buffer %s", buffer_id)
+            if buffer_id not in kept:
+                region = self._runtime.take_region(buffer_id)
+                if region is not None and not region.closed:
+                    region.scrub("zero")
+                    region.close()
         self._auth.stop()
         try:
             self._hosts.stopped()
@@ -133,6 +158,40 @@ class Lifecycle:
             logger.exception("shutdown: could not mark host %s stopped", self._hosts.name)
         self.reclaimer.stop()
         self._store.dispose()
+
+    def _checkpoint_all(self, rows: list[BufferRow]) -> set[str]:
+        """Checkpoint every live persistent buffer this process holds, all at once, then
+        scrub and drop their regions; their rows stay ``live`` and the next start restores
+        them. Returns their ids.
+
+        A checkpoint that fails leaves the buffer's previous one (logged): the next start
+        restores that, or releases the buffer if it never had one.
+        """
+        if not self._settings.checkpoint_on_shutdown:
+            return set()
+        held = [
+            row
+            for row in rows
+            if row.persistence == "persistent"
+            and row.state == "live"
+            and self._runtime.region(row.id) is not None
+        ]
+        try:
+            self._checkpoints.write_many(held)
+        except Exception:
+            logger.exception("shutdown: checkpoints could not be recorded")
+        for row in held:
+            self._scrub(row, remove=False)
+        return {row.id for row in held}
+
+    def _scrub(self, row: BufferRow, *, remove: bool) -> None:
+        """Scrub and drop the buffer's region (if held); ``remove`` its checkpoint file too."""
+        try:
+            self._releaser.drop_region(row)
+            if remove and row.persistence == "persistent":
+                remove_checkpoint(row)
+        except Exception:
+            logger.exception("shutdown: could not scrub buffer %s", row.id)
 
     # -- the reaper -------------------------------------------------------------------------
 

@@ -285,7 +285,15 @@ class Pools:
         """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
 
         Another host's pool is a :class:`NotFound` that names its host: only the
-        daemon holding a pool's memory can scrub its buffers.
+        daemon holding a pool's memory can scrub its buffers. Without ``drain`` a
+        pool holding buffers answers :class:`StateConflict` and nothing changes. A
+        drain never stops half-way: the pool is marked deleting (from then on no
+        reserve lands in it: 409 when it is named, and it is no candidate otherwise),
+        its warm stock is given back, every buffer is released — also those whose
+        reserve is in flight, which lose their compare-and-set to ``live`` and scrub
+        their own region — and the pool goes once it is empty. A pool whose drain
+        began (and a daemon stopped) finishes it whether or not ``drain`` is given
+        again.
         """
         try:
             live = self._runtime.find_pool(id_or_name)
@@ -297,14 +305,39 @@ class Pools:
                 f"pool {id_or_name!r} is on host {other.host}, not {self._host}: "
                 "delete it through that host's daemon"
             ) from None
-        rows = self._store.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES)
-        if rows and not drain:
-            raise StateConflict(
-                f"pool {live.row.name} holds {len(rows)} buffer(s); "
-                "release them or delete with drain=true"
-            )
-        for row in rows:
-            self._releaser.release_row(row, reason="pool_drain")
-        self._store.delete_pool(live.row.id)
-        self._runtime.remove_pool(live.row.id)
-        live.pool.close()  # its warm stock goes with it
+        if not drain and live.row.deleting_at is None:
+            try:
+                self._store.delete_pool(live.row.id)  # counts its buffers in the transaction
+            except StateConflict:
+                n = len(self._store.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES))
+                raise StateConflict(
+                    f"pool {live.row.name} holds {n} buffer(s); "
+                    "release them or delete with drain=true"
+                ) from None
+            self._runtime.remove_pool(live.row.id)
+            live.pool.close()  # its warm stock goes with it
+            return
+        at = self._store.mark_pool_deleting(live.row.id)
+        live.row = msgspec.structs.replace(live.row, deleting_at=at)
+        self._finish_delete(live)
+
+    def finish_deletes(self) -> int:
+        """Finish the drains of this host's pools that a previous run began (at start)."""
+        draining = [live for live in self._runtime.pools() if live.row.deleting_at is not None]
+        for live in draining:
+            logger.info("finishing the drain of pool %s", live.row.name)
+            self._finish_delete(live)
+        return len(draining)
+
+    def _finish_delete(self, live: LivePool) -> None:
+        """Release the draining pool's buffers until it holds none, then delete it."""
+        pool_id = live.row.id
+        live.pool.close()  # no stock for a pool on its way out (releases still work)
+        self._releaser.release_all(
+            lambda: self._store.buffers(pool_id=pool_id, states=ACCOUNTED_STATES),
+            lambda: self._store.delete_pool(pool_id),
+            reason="pool_drain",
+            what=f"pool {live.row.name}",
+        )
+        self._runtime.remove_pool(pool_id)
+        logger.info("pool %s deleted", live.row.name)

@@ -15,12 +15,19 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterable
 
 from maasd.core.runtime import Runtime
+from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.store import BufferRow, Store
 
-__all__ = ["Releaser", "remove_checkpoint"]
+__all__ = ["DELETE_PASSES", "Releaser", "remove_checkpoint"]
+
+#: Passes over a deleting tenant's (draining pool's) buffers before its delete gives up
+#: for now. Each pass releases every buffer it finds, and the ledger admits no new one
+#: once the delete began, so a second pass is needed only when a release raced it.
+DELETE_PASSES = 50
 
 
 def remove_checkpoint(row: BufferRow) -> None:
@@ -48,6 +55,38 @@ class Releaser:
         self.release_memory(row, reason=reason)
         self._store.finish_release(row.id, kind=reason)
 
+    def release_all(
+        self,
+        rows: Callable[[], Iterable[BufferRow]],
+        delete: Callable[[], None],
+        *,
+        reason: str,
+        what: str,
+    ) -> None:
+        """Release every buffer ``rows()`` lists, then ``delete()`` their owner (a tenant or
+        a pool being deleted); again while ``delete`` finds buffers left
+        (:class:`StateConflict`). An owner already gone (:class:`NotFound`) is done.
+
+        Each release is idempotent: a buffer another path is releasing is finished
+        here too, and one gone meanwhile is skipped.
+        """
+        for _ in range(DELETE_PASSES):
+            for row in rows():
+                with contextlib.suppress(NotFound):  # its own release finished meanwhile
+                    self.release_row(row, reason=reason)
+            try:
+                delete()
+            except NotFound:
+                return
+            except StateConflict:
+                time.sleep(0.01)
+                continue
+            return
+        raise StateConflict(
+            f"{what} still holds buffers after {DELETE_PASSES} passes; "
+            "its delete continues at the next DELETE or daemon start"
+        )
+
     def release_memory(self, row: BufferRow, *, reason: str) -> None:
         """Scrub and free a buffer's memory and remove its checkpoint files; the row stays."""
         started = time.perf_counter()
@@ -59,6 +98,7 @@ class Releaser:
             if latest is not None and latest.checkpoint_path != row.checkpoint_path:
                 remove_checkpoint(latest)
             remove_checkpoint(row)
+        self._runtime.note_released(row.id, row.tenant_id, row.kind, row.size_bytes)
         self._metrics.release_total.labels(reason=reason).inc()
         self._metrics.release_seconds.observe(time.perf_counter() - started)
 

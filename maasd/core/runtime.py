@@ -107,7 +107,9 @@ class Runtime:
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
-        self._released_attached: dict[str, int] = {}  # released entries still attached
+        # Buffers released while workers still had handles attached: tenant, kind, size —
+        # until the last handle goes (released_attached, released_entry_bytes).
+        self._released_attached: dict[str, tuple[str, str, int]] = {}
         self._uses_lock = threading.Lock()
         self._uses: dict[str, float] = {}
         self._leases: dict[str, float] = {}
@@ -223,7 +225,11 @@ class Runtime:
                     os.close(held.ro_fd)
                 with self._attach_lock:
                     if self._attached_by_buffer[buffer_id] > 0:
-                        self._released_attached[buffer_id] = held.region.size
+                        self._released_attached[buffer_id] = (
+                            held.tenant_id,
+                            "entry",
+                            held.region.size,
+                        )
             return held.region
 
     def dup_fd(self, buffer_id: str) -> int | None:
@@ -312,6 +318,22 @@ class Runtime:
         with self._attach_lock:
             return self._attached_by_buffer[buffer_id]
 
+    def note_released(self, buffer_id: str, tenant_id: str, kind: str, size: int) -> None:
+        """A buffer was released: if workers still have handles attached, remember it until
+        they detach (their fds can fault fresh pages in that no ledger counts)."""
+        with self._attach_lock:
+            if self._attached_by_buffer[buffer_id] > 0:
+                self._released_attached[buffer_id] = (tenant_id, kind, size)
+
+    def released_attached(self) -> list[tuple[str, str, int, int]]:
+        """``(tenant_id, kind, size_bytes, handles)`` of every buffer released while
+        handles on it were attached, as long as they still are."""
+        with self._attach_lock:
+            return [
+                (tenant, kind, size, self._attached_by_buffer[buffer_id])
+                for buffer_id, (tenant, kind, size) in self._released_attached.items()
+            ]
+
     def tenant_attached(self, tenant_id: str) -> int:
         """How many handles this tenant's workers hold now, over all its buffers."""
         with self._attach_lock:
@@ -324,7 +346,9 @@ class Runtime:
         the last handle of it is gone.
         """
         with self._attach_lock:
-            return sum(self._released_attached.values())
+            return sum(
+                size for _tenant, kind, size in self._released_attached.values() if kind == "entry"
+            )
 
     # -- uses (the LRU order) and lease extensions, batched --------------------------------
 

@@ -1,7 +1,20 @@
-"""Tenants: creating and deleting them, their quotas, their keys, their use, the audit trail."""
+"""Tenants: creating and deleting them, their quotas and caps, their keys, their use, the
+audit trail.
+
+Deleting a tenant never stops half-way (SPEC §4)::
+
+    ledger: deleting_at set, keys revoked (one transaction)   from here: 401, no reserve
+    memory: every buffer released (scrubbed) — also those whose reserve is in flight,
+            which lose their compare-and-set to ``live`` and scrub their own region
+    ledger: tenant and keys deleted once it holds no buffer
+
+A daemon that stops in the middle finishes the delete when it starts again
+(:meth:`Tenants.finish_deletes`).
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from maasd.core.auth import Auth, require_tenant
@@ -13,9 +26,11 @@ from maasd.tenancy import keys
 
 __all__ = ["Tenants", "tenant_info"]
 
+logger = logging.getLogger(__name__)
 
-def tenant_info(row: TenantRow) -> TenantInfo:
-    """The API record of a tenant, with its usage."""
+
+def tenant_info(row: TenantRow, default_max_buffers: int) -> TenantInfo:
+    """The API record of a tenant, with its usage and the buffer cap in force."""
     return TenantInfo(
         id=row.id,
         name=row.name,
@@ -23,16 +38,23 @@ def tenant_info(row: TenantRow) -> TenantInfo:
         used_bytes=row.used_bytes,
         buffers=row.buffers,
         created_at=rfc3339(row.created_at),
+        max_buffers=row.max_buffers if row.max_buffers is not None else default_max_buffers,
     )
 
 
 class Tenants:
-    """The admin's tenant use-cases, and a tenant's view of its own use."""
+    """The admin's tenant use-cases, and a tenant's view of its own use.
 
-    def __init__(self, store: Store, auth: Auth, releaser: Releaser) -> None:
+    ``default_max_buffers`` is the cap of a tenant that has none of its own.
+    """
+
+    def __init__(
+        self, store: Store, auth: Auth, releaser: Releaser, default_max_buffers: int
+    ) -> None:
         self._store = store
         self._auth = auth
         self._releaser = releaser
+        self._default_max_buffers = default_max_buffers
 
     def create(self, name: str, quota_bytes: int) -> NewTenant:
         """A new tenant and its first key (shown only here). :class:`StateConflict` if the
@@ -52,29 +74,58 @@ class Tenants:
         )
 
     def infos(self) -> list[TenantInfo]:
-        return [tenant_info(t) for t in self._store.tenants()]
+        return [tenant_info(t, self._default_max_buffers) for t in self._store.tenants()]
 
     def info(self, id_or_name: str) -> TenantInfo:
         """One tenant by id (preferred) or name; :class:`NotFound` otherwise."""
         row = self._store.tenant(id_or_name)
         if row is None:
             raise NotFound(f"no tenant {id_or_name!r}")
-        return tenant_info(row)
+        return tenant_info(row, self._default_max_buffers)
+
+    def update(
+        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+    ) -> TenantInfo:
+        """Change the quota and/or the buffer cap, atomically (one event each).
+
+        Lowering either below current use is allowed: it blocks new reserves until use
+        falls below it. At least one must be given (:class:`InvalidRequest`).
+        """
+        t = self.info(id_or_name)
+        self._store.update_tenant(t.id, quota_bytes=quota_bytes, max_buffers=max_buffers)
+        return self.info(t.id)
 
     def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
         """Change the quota; lowering it below use is allowed (it blocks new reserves)."""
-        t = self.info(id_or_name)
-        self._store.set_quota(t.id, quota_bytes)
-        return self.info(t.id)
+        return self.update(id_or_name, quota_bytes=quota_bytes)
 
     def delete(self, id_or_name: str) -> None:
-        """Revoke the tenant's keys, release (scrub) all its buffers, delete it."""
+        """Mark the tenant deleting and revoke its keys, release (scrub) every buffer it
+        holds — also those whose reserve is in flight — and delete it."""
         t = self.info(id_or_name)
-        self._store.revoke_keys(t.id)
+        self._store.mark_tenant_deleting(t.id)
         self._auth.forget_keys()
-        for row in self._store.buffers(tenant_id=t.id, states=ACCOUNTED_STATES):
-            self._releaser.release_row(row, reason="tenant_delete")
-        self._store.delete_tenant(t.id)
+        self._finish_delete(t.id)
+
+    def finish_deletes(self) -> int:
+        """Finish the deletes a previous run began (at start). Returns how many."""
+        done = 0
+        for tenant_id in self._store.deleting_tenants():
+            logger.info("finishing the delete of tenant %s", tenant_id)
+            self._auth.forget_keys()
+            self._finish_delete(tenant_id)
+            done += 1
+        return done
+
+    def _finish_delete(self, tenant_id: str) -> None:
+        """Release the deleting tenant's buffers until it holds none, then delete it."""
+        self._releaser.release_all(
+            lambda: self._store.buffers(tenant_id=tenant_id, states=ACCOUNTED_STATES),
+            lambda: self._store.delete_tenant(tenant_id),
+            reason="tenant_delete",
+            what=f"tenant {tenant_id}",
+        )
+        self._auth.forget_keys()
 
     def issue_key(self, id_or_name: str) -> KeyInfo:
         """A new key for the tenant (shown only here)."""
@@ -119,5 +170,9 @@ class Tenants:
         """The calling tenant's quota and use."""
         t = self.info(require_tenant(who))
         return Usage(
-            tenant_id=t.id, quota_bytes=t.quota_bytes, used_bytes=t.used_bytes, buffers=t.buffers
+            tenant_id=t.id,
+            quota_bytes=t.quota_bytes,
+            used_bytes=t.used_bytes,
+            buffers=t.buffers,
+            max_buffers=t.max_buffers,
         )

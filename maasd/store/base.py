@@ -30,6 +30,7 @@ conversion msgspec offers.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -38,7 +39,57 @@ import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, cast, func
 from sqlalchemy.engine import Engine
 
-__all__ = ["Connections", "used", "violation"]
+from maasd.errors import LedgerUnavailable
+
+__all__ = ["Connections", "ledger_errors", "used", "violation"]
+
+logger = logging.getLogger(__name__)
+
+#: SQLSTATE classes that mean "the database cannot serve now", not "this statement is wrong":
+#: 08 connection exception, 53 insufficient resources, 57 operator intervention (shutdown).
+_UNAVAILABLE_SQLSTATES = ("08", "53", "57")
+#: What SQLite (and a PostgreSQL client that never got a connection) says in those cases.
+_UNAVAILABLE_WORDS = (
+    ("database is locked", "busy: the database stayed locked past the busy timeout"),
+    ("database or disk is full", "its disk is full"),
+    ("disk i/o error", "a disk I/O error"),
+    ("unable to open database", "the database file cannot be opened"),
+    ("connection", "the database cannot be reached"),
+    ("server closed", "the database closed the connection"),
+)
+
+
+def unavailable(exc: BaseException) -> str | None:
+    """Why the ledger cannot serve now, if ``exc`` says so; ``None`` for anything else
+    (a constraint, or a statement of ours that is wrong: a bug, not an outage)."""
+    if isinstance(exc, sa.exc.TimeoutError):  # the engine's pool: every connection busy
+        return "no free database connection in time (the pool is exhausted)"
+    if not isinstance(exc, sa.exc.DBAPIError) or isinstance(exc, sa.exc.IntegrityError):
+        return None
+    if exc.connection_invalidated:
+        return "the connection to the database was lost"
+    sqlstate = getattr(exc.orig, "sqlstate", None) or ""
+    if sqlstate[:2] in _UNAVAILABLE_SQLSTATES:
+        return "the database cannot serve now"
+    if isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError)):
+        message = str(exc.orig).lower()
+        return next((why for words, why in _UNAVAILABLE_WORDS if words in message), None)
+    return None
+
+
+@contextlib.contextmanager
+def ledger_errors() -> Iterator[None]:
+    """Turn "the database cannot serve now" into :class:`LedgerUnavailable` (507, retry):
+    the caller's request changed nothing. The database's own words go to the log only —
+    they can name its host, which a tenant has no business learning."""
+    try:
+        yield
+    except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
+        why = unavailable(exc)
+        if why is None:
+            raise
+        logger.warning("ledger unavailable: %s", exc.__class__.__name__, exc_info=True)
+        raise LedgerUnavailable(f"the ledger database cannot serve now ({why}); retry") from exc
 
 
 def used(column: Any) -> Any:
@@ -88,22 +139,28 @@ class Connections:
     @contextlib.contextmanager
     def _writing(self) -> Iterator[Connection]:
         """A write transaction, committed when the block ends without an exception."""
-        with self._wlock, self._write.begin() as conn:
+        with ledger_errors(), self._wlock, self._write.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
     def _single_statement(self) -> Iterator[Connection]:
         """A connection for one write statement (its own transaction)."""
-        with self._wlock, self._single.begin() as conn:
+        with ledger_errors(), self._wlock, self._single.begin() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[Connection]:
+        """A connection for reads (no BEGIN on SQLite, autocommit on PostgreSQL)."""
+        with ledger_errors(), self._read.connect() as conn:
             yield conn
 
     # Rows are typed Any: each becomes a record positionally, which mypy cannot check.
     def _read_rows(self, stmt: Any, params: dict[str, Any] | None = None) -> list[Any]:
-        with self._read.connect() as conn:
+        with self._reading() as conn:
             return list(conn.execute(stmt, params or {}).all())
 
     def _read_first(self, stmt: Any, params: dict[str, Any]) -> Any:
-        with self._read.connect() as conn:
+        with self._reading() as conn:
             return conn.execute(stmt, params).first()
 
     def _single_first(self, stmt: Any, params: dict[str, Any]) -> Any:

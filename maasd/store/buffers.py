@@ -27,6 +27,7 @@ from sqlalchemy import (
     bindparam,
     delete,
     exists,
+    func,
     insert,
     or_,
     select,
@@ -35,6 +36,7 @@ from sqlalchemy import (
 )
 
 from maasd.errors import (
+    BufferCountExceeded,
     DuplicateKey,
     InvalidRequest,
     NotFound,
@@ -42,6 +44,7 @@ from maasd.errors import (
     QuotaExceeded,
     StateConflict,
     TooLarge,
+    Unauthorized,
 )
 from maasd.store import schema
 from maasd.store.base import Connections, used, violation
@@ -57,11 +60,15 @@ _B = schema.buffers
 
 # ------------------------------------------------------------- reserve
 _ins_buffer = insert(_B)
-# Inside the reserve transaction, after the locks: both usages and the key check
-# in one statement (one round trip).
+# Inside the reserve transaction, after the locks: both usages, the tenant's buffer
+# count and the key check in one statement (one round trip).
 _reserve_facts = select(
     select(used(_B.c.size_bytes)).where(_B.c.tenant_id == bindparam("p_tenant")).scalar_subquery(),
     select(used(_B.c.size_bytes)).where(_B.c.pool_id == bindparam("p_pool")).scalar_subquery(),
+    select(func.count())
+    .select_from(_B)
+    .where(_B.c.tenant_id == bindparam("p_tenant"))
+    .scalar_subquery(),
     exists().where(
         _B.c.tenant_id == bindparam("p_tenant"),
         _B.c.host == bindparam("p_host"),
@@ -95,6 +102,9 @@ _mark_victims = (
     .returning(*_B.c)
 )
 _del_buffer = delete(_B).where(_B.c.id == bindparam("p_id")).returning(*_B.c)
+_del_buffers = delete(_B).where(_B.c.id.in_(bindparam("ids", expanding=True))).returning(*_B.c)
+#: Ids per statement when many rows go at once (SQLite allows 32766 variables).
+_IDS_PER_STATEMENT = 10_000
 
 # ------------------------------------------------------------- buffers
 _sel_buffer = select(_B).where(_B.c.id == bindparam("p_id"))
@@ -111,6 +121,7 @@ _mark_own_live_releasing = _mark_own_releasing.where(_B.c.state == "live")
 _mark_own_staged_releasing = _mark_own_releasing.where(_B.c.state == "staged")
 _mark_expired = _mark_releasing.where(_B.c.state == "live", _B.c.expires_at < bindparam("now"))
 _set_state = update(_B).where(_B.c.id == bindparam("p_id")).values(state=bindparam("p_state"))
+_advance = _set_state.where(_B.c.state == bindparam("p_from"))
 _renew = (
     update(_B)
     .where(_B.c.id == bindparam("p_id"), _B.c.state == "live")
@@ -176,7 +187,11 @@ def _record_uses(
 
 
 class ReserveRepo(Connections):
-    """Admitting a buffer (quota, capacity, key, eviction: one transaction) and deleting it."""
+    """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
+
+    #: The cap on a tenant's buffers when its ``max_buffers`` is NULL; ``None``: no cap.
+    #: The daemon sets it from ``Settings.max_buffers_per_tenant``.
+    default_max_buffers: int | None = None
 
     def begin_reserve(
         self,
@@ -199,16 +214,21 @@ class ReserveRepo(Connections):
         a crash leaves a staged row as it would a reserving one (recovery releases
         both), and no lookup or eviction sees either — one ledger write less per save.
 
-        In one write transaction: lock the tenant and pool rows; refuse a key
-        the tenant already uses on this host (:class:`DuplicateKey`); sum the
-        tenant's and the pool's usage; if ``row`` does not fit the quota (unless
-        ``quota_check`` is false) or the pool's capacity, choose victims
+        In one write transaction: lock the tenant and pool rows; refuse a
+        tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
+        pool being deleted (:class:`StateConflict`); refuse a key the tenant
+        already uses on this host (:class:`DuplicateKey`); sum the tenant's and
+        the pool's usage and count the tenant's buffers (every state, entries
+        too); if ``row`` does not fit the quota (unless ``quota_check`` is
+        false), the tenant's ``max_buffers`` (NULL: :attr:`default_max_buffers`)
+        or the pool's capacity, choose victims
         (:func:`~maasd.store.eviction.choose_victims`): **evictable live**
         buffers, least recently used first — the tenant's own on ``row.host``
-        for a quota shortfall, any tenant's in this pool for a capacity
-        shortfall (a host can only scrub what it holds). If they
-        cannot close the shortfalls, raise :class:`QuotaExceeded` (quota) or
-        :class:`PoolExhausted` (capacity) and change nothing. Otherwise mark the
+        for a quota or count shortfall, any tenant's in this pool for a capacity
+        shortfall (a host can only scrub what it holds). If they cannot close the
+        shortfalls, raise :class:`QuotaExceeded` (quota),
+        :class:`BufferCountExceeded` (count) or :class:`PoolExhausted`
+        (capacity) and change nothing. Otherwise mark the
         victims ``releasing``, insert ``row``, record one ``evict`` event per
         victim (naming this reserve) and the ``reserve`` event, and commit.
 
@@ -251,13 +271,19 @@ class ReserveRepo(Connections):
     def _admit(self, conn: Connection, row: BufferRow, quota_check: bool) -> list[BufferRow]:
         """Inside the reserve transaction: lock, check, and mark the victims if it must."""
         # Lock order is always tenant, then pool: no deadlock between reserves.
-        t = conn.execute(lock_tenant, {"p_id": row.tenant_id}).first()
+        t: Any = conn.execute(lock_tenant, {"p_id": row.tenant_id}).first()
         if t is None:
             raise NotFound(f"tenant {row.tenant_id} not found")
         p: Any = conn.execute(lock_pool, {"p_id": row.pool_id}).first()
         if p is None:
             raise NotFound(f"pool {row.pool_id} not found")
-        quota, (capacity, pool_name) = t[0], p
+        (quota, cap, tenant_deleting), (capacity, pool_name, pool_deleting) = t, p
+        if tenant_deleting is not None:
+            raise Unauthorized("the tenant is being deleted; its keys are revoked")
+        if pool_deleting is not None:
+            raise StateConflict(f"pool {pool_name!r} is being deleted")
+        if cap is None:
+            cap = self.default_max_buffers
         size = row.size_bytes
         if size > capacity:
             raise TooLarge(
@@ -269,16 +295,18 @@ class ReserveRepo(Connections):
             "p_host": row.host,
             "p_key": row.key,
         }
-        tenant_used, pool_used, dup = conn.execute(_reserve_facts, params).one()
+        tenant_used, pool_used, count, dup = conn.execute(_reserve_facts, params).one()
         if dup:
             raise DuplicateKey(f"a buffer with key {row.key!r} already exists")
         need_t = tenant_used + size - quota if quota_check else 0
+        need_c = count + 1 - cap if cap is not None else 0
         need_p = pool_used + size - capacity
-        if need_t <= 0 and need_p <= 0:
+        if need_t <= 0 and need_p <= 0 and need_c <= 0:
             return []
-        if need_t > 0 and need_p > 0:
+        mine = need_t > 0 or need_c > 0
+        if mine and need_p > 0:
             stmt = _sel_cand_both
-        elif need_t > 0:
+        elif mine:
             stmt = _sel_cand_tenant
         else:
             stmt = _sel_cand_pool
@@ -289,11 +317,18 @@ class ReserveRepo(Connections):
             pool_id=row.pool_id,
             quota_short=need_t,
             capacity_short=need_p,
+            count_short=need_c,
         )
         if choice.unmet == "quota":
             raise QuotaExceeded(
                 f"tenant {row.tenant_id} uses {tenant_used} of its {quota} bytes quota; "
                 f"{size} more bytes do not fit" + _even_after(choice.freed_quota)
+            )
+        if choice.unmet == "count":
+            raise BufferCountExceeded(
+                f"tenant {row.tenant_id} holds {count} buffers, its max_buffers is {cap}; "
+                "release some (evicting its evictable ones was not enough) or ask the "
+                "admin to raise max_buffers"
             )
         if choice.unmet == "capacity":
             raise PoolExhausted(
@@ -335,6 +370,23 @@ class ReserveRepo(Connections):
                 conn.execute(ins_event, buffer_event(kind, at, row, detail))
         return row
 
+    def finish_release_many(
+        self, buffer_ids: Sequence[str], kind: str, *, now: float | None = None
+    ) -> int:
+        """Delete many buffers' rows (their memory is scrubbed) with a ``kind`` event each,
+        in one transaction — what shutdown does instead of a round trip per buffer.
+        Ids without a row are skipped. Returns how many rows went."""
+        at = time.time() if now is None else now
+        gone = 0
+        with self._writing() as conn:
+            for i in range(0, len(buffer_ids), _IDS_PER_STATEMENT):
+                chunk = list(buffer_ids[i : i + _IDS_PER_STATEMENT])
+                rows = [BufferRow(*r) for r in conn.execute(_del_buffers, {"ids": chunk})]
+                if rows:
+                    conn.execute(ins_event, [buffer_event(kind, at, r) for r in rows])
+                gone += len(rows)
+        return gone
+
 
 def _even_after(freed: int) -> str:
     return f", even after evicting {freed} evictable bytes" if freed else ""
@@ -351,6 +403,19 @@ class BufferRepo(Connections):
             return
         if self._single_count(_set_state, {"p_id": buffer_id, "p_state": state}) == 0:
             raise NotFound(f"buffer {buffer_id} not found")
+
+    def advance(self, buffer_id: str, from_state: str, to_state: str) -> bool:
+        """Compare-and-set a buffer's state: ``from_state`` → ``to_state``, only if it is
+        still in ``from_state``. ``False`` when it is not (released meanwhile, or gone).
+
+        A reserve goes ``reserving`` → ``live`` this way, so that a tenant delete or a
+        pool drain that claimed the row meanwhile wins, and the reserve scrubs its own
+        region instead of publishing it.
+        """
+        _check_state(from_state)
+        _check_state(to_state)
+        params = {"p_id": buffer_id, "p_from": from_state, "p_state": to_state}
+        return self._single_count(_advance, params) == 1
 
     def mark_releasing(
         self, buffer_id: str, tenant_id: str | None, *, only_live: bool = False
@@ -475,6 +540,17 @@ class BufferRepo(Connections):
         params = {"p_id": buffer_id, "path": path, "p_checksum": checksum, "now": now}
         if self._single_count(_set_checkpoint, params) == 0:
             raise NotFound(f"buffer {buffer_id} not found")
+
+    def set_checkpoints(self, written: Sequence[tuple[str, str, str]], now: float) -> set[str]:
+        """Record many written checkpoints (``(buffer_id, path, checksum)``) in one
+        transaction; returns the ids recorded (a buffer gone meanwhile is not)."""
+        recorded: set[str] = set()
+        with self._writing() as conn:
+            for buffer_id, path, checksum in written:
+                params = {"p_id": buffer_id, "path": path, "p_checksum": checksum, "now": now}
+                if conn.execute(_set_checkpoint, params).rowcount == 1:
+                    recorded.add(buffer_id)
+        return recorded
 
     def expired(self, now: float, host: str) -> list[BufferRow]:
         """Live buffers of ``host`` whose lease ended before ``now``, earliest first."""

@@ -1,15 +1,18 @@
 """Which evictable buffers to release so that a reserve fits: a pure function.
 
-A reserve may be short of the tenant's quota, of the pool's capacity, or of
-both. The candidates are the **evictable, live** buffers that could help —
-the tenant's own (any pool) and the pool's (any tenant) — least recently used
-first. :func:`choose_victims` walks them in that order and takes each one that
-frees bytes of a shortfall still open, until both are closed:
+A reserve may be short of the tenant's quota, of the tenant's buffer count
+(``max_buffers``), of the pool's capacity, or of several. The candidates are
+the **evictable, live** buffers that could help — the tenant's own (any pool)
+and the pool's (any tenant) — least recently used first. :func:`choose_victims`
+walks them in that order and takes each one that frees something still short,
+until every shortfall is closed:
 
-* a candidate that frees nothing still short is skipped (it stays);
-* as soon as both shortfalls are closed, nothing more is taken;
-* if they cannot be closed, ``unmet`` says which one (quota first), and the
-  caller changes nothing.
+* a candidate that frees nothing still short is skipped (it stays): one of the
+  tenant's own frees quota bytes and one buffer of its count, one in the pool
+  frees capacity;
+* as soon as every shortfall is closed, nothing more is taken;
+* if they cannot be closed, ``unmet`` says which one (quota, then count, then
+  capacity), and the caller changes nothing.
 
 Taking every helpful candidate in order is exact for the question "can it
 fit?": while a shortfall is open, every candidate that could reduce it is
@@ -50,7 +53,7 @@ class Choice(NamedTuple):
     ids: tuple[str, ...]
     freed_quota: int
     freed_capacity: int
-    unmet: Literal["quota", "capacity"] | None
+    unmet: Literal["quota", "count", "capacity"] | None
 
 
 def choose_victims(
@@ -60,30 +63,33 @@ def choose_victims(
     pool_id: str,
     quota_short: int,
     capacity_short: int,
+    count_short: int = 0,
 ) -> Choice:
-    """Choose victims among ``candidates`` (least recently used first) for both shortfalls.
+    """Choose victims among ``candidates`` (least recently used first) for every shortfall.
 
-    ``quota_short``/``capacity_short`` are the bytes missing (≤ 0: none
-    missing) for the reserve of ``tenant_id`` in ``pool_id``.
+    ``quota_short``/``capacity_short`` are the bytes missing and ``count_short``
+    the buffers over the tenant's cap (≤ 0: none missing) for the reserve of
+    ``tenant_id`` in ``pool_id``.
     """
-    need_t, need_p = quota_short, capacity_short
+    need_t, need_p, need_c = quota_short, capacity_short, count_short
     chosen: list[str] = []
     freed_t = freed_p = 0
-    if need_t > 0 or need_p > 0:
+    if need_t > 0 or need_p > 0 or need_c > 0:
         for c in candidates:
             mine, here = c.tenant_id == tenant_id, c.pool_id == pool_id
-            if not ((need_t > 0 and mine) or (need_p > 0 and here)):
+            if not (((need_t > 0 or need_c > 0) and mine) or (need_p > 0 and here)):
                 continue  # would free nothing that is short: leave it alone
             chosen.append(c.id)
             if mine:
                 need_t -= c.size_bytes
+                need_c -= 1
                 freed_t += c.size_bytes
             if here:
                 need_p -= c.size_bytes
                 freed_p += c.size_bytes
-            if need_t <= 0 and need_p <= 0:
+            if need_t <= 0 and need_p <= 0 and need_c <= 0:
                 break
-    unmet: Literal["quota", "capacity"] | None = (
-        "quota" if need_t > 0 else "capacity" if need_p > 0 else None
+    unmet: Literal["quota", "count", "capacity"] | None = (
+        "quota" if need_t > 0 else "count" if need_c > 0 else "capacity" if need_p > 0 else None
     )
     return Choice(tuple(chosen), freed_t, freed_p, unmet)

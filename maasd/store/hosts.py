@@ -169,7 +169,7 @@ class HostRepo(Connections):
 
     def hosts(self) -> list[HostUsage]:
         """Every host, by name, with its pools and buffers and the database's time."""
-        with self._read.connect() as conn:
+        with self._reading() as conn:
             now = conn.execute(_sel_now).scalar_one()
             rows = conn.execute(_sel_hosts).all()
             pools = {h: (n, cap) for h, n, cap in conn.execute(_sel_pools_by_host)}

@@ -33,9 +33,17 @@ _sel_all_usage = (
     .group_by(_P.c.id)
 )
 _sel_pool_usage = _sel_all_usage.where(_P.c.host == bindparam("host"))
-#: Lock a pool's row (PostgreSQL) and read what a reserve decides by.
+#: Lock a pool's row (PostgreSQL) and read what a reserve decides by: its capacity, its
+#: name (for messages) and whether it is being deleted.
 lock_pool = (
-    select(_P.c.capacity_bytes, _P.c.name).where(_P.c.id == bindparam("p_id")).with_for_update()
+    select(_P.c.capacity_bytes, _P.c.name, _P.c.deleting_at)
+    .where(_P.c.id == bindparam("p_id"))
+    .with_for_update()
+)
+_mark_deleting = (
+    update(_P)
+    .where(_P.c.id == bindparam("p_id"), _P.c.deleting_at.is_(None))
+    .values(deleting_at=bindparam("now"))
 )
 _lock_pool_name = select(_P.c.name, _P.c.host).where(_P.c.id == bindparam("p_id")).with_for_update()
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
@@ -97,6 +105,20 @@ class PoolRepo(Connections):
         if host is None:
             return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_all_usage)}
         return {r[0]: (r[1], r[2]) for r in self._read_rows(_sel_pool_usage, {"host": host})}
+
+    def mark_pool_deleting(self, pool_id: str, *, now: float | None = None) -> float:
+        """Start (or resume) a pool's drain: from the commit on no reserve lands in it.
+
+        Returns the pool's ``deleting_at`` (the first mark's, when resumed).
+        :class:`NotFound` if unknown.
+        """
+        at = time.time() if now is None else now
+        with self._writing() as conn:
+            if conn.execute(lock_pool, {"p_id": pool_id}).first() is None:
+                raise NotFound(f"pool {pool_id} not found")
+            conn.execute(_mark_deleting, {"p_id": pool_id, "now": at})
+            marked = conn.execute(lock_pool, {"p_id": pool_id}).one()
+        return float(marked[2])
 
     def set_pool_warm(self, pool_id: str, warm_bytes: int) -> None:
         """Set a pool's warm stock budget (the one property that follows its configuration)."""

@@ -27,9 +27,25 @@ _sel_tenant = _tenant_with_usage.where(
     or_(_T.c.id == bindparam("ref"), _T.c.name == bindparam("ref"))
 ).group_by(_T.c.id)
 _sel_tenants = _tenant_with_usage.group_by(_T.c.id).order_by(_T.c.name)
-#: Lock a tenant's row (PostgreSQL) and read what a reserve decides by.
-lock_tenant = select(_T.c.quota_bytes).where(_T.c.id == bindparam("p_id")).with_for_update()
+#: Lock a tenant's row (PostgreSQL) and read what a reserve decides by: its quota, its
+#: buffer cap (``None``: the daemon's default) and whether it is being deleted.
+lock_tenant = (
+    select(_T.c.quota_bytes, _T.c.max_buffers, _T.c.deleting_at)
+    .where(_T.c.id == bindparam("p_id"))
+    .with_for_update()
+)
 _set_quota = update(_T).where(_T.c.id == bindparam("p_id")).values(quota_bytes=bindparam("quota"))
+_set_max_buffers = (
+    update(_T).where(_T.c.id == bindparam("p_id")).values(max_buffers=bindparam("cap"))
+)
+# The first delete marks the tenant; a delete resumed (again, or after a restart) keeps
+# the first mark.
+_mark_deleting = (
+    update(_T)
+    .where(_T.c.id == bindparam("p_id"), _T.c.deleting_at.is_(None))
+    .values(deleting_at=bindparam("now"))
+)
+_sel_deleting = select(_T.c.id).where(_T.c.deleting_at.is_not(None)).order_by(_T.c.deleting_at)
 _del_tenant = delete(_T).where(_T.c.id == bindparam("p_id"))
 _count_tenant_buffers = (
     select(func.count()).select_from(_B).where(_B.c.tenant_id == bindparam("p_id"))
@@ -93,15 +109,62 @@ class TenantRepo(Connections):
 
     def set_quota(self, tenant_id: str, quota_bytes: int) -> None:
         """Change a tenant's quota (lowering it below use is allowed). :class:`NotFound` if unknown."""
-        if quota_bytes < 0:  # a negative quota would make every usage sum "over quota"
+        self.update_tenant(tenant_id, quota_bytes=quota_bytes)
+
+    def update_tenant(
+        self, tenant_id: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+    ) -> None:
+        """Change a tenant's quota and/or buffer cap in one transaction, one event each.
+
+        Lowering either below current use is allowed: it blocks new reserves until
+        use falls below it. :class:`NotFound` if unknown; :class:`InvalidRequest` for
+        neither value, a negative quota or a cap below 1.
+        """
+        if quota_bytes is None and max_buffers is None:
+            raise InvalidRequest("give quota_bytes, max_buffers or both")
+        if quota_bytes is not None and quota_bytes < 0:
+            # a negative quota would make every usage sum "over quota"
             raise InvalidRequest(f"quota_bytes must be ≥ 0, got {quota_bytes}")
+        if max_buffers is not None and max_buffers < 1:
+            raise InvalidRequest(f"max_buffers must be ≥ 1, got {max_buffers}")
+        now = time.time()
         with self._writing() as conn:
-            if conn.execute(_set_quota, {"p_id": tenant_id, "quota": quota_bytes}).rowcount == 0:
+            if conn.execute(lock_tenant, {"p_id": tenant_id}).first() is None:
                 raise NotFound(f"tenant {tenant_id} not found")
-            conn.execute(
-                ins_event,
-                event("quota_set", time.time(), tenant_id=tenant_id, nbytes=quota_bytes),
-            )
+            if quota_bytes is not None:
+                conn.execute(_set_quota, {"p_id": tenant_id, "quota": quota_bytes})
+                conn.execute(
+                    ins_event, event("quota_set", now, tenant_id=tenant_id, nbytes=quota_bytes)
+                )
+            if max_buffers is not None:
+                conn.execute(_set_max_buffers, {"p_id": tenant_id, "cap": max_buffers})
+                conn.execute(
+                    ins_event,
+                    event("max_buffers_set", now, tenant_id=tenant_id, detail=str(max_buffers)),
+                )
+
+    def mark_tenant_deleting(self, tenant_id: str, *, now: float | None = None) -> int:
+        """Start (or resume) a tenant's delete: mark it deleting and revoke its keys, atomically.
+
+        From the commit on, the reserve transaction refuses the tenant
+        (:meth:`~maasd.store.buffers.ReserveRepo.begin_reserve`) and its keys are
+        unknown. Returns how many keys were revoked. :class:`NotFound` if unknown.
+        """
+        at = time.time() if now is None else now
+        with self._writing() as conn:
+            if conn.execute(lock_tenant, {"p_id": tenant_id}).first() is None:
+                raise NotFound(f"tenant {tenant_id} not found")
+            conn.execute(_mark_deleting, {"p_id": tenant_id, "now": at})
+            n = int(conn.execute(_revoke_keys, {"p_tenant": tenant_id, "now": at}).rowcount)
+            if n:
+                conn.execute(
+                    ins_event, event("key_revoke", at, tenant_id=tenant_id, detail=f"all {n}")
+                )
+        return n
+
+    def deleting_tenants(self) -> list[str]:
+        """The ids of tenants whose delete started and has not finished, oldest first."""
+        return [r[0] for r in self._read_rows(_sel_deleting)]
 
     def delete_tenant(self, tenant_id: str, *, now: float | None = None) -> None:
         """Delete a tenant and its keys.

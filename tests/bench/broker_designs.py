@@ -82,6 +82,12 @@ class MemService:
     def lookup_entry(self, _principal: Principal, keys: list[str]) -> _Handle:
         return _Handle(os.dup(self.memfd), MiB, 0, key=keys[-1])
 
+    def l2_ready(self) -> bool:
+        return False
+
+    def fill_entry(self, _principal: Principal, _keys: list[str]) -> _Handle:
+        raise InvalidRequest("the bench service has no shared tier")
+
     def put_entry(self, *_args: object) -> _Handle:
         raise InvalidRequest("the bench service serves no put")
 
@@ -125,6 +131,7 @@ class ThreadedReference:
                     else:
                         req, op = decoded
                         outcome = self.dispatcher.run(op, req, session, {})
+                assert outcome.reply is not None
                 send_message(sock, outcome.reply, outcome.fds)
                 for fd in outcome.fds:
                     os.close(fd)

@@ -18,10 +18,10 @@ from bad_bodies import (
     LOOKUP_BAD,
     PIN_BAD,
     POOL_BAD,
-    QUOTA_BAD,
     RENEW_BAD,
     RESERVE_BAD,
     TENANT_BAD,
+    TENANT_PATCH_BAD,
     Raw,
     assert_problem_4xx,
     pool_body,
@@ -127,7 +127,9 @@ def test_tenant_create_duplicate_name_changes_nothing(daemon: Daemon, victim) ->
     assert snapshot(daemon, c, held["id"]) == before
 
 
-@pytest.mark.parametrize("body", [b for _, b in QUOTA_BAD], ids=[c for c, _ in QUOTA_BAD])
+@pytest.mark.parametrize(
+    "body", [b for _, b in TENANT_PATCH_BAD], ids=[c for c, _ in TENANT_PATCH_BAD]
+)
 def test_tenant_patch_bad_body(daemon: Daemon, victim, body: Any) -> None:
     tid, c, held = victim
     before = snapshot(daemon, c, held["id"])

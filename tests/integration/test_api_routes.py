@@ -330,11 +330,26 @@ def test_tenant_lifecycle(daemon: Daemon) -> None:
         problem(c.post("/v1/reserve", json={"size_bytes": PAGE}), 409, "quota-exceeded")
         assert c.get(f"/v1/buffers/{buf['id']}").status_code == 200  # existing buffer kept
 
+        # the buffer cap, alone and with the quota (one transaction), below use too
+        r = daemon.admin.patch(f"/v1/tenants/{t['id']}", json={"max_buffers": 1})
+        assert (r.json()["max_buffers"], r.json()["quota_bytes"]) == (1, 512 * KiB)
+        r = daemon.admin.patch(
+            f"/v1/tenants/{t['id']}", json={"quota_bytes": 16 * MiB, "max_buffers": 1}
+        )
+        assert (r.json()["max_buffers"], r.json()["quota_bytes"]) == (1, 16 * MiB)
+        problem(c.post("/v1/reserve", json={"size_bytes": PAGE}), 409, "buffer-count-exceeded")
+        r = daemon.admin.patch(f"/v1/tenants/{t['id']}", json={"max_buffers": 2})
+        assert reserve(c, PAGE)["size_bytes"] == PAGE
+        kinds = [
+            e["kind"] for e in daemon.admin.get("/v1/events", params={"tenant_id": t["id"]}).json()
+        ]
+        assert kinds.count("max_buffers_set") == 3
+
         node0_used = pool(daemon, "node0")["used_bytes"]
         r = daemon.admin.delete(f"/v1/tenants/{t['id']}")
         assert r.status_code == 204, r.text
         # its buffers are released, its key is revoked at once
-        assert pool(daemon, "node0")["used_bytes"] == node0_used - 1 * MiB
+        assert pool(daemon, "node0")["used_bytes"] == node0_used - 1 * MiB - PAGE
         problem(c.get("/v1/usage"), 401, "unauthorized")
         problem(c.get(f"/v1/buffers/{buf['id']}"), 401)
     problem(daemon.admin.get(f"/v1/tenants/{t['id']}"), 404)
@@ -378,6 +393,7 @@ def test_usage(daemon: Daemon, tenant) -> None:
         "quota_bytes": 64 * MiB,
         "used_bytes": 0,
         "buffers": 0,
+        "max_buffers": 4096,  # the daemon's default cap
     }
     a = reserve(c, 5000)  # rounded to two pages
     reserve(c, 1 * MiB)

@@ -328,12 +328,38 @@ def test_revoked_key_while_connected_answers_401_and_closes(env):
         assert isinstance(reply, Attached)
         os.close(fds[0])
         revoke()
-        reply, fds = r.call(Renew(buffer_id=bid, ttl_s=60))
+        reply, fds = r.call_racing_close(Renew(buffer_id=bid, ttl_s=60))
         assert isinstance(reply, Error)
         assert reply.status == 401
         assert fds == []
         assert r.closed_by_peer()
     wait_until(lambda: env.attached(tenant[0]) == 0, message="the attachment it held is dropped")
+    env.release(tenant, bid)
+
+
+def test_an_idle_connection_of_a_revoked_key_is_closed_without_a_request(env):
+    """SPEC §4: a revoked key answers 401 at once on the socket too — a worker that only
+    holds its mapping (sends nothing) is told and cut off, and its attachment dropped."""
+    tenant = env.new_tenant()
+    bid = env.reserve(tenant)
+    key, revoke = env.revocable_key(tenant[0])
+    other = Raw(env.socket_path)  # another key of the same tenant: not affected
+    with contextlib.closing(Raw(env.socket_path)) as r, contextlib.closing(other):
+        r.hello(key)
+        other.hello(tenant[1])
+        reply, fds = r.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached)
+        os.close(fds[0])
+        revoke()
+        reply, fds = r.recv()  # nothing sent: the daemon speaks first
+        assert isinstance(reply, Error)
+        assert reply.status == 401
+        assert fds == []
+        assert r.closed_by_peer()
+        reply, fds = other.call(Attach(buffer_id=bid))
+        assert isinstance(reply, Attached)
+        os.close(fds[0])
+    wait_until(lambda: env.attached(tenant[0]) == 0, message="the attachments are dropped")
     env.release(tenant, bid)
 
 

@@ -21,9 +21,20 @@ from pathlib import Path
 import pytest
 
 from maasd.broker import Limits
-from maasd.protocol import HEADER, Attach, Attached, Error, Hello, Ok, Renew, encode_frame
+from maasd.protocol import (
+    HEADER,
+    Attach,
+    Attached,
+    Error,
+    Found,
+    Hello,
+    Lookup,
+    Ok,
+    Renew,
+    encode_frame,
+)
 from sockflood import flood
-from sockpeer import FakeEnv, Raw
+from sockpeer import FakeEnv, MiB, Raw
 from waiting import wait_until
 
 NOBODY = 65534
@@ -241,6 +252,42 @@ def test_hanging_slow_operations_block_neither_other_tenants_nor_fast_ops(tmp_pa
         for r in hanging:
             assert r.recv() == (Ok(), [])
             r.close()
+    finally:
+        gate.set()
+        env.close()
+
+
+def test_a_lookup_waiting_for_the_shared_tier_never_holds_the_loop(tmp_path: Path) -> None:
+    """A local miss asked of L2 runs on the slow pool: while it waits (a slow L2), the
+    loop serves everyone else, other lookups of the same tenant included; without a
+    tier, or with its breaker open, a miss is answered inline."""
+    env = FakeEnv(tmp_path, Limits(slow_workers=2, slow_per_tenant=1))
+    gate = threading.Event()
+    try:
+        tenant = env.new_tenant()
+        with contextlib.closing(Raw(env.socket_path)) as r:
+            r.hello(tenant[1])
+            reply, _ = r.call(Lookup(keys=["k"]))
+            assert isinstance(reply, Error) and reply.status == 404  # noqa: PT018
+        assert env.svc.fill_threads == []  # no tier: answered on the loop
+        env.svc.remote = {(tenant[0], "k"): MiB}
+        env.svc.fill_gate = gate
+        waiting = Raw(env.socket_path, timeout=30)
+        waiting.hello(tenant[1])
+        waiting.send(Lookup(keys=["j", "k"]))
+        wait_until(lambda: len(env.svc.fill_threads) == 1, message="the fill started")
+        assert env.svc.fill_threads[0] != "maasd-broker"  # the loop thread
+        assert attach_works(env, tenant)  # the loop serves the same tenant meanwhile
+        gate.set()
+        reply, fds = waiting.recv()
+        assert isinstance(reply, Found) and reply.key == "k"  # noqa: PT018
+        assert len(fds) == 1
+        os.close(fds[0])
+        reply, fds = waiting.call(Lookup(keys=["k"]))  # now local: no second fill
+        assert isinstance(reply, Found)
+        os.close(fds[0])
+        assert len(env.svc.fill_threads) == 1
+        waiting.close()
     finally:
         gate.set()
         env.close()

@@ -515,7 +515,7 @@ def test_a_revoked_key_is_refused_on_the_next_inline_op(daemon, tenant):
         _found, fd = lookup(r, ["rev"])
         os.close(fd)
         assert daemon.admin.delete(f"/v1/tenants/{tid}/keys/{info['id']}").status_code == 204
-        reply, fds = r.call(Lookup(keys=["rev"]))
+        reply, fds = r.call_racing_close(Lookup(keys=["rev"]))
         assert fds == []
         assert isinstance(reply, Error)
         assert reply.status == 401

@@ -197,6 +197,15 @@ def test_tenant_lifecycle(daemon: Any) -> None:
     ok(maasctl(daemon, "tenants", "set-quota", tid, "1GB"))
     assert "953.7 MiB" in ok(maasctl(daemon, "tenants", "show", name))
 
+    assert ok_json(maasctl(daemon, "--json", "tenants", "show", tid))["max_buffers"] == 4096
+    out = ok(maasctl(daemon, "tenants", "set-max-buffers", name, "12"))
+    assert "Buffer cap of" in out
+    assert "max buffers" in out
+    shown = ok_json(maasctl(daemon, "--json", "tenants", "show", tid))
+    assert (shown["max_buffers"], shown["quota_bytes"]) == (12, 10**9)  # the quota stays
+    assert "0/12" in ok(maasctl(daemon, "tenants", "list"))
+    fails(maasctl(daemon, "tenants", "set-max-buffers", name, "0"), "[400]", "max_buffers")
+
     out = ok(maasctl(daemon, "tenants", "delete", name))
     assert "deleted" in out
     assert name not in ok(maasctl(daemon, "tenants", "list"))

@@ -378,20 +378,25 @@ def test_a_key_revoked_through_one_daemon_is_refused_by_all_within_a_second(
         conn = Conn(b.socket_path)
         assert isinstance(conn.call(protocol.Hello(api_key=key)), protocol.Welcome)
         assert isinstance(conn.call(protocol.Attach(buffer_id=buf["id"])), protocol.Attached)
+        idle = Conn(c.socket_path)  # a worker that will send nothing more
+        assert isinstance(idle.call(protocol.Hello(api_key=key)), protocol.Welcome)
 
         assert a.admin.delete(f"/v1/tenants/{tenant_id}/keys/{key_id}").status_code == 204
         revoked = time.monotonic()
         late: dict[str, float] = {}
+        told = idle.recv()  # unprompted: the daemon on C re-checks its idle connections
+        late["socket-c-idle"] = time.monotonic() - revoked
+        assert isinstance(told, protocol.Error), told
+        assert told.status == 401
+        assert idle.closed_by_peer()
+        idle.close()
         for name, cl in (("rest-b", clients[b.port]), ("rest-c", clients[c.port])):
             while cl.get("/v1/usage").status_code != 401:
                 time.sleep(0.005)
             late[name] = time.monotonic() - revoked
-        while True:
-            reply = conn.call(protocol.Renew(buffer_id=buf["id"], ttl_s=600))
-            if isinstance(reply, protocol.Error):
-                break
-            time.sleep(0.005)
+        reply = conn.recv()  # B told its connection unprompted too (it holds an attachment)
         late["socket-b"] = time.monotonic() - revoked
+        assert isinstance(reply, protocol.Error), reply
         assert reply.status == 401, reply
         assert conn.closed_by_peer()  # the connection of the revoked key is closed
         conn.close()

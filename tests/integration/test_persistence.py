@@ -132,6 +132,7 @@ def test_never_checkpointed_buffer_does_not_survive_sigkill(fresh_daemon) -> Non
         "quota_bytes": 64 * MiB,
         "used_bytes": 0,
         "buffers": 0,
+        "max_buffers": 4096,
     }
     user.close()
 

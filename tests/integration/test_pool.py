@@ -487,6 +487,31 @@ class TestWarmer:
         finally:
             pool.close()
 
+    def test_no_new_stock_while_the_daemons_region_budget_says_no(self, reclaimer):
+        """Every stocked region holds a file and a mapping of the daemon: the refill asks
+        the region budget (maasd.core.limits) before making one."""
+        room = [False]
+        warmer = Warmer(min_available=0, may_grow=lambda: room[0])
+        pool = Pool(
+            "p",
+            numa_node=0,
+            capacity=8 * MiB,
+            warm_bytes=4 * MiB,
+            reclaimer=reclaimer,
+            warmer=warmer,
+        )
+        try:
+            pool.release(pool.reserve(MiB))
+            while warmer.run_once():
+                pass
+            assert pool.warm == 0
+            room[0] = True
+            while warmer.run_once():
+                pass
+            assert pool.warm == MiB
+        finally:
+            pool.close()
+
     def test_shed_frees_the_stock_of_one_backing_at_once(self):
         warmer = Warmer(min_available=0)
         pool = Pool("p", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)

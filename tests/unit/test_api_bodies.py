@@ -23,10 +23,10 @@ from bad_bodies import (
     LOOKUP_BAD,
     PIN_BAD,
     POOL_BAD,
-    QUOTA_BAD,
     RENEW_BAD,
     RESERVE_BAD,
     TENANT_BAD,
+    TENANT_PATCH_BAD,
     Raw,
     assert_problem_4xx,
     send,
@@ -34,7 +34,14 @@ from bad_bodies import (
 from inprocess_api import ADMIN_KEY, auth, client, service, snapshot
 from maasd.api import strict
 from maasd.api.app import create_app
-from maasd.api.schemas import LookupBody, PinBody, QuotaBody, RenewBody, ReserveBody, TenantBody
+from maasd.api.schemas import (
+    LookupBody,
+    PinBody,
+    RenewBody,
+    ReserveBody,
+    TenantBody,
+    TenantPatchBody,
+)
 from maasd.core import Service
 from maasd.errors import InvalidRequest
 from maasd.models import PoolSpec
@@ -115,7 +122,7 @@ ROUTES: list[tuple[str, str, str, type[Any], list[tuple[str, Any]]]] = [
     ("tenant", "POST", "/v1/pools/node0/reserve", ReserveBody, RESERVE_BAD),
     ("admin", "POST", "/v1/pools", PoolSpec, POOL_BAD),
     ("admin", "POST", "/v1/tenants", TenantBody, TENANT_BAD),
-    ("admin", "PATCH", "/v1/tenants/{tid}", QuotaBody, QUOTA_BAD),
+    ("admin", "PATCH", "/v1/tenants/{tid}", TenantPatchBody, TENANT_PATCH_BAD),
     ("tenant", "PATCH", "/v1/buffers/{bid}/pin", PinBody, PIN_BAD),
     ("tenant", "POST", "/v1/buffers/{bid}/renew", RenewBody, RENEW_BAD),
     ("tenant", "POST", "/v1/buffers/lookup", LookupBody, LOOKUP_BAD),
@@ -211,7 +218,15 @@ def test_every_body_is_decoded_by_the_strict_dto(svc: Service) -> None:
 def test_openapi_declares_strict_bodies(svc: Service) -> None:
     doc = create_app(svc).openapi_schema.to_schema()
     schemas = doc["components"]["schemas"]
-    for body in (PoolSpec, TenantBody, QuotaBody, ReserveBody, PinBody, RenewBody, LookupBody):
+    for body in (
+        PoolSpec,
+        TenantBody,
+        TenantPatchBody,
+        ReserveBody,
+        PinBody,
+        RenewBody,
+        LookupBody,
+    ):
         assert schemas[body.__name__]["additionalProperties"] is False, body
     reserve = schemas["ReserveBody"]["properties"]
     assert reserve["size_bytes"]["exclusiveMinimum"] == 0

@@ -10,6 +10,7 @@ public, none.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,7 @@ def test_serve_metrics_public_flag(
 
     seen: list[Any] = []
     monkeypatch.setattr(daemon, "_serve", seen.append)
+    monkeypatch.setattr(daemon, "harden", lambda: (0, 0))  # not on the test process
     monkeypatch.setattr(daemon, "setup_logging", lambda _level: None)
     monkeypatch.delenv("MAASD_METRICS_PUBLIC", raising=False)
     result = CliRunner().invoke(
@@ -265,3 +267,39 @@ def test_serve_metrics_public_flag(
     )
     assert result.exit_code == 0, result.output
     assert [s.metrics_public for s in seen] == [public]
+
+
+def test_serve_drops_the_secret_keys_from_its_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Read once into the settings, then gone from os.environ: nothing the daemon starts
+    inherits them (the kernel's copy in /proc/PID/environ is root's only: not dumpable)."""
+    from maasd.cli import daemon
+
+    env_then: list[dict[str, str]] = []
+    seen: list[Any] = []
+
+    def serve(settings: Any) -> None:
+        seen.append(settings)
+        env_then.append(dict(os.environ))
+
+    monkeypatch.setattr(daemon, "_serve", serve)
+    monkeypatch.setattr(daemon, "harden", lambda: (0, 0))
+    monkeypatch.setattr(daemon, "setup_logging", lambda _level: None)
+    admin, metrics = "a" * 40, "m" * 40
+    result = CliRunner().invoke(
+        daemon.cli,
+        ["serve", "--data-dir", str(tmp_path)],
+        env={
+            "MAASD_ADMIN_KEY": admin,
+            "MAASD_METRICS_KEY": metrics,
+            "MAASD_DB_URL": "postgresql+psycopg://maasd:secret@db/maasd",
+        },
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    assert (seen[0].admin_key, seen[0].metrics_key) == (admin, metrics)
+    assert "MAASD_ADMIN_KEY" not in env_then[0]
+    assert "MAASD_METRICS_KEY" not in env_then[0]
+    assert "MAASD_DB_URL" not in env_then[0]
+    assert seen[0].db_url == "postgresql+psycopg://maasd:secret@db/maasd"

@@ -388,3 +388,56 @@ def test_why_dot_segments_must_be_refused() -> None:
         raw.delete("/v1/buffers/..")
         raw.delete("/v1/buffers/.")
     assert seen == ["/v1", "/v1/buffers"]
+
+
+def test_health_parses_healthy_and_unhealthy_alike() -> None:
+    answers = iter(
+        [
+            httpx.Response(200, json={"status": "ok"}),
+            httpx.Response(
+                503,
+                json={
+                    "status": "unhealthy",
+                    "components": {
+                        "broker": {"ok": False, "detail": "the accept thread died"},
+                        "ledger": {"ok": True, "detail": "ok"},
+                    },
+                },
+            ),
+            httpx.Response(500, json={"title": "Internal error", "status": 500, "detail": "x"}),
+        ]
+    )
+    with Recorder(lambda _r: next(answers)).client() as c:
+        ok = c.health()
+        assert ok.ok
+        assert ok.components == {}
+        sick = c.health()
+        assert not sick.ok
+        assert sick.status == "unhealthy"
+        assert not sick.components["broker"].ok
+        assert sick.components["broker"].detail == "the accept thread died"
+        assert sick.components["ledger"].ok
+        with pytest.raises(ServerError):  # any other failure is still an error
+            c.health()
+
+
+def test_update_tenant_sends_only_what_is_given() -> None:
+    bodies: list[bytes] = []
+
+    def daemon(request: httpx.Request) -> httpx.Response:
+        bodies.append(request.content)
+        return httpx.Response(
+            200, json={"id": "t", "name": "acme", "quota_bytes": 5, "max_buffers": 9}
+        )
+
+    with Client(BASE, "k", transport=httpx.MockTransport(daemon)) as c:
+        assert c.set_max_buffers("acme", 9).max_buffers == 9
+        c.set_quota("acme", 5)
+        c.update_tenant("acme", quota_bytes=5, max_buffers=9)
+        with pytest.raises(ValueError, match="give quota_bytes, max_buffers or both"):
+            c.update_tenant("acme")
+    assert bodies == [
+        b'{"max_buffers":9}',
+        b'{"quota_bytes":5}',
+        b'{"quota_bytes":5,"max_buffers":9}',
+    ]

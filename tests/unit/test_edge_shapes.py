@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from maasd import bounds
-from maasd.api.schemas import LookupBody, QuotaBody, RenewBody, ReserveBody, TenantBody
+from maasd.api.schemas import LookupBody, RenewBody, ReserveBody, TenantBody, TenantPatchBody
 from maasd.models import PoolSpec
 
 BAD_NAMES = ["", "-leading-dash", ".dot", "a" * 65, "spa ce", "new\nline", "acme\n", "ü", "a/b"]
@@ -38,7 +38,7 @@ def test_good_names_pass(name: str) -> None:
 @pytest.mark.parametrize("quota", [-1, bounds.MAX_BYTES + 1, 1.5, "5", True, None])
 def test_bad_quotas_are_refused(quota: object) -> None:
     for body in ({"name": "t", "quota_bytes": quota}, {"quota_bytes": quota}):
-        kind = TenantBody if "name" in body else QuotaBody
+        kind = TenantBody if "name" in body else TenantPatchBody
         with pytest.raises(msgspec.ValidationError):
             msgspec.json.decode(msgspec.json.encode(body), type=kind)
 

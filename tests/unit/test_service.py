@@ -8,6 +8,7 @@ crash leaves behind.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -16,13 +17,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
 from maasd import errors
 from maasd.allocator import Region
 from maasd.bounds import bytes_of_gib
-from maasd.core import Service
+from maasd.core import Service, limits
 from maasd.core.runtime import LivePool
 from maasd.models import Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
 from maasd.settings import Settings
@@ -226,21 +228,35 @@ def test_reap_releases_expired_leases_only(svc: Service) -> None:
     assert svc.store.buffer(short.id) is None
 
 
-def test_a_reserve_whose_row_vanishes_midway_leaves_no_memory_behind(
-    svc: Service, monkeypatch
+@pytest.mark.parametrize("claim", ["deleted", "marked"])
+def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
+    svc: Service, monkeypatch, claim: str
 ) -> None:
+    """A tenant delete or pool drain claims the row while its region is being made: the
+    reserve loses its compare-and-set to live, scrubs its own region and finishes the
+    release; nothing is left in the ledger or in memory."""
     who = tenant(svc)
-    real = svc.store.set_state
+    real = svc.store.advance
+    seen: list[Any] = []
 
-    def deleted_meanwhile(buffer_id: str, state: str) -> None:
-        svc.store.finish_release(buffer_id, kind="tenant_delete")  # e.g. a tenant deletion won
-        real(buffer_id, state)
+    def claimed_meanwhile(buffer_id: str, from_state: str, to_state: str) -> bool:
+        region = svc.runtime.region(buffer_id)
+        assert region is not None  # the region is findable before the row can go live
+        seen.append(region)
+        view(svc, buffer_id)[:] = 7
+        if claim == "deleted":
+            svc.store.finish_release(buffer_id, kind="tenant_delete")
+        else:
+            svc.store.mark_releasing(buffer_id, None)
+        return real(buffer_id, from_state, to_state)
 
-    monkeypatch.setattr(svc.store, "set_state", deleted_meanwhile)
-    with pytest.raises(errors.NotFound):
+    monkeypatch.setattr(svc.store, "advance", claimed_meanwhile)
+    with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
         svc.reserve(who, req(MiB, pool="fast"))
     assert svc.runtime.buffer_ids() == []
     assert allocated(svc, "fast") == 0
+    assert svc.store.buffers(states=None) == []
+    assert seen[0].released
 
 
 # -- eviction -----------------------------------------------------------------------------
@@ -594,3 +610,336 @@ def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -
     s.close()  # releases the volatile buffer, then drains and stops the reclaimer
     assert not s.reclaimer.running
     assert left.closed
+
+
+# -- limits: the buffer cap, the region budget, kernel refusals -------------------------------
+
+
+def test_the_buffer_cap_applies_to_reserves_and_patch_changes_it(svc: Service) -> None:
+    who = tenant(svc)
+    t = svc.update_tenant(who.tenant_id or "", max_buffers=2)
+    assert t.max_buffers == 2
+    assert svc.usage(who).max_buffers == 2
+    a = svc.reserve(who, req(4096, pool="fast"))
+    svc.reserve(who, req(4096, pool="fast", evictable=True))
+    svc.reserve(who, req(4096, pool="fast"))  # evicts the evictable one, LRU
+    assert sample(svc, "maasd_evictions_total") == 1
+    with pytest.raises(errors.BufferCountExceeded, match="max_buffers is 2"):
+        svc.reserve(who, req(4096, pool="fast"))
+    svc.release(who, a.id)
+    svc.reserve(who, req(4096, pool="fast"))
+    both = svc.update_tenant(who.tenant_id or "", quota_bytes=MiB, max_buffers=5)
+    assert (both.quota_bytes, both.max_buffers) == (MiB, 5)
+    with pytest.raises(errors.InvalidRequest):
+        svc.update_tenant(who.tenant_id or "")
+
+
+def test_the_default_cap_is_the_settings(tmp_path: Path) -> None:
+    s = Service(msgspec.structs.replace(settings(tmp_path), max_buffers_per_tenant=1))
+    s.start(reaper=False)
+    try:
+        who = tenant(s)
+        assert s.tenant(who.tenant_id or "").max_buffers == 1
+        s.reserve(who, req(4096, pool="fast"))
+        with pytest.raises(errors.BufferCountExceeded):
+            s.reserve(who, req(4096, pool="fast"))
+    finally:
+        s.close()
+
+
+def test_at_the_region_budget_a_reserve_is_a_507_and_the_ledger_is_untouched(
+    svc: Service,
+) -> None:
+    who = tenant(svc)
+    svc.budget.budget = svc.budget.held() + 1  # one region more, then the budget is full
+    svc.reserve(who, req(4096, pool="fast"))
+    before = svc.store.buffers(states=None)
+    with pytest.raises(errors.ResourceLimit, match="open files"):
+        svc.reserve(who, req(4096, pool="fast"))
+    assert svc.store.buffers(states=None) == before
+    assert sample(svc, "maasd_reserve_total", outcome="resource-limit") == 1
+
+
+def test_a_kernel_out_of_files_on_reserve_is_a_507_naming_the_limit(
+    svc: Service, monkeypatch
+) -> None:
+    from maasd.allocator import _sys
+
+    who = tenant(svc)
+
+    def emfile(name: str, flags: int) -> int:
+        raise _sys._fail(f"memfd_create({name!r}, flags={flags:#x})", errno.EMFILE)
+
+    monkeypatch.setattr(_sys, "memfd_create", emfile)
+    with pytest.raises(errors.ResourceLimit, match="RLIMIT_NOFILE"):
+        svc.reserve(who, req(4096, pool="fast"))
+    assert svc.store.buffers(states=None) == []
+    assert allocated(svc, "fast") == 0
+
+
+def test_health_checks_say_whether_files_remain(svc: Service, monkeypatch) -> None:
+    checks = svc.health_checks()
+    assert set(checks) == {"files"}  # a ledger outage is a 507, not a restart
+    ok, detail = checks["files"]()
+    assert ok
+    assert "buffer regions" in detail
+    monkeypatch.setattr(limits, "open_files", lambda: svc.budget.limits.open_files)
+    ok, detail = checks["files"]()
+    assert not ok
+    assert detail.startswith("out of open files")
+
+
+def test_a_buffer_released_while_attached_shows_in_the_metrics(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(MiB, pool="fast"))
+    handle = svc.open_handle(who, buf.id)
+    try:
+        svc.release(who, buf.id)
+        labels = {"tenant": who.tenant_id or "", "kind": "buffer"}
+        assert sample(svc, "maasd_released_attached_buffers", **labels) == 1
+        assert sample(svc, "maasd_released_attached_bytes", **labels) == MiB
+        assert sample(svc, "maasd_released_attached_handles", **labels) == 1
+        svc.drop_handle(who, buf.id)
+        assert sample(svc, "maasd_released_attached_buffers", **labels) == 0
+    finally:
+        os.close(handle.fd)
+    assert sample(svc, "maasd_buffer_region_budget") == svc.budget.budget
+
+
+# -- deletes that never stop half-way -------------------------------------------------------
+
+
+def burst(svc: Service, who: Principal, pool: str, stop: threading.Event) -> list[Any]:
+    """Reserve 4 KiB buffers in ``pool`` from 4 threads until ``stop``; the outcomes."""
+    out: list[Any] = []
+
+    def run() -> None:
+        while not stop.is_set():
+            try:
+                out.append(svc.reserve(who, req(4096, pool=pool)))
+            except Exception as e:
+                out.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for th in threads:
+        th.start()
+    stop.wait()
+    for th in threads:
+        th.join(30)
+    return out
+
+
+@pytest.mark.parametrize("trial", range(5))
+def test_a_tenant_delete_during_a_reserve_burst_finishes(svc: Service, trial: int) -> None:
+    who = tenant(svc, name=f"t{trial}")
+    stop = threading.Event()
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(burst(svc, who, "fast", stop)))
+    runner.start()
+    time.sleep(0.05 + 0.02 * trial)
+    svc.delete_tenant(who.tenant_id or "")  # never a half-done StateConflict
+    stop.set()
+    runner.join(30)
+    assert any(not isinstance(r, Exception) for r in results)
+    failed = {type(r) for r in results if isinstance(r, Exception)}
+    assert failed <= {errors.Unauthorized, errors.StateConflict, errors.NotFound}, failed
+    assert svc.store.buffers(tenant_id=who.tenant_id, states=None) == []
+    assert svc.store.tenant(who.tenant_id or "") is None
+    svc.reclaimer.drain()
+    assert svc.runtime.buffer_ids() == []
+    assert allocated(svc, "fast") == 0
+
+
+def test_a_pool_drain_during_a_reserve_burst_finishes(svc: Service) -> None:
+    who = tenant(svc)
+    extra = svc.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
+    stop = threading.Event()
+    results: list[Any] = []
+    runner = threading.Thread(target=lambda: results.extend(burst(svc, who, "tmp", stop)))
+    runner.start()
+    time.sleep(0.1)
+    svc.delete_pool("tmp", drain=True)
+    stop.set()
+    runner.join(30)
+    failed = {type(r) for r in results if isinstance(r, Exception)}
+    assert failed <= {errors.StateConflict, errors.NotFound, errors.PoolExhausted}, failed
+    assert svc.store.buffers(pool_id=extra.id, states=None) == []
+    assert svc.runtime.pool(extra.id) is None
+    assert svc.runtime.buffer_ids() == []
+    with pytest.raises(errors.NotFound):
+        svc.reserve(who, req(4096, pool="tmp"))
+
+
+def test_a_pool_being_drained_takes_no_reserve_and_is_no_candidate(svc: Service) -> None:
+    who = tenant(svc)
+    fast = pool_named(svc, "fast")
+    at = svc.store.mark_pool_deleting(fast.id)
+    live = live_pool(svc, fast.id)
+    live.row = msgspec.structs.replace(live.row, deleting_at=at)
+    with pytest.raises(errors.StateConflict, match="being deleted"):
+        svc.reserve(who, req(4096, pool="fast"))
+    auto = svc.reserve(who, req(4096, latency_us=100))
+    assert auto.pool_id != fast.id
+
+
+def test_a_delete_cut_short_by_a_crash_finishes_at_the_next_start(tmp_path: Path) -> None:
+    s = Service(settings(tmp_path))
+    s.start(reaper=False)
+    who = tenant(s)
+    s.reserve(who, req(MiB, pool="fast"))
+    s.reserve(who, req(MiB, pool="slow"))
+    extra = s.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
+    other = tenant(s, name="other")
+    s.reserve(other, req(MiB, pool="tmp"))
+    # what a SIGKILL right after the marks leaves: both marked, nothing released yet
+    s.store.mark_tenant_deleting(who.tenant_id or "")
+    s.store.mark_pool_deleting(extra.id)
+    s.store.dispose()
+
+    s2 = Service(settings(tmp_path))
+    s2.start(reaper=False)
+    try:
+        assert s2.store.tenant(who.tenant_id or "") is None
+        assert s2.store.deleting_tenants() == []
+        assert "tmp" not in {p.name for p in s2.pools()}
+        assert s2.store.buffers(states=None) == []
+        assert {e.kind for e in s2.events(50)} >= {"tenant_delete", "pool_delete"}
+    finally:
+        s2.close()
+
+
+# -- shutdown ---------------------------------------------------------------------------------
+
+
+def test_close_releases_volatile_buffers_in_one_statement(tmp_path: Path, monkeypatch) -> None:
+    s = Service(settings(tmp_path))
+    s.start(reaper=False)
+    who = tenant(s)
+    bufs = [s.reserve(who, req(4096, pool="fast")) for _ in range(50)]
+    regions = [region_of(s, b.id) for b in bufs]
+    for r in regions[:3]:
+        np.frombuffer(r.view(), dtype=np.uint8)[:] = 9
+    handles = [s.open_handle(who, b.id) for b in bufs[:3]]
+    singles: list[str] = []
+    monkeypatch.setattr(s.store, "mark_releasing", lambda *_a, **_k: singles.append("mark"))
+    monkeypatch.setattr(s.store, "finish_release", lambda *_a, **_k: singles.append("finish"))
+    try:
+        s.close()
+        assert singles == []  # no round trip per buffer
+        assert all(r.closed for r in regions)
+        for h in handles:  # what a worker still holding the fd reads: zeros
+            assert os.pread(h.fd, 4096, 0) == bytes(4096)
+    finally:
+        for h in handles:
+            os.close(h.fd)
+    s2 = Service(settings(tmp_path))
+    try:
+        s2.store.upgrade()
+        assert s2.store.buffers(states=None) == []
+        assert len([e for e in s2.store.events(1000) if e.kind == "shutdown"]) == 50
+    finally:
+        s2.store.dispose()
+
+
+def test_close_checkpoints_persistent_buffers_together(tmp_path: Path, monkeypatch) -> None:
+    s = Service(settings(tmp_path))
+    s.start(reaper=False)
+    who = tenant(s)
+    bufs = [s.reserve(who, req(4096, persistence="persistent")) for _ in range(20)]
+    for i, b in enumerate(bufs):
+        view(s, b.id)[:] = i + 1
+    first = s.checkpoint(who, bufs[0].id)  # an older checkpoint, replaced at close
+    old_path = ledger_row(s, bufs[0].id).checkpoint_path
+    view(s, bufs[0].id)[:] = 99
+
+    def one_by_one(*_a: object) -> None:
+        raise AssertionError("a ledger round trip per buffer")
+
+    monkeypatch.setattr(s.store, "set_checkpoint", one_by_one)
+    s.close()
+    assert old_path is not None
+    assert not os.path.exists(old_path)
+
+    s2 = Service(settings(tmp_path))
+    s2.start(reaper=False)
+    try:
+        assert {b.id for b in s2.store.buffers(states=None)} == {b.id for b in bufs}
+        assert np.all(view(s2, bufs[0].id) == 99)
+        assert ledger_row(s2, bufs[0].id).checksum != first.checksum
+        for i, b in enumerate(bufs[1:], start=2):
+            assert np.all(view(s2, b.id) == i)
+    finally:
+        s2.close()
+
+
+# -- the admin key from a file ----------------------------------------------------------------
+
+
+def key_settings(tmp_path: Path, **kw: Any) -> Settings:
+    return msgspec.structs.replace(settings(tmp_path), admin_key=None, **kw)
+
+
+def test_the_admin_key_from_a_file_or_a_credential(tmp_path: Path, monkeypatch) -> None:
+    key = tmp_path / "admin-key"
+    key.write_text("from-a-file-0123456789\n")
+    key.chmod(0o600)
+    for source, s in (
+        ("file", Service(key_settings(tmp_path, admin_key_file=str(key)))),
+        ("credential", None),
+    ):
+        if s is None:
+            monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path))
+            s = Service(key_settings(tmp_path))
+        s.start(reaper=False)
+        try:
+            assert s.authenticate("from-a-file-0123456789").is_admin, source
+            assert s.admin_key_generated is None
+            assert not (tmp_path / "data" / "admin.key").exists()
+        finally:
+            s.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "mode", "says"),
+    [
+        ("k" * 30, 0o640, "readable by others"),
+        ("k" * 30, 0o604, "readable by others"),
+        ("  \n", 0o600, "is empty"),
+        (None, 0o600, "No such file"),
+    ],
+)
+def test_an_unusable_admin_key_file_stops_the_start(
+    tmp_path: Path, text: str | None, mode: int, says: str
+) -> None:
+    key = tmp_path / "admin-key"
+    if text is not None:
+        key.write_text(text)
+        key.chmod(mode)
+    s = Service(key_settings(tmp_path, admin_key_file=str(key)))
+    try:
+        with pytest.raises(errors.ConfigError, match=says):
+            s.start(reaper=False)
+    finally:
+        s.reclaimer.stop()
+        s.store.dispose()
+
+
+def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Service) -> None:
+    who = tenant(svc)
+    svc.update_tenant(who.tenant_id or "", max_buffers=2)
+    a = svc.put_entry(who, "k1", 4096, pool="fast")
+    os.close(a.fd)
+    svc.reserve(who, req(4096, pool="fast"))
+    with pytest.raises(errors.BufferCountExceeded):  # staged entries count too
+        svc.put_entry(who, "k2", 4096, pool="fast")
+    svc.commit_entry(who, a.buffer_id, owned=True)
+    b = svc.put_entry(who, "k3", 4096, pool="fast")  # the committed entry k1 is evicted
+    os.close(b.fd)
+    assert {r.key for r in svc.store.buffers(tenant_id=who.tenant_id, states=None)} == {
+        None,
+        "k3",
+    }
+    svc.update_tenant(who.tenant_id or "", max_buffers=10)
+    svc.budget.budget = svc.budget.held()  # the daemon's own budget is full
+    with pytest.raises(errors.ResourceLimit):
+        svc.put_entry(who, "k4", 4096, pool="fast")

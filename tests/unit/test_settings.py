@@ -229,6 +229,41 @@ class TestBadValues:
         assert missing in exc.value.detail
 
 
+def test_a_nul_byte_in_a_path_is_a_config_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot hold a NUL byte"):
+        load({"config": f"{tmp_path}/a\x00b"}, env={})
+    with pytest.raises(ConfigError, match="data_dir cannot hold a NUL byte"):
+        load({"data_dir": "/var/lib/a\x00b"}, env={})
+    path = write(tmp_path, 'socket = "/run/a\\u0000b"\n')
+    with pytest.raises(ConfigError, match="socket cannot hold a NUL byte"):
+        load(env={"MAASD_CONFIG": path})
+    path = write(
+        tmp_path,
+        """
+        [[pools]]
+        name = "p"
+        numa_node = 0
+        capacity_bytes = 4096
+        persistence = "persistent"
+        spill_dir = "/x\\u0000"
+        """,
+    )
+    with pytest.raises(ConfigError, match="spill_dir"):
+        load(env={"MAASD_CONFIG": path})
+
+
+def test_limits_settings(tmp_path) -> None:
+    settings = load(
+        env={"MAASD_MAX_BUFFERS_PER_TENANT": "100", "MAASD_ADMIN_KEY_FILE": f"{tmp_path}/key"}
+    )
+    assert settings.max_buffers_per_tenant == 100
+    assert settings.admin_key_file == f"{tmp_path}/key"
+    assert load(env={}).max_buffers_per_tenant == 4096
+    for bad in ("0", str(1 << 30)):
+        with pytest.raises(ConfigError, match="max_buffers_per_tenant"):
+            load(env={"MAASD_MAX_BUFFERS_PER_TENANT": bad})
+
+
 class TestSizes:
     """Sizes a person types take units; a bad one names where it came from."""
 

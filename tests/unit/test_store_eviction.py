@@ -91,3 +91,24 @@ def test_unmet_shortfalls_name_themselves_and_what_could_be_freed(
 def test_no_candidates_and_a_shortfall_is_unmet() -> None:
     assert choose([], 1, 0) == Choice((), 0, 0, "quota")
     assert choose([], 0, 1) == Choice((), 0, 0, "capacity")
+
+
+def test_a_count_shortfall_takes_the_tenants_own_one_each() -> None:
+    cands = [c("a", "u", "p", 5), c("b", "t", "q", 1), c("c", "t", "p", 1), c("d", "t", "p", 1)]
+    got = choose_victims(
+        cands, tenant_id="t", pool_id="p", quota_short=0, capacity_short=0, count_short=2
+    )
+    assert got == Choice(("b", "c"), 2, 1, None)  # "a" is another tenant's: it frees no count
+
+
+def test_a_count_shortfall_that_cannot_close_is_named() -> None:
+    cands = [c("a", "t", "p", 5), c("b", "u", "p", 5)]
+    got = choose_victims(
+        cands, tenant_id="t", pool_id="p", quota_short=0, capacity_short=0, count_short=2
+    )
+    assert got.unmet == "count"
+    # quota is named before the count
+    got = choose_victims(
+        cands, tenant_id="t", pool_id="p", quota_short=9, capacity_short=0, count_short=2
+    )
+    assert got.unmet == "quota"

@@ -1,4 +1,4 @@
-"""``maasctl tenants``: list, show, create, re-quota and delete tenants."""
+"""``maasctl tenants``: list, show, create, re-quota, cap and delete tenants."""
 
 from __future__ import annotations
 
@@ -46,10 +46,15 @@ def tenants_table(items: Iterable[Tenant], *, ascii_only: bool = False) -> Table
             size(x.quota_bytes),
             size(x.used_bytes),
             usage_bar(x.used_bytes, x.quota_bytes, 12, ascii_only=ascii_only),
-            x.buffers,
+            _buffers(x),
             format_time(x.created_at),
         )
     return t
+
+
+def _buffers(x: Tenant) -> str:
+    """``12/4096``: the tenant's buffers of its cap (just ``12`` from a daemon without caps)."""
+    return f"{x.buffers}/{x.max_buffers}" if x.max_buffers is not None else str(x.buffers)
 
 
 def tenant_detail(x: Tenant, *, ascii_only: bool = False) -> Table:
@@ -60,6 +65,8 @@ def tenant_detail(x: Tenant, *, ascii_only: bool = False) -> Table:
     add_row(t, "used", format_size(x.used_bytes))
     add_row(t, "use", usage_bar(x.used_bytes, x.quota_bytes, ascii_only=ascii_only))
     add_row(t, "buffers", x.buffers)
+    if x.max_buffers is not None:
+        add_row(t, "max buffers", x.max_buffers)
     if x.created_at is not None:
         add_row(t, "created", format_time(x.created_at))
     return t
@@ -80,7 +87,7 @@ def tenant_created(x: NewTenant) -> Group:
 
 @click.group()
 def tenants() -> None:
-    """List, show, create, re-quota and delete tenants.
+    """List, show, create, re-quota, cap and delete tenants.
 
     \b
     Example:
@@ -151,14 +158,38 @@ def tenants_set_quota(c: Ctx, tenant: str, size: int) -> None:
     Example:
       maasctl tenants set-quota acme 16GiB
     """
+    _update(c, tenant, f"Quota of {{}} set to {format_size(size)}.", quota_bytes=size)
+
+
+@tenants.command("set-max-buffers")
+@click.argument("tenant", metavar="NAME|ID", shell_complete=complete("tenant"))
+@click.argument("count", metavar="N", type=int)
+@pass_ctx
+def tenants_set_max_buffers(c: Ctx, tenant: str, count: int) -> None:
+    """Cap how many buffers (entries included) a tenant may hold at once.
+
+    Each buffer holds one of the daemon's open files; without a cap of its own a
+    tenant gets the daemon's default (max_buffers_per_tenant, 4096). At the cap a
+    reserve first evicts the tenant's evictable buffers, then answers 409
+    buffer-count-exceeded. Lowering it below current use is allowed: it blocks new
+    reserves.
+
+    \b
+    Example:
+      maasctl tenants set-max-buffers acme 1000
+    """
+    _update(c, tenant, f"Buffer cap of {{}} set to {count}.", max_buffers=count)
+
+
+def _update(c: Ctx, tenant: str, message: str, **change: int) -> None:
+    """``PATCH`` the tenant with ``change``; say ``message`` (``{}``: its name) and show it."""
     with c.client("admin") as client:
         ref = resolve_tenant(client, tenant)
         with client.responses() as seen:
-            t = client.set_quota(ref.id, size)
+            t = client.update_tenant(ref.id, **change)
 
     def human() -> RenderableType:
-        msg = done(f"Quota of {t.name} set to {format_size(size)}.")
-        return Group(msg, tenant_detail(t, ascii_only=c.ascii_only))
+        return Group(done(message.format(t.name)), tenant_detail(t, ascii_only=c.ascii_only))
 
     c.emit(raw(seen), human)
 

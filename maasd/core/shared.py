@@ -1,0 +1,105 @@
+"""The core's side of the shared prefix tier (SPEC §9; docs/scale-out.md, "The L2 tier").
+
+Two hooks, both off the worker's hot path::
+
+    commit        the entry's key and id go to the L2 tier's write-behind queue (never
+                  waits; the writer thread reads the bytes later with Entries.read)
+    lookup miss   the broker's event loop answers a local miss at once when there is no
+                  tier or its breaker is open; otherwise it hands the lookup to its slow
+                  pool, which calls fill(): one L2 round trip for all the keys, the
+                  value's checks, then the entry materialised here like any put (quota,
+                  max_buffers, eviction) and the lookup answered from memory
+
+A hit restored from L2 is a local entry from then on: the next lookup on this host
+finds it in memory. Nothing here ever fails a lookup for L2's sake: an error, a timeout,
+a refused value or no room here for the entry all answer as a miss (404).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from maasd.core.auth import require_tenant
+from maasd.core.entries import Entries, Found
+from maasd.errors import ConfigError, DuplicateKey, MaasdError, NotFound
+from maasd.l2 import open_tier
+from maasd.metrics import Metrics
+from maasd.models import Principal
+from maasd.settings import Settings
+from maasd.store import Store
+
+if TYPE_CHECKING:
+    from maasd.l2.tier import L2Tier
+
+__all__ = ["Shared"]
+
+logger = logging.getLogger(__name__)
+
+
+class Shared:
+    """The L2 tier as the core uses it; inert (``enabled`` False) without ``l2_url``."""
+
+    def __init__(
+        self, settings: Settings, store: Store, entries: Entries, metrics: Metrics
+    ) -> None:
+        self._entries = entries
+        self._tier: L2Tier | None = None
+        if settings.l2_url is None:
+            return
+        if not store.is_postgres:
+            raise ConfigError(
+                "--l2-url needs the shared PostgreSQL ledger: L2 keys are namespaced by "
+                f"tenant id, and tenant ids are global only there (this ledger is {store.dialect})"
+            )
+        self._tier = open_tier(settings, metrics.registry, entries.read)
+        entries.on_commit(self._tier.write_behind)
+
+    @property
+    def enabled(self) -> bool:
+        return self._tier is not None
+
+    def ready(self) -> bool:
+        """Whether a local miss should be handed on to :meth:`fill` (its breaker is closed,
+        or due for a probe). A cheap read: the broker asks it on its event loop."""
+        return self._tier is not None and self._tier.ready()
+
+    def skipped(self) -> None:
+        """A local miss not asked of L2 because its breaker is open (counted if enabled)."""
+        if self._tier is not None:
+            self._tier.skipped()
+
+    def start(self) -> None:
+        if self._tier is not None:
+            self._tier.start()
+
+    def close(self) -> None:
+        if self._tier is not None:
+            self._tier.close()
+
+    def fill(self, who: Principal, keys: list[str]) -> Found:
+        """A local lookup that missed, asked again after L2 (see the module docstring)."""
+        tenant_id = require_tenant(who)
+        try:  # another lookup may have restored it meanwhile
+            return self._entries.lookup(who, keys, count_miss=False)
+        except NotFound:
+            pass
+        tier = self._tier
+        fetched = None if tier is None else tier.fetch(tenant_id, keys)
+        if tier is not None and fetched is not None:
+            try:
+                self._entries.materialise(who, fetched.key, fetched.data)
+            except DuplicateKey:
+                pass  # restored (or being put) by another caller: the lookup finds it, or not
+            except MaasdError as exc:  # no room here (quota, max_buffers, pool full …)
+                tier.counted("unplaced")
+                logger.info(
+                    "an entry found in L2 could not be restored here",
+                    extra={"tenant": tenant_id, "reason": exc.code},
+                )
+            except Exception:  # a bug or the kernel: still a miss, never a failed lookup
+                tier.counted("error")
+                logger.exception("restoring an entry found in L2 failed")
+            else:
+                tier.counted("hit")
+        return self._entries.lookup(who, keys)

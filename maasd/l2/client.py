@@ -1,0 +1,160 @@
+"""The daemon's Redis/Valkey client for L2 (redis-py): store, fetch and forget.
+
+* ``store``  — write one value, account its bytes to the tenant, evict the tenant's
+  oldest values while its total passes its cap (atomic: a Lua script);
+* ``fetch``  — of a lookup's keys (short → long), the value of the longest that exists,
+  its last use moved to now — or its length only, when it passes the caller's bound
+  (a script finds it; the longest key's value is read in the same round trip);
+* ``forget`` — drop a value the daemon refused, with its accounting.
+
+Connections come from a bounded pool; every call has the settings' connect and socket
+timeouts and no retry (the circuit breaker of :mod:`maasd.l2.tier` decides when to try
+again). Errors are redis-py's (:class:`redis.RedisError`) or ``OSError``; the tier counts
+them. The URL, with its credentials, stays inside this object: :func:`redact` is what logs
+may show.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from maasd.l2.codec import Keys
+
+__all__ = ["RedisL2", "redact"]
+
+#: KEYS: entry, lru, sizes, total; ARGV: value, cap, ttl_ms. → evicted count, or -1: too big.
+_STORE = """
+local size = string.len(ARGV[1])
+local cap = tonumber(ARGV[2])
+if size > cap then return -1 end
+local old = redis.call('HGET', KEYS[3], KEYS[1])
+if old then redis.call('DECRBY', KEYS[4], old) end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[2], t[1] + t[2] / 1000000, KEYS[1])
+redis.call('HSET', KEYS[3], KEYS[1], size)
+local total = redis.call('INCRBY', KEYS[4], size)
+local evicted = 0
+while total > cap do
+  local oldest = redis.call('ZPOPMIN', KEYS[2])
+  if #oldest == 0 then break end
+  local n = tonumber(redis.call('HGET', KEYS[3], oldest[1]) or '0')
+  redis.call('HDEL', KEYS[3], oldest[1])
+  redis.call('DEL', oldest[1])
+  total = redis.call('DECRBY', KEYS[4], n)
+  evicted = evicted + 1
+end
+return evicted
+"""
+
+#: KEYS: lru, then the entry keys short → long. → {index into the entry keys (1-based),
+#: length of its value} of the longest that has one (its last use moved to now), or false.
+_FIND = """
+for i = #KEYS, 2, -1 do
+  local n = redis.call('STRLEN', KEYS[i])
+  if n > 0 then
+    local t = redis.call('TIME')
+    redis.call('ZADD', KEYS[1], 'XX', t[1] + t[2] / 1000000, KEYS[i])
+    return {i - 1, n}
+  end
+end
+return false
+"""
+
+#: KEYS: entry, lru, sizes, total.
+_FORGET = """
+local n = redis.call('HGET', KEYS[3], KEYS[1])
+redis.call('ZREM', KEYS[2], KEYS[1])
+redis.call('HDEL', KEYS[3], KEYS[1])
+redis.call('DEL', KEYS[1])
+if n then redis.call('DECRBY', KEYS[4], n) end
+return 1
+"""
+
+
+def redact(url: str) -> str:
+    """``url`` with its password (and user) replaced by ``***``: what a log may show."""
+    parts = urlsplit(url)
+    if parts.password is None and parts.username is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"***@{host}"))
+
+
+class RedisL2:
+    """One daemon's connection pool to L2 and the three scripts."""
+
+    #: what a failed call raises (redis-py's errors; the socket's, to be sure)
+    errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
+
+    def __init__(self, url: str, *, timeout_s: float, connections: int, prefix: str) -> None:
+        self.prefix = prefix
+        pool = redis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=connections,
+            timeout=timeout_s,  # waiting for a free connection counts as slow too
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            socket_keepalive=True,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=0,
+        )
+        self._redis = redis.Redis(connection_pool=pool)
+        self._store = self._redis.register_script(_STORE)
+        self._forget = self._redis.register_script(_FORGET)
+
+    def keys(self, tenant_id: str) -> Keys:
+        return Keys(self.prefix, tenant_id)
+
+    def store(self, tenant_id: str, key: str, value: memoryview, *, cap: int, ttl_ms: int) -> int:
+        """Write ``value`` under the tenant's ``key``; how many older values were evicted
+        (-1: the value alone is larger than the tenant's ``cap``: nothing was written)."""
+        k = self.keys(tenant_id)
+        keys = [k.entry(key), k.lru, k.sizes, k.bytes]
+        return int(self._store(keys=keys, args=[value, cap, ttl_ms]))
+
+    def fetch(
+        self, tenant_id: str, keys: list[str], *, max_bytes: int
+    ) -> tuple[str, bytes | int] | None:
+        """Of ``keys`` (short → long), the longest with a value: ``(key, value)``, or
+        ``(key, length)`` if the value is longer than ``max_bytes`` (not read); ``None``
+        if none has one.
+
+        One round trip when the longest key is the hit: the script that finds the hit
+        and the read of the longest key's value (at most ``max_bytes`` of it) go in one
+        pipeline. A shorter hit costs a second read. (A script cannot return the value
+        itself cheaply: turning 10 MiB into a Lua string and back costs 4× a GET.)
+        """
+        k = self.keys(tenant_id)
+        names = [k.entry(x) for x in keys]
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.eval(_FIND, 1 + len(names), k.lru, *names)
+        pipe.getrange(names[-1], 0, max_bytes - 1)
+        found, longest = pipe.execute()
+        if not found:
+            return None
+        index, length = int(found[0]), int(found[1])
+        if length > max_bytes:
+            return keys[index - 1], length
+        if index == len(names):
+            return keys[-1], longest
+        shorter = self._redis.getrange(names[index - 1], 0, max_bytes - 1)
+        return keys[index - 1], cast(bytes, shorter)
+
+    def forget(self, tenant_id: str, key: str) -> None:
+        k = self.keys(tenant_id)
+        self._forget(keys=[k.entry(key), k.lru, k.sizes, k.bytes])
+
+    def ping(self) -> None:
+        self._redis.ping()
+
+    def close(self) -> None:
+        self._redis.close()
+        self._redis.connection_pool.disconnect()

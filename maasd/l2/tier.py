@@ -1,0 +1,276 @@
+"""The shared prefix tier: what the core asks of L2, and the thread that writes behind.
+
+The core (:mod:`maasd.core.shared`) makes one :class:`L2Tier` when ``l2_url`` is set and
+calls it at two places:
+
+* a committed entry → :meth:`L2Tier.write_behind` (never waits: a bounded queue, a job
+  that does not fit is dropped and counted); the writer thread reads the entry's bytes
+  when its turn comes (``source``), prefixes the header of :mod:`maasd.l2.codec` and
+  stores it in one round trip;
+* a local lookup miss → :meth:`L2Tier.fetch` (one round trip for all of the lookup's
+  keys, the longest that L2 holds wins), which returns the entry's bytes only once the
+  codec's checks pass.
+
+Neither ever raises for L2's sake: a failure, a timeout (``l2_timeout_s``) or a refused
+value is counted and answered as "nothing". After ``l2_breaker_failures`` failures in a
+row the circuit breaker opens: for ``l2_breaker_backoff_s`` nothing asks L2 (lookups miss
+at once, writes are dropped), then the writer thread probes it with a PING (or the next
+request does), and the first success closes it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+
+from maasd.errors import ConfigError
+from maasd.l2 import codec
+from maasd.l2.breaker import Breaker
+from maasd.l2.metrics import L2Metrics
+from maasd.l2.queue import Job, WriteQueue
+
+if TYPE_CHECKING:
+    from maasd.l2.client import RedisL2
+    from maasd.settings import Settings
+
+__all__ = ["Fetched", "L2Tier", "Source"]
+
+logger = logging.getLogger("maasd.l2")
+
+#: ``source(buffer_id, tenant_id, key, head)``: a bytearray of ``head`` free bytes and then
+#: the committed entry's bytes, or None if that entry is gone (released, not that key).
+Source = Callable[[str, str, str, int], "bytearray | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """An entry read back from L2 and checked: ``data`` is a view of the value's bytes."""
+
+    key: str
+    data: memoryview
+
+
+class L2Tier:
+    """One daemon's L2: the client, the breaker, the write-behind queue and its thread."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: CollectorRegistry,
+        source: Source,
+        *,
+        client: RedisL2 | None = None,
+    ) -> None:
+        assert settings.l2_url is not None
+        self._cap = settings.l2_tenant_bytes
+        self._ttl_ms = settings.l2_ttl_s * 1000
+        self._timeout = settings.l2_timeout_s
+        self._source = source
+        self.metrics = L2Metrics(registry)
+        self._skipped = self.metrics.lookups.labels(outcome="skipped")  # bound once: hot path
+        self.breaker = Breaker(settings.l2_breaker_failures, settings.l2_breaker_backoff_s)
+        self.queue = WriteQueue(settings.l2_queue_entries, settings.l2_queue_bytes)
+        self.client = client or _connect(settings)
+        #: errors of a call to L2 that count against it (redis-py's, the socket's)
+        self._errors = self.client.errors
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the core's two calls ----------------------------------------------------------------
+
+    def ready(self) -> bool:
+        """Whether a lookup miss should ask L2 now (the breaker would let it through)."""
+        return self.breaker.ready()
+
+    def fetch(self, tenant_id: str, keys: list[str]) -> Fetched | None:
+        """The tenant's longest of ``keys`` that L2 holds, checked; None for anything else."""
+        m = self.metrics
+        if not self.breaker.allow():
+            self._skipped.inc()
+            return None
+        started = time.perf_counter()
+        try:
+            found = self.client.fetch(tenant_id, keys, max_bytes=self._cap)
+        except self._errors as exc:
+            m.seconds.labels(op="fetch").observe(time.perf_counter() - started)
+            self._failed("fetch", exc)
+            m.lookups.labels(outcome="error").inc()
+            return None
+        m.seconds.labels(op="fetch").observe(time.perf_counter() - started)
+        self._succeeded()
+        if found is None:
+            m.lookups.labels(outcome="miss").inc()
+            return None
+        key, value = found
+        try:
+            data = self._checked(tenant_id, key, value)
+        except codec.Refused as refused:
+            m.refused.labels(reason=refused.reason).inc()
+            m.lookups.labels(outcome="refused").inc()
+            logger.warning(
+                "refused a value read from L2",
+                extra={"tenant": tenant_id, "reason": refused.reason, "detail": str(refused)},
+            )
+            if not refused.keep:
+                self.queue.offer(Job(tenant_id, key, forget=True))
+            return None
+        return Fetched(key, data)
+
+    def _checked(self, tenant_id: str, key: str, value: bytes | int) -> memoryview:
+        if isinstance(value, int):  # its length only: L2 did not send it
+            raise codec.Refused(
+                "size", f"{value} bytes: more than this daemon reads back", keep=True
+            )
+        self.metrics.bytes_in.inc(len(value))
+        return codec.decode(value, tenant_id, key, self._cap)
+
+    def skipped(self) -> None:
+        """A local miss not asked of L2: the breaker is open (the broker's hot path)."""
+        self._skipped.inc()
+
+    def counted(self, outcome: str) -> None:
+        """Count how a fetched entry ended here (``hit`` once restored, or ``unplaced``)."""
+        self.metrics.lookups.labels(outcome=outcome).inc()
+
+    def write_behind(self, tenant_id: str, key: str, buffer_id: str, size: int) -> None:
+        """Queue a committed entry for L2; dropped (and counted) when that cannot be done."""
+        dropped = self.metrics.dropped
+        if codec.value_size(tenant_id, key, size) > self._cap:
+            dropped.labels(reason="too_large").inc()
+        elif not self.breaker.ready():
+            dropped.labels(reason="breaker_open").inc()
+        elif not self.queue.offer(Job(tenant_id, key, buffer_id, size)):
+            dropped.labels(reason="queue_full").inc()
+        self._queue_gauges()
+
+    # -- the writer thread ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="maasd-l2-writer", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the writer (the jobs still queued are dropped), close the connections."""
+        self._stop.set()
+        left = self.queue.close()
+        if left:
+            self.metrics.dropped.labels(reason="shutdown").inc(len(left))
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self._timeout + 1)
+        self.client.close()
+
+    def _run(self) -> None:
+        idle = min(1.0, max(0.05, self.breaker.backoff_s / 2))
+        while not self._stop.is_set():
+            job = self.queue.take(idle)
+            self._queue_gauges()
+            try:
+                if job is None:
+                    self._probe()
+                elif job.forget:
+                    self._forget(job)
+                else:
+                    self._write(job)
+            except Exception:  # a bug: never let the writer die with it
+                logger.exception("L2 writer failed on a job")
+
+    def _write(self, job: Job) -> None:
+        dropped = self.metrics.dropped
+        if not self.breaker.allow():
+            dropped.labels(reason="breaker_open").inc()
+            return
+        head = codec.value_size(job.tenant_id, job.key, 0)
+        buf = self._source(job.buffer_id, job.tenant_id, job.key, head)
+        if buf is None:
+            self.breaker.release()
+            dropped.labels(reason="gone").inc()
+            return
+        value = codec.encode_into(buf, job.tenant_id, job.key)
+        started = time.perf_counter()
+        try:
+            evicted = self.client.store(
+                job.tenant_id, job.key, value, cap=self._cap, ttl_ms=self._ttl_ms
+            )
+        except self._errors as exc:
+            self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
+            self._failed("store", exc)
+            self.metrics.writes.labels(outcome="error").inc()
+            dropped.labels(reason="error").inc()
+            return
+        self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
+        self._succeeded()
+        if evicted < 0:
+            dropped.labels(reason="too_large").inc()
+            return
+        self.metrics.writes.labels(outcome="ok").inc()
+        self.metrics.bytes_out.inc(len(value))
+        self.metrics.evicted.inc(evicted)
+
+    def _forget(self, job: Job) -> None:
+        if not self.breaker.allow():
+            return
+        try:
+            self.client.forget(job.tenant_id, job.key)
+        except self._errors as exc:
+            self._failed("forget", exc)
+        else:
+            self._succeeded()
+
+    def _probe(self) -> None:
+        """Idle with the breaker open and its backoff over: a PING decides."""
+        if self.breaker.closed or not self.breaker.ready() or not self.breaker.allow():
+            return
+        try:
+            self.client.ping()
+        except self._errors as exc:
+            self._failed("ping", exc)
+        else:
+            self._succeeded()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        was_closed = self.breaker.closed
+        self.breaker.failure()
+        if was_closed and not self.breaker.closed:
+            self.metrics.breaker_trips.inc()
+            self.metrics.breaker_open.set(1)
+            logger.warning(
+                "L2 failing: circuit breaker open, local operations go on without it",
+                extra={"op": op, "error": type(exc).__name__, "backoff_s": self.breaker.backoff_s},
+            )
+        logger.debug("L2 %s failed: %s", op, exc)
+
+    def _succeeded(self) -> None:
+        if not self.breaker.closed:
+            logger.info("L2 reachable again: circuit breaker closed")
+        self.breaker.success()
+        self.metrics.breaker_open.set(0)
+
+    def _queue_gauges(self) -> None:
+        self.metrics.queued.set(self.queue.entries)
+        self.metrics.queued_bytes.set(self.queue.bytes)
+
+
+def _connect(settings: Settings) -> RedisL2:
+    """The redis-py client of ``settings.l2_url``; a ConfigError without the ``l2`` extra."""
+    try:
+        from maasd.l2.client import RedisL2
+    except ImportError as exc:
+        raise ConfigError(
+            f"--l2-url needs the l2 extra (pip install 'maasd[l2]'): {exc.name} is missing"
+        ) from None
+    assert settings.l2_url is not None
+    return RedisL2(
+        settings.l2_url,
+        timeout_s=settings.l2_timeout_s,
+        # the slow pool's threads (the fetches), the writer, and one to spare
+        connections=settings.socket_slow_workers + 2,
+        prefix=settings.l2_prefix,
+    )

@@ -1,0 +1,297 @@
+"""The L2 tier's pure parts: the value codec, the circuit breaker, the write-behind
+queue, URL redaction and the settings' checks. (With a real Redis: test_l2.py.)"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from maasd.errors import ConfigError
+from maasd.l2.breaker import Breaker
+from maasd.l2.queue import Job, WriteQueue
+from maasd.settings import load
+from waiting import wait_until
+
+pytest.importorskip("xxhash", reason="needs the l2 extra (xxhash)")
+
+from maasd.l2 import codec
+
+
+def encode(tenant: str, key: str, data: bytes) -> bytes:
+    buf = bytearray(codec.value_size(tenant, key, len(data)))
+    buf[len(buf) - len(data) :] = data
+    return bytes(codec.encode_into(buf, tenant, key))
+
+
+# ---------------------------------------------------------------------------- codec
+@given(
+    tenant=st.text(min_size=1, max_size=40),
+    key=st.text(max_size=200),
+    data=st.binary(min_size=1, max_size=2048),
+)
+def test_a_value_decodes_to_its_bytes_under_its_own_namespace(
+    tenant: str, key: str, data: bytes
+) -> None:
+    value = encode(tenant, key, data)
+    assert len(value) == codec.value_size(tenant, key, len(data))
+    assert bytes(codec.decode(value, tenant, key, max_bytes=len(data))) == data
+
+
+def test_every_check_refuses_with_its_reason() -> None:
+    value = encode("t1", "k", secrets.token_bytes(5000))
+
+    def reason(v: bytes, tenant: str = "t1", key: str = "k", most: int = 1 << 20) -> str:
+        with pytest.raises(codec.Refused) as e:
+            codec.decode(v, tenant, key, most)
+        return e.value.reason
+
+    assert reason(b"") == "format"
+    assert reason(encode("t1", "k", b"")) == "size"  # no entry is empty
+    assert reason(value[: codec.HEADER - 1]) == "format"
+    assert reason(b"x" * len(value)) == "format"
+    assert reason(value[:-1]) == "size"  # truncated
+    assert reason(value + b"\0") == "size"  # longer than it says
+    assert reason(value, most=4999) == "size"  # more than the caller reads
+    assert reason(value, tenant="t2") == "namespace"
+    assert reason(value, key="k2") == "namespace"
+    assert reason(value, tenant="t", key="1k") == "namespace"  # the split matters too
+    for at in (8, 20, codec.HEADER + 1, len(value) - 1):  # version, length, tenant, data
+        bad = bytearray(value)
+        bad[at] ^= 0x01
+        assert reason(bytes(bad)) in ("format", "size", "namespace", "checksum"), at
+    flipped = bytearray(value)
+    flipped[-1] ^= 0x80
+    assert reason(bytes(flipped)) == "checksum"
+    forged = bytearray(value)
+    forged[codec.HEADER + 3] ^= 0xFF  # the data moved into the namespace's bytes
+    assert reason(bytes(forged)) in ("namespace", "checksum")
+
+
+def test_keys_of_a_tenant_share_its_hash_tag() -> None:
+    k = codec.Keys("maasd", "tenant-1")
+    names = [k.entry("fp:abc"), k.lru, k.sizes, k.bytes]
+    assert all("{tenant-1}" in n for n in names)
+    assert k.entry("fp:abc") != codec.Keys("maasd", "tenant-2").entry("fp:abc")
+    assert k.entry("x") != codec.Keys("other", "tenant-1").entry("x")
+
+
+# ---------------------------------------------------------------------------- breaker
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_breaker_opens_after_k_failures_and_probes_once_per_backoff() -> None:
+    clock = Clock()
+    b = Breaker(3, 2.0, clock)
+    assert b.allow() and b.ready()  # noqa: PT018
+    b.failure()
+    b.failure()
+    b.success()  # a success in between starts the count again
+    b.failure()
+    b.failure()
+    assert b.closed
+    b.failure()
+    assert not b.closed
+    assert b.opened == 1
+    assert not b.ready()
+    assert not b.allow()
+    clock.now += 1.9
+    assert not b.allow()
+    clock.now += 0.2
+    assert b.ready()
+    assert b.allow()  # the one probe
+    assert not b.allow()  # … and only one
+    assert not b.ready()
+    b.failure()  # the probe failed: another backoff
+    assert not b.allow()
+    clock.now += 2.1
+    assert b.allow()
+    b.release()  # the probe did not reach L2 after all: someone else may
+    assert b.allow()
+    b.success()
+    assert b.closed and b.allow() and b.opened == 1  # noqa: PT018
+
+
+def test_the_breaker_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="failures"):
+        Breaker(0, 1.0)
+    with pytest.raises(ValueError, match="backoff"):
+        Breaker(1, 0)
+
+
+# ---------------------------------------------------------------------------- queue
+def test_the_queue_is_bounded_in_entries_and_bytes_and_never_waits() -> None:
+    q = WriteQueue(max_entries=3, max_bytes=100)
+    assert q.offer(Job("t", "a", "b1", 40))
+    assert q.offer(Job("t", "b", "b2", 40))
+    assert not q.offer(Job("t", "c", "b3", 40))  # 120 bytes > 100
+    assert q.offer(Job("t", "c", "b3", 20))
+    assert not q.offer(Job("t", "d", "b4", 0))  # 4 entries > 3
+    assert (q.entries, q.bytes) == (3, 100)
+    first = q.take(0)
+    assert first is not None
+    assert first.key == "a"
+    assert (q.entries, q.bytes) == (2, 60)
+    assert q.take(0) is not None
+    assert q.take(0) is not None
+    assert q.take(0.01) is None
+    q.offer(Job("t", "e", "b5", 1))
+    assert [j.key for j in q.close()] == ["e"]
+    assert not q.offer(Job("t", "f", "b6", 1))  # closed
+    assert q.take(0) is None
+
+
+# ---------------------------------------------------------------------------- redaction
+def test_redact_hides_the_password() -> None:
+    pytest.importorskip("redis", reason="needs the l2 extra (redis-py)")
+    from maasd.l2.client import redact
+
+    assert redact("redis://:s3cret@h:6379/0") == "redis://***@h:6379/0"
+    assert redact("rediss://user:s3cret@h/1") == "rediss://***@h/1"
+    assert redact("redis://h:6379/0") == "redis://h:6379/0"
+    assert "s3cret" not in redact("unix://:s3cret@/run/redis.sock")
+
+
+# ---------------------------------------------------------------------------- settings
+def test_l2_settings_are_checked_at_load(tmp_path: Path) -> None:
+    pg = {"db_url": "postgresql+psycopg://u@db/maasd", "data_dir": str(tmp_path)}
+    s = load({**pg, "l2_url": "redis://:pw@127.0.0.1:6379/0"}, env={})
+    assert s.l2_url == "redis://:pw@127.0.0.1:6379/0"
+    s = load(pg, env={"MAASD_L2_URL": "redis://r:6379", "MAASD_L2_TENANT_BYTES": "2GiB"})
+    assert s.l2_tenant_bytes == 2 << 30
+    with pytest.raises(ConfigError, match="needs the shared PostgreSQL ledger") as e:
+        load({"data_dir": str(tmp_path), "l2_url": "redis://:pw@r:6379"}, env={})
+    assert "pw" not in e.value.detail
+    with pytest.raises(ConfigError, match="redis://, rediss:// or unix://"):
+        load({**pg, "l2_url": "http://r:6379"}, env={})
+    with pytest.raises(ConfigError, match="l2_timeout_s must be > 0"):
+        load({**pg, "l2_url": "redis://r"}, env={"MAASD_L2_TIMEOUT_S": "0"})
+    with pytest.raises(ConfigError, match="l2_prefix"):
+        load({**pg, "l2_url": "redis://r"}, env={"MAASD_L2_PREFIX": "a{b"})
+
+
+# ---------------------------------------------------------------------------- the tier
+class FakeL2:
+    """The client's interface over a dict, failing on demand (an unreachable Redis)."""
+
+    errors = (ConnectionError,)
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], bytes] = {}
+        self.down = False
+        self.calls = 0
+        self.forgotten: list[str] = []
+
+    def _call(self) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("refused")
+
+    def fetch(
+        self, tenant_id: str, keys: list[str], *, max_bytes: int
+    ) -> tuple[str, bytes | int] | None:
+        self._call()
+        for key in reversed(keys):
+            value = self.values.get((tenant_id, key))
+            if value is not None:
+                return key, (value if len(value) <= max_bytes else len(value))
+        return None
+
+    def store(self, tenant_id: str, key: str, value: memoryview, *, cap: int, ttl_ms: int) -> int:
+        self._call()
+        assert ttl_ms > 0
+        if len(value) > cap:
+            return -1
+        self.values[(tenant_id, key)] = bytes(value)
+        return 0
+
+    def forget(self, tenant_id: str, key: str) -> None:
+        self._call()
+        self.values.pop((tenant_id, key), None)
+        self.forgotten.append(key)
+
+    def ping(self) -> None:
+        self._call()
+
+    def close(self) -> None:
+        pass
+
+
+def tier(source: object = None, **settings: object):  # -> (L2Tier, FakeL2, registry)
+    from prometheus_client import CollectorRegistry
+
+    from maasd.l2.tier import L2Tier
+    from maasd.settings import Settings
+
+    fake = FakeL2()
+    registry = CollectorRegistry()
+    s = Settings(l2_url="redis://unused", **settings)  # type: ignore[arg-type]
+    t = L2Tier(s, registry, source or (lambda *_: None), client=fake)  # type: ignore[arg-type]
+    return t, fake, registry
+
+
+def sample(registry: object, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)  # type: ignore[attr-defined]
+    return 0.0 if value is None else float(value)
+
+
+def test_the_tier_counts_failures_then_stops_asking() -> None:
+    t, fake, reg = tier(l2_breaker_failures=2, l2_breaker_backoff_s=60)
+    fake.down = True
+    assert t.fetch("t", ["a"]) is None
+    assert t.fetch("t", ["a"]) is None  # the second failure opens the breaker
+    assert sample(reg, "maasd_l2_lookups_total", outcome="error") == 2
+    assert sample(reg, "maasd_l2_breaker_open") == 1
+    assert not t.ready()
+    calls = fake.calls
+    assert t.fetch("t", ["a"]) is None
+    assert fake.calls == calls  # not asked while open
+    assert sample(reg, "maasd_l2_lookups_total", outcome="skipped") == 1
+    t.write_behind("t", "k", "b1", 4096)  # dropped at once, nothing queued
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="breaker_open") == 1
+    assert t.queue.entries == 0
+
+
+def test_a_full_queue_drops_and_counts() -> None:
+    t, _fake, reg = tier(l2_queue_entries=2)
+    for i in range(5):
+        t.write_behind("t", f"k{i}", f"b{i}", 4096)
+    assert t.queue.entries == 2
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="queue_full") == 3
+    t.write_behind("t", "huge", "b9", 2 << 30)  # more than the tenant's L2 cap
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="too_large") == 1
+
+
+def test_the_writer_writes_what_the_source_reads_and_a_refused_value_is_forgotten() -> None:
+    data = secrets.token_bytes(8192)
+
+    def source(buffer_id: str, _tenant_id: str, _key: str, head: int) -> bytearray | None:
+        if buffer_id != "b1":
+            return None  # released meanwhile
+        return bytearray(head) + data
+
+    t, fake, reg = tier(source)
+    t.start()
+    try:
+        t.write_behind("t", "k1", "b1", len(data))
+        t.write_behind("t", "k2", "gone", len(data))
+        wait_until(lambda: sample(reg, "maasd_l2_dropped_writes_total", reason="gone") == 1)
+        assert sample(reg, "maasd_l2_writes_total", outcome="ok") == 1
+        fetched = t.fetch("t", ["k0", "k1"])
+        assert fetched is not None
+        assert (fetched.key, bytes(fetched.data)) == ("k1", data)
+        assert t.fetch("other-tenant", ["k1"]) is None  # another namespace holds nothing
+        fake.values[("t", "k1")] = fake.values[("t", "k1")][:-1]  # truncated in L2
+        assert t.fetch("t", ["k1"]) is None
+        assert sample(reg, "maasd_l2_refused_total", reason="size") == 1
+        wait_until(lambda: fake.forgotten == ["k1"], message="the refused value forgotten")
+    finally:
+        t.close()

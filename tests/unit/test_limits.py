@@ -1,0 +1,131 @@
+"""The daemon's budget of open files and mappings for buffer regions (maasd.core.limits)."""
+
+from __future__ import annotations
+
+import errno
+import resource
+
+import pytest
+
+from maasd.core.limits import (
+    MIN_FREE_FILES,
+    Limits,
+    RegionBudget,
+    kernel_refusal,
+    open_files,
+    read_limits,
+    rest_connections,
+)
+from maasd.errors import BackingError, PoolExhausted, ResourceLimit
+
+
+@pytest.mark.parametrize(
+    ("files", "maps", "socket", "rest", "headroom", "budget", "binding"),
+    [
+        (20000, 65530, 1024, 576, 5000, 15000, "RLIMIT_NOFILE 20000"),
+        (1024, 65530, 1024, 288, 1536, 0, "RLIMIT_NOFILE 1024"),
+        (1024, 65530, 64, 288, 576, 448, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 128, 576, 928, 1120, "RLIMIT_NOFILE 2048"),
+        (524288, 65530, 1024, 576, 131072, 57339, "vm.max_map_count 65530"),
+        (524288, None, 1024, 576, 131072, 393216, "RLIMIT_NOFILE 524288"),
+    ],
+)
+def test_the_budget_formula(
+    files: int,
+    maps: int | None,
+    socket: int,
+    rest: int,
+    headroom: int,
+    budget: int,
+    binding: str,
+) -> None:
+    assert rest_connections(512, files) == rest  # http_max_connections 512, the default
+    lim = Limits(
+        open_files=files,
+        max_map_count=maps,
+        socket_connections=socket,
+        rest_connections=rest,
+        ledger_files=160,
+    )
+    assert (lim.headroom, lim.region_budget, lim.binding) == (headroom, budget, binding)
+    # whatever the numbers, the regions and everything else fit the limit
+    assert lim.region_budget + lim.reserved <= max(files, lim.reserved)
+
+
+def test_read_limits_reads_this_process() -> None:
+    lim = read_limits()
+    assert lim.open_files == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert lim.max_map_count is None or lim.max_map_count > 0
+
+
+def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
+    held = [0]
+    budget = RegionBudget(
+        Limits(open_files=100, ledger_files=16, rest_connections=16), held=lambda: held[0]
+    )
+    assert budget.limits.reserved == 96  # 64 own + 16 ledger + 16 REST: budget 4
+    assert budget.budget == 4
+    with budget.admit(), budget.admit():  # two being made count as held
+        assert budget.held() == 2
+        held[0] = 2
+        with pytest.raises(ResourceLimit, match="budget for buffers is 4"):
+            budget.admit().__enter__()
+    assert budget.held() == 2  # the two made are counted by ``held`` alone now
+    with budget.admit(), budget.admit(), pytest.raises(ResourceLimit) as e:
+        budget.admit().__enter__()
+    assert "RLIMIT_NOFILE 100" in e.value.detail
+    assert "open files" in e.value.detail
+    held[0] = 0
+    with pytest.raises(RuntimeError), budget.admit():  # a failure gives the slot back
+        raise RuntimeError("region not made")
+    assert budget.held() == 0
+
+
+def test_health_is_ok_at_the_budget_but_not_out_of_files() -> None:
+    n = open_files()
+    lim = Limits(open_files=n + 1000)
+    full = RegionBudget(lim, held=lambda: lim.region_budget)  # at its budget
+    ok, detail = full.health()
+    assert ok
+    assert detail.endswith(f"open files, {lim.region_budget} of {lim.region_budget} buffer regions")
+    tight = RegionBudget(Limits(open_files=n + MIN_FREE_FILES - 1), held=lambda: 0)
+    ok, detail = tight.health()
+    assert not ok
+    assert detail.startswith("out of open files: the daemon holds")
+
+
+@pytest.mark.parametrize(
+    ("err", "what", "expected", "says"),
+    [
+        (errno.EMFILE, "memfd_create('x', flags=0x3)", ResourceLimit, "open files"),
+        (errno.ENFILE, "memfd_create('x', flags=0x3)", ResourceLimit, "fs.file-max"),
+        (errno.ENOMEM, "mmap(MAP_SHARED) of 4096 bytes", ResourceLimit, "vm.max_map_count"),
+        (errno.ENOMEM, "madvise(23) of 4096 bytes", PoolExhausted, "4096 bytes on node 0"),
+        (errno.ENOSPC, "fallocate(mode=0x0, offset=0, len=4096)", PoolExhausted, "node 0"),
+    ],
+)
+def test_kernel_refusals_on_the_reserve_path_name_the_limit(
+    err: int, what: str, expected: type[Exception], says: str
+) -> None:
+    budget = RegionBudget(Limits(open_files=1024, max_map_count=65530), held=lambda: 0)
+    got = kernel_refusal(BackingError(f"{what}: [x] y", err), budget, "4096 bytes on node 0")
+    assert type(got) is expected
+    assert got is not None
+    assert says in got.detail
+
+
+def test_other_kernel_refusals_are_not_limits() -> None:
+    budget = RegionBudget(Limits(open_files=1024), held=lambda: 0)
+    assert kernel_refusal(BackingError("mbind: [EINVAL]", errno.EINVAL), budget, "x") is None
+
+
+def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
+    held = [0]
+    budget = RegionBudget(Limits(open_files=100 + 64), held=lambda: held[0])
+    assert budget.budget == 100
+    held[0] = 74
+    assert budget.room_for_stock()  # the 75th region leaves 25 free
+    held[0] = 75
+    assert not budget.room_for_stock()
+    with budget.admit():  # reserves may still take them
+        pass
