@@ -210,6 +210,24 @@ class Metrics:
             ["tenant"],
             registry=r,
         )
+        self._entry_metrics(r)
+        self.checkpoints = Counter("maasd_checkpoints", "Checkpoints written", registry=r)
+        self.checkpoint_bytes = Counter(
+            "maasd_checkpoint_bytes", "Bytes written by checkpoints", registry=r
+        )
+        self.http_connections = Gauge(
+            "maasd_http_connections", "REST connections held open", registry=r
+        )
+        self.http_closed = Counter(
+            "maasd_http_connections_closed",
+            "REST connections the daemon closed or refused (head_timeout, body_timeout, "
+            "send_timeout, shed, refused, dropped)",
+            ["reason"],
+            registry=r,
+        )
+
+    def _entry_metrics(self, r: CollectorRegistry) -> None:
+        """The entry fast path's counters, per tenant."""
         self.entry_lookups = Counter(
             "maasd_entry_lookups",
             "Socket lookups of entries, by tenant and outcome (hit, miss)",
@@ -251,20 +269,6 @@ class Metrics:
             "maasd_entry_evictions",
             "Committed entries evicted to make room, by tenant",
             ["tenant"],
-            registry=r,
-        )
-        self.checkpoints = Counter("maasd_checkpoints", "Checkpoints written", registry=r)
-        self.checkpoint_bytes = Counter(
-            "maasd_checkpoint_bytes", "Bytes written by checkpoints", registry=r
-        )
-        self.http_connections = Gauge(
-            "maasd_http_connections", "REST connections held open", registry=r
-        )
-        self.http_closed = Counter(
-            "maasd_http_connections_closed",
-            "REST connections the daemon closed or refused (head_timeout, body_timeout, "
-            "send_timeout, shed, refused, dropped)",
-            ["reason"],
             registry=r,
         )
 
