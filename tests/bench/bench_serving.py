@@ -170,7 +170,50 @@ def bench_state(args: argparse.Namespace, model: str, key_env: dict[str, str]) -
         ("load_state(restored)", "raw set_data"),
     ):
         print(f"| {name} | {med[name]:.1f} | {med[name] / med[floor]:.1f} |")
+    bench_turn(args, llm, cache, toks, fresh)
     cache.close()
+
+
+def bench_turn(
+    args: argparse.Namespace, llm: Any, cache: Any, system: list[int], fresh: Callable[[], Any]
+) -> None:
+    """One chat turn alone (nothing queued before it), in this process: its time to first
+    token from a full prefill and from a maasd restore of the system prompt plus the rest,
+    and what each generated token costs after it (what a queued request waits for)."""
+    turn = f"<|im_start|>user\n{questions(1, 1)[0][0]}<|im_end|>\n<|im_start|>assistant\n"
+    prompt = system + llm.tokenize(turn.encode(), add_bos=False, special=True)
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn: Callable[[], Any]) -> None:
+        fresh()
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+
+    def restored() -> None:
+        cache[prompt]  # restores the system prompt's state (saved by the state part)
+        llm.eval(prompt[llm.n_tokens :])
+
+    decode = 16
+    for _ in range(max(1, args.pairs // 2)):
+        timed("prefill", lambda: llm.eval(prompt))
+        timed("restore", restored)
+        t0 = time.perf_counter()
+        for _ in range(decode):  # the token's id does not change what a decode costs
+            llm.eval([prompt[-1]])
+        times.setdefault("decode", []).append((time.perf_counter() - t0) / decode)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\n## one turn alone: {len(prompt)} prompt tokens, medians of {len(times['decode'])}")
+    print("| | s |")
+    print("|---|---:|")
+    print(f"| time to first token, no cache: prefill {len(prompt)} tokens | {med['prefill']:.2f} |")
+    print(
+        f"| time to first token, maasd: restore {len(system)} + eval "
+        f"{len(prompt) - len(system)} | {med['restore']:.2f} |"
+    )
+    print(f"| ratio | {med['prefill'] / med['restore']:.1f}× |")
+    print(f"| one generated token (decode) | {med['decode']:.3f} |")
+    print(f"| a {args.max_tokens}-token answer | {med['decode'] * args.max_tokens:.2f} |")
 
 
 # ----------------------------------------------------------------------------- part: serve
