@@ -8,7 +8,9 @@ Two parts, in one run on this machine (CI never runs this; nothing is asserted):
   ``LlamaRAMCache`` + ``Llama.load_state``, with llama.cpp's raw state calls into private
   memory as the floor, back to back (``--pairs`` times, medians). Also what
   ``Llama.load_state`` of the state ``MaasdCache`` answers would cost (the copy
-  ``LlamaState``'s design forces, and the scores fill), had ``Llama`` called it.
+  ``LlamaState``'s design forces, and the scores fill), had ``Llama`` called it. Then one
+  chat turn alone: its time to first token from a full prefill and from a restore of the
+  system prompt, and what one generated token costs.
 * **serve** — a replayed multi-turn chat workload: one system prompt of ~600 tokens,
   ``--conversations`` conversations of ``--turns`` turns each (customer messages of ~40
   tokens, answers of up to ``--max-tokens``), all conversations at once, each turn sent
