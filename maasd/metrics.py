@@ -247,6 +247,12 @@ class Metrics:
             ["tenant", "outcome"],
             registry=r,
         )
+        self.entry_committed_bytes = Counter(
+            "maasd_entry_committed_bytes",
+            "Bytes of the entries committed, by tenant (what workers saved to share)",
+            ["tenant"],
+            registry=r,
+        )
         self.entry_aborts = Counter(
             "maasd_entry_aborts",
             "Staged entries released before their commit, by tenant and reason "

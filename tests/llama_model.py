@@ -121,6 +121,29 @@ def build_model(path: str | Path, seed: int = 0, n_layer: int = N_LAYER) -> Path
     return path
 
 
+# Prompts for the real Gemma model whose greedy continuations are confident, so that
+# runs in other batch splits (llama.cpp's kernels round differently: ~0.7 on a logit)
+# still agree: twelve capitals, then Germany's — 102 tokens, " Berlin" (p ≈ 0.95) —
+# and that answer followed by Sweden's (" Stockholm").
+_CAPITALS = [
+    ("France", "Paris"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Japan", "Tokyo"),
+    ("Egypt", "Cairo"),
+    ("Canada", "Ottawa"),
+    ("Russia", "Moscow"),
+    ("Greece", "Athens"),
+    ("Portugal", "Lisbon"),
+    ("Austria", "Vienna"),
+    ("Norway", "Oslo"),
+    ("Poland", "Warsaw"),
+]
+CAPITAL_OF = dict(_CAPITALS)
+CAPITALS = "".join(f"The capital of {c} is {x}.\n" for c, x in _CAPITALS)
+GERMANY = CAPITALS + "The capital of Germany is"
+SWEDEN = GERMANY + " Berlin.\nThe capital of Sweden is"
+
 _cache: dict[tuple[int, int], Path] = {}
 _dir: Path | None = None
 

@@ -486,8 +486,10 @@ def _ranges(cpus: list[int]) -> str:
 
 
 from maasd.cli.doctor import doctor  # noqa: E402 - registered after the group exists
+from maasd.cli.worker import worker  # noqa: E402
 
 cli.add_command(doctor)
+cli.add_command(worker)
 
 
 def main() -> None:

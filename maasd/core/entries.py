@@ -165,6 +165,7 @@ class Entries:
             self._count(self._metrics.entry_commits, tenant_id, e)
             raise
         self._metrics.entry_commits.labels(tenant=tenant_id, outcome="ok").inc()
+        self._metrics.entry_committed_bytes.labels(tenant=tenant_id).inc(size)
         if self._on_commit is not None and key is not None:
             try:
                 self._on_commit(tenant_id, key, buffer_id, size)
@@ -172,6 +173,7 @@ class Entries:
                 logger.exception("the commit hook failed for entry %s", buffer_id)
 
     def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> tuple[str | None, int]:
+        """The commit; returns the entry's key and size."""
         self._check_own_staged(tenant_id, buffer_id, owned, "committed")
         failure: Exception
         with self._runtime.buffer_lock(buffer_id):

@@ -21,11 +21,17 @@ The package, by layer (each imports only those before it, and the client)::
     entries   Entries: what the store needs of the daemon — SocketEntries (the worker
               socket's entry fast path, the default) or RestEntries
     store     KVStore
+    link      Link: a Worker connection opened lazily, re-opened after it broke
+    context   ContextStore: a Llama's whole context state in entries, zero-copy
+    cache     MaasdCache: llama-cpp-python's BaseLlamaCache over ContextStore
+    worker*   ``maasd worker``: llama-cpp-python's OpenAI server on MaasdCache
     build     checks that the installed llama.cpp build runs on this machine
 
 Importing ``maasd.llama`` needs neither llama-cpp-python nor xxhash; a ``KVStore``
 needs both (the ``llama`` extra). See ``docs/llama.md``.
 """
+
+from typing import TYPE_CHECKING
 
 from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
 from maasd.llama.entries import Entries, RestEntries, SocketEntries
@@ -48,6 +54,20 @@ from maasd.llama.format import (
 )
 from maasd.llama.store import KVStore
 
+if TYPE_CHECKING:
+    from maasd.llama.cache import MaasdCache
+
+
+def __getattr__(name: str) -> object:
+    # MaasdCache subclasses llama_cpp.BaseLlamaCache: imported on first use, so that
+    # importing maasd.llama still needs no llama-cpp-python.
+    if name == "MaasdCache":
+        from maasd.llama.cache import MaasdCache
+
+        return MaasdCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "DEFAULT_CHUNK",
     "FORMAT_VERSION",
@@ -57,6 +77,7 @@ __all__ = [
     "Entries",
     "KVStore",
     "LlamaSeqAdapter",
+    "MaasdCache",
     "RestEntries",
     "SocketEntries",
     "chunk_keys",

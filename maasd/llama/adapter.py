@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from maasd.llama.format import FORMAT_VERSION, file_identity, fingerprint_of
 
-__all__ = ["LlamaSeqAdapter", "model_fingerprint"]
+__all__ = ["LlamaContextAdapter", "LlamaSeqAdapter", "model_fingerprint"]
 
 
 class LlamaSeqAdapter:
@@ -160,6 +160,96 @@ class LlamaSeqAdapter:
             "metadata": dict(model.metadata),
             "file": file_identity(path) if path and os.path.exists(path) else None,
         }
+
+
+class LlamaContextAdapter(LlamaSeqAdapter):
+    """The whole llama.cpp context (``llama_state_*``) and ``Llama``'s bookkeeping of it.
+
+    What :class:`~maasd.llama.cache.MaasdCache` needs: the context state that
+    ``Llama.save_state``/``load_state`` move, read and written straight from and into
+    caller memory; the tokens ``Llama`` believes the context holds (``input_ids``,
+    ``n_tokens``) and its ``_requires_eval`` flag; the ``save_state`` of one instance;
+    and whether a frame is ``Llama._create_completion``'s.
+    """
+
+    # -- the context state
+
+    def context_state_size(self) -> int:
+        return int(self._ll.llama_state_get_size(self._ctx))
+
+    def context_state_get(self, dst: npt.NDArray[np.uint8], offset: int, size: int) -> int:
+        """llama.cpp writes the context state into ``dst[offset:offset + size]`` → bytes written."""
+        return int(self._ll.llama_state_get_data(self._ctx, self._ptr(dst, offset, size), size))
+
+    def context_state_set(self, src: npt.NDArray[np.uint8], offset: int, size: int) -> int:
+        """llama.cpp reads a context state from ``src[offset:offset + size]`` → bytes read."""
+        return int(self._ll.llama_state_set_data(self._ctx, self._ptr(src, offset, size), size))
+
+    # -- what Llama believes the context holds
+
+    @property
+    def logits_all(self) -> bool:
+        return bool(getattr(self.model, "_logits_all", False))
+
+    def held_tokens(self) -> npt.NDArray[np.intc]:
+        """The tokens the context holds, as ``Llama`` tracks them (a view)."""
+        n: int = self.model.n_tokens
+        held: npt.NDArray[np.intc] = self.model.input_ids[:n]
+        return held
+
+    def mark_held(self, tokens: npt.NDArray[np.int32], n: int) -> None:
+        """Tell ``Llama`` the context holds ``tokens[:n]`` and its logits are stale (so the
+        next ``generate`` evaluates at least one token before it samples)."""
+        self.model.input_ids[:n] = tokens[:n]
+        self.model.n_tokens = n
+        self.model._requires_eval = True
+
+    def forget_all(self) -> None:
+        """Empty the context (every sequence) and ``Llama``'s record of it."""
+        mem = self._ll.llama_get_memory(self._ctx) if self._memory_api else None
+        if mem is not None:
+            self._ll.llama_memory_clear(mem, True)
+        else:
+            self.seq_rm(0, -1, -1)
+        self.model.n_tokens = 0
+        self.model._requires_eval = True
+
+    def padded_ids(self, tokens: npt.NDArray[np.int32], n: int) -> npt.NDArray[np.intc]:
+        """``tokens[:n]`` in an ``input_ids``-shaped array, the rest -1 (no token matches it)."""
+        out = np.full(self.model.input_ids.shape, -1, dtype=np.intc)
+        out[:n] = tokens[:n]
+        return out
+
+    @property
+    def seed(self) -> int:
+        return int(getattr(self.model, "_seed", 0))
+
+    # -- hooks into one Llama instance
+
+    def instance_save_state(self) -> Any:
+        """The ``save_state`` the class defines, bound to this model (whatever shadows it)."""
+        return type(self.model).save_state.__get__(self.model)
+
+    def hook_save_state(self, hook: Any) -> None:
+        """Make ``model.save_state()`` call ``hook`` (an attribute of the instance only)."""
+        self.model.save_state = hook
+
+    def unhook_save_state(self) -> None:
+        self.model.__dict__.pop("save_state", None)
+
+    def called_by_completion(self, depth: int = 2) -> bool:
+        """Whether the caller ``depth`` frames up is ``Llama._create_completion`` (the one
+        place that saves a state into the cache right away: ``cache[...] = save_state()``)."""
+        import sys
+
+        code = self._ll.Llama._create_completion.__code__
+        try:
+            return sys._getframe(depth).f_code is code
+        except ValueError:
+            return False
+
+    def cache_is(self, cache: Any) -> bool:
+        return getattr(self.model, "cache", None) is cache
 
 
 def model_fingerprint(model: Any) -> str:

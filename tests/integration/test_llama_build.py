@@ -23,26 +23,11 @@ from pathlib import Path
 
 import pytest
 
+from llama_model import GERMANY
 from maasd.llama import build
 
-# Twelve capitals, then Germany's: a 102-token prompt (one batch of 102 rows through the
-# quantized matmuls) whose greedy continuation is " Berlin" (p ≈ 0.95 with this model).
-_CAPITALS = [
-    ("France", "Paris"),
-    ("Italy", "Rome"),
-    ("Spain", "Madrid"),
-    ("Japan", "Tokyo"),
-    ("Egypt", "Cairo"),
-    ("Canada", "Ottawa"),
-    ("Russia", "Moscow"),
-    ("Greece", "Athens"),
-    ("Portugal", "Lisbon"),
-    ("Austria", "Vienna"),
-    ("Norway", "Oslo"),
-    ("Poland", "Warsaw"),
-]
-CAPITALS = "".join(f"The capital of {c} is {x}.\n" for c, x in _CAPITALS)
-GERMANY = CAPITALS + "The capital of Germany is"
+# Twelve capitals, then Germany's (tests/llama_model.py): a 102-token prompt (one batch of
+# 102 rows through the quantized matmuls) whose greedy continuation is " Berlin".
 # A 7-token prompt: the small-batch kernels; " Thursday" (p ≈ 0.75).
 WEEKDAYS = "Monday, Tuesday, Wednesday,"
 

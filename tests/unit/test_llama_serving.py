@@ -1,0 +1,222 @@
+"""The pure parts of prefix sharing for llama-cpp-python and of ``maasd worker``.
+
+``Link`` (the lazily re-opened connection), which keys a ``MaasdCache`` save goes under,
+the worker's command line, and its metrics (token accounting, time to first token, the
+middleware) — none needs a daemon or a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+from maasd.client import errors as ce
+from maasd.llama.link import FIRST_RETRY_S, Link
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_link_opens_lazily_backs_off_and_reports_changes() -> None:
+    clock, events, tries = Clock(), [], []
+    failing = [ce.ConnectionFailed("refused")]
+
+    def open_worker(path: str, key: str) -> FakeWorker:
+        tries.append((path, key))
+        if failing:
+            raise failing.pop()
+        return FakeWorker()
+
+    link = Link(
+        "/s", "k", open_worker=open_worker, on_change=lambda up, _w: events.append(up), clock=clock
+    )
+    assert tries == []  # nothing before the first use
+    assert link.get() is None
+    assert events == [False]
+    assert link.get() is None  # within the back-off: not tried again
+    assert len(tries) == 1
+    clock.now += FIRST_RETRY_S
+    w = link.get()
+    assert isinstance(w, FakeWorker)
+    assert events == [False, True]
+    assert link.get() is w  # kept while it is open
+    assert link.up
+
+    link.failed(ce.DuplicateKey(409, "Duplicate key", "k"))  # a refusal: still up
+    assert link.get() is w
+    link.failed(ce.ConnectionFailed("gone"))  # broken: closed
+    assert w.closed
+    assert events == [False, True, False]
+    assert link.get() is None
+    clock.now += 2 * FIRST_RETRY_S
+    assert link.get() is not None
+    link.close()
+    assert link.get() is None  # closed for good
+
+
+def test_a_revoked_key_breaks_the_link() -> None:
+    link = Link("/s", "k", open_worker=lambda *_: FakeWorker())
+    w = link.get()
+    link.failed(ce.Unauthorized(401, "Unauthorized", "revoked"))
+    assert w.closed
+    assert not link.up
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+cache = pytest.importorskip("maasd.llama.cache", reason="needs llama-cpp-python")
+context = pytest.importorskip("maasd.llama.context")
+
+
+@pytest.mark.parametrize(
+    ("n", "last", "want"),
+    [
+        (700, None, [640]),  # no lookup (the model held the prompt): the end only
+        # a miss: the end, then the three largest chunk × 2^k within the prompt
+        (700, (context.Restore("miss"), 650), [640, 512, 256, 128]),
+        (100, (context.Restore("miss"), 90), [64]),
+        (40, (context.Restore("miss"), 30), [40]),  # shorter than a chunk: its length
+        # a hit found under 512 sharing 600: the end and the fork point 576
+        (700, (context.Restore("hit", matched=512, common=600), 650), [640, 576]),
+        # found under its fork point: only the end
+        (700, (context.Restore("hit", matched=576, common=600), 650), [640]),
+        # the end is the key it was found under: nothing new
+        (650, (context.Restore("hit", matched=640, common=645), 650), []),
+        (700, (context.Restore("not_better", matched=64, common=300), 650), [640, 256]),
+        (700, (context.Restore("down"), 650), [640]),
+        (700, (context.Restore("refused", matched=128), 650), [640]),
+    ],
+)
+def test_which_keys_a_save_goes_under(n: int, last: Any, want: list[int]) -> None:
+    assert cache.save_lengths(n, 64, last) == want
+
+
+def test_common_prefix() -> None:
+    a = np.array([1, 2, 3, 4], dtype=np.int32)
+    assert context.common_prefix(a, np.array([1, 2, 9], dtype=np.int32)) == 2
+    assert context.common_prefix(a, a[:2]) == 2
+    assert context.common_prefix(a, np.array([], dtype=np.int32)) == 0
+    assert context.common_prefix(a, a.copy()) == 4
+
+
+# ----------------------------------------------------------------------------- worker
+
+
+def test_the_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from maasd.llama.worker import parse_args
+
+    monkeypatch.setenv("MAASD_KEY", "maasd_k")
+    monkeypatch.setenv("MAASD_SOCKET", "/run/maasd.sock")
+    cfg = parse_args(["--model", "m.gguf", "--processes", "2", "--n_ctx", "4096"])
+    assert cfg.processes == 2
+    assert cfg.key == "maasd_k"
+    assert cfg.socket == "/run/maasd.sock"
+    assert cfg.model["n_ctx"] == 4096
+    # the defaults maasd worker changes
+    assert cfg.host == "127.0.0.1"
+    assert cfg.server["interrupt_requests"] is False
+    assert cfg.model["logits_all"] is False
+    assert cfg.model["verbose"] is False
+    # … and what the command line says wins
+    cfg = parse_args(["--model", "m.gguf", "--interrupt_requests", "true", "--cache", "true"])
+    assert cfg.server["interrupt_requests"] is True
+    assert cfg.model["cache"] is False  # maasd is the cache
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        ([], "--model is required"),
+        (["--model", "m", "--processes", "0"], "at least 1"),
+        (["--model", "m", "--n_ctx", "-1"], "--n_ctx"),
+        (["--model", "m", "--logits_all", "maybe"], "logits_all"),
+    ],
+)
+def test_a_bad_worker_command_line_exits_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from maasd.llama.worker import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_worker_metrics_count_tokens_by_source_and_time_the_first_token() -> None:
+    from maasd.llama.worker_metrics import WorkerMetrics
+
+    m = WorkerMetrics(pid=7)
+
+    def value(name: str, **labels: str) -> float:
+        got = m.registry.get_sample_value(name, {"pid": "7", **labels})
+        return 0.0 if got is None else got
+
+    m.looked_up(prompt=100, held=0, restored=90, outcome="hit")
+    m.looked_up(prompt=50, held=49, restored=0, outcome="held")
+    m.looked_up(prompt=30, held=0, restored=0, outcome="miss")
+    assert value("maasd_worker_prompt_tokens_total", source="restored") == 90
+    assert value("maasd_worker_prompt_tokens_total", source="held") == 49
+    assert value("maasd_worker_prompt_tokens_total", source="evaluated") == 10 + 1 + 30
+    assert value("maasd_worker_cache_lookups_total", outcome="hit") == 1
+
+    class Model:
+        def sample(self, *_a: Any, **_k: Any) -> int:
+            return 5
+
+    model = Model()
+    m.hook_sampling(model)
+    assert model.sample() == 5  # armed by the last looked_up: timed
+    assert model.sample() == 5  # not the first token: not timed
+    assert value("maasd_worker_ttft_seconds_count") == 1
+    m.sharing(True)
+    assert m.registry.get_sample_value("maasd_worker_sharing_enabled") == 1
+    body, content_type = m.render()
+    assert b"maasd_worker_ttft_seconds_bucket" in body
+    assert content_type.startswith("text/plain")
+
+
+def test_the_middleware_names_the_process_and_stamps_completions() -> None:
+    from maasd.llama import worker_metrics as wm
+
+    m = wm.WorkerMetrics(pid=42)
+    seen: dict[str, Any] = {}
+
+    async def app(_scope: Any, _receive: Any, send: Any) -> None:
+        seen["arrived"] = wm._ARRIVED.get(None)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "http.request"}
+
+    async def call(path: str) -> None:
+        scope = {"type": "http", "path": path}
+        await m.middleware(app)(scope, receive, send)
+
+    asyncio.run(call("/v1/models"))
+    assert seen["arrived"] is None
+    assert (wm.PID_HEADER, b"42") in sent[0]["headers"]
+    asyncio.run(call("/v1/chat/completions"))
+    assert seen["arrived"] is not None
