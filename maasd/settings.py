@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from maasd import bounds
 from maasd.bounds import MAX_BUFFERS
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
@@ -224,7 +225,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         # a default.
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"settings: {e}") from e
+        raise ConfigError(f"settings: {bounds.explain(str(e))}") from e
     _check(settings)
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings

@@ -148,11 +148,6 @@ def test_a_checkpoint_into_a_full_spill_dir_is_507_and_leaves_nothing(
 
 
 @pytest.mark.parametrize("kind", ["tenants", "pools"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="a name equal to another tenant's (pool's) id is accepted, and /v1/{kind}/{ref} "
-    "resolves ids first: `maasctl tenants delete NAME` then deletes the other one",
-)
 def test_a_name_that_is_another_ones_id_is_refused(daemon: Daemon, kind: str) -> None:
     if kind == "tenants":
         victim, _ = daemon.tenant("victim", MiB)
@@ -163,8 +158,9 @@ def test_a_name_that_is_another_ones_id_is_refused(daemon: Daemon, kind: str) ->
     r = daemon.admin.post(f"/v1/{kind}", json=body)
     created = r.json().get("id") if r.status_code == 201 else None
     try:
-        # Either is fine for the contract: a 4xx now, or a reference that is never ambiguous.
-        assert r.status_code in (400, 409), r.text
+        # A name with the form of an id is refused: `/v1/{kind}/{ref}` resolves ids first.
+        assert r.status_code == 400, r.text
+        assert "the form of an id" in r.json()["detail"], r.text
     finally:
         if created is not None:
             assert daemon.admin.delete(f"/v1/{kind}/{created}").status_code == 204
