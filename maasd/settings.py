@@ -118,6 +118,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_head_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_send_timeout_s: float = 30.0
+    # Service calls of one tenant (or of the admin) running at once, of the REST API's
+    # 64 threads; its further calls wait for its own to end (docs/operations.md).
+    http_tenant_threads: int = 16
     # The shared prefix tier (docs/scale-out.md, "The L2 tier"): a Redis or Valkey URL
     # (redis://, rediss://, unix://); needs the PostgreSQL ledger. Only the daemon uses it.
     l2_url: str | None = None
