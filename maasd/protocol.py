@@ -366,6 +366,12 @@ def send_message(sock: socket.socket, msg: Request | Reply, fds: Iterable[int] =
         sock.sendall(frame)
 
 
+# Both computed once: ``socket.MSG_CTRUNC`` is an enum.IntFlag, and ``int & flag`` goes
+# through enum's Python ``__and__`` (~0.9 µs, once per received frame); CMSG_SPACE is a call.
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * 4)
+
+
 def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     fds: list[int] = []
     for level, kind, data in ancdata:
@@ -381,7 +387,7 @@ def _recv_chunk(sock: socket.socket, bufsize: int, cmsg_space: int, fds: list[in
     closes them on error too); truncated ancillary data is a :class:`ProtocolError`."""
     data, ancdata, msg_flags, _addr = sock.recvmsg(bufsize, cmsg_space, socket.MSG_CMSG_CLOEXEC)
     fds.extend(_fds_from_ancillary(ancdata))
-    if msg_flags & socket.MSG_CTRUNC:
+    if msg_flags & _MSG_CTRUNC:
         raise ProtocolError("ancillary data truncated: peer sent too many fds")
     return data
 
@@ -399,10 +405,9 @@ def recv_message(
     """
     body = reader.next_frame()
     fds: list[int] = []
-    cmsg_space = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * 4)
     try:
         while body is None:
-            data = _recv_chunk(sock, bufsize, cmsg_space, fds)
+            data = _recv_chunk(sock, bufsize, _CMSG_SPACE, fds)
             if not data:
                 return None, fds
             body = reader.next_frame(data)

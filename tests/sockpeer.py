@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Container
 from dataclasses import dataclass
 
 from maasd import errors
@@ -198,13 +199,16 @@ class FakeService:
         return None
 
     # entries
-    def lookup_entry(self, who: Principal, keys: list[str]) -> FakeHandle:
+    def lookup_entry(
+        self, who: Principal, keys: list[str], attached: Container[str] = ()
+    ) -> FakeHandle:
         with self.lock:
             for key in reversed(keys):
                 bid = self.by_key.get((str(who.tenant_id), key))
                 if bid is not None:
                     _t, _k, fd, size = self.entries[bid]
-                    self.attached[str(who.tenant_id)] += 1
+                    if bid not in attached:
+                        self.attached[str(who.tenant_id)] += 1
                     ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
                     return FakeHandle(ro, bid, size, 0, key)
         raise errors.NotFound("no committed entry carries any of these keys")

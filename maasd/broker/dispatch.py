@@ -37,7 +37,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable, Container, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -106,7 +106,9 @@ class HandleService(Protocol):
     def open_handle(self, principal: Principal, buffer_id: str, /) -> Handle: ...
     def drop_handle(self, principal: Principal, buffer_id: str, /) -> None: ...
     def renew(self, principal: Principal, buffer_id: str, ttl_s: int, /) -> BufferInfo | None: ...
-    def lookup_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
+    def lookup_entry(
+        self, principal: Principal, keys: list[str], attached: Container[str], /
+    ) -> EntryHit: ...
     def l2_ready(self) -> bool: ...
     def fill_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
     def put_entry(
@@ -198,9 +200,13 @@ def _renew(call: Call, req: Renew) -> Outcome:
 
 
 def _lookup(call: Call, req: Lookup) -> Outcome:
-    service = call.service
+    # One attachment per connection and entry, so that the worker detaches once, when it
+    # unmaps it: a hit on an entry the connection holds already (a worker's mapping
+    # cache) is not counted again. Telling the service which ones it holds saves a count
+    # and its drop on every cache hit (two lock rounds and a gauge update, ~5 µs).
+    service, held = call.service, call.held
     try:
-        hit = service.lookup_entry(call.principal, req.keys)
+        hit = service.lookup_entry(call.principal, req.keys, held)
     except errors.NotFound:
         # A local miss goes on to the shared tier (L2) when there is one and its breaker
         # lets calls through — on the slow pool, as it waits for the network.
@@ -209,19 +215,18 @@ def _lookup(call: Call, req: Lookup) -> Outcome:
         if call.inline:
             return Outcome(None, defer=True)
         hit = service.fill_entry(call.principal, req.keys)
+        if hit.buffer_id in held:  # counted by the fill: give that one back
+            try:
+                service.drop_handle(call.principal, hit.buffer_id)
+            except BaseException:
+                os.close(hit.fd)
+                raise
     reply = Found(
         key=hit.key, buffer_id=hit.buffer_id, size_bytes=hit.size_bytes, numa_node=hit.numa_node
     )
-    if call.held.get(hit.buffer_id, 0) <= 0:
-        return Outcome(reply, fds=(hit.fd,), attached=hit.buffer_id)
-    # The connection holds this entry already (a worker's mapping cache): one attachment
-    # per connection and entry, so the worker detaches once, when it unmaps it.
-    try:
-        call.service.drop_handle(call.principal, hit.buffer_id)
-    except BaseException:
-        os.close(hit.fd)
-        raise
-    return Outcome(reply, fds=(hit.fd,))
+    if hit.buffer_id in held:  # (the loop deletes a count that drops to 0)
+        return Outcome(reply, fds=(hit.fd,))
+    return Outcome(reply, fds=(hit.fd,), attached=hit.buffer_id)
 
 
 def _put(call: Call, req: Put) -> Outcome:

@@ -36,7 +36,7 @@ lives in a module of its own:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
@@ -321,11 +321,15 @@ class Service:
 
     # -- entries (maasd.core.entries) -------------------------------------------------------
 
-    def lookup_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
-        """From memory; a miss that the L2 tier will be asked about is not counted here."""
+    def lookup_entry(
+        self, who: Principal, lookup_keys: list[str], attached: Container[str] = ()
+    ) -> Found:
+        """From memory; a miss that the L2 tier will be asked about is not counted here.
+        A hit on one of ``attached`` (buffers the caller holds) is not counted as a new
+        attachment."""
         ready = self._shared.ready()
         try:
-            return self._entries.lookup(who, lookup_keys, count_miss=not ready)
+            return self._entries.lookup(who, lookup_keys, count_miss=not ready, attached=attached)
         except NotFound:
             if not ready:
                 self._shared.skipped()

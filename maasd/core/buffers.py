@@ -40,7 +40,7 @@ from maasd.models import (
     rfc3339,
 )
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, Store, must_last
 from maasd.tenancy import keys, leases
 
 __all__ = ["Buffers", "buffer_info"]
@@ -148,7 +148,9 @@ class Buffers:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
                 # before the ledger is asked: a region is one of each.
                 with self._budget.admit():
-                    victims = self._store.begin_reserve(row, uses=uses, leases=extended)
+                    victims = self._store.begin_reserve(
+                        row, uses=uses, leases=extended, durable=must_last(row.persistence)
+                    )
                     uses, extended = {}, {}  # written by the admitting transaction
                     region = self._create(row, live, victims, frozen=frozen)
             except PoolExhausted as e:  # this pool is full now: try the next one
@@ -180,10 +182,10 @@ class Buffers:
                 prefault=True if frozen else None,
             )
         except PoolExhausted:  # the in-process guard disagreed with the ledger
-            self._store.finish_release(row.id, kind="reserve_failed")
+            self._reserve_failed(row)
             raise
         except BackingError as e:
-            self._store.finish_release(row.id, kind="reserve_failed")
+            self._reserve_failed(row)
             refusal = kernel_refusal(
                 e,
                 self._budget,
@@ -221,8 +223,15 @@ class Buffers:
             region.verify_node(sample=16)
         except Exception:
             live.pool.release(region)
-            self._store.finish_release(row.id, kind="reserve_failed")
+            self._reserve_failed(row)
             raise
+
+    def _reserve_failed(self, row: BufferRow) -> None:
+        """Delete the row of a reserve that failed after its admission (its memory is
+        gone or never was); a volatile buffer's without waiting for the disk."""
+        self._store.finish_release(
+            row.id, kind="reserve_failed", durable=must_last(row.persistence)
+        )
 
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
         state: BufferState = "staged" if row.kind == "entry" else "live"
@@ -237,13 +246,14 @@ class Buffers:
                 self._releaser.drop_region(row)
                 raise
             return buffer_info(msgspec.structs.replace(row, state=state))
-        if not self._store.advance(row.id, "reserving", "live"):
+        # A volatile buffer's ledger writes do not wait for the disk (store/base.py).
+        if not self._store.advance(row.id, "reserving", "live", durable=must_last(row.persistence)):
             # Claimed while reserving by a tenant delete or a pool drain: this reserve
             # lost, so it scrubs its own region (unless the claimer took it already)
             # and finishes the release the claimer began. The memory never outlives
             # its row, and no one ever saw it.
             self._releaser.drop_region(row)
-            self._store.finish_release(row.id, kind="reserve_failed")
+            self._reserve_failed(row)
             raise StateConflict(
                 f"buffer {row.id} was released while it was being reserved "
                 "(its tenant or its pool is being deleted)"
@@ -325,8 +335,10 @@ class Buffers:
         """Scrub and free a buffer (a staged entry too: its commit then answers 409); every
         byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
-        self._held_here(self._own_row(who, buffer_id))
-        row = self._store.mark_releasing(buffer_id, tenant_id, only_leased=True)
+        row = self._held_here(self._own_row(who, buffer_id))
+        row = self._store.mark_releasing(
+            buffer_id, tenant_id, only_leased=True, durable=must_last(row.persistence)
+        )
         self._releaser.release_row(row, reason="release", marked=True)
 
     def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:

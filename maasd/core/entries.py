@@ -35,7 +35,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from maasd.allocator import Region
@@ -55,7 +55,7 @@ from maasd.errors import (
 )
 from maasd.metrics import Metrics
 from maasd.models import EntryAbortReason, Principal, ReserveSpec
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
 
@@ -184,7 +184,8 @@ class Entries:
             except (OSError, MaasdError) as e:
                 failure = e
             else:
-                if self._store.commit(buffer_id, time.time()) is None:
+                durable = must_last(live.row.persistence)
+                if self._store.commit(buffer_id, time.time(), durable=durable) is None:
                     _dispose(live, fresh, ro_fd)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
@@ -233,7 +234,10 @@ class Entries:
 
     def _release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
-        row: BufferRow | None = self._store.mark_staged_releasing(buffer_id, tenant_id)
+        held = self._runtime.held(buffer_id)
+        row: BufferRow | None = self._store.mark_staged_releasing(
+            buffer_id, tenant_id, durable=held is None or self._durable(held)
+        )
         if row is None:
             return  # committed, or someone else releases it
         self._releaser.release_row(row, reason=reason, marked=True)
@@ -241,16 +245,24 @@ class Entries:
 
     # -- lookup -----------------------------------------------------------------------------
 
-    def lookup(self, who: Principal, keys: list[str], *, count_miss: bool = True) -> Found:
+    def lookup(
+        self,
+        who: Principal,
+        keys: list[str],
+        *,
+        count_miss: bool = True,
+        attached: Container[str] = (),
+    ) -> Found:
         """The committed entry of the longest of ``keys`` (short → long), read-only.
 
-        Answered from memory. A hit counts as an attachment of the caller, as a use and
+        Answered from memory. A hit counts as an attachment of the caller — unless the
+        entry is one of ``attached``, which the caller holds already — as a use and
         extends the entry's lease by its ``ttl_s``, both written in a batch later.
         ``count_miss=False``: a miss is not counted (the L2 tier is asked next, and the
         lookup's outcome is counted once that answered).
         """
         tenant_id = require_tenant(who)
-        opened = self._runtime.lookup(tenant_id, keys)
+        opened = self._runtime.lookup(tenant_id, keys, attached)
         series = self._metrics.tenant(tenant_id)
         if opened is None:
             if count_miss:
@@ -260,7 +272,8 @@ class Entries:
         self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
         series.hits.inc()
         series.restored.inc(opened.size_bytes)
-        series.attached.set(opened.tenant_attached)
+        if opened.tenant_attached is not None:
+            series.attached.set(opened.tenant_attached)
         assert opened.key is not None
         return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
 
@@ -297,7 +310,7 @@ class Entries:
             finally:
                 view.release()
             ro_fd = open_read_only(region)
-            if self._store.commit(buffer_id, time.time()) is None:
+            if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
                 os.close(ro_fd)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             self._runtime.commit(buffer_id, region, ro_fd)
@@ -319,6 +332,11 @@ class Entries:
             buf = bytearray(head + held.region.size)
             held.region.read_into(memoryview(buf)[head:])
             return buf
+
+    def _durable(self, held: Held) -> bool:
+        """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""
+        live = self._runtime.pool(held.pool_id)
+        return live is None or must_last(live.row.persistence)
 
     @staticmethod
     def _count(counter: object, tenant_id: str, exc: BaseException) -> None:

@@ -45,7 +45,8 @@ class Handles:
         opened = self._runtime.open_handle(tenant_id, buffer_id)
         if opened is None:
             raise NotFound(f"no buffer {buffer_id!r}")
-        self._metrics.tenant(tenant_id).attached.set(opened.tenant_attached)
+        if opened.tenant_attached is not None:  # always: an attach is counted
+            self._metrics.tenant(tenant_id).attached.set(opened.tenant_attached)
         self._runtime.touch(buffer_id, time.time())
         return Handle(
             fd=opened.fd,

@@ -52,7 +52,7 @@ from maasd.core.tenants import Tenants
 from maasd.errors import ConfigError
 from maasd.metrics import Metrics
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["Lifecycle"]
 
@@ -209,7 +209,7 @@ class Lifecycle:
             if (self._runtime.pending_lease(row.id) or 0.0) > now:
                 continue  # a hit since the flush: the next pass writes its lease
             # Compare-and-set: a lease renewed since the query above is left alone.
-            marked = self._store.mark_expired(row.id, now)
+            marked = self._store.mark_expired(row.id, now, durable=must_last(row.persistence))
             if marked is None:
                 continue
             self._releaser.release_row(marked, reason="expire", marked=True)
@@ -288,7 +288,9 @@ class Lifecycle:
                 live.pool.adopt(region.size)
                 self._runtime.hold(row.id, self._held(row, region))
                 return "restored"
-        self._store.finish_release(row.id, kind="recover")
+        # A volatile row's release need not wait for the disk: rolled back by a power
+        # loss, the row is released again at the next start.
+        self._store.finish_release(row.id, kind="recover", durable=must_last(row.persistence))
         remove_checkpoint(row)
         return "released"
 

@@ -21,7 +21,7 @@ from maasd.core.runtime import Runtime
 from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["DELETE_PASSES", "Releaser", "remove_checkpoint"]
 
@@ -51,10 +51,11 @@ class Releaser:
 
         ``reason`` is the event's kind (``release``, ``expire``, ``tenant_delete`` …).
         """
+        durable = must_last(row.persistence)  # a volatile buffer's: no wait for the disk
         if not marked:
-            row = self._store.mark_releasing(row.id, None)
+            row = self._store.mark_releasing(row.id, None, durable=durable)
         self.release_memory(row, reason=reason)
-        self._store.finish_release(row.id, kind=reason)
+        self._store.finish_release(row.id, kind=reason, durable=durable)
 
     def release_all(
         self,
@@ -131,7 +132,8 @@ class Releaser:
         its own transaction: deleting the row records nothing more.
         """
         self.release_memory(victim, reason="evict")
-        self._store.finish_release(victim.id, kind="evict", record=False)
+        durable = must_last(victim.persistence)
+        self._store.finish_release(victim.id, kind="evict", record=False, durable=durable)
         self._metrics.evictions.inc()
         if victim.kind == "entry":
             self._metrics.entry_evictions.labels(tenant=victim.tenant_id).inc()

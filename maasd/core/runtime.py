@@ -40,6 +40,7 @@ import contextlib
 import os
 import threading
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass
 
 from maasd.allocator import Pool, Region
@@ -89,8 +90,8 @@ class Opened:
     fd: int
     size_bytes: int
     numa_node: int
-    #: the tenant's handles now, this one included
-    tenant_attached: int
+    #: the tenant's handles now, this one included; ``None``: not counted (held already)
+    tenant_attached: int | None
     key: str | None = None
     ttl_s: int = 0
 
@@ -254,24 +255,30 @@ class Runtime:
                 return None
             return self._open(buffer_id, held)
 
-    def lookup(self, tenant_id: str, keys: list[str]) -> Opened | None:
-        """The committed entry of the last of ``keys`` that has one, opened read-only."""
+    def lookup(
+        self, tenant_id: str, keys: list[str], attached: Container[str] = ()
+    ) -> Opened | None:
+        """The committed entry of the last of ``keys`` that has one, opened read-only;
+        counted as attached unless it is one of ``attached`` (held by the caller already)."""
         with self._regions_lock:
             for key in reversed(keys):
                 buffer_id = self._entries.get((tenant_id, key))
                 if buffer_id is not None:
-                    return self._open(buffer_id, self._held[buffer_id])
+                    held = self._held[buffer_id]
+                    return self._open(buffer_id, held, count=buffer_id not in attached)
             return None
 
-    def _open(self, buffer_id: str, held: Held) -> Opened | None:
+    def _open(self, buffer_id: str, held: Held, *, count: bool = True) -> Opened | None:
         """(regions lock held) dup the fd and count the attachment in one step."""
         region = held.region
         if not held.live or region.closed:
             return None
         fd = os.dup(held.ro_fd) if held.ro_fd is not None else region.dup_fd()
-        with self._attach_lock:
-            count = self._attach_locked(held.tenant_id, buffer_id)
-        return Opened(buffer_id, fd, region.size, region.node, count, held.key, held.ttl_s)
+        n = None
+        if count:
+            with self._attach_lock:
+                n = self._attach_locked(held.tenant_id, buffer_id)
+        return Opened(buffer_id, fd, region.size, region.node, n, held.key, held.ttl_s)
 
     def entry_stats(self) -> dict[str, tuple[int, int]]:
         """Committed entries held now, per tenant: ``{tenant_id: (entries, bytes)}``."""

@@ -10,6 +10,7 @@ top-level ``migrations/`` directory (:meth:`Store.upgrade`).
 
 from __future__ import annotations
 
+from maasd.store.base import must_last
 from maasd.store.engine import alembic_config, create_engine, migrations_dir, normalize_url
 from maasd.store.hosts import HostUsage, is_live
 from maasd.store.notify import KEYS_CHANNEL
@@ -34,5 +35,6 @@ __all__ = [
     "is_live",
     "metadata",
     "migrations_dir",
+    "must_last",
     "normalize_url",
 ]

@@ -16,6 +16,17 @@ why). Three kinds of connection, chosen per method:
   summed by a *later* statement, whose fresh snapshot therefore includes
   everything committed by the previous holder of those locks.
 
+Durability, per transaction. Every write waits for the disk (an fsync per
+commit) unless its method is told ``durable=False``; the core says so only for
+changes that concern volatile memory alone — a volatile pool's buffer admitted,
+going live, committed, released, and the batched uses and lease extensions —
+which then commit without waiting on SQLite: a crash of the daemon loses none of
+them, a power loss may roll the last of them back, together with the memory they
+were about (docs/operations.md, "Crash safety"). :func:`must_last` is the rule.
+Tenants, keys, quotas, pools, hosts and a persistent buffer's rows are always
+durable, and so is every PostgreSQL write: that server fails on its own, and a
+commit it lost would leave a running daemon's memory unrecorded.
+
 Usage is never stored: it is ``SUM(size_bytes)`` over a tenant's (or pool's)
 buffers in every state (:data:`~maasd.store.schema.ACCOUNTED_STATES`) —
 memory being set up or scrubbed is memory in use — computed inside the
@@ -41,7 +52,7 @@ from sqlalchemy.engine import Engine
 
 from maasd.errors import LedgerUnavailable
 
-__all__ = ["Connections", "ledger_errors", "used", "violation"]
+__all__ = ["Connections", "ledger_errors", "must_last", "used", "violation"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +103,14 @@ def ledger_errors() -> Iterator[None]:
         raise LedgerUnavailable(f"the ledger database cannot serve now ({why}); retry") from exc
 
 
+def must_last(persistence: str) -> bool:
+    """Whether a change to a buffer of this persistence must reach the disk before it
+    is answered: yes for a persistent pool's buffers, whose bytes outlive the
+    machine; no for a volatile pool's, whose memory a power loss takes with it
+    (``recover()`` releases every volatile row at the next start anyway)."""
+    return persistence != "volatile"
+
+
 def used(column: Any) -> Any:
     """``SUM(column)`` as a BigInteger, 0 when there are no rows.
 
@@ -131,21 +150,28 @@ class Connections:
     _single: Engine
     #: Write transactions (BEGIN IMMEDIATE on SQLite, READ COMMITTED on PostgreSQL).
     _write: Engine
+    #: The same two, committed without waiting for the disk (``durable=False``; SQLite
+    #: only: on PostgreSQL these are ``_write`` and ``_single``).
+    _single_lax: Engine
+    _write_lax: Engine
     #: This process's writers queue here on SQLite (a no-op on PostgreSQL).
     _wlock: AbstractContextManager[Any]
     #: PostgreSQL (row locks, several daemons) rather than SQLite (one writer).
     is_postgres: bool
 
     @contextlib.contextmanager
-    def _writing(self) -> Iterator[Connection]:
-        """A write transaction, committed when the block ends without an exception."""
-        with ledger_errors(), self._wlock, self._write.begin() as conn:
+    def _writing(self, *, durable: bool = True) -> Iterator[Connection]:
+        """A write transaction, committed when the block ends without an exception;
+        ``durable=False``: without waiting for the disk (see the module docstring)."""
+        engine = self._write if durable else self._write_lax
+        with ledger_errors(), self._wlock, engine.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
-    def _single_statement(self) -> Iterator[Connection]:
+    def _single_statement(self, *, durable: bool = True) -> Iterator[Connection]:
         """A connection for one write statement (its own transaction)."""
-        with ledger_errors(), self._wlock, self._single.begin() as conn:
+        engine = self._single if durable else self._single_lax
+        with ledger_errors(), self._wlock, engine.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
@@ -163,10 +189,10 @@ class Connections:
         with self._reading() as conn:
             return conn.execute(stmt, params).first()
 
-    def _single_first(self, stmt: Any, params: dict[str, Any]) -> Any:
-        with self._single_statement() as conn:
+    def _single_first(self, stmt: Any, params: dict[str, Any], *, durable: bool = True) -> Any:
+        with self._single_statement(durable=durable) as conn:
             return conn.execute(stmt, params).first()
 
-    def _single_count(self, stmt: Any, params: dict[str, Any]) -> int:
-        with self._single_statement() as conn:
+    def _single_count(self, stmt: Any, params: dict[str, Any], *, durable: bool = True) -> int:
+        with self._single_statement(durable=durable) as conn:
             return int(conn.execute(stmt, params).rowcount)

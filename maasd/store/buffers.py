@@ -208,6 +208,7 @@ class ReserveRepo(Connections):
         quota_check: bool = True,
         uses: Mapping[str, float] | None = None,
         leases: Mapping[str, float] | None = None,
+        durable: bool = True,
     ) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
 
@@ -244,6 +245,9 @@ class ReserveRepo(Connections):
         calls :meth:`finish_release` with ``record=False`` (their event is
         written here). The caller checks that ``row`` is smaller than the pool
         (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
+
+        ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also
+        with persistent victims (why that is safe: docs/operations.md, "Crash safety").
         """
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
@@ -254,10 +258,10 @@ class ReserveRepo(Connections):
             touches = [{"p_id": b, "now": t} for b, t in (uses or {}).items()]
             extends = [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()]
             if (touches or extends) and self.is_postgres:
-                with self._writing() as conn:
+                with self._writing(durable=False) as conn:  # best effort: see touch_many
                     _record_uses(conn, touches, extends)
                 touches, extends = [], []
-            with self._writing() as conn:
+            with self._writing(durable=durable) as conn:
                 _record_uses(conn, touches, extends)
                 victims = self._admit(conn, row, quota_check)
                 conn.execute(_ins_buffer, msgspec.structs.asdict(row))
@@ -361,14 +365,16 @@ class ReserveRepo(Connections):
         now: float | None = None,
         detail: str | None = None,
         record: bool = True,
+        durable: bool = True,
     ) -> BufferRow | None:
         """Delete a buffer's row (its memory is scrubbed) and record a ``kind`` event.
 
         ``record=False`` records nothing: for a victim of an eviction, whose
         ``evict`` event the reserve that caused it wrote already. Returns the
         deleted row, or ``None`` if there was none (already finished).
+        ``durable=False``: a volatile buffer's (see :mod:`maasd.store.base`).
         """
-        with self._writing() as conn:
+        with self._writing(durable=durable) as conn:
             r: Any = conn.execute(_del_buffer, {"p_id": buffer_id}).first()
             if r is None:
                 return None
@@ -403,30 +409,44 @@ def _even_after(freed: int) -> str:
 class BufferRepo(Connections):
     """Reading buffers, changing their state, lease, placement and checkpoint."""
 
-    def set_state(self, buffer_id: str, state: BufferState) -> None:
+    def set_state(self, buffer_id: str, state: BufferState, *, durable: bool = True) -> None:
         """Set a buffer's state (``releasing`` also clears its key). :class:`NotFound` if unknown."""
         _check_state(state)
         if state == "releasing":
-            self.mark_releasing(buffer_id, None)
+            self.mark_releasing(buffer_id, None, durable=durable)
             return
-        if self._single_count(_set_state, {"p_id": buffer_id, "p_state": state}) == 0:
+        params = {"p_id": buffer_id, "p_state": state}
+        if self._single_count(_set_state, params, durable=durable) == 0:
             raise NotFound(f"buffer {buffer_id} not found")
 
-    def advance(self, buffer_id: str, from_state: BufferState, to_state: BufferState) -> bool:
+    def advance(
+        self,
+        buffer_id: str,
+        from_state: BufferState,
+        to_state: BufferState,
+        *,
+        durable: bool = True,
+    ) -> bool:
         """Compare-and-set a buffer's state: ``from_state`` → ``to_state``, only if it is
         still in ``from_state``. ``False`` when it is not (released meanwhile, or gone).
 
         A reserve goes ``reserving`` → ``live`` this way, so that a tenant delete or a
         pool drain that claimed the row meanwhile wins, and the reserve scrubs its own
-        region instead of publishing it.
+        region instead of publishing it. ``durable=False``: a volatile buffer's (see
+        :mod:`maasd.store.base`).
         """
         _check_state(from_state)
         _check_state(to_state)
         params = {"p_id": buffer_id, "p_from": from_state, "p_state": to_state}
-        return self._single_count(_advance, params) == 1
+        return self._single_count(_advance, params, durable=durable) == 1
 
     def mark_releasing(
-        self, buffer_id: str, tenant_id: str | None, *, only_leased: bool = False
+        self,
+        buffer_id: str,
+        tenant_id: str | None,
+        *,
+        only_leased: bool = False,
+        durable: bool = True,
     ) -> BufferRow:
         """Mark a buffer ``releasing`` (clearing its key) and return it.
 
@@ -443,20 +463,21 @@ class BufferRepo(Connections):
         else:
             stmt = _mark_own_leased_releasing if only_leased else _mark_own_releasing
             params["p_tenant"] = tenant_id
-        row = self._single_first(stmt, params)
+        row = self._single_first(stmt, params, durable=durable)
         if row is None:
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
 
-    def mark_staged_releasing(self, buffer_id: str, tenant_id: str) -> BufferRow | None:
+    def mark_staged_releasing(
+        self, buffer_id: str, tenant_id: str, *, durable: bool = True
+    ) -> BufferRow | None:
         """Mark a ``staged`` entry of ``tenant_id`` ``releasing`` (an abort); ``None`` if it
         is not staged any more (committed, or released by someone else)."""
-        row = self._single_first(
-            _mark_own_staged_releasing, {"p_id": buffer_id, "p_tenant": tenant_id}
-        )
+        params = {"p_id": buffer_id, "p_tenant": tenant_id}
+        row = self._single_first(_mark_own_staged_releasing, params, durable=durable)
         return None if row is None else BufferRow(*row)
 
-    def mark_expired(self, buffer_id: str, now: float) -> BufferRow | None:
+    def mark_expired(self, buffer_id: str, now: float, *, durable: bool = True) -> BufferRow | None:
         """Mark a buffer ``releasing`` only if it is live (or a staged entry) and its
         lease ended before ``now``.
 
@@ -465,7 +486,7 @@ class BufferRepo(Connections):
         already releasing. A staged entry's commit is the other side of the same
         compare-and-set (:meth:`commit` moves only a ``staged`` row): exactly one wins.
         """
-        row = self._single_first(_mark_expired, {"p_id": buffer_id, "now": now})
+        row = self._single_first(_mark_expired, {"p_id": buffer_id, "now": now}, durable=durable)
         return None if row is None else BufferRow(*row)
 
     def buffer(self, buffer_id: str, tenant_id: str | None = None) -> BufferRow | None:
@@ -523,22 +544,28 @@ class BufferRepo(Connections):
         lookup hit; ``buffer_id → expires_at``, never shortening one) in one transaction.
 
         A use moves the buffer to the back of the LRU order that eviction follows.
+
+        Committed without waiting for the disk, whichever buffers they are about: they
+        were kept in memory until now, so a crash of the daemon loses the unwritten
+        ones anyway — a power loss may lose these too, which changes no more than
+        that (an LRU order a little older, a lease as its last renewal left it).
         """
         if not uses and not leases:
             return
-        with self._writing() as conn:
+        with self._writing(durable=False) as conn:
             _record_uses(
                 conn,
                 [{"p_id": b, "now": t} for b, t in uses.items()],
                 [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()],
             )
 
-    def commit(self, buffer_id: str, now: float) -> BufferRow | None:
+    def commit(self, buffer_id: str, now: float, *, durable: bool = True) -> BufferRow | None:
         """Make a ``staged`` entry ``live``, committed at ``now``, in one statement.
 
         ``None`` when it is not staged (released meanwhile): nothing changes then.
+        ``durable=False``: a volatile pool's entry (see :mod:`maasd.store.base`).
         """
-        row = self._single_first(_commit, {"p_id": buffer_id, "now": now})
+        row = self._single_first(_commit, {"p_id": buffer_id, "now": now}, durable=durable)
         return None if row is None else BufferRow(*row)
 
     def set_numa_node(self, buffer_id: str, node: int) -> None:

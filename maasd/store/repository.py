@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
 from maasd.store.buffers import BufferRepo, ReserveRepo
-from maasd.store.engine import alembic_config, create_engine, normalize_url
+from maasd.store.engine import DURABLE, alembic_config, create_engine, normalize_url
 from maasd.store.events import EventRepo
 from maasd.store.hosts import HostRepo
 from maasd.store.notify import Listener
@@ -78,6 +78,13 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
             self._read = self.engine.execution_options(maasd_begin="none")
             self._single = self.engine  # BEGIN IMMEDIATE
         self._write = self.engine
+        # Committed without waiting for the disk (store/base.py, "Durability"): on SQLite
+        # only. A PostgreSQL server can crash and lose its unflushed commits while this
+        # daemon keeps the memory they were about; there every write waits.
+        if self.is_postgres:
+            self._write_lax, self._single_lax = self._write, self._single
+        else:
+            self._write_lax = self._single_lax = self.engine.execution_options(**{DURABLE: False})
         # SQLite has one writer at a time. Queueing this process's writers on a lock
         # hands the database over at once; leaving it to the busy timeout makes them
         # poll with growing sleeps (up to 100 ms), which is what made the reserve p99

@@ -79,7 +79,7 @@ class MemService:
     def renew(self, _principal: Principal, _buffer_id: str, _ttl_s: int) -> None:
         return None
 
-    def lookup_entry(self, _principal: Principal, keys: list[str]) -> _Handle:
+    def lookup_entry(self, _principal: Principal, keys: list[str], _held: object = ()) -> _Handle:
         return _Handle(os.dup(self.memfd), MiB, 0, key=keys[-1])
 
     def l2_ready(self) -> bool:

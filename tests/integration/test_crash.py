@@ -273,3 +273,86 @@ def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
     ledger_totals(d)
     assert d.stop() == 0
     user.close()
+
+
+def save_entries(d: Daemon, key: str, prefix: str, n: int, size: int) -> list[str]:
+    """Save ``n`` entries of ``size`` bytes into the volatile pool, as a KV save does (put,
+    write, commit), looking each one up once (a use and a lease extension to write);
+    every fourth is aborted instead. Returns the committed entries' keys."""
+    committed = []
+    with Worker(d.socket_path, key, renew_interval_s=0) as w:
+        for i in range(n):
+            m = w.put(f"{prefix}-{i}", size, pool="vol")
+            m.array[:] = i % 251 + 1
+            if i % 4 == 3:
+                w.abort(m)
+                continue
+            w.commit(m)
+            committed.append(f"{prefix}-{i}")
+            hit = w.lookup([f"{prefix}-{i}"])
+            assert hit is not None
+            hit.close()
+    return committed
+
+
+@pytest.mark.timeout(120)
+def test_sigkill_right_after_a_burst_of_volatile_saves(fresh_daemon, tmp_path: Path) -> None:
+    """A volatile entry's ledger writes do not wait for the disk (docs/operations.md,
+    "Crash safety"); a daemon killed right after a burst of them, or in the middle of
+    one, comes back with the ledger equal to its memory: no volatile row, no bytes
+    counted for them, the whole volatile pool reservable, and the persistent buffer
+    checkpointed before the burst byte-identical."""
+    d = fresh_daemon
+    cfg = tmp_path / "maasd.toml"
+    cfg.write_text(CONFIG.format(vol=16 * MiB, pers=4 * MiB))
+    d.env["MAASD_CONFIG"] = str(cfg)
+    d.start()
+    # A quota below what the burst saves: later puts evict the tenant's older entries.
+    _, key = d.tenant("burst", 8 * MiB)
+    user = d.client(key)
+    other = d.client(d.tenant("other", 64 * MiB)[1])  # to reserve the whole pool
+    kept = user.post("/v1/pools/pers/reserve", json={"size_bytes": MiB, "ttl_s": 3600})
+    assert kept.status_code == 201, kept.text
+    kept_id = kept.json()["id"]
+    content = random.Random(3).randbytes(MiB)
+    write_buffer(d, key, kept_id, content)
+    ck = user.post(f"/v1/buffers/{kept_id}/checkpoint")
+    assert ck.status_code == 200, ck.text
+
+    for round_no in range(3):
+        if round_no == 0:  # killed right after the burst's last commit
+            assert len(save_entries(d, key, "r0", 40, MiB // 2)) == 30
+            assert d.metric("maasd_evictions_total") > 0  # the quota made it evict
+            d.kill()
+        else:  # killed in the middle of one
+            saver = threading.Thread(
+                target=lambda n=round_no: _saves_until_killed(d, key, f"r{n}"), daemon=True
+            )
+            saver.start()
+            time.sleep(random.Random(round_no).uniform(0.2, 0.8))
+            d.kill()
+            saver.join(10)
+        d.start()
+        used = ledger_totals(d)
+        survivors = d.admin.get("/v1/buffers").json()
+        assert [b["id"] for b in survivors] == [kept_id], survivors
+        assert used == MiB
+        assert d.metric("maasd_pool_used_bytes", pool="vol") == 0
+        assert read_buffer(d, key, kept_id) == content
+        with Worker(d.socket_path, key, renew_interval_s=0) as w:
+            assert w.lookup(["r0-0", "r0-39", f"r{round_no}-1"]) is None
+        vol = next(p for p in d.admin.get("/v1/pools").json() if p["name"] == "vol")
+        assert vol["free_bytes"] == vol["capacity_bytes"]
+        whole = other.post("/v1/pools/vol/reserve", json={"size_bytes": vol["capacity_bytes"]})
+        assert whole.status_code == 201, whole.text
+        assert other.delete(f"/v1/buffers/{whole.json()['id']}").status_code == 204
+    assert d.stop() == 0
+    user.close()
+    other.close()
+
+
+def _saves_until_killed(d: Daemon, key: str, prefix: str) -> None:
+    try:
+        save_entries(d, key, prefix, 10_000, MiB // 2)
+    except Exception:
+        return  # the daemon died under us

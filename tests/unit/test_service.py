@@ -240,7 +240,9 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
     real = svc.store.advance
     seen: list[Any] = []
 
-    def claimed_meanwhile(buffer_id: str, from_state: BufferState, to_state: BufferState) -> bool:
+    def claimed_meanwhile(
+        buffer_id: str, from_state: BufferState, to_state: BufferState, *, durable: bool = True
+    ) -> bool:
         region = svc.runtime.region(buffer_id)
         assert region is not None  # the region is findable before the row can go live
         seen.append(region)
@@ -249,7 +251,7 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
             svc.store.finish_release(buffer_id, kind="tenant_delete")
         else:
             svc.store.mark_releasing(buffer_id, None)
-        return real(buffer_id, from_state, to_state)
+        return real(buffer_id, from_state, to_state, durable=durable)
 
     monkeypatch.setattr(svc.store, "advance", claimed_meanwhile)
     with pytest.raises(errors.StateConflict, match="released while it was being reserved"):

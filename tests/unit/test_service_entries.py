@@ -209,3 +209,22 @@ def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
     assert svc.runtime.buffer_ids() == []
     assert pool(svc).used == 0
     assert svc.usage(who).used_bytes == 0
+
+
+def test_a_hit_on_an_entry_the_caller_holds_is_not_counted_again(svc: Service) -> None:
+    """A worker's mapping-cache hit: the connection holds the entry already, so the hit is
+    answered (a new fd, a use, the lease) without a second attachment to give back."""
+    who = tenant(svc)
+    bid = put_committed(svc, who, "held", 4096)
+    first = svc.lookup_entry(who, ["held"])
+    assert svc.runtime.attached(bid) == 1
+    again = svc.lookup_entry(who, ["held"], {bid: 1})
+    assert again.buffer_id == bid
+    assert svc.runtime.attached(bid) == 1  # still the first one only
+    other = svc.lookup_entry(who, ["held"], {"another-buffer": 1})
+    assert svc.runtime.attached(bid) == 2  # a connection that does not hold it: counted
+    for found in (first, again, other):
+        os.close(found.fd)
+    svc.drop_handle(who, bid)
+    svc.drop_handle(who, bid)
+    assert svc.runtime.attached(bid) == 0
