@@ -37,7 +37,9 @@ __all__ = [
     "MAX_NODE",
     "MAX_SIZE_GIB",
     "MAX_WIRE_INT",
+    "ID_PATTERN",
     "NAME_PATTERN",
+    "NAME_RULE",
     "PATH_PATTERN",
     "ApiKey",
     "Backing",
@@ -74,10 +76,19 @@ MAX_NODE = 1023
 MAX_WIRE_INT = 2**31
 #: Names of pools and tenants: 1..64 characters, a letter or digit first.
 MAX_NAME = 64
+#: What an id looks like (``maasd.tenancy.keys.new_id``): 32 lowercase hex characters.
+ID_PATTERN = r"[0-9a-f]{32}"
 #: ``(?!\n)$`` and not a bare ``$``: Python's ``$`` also matches before a trailing
 #: newline, so ``"acme\n"`` would pass. (``\Z`` would say the same, but JSON Schema
 #: regexes are ECMA-262, which has no ``\Z``; the lookahead means the same in both.)
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(?!\n)$"
+#: A name may not have the form of an id: references (``/v1/tenants/{ref}``, maasctl's
+#: NAME|ID) resolve ids first, so such a name would make another one's id ambiguous.
+NAME_PATTERN = rf"^(?!{ID_PATTERN}(?!\n)$)[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}(?!\n)$"
+#: :data:`NAME_PATTERN` in words, for the message that refuses a name.
+NAME_RULE = (
+    "a name: 1 to 64 letters, digits, '.', '_' or '-', beginning with a letter or a "
+    "digit, and not 32 lowercase hex characters (the form of an id)"
+)
 #: A buffer's free-text label.
 MAX_LABEL = 128
 #: A buffer's (prefix-cache) key.
@@ -167,6 +178,18 @@ EventKind = Literal[
     "pool_delete",
     "host_forget",
 ]
+
+
+def explain(message: str) -> str:
+    """A msgspec validation ``message`` with :data:`NAME_PATTERN` said in words.
+
+    >>> try:
+    ...     msgspec.json.decode(b'{"name": "' + b"0" * 32 + b'"}', type=dict[str, Name])
+    ... except msgspec.ValidationError as e:
+    ...     print(explain(str(e)).endswith("(the form of an id) - at `$[...]`"))
+    True
+    """
+    return message.replace(f"`str` matching regex {NAME_PATTERN!r}", NAME_RULE)
 
 
 def bytes_of_gib(gib: float) -> int:

@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from maasd import bounds
 from maasd.bounds import MAX_BUFFERS
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
@@ -117,6 +118,9 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_head_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_send_timeout_s: float = 30.0
+    # Service calls of one tenant (or of the admin) running at once, of the REST API's
+    # 64 threads; its further calls wait for its own to end (docs/operations.md).
+    http_tenant_threads: int = 16
     # The shared prefix tier (docs/scale-out.md, "The L2 tier"): a Redis or Valkey URL
     # (redis://, rediss://, unix://); needs the PostgreSQL ledger. Only the daemon uses it.
     l2_url: str | None = None
@@ -224,7 +228,7 @@ def load(flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None =
         # a default.
         settings = msgspec.convert(merged, Settings, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"settings: {e}") from e
+        raise ConfigError(f"settings: {bounds.explain(str(e))}") from e
     _check(settings)
     settings.data_dir = str(Path(settings.data_dir).expanduser())
     return settings

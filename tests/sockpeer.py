@@ -256,6 +256,11 @@ class FakeService:
             raise errors.NotFound(f"no entry {bid!r}")
         self.abandon_entry(who, bid)
 
+    def entry_staged(self, bid: str) -> bool:
+        with self.lock:
+            entry = self.entries.get(bid)
+            return entry is not None and self.by_key.get((entry[0], entry[1])) != bid
+
     def abandon_entry(self, _who: Principal, bid: str) -> None:
         with self.lock:
             entry = self.entries.get(bid)

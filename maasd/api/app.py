@@ -51,17 +51,20 @@ def create_app(
     metrics_key: str | None = None,
     metrics_public: bool = False,
     threads: int = 64,
+    caller_threads: int = 16,
 ) -> Litestar:
     """Build the app.
 
     ``health``: ``() -> {component: (ok, why)}`` for ``/healthz`` (see
     :func:`maasd.api.health.of_checks`). ``metrics_key``: a key good for ``GET
     /metrics`` only; ``metrics_public``: ``/metrics`` needs no key at all.
-    ``threads`` bounds concurrent service calls (each may scrub or prefault).
+    ``threads`` bounds concurrent service calls (each may scrub or prefault);
+    ``caller_threads`` those of one caller (a tenant, the admin): its further calls
+    wait for its own to end (``Settings.http_tenant_threads``).
     """
     ctx = ApiContext(
         service=service,
-        run=Run(CapacityLimiter(threads)),
+        run=Run(CapacityLimiter(threads), per_caller=caller_threads),
         metrics_digest=metrics_digest(metrics_key),
         metrics_public=metrics_public,
         health=Health(health),

@@ -44,6 +44,7 @@ __all__ = [
     "TENANT_ONLY",
     "ApiContext",
     "Call",
+    "CallerRun",
     "Run",
     "authenticated",
     "bearer",
@@ -69,14 +70,56 @@ class Run:
     """``await run(fn, *args)``: ``fn(*args)`` in a worker thread, at most ``limiter`` at once.
 
     Every service call goes through it: the service may prefault or scrub
-    gigabytes, or wait for the ledger, and the event loop must not.
+    gigabytes, or wait for the ledger, and the event loop must not. A caller's
+    calls go through :meth:`of`, which gives each caller (a tenant, the admin) a
+    share of the threads: beyond ``per_caller`` calls of one caller in flight, its
+    next call waits for one of them to end *before* it asks for a thread. So a
+    caller flooding the API holds at most ``per_caller`` threads and waits in its
+    own queue, and another caller's call waits only for work already running.
     """
 
-    def __init__(self, limiter: CapacityLimiter) -> None:
+    def __init__(self, limiter: CapacityLimiter, per_caller: int | None = None) -> None:
         self.limiter = limiter
+        self.per_caller = per_caller or int(limiter.total_tokens)
+        #: caller → its share and how many of its calls hold or wait for it (dropped at 0)
+        self._shares: dict[str, tuple[CapacityLimiter, int]] = {}
 
     async def __call__(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    def of(self, who: Principal) -> CallerRun:
+        """The runner of ``who``'s calls (its share of the threads)."""
+        return CallerRun(self, "admin" if who.is_admin else f"tenant:{who.tenant_id}")
+
+    async def shared(self, caller: str, fn: Callable[[*Ts], R], *args: *Ts) -> R:
+        """``fn(*args)`` in a worker thread, once ``caller`` has fewer than
+        ``per_caller`` calls in flight and a thread is free (in that order)."""
+        share, users = self._shares.get(caller) or (CapacityLimiter(self.per_caller), 0)
+        self._shares[caller] = (share, users + 1)
+        try:
+            async with share:
+                return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        finally:
+            share, users = self._shares[caller]
+            if users == 1:
+                del self._shares[caller]
+            else:
+                self._shares[caller] = (share, users - 1)
+
+    def callers(self) -> int:
+        """Callers with calls in flight or waiting (their shares are held only meanwhile)."""
+        return len(self._shares)
+
+
+@dataclass(frozen=True, slots=True)
+class CallerRun:
+    """``await run(fn, *args)`` for one caller: :meth:`Run.shared` under its share."""
+
+    run: Run
+    caller: str
+
+    async def __call__(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
+        return await self.run.shared(self.caller, fn, *args)
 
 
 @dataclass(frozen=True)
@@ -129,14 +172,15 @@ class Call:
     """What a /v1 handler works with: ``await call.run(call.service.reserve, call.who, …)``."""
 
     service: Service
-    run: Run
+    run: CallerRun  # the caller's share of the threads
     who: Principal
 
 
 def caller(request: ASGIConnection[Any, Any, Any, Any]) -> Call:
     """The ``call`` dependency of /v1 handlers, with the caller :func:`authenticated` found."""
     ctx = context(request)
-    return Call(ctx.service, ctx.run, request.state.principal)
+    who: Principal = request.state.principal
+    return Call(ctx.service, ctx.run.of(who), who)
 
 
 async def authenticated(

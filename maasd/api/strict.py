@@ -27,6 +27,7 @@ from litestar.openapi.spec import Reference, Schema
 from litestar.plugins import SerializationPlugin
 from litestar.typing import FieldDefinition
 
+from maasd import bounds
 from maasd.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ def decode(raw: bytes, kind: type[T]) -> T:
     try:
         result: T = _decoder(kind).decode(raw)
     except msgspec.ValidationError as e:
-        raise InvalidRequest(str(e)) from None
+        raise InvalidRequest(bounds.explain(str(e))) from None
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"malformed JSON: {e}") from None
     except RecursionError:
@@ -153,7 +154,7 @@ class StrictBody(AbstractDTO[T]):
         try:
             result: T = msgspec.convert(value, self.model_type, strict=True)
         except msgspec.ValidationError as e:
-            raise InvalidRequest(str(e)) from None
+            raise InvalidRequest(bounds.explain(str(e))) from None
         return result
 
     def data_to_encodable_type(self, data: Any) -> Any:

@@ -112,6 +112,7 @@ class ConnectionTable:
             # Counted before sending: if the send fails, closing owes one drop_handle.
             conn.held[outcome.attached] += 1
         if outcome.staged is not None:
+            self._forget_released(conn)
             conn.staged.add(outcome.staged)  # likewise: closing abandons it
         if outcome.unstaged is not None:
             conn.staged.discard(outcome.unstaged)
@@ -162,6 +163,13 @@ class ConnectionTable:
             self._drop(conn, outcome.attached)
         if outcome.staged is not None:
             self._abandon(conn, outcome.staged)
+
+    def _forget_released(self, conn: Connection) -> None:
+        """Forget the entries ``conn`` put that were released without its commit or abort
+        (a lease ended, a DELETE): they are no longer its to commit or abandon. Done at
+        each put, so what a connection remembers is bounded by what it holds."""
+        gone = [b for b in conn.staged if not self.service.entry_staged(b)]
+        conn.staged.difference_update(gone)
 
     def _abandon(self, conn: Connection, buffer_id: str) -> None:
         if self.abandon is None:

@@ -266,6 +266,7 @@ def _serve(settings: Settings) -> None:
         health=health,
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
+        caller_threads=settings.http_tenant_threads,
     )
     server = _server(
         http_config(app, settings, service.metrics),

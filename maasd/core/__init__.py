@@ -364,6 +364,12 @@ class Service:
     def abandon_entry(self, who: Principal, buffer_id: str) -> None:
         self._entries.abandon(who, buffer_id)
 
+    def entry_staged(self, buffer_id: str) -> bool:
+        """Whether ``buffer_id`` is still an entry awaiting its commit here (from memory);
+        False once it is committed or released (its lease ended, a DELETE)."""
+        held = self.runtime.held(buffer_id)
+        return held is not None and not held.live
+
 
 def _region_budget(settings: Settings, store: Store) -> RegionBudget:
     """The daemon-wide region budget: the open-files limit less the ledger's connections,

@@ -310,14 +310,15 @@ class Buffers:
     def pin(self, who: Principal, buffer_id: str, numa_node: int) -> BufferInfo:
         """Bind and migrate the buffer's pages to ``numa_node``; return it with its measured placement."""
         require_tenant(who)
-        row = self._held_here(self._own_row(who, buffer_id))
+        row = _committed(self._held_here(self._own_row(who, buffer_id)), "pinned")
         with self._runtime.buffer_lock(row.id):
             placed = self._runtime.live_region(row.id).pin(numa_node, self._pools.topology.node_ids)
         self._store.set_numa_node(row.id, numa_node)
         return buffer_info(msgspec.structs.replace(row, numa_node=numa_node), placed)
 
     def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> BufferInfo:
-        """Extend a live buffer's lease to ``ttl_s`` seconds from now (at most ``max_ttl_s``)."""
+        """Extend a live buffer's (or a staged entry's) lease to ``ttl_s`` seconds from now
+        (at most ``max_ttl_s``)."""
         tenant_id = require_tenant(who)
         expires = leases.expires_at(time.time(), ttl_s, self._settings.max_ttl_s)
         return buffer_info(self._store.renew(buffer_id, tenant_id, expires))
@@ -325,17 +326,18 @@ class Buffers:
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
         """Write a persistent buffer to its pool's spill dir; :class:`StateConflict` if volatile."""
         require_tenant(who)
-        row = self._held_here(self._own_row(who, buffer_id))
+        row = _committed(self._held_here(self._own_row(who, buffer_id)), "checkpointed")
         if row.persistence != "persistent":
             raise StateConflict("only buffers of persistent pools can be checkpointed")
         return self._checkpoints.write(row)
 
     def release(self, who: Principal, buffer_id: str) -> None:
-        """Scrub and free a buffer; every byte is zero before this returns."""
+        """Scrub and free a buffer (a staged entry too: its commit then answers 409); every
+        byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
         row = self._held_here(self._own_row(who, buffer_id))
         row = self._store.mark_releasing(
-            buffer_id, tenant_id, only_live=True, durable=must_last(row.persistence)
+            buffer_id, tenant_id, only_leased=True, durable=must_last(row.persistence)
         )
         self._releaser.release_row(row, reason="release", marked=True)
 
@@ -364,3 +366,11 @@ class Buffers:
         if row is None:
             raise NotFound(f"no buffer {buffer_id!r}")
         return row
+
+
+def _committed(row: BufferRow, what: str) -> BufferRow:
+    """``row`` unless it is an entry its writer has not committed yet (:class:`StateConflict`):
+    its bytes are still being written, and its commit moves them to another region."""
+    if row.state == "staged":
+        raise StateConflict(f"entry {row.id} is not committed yet: it cannot be {what}")
+    return row

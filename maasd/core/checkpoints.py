@@ -11,9 +11,12 @@ coming back from its last checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 
@@ -39,17 +42,23 @@ class Checkpoints:
         self._store = store
         self._runtime = runtime
         self._metrics = metrics
+        #: buffers with a checkpoint being written (a leaf lock: nothing taken under it)
+        self._writing: set[str] = set()
+        self._writing_lock = threading.Lock()
 
     def write(self, row: BufferRow) -> Checkpoint:
         """Write a new checkpoint file of the buffer, record it, then remove the previous one.
 
-        Holds the buffer's lock throughout: a release waits for it to end.
+        Holds the buffer's lock throughout: a release waits for it to end. A checkpoint
+        of a buffer whose checkpoint is being written is :class:`StateConflict` at once,
+        rather than a wait for the buffer's lock: the one in progress saves the same bytes,
+        and callers queued behind it would each hold a thread for nothing.
         """
         live = self._runtime.pool(row.pool_id)
         if live is None or live.row.spill_dir is None:
             raise StateConflict(f"buffer {row.id} has no spill directory to checkpoint to")
         path = os.path.join(live.row.spill_dir, f"{row.id}.{time.time_ns():x}.ckpt")
-        with self._runtime.buffer_lock(row.id):
+        with self._alone(row.id), self._runtime.buffer_lock(row.id):
             checksum = allocator.checkpoint(self._runtime.live_region(row.id), path)
             previous = self._store.buffer(row.id, None)
             try:
@@ -62,6 +71,21 @@ class Checkpoints:
         self._metrics.checkpoints.inc()
         self._metrics.checkpoint_bytes.inc(row.size_bytes)
         return Checkpoint(checksum=checksum, bytes=row.size_bytes)
+
+    @contextlib.contextmanager
+    def _alone(self, buffer_id: str) -> Iterator[None]:
+        """The only checkpoint of ``buffer_id`` being written; StateConflict if another is."""
+        with self._writing_lock:
+            if buffer_id in self._writing:
+                raise StateConflict(
+                    f"a checkpoint of buffer {buffer_id} is in progress: retry once it has ended"
+                )
+            self._writing.add(buffer_id)
+        try:
+            yield
+        finally:
+            with self._writing_lock:
+                self._writing.discard(buffer_id)
 
     def write_many(self, rows: list[BufferRow]) -> set[str]:
         """Checkpoint many buffers at once (shutdown), at a cost that does not grow with a

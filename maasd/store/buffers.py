@@ -7,7 +7,9 @@ A buffer's life in the ledger::
 
 An entry (``kind = 'entry'``, a socket ``put``) is ``staged`` while its writer fills
 it: it counts like any buffer but no lookup sees it, until :meth:`BufferRepo.commit`
-makes it ``live`` with its ``committed_at``.
+makes it ``live`` with its ``committed_at``. Its lease runs from the put: a DELETE or
+the reaper may release it while staged (``staged ─> releasing``), and the commit, a
+compare-and-set from ``staged``, then finds it gone.
 
 Eviction marks its victims ``releasing`` inside the reserve transaction that
 needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
@@ -117,15 +119,20 @@ _mark_releasing = (
     .returning(*_B.c)
 )
 _mark_own_releasing = _mark_releasing.where(_B.c.tenant_id == bindparam("p_tenant"))
-_mark_live_releasing = _mark_releasing.where(_B.c.state == "live")
-_mark_own_live_releasing = _mark_own_releasing.where(_B.c.state == "live")
+#: The states of a buffer that holds memory under a lease: a live buffer, and an entry
+#: still staged (its writer has not committed it). Either may be released by a DELETE,
+#: renewed, and released by the reaper when its lease ends.
+_LEASED = ("live", "staged")
+_is_leased = _B.c.state.in_(_LEASED)
+_mark_leased_releasing = _mark_releasing.where(_is_leased)
+_mark_own_leased_releasing = _mark_own_releasing.where(_is_leased)
 _mark_own_staged_releasing = _mark_own_releasing.where(_B.c.state == "staged")
-_mark_expired = _mark_releasing.where(_B.c.state == "live", _B.c.expires_at < bindparam("now"))
+_mark_expired = _mark_releasing.where(_is_leased, _B.c.expires_at < bindparam("now"))
 _set_state = update(_B).where(_B.c.id == bindparam("p_id")).values(state=bindparam("p_state"))
 _advance = _set_state.where(_B.c.state == bindparam("p_from"))
 _renew = (
     update(_B)
-    .where(_B.c.id == bindparam("p_id"), _B.c.state == "live")
+    .where(_B.c.id == bindparam("p_id"), _is_leased)
     .values(expires_at=bindparam("p_expires"))
     .returning(*_B.c)
 )
@@ -156,7 +163,7 @@ _set_checkpoint = (
 _on_host = _B.c.host == bindparam("host")
 _sel_expired = (
     select(_B)
-    .where(_B.c.state == "live", _B.c.expires_at < bindparam("now"), _on_host)
+    .where(_is_leased, _B.c.expires_at < bindparam("now"), _on_host)
     .order_by(_B.c.expires_at)
 )
 _sel_on_host = select(_B).where(_on_host).order_by(_B.c.created_at, _B.c.id)
@@ -438,7 +445,7 @@ class BufferRepo(Connections):
         buffer_id: str,
         tenant_id: str | None,
         *,
-        only_live: bool = False,
+        only_leased: bool = False,
         durable: bool = True,
     ) -> BufferRow:
         """Mark a buffer ``releasing`` (clearing its key) and return it.
@@ -446,15 +453,15 @@ class BufferRepo(Connections):
         ``tenant_id=None`` acts as the admin. Unknown or foreign ids raise
         :class:`NotFound`. By default a buffer already releasing is returned
         again (idempotent, so the daemon's own clean-ups can finish another's
-        work); ``only_live=True`` — a caller's DELETE — claims only a ``live``
-        buffer, so of two concurrent releases exactly one succeeds and the
-        other finds the buffer gone.
+        work); ``only_leased=True`` — a caller's DELETE — claims only a ``live``
+        buffer or a ``staged`` entry, so of two concurrent releases (or a release
+        and an entry's commit) exactly one succeeds and the other finds it gone.
         """
         params = {"p_id": buffer_id}
         if tenant_id is None:
-            stmt = _mark_live_releasing if only_live else _mark_releasing
+            stmt = _mark_leased_releasing if only_leased else _mark_releasing
         else:
-            stmt = _mark_own_live_releasing if only_live else _mark_own_releasing
+            stmt = _mark_own_leased_releasing if only_leased else _mark_own_releasing
             params["p_tenant"] = tenant_id
         row = self._single_first(stmt, params, durable=durable)
         if row is None:
@@ -471,11 +478,13 @@ class BufferRepo(Connections):
         return None if row is None else BufferRow(*row)
 
     def mark_expired(self, buffer_id: str, now: float, *, durable: bool = True) -> BufferRow | None:
-        """Mark a buffer ``releasing`` only if it is live and its lease ended before ``now``.
+        """Mark a buffer ``releasing`` only if it is live (or a staged entry) and its
+        lease ended before ``now``.
 
         The reaper's compare-and-set: a lease renewed between :meth:`expired`
         and this call is left alone (``None``), as is a buffer someone else is
-        already releasing.
+        already releasing. A staged entry's commit is the other side of the same
+        compare-and-set (:meth:`commit` moves only a ``staged`` row): exactly one wins.
         """
         row = self._single_first(_mark_expired, {"p_id": buffer_id, "now": now}, durable=durable)
         return None if row is None else BufferRow(*row)
@@ -518,7 +527,8 @@ class BufferRepo(Connections):
         return [BufferRow(*r) for r in self._read_rows(stmt, params)]
 
     def renew(self, buffer_id: str, tenant_id: str | None, expires_at: float) -> BufferRow:
-        """Set a live buffer's lease end. :class:`NotFound` if unknown, foreign or not live."""
+        """Set a live buffer's (or staged entry's) lease end. :class:`NotFound` if unknown,
+        foreign, or neither live nor staged."""
         if tenant_id is None:
             row = self._single_first(_renew, {"p_id": buffer_id, "p_expires": expires_at})
         else:
@@ -581,7 +591,8 @@ class BufferRepo(Connections):
         return recorded
 
     def expired(self, now: float, host: str) -> list[BufferRow]:
-        """Live buffers of ``host`` whose lease ended before ``now``, earliest first."""
+        """Live buffers and staged entries of ``host`` whose lease ended before ``now``,
+        earliest first."""
         return [BufferRow(*r) for r in self._read_rows(_sel_expired, {"now": now, "host": host})]
 
     def lookup(

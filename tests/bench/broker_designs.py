@@ -97,6 +97,9 @@ class MemService:
     def abort_entry(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
         raise InvalidRequest("the bench service serves no abort")
 
+    def entry_staged(self, _b: str) -> bool:
+        return False  # it serves no put
+
     def abandon_entry(self, _p: Principal, _b: str) -> None:
         return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 import pytest
 
@@ -49,12 +50,6 @@ def released(d: Daemon, tenant_id: str, w: Raw, reserved: Reserved, fd: int) -> 
     assert reply.status == 409, reply
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the reaper and DELETE select only live rows (maasd.store.buffers: _sel_expired, "
-    "mark_releasing(only_live=True)): a staged entry outlives its lease while its writer "
-    "keeps the connection open",
-)
 def test_a_staged_entry_whose_lease_ended_is_released(daemon: Daemon) -> None:
     tenant_id, key = daemon.tenant("stuck-writer", 16 * MiB)
     w, reserved, fd = staged_entry(daemon, key, ttl_s=1)
@@ -74,11 +69,6 @@ def test_a_staged_entry_whose_lease_ended_is_released(daemon: Daemon) -> None:
 
 
 @pytest.mark.parametrize("who", ["tenant", "admin"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="DELETE /v1/buffers/{id} claims only live rows: a staged entry that GET shows "
-    "answers 404, so neither its tenant nor the admin can release it",
-)
 def test_a_staged_entry_can_be_released_by_delete(daemon: Daemon, who: str) -> None:
     tenant_id, key = daemon.tenant("stuck-writer", 16 * MiB)
     w, reserved, fd = staged_entry(daemon, key)
@@ -93,6 +83,53 @@ def test_a_staged_entry_can_be_released_by_delete(daemon: Daemon, who: str) -> N
     finally:
         os.close(fd)
         w.close()
+    after_attack(daemon)
+
+
+def test_a_staged_entry_is_renewed_but_neither_pinned_nor_checkpointed(
+    daemon: Daemon, tmp_path: Path
+) -> None:
+    """REST on an entry its writer has not committed: renew extends its lease (it has one
+    from the put); pin and checkpoint are 409 (its bytes move to another region at the
+    commit); once committed, both work."""
+    r = daemon.admin.post(
+        "/v1/pools",
+        json={
+            "name": f"spill-{secrets.token_hex(3)}",
+            "numa_node": 0,
+            "capacity_bytes": 16 * MiB,
+            "persistence": "persistent",
+            "spill_dir": str(tmp_path / "spill"),
+        },
+    )
+    assert r.status_code == 201, r.text
+    pool = r.json()["id"]
+    _, key = daemon.tenant("stuck-writer", 16 * MiB)
+    w = Raw(daemon.socket_path, timeout=30)
+    w.hello(key)
+    reserved, fds = w.call(Put(key="half-written", size_bytes=MiB, pool=pool, ttl_s=60))
+    assert isinstance(reserved, Reserved), reserved
+    path = f"/v1/buffers/{reserved.buffer_id}"
+    try:
+        with daemon.client(key) as c:
+            before = c.get(path).json()
+            r = c.post(f"{path}/renew", json={"ttl_s": 3600})
+            assert r.status_code == 200, r.text
+            assert r.json()["state"] == "staged"
+            assert r.json()["expires_at"] > before["expires_at"]
+            for r in (c.patch(f"{path}/pin", json={"numa_node": 0}), c.post(f"{path}/checkpoint")):
+                assert r.status_code == 409, r.text
+                assert r.json()["type"].endswith("state-conflict")
+                assert "not committed yet" in r.json()["detail"]
+            assert os.listdir(tmp_path / "spill") == []
+            assert isinstance(w.call(Commit(buffer_id=reserved.buffer_id))[0], Ok)
+            assert c.patch(f"{path}/pin", json={"numa_node": 0}).status_code == 200
+            assert c.post(f"{path}/checkpoint").status_code == 200
+    finally:
+        for fd in fds:
+            os.close(fd)
+        w.close()
+    assert daemon.admin.delete(f"/v1/pools/{pool}", params={"drain": "true"}).status_code == 204
     after_attack(daemon)
 
 

@@ -462,6 +462,30 @@ def test_the_key_is_checked_at_hello_and_again_only_after_a_revocation(fake):
         assert r.closed_by_peer()
 
 
+def test_a_connection_forgets_the_entries_released_without_it(fake):
+    """An entry released behind its writer's back (its lease ended, a DELETE) is forgotten
+    at the writer's next put: what a connection remembers is bounded by what it holds."""
+    tenant = fake.new_tenant()
+    with contextlib.closing(Raw(fake.socket_path)) as r:
+        r.hello(tenant[1])
+        gone, fds = r.call(Put(key="a", size_bytes=4096))
+        assert isinstance(gone, Reserved)
+        os.close(fds[0])
+        fake.svc.abandon_entry(fake.svc.authenticate(tenant[1]), gone.buffer_id)  # released
+        kept, fds = r.call(Put(key="b", size_bytes=4096))
+        assert isinstance(kept, Reserved)
+        os.close(fds[0])
+        assert fake.svc.entry_staged(kept.buffer_id)
+        assert not fake.svc.entry_staged(gone.buffer_id)
+        (conn,) = fake.broker._loop.table.conns
+        assert conn.staged == {kept.buffer_id}
+        reply, _ = r.call(Commit(buffer_id=gone.buffer_id))  # no longer this connection's
+        assert isinstance(reply, Error)
+        assert reply.status == 404
+        assert r.call(Commit(buffer_id=kept.buffer_id)) == (Ok(), [])
+        assert not fake.svc.entry_staged(kept.buffer_id)  # committed
+
+
 def test_a_connection_that_closes_abandons_the_entries_it_did_not_commit(fake):
     tenant = fake.new_tenant()
     r = Raw(fake.socket_path)

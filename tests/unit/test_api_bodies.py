@@ -32,6 +32,7 @@ from bad_bodies import (
     send,
 )
 from inprocess_api import ADMIN_KEY, auth, client, service, snapshot
+from maasd import bounds
 from maasd.api import strict
 from maasd.api.app import create_app
 from maasd.api.schemas import (
@@ -77,11 +78,11 @@ def raw_of(body: Any) -> bytes:
 
 
 def msgspec_says(body: Any, kind: type[Any]) -> str | None:
-    """What msgspec itself says of ``body`` as ``kind`` (None: it decodes)."""
+    """What msgspec itself says of ``body`` as ``kind`` (None: it decodes), names in words."""
     try:
         msgspec.json.decode(raw_of(body), type=kind)
     except msgspec.ValidationError as e:
-        return str(e)
+        return bounds.explain(str(e))
     except msgspec.DecodeError as e:
         return f"malformed JSON: {e}"
     return None

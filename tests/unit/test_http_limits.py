@@ -24,12 +24,15 @@ def test_http_settings_from_the_environment() -> None:
             "MAASD_HTTP_HEAD_TIMEOUT_S": "2.5",
             "MAASD_HTTP_BODY_TIMEOUT_S": "7",
             "MAASD_HTTP_SEND_TIMEOUT_S": "9",
+            "MAASD_HTTP_TENANT_THREADS": "4",
         }
     )
     assert (s.http_max_connections, s.http_head_timeout_s) == (64, 2.5)
     assert (s.http_body_timeout_s, s.http_send_timeout_s) == (7.0, 9.0)
+    assert s.http_tenant_threads == 4
     defaults = load(env={})
     assert (defaults.http_head_timeout_s, defaults.http_body_timeout_s) == (10.0, 30.0)
+    assert defaults.http_tenant_threads == 16
 
 
 @pytest.mark.parametrize(
@@ -39,6 +42,7 @@ def test_http_settings_from_the_environment() -> None:
         ("MAASD_HTTP_HEAD_TIMEOUT_S", "-1"),
         ("MAASD_HTTP_BODY_TIMEOUT_S", "0"),
         ("MAASD_HTTP_SEND_TIMEOUT_S", "nan"),
+        ("MAASD_HTTP_TENANT_THREADS", "0"),
     ],
 )
 def test_http_bounds_must_be_positive(var: str, value: str) -> None:

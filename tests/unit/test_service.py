@@ -29,6 +29,7 @@ from maasd.core.runtime import LivePool
 from maasd.models import BufferState, Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
 from maasd.settings import Settings
 from maasd.store import BufferRow, KeyRow
+from waiting import wait_until
 
 MiB = 1 << 20
 
@@ -342,19 +343,52 @@ def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> No
         svc.checkpoint(who, svc.reserve(who, req(MiB, pool="fast")).id)
 
 
-def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
-    who = tenant(svc)
-    buf = svc.reserve(who, req(16 * MiB, persistence="persistent"))
-    view(svc, buf.id)[:] = 3
+def checkpointing(
+    svc: Service, who: Principal, buffer_id: str, n: int
+) -> tuple[list[threading.Thread], list[Checkpoint | errors.MaasdError]]:
+    """``n`` threads (not started yet) each checkpointing the buffer, and what they got."""
     outcome: list[Checkpoint | errors.MaasdError] = []
 
     def checkpoint() -> None:
         try:
-            outcome.append(svc.checkpoint(who, buf.id))
+            outcome.append(svc.checkpoint(who, buffer_id))
         except errors.MaasdError as e:
             outcome.append(e)
 
-    threads = [threading.Thread(target=checkpoint) for _ in range(3)]
+    return [threading.Thread(target=checkpoint) for _ in range(n)], outcome
+
+
+def test_a_checkpoint_while_another_of_the_buffer_is_written_is_409_at_once(
+    svc: Service,
+) -> None:
+    """Of two checkpoints of one buffer, the second does not wait for the first (each
+    would hold a REST thread for nothing): it is refused at once."""
+    who = tenant(svc)
+    buf = svc.reserve(who, req(MiB, persistence="persistent"))
+    view(svc, buf.id)[:] = 5
+    threads, outcome = checkpointing(svc, who, buf.id, 2)
+    with svc.runtime.buffer_lock(buf.id):  # the first checkpoint cannot finish yet
+        for t in threads:
+            t.start()
+        # One of the two claimed the buffer and waits for its lock; the other is refused
+        # without waiting for either.
+        wait_until(lambda: len(outcome) == 1, message="the second checkpoint refused")
+        refused = outcome[0]
+        assert isinstance(refused, errors.StateConflict), refused
+        assert f"a checkpoint of buffer {buf.id} is in progress" in refused.detail
+    for t in threads:
+        t.join()
+    written = outcome[1]
+    assert isinstance(written, Checkpoint), written
+    assert written.checksum == hashlib.sha256(bytes([5]) * MiB).hexdigest()
+    assert isinstance(svc.checkpoint(who, buf.id), Checkpoint)  # and again, once it ended
+
+
+def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
+    who = tenant(svc)
+    buf = svc.reserve(who, req(16 * MiB, persistence="persistent"))
+    view(svc, buf.id)[:] = 3
+    threads, outcome = checkpointing(svc, who, buf.id, 3)
     for t in threads:
         t.start()
     svc.release(who, buf.id)  # must not unmap under a checkpoint that is reading

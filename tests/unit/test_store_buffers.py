@@ -263,6 +263,33 @@ def test_an_entry_is_staged_until_its_commit(store: Store) -> None:
     assert store.commit(aborted, NOW) is None  # released meanwhile: the commit refuses
 
 
+def test_a_staged_entry_has_a_lease_and_can_be_released(store: Store) -> None:
+    """A writer that never commits holds its entry no longer than its lease: the reaper's
+    compare-and-set and a DELETE take a staged entry, and its commit then finds it gone."""
+    pool, t, other = make_pool(store), make_tenant(store), make_tenant(store, "other")
+    expired = _staged_entry(store, t, pool, "k1")  # leases end at NOW + 600
+    assert [b.id for b in store.expired(NOW + 601, HOST)] == [expired]
+    renewed = store.renew(expired, t.id, NOW + 700)  # renewing a staged entry extends it
+    assert (renewed.state, renewed.expires_at) == ("staged", NOW + 700)
+    assert store.mark_expired(expired, NOW + 601) is None  # renewed since: left alone
+    marked = store.mark_expired(expired, NOW + 701)
+    assert marked is not None
+    assert (marked.state, marked.key) == ("releasing", None)
+    assert store.commit(expired, NOW + 702) is None  # the reaper won: the commit refuses
+    # The commit wins: the reaper's compare-and-set then sees a live entry, on its lease.
+    committed = _staged_entry(store, t, pool, "k2")
+    assert store.commit(committed, NOW + 1) is not None
+    assert store.mark_expired(committed, NOW + 2) is None
+    # A DELETE (tenant or admin) claims a staged entry, once; not another tenant's.
+    deleted = _staged_entry(store, t, pool, "k3")
+    with pytest.raises(NotFound):
+        store.mark_releasing(deleted, other.id, only_leased=True)
+    assert store.mark_releasing(deleted, t.id, only_leased=True).state == "releasing"
+    with pytest.raises(NotFound):
+        store.mark_releasing(deleted, None, only_leased=True)  # claimed already
+    assert store.commit(deleted, NOW + 3) is None
+
+
 def test_uses_and_lease_extensions_are_written_together_and_never_shorten(store: Store) -> None:
     pool, t = make_pool(store), make_tenant(store)
     a = reserve_live(store, buf(t, pool, 10, expires=NOW + 100))

@@ -1,0 +1,89 @@
+"""The REST API's service-call runner (maasd.api.auth.Run): each caller's share of the threads.
+
+A caller flooding the API holds at most its share of the threads; its further calls wait
+in its own queue, without a thread, and another caller's call takes a free thread at once.
+Counted, not timed: calls block on an event until the test lets them go.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+from anyio import CapacityLimiter
+
+from maasd.api.auth import Run
+from maasd.models import Principal
+
+THREADS = 4
+SHARE = 2
+FLOOD = 10
+
+
+def tenant(name: str) -> Principal:
+    return Principal(is_admin=False, tenant_id=name)
+
+
+def test_a_caller_holds_at_most_its_share_and_another_one_is_served_meanwhile() -> None:
+    run = Run(CapacityLimiter(THREADS), per_caller=SHARE)
+    release = threading.Event()
+    lock = threading.Lock()
+    running = 0
+    most = 0
+
+    def slow() -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        release.wait(30)
+        with lock:
+            running -= 1
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            flooder = run.of(tenant("flooder"))
+            for _ in range(FLOOD):
+                tg.start_soon(flooder, slow)
+            while True:  # until the flood holds its share
+                await anyio.sleep(0.01)
+                with lock:
+                    if running == SHARE:
+                        break
+            # The flood waits in its own queue: another tenant gets a thread at once,
+            # and so does the admin, while every call of the flood is still blocked.
+            assert await run.of(tenant("bystander"))(lambda: "served") == "served"
+            assert await run.of(Principal(is_admin=True))(lambda: "served") == "served"
+            with lock:
+                assert running == SHARE
+            assert run.limiter.borrowed_tokens == SHARE
+            assert run.callers() == 1  # the bystanders' shares are gone with their calls
+            release.set()
+        assert run.callers() == 0
+
+    anyio.run(main)
+    assert most == SHARE
+
+
+def test_the_share_defaults_to_every_thread() -> None:
+    run = Run(CapacityLimiter(THREADS))
+    assert run.per_caller == THREADS
+
+
+def test_a_failing_call_gives_its_share_back() -> None:
+    run = Run(CapacityLimiter(THREADS), per_caller=1)
+
+    def boom() -> None:
+        raise ValueError("refused")
+
+    async def main() -> None:
+        caller = run.of(tenant("t"))
+        with anyio.fail_after(30):  # with a share of 1, one not given back would block
+            for _ in range(3):
+                with pytest.raises(ValueError, match="refused"):
+                    await caller(boom)
+        assert run.callers() == 0
+        assert await caller(lambda: 1) == 1
+
+    anyio.run(main)
