@@ -58,12 +58,6 @@ def attach_once(path: str, key: str, buffer_id: str) -> object:
     return reply
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a peer that never reads its replies keeps the fds they carry in flight, counted "
-    "against the daemon's RLIMIT_NOFILE: past it every sendmsg with an fd fails "
-    "(ETOOMANYREFS) and every tenant's attach/lookup is cut off, with /healthz ok",
-)
 def test_fds_left_unread_in_sockets_do_not_cut_other_tenants_off(nobody_dir: Path) -> None:
     # The kernel counts fds in flight over Unix sockets (sent, not yet received) per
     # sending user, and refuses more (ETOOMANYREFS) past the sender's RLIMIT_NOFILE,
@@ -119,12 +113,6 @@ def test_fds_left_unread_in_sockets_do_not_cut_other_tenants_off(nobody_dir: Pat
             d.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="connections waiting for hello are capped per uid (half of "
-    "socket_max_unauthenticated) and in total, and a new one past the cap is refused "
-    "(429) instead of shedding the oldest: idle connects lock out every worker of the uid",
-)
 def test_connections_that_never_say_hello_do_not_lock_out_a_worker(daemon: Daemon) -> None:
     # No key needed: anyone who may connect to the socket opens connections and never
     # sends hello, re-opening each one the hello deadline closes. A worker of the same

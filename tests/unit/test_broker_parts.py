@@ -57,6 +57,27 @@ def test_the_unauthenticated_total_cap() -> None:
     assert counts.admit_peer(3) is None
 
 
+def test_who_sheds_a_connection_waiting_for_hello() -> None:
+    counts = ConnectionCounts(Limits(max_unauthenticated=6, max_per_uid=4, max_connections=8))
+    for uid in (1, 1, 2):
+        assert counts.shed_for(uid) is None
+        assert counts.admit_peer(uid) is None
+    assert counts.shed_for(1) is None  # room for one more of uid 1
+    assert counts.admit_peer(1) is None
+    assert counts.shed_for(1) == 1  # at its share (3): its own oldest goes
+    assert counts.shed_for(2) is None
+    assert counts.admit_peer(2) is None
+    assert counts.admit_peer(3) is None
+    assert counts.shed_for(3) == 1  # at the total (6): the uid holding most
+    assert counts.admit_tenant(1, "t") is None
+    assert counts.admit_tenant(1, "t") is None
+    assert counts.admit_peer(1) is None  # uid 1: 4 open, at socket_max_per_uid
+    assert counts.shed_for(1) is None  # refused at a cap shedding would not lift
+    assert counts.admit_peer(2) is None  # 8 open, at socket_max_connections
+    assert counts.shed_for(4) is None
+    assert counts.admit_peer(4) is not None
+
+
 def test_leaving_gives_every_count_back() -> None:
     counts = ConnectionCounts(Limits())
     assert counts.admit_peer(7) is None
