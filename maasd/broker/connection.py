@@ -48,9 +48,8 @@ class FdsRefused(Exception):
 
 #: The kernel's send buffer per connection (it doubles what is asked). Replies are
 #: small and a worker reads each before it asks again, so this only ever fills
-#: for a peer that does not read — and it bounds how many replies, and so how many
-#: fds, can sit unread in that peer's socket (a dozen or two), where they would
-#: count against the daemon's in-flight fd limit (ETOOMANYREFS) for everyone.
+#: for a peer that does not read; it bounds the bytes such a peer leaves unread
+#: (the fds among them are one reply's, see the module docstring).
 SEND_BUFFER_BYTES = 8 * 1024
 
 
