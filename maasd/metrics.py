@@ -268,7 +268,7 @@ class Metrics:
         )
 
     def _connection_series(self, r: CollectorRegistry) -> None:
-        """The REST server's connections."""
+        """The REST server's and the worker socket's connections."""
         self.http_connections = Gauge(
             "maasd_http_connections", "REST connections held open", registry=r
         )
@@ -279,6 +279,25 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.socket_closed = Counter(
+            "maasd_socket_connections_closed",
+            "Worker socket connections the daemon closed or refused at a limit (shed, "
+            "refused, hello_timeout, send_timeout)",
+            ["reason"],
+            registry=r,
+        )
+        self.socket_fds_refused = Counter(
+            "maasd_socket_fds_refused",
+            "Replies whose fds the kernel refused (ETOOMANYREFS), answered 507 instead",
+            registry=r,
+        )
+
+    def socket_event(self, event: str) -> None:
+        """What the worker socket reports (``maasd.broker.Broker``'s ``events``)."""
+        if event == "fds_refused":
+            self.socket_fds_refused.inc()
+        else:
+            self.socket_closed.labels(reason=event).inc()
 
     def tenant(self, tenant_id: str) -> TenantMetrics:
         """The hot path's series of one tenant (made on first use, then reused)."""

@@ -9,28 +9,47 @@ further frame from a connection while its queue is non-empty or an operation
 of it is in flight, so the queue holds at most one reply (≤ 64 KiB): what a
 peer that never reads can make the daemon keep is bounded by that, and the
 send deadline closes it.
+
+A reply that carries fds is sent only once the peer has read everything sent
+before (``SIOCOUTQ`` is 0): each fd the daemon sends stays *in flight* in the
+peer's receive queue until the peer reads it, and the kernel counts those
+against the daemon user's ``RLIMIT_NOFILE`` (past it, every ``sendmsg`` with an
+fd fails with ``ETOOMANYREFS``, for every tenant). So one connection holds at
+most one unread fd-carrying reply; the next waits (``awaiting_peer``) and the
+loop retries it on a short timer, under the send deadline.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import errno
+import fcntl
 import os
 import socket
 import struct
+import termios
 
 from maasd.models import Principal
 from maasd.protocol import FrameReader
 
-__all__ = ["Connection", "peer_credentials"]
+__all__ = ["Connection", "FdsRefused", "peer_credentials"]
 
 _PEERCRED = struct.Struct("3i")
+_INT = struct.Struct("i")
+#: ioctl: for an AF_UNIX stream socket, the bytes it sent that the peer has not read yet.
+SIOCOUTQ = termios.TIOCOUTQ
+
+
+class FdsRefused(Exception):
+    """The kernel refused a reply's fds (ETOOMANYREFS): the daemon's user has as many
+    fds in flight as its RLIMIT_NOFILE. The reply is still queued, fds and all."""
+
 
 #: The kernel's send buffer per connection (it doubles what is asked). Replies are
 #: small and a worker reads each before it asks again, so this only ever fills
-#: for a peer that does not read — and it bounds how many replies, and so how many
-#: fds, can sit unread in that peer's socket (a dozen or two), where they would
-#: count against the daemon's in-flight fd limit (ETOOMANYREFS) for everyone.
+#: for a peer that does not read; it bounds the bytes such a peer leaves unread
+#: (the fds among them are one reply's, see the module docstring).
 SEND_BUFFER_BYTES = 8 * 1024
 
 
@@ -49,9 +68,12 @@ class Connection:
 
     __slots__ = (
         "api_key",
+        "awaiting_peer",
         "busy",
         "closed",
+        "draining",
         "events",
+        "fds_sent",
         "generation",
         "gid",
         "held",
@@ -88,6 +110,12 @@ class Connection:
         self.closed = False
         self.lingering = False  # refused: waits briefly for the peer's first bytes, then closes
         self.in_backlog = False
+        #: the head reply carries fds and waits until the peer reads what it was sent
+        self.awaiting_peer = False
+        #: fds were ever sent: closing may have to wait for the peer to read them
+        self.fds_sent = False
+        #: closed for the broker, but its peer has not read fds sent to it yet
+        self.draining = False
         self.events = 0  # selector events registered now (0: not registered)
 
     @property
@@ -113,31 +141,39 @@ class Connection:
         """Whether to read more: nothing in flight, nothing unsent, no whole frame waiting."""
         return not (self.busy or self.out or self.reader.has_frame)
 
-    def send(self, frame: bytes, fds: tuple[int, ...] = ()) -> bool:
+    def send(self, frame: bytes, fds: tuple[int, ...] = (), about: object = None) -> bool:
         """Send ``frame`` (``fds`` with its first byte) as far as the kernel takes it now.
 
         What is not taken is queued for :meth:`flush`. Returns True when nothing is
-        left queued; raises ``OSError`` when the peer is gone. The fds are owned
-        from here on: closed once sent, or by :meth:`close`.
+        left queued; raises ``OSError`` when the peer is gone, :class:`FdsRefused`
+        (the reply left queued, see :meth:`take_refused`) when the kernel refuses the
+        fds. The fds are owned from here on: closed once sent, or by :meth:`close`.
+        ``about`` (the reply's outcome) is kept with a queued reply.
         """
         if self.out:
-            self.out.append(_Outgoing(memoryview(frame), fds))
+            self.out.append(_Outgoing(memoryview(frame), fds, about))
             return self.flush()
+        self.awaiting_peer = False
         try:
             sent = self._send_once(frame, fds)
+        except FdsRefused:
+            self.out.append(_Outgoing(memoryview(frame), fds, about))
+            raise
         except OSError:
             _close_all(fds)  # never queued: nobody else will close them
             raise
         if sent == len(frame):
             return True
-        self.out.append(_Outgoing(memoryview(frame)[sent:], () if sent else fds))
+        self.out.append(_Outgoing(memoryview(frame)[sent:], () if sent else fds, about))
         return False
 
     def flush(self) -> bool:
         """Send what is queued as far as the kernel takes it; True when the queue is empty.
 
-        Raises ``OSError`` when the peer is gone (EPIPE, ECONNRESET, …).
+        Raises ``OSError`` when the peer is gone (EPIPE, ECONNRESET, …), and
+        :class:`FdsRefused` as :meth:`send` does.
         """
+        self.awaiting_peer = False
         while self.out:
             msg = self.out[0]
             sent = self._send_once(msg.view, msg.fds)
@@ -149,23 +185,57 @@ class Connection:
             self.out.popleft()
         return True
 
+    def take_refused(self) -> object:
+        """Drop the queued reply :class:`FdsRefused` was raised for (closing its fds);
+        returns its ``about``."""
+        msg = self.out.popleft()
+        _close_all(msg.fds)
+        return msg.about
+
+    def unread(self) -> int:
+        """Bytes sent on this connection that its peer has not read yet (0 if unknown)."""
+        try:
+            return int(_INT.unpack(fcntl.ioctl(self.sock.fileno(), SIOCOUTQ, b"\0\0\0\0"))[0])
+        except (OSError, ValueError):  # closed: nothing of ours is in flight any more
+            return 0
+
     def _send_once(self, data: bytes | memoryview, fds: tuple[int, ...]) -> int:
-        """One non-blocking send; 0 when the kernel takes nothing now. Sent fds are closed."""
+        """One non-blocking send; 0 when the kernel takes nothing now (or the peer has yet
+        to read what came before a reply with fds). Sent fds are closed."""
         try:
             if fds:
+                if self.fds_sent and self.unread():
+                    self.awaiting_peer = True
+                    return 0
                 anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack(f"{len(fds)}i", *fds))]
                 sent = self.sock.sendmsg([data], anc, socket.MSG_NOSIGNAL)
             else:
                 sent = self.sock.send(data, socket.MSG_NOSIGNAL)
         except BlockingIOError:
             return 0
+        except OSError as exc:
+            if exc.errno == errno.ETOOMANYREFS:
+                raise FdsRefused(exc.strerror) from exc
+            raise
         if fds:  # they went with the first byte: the kernel holds its own references now
+            self.fds_sent = True
             _close_all(fds)
         return sent
+
+    def shut(self) -> None:
+        """Closed for the broker, socket kept: drop unsent replies (closing their fds) and
+        shut the write side, so that the peer reads what it was sent, then EOF."""
+        self.closed = self.draining = True
+        for msg in self.out:
+            _close_all(msg.fds)
+        self.out.clear()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         """Close the socket and every fd of a reply that was never sent."""
         self.closed = True
+        self.draining = False
         for msg in self.out:
             _close_all(msg.fds)
         self.out.clear()
@@ -174,13 +244,15 @@ class Connection:
 
 
 class _Outgoing:
-    """A reply not yet (wholly) sent: the bytes left, and fds still to go with the first."""
+    """A reply not yet (wholly) sent: the bytes left, fds still to go with the first, and
+    what it is about (the table's outcome: undone if the kernel refuses the fds)."""
 
-    __slots__ = ("fds", "view")
+    __slots__ = ("about", "fds", "view")
 
-    def __init__(self, view: memoryview, fds: tuple[int, ...]) -> None:
+    def __init__(self, view: memoryview, fds: tuple[int, ...], about: object = None) -> None:
         self.view = view
         self.fds = fds
+        self.about = about
 
 
 def _close_all(fds: tuple[int, ...]) -> None:

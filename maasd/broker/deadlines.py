@@ -13,6 +13,7 @@ cancel and expiry; no heap, no lazy deletion.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 from typing import Generic, TypeVar
 
 __all__ = ["Deadlines"]
@@ -32,6 +33,10 @@ class Deadlines(Generic[T]):
 
     def __contains__(self, item: object) -> bool:
         return item in self._due
+
+    def __iter__(self) -> Iterator[T]:
+        """The items, earliest deadline (first started) first."""
+        return iter(self._due)
 
     def start(self, item: T, now: float) -> None:
         """Start (or restart) ``item``'s deadline at ``now``."""

@@ -37,7 +37,8 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     #: Connections open at once, in total.
     max_connections: int = 1024
     #: Connections that have not completed ``hello`` yet, in total; one peer uid may
-    #: hold at most half of them, so a flood from one uid cannot lock out the others.
+    #: hold at most half of them. At either cap a new connection sheds the oldest one
+    #: still waiting (of its uid; of the uid holding most), so idle connects lock nobody out.
     max_unauthenticated: int = 64
     #: Connections of one peer uid (SO_PEERCRED), before and after ``hello``.
     max_per_uid: int = 512
@@ -101,6 +102,21 @@ class ConnectionCounts:
         self.unauthenticated += 1
         self.unauthenticated_by_uid[uid] += 1
         self.by_uid[uid] += 1
+        return None
+
+    def shed_for(self, uid: int) -> int | None:
+        """Before ``admit_peer(uid)``: the uid whose oldest connection waiting for hello to
+        close to make room, or None. At the per-uid share that is ``uid`` itself, at the
+        total, the uid holding most; never when another cap would refuse ``uid`` anyway.
+        """
+        lim = self.limits
+        if self.total >= lim.max_connections or self.by_uid[uid] >= lim.max_per_uid:
+            return None
+        waiting = self.unauthenticated_by_uid
+        if waiting[uid] >= max(1, lim.max_unauthenticated // 2):
+            return uid
+        if self.unauthenticated >= lim.max_unauthenticated and waiting:
+            return max(waiting, key=waiting.__getitem__)
         return None
 
     def admit_tenant(self, uid: int, tenant: str) -> str | None:

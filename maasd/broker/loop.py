@@ -79,6 +79,7 @@ class EventLoop:
         self.table = ConnectionTable(
             self.sel, service, self.dispatcher, limits, log, abandon=self._abandon
         )
+        self.table.resume = self._resume
         self.acceptor = Acceptor(listener, self.sel, self.dispatcher, log, self.table.admit)
         self.backlog: collections.deque[Connection] = collections.deque()
         self.results: collections.deque[tuple[Connection, Outcome]] = collections.deque()
@@ -142,8 +143,10 @@ class EventLoop:
 
     def _event(self, data: object, mask: int) -> None:
         if isinstance(data, Connection):
-            if data.closed:
-                return  # closed earlier in this turn
+            if data.closed:  # closed earlier in this turn, or drained
+                if data.draining:
+                    self.table.drain_read(data)
+                return
             if data.lingering:
                 self.acceptor.linger_read(data)
                 return
@@ -299,6 +302,10 @@ class EventLoop:
     def _deliver_and_go_on(self, conn: Connection, outcome: Outcome) -> None:
         self.table.deliver(conn, outcome)
         self._process(conn)
+
+    def _resume(self, conn: Connection) -> None:
+        """A reply held for ``conn``'s peer went out: serve its waiting frames."""
+        self._guard(conn, self._process, conn)
 
     def _run_backlog(self) -> None:
         for _ in range(len(self.backlog)):

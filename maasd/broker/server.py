@@ -18,6 +18,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 from .dispatch import HandleService
 from .limits import Limits
@@ -46,7 +47,9 @@ class Broker:
     :class:`maasd.broker.dispatch.HandleService`). ``mode`` (and ``group``, a
     gid, when given) is applied to the socket file before it accepts
     connections. ``limits`` bounds connections, deadlines and slow work
-    (defaults: :class:`Limits`).
+    (defaults: :class:`Limits`). ``events`` (for metrics) is told ``shed``,
+    ``refused``, ``hello_timeout`` or ``send_timeout`` each time a connection ends
+    so, and ``fds_refused`` each time the kernel refuses a reply's fds.
 
     Example::
 
@@ -63,7 +66,9 @@ class Broker:
         mode: int = 0o660,
         group: int | None = None,
         limits: Limits | None = None,
+        events: Callable[[str], None] | None = None,
     ) -> None:
+        self.events = events
         self.service = service
         self.path = os.fspath(path)
         self.mode = mode
@@ -87,6 +92,8 @@ class Broker:
         try:
             pool.start()
             loop = EventLoop(sock, self.service, self.limits, pool, self.log)
+            if self.events is not None:
+                loop.table.count = self.events
             # A revocation made on another thread (REST, or another daemon's, heard by the
             # ledger listener) wakes the loop, so idle connections of the key are cut at
             # once instead of at the loop's next turn (up to a second later).
@@ -144,8 +151,9 @@ class Broker:
 
         That is: not started or stopped, the loop thread ended, the loop has not
         turned for :data:`STALL_UNHEALTHY_S` (a service call stuck on it), accepts
-        have failed for :data:`ACCEPT_FAILING_UNHEALTHY_S` (out of fds), or the
-        slow-pool threads are gone.
+        have failed for :data:`ACCEPT_FAILING_UNHEALTHY_S` (out of fds), the kernel
+        refuses the fds of replies (ETOOMANYREFS, lately), or the slow-pool threads
+        are gone.
         """
         loop, thread, pool = self._loop, self._thread, self._pool
         if self._listener is None or loop is None or thread is None or pool is None:
@@ -162,6 +170,9 @@ class Broker:
                 f"the worker socket has not accepted a connection for {failing:.0f} s: "
                 f"{loop.acceptor.last_error}"
             )
+        refusal = loop.table.inflight.refusal(now)
+        if refusal is not None:
+            return False, refusal
         if pool.alive < pool.workers:
             return False, f"{pool.workers - pool.alive} of the socket's slow-op threads ended"
         return True, f"serving {len(loop.table)} connections on {self.path}"

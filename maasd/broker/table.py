@@ -5,13 +5,20 @@ whichever way it ends (EOF, a failed send, a deadline, stop): its counts, its
 selector registration, its unsent replies' fds, one ``drop_handle`` per
 attachment it still holds, and the entries it put but never committed (handed to
 ``abandon``, which releases them off the loop). Runs on the event loop thread only.
+
+Fds in flight: a reply with fds waits until the peer read the one before, and a
+connection closed before its peer read its fds is drained (:mod:`.inflight`).
+
+Before ``hello``. At the caps on connections waiting for ``hello`` (per uid,
+and in total) the oldest such connection is shed — of that uid, or of the uid
+holding most of them — instead of the new one refused: idle connects cannot
+lock a worker out that says ``hello`` at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import selectors
 import time
 from collections.abc import Callable
@@ -19,9 +26,11 @@ from collections.abc import Callable
 from maasd import errors
 from maasd.protocol import FrameTooLarge, encode_frame
 
-from .connection import Connection
+from .connection import Connection, FdsRefused
 from .deadlines import Deadlines
 from .dispatch import Dispatcher, HandleService, Outcome, tenant_of
+from .giveback import GiveBack
+from .inflight import REFUSED_DETAIL, InFlight, oldest_waiting, peer_ended
 from .limits import ConnectionCounts, Limits
 from .pacing import LogLimiter
 
@@ -32,7 +41,11 @@ logger = logging.getLogger("maasd.broker")
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
-class ConnectionTable:
+def _ignore(_event: str) -> None:
+    pass
+
+
+class ConnectionTable(GiveBack):
     """Admitted connections, their counts and deadlines, on one selector."""
 
     def __init__(
@@ -43,10 +56,16 @@ class ConnectionTable:
         limits: Limits,
         log: LogLimiter,
         abandon: Callable[[Connection, str], None] | None = None,
+        resume: Callable[[Connection], None] | None = None,
     ) -> None:
         """``abandon(conn, buffer_id)`` releases an entry ``conn`` put and never committed
-        (the loop hands it to the slow pool: it scrubs)."""
+        (the loop hands it to the slow pool: it scrubs); ``resume(conn)`` serves the frames
+        ``conn`` has waiting, once a reply held for its peer went out."""
         self.abandon = abandon
+        self.resume = resume
+        #: told each ``shed``, ``refused``, ``hello_timeout``, ``send_timeout``,
+        #: ``fds_refused`` (the daemon's metrics)
+        self.count: Callable[[str], None] = _ignore
         self.sel = sel
         self.service = service
         self.dispatcher = dispatcher
@@ -58,6 +77,7 @@ class ConnectionTable:
         self.hello_due: Deadlines[Connection] = Deadlines(limits.hello_timeout_s)
         #: a reply queued this long ago and still not taken by the peer closes it
         self.send_due: Deadlines[Connection] = Deadlines(limits.send_timeout_s)
+        self.inflight = InFlight()
 
     def __len__(self) -> int:
         return len(self.conns)
@@ -66,8 +86,12 @@ class ConnectionTable:
 
     def admit(self, conn: Connection) -> str | None:
         """A new connection: take it (None) or say which cap refuses it."""
+        shed = self.counts.shed_for(conn.uid)
+        if shed is not None:
+            self._shed(shed)
         reason = self.counts.admit_peer(conn.uid)
         if reason is not None:
+            self.count("refused")
             return reason
         self.conns.add(conn)
         self.hello_due.start(conn, time.monotonic())
@@ -77,6 +101,25 @@ class ConnectionTable:
         except (OSError, ValueError) as exc:  # epoll_ctl refused (ENOMEM, ENOSPC)
             self.close(conn, f"cannot watch it: {exc}")
         return None
+
+    def _shed(self, uid: int) -> None:
+        """Close the oldest connection of ``uid`` still waiting for hello."""
+        conn = oldest_waiting(self.hello_due, uid)
+        if conn is None:  # pragma: no cover - the counts say there is one
+            return
+        self.log.log(
+            logging.INFO,
+            "shed",
+            "connections waiting for hello at the cap: the oldest is closed",
+            conn.fields(),
+        )
+        self.count("shed")
+        err = errors.LimitExceeded(
+            "no hello yet, and newer connections are waiting for theirs "
+            f"(socket_max_unauthenticated = {self.limits.max_unauthenticated}): "
+            "the oldest is closed"
+        )
+        self.deliver(conn, self.dispatcher.error(err, conn.fields(), close=True))
 
     def hello(self, conn: Connection, body: bytes) -> None:
         """Serve the first frame: welcome (and count it for its tenant) or refuse and close."""
@@ -131,64 +174,60 @@ class ConnectionTable:
             reply = self.dispatcher.error(exc, conn.fields()).reply
             assert reply is not None  # an error outcome always has its frame
             frame = encode_frame(reply)
+        if self._send(conn, frame, outcome) and outcome.close:
+            self.close(conn, "closed after its reply")
+
+    def _send(self, conn: Connection, frame: bytes, outcome: Outcome) -> bool:
+        """Send (or queue) ``outcome``'s reply; False if ``conn`` is closed or answered else."""
         try:
-            done = conn.send(frame, outcome.fds)
+            done = conn.send(frame, outcome.fds, outcome)
+        except FdsRefused:
+            self._fds_refused(conn)
+            return False
         except OSError as exc:
             self.close(conn, f"send failed: {exc}")
-            return
-        if not done and conn not in self.send_due:
-            self.send_due.start(conn, time.monotonic())
-        if outcome.close:
-            self.close(conn, "closed after its reply")
+            return False
+        if not done:
+            self._waiting(conn)
+        elif outcome.fds and self.inflight.refused_at is not None:
+            self.inflight.refused_at = None  # fds pass again
+        return True
 
     def flush(self, conn: Connection) -> bool:
         """Send what is queued; True when all of it is in the kernel (False: closed or waiting)."""
         try:
             done = conn.flush()
+        except FdsRefused:
+            self._fds_refused(conn)
+            return False
         except OSError as exc:
             self.close(conn, f"send failed: {exc}")
             return False
         if done:
             self.send_due.cancel(conn)
-        elif conn not in self.send_due:
-            self.send_due.start(conn, time.monotonic())
+        else:
+            self._waiting(conn)
         return done
 
-    def undeliverable(self, conn: Connection, outcome: Outcome) -> None:
-        """``conn`` closed before ``outcome`` was sent: give back what the outcome carries."""
-        for fd in outcome.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        if outcome.attached is not None:
-            self._drop(conn, outcome.attached)
-        if outcome.staged is not None:
-            self._abandon(conn, outcome.staged)
+    def _waiting(self, conn: Connection) -> None:
+        """A reply of ``conn`` is queued: for the kernel's buffer (watch for writing) or,
+        with fds, for the peer to read the one before (retry on a timer)."""
+        now = time.monotonic()
+        if conn not in self.send_due:
+            self.send_due.start(conn, now)
+        if conn.awaiting_peer:
+            self.inflight.held.start(conn, now)
+            self.rearm(conn)  # not for writing: the socket is writable, the peer is not reading
 
-    def _forget_released(self, conn: Connection) -> None:
-        """Forget the entries ``conn`` put that were released without its commit or abort
-        (a lease ended, a DELETE): they are no longer its to commit or abandon. Done at
-        each put, so what a connection remembers is bounded by what it holds."""
-        gone = [b for b in conn.staged if not self.service.entry_staged(b)]
-        conn.staged.difference_update(gone)
-
-    def _abandon(self, conn: Connection, buffer_id: str) -> None:
-        if self.abandon is None:
-            return
-        try:
-            self.abandon(conn, buffer_id)
-        except Exception as exc:
-            fields = conn.fields(buffer_id=buffer_id)
-            self.log.log(
-                logging.ERROR, "abandon", "abandoning an entry failed", fields, exc_info=exc
-            )
-
-    def _drop(self, conn: Connection, buffer_id: str) -> None:
-        assert conn.principal is not None
-        try:
-            self.service.drop_handle(conn.principal, buffer_id)
-        except Exception as exc:
-            fields = conn.fields(buffer_id=buffer_id)
-            self.log.log(logging.ERROR, "drop", "drop_handle failed", fields, exc_info=exc)
+    def _fds_refused(self, conn: Connection) -> None:
+        """The kernel refused the queued reply's fds: undo it, answer 507 in its place."""
+        about = conn.take_refused()
+        if isinstance(about, Outcome):
+            self._undo(conn, about)
+        self.inflight.refuse(time.monotonic())
+        self.count("fds_refused")
+        err = errors.ResourceLimit(REFUSED_DETAIL)
+        self.deliver(conn, self.dispatcher.error(err, conn.fields()))
 
     # --- selector interest, deadlines, closing ---------------------------------------
 
@@ -196,7 +235,9 @@ class ConnectionTable:
         """Watch ``conn`` for what it can do now: read when idle, write when a reply waits."""
         if conn.closed:
             return
-        want = (READ if conn.wants_read else 0) | (WRITE if conn.out else 0)
+        want = (READ if conn.wants_read else 0) | (
+            WRITE if conn.out and not conn.awaiting_peer else 0
+        )
         if want == conn.events:
             return
         if conn.events == 0:
@@ -208,10 +249,8 @@ class ConnectionTable:
         conn.events = want
 
     def next_due(self) -> float | None:
-        hello, send = self.hello_due.next(), self.send_due.next()
-        if hello is None or send is None:
-            return send if hello is None else hello
-        return min(hello, send)
+        dues = (self.hello_due.next(), self.send_due.next(), self.inflight.next_due())
+        return min((d for d in dues if d is not None), default=None)
 
     def expire(self, now: float) -> None:
         """Close connections past their hello or send deadline."""
@@ -220,25 +259,56 @@ class ConnectionTable:
             err = errors.InvalidRequest(
                 f"no hello within {self.limits.hello_timeout_s:g} s of connecting"
             )
+            self.count("hello_timeout")
             self.deliver(conn, self.dispatcher.error(err, conn.fields(), close=True))
         for conn in self.send_due.expired(now):
             fields = conn.fields()
             self.log.log(
                 logging.WARNING, "send-timeout", "peer does not read its replies, closing", fields
             )
+            self.count("send_timeout")
             self.close(conn, "send timeout")
+        for conn in self.inflight.held.expired(now):
+            if not conn.closed and self.flush(conn) and self.resume is not None:
+                self.resume(conn)
+        for conn in self.inflight.drained(now):
+            self.close(conn, "peer read what it was sent", final=True)
 
-    def close(self, conn: Connection, why: str) -> None:
-        """End ``conn`` and give back everything it holds. Idempotent."""
+    def drain_read(self, conn: Connection) -> None:
+        """A drained connection is readable: drop what the peer sends; its EOF ends it."""
+        if peer_ended(conn):
+            self.close(conn, "peer closed", final=True)
+
+    def close(self, conn: Connection, why: str, *, final: bool = False) -> None:
+        """End ``conn`` and give back everything it holds. Idempotent.
+
+        If its peer has not read fds sent to it, the socket and the counts stay until it
+        does or hangs up (drained; ``final`` ends that at once).
+        """
         if conn.closed:
+            if conn.draining and final:
+                self._unwatch(conn)
+                self.inflight.draining.cancel(conn)
+                conn.close()
+                self._leave(conn, why)
             return
-        if conn.events:
-            with contextlib.suppress(KeyError, ValueError):
-                self.sel.unregister(conn.sock)
-            conn.events = 0
         self.hello_due.cancel(conn)
         self.send_due.cancel(conn)
-        conn.close()
+        self.inflight.held.cancel(conn)
+        if not final and conn.fds_sent and conn.unread():
+            conn.shut()
+            try:
+                if conn.events:
+                    self.sel.modify(conn.sock, READ, conn)
+                else:
+                    self.sel.register(conn.sock, READ, conn)
+                conn.events = READ
+            except (OSError, ValueError, KeyError):  # cannot watch it: the timer alone will do
+                self._unwatch(conn)
+            self.inflight.draining.start(conn, time.monotonic())
+        else:
+            self._unwatch(conn)
+            conn.close()
         if conn.held:
             dropped = sum(conn.held.values())
             for buffer_id, count in conn.held.items():
@@ -249,6 +319,16 @@ class ConnectionTable:
         for buffer_id in sorted(conn.staged):
             self._abandon(conn, buffer_id)
         conn.staged.clear()
+        if not conn.draining:
+            self._leave(conn, why)
+
+    def _unwatch(self, conn: Connection) -> None:
+        if conn.events:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(conn.sock)
+            conn.events = 0
+
+    def _leave(self, conn: Connection, why: str) -> None:
         # Last, so that a connection no longer counted holds nothing any more.
         self.counts.leave(conn.uid, conn.tenant)
         self.conns.discard(conn)
@@ -257,6 +337,6 @@ class ConnectionTable:
     def close_all(self, why: str) -> None:
         for conn in list(self.conns):
             try:
-                self.close(conn, why)
+                self.close(conn, why, final=True)
             except Exception:
                 logger.exception("closing a connection failed", extra=conn.fields())

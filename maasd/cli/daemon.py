@@ -251,6 +251,7 @@ def _serve(settings: Settings) -> None:
             settings.socket_path,
             group=group_id(settings.socket_group),
             limits=Limits.from_settings(settings),
+            events=service.metrics.socket_event,
         )
         broker.start()
     except (MaasdError, OSError) as e:

@@ -80,12 +80,13 @@ def needs(settings: Settings) -> Needs:
     """Open files and tasks a daemon at its caps holds (deploy/systemd/maasd.service sizes
     ``LimitNOFILE`` and ``TasksMax`` from the same sum)."""
     conns, slow = settings.socket_max_connections, settings.socket_slow_workers
-    files = REGION_BUDGET + conns + REST_CONNECTIONS + REST_THREADS + BASE_FILES
+    # a socket connection: its socket, and the fd of the one reply held for it
+    files = REGION_BUDGET + 2 * conns + REST_CONNECTIONS + REST_THREADS + BASE_FILES
     tasks = REST_THREADS + ANYIO_THREADS + slow + BASE_TASKS
     return Needs(
         files=files,
         tasks=tasks,
-        files_sum=f"{REGION_BUDGET} regions + {conns} socket + {REST_CONNECTIONS} REST "
+        files_sum=f"{REGION_BUDGET} regions + 2 × {conns} socket + {REST_CONNECTIONS} REST "
         f"connections + {REST_THREADS} checkpoint files + {BASE_FILES}",
         tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {slow} socket slow-op "
         f"threads + {BASE_TASKS}",

@@ -20,17 +20,24 @@ plus the eighth it still answers 507) and the ledger's connection pool
 (``db_pool_size + db_max_overflow`` connections, 2 files each with SQLite, 1
 with PostgreSQL: ``L`` files)::
 
-    reserved      = 64 + L + R + S                   the daemon's own files (listeners,
+    reserved      = 64 + L + R + 2 × S               the daemon's own files (listeners,
                                                      logs, pipes, libraries), the ledger,
-                                                     the REST and socket connections
+                                                     the REST connections, and per socket
+                                                     connection its socket and the fd of
+                                                     the one reply held for it
     headroom      = max(reserved, M // 4)            fds for everything but regions
     region_budget = min(M - headroom,                regions held at once
                         P - max(1024, P // 8))
 
+A socket connection has at most one fd in flight too (sent, not yet read by its
+peer: :mod:`maasd.broker.inflight`), which the kernel counts against the same
+``RLIMIT_NOFILE`` for the daemon's user: ``S`` of them at most
+(:attr:`Limits.fds_in_flight`), inside the headroom whenever the budget is not 0.
+
 With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``) and
 ``M = 20000``: 15,000 regions. With ``M = 524288`` (systemd's default hard
 limit) and ``P = 65530`` the mappings bind: 57,339. With ``M = 1024`` nothing is
-left for buffers until ``socket_max_connections`` is lowered (to 64: 448
+left for buffers until ``socket_max_connections`` is lowered (to 64: 384
 regions) — the daemon says so when it starts.
 """
 
@@ -59,6 +66,8 @@ __all__ = [
 #: The daemon's own files besides the ledger and connections (listeners, logs, pipes,
 #: libraries, fds being handed out); ~20 when idle.
 OWN_FILES = 64
+#: Fds a worker socket reply carries at most (attach, lookup, put: one).
+FDS_PER_REPLY = 1
 #: Fewer free files than this and /healthz says the daemon is out of files.
 MIN_FREE_FILES = 16
 #: Mappings never given to regions, at the least (the interpreter, libraries, thread stacks).
@@ -87,7 +96,13 @@ class Limits:
     @property
     def reserved(self) -> int:
         """Fds the daemon needs besides regions, at most."""
-        return OWN_FILES + self.ledger_files + self.rest_connections + self.socket_connections
+        sockets = self.socket_connections * (1 + FDS_PER_REPLY)
+        return OWN_FILES + self.ledger_files + self.rest_connections + sockets
+
+    @property
+    def fds_in_flight(self) -> int:
+        """Fds the worker socket may have sent and its peers not read yet, at most."""
+        return self.socket_connections * FDS_PER_REPLY
 
     @property
     def headroom(self) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,25 +101,39 @@ def test_flood_from_one_uid_is_capped_and_other_uids_keep_working(open_dir: Path
             assert env.broker.healthy()[0]
 
 
-def test_flood_before_hello_from_one_uid_leaves_room_for_others(open_dir: Path) -> None:
+def shed(summary: dict) -> list[str]:
+    return [d for status, d in summary["errors"] if status == 429 and "the oldest is closed" in d]
+
+
+def test_flood_before_hello_from_one_uid_sheds_its_own_oldest(open_dir: Path) -> None:
     with (
         broker(open_dir, max_unauthenticated=8) as env,
         flood(env.socket_path, 20, euid=NOBODY, egid=NOBODY) as got,
     ):
-        assert got["open"] == 4  # half of the unauthenticated slots
-        refused = refusals(got, "half of socket_max_unauthenticated = 8")
-        assert len(refused) == 16
+        # Half of the unauthenticated slots, held by its 4 newest: each new connection
+        # closed the oldest of the uid's connections waiting for hello, with a 429.
+        assert got["open"] == 4
+        assert len(shed(got)) == 16
+        assert got["closed"] == 16
+        assert env.broker.connections == 4
         assert attach_works(env)  # root still gets in, says hello, attaches
         assert env.broker.healthy()[0]
-        # The total cap holds against every uid: fill the other half from root.
+        # Root takes the other half; one more from root sheds root's own oldest.
         held = [Raw(env.socket_path) for _ in range(4)]
         try:
+            wait_until(lambda: env.broker.connections == 8, message="root's connections in")
             with contextlib.closing(Raw(env.socket_path)) as late:
-                reply, _ = late.recv()
+                reply, _ = held[0].recv()
                 assert isinstance(reply, Error)
                 assert reply.status == 429
-                assert "(socket_max_unauthenticated = 8)" in reply.detail
-                assert late.closed_by_peer()
+                assert "the oldest is closed" in reply.detail
+                assert held[0].closed_by_peer()
+                # At the total cap (8), a third uid sheds from the uid holding most; the
+                # connections waiting for hello never exceed the cap.
+                with flood(env.socket_path, 3, euid=NOBODY - 1, egid=NOBODY) as third:
+                    assert third["open"] == 3
+                    assert env.broker.connections == 8
+                late.hello(env.new_tenant()[1])  # the newest says hello: it was kept
         finally:
             for r in held:
                 r.close()
@@ -184,19 +197,23 @@ def test_a_peer_that_never_reads_is_closed_and_others_are_not_held_up(tmp_path: 
         base = env.attached(tenant[0])
         stuck = Raw(env.socket_path)
         stuck.hello(tenant[1])
-        # Thousands of attaches, no reads: the replies (and their fds) fill its buffer.
-        burst = encode_frame(Attach(buffer_id=bid)) * 3000
-        stuck.sock.sendall(burst)
-        most, deadline = 0.0, time.monotonic() + 60
-        while env.broker.connections and time.monotonic() < deadline:
-            most = max(most, env.attached(tenant[0]) - base)
-            assert attach_works(env)  # others are served meanwhile
-        wait_until(lambda: env.broker.connections == 0, message="the non-reader is closed")
-        # What it could make the daemon hand out unread is small (the send buffer).
-        assert 0 < most <= 64, most
-        # Its attachments went with it, whatever was still unread in its buffer.
+        # Attaches pipelined, no reads: one reply (and its fd) goes out, the next waits
+        # until the peer reads that one, and no further frame is read meanwhile.
+        stuck.sock.sendall(encode_frame(Attach(buffer_id=bid)) * 100)
+        wait_until(lambda: env.attached(tenant[0]) - base == 2, message="two attaches served")
+        assert attach_works(env)  # others are served meanwhile
+        assert env.attached(tenant[0]) - base == 2
+        # The send deadline closes it and drops its attachments; the fd it has not read
+        # keeps it counted (half-shut) until it reads or hangs up.
         wait_until(lambda: env.attached(tenant[0]) == base, message="attachments dropped")
+        assert env.broker.connections == 1
+        assert attach_works(env)
+        reply, fds = stuck.recv()  # the one reply it was sent, then the end
+        assert isinstance(reply, Attached)
+        assert len(fds) == 1
+        os.close(fds[0])
         assert stuck.closed_by_peer()
+        wait_until(lambda: env.broker.connections == 0, message="the drained connection ends")
         stuck.close()
         assert attach_works(env, tenant)
     finally:

@@ -47,7 +47,7 @@ def low_files(n: int) -> list[str]:
 
 
 #: At 1024 open files the socket's default cap (1024 connections) would leave no file for
-#: buffers: 64 socket connections leave 448 (maasd.core.limits).
+#: buffers: 64 socket connections leave 384 (maasd.core.limits).
 FEW_SOCKETS = {"MAASD_SOCKET_MAX_CONNECTIONS": "64"}
 
 
@@ -70,7 +70,7 @@ def test_a_buffer_flood_at_a_low_open_files_limit_is_507_never_500(tmp_path: Pat
         held = by.post("/v1/reserve", json={"size_bytes": 64 * KiB}).json()
         tid, key = d.tenant("flood", 256 * MiB)
         c = d.client(key)
-        # The daemon's default cap (4096) is above its region budget at 1024 files (448):
+        # The daemon's default cap (4096) is above its region budget at 1024 files (384):
         # the daemon-wide budget answers, with the limit named.
         first_refusal = None
         statuses: Counter[int] = Counter()
@@ -152,7 +152,7 @@ def test_rest_connection_floods_and_slow_clients_leave_the_daemon_its_files(
                     + key.encode()
                     + b"\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n{"
                 )
-        assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) < 1024 - 448
+        assert len(os.listdir(f"/proc/{d.proc.pid}/fd")) < 1024 - 384
         with d.client(key) as c:  # a whole request still gets through, and is served
             r = c.post("/v1/reserve", json={"size_bytes": 4 * KiB})
             assert r.status_code in (201, 507), r.text

@@ -3,15 +3,19 @@ the op table and the one error-frame builder."""
 
 from __future__ import annotations
 
+import array
 import errno
 import functools
 import logging
+import os
+import socket
 import threading
 
 import pytest
 
 from maasd import errors
 from maasd.broker import OPS, Limits
+from maasd.broker.connection import Connection
 from maasd.broker.deadlines import Deadlines
 from maasd.broker.dispatch import Dispatcher
 from maasd.broker.limits import ConnectionCounts
@@ -55,6 +59,27 @@ def test_the_unauthenticated_total_cap() -> None:
     )
     counts.leave(1, None)
     assert counts.admit_peer(3) is None
+
+
+def test_who_sheds_a_connection_waiting_for_hello() -> None:
+    counts = ConnectionCounts(Limits(max_unauthenticated=6, max_per_uid=4, max_connections=8))
+    for uid in (1, 1, 2):
+        assert counts.shed_for(uid) is None
+        assert counts.admit_peer(uid) is None
+    assert counts.shed_for(1) is None  # room for one more of uid 1
+    assert counts.admit_peer(1) is None
+    assert counts.shed_for(1) == 1  # at its share (3): its own oldest goes
+    assert counts.shed_for(2) is None
+    assert counts.admit_peer(2) is None
+    assert counts.admit_peer(3) is None
+    assert counts.shed_for(3) == 1  # at the total (6): the uid holding most
+    assert counts.admit_tenant(1, "t") is None
+    assert counts.admit_tenant(1, "t") is None
+    assert counts.admit_peer(1) is None  # uid 1: 4 open, at socket_max_per_uid
+    assert counts.shed_for(1) is None  # refused at a cap shedding would not lift
+    assert counts.admit_peer(2) is None  # 8 open, at socket_max_connections
+    assert counts.shed_for(4) is None
+    assert counts.admit_peer(4) is not None
 
 
 def test_leaving_gives_every_count_back() -> None:
@@ -224,3 +249,38 @@ def test_error_frames_come_from_the_one_problem_mapping(
     if isinstance(exc, errors.MaasdError):
         p = problem_of(exc)
         assert (frame.title, frame.detail) == (p.title, p.detail)
+
+
+# --- fds in flight ---------------------------------------------------------------------
+
+
+def test_a_reply_with_fds_waits_until_the_peer_has_read_the_one_before() -> None:
+    ours, theirs = socket.socketpair()
+    conn = Connection(ours, "1")
+    try:
+
+        def fd() -> tuple[int, ...]:
+            return (os.open("/dev/null", os.O_RDONLY),)
+
+        def read_one() -> tuple[bytes, int]:
+            data, anc, _, _ = theirs.recvmsg(64, socket.CMSG_SPACE(4))
+            fds = [n for _, _, payload in anc for n in array.array("i", payload)]
+            for n in fds:
+                os.close(n)
+            return data, len(fds)
+
+        assert conn.send(b"a", fd())  # nothing unread: it goes at once
+        assert conn.unread() > 0
+        assert not conn.send(b"b", fd())  # the peer has not read "a": held
+        assert conn.awaiting_peer
+        assert not conn.flush()  # still held
+        assert conn.send(b"c") is False  # queued behind it, in order
+        assert read_one() == (b"a", 1)
+        assert conn.unread() == 0
+        assert conn.flush()  # "b" and "c" go now
+        assert not conn.awaiting_peer
+        assert read_one() == (b"b", 1)
+        assert read_one() == (b"c", 0)
+    finally:
+        conn.close()
+        theirs.close()

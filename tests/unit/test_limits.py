@@ -23,9 +23,9 @@ from maasd.errors import BackingError, PoolExhausted, ResourceLimit
     ("files", "maps", "socket", "rest", "headroom", "budget", "binding"),
     [
         (20000, 65530, 1024, 576, 5000, 15000, "RLIMIT_NOFILE 20000"),
-        (1024, 65530, 1024, 288, 1536, 0, "RLIMIT_NOFILE 1024"),
-        (1024, 65530, 64, 288, 576, 448, "RLIMIT_NOFILE 1024"),
-        (2048, 65530, 128, 576, 928, 1120, "RLIMIT_NOFILE 2048"),
+        (1024, 65530, 1024, 288, 2560, 0, "RLIMIT_NOFILE 1024"),
+        (1024, 65530, 64, 288, 640, 384, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 128, 576, 1056, 992, "RLIMIT_NOFILE 2048"),
         (524288, 65530, 1024, 576, 131072, 57339, "vm.max_map_count 65530"),
         (524288, None, 1024, 576, 131072, 393216, "RLIMIT_NOFILE 524288"),
     ],
@@ -48,6 +48,11 @@ def test_the_budget_formula(
         ledger_files=160,
     )
     assert (lim.headroom, lim.region_budget, lim.binding) == (headroom, budget, binding)
+    # The fds the socket may have in flight stay inside the headroom, below RLIMIT_NOFILE
+    # whenever anything is left for buffers.
+    assert lim.fds_in_flight == socket
+    if budget:
+        assert lim.fds_in_flight < lim.headroom < files
     # whatever the numbers, the regions and everything else fit the limit
     assert lim.region_budget + lim.reserved <= max(files, lim.reserved)
 
