@@ -181,6 +181,30 @@ def test_a_forgotten_watch_is_removed(holders: Holders) -> None:
     os.close(kept)
 
 
+def test_after_an_overflow_the_kernel_says_which_held_entries_went(holders: Holders) -> None:
+    gone, kept = Entry(holders, "gone"), Entry(holders, "kept")
+    gone_fd, kept_fd = os.dup(gone.ro), os.dup(kept.ro)  # a worker holds both
+    gone.release()
+    kept.release()
+    freed, held = Calls(), Calls()
+    assert holders.settle("gone", freed) is False
+    assert holders.settle("kept", held) is False
+    inotify = holders._inotify
+    assert inotify is not None
+    with holders._lock:  # the reader waits: what it would read is lost, as in an overflow
+        os.close(gone_fd)  # "gone" is freed: its IN_IGNORED is queued ...
+        assert [mask & IN_IGNORED for _wd, mask in inotify.read()][-1]  # ... and lost
+        ready = holders._recount_locked(inotify)
+    assert len(ready) == 1  # "gone": the kernel had removed its watch
+    ready[0]()
+    assert freed.n == 1
+    assert holders.held() == [("kept", SIZE)]  # still held: counted, now unwatched
+    os.close(kept_fd)
+    assert holders.settle("other", Calls()) is True
+    assert held.n == 0  # never freed early, nor late by a guess
+    assert holders.held() == [("kept", SIZE)]
+
+
 def test_a_watch_the_kernel_refuses_is_a_resource_limit(holders: Holders) -> None:
     with pytest.raises(ResourceLimit, match="cannot watch"):
         holders.watch("b", 1 << 30, SIZE)  # an fd number above any limit: nothing to watch
