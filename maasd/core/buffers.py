@@ -299,8 +299,14 @@ class Buffers:
         return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
-        """One buffer, with its ``placement`` as the kernel reports it now (pages per node)."""
+        """One buffer, with its ``placement`` as the kernel reports it now (pages per node).
+
+        A buffer being released is gone to its tenant (404); the admin still sees it
+        ``releasing`` — e.g. a committed entry a worker holds open, still in the quota.
+        """
         row = self._own_row(who, buffer_id)
+        if row.state == "releasing" and not who.is_admin:
+            raise NotFound(f"no buffer {buffer_id!r}")
         with self._runtime.buffer_lock(row.id):
             region = self._runtime.region(row.id)
             if region is None or region.closed:
