@@ -87,7 +87,8 @@ class RestoredState(llama_cpp.LlamaState):
     """
 
     def __init__(self, ids: Any, n: int, state: memoryview, scores: Any, seed: int) -> None:
-        super().__init__(ids, scores, n, state, len(state), seed)  # type: ignore[arg-type]
+        # llama_cpp's stubs want arrays (unused-ignore: without the llama extra it is Any)
+        super().__init__(ids, scores, n, state, len(state), seed)  # type: ignore[arg-type, unused-ignore]
 
 
 class PendingState(llama_cpp.LlamaState):

@@ -164,7 +164,8 @@ def answer_bad_requests_with_400(app: Any) -> None:
             )
         return original(self, error, body)
 
-    RouteErrorHandler.error_message_wrapper = wrapper  # type: ignore[method-assign]
+    # (unused-ignore: without the llama extra the class is Any)
+    RouteErrorHandler.error_message_wrapper = wrapper  # type: ignore[method-assign, unused-ignore]
 
     async def not_json(_request: Request, exc: Exception) -> JSONResponse:
         error = ErrorResponse(
