@@ -197,11 +197,8 @@ class Buffers:
             raise refusal from e
 
     def _candidates(self, req: ReserveSpec) -> list[LivePool]:
-        """The live pools that could hold the request, most free space first.
-
-        A pool being deleted takes no reserve: named, it answers 409; otherwise it is
-        not a candidate.
-        """
+        """The live pools that could hold the request, most free space first; a pool being
+        deleted takes no reserve (named: 409; otherwise it is not a candidate)."""
         if req.pool is not None:
             live = [self._runtime.find_pool(req.pool)]
             if live[0].row.deleting_at is not None:
@@ -299,14 +296,8 @@ class Buffers:
         return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
-        """One buffer, with its ``placement`` as the kernel reports it now (pages per node).
-
-        A buffer being released is gone to its tenant (404); the admin still sees it
-        ``releasing`` — e.g. a committed entry a worker holds open, still in the quota.
-        """
-        row = self._own_row(who, buffer_id)
-        if row.state == "releasing" and not who.is_admin:
-            raise NotFound(f"no buffer {buffer_id!r}")
+        """One buffer, with its ``placement`` as the kernel reports it now (pages per node)."""
+        row = self._own_row(who, buffer_id, hide_releasing=True)
         with self._runtime.buffer_lock(row.id):
             region = self._runtime.region(row.id)
             if region is None or region.closed:
@@ -366,10 +357,12 @@ class Buffers:
             )
         return row
 
-    def _own_row(self, who: Principal, buffer_id: str) -> BufferRow:
-        """The buffer if ``who`` may see it (the admin sees all); :class:`NotFound` otherwise."""
+    def _own_row(self, who: Principal, buffer_id: str, hide_releasing: bool = False) -> BufferRow:
+        """The buffer if ``who`` may see it (the admin sees all); :class:`NotFound` otherwise.
+        ``hide_releasing``: one being released is gone to its tenant (the admin still sees
+        it, e.g. a committed entry a worker holds open, still in the quota)."""
         row = self._store.buffer(buffer_id, None if who.is_admin else who.tenant_id)
-        if row is None:
+        if row is None or (hide_releasing and row.state == "releasing" and not who.is_admin):
             raise NotFound(f"no buffer {buffer_id!r}")
         return row
 
