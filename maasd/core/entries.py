@@ -11,8 +11,7 @@ its bytes are immutable, enforced by the kernel, and every handle to it is read-
               F_SEAL_FUTURE_WRITE|SHRINK|GROW|SEAL, fully populated (it takes over
               the staging region's accounting: the pool counts the entry once)
               the staged bytes pread into it (a hole reads as zeros, nothing faults)
-              its memfd watched (maasd.core.holders), then an O_RDONLY fd of it
-              opened once (every later handle is a dup of it)
+              an O_RDONLY fd of it, opened once (every later handle is a dup of it)
               ledger: staged → live + committed_at (compare-and-set, one statement)
               the regions swapped, the key published; the staging region scrubbed
     abort   a staged entry released (scrubbed); also when its writer's connection
@@ -58,7 +57,7 @@ from maasd.metrics import Metrics
 from maasd.models import EntryAbortReason, Principal, ReserveSpec
 from maasd.store import BufferRow, Store, must_last
 
-__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found"]
+__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +78,11 @@ class Found:
     key: str
     size_bytes: int
     numa_node: int
+
+
+def open_read_only(region: Region) -> int:
+    """An ``O_RDONLY`` fd of the region's memfd (a re-open through ``/proc/self/fd``)."""
+    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 class Entries:
@@ -178,14 +182,13 @@ class Entries:
             if held is None or held.live or live is None:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             try:
-                fresh, ro_fd = _copy(held, live, buffer_id, self._runtime)
+                fresh, ro_fd = _copy(held, live, buffer_id)
             except (OSError, MaasdError) as e:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
                 if self._store.commit(buffer_id, time.time(), durable=durable) is None:
                     _dispose(live, fresh, ro_fd)
-                    self._runtime.holders.forget(buffer_id)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
                 assert staging is not None  # held under its lock: a release waits for it
@@ -308,10 +311,9 @@ class Entries:
                 view[: len(data)] = data
             finally:
                 view.release()
-            ro_fd = self._runtime.holders.open_read_only(buffer_id, region)
+            ro_fd = open_read_only(region)
             if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
                 os.close(ro_fd)
-                self._runtime.holders.forget(buffer_id)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             self._runtime.commit(buffer_id, region, ro_fd)
 
@@ -344,9 +346,8 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> tuple[Region, int]:
-    """The staged bytes in a fresh, frozen region of the pool, and its (watched)
-    read-only fd."""
+def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
+    """The staged bytes in a fresh, frozen region of the pool, and its read-only fd."""
     staging = held.region
     fresh = live.pool.reserve(
         staging.size,
@@ -359,7 +360,7 @@ def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> tuple
         if live.row.prefault:
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
-        ro_fd = runtime.holders.open_read_only(buffer_id, fresh)
+        ro_fd = open_read_only(fresh)
     except BaseException:
         live.pool.release(fresh, give_back=False)
         raise
