@@ -4,7 +4,9 @@ A release is done when the bytes are zero (memset: ~30 ms per GiB here);
 punching the pages out and closing the memfd (~250 ms per GiB) can happen
 after the answer. A :class:`Reclaimer` is one background thread that does that
 last part, in order. A region handed to it is already scrubbed, so nothing it
-does (or fails to do) can expose data; it only returns memory sooner or later.
+does (or fails to do) can expose data; it only returns memory sooner or later —
+except a region :meth:`Pool.retire` hands over (an entry's staging region after
+its commit, which no one reads again): for that one the punch is the scrub.
 
 Its owner starts it, may :meth:`~Reclaimer.drain` it (wait until everything
 submitted is reclaimed) and stops it (drain, then end the thread). A region

@@ -31,14 +31,17 @@ holes in its buffer (the seals allow it). On hugetlb memory, a later touch of a
 hole through the daemon's mapping needs a fresh huge page, and when a worker
 has taken them all, the kernel answers with SIGBUS. So once a region is handed
 out, the daemon never touches its pages through the mapping where a hole could
-fault: hugetlb scrubs punch (both modes), reads go through ``pread`` (a hole
+fault: hugetlb scrubs punch (both modes), its reads go through ``pread`` (a hole
 reads as zeros, nothing is allocated), placement counts never populate a
 hugetlb region, and every ``MADV_POPULATE_*`` failure is an errno, never a signal.
+(A memfd region's hole faults in a fresh page, or OOMs: never a signal. An entry's
+commit copies a memfd region through the mappings for that reason: :func:`copy_region`.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import logging
@@ -111,12 +114,8 @@ def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tup
 
 
 class Region:
-    """One buffer's memory. Create with :meth:`create`; thread-safe to scrub/close once.
-
-    >>> r = Region.create(5000, node=0)          # doctest: +SKIP
-    >>> r.size, r.placement()                     # doctest: +SKIP
-    (8192, {0: 2})
-    """
+    """One buffer's memory. Create with :meth:`create` (``Region.create(5000, node=0)``: 8192
+    bytes on node 0); thread-safe to scrub/close once."""
 
     __slots__ = (
         "_addr",
@@ -127,6 +126,7 @@ class Region:
         "name",
         "node",
         "page_bytes",
+        "placed",
         "released",
         "sealed",
         "size",
@@ -148,6 +148,8 @@ class Region:
         self.released = False
         #: whether the seals are on (a stocked region gets them when it is taken)
         self.sealed = True
+        #: a sample of its pages was found on its node (:meth:`verify_node`), where they stay
+        self.placed = False
         _count_open(1)
 
     @classmethod
@@ -251,9 +253,9 @@ class Region:
     def read_into(self, buf: memoryview | bytearray, offset: int = 0) -> int:
         """Copy the region's bytes from ``offset`` into ``buf`` with ``pread(2)``.
 
-        Never through the daemon's mapping: a hole a worker punched reads as zeros,
-        and nothing is allocated or faulted in (hugetlbfs has ``read`` too). This is
-        how a worker-writable region's bytes are read (checkpoints, copies).
+        Never through the daemon's mapping: a hole a worker punched reads as zeros, and
+        nothing is allocated or faulted in (hugetlbfs has ``read`` too). How a worker-writable
+        region's bytes are read (checkpoints, a hugetlb entry's commit: :func:`copy_region`).
         Returns the number of bytes copied: ``len(buf)``, or less at the end.
         """
         self._check_open()
@@ -310,6 +312,7 @@ class Region:
         stray = {n: c for n, c in placed.items() if n >= 0 and n != self.node}
         if stray:
             raise PlacementError(f"pages of a region bound to node {self.node} are on {stray}")
+        self.placed = all(n >= 0 for n in placed)  # every page asked about was present
 
     def pin(self, node: int, known_nodes: set[int] | frozenset[int]) -> dict[int, int]:
         """Rebind to ``node``, migrate every page there, and return the measured placement.
@@ -407,6 +410,30 @@ class Region:
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.close()
+
+
+def copy_region(src: Region, dst: Region) -> int:
+    """Copy every byte of ``src`` into ``dst`` (as long, or longer) through ``dst``'s
+    mapping, which must be populated; returns the bytes copied (``src.size``, or less if
+    its file ends early).
+
+    ``memfd``: one ``memmove`` between the two mappings — ~0.8 ms for 9 MiB here, against
+    1.2–6.7 ms for a ``pread`` of the same under load (the page cache's per-page copy). A
+    hole a worker punched in ``src`` is read through a shmem fault, which allocates a
+    zero page or, out of memory, runs the kernel's OOM handling, as the scrub's memset
+    does: it never signals. ``hugetlb``: ``pread`` (:meth:`Region.read_into`), where a
+    hole reads as zeros — through the mapping it would need a free huge page, or SIGBUS.
+    """
+    if src.backing != "memfd":
+        view = dst.view()
+        try:
+            return src.read_into(view)
+        finally:
+            view.release()
+    if dst.size < src.size:
+        raise InvalidRequest(f"cannot copy {src.size} bytes into a {dst.size}-byte region")
+    ctypes.memmove(dst.address, src.address, src.size)
+    return src.size
 
 
 def _punch(region: Region, *, zeroed: bool) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import os
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -70,12 +71,16 @@ class Channel:
             raise ConnectionFailed(f"cannot connect to {socket_path}: {exc}") from exc
         self._sock = sock
 
-    def request(self, msg: protocol.Request) -> tuple[protocol.Reply, list[int]]:
+    def request(
+        self, msg: protocol.Request, meanwhile: Callable[[], object] | None = None
+    ) -> tuple[protocol.Reply, list[int]]:
         """Send ``msg``; its reply and the fds that came with it (the caller owns them).
 
-        An error frame is raised as its typed exception (its fds closed). A send that
-        fails because the daemon refused the connection (429 at a cap) and closed it
-        raises that refusal, read from the frame it sent before closing.
+        ``meanwhile`` runs once ``msg`` is sent, before the reply is read: work of the
+        caller's that overlaps the daemon's (a commit's unmap). An error frame is raised
+        as its typed exception (its fds closed). A send that fails because the daemon
+        refused the connection (429 at a cap) and closed it raises that refusal, read
+        from the frame it sent before closing.
         """
         with self._lock:
             if self.broken is not None:
@@ -87,6 +92,12 @@ class Channel:
                 if pending is not None:
                     raise pending from exc
                 raise self._fail(f"socket error: {exc}") from exc
+            if meanwhile is not None:
+                try:
+                    meanwhile()
+                except BaseException:
+                    close_fds(self._receive()[1])  # read all the same: the stream stays in step
+                    raise
             return self._receive()
 
     def hello(self, api_key: str) -> protocol.Welcome:

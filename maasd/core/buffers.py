@@ -213,8 +213,9 @@ class Buffers:
         return [by_id[row.id] for row in rows]
 
     def _check_placement(self, row: BufferRow, live: LivePool, region: Region) -> None:
-        """Placement is measured, not assumed (``move_pages``): a sample of pages, ~30 µs."""
-        if not live.row.prefault:
+        """Placement is measured, not assumed (``move_pages``, a sample: ~30 µs); a stocked
+        region's was, when the warmer faulted it in."""
+        if not live.row.prefault or region.placed:
             return  # no pages yet: nothing to measure
         try:
             region.verify_node(sample=16)
@@ -259,24 +260,17 @@ class Buffers:
         return buffer_info(msgspec.structs.replace(row, state=state))
 
     def _check_staged(self, buffer_id: str) -> None:
-        """NotFound unless the entry's row is still staged (a read, not a write).
-
-        A release that took the row before the region was held found nothing to
-        drop; one after it finds the region and drops it itself.
-        """
+        """NotFound unless the entry's row is still staged (a read, not a write): a release
+        that took the row before the region was held found nothing to drop (one after does)."""
         row = self._store.buffer(buffer_id)
         if row is None or row.state != "staged":
             raise NotFound(f"entry {buffer_id} was released while it was put")
 
     def flush_uses(self) -> None:
         """Write the attach and lookup-hit times gathered since the last flush (the LRU
-        order), and the leases those hits extended, to the ledger.
-
-        An attach or a lookup hit is on a worker's hot path; a synchronous commit there
-        cost more than the rest of it together. Uses (and the leases lookup hits extend)
-        are batched instead: written by the reaper every interval (before it reaps), and
-        by every reserve's admission (which may evict by them), without a commit of their
-        own on SQLite.
+        order), and the leases those hits extended, to the ledger: batched, since a commit
+        on a worker's hot path cost more than the rest of it. Written by the reaper every
+        interval and by every reserve's admission (without a commit of its own on SQLite).
         """
         uses, leases = self._runtime.take_uses()
         if uses or leases:

@@ -10,10 +10,13 @@ its bytes are immutable, enforced by the kernel, and every handle to it is read-
               a fresh region of the pool, mapped by the daemon, sealed
               F_SEAL_FUTURE_WRITE|SHRINK|GROW|SEAL, fully populated (it takes over
               the staging region's accounting: the pool counts the entry once)
-              the staged bytes pread into it (a hole reads as zeros, nothing faults)
+              the staged bytes copied into it (memfd: memmove, a hole faults in a
+              zero page; hugetlb: pread, a hole reads as zeros and nothing faults)
               an O_RDONLY fd of it, opened once (every later handle is a dup of it)
               ledger: staged → live + committed_at (compare-and-set, one statement)
               the regions swapped, the key published; the staging region scrubbed
+              (punched) after the answer: only its writer ever held it, and it is
+              never read again (Pool.retire)
     abort   a staged entry released (scrubbed); also when its writer's connection
             closes before the commit
     lookup  from memory: the runtime's index of this host's committed entries; a hit
@@ -40,6 +43,7 @@ from dataclasses import dataclass
 
 from maasd.allocator import Region
 from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
+from maasd.allocator.region import copy_region
 from maasd.core.auth import require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.handles import Handle
@@ -192,7 +196,9 @@ class Entries:
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
                 assert staging is not None  # held under its lock: a release waits for it
-                live.pool.release(staging, give_back=False)  # the copy took over its bytes
+                # The copy took over its bytes; its scrub (the punch that frees it) comes
+                # after the answer: saves ~0.5 ms of memset per 9 MiB commit.
+                live.pool.retire(staging)
                 return held.key, fresh.size
         # The copy failed: nothing may stay behind (the row is still staged).
         self._release_staged(tenant_id, buffer_id, "commit_failed")
@@ -357,7 +363,7 @@ def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
         prefault=True,  # every page present: the copy and a later scrub cannot fault
     )
     try:
-        if live.row.prefault:
+        if live.row.prefault and not fresh.placed:  # a stocked region's was measured
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
         ro_fd = open_read_only(fresh)
@@ -368,12 +374,10 @@ def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
 
 
 def _read_all(staging: Region, fresh: Region) -> None:
-    """``pread`` every staged byte into the fresh region's (populated) mapping."""
-    view = fresh.view()
-    try:
-        copied = staging.read_into(view)
-    finally:
-        view.release()
+    """Copy every staged byte into the fresh region's (populated) mapping: a ``memmove``
+    for memfd (saves ~1–5 ms of a 9 MiB commit against the ``pread`` it was), a ``pread``
+    for hugetlb (:func:`~maasd.allocator.region.copy_region` says why)."""
+    copied = copy_region(staging, fresh)
     if copied != staging.size:
         raise BackingError(f"copied {copied} of {staging.size} staged bytes", errno.EIO)
 

@@ -40,6 +40,23 @@ def tenant(daemon: Any) -> tuple[str, str]:
     return daemon.tenant("worker-entries", 64 * MiB)
 
 
+def test_what_runs_while_a_request_is_answered_keeps_the_stream_in_step(daemon, tenant):
+    """A commit unmaps its staged mapping while the daemon copies; a ``meanwhile`` that
+    fails still has its reply read, so the connection stays usable."""
+    with Worker(daemon.socket_path, tenant[1]) as w:
+        m = w.put("wk:meanwhile", 10_000)
+
+        def fails() -> None:
+            raise RuntimeError("meanwhile")
+
+        with pytest.raises(RuntimeError, match="meanwhile"):
+            w._channel.request(protocol.Commit(buffer_id=m.buffer_id), fails)
+        assert w.lookup(["wk:meanwhile"]) is not None  # committed, and the stream in step
+        m2 = w.put("wk:meanwhile:2", 10_000)
+        w.commit(m2)
+        assert m2.closed
+
+
 def test_entry_block_commits_and_another_worker_finds_it_read_only(daemon, tenant):
     tid, key = tenant
     with Worker(daemon.socket_path, key) as w, Worker(daemon.socket_path, key) as r:

@@ -17,6 +17,7 @@ import pytest
 
 import hugepages
 from maasd.allocator import SEALS, Pool, Region, Warmer, default_page_bytes
+from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
 from maasd.allocator.reclaim import Reclaimer
 from maasd.allocator.stock import size_class
 from maasd.errors import (
@@ -149,6 +150,45 @@ class TestAccounting:
             finally:
                 m.close()
                 os.close(worker_fd)
+
+    @pytest.mark.parametrize("with_reclaimer", [True, False])
+    def test_a_retired_region_is_zero_and_freed_once_punched(self, reclaimer, with_reclaimer):
+        """An entry's staging region at its commit: the copy took its accounting over, and
+        its scrub (the punch) may follow the answer — never its memory's reuse."""
+        p = Pool("retire", numa_node=0, capacity=CAPACITY, reclaimer=reclaimer)
+        if not with_reclaimer:
+            p = Pool("retire-inline", numa_node=0, capacity=CAPACITY)
+        staging = p.reserve(8 * PAGE)
+        fresh = p.reserve(8 * PAGE, accounted=False)
+        worker_fd = staging.dup_fd()  # its writer's
+        try:
+            os.pwrite(worker_fd, b"\xa5" * staging.size, 0)
+            p.retire(staging)
+            assert staging.released
+            assert p.used == 8 * PAGE  # counted once: by the fresh region now
+            reclaimer.drain()
+            assert staging.closed
+            assert os.pread(worker_fd, staging.size, 0) == bytes(staging.size)
+            assert os.fstat(worker_fd).st_blocks == 0  # punched: the pages are freed
+            p.retire(staging)  # a second time changes nothing
+            p.release(staging)
+            assert p.used == 8 * PAGE
+        finally:
+            os.close(worker_fd)
+        p.release(fresh)
+        assert p.used == 0
+
+    def test_a_frozen_region_is_retired_as_released(self, pool):
+        r = pool.reserve(4 * PAGE, extra_seals=F_SEAL_FUTURE_WRITE)
+        fd = r.dup_fd()
+        try:
+            np.frombuffer(r.view(), dtype=np.uint8)[:] = 0x5A  # the daemon's own mapping
+            pool.retire(r)  # it cannot be punched: zeroed through the mapping, closed
+            assert r.closed
+            assert os.pread(fd, r.size, 0) == bytes(r.size)
+            assert pool.used == 4 * PAGE  # not given back: a replacement took it over
+        finally:
+            os.close(fd)
 
     def test_reserve_is_placed_on_the_node(self, pool):
         r = pool.reserve(16 * PAGE)
@@ -321,6 +361,9 @@ class TestWarmStock:
         assert warm < first.size // PAGE // 16, f"{warm} faults taking from stock, {cold} cold"
         assert sealed_exactly(second, first.size)
         assert second.placement() == {0: second.size // PAGE}
+        # its placement was measured when it was stocked: a reserve need not measure it
+        assert second.placed
+        assert not first.placed
         assert (warm_pool.warm, warm_pool.used) == (0, 2 * first.size)
         assert not np.frombuffer(second.view(), dtype=np.uint8).any()
         for r in (first, second):

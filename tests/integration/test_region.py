@@ -25,7 +25,7 @@ import pytest
 import hugepages
 from maasd.allocator import _sys
 from maasd.allocator.persist import checkpoint, file_checksum, restore
-from maasd.allocator.region import POPULATE_CHUNK, SEALS, Region
+from maasd.allocator.region import POPULATE_CHUNK, SEALS, Region, copy_region
 from maasd.bounds import ScrubMode
 from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
 from maasd.topology import discover
@@ -627,9 +627,10 @@ HOG_VICTIM = textwrap.dedent("""
     import hashlib, json, os, sys
     from maasd.allocator import _sys
     from maasd.allocator.persist import checkpoint
-    from maasd.allocator.region import Region
+    from maasd.allocator.region import Region, copy_region
     HUGE = 2 << 20
     r = Region.create(2 * HUGE, node=0, backing="hugetlb")
+    dst = Region.create(2 * HUGE, node=0, backing="hugetlb")  # a commit's fresh region
     _sys.memset(r.address, 0xA5, r.size)
     worker = os.open(f"/proc/self/fd/{r.fd}", os.O_RDWR)
     _sys.fallocate(worker, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, HUGE)
@@ -640,6 +641,8 @@ HOG_VICTIM = textwrap.dedent("""
     out["read"] = r.read_into(buf)
     out["read_sha"] = hashlib.sha256(buf).hexdigest()
     out["checkpoint_sha"] = checkpoint(r, sys.argv[1])
+    out["copied"] = copy_region(r, dst)
+    out["copy_sha"] = hashlib.sha256(dst.view()).hexdigest()
     r.scrub("zero")
     out["blocks_after_scrub"] = os.fstat(r.fd).st_blocks
     r.close()
@@ -679,9 +682,42 @@ class TestHugetlbHoles:
             "read": 2 * HUGE,
             "read_sha": expected,
             "checkpoint_sha": expected,
+            "copied": 2 * HUGE,  # an entry's commit copies a hugetlb region with pread
+            "copy_sha": expected,
             "blocks_after_scrub": 0,  # hugetlb scrubs punch, in both modes
         }
         assert file_checksum(tmp_path / "v.ckpt") == expected
+
+
+class TestCopy:
+    """``copy_region``: an entry's commit copies its staged bytes into a fresh region."""
+
+    def test_a_memfd_region_is_copied_and_a_punched_hole_reads_as_zeros(self, region):
+        data = np.random.default_rng(3).integers(1, 256, region.size, dtype=np.uint8)
+        as_array(region)[:] = data
+        worker = os.open(f"/proc/self/fd/{region.fd}", os.O_RDWR)  # as a writer would
+        try:
+            _sys.fallocate(worker, PUNCH, 2 * PAGE, 3 * PAGE)
+        finally:
+            os.close(worker)
+        data[2 * PAGE : 5 * PAGE] = 0
+        fresh = Region.create(region.size + PAGE, node=0)
+        try:
+            assert copy_region(region, fresh) == region.size
+            assert (as_array(fresh)[: region.size] == data).all()
+            assert not as_array(fresh)[region.size :].any()
+        finally:
+            fresh.close()
+
+    def test_a_smaller_destination_is_refused_and_written_nowhere(self, region):
+        as_array(region)[:] = 7
+        small = Region.create(region.size - PAGE, node=0)
+        try:
+            with pytest.raises(InvalidRequest):
+                copy_region(region, small)
+            assert not as_array(small).any()
+        finally:
+            small.close()
 
 
 class TestCheckpoint:

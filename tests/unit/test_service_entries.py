@@ -82,6 +82,29 @@ def test_a_full_pool_commits_and_counts_the_entry_once(svc: Service) -> None:
     assert svc.usage(who).used_bytes == 0
 
 
+def test_the_staging_region_is_scrubbed_and_freed_after_the_commit(svc: Service) -> None:
+    who = tenant(svc)
+    h = svc.put_entry(who, "scrubbed-later", MiB)
+    staging = svc.runtime.region(h.buffer_id)
+    assert staging is not None
+    try:
+        os.pwrite(h.fd, b"\xa5" * MiB, 0)
+        svc.commit_entry(who, h.buffer_id, owned=True)
+        assert pool(svc).used == MiB  # counted once, as the committed entry
+        svc.reclaimer.drain()  # its punch runs after the commit's answer
+        assert staging.closed
+        assert os.pread(h.fd, MiB, 0) == bytes(MiB)  # what its writer kept reads zeros
+        assert os.fstat(h.fd).st_blocks == 0
+    finally:
+        os.close(h.fd)
+    found = svc.lookup_entry(who, ["scrubbed-later"])
+    try:
+        assert os.pread(found.fd, MiB, 0) == b"\xa5" * MiB
+    finally:
+        os.close(found.fd)
+        svc.drop_handle(who, found.buffer_id)
+
+
 def test_a_commit_without_memory_is_507_and_leaves_nothing(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
