@@ -183,8 +183,8 @@ class TestAccounting:
         fd = r.dup_fd()
         try:
             np.frombuffer(r.view(), dtype=np.uint8)[:] = 0x5A  # the daemon's own mapping
-            pool.retire(r)  # it cannot be punched: zeroed through the mapping, closed
-            assert r.closed
+            pool.retire(r)  # it cannot be punched: zeroed through the mapping, as release does
+            assert r.released
             assert os.pread(fd, r.size, 0) == bytes(r.size)
             assert pool.used == 4 * PAGE  # not given back: a replacement took it over
         finally:
