@@ -21,11 +21,11 @@ import pytest
 from conftest import Daemon
 from hardening import after_attack, healthz
 from maasd.protocol import Attach, Attached, Error, Hello, Welcome, encode_frame
+from nobody import NOBODY, as_nobody, require_reachable_checkout
 from sockpeer import Raw
 
 KiB = 1 << 10
 MiB = 1 << 20
-NOBODY = 65534
 #: The daemon's open-files limit in the in-flight test: small, so that the attack is quick.
 OPEN_FILES = 1024
 
@@ -34,6 +34,7 @@ OPEN_FILES = 1024
 def nobody_dir() -> Iterator[Path]:
     """A data directory ``nobody`` owns (the daemon must not run as root: root is exempt
     from the kernel's limit on fds in flight)."""
+    require_reachable_checkout()
     base = Path(tempfile.mkdtemp(prefix="maasd-nobody-"))
     base.chmod(0o755)
     (base / "data").mkdir()
@@ -51,11 +52,7 @@ def nobody_daemon(data_dir: Path, **env: str) -> Daemon:
             "prlimit",
             f"--nofile={OPEN_FILES}:{OPEN_FILES}",
             "--",
-            "setpriv",
-            f"--reuid={NOBODY}",
-            f"--regid={NOBODY}",
-            "--clear-groups",
-            "--",
+            *as_nobody(),
         ],
     )
 

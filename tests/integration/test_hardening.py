@@ -37,6 +37,7 @@ from hardening import (
 )
 from maasd.client import Worker
 from maasd.store import Store
+from nobody import NOBODY, as_nobody, require_reachable_checkout
 
 KiB = 1 << 10
 
@@ -379,16 +380,11 @@ def test_deletes_a_crash_cut_short_finish_at_the_next_start(tmp_path: Path) -> N
 
 # -- 3. a process of the daemon's uid -----------------------------------------------------------
 
-NOBODY = 65534
-
-
-def as_nobody() -> list[str]:
-    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--"]
-
 
 @pytest.fixture
 def nobody_dir() -> Iterator[Path]:
     """A directory ``nobody`` owns, outside pytest's root-only tmp dirs."""
+    require_reachable_checkout()
     base = Path(tempfile.mkdtemp(prefix="maasd-nobody-"))
     base.chmod(0o755)
     os.chown(base, NOBODY, NOBODY)
