@@ -81,14 +81,11 @@ ID_PATTERN = r"[0-9a-f]{32}"
 #: ``(?!\n)$`` and not a bare ``$``: Python's ``$`` also matches before a trailing
 #: newline, so ``"acme\n"`` would pass. (``\Z`` would say the same, but JSON Schema
 #: regexes are ECMA-262, which has no ``\Z``; the lookahead means the same in both.)
-#: A name may not have the form of an id: references (``/v1/tenants/{ref}``, maasctl's
-#: NAME|ID) resolve ids first, so such a name would make another one's id ambiguous.
-NAME_PATTERN = rf"^(?!{ID_PATTERN}(?!\n)$)[A-Za-z0-9][A-Za-z0-9._-]{{0,63}}(?!\n)$"
+#: (A name equal to another tenant's or pool's id is refused by the ledger, 409: references
+#: — ``/v1/tenants/{ref}``, maasctl's NAME|ID — resolve ids first.)
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}(?!\n)$"
 #: :data:`NAME_PATTERN` in words, for the message that refuses a name.
-NAME_RULE = (
-    "a name: 1 to 64 letters, digits, '.', '_' or '-', beginning with a letter or a "
-    "digit, and not 32 lowercase hex characters (the form of an id)"
-)
+NAME_RULE = "a name: 1 to 64 letters, digits, '.', '_' or '-', beginning with a letter or a digit"
 #: A buffer's free-text label.
 MAX_LABEL = 128
 #: A buffer's (prefix-cache) key.
@@ -184,9 +181,9 @@ def explain(message: str) -> str:
     """A msgspec validation ``message`` with :data:`NAME_PATTERN` said in words.
 
     >>> try:
-    ...     msgspec.json.decode(b'{"name": "' + b"0" * 32 + b'"}', type=dict[str, Name])
+    ...     msgspec.json.decode(b'{"name": "no/slash"}', type=dict[str, Name])
     ... except msgspec.ValidationError as e:
-    ...     print(explain(str(e)).endswith("(the form of an id) - at `$[...]`"))
+    ...     print(explain(str(e)).endswith("beginning with a letter or a digit - at `$[...]`"))
     True
     """
     return message.replace(f"`str` matching regex {NAME_PATTERN!r}", NAME_RULE)

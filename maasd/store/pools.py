@@ -68,9 +68,14 @@ class PoolRepo(Connections):
     """Adding, listing and deleting the pools of a host."""
 
     def add_pool(self, row: PoolRow) -> PoolRow:
-        """Insert a pool. A taken ``(host, name)`` (or id) raises :class:`StateConflict`."""
+        """Insert a pool. A taken ``(host, name)`` (or id), or a name that is another pool's
+        id (references resolve ids first), raises :class:`StateConflict`."""
         try:
             with self._writing() as conn:
+                if conn.execute(select(_P.c.id).where(_P.c.id == row.name)).first() is not None:
+                    raise StateConflict(
+                        f"{row.name!r} is the id of another pool: it cannot be a name"
+                    )
                 conn.execute(insert(_P), msgspec.structs.asdict(row))
                 conn.execute(
                     ins_event,

@@ -80,9 +80,14 @@ class TenantRepo(Connections):
 
     # ------------------------------------------------------------ tenants
     def add_tenant(self, id: str, name: str, quota_bytes: int, now: float) -> TenantRow:
-        """Insert a tenant. A taken name raises :class:`StateConflict`."""
+        """Insert a tenant. A taken name, or one that is another tenant's id (references
+        resolve ids first: it would stand for that one), raises :class:`StateConflict`."""
         try:
             with self._writing() as conn:
+                if conn.execute(select(_T.c.id).where(_T.c.id == name)).first() is not None:
+                    raise StateConflict(
+                        f"{name!r} is the id of another tenant: it cannot be a name"
+                    )
                 conn.execute(
                     insert(_T),
                     {"id": id, "name": name, "quota_bytes": quota_bytes, "created_at": now},

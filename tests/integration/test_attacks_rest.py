@@ -160,9 +160,9 @@ def test_a_name_that_is_another_ones_id_is_refused(daemon: Daemon, kind: str) ->
     r = daemon.admin.post(f"/v1/{kind}", json=body)
     created = r.json().get("id") if r.status_code == 201 else None
     try:
-        # A name with the form of an id is refused: `/v1/{kind}/{ref}` resolves ids first.
-        assert r.status_code == 400, r.text
-        assert "the form of an id" in r.json()["detail"], r.text
+        # Another one's id is no name: `/v1/{kind}/{ref}` resolves ids first.
+        assert r.status_code == 409, r.text
+        assert "is the id of another" in r.json()["detail"], r.text
     finally:
         if created is not None:
             assert daemon.admin.delete(f"/v1/{kind}/{created}").status_code == 204

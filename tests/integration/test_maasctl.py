@@ -232,12 +232,14 @@ def test_bad_name_is_a_400(daemon: Any) -> None:
     fails(maasctl(daemon, "tenants", "create", "no/slashes here", "--quota", "1MiB"), "[400]")
 
 
-def test_a_name_with_the_form_of_an_id_is_a_400(daemon: Any) -> None:
+def test_a_name_that_is_another_ones_id_is_a_409(daemon: Any) -> None:
     """Such a name would make NAME|ID ambiguous: refused, saying why."""
-    for noun in ("tenants", "pools"):
+    tid, _name, _key = tenant(daemon, "named", 1 << 20)
+    pool_id = daemon.admin.get("/v1/pools").json()[0]["id"]
+    for noun, taken in (("tenants", tid), ("pools", pool_id)):
         size = ["--quota", "1MiB"] if noun == "tenants" else ["--node", "0", "--capacity", "1MiB"]
-        r = maasctl(daemon, noun, "create", "0123456789abcdef" * 2, *size)
-        fails(r, "[400]", "the form of an id")
+        r = maasctl(daemon, noun, "create", taken, *size)
+        fails(r, "[409]", "is the id of another")
 
 
 def test_duplicate_tenant_is_a_409(daemon: Any) -> None:

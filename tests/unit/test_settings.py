@@ -173,18 +173,8 @@ class TestPools:
         for w in words:
             assert w in exc.value.detail
 
-    @pytest.mark.parametrize("name", ["0" * 32, "0123456789abcdef" * 2])
-    def test_pool_named_like_an_id_refused(self, tmp_path, name):
-        path = write(
-            tmp_path, f'[[pools]]\nname = "{name}"\nnuma_node = 0\ncapacity_bytes = 4096\n'
-        )
-        with pytest.raises(ConfigError) as exc:
-            load(flags={"config": path}, env={})
-        assert "the form of an id" in exc.value.detail
-        assert "pools[0].name" in exc.value.detail
-
-    @pytest.mark.parametrize("name", ["0" * 31, "0" * 33, "0123456789ABCDEF" * 2, "node0"])
-    def test_pool_names_near_the_form_of_an_id_accepted(self, tmp_path, name):
+    @pytest.mark.parametrize("name", ["0" * 32, "0" * 33, "0123456789ABCDEF" * 2, "node0"])
+    def test_pool_names_of_hex_digits_accepted(self, tmp_path, name):
         path = write(
             tmp_path, f'[[pools]]\nname = "{name}"\nnuma_node = 0\ncapacity_bytes = 4096\n'
         )
