@@ -18,9 +18,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+
+from processes import signal_and_wait
 
 # Helper modules with asserts of their own: rewritten like test modules, so a failing
 # assert in them says what it compared.
@@ -103,14 +106,7 @@ class Daemon:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         """Signal the daemon and wait; returns its exit code."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        return signal_and_wait(self.proc, sig, timeout)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
@@ -143,6 +139,14 @@ class Daemon:
         assert r.status_code == 201, r.text
         body = r.json()
         return body["id"], body["api_key"]
+
+    def pool(self, name: str, capacity_bytes: int, **fields: Any) -> dict[str, Any]:
+        """Create a pool on this daemon's host (NUMA node 0 unless ``numa_node`` is given,
+        other fields as the API takes them); returns its record."""
+        body = {"name": name, "numa_node": 0, "capacity_bytes": capacity_bytes, **fields}
+        r = self.admin.post("/v1/pools", json=body)
+        assert r.status_code == 201, r.text
+        return dict(r.json())
 
     def client(self, api_key: str) -> httpx.Client:
         """A raw httpx client with this key (for tests that check HTTP itself)."""

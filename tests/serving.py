@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from processes import signal_and_wait
+
 #: llama-cpp-python server settings every server of a comparison gets
 COMMON = ["--interrupt_requests", "false", "--logits_all", "false", "--verbose", "false"]
 
@@ -67,14 +69,7 @@ class Served:
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait → the exit code (killed after ``timeout``: an error)."""
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
+        return signal_and_wait(self.proc, signal.SIGTERM, timeout)
 
     def log(self) -> str:
         try:

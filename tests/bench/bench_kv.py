@@ -38,20 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from timing import median_ms, ms, paired
 
 TESTS = Path(__file__).resolve().parents[1]
 # A script, not collected by pytest (whose pythonpath has tests/): the helpers by path.
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS.parent))
-
-
-def median_ms(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 @contextlib.contextmanager
@@ -136,25 +128,6 @@ def bench_llama(llm: Any, tokens: list[int], R: int) -> dict[str, float]:
     return out
 
 
-def _median_ms(times: list[float]) -> float:
-    return statistics.median(times) * 1e3
-
-
-def paired(a: Callable[[], Any], b: Callable[[], Any], n: int) -> tuple[float, float, float]:
-    """Run ``a`` and ``b`` back to back ``n`` times: (median a ms, median b ms, median a/b)."""
-    ta, tb, ratios = [], [], []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-        ratios.append((t1 - t0) / (t2 - t1))
-    return _median_ms(ta), _median_ms(tb), statistics.median(ratios)
-
-
 def _raw(kv: Any) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(raw set_data, raw get_data) of sequence 0's state from/into private memory."""
     from maasd.llama import LlamaSeqAdapter
@@ -205,7 +178,7 @@ def bench_saves(kv: Any, c: Any, w: Any, tokens: list[int], R: int) -> dict[str,
         puts.append(t1 - t0)
         commits.append(t2 - t1)
         c.release(m.buffer_id)
-    return {"save": _median_ms(saves), "put": _median_ms(puts), "commit": _median_ms(commits)}
+    return {"save": ms(saves), "put": ms(puts), "commit": ms(commits)}
 
 
 def bench_maasd(args: argparse.Namespace, llm: Any, tokens: list[int], R: int) -> dict[str, float]:
@@ -287,8 +260,8 @@ def report(
         ("raw llama_state_seq_set_data ← numpy", b["raw_set"]),
         (f"bytes copy of {mib:.2f} MiB (memcpy baseline)", b["copy"]),
     ]
-    for name, ms in rows:
-        print(f"  {name:<58} {ms:9.3f} ms")
+    for name, took in rows:
+        print(f"  {name:<58} {took:9.3f} ms")
     ratios = [
         ("restore / raw set_data, paired (goal ≤ 1.5)", m["goal_restore"]),
         ("restore, no cache / raw set_data, paired", m["goal_restore_cold"]),

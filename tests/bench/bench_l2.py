@@ -30,26 +30,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from timing import median_ms, paired
 
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 # A script, not collected by pytest (whose pythonpath has tests/): the helpers by path.
 sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(REPO))
-
-
-def median_ms(fn: Callable[[], Any], repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 @contextlib.contextmanager
@@ -116,25 +108,6 @@ def load_gemma(n_ctx: int, threads: int) -> Any:
         n_threads=threads,
         n_threads_batch=threads,
         verbose=False,
-    )
-
-
-def paired(a: Callable[[], Any], b: Callable[[], Any], n: int) -> tuple[float, float, float]:
-    """Run ``a`` and ``b`` back to back ``n`` times: (median a ms, median b ms, median a/b)."""
-    ta, tb, ratios = [], [], []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-        ratios.append((t1 - t0) / (t2 - t1))
-    return (
-        statistics.median(ta) * 1e3,
-        statistics.median(tb) * 1e3,
-        statistics.median(ratios),
     )
 
 

@@ -26,22 +26,13 @@ def world(daemon: Daemon):
     """Tenants A and B; A holds a volatile keyed buffer and a persistent one."""
     ta, ka = daemon.tenant("iso-a", 64 * MiB)
     tb, kb = daemon.tenant("iso-b", 64 * MiB)
-    p = daemon.admin.post(
-        "/v1/pools",
-        json={
-            "name": f"iso-{secrets.token_hex(3)}",
-            "numa_node": 0,
-            "capacity_bytes": 4 * MiB,
-            "persistence": "persistent",
-        },
-    )
-    assert p.status_code == 201, p.text
+    pool = daemon.pool(f"iso-{secrets.token_hex(3)}", 4 * MiB, persistence="persistent")
     with daemon.client(ka) as a, daemon.client(kb) as b:
         r = a.post(
             "/v1/reserve", json={"size_bytes": MiB, "key": "model:prefix", "label": "secret"}
         )
         assert r.status_code == 201, r.text
-        durable = a.post(f"/v1/pools/{p.json()['id']}/reserve", json={"size_bytes": PAGE})
+        durable = a.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": PAGE})
         assert durable.status_code == 201, durable.text
         yield {
             "a": a,
@@ -50,9 +41,9 @@ def world(daemon: Daemon):
             "tb": tb,
             "buf": r.json(),
             "durable": durable.json(),
-            "pool": p.json(),
+            "pool": pool,
         }
-    daemon.admin.delete(f"/v1/pools/{p.json()['id']}?drain=true")
+    daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true")
     for t in (ta, tb):
         daemon.admin.delete(f"/v1/tenants/{t}")
 

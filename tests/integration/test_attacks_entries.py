@@ -92,18 +92,9 @@ def test_a_staged_entry_is_renewed_but_neither_pinned_nor_checkpointed(
     """REST on an entry its writer has not committed: renew extends its lease (it has one
     from the put); pin and checkpoint are 409 (its bytes move to another region at the
     commit); once committed, both work."""
-    r = daemon.admin.post(
-        "/v1/pools",
-        json={
-            "name": f"spill-{secrets.token_hex(3)}",
-            "numa_node": 0,
-            "capacity_bytes": 16 * MiB,
-            "persistence": "persistent",
-            "spill_dir": str(tmp_path / "spill"),
-        },
-    )
-    assert r.status_code == 201, r.text
-    pool = r.json()["id"]
+    spill = str(tmp_path / "spill")
+    name = f"spill-{secrets.token_hex(3)}"
+    pool = daemon.pool(name, 16 * MiB, persistence="persistent", spill_dir=spill)["id"]
     _, key = daemon.tenant("stuck-writer", 16 * MiB)
     w = Raw(daemon.socket_path, timeout=30)
     w.hello(key)

@@ -27,18 +27,9 @@ FLOOD = 100
 
 def persistent_pool(daemon: Daemon, spill_dir: Path, capacity: int) -> str:
     """A new persistent pool spilling to ``spill_dir``; its id."""
-    r = daemon.admin.post(
-        "/v1/pools",
-        json={
-            "name": f"spill-{secrets.token_hex(3)}",
-            "numa_node": 0,
-            "capacity_bytes": capacity,
-            "persistence": "persistent",
-            "spill_dir": str(spill_dir),
-        },
-    )
-    assert r.status_code == 201, r.text
-    return str(r.json()["id"])
+    name = f"spill-{secrets.token_hex(3)}"
+    pool = daemon.pool(name, capacity, persistence="persistent", spill_dir=str(spill_dir))
+    return str(pool["id"])
 
 
 def test_a_checkpoint_flood_does_not_starve_another_tenant(daemon: Daemon, tmp_path: Path) -> None:

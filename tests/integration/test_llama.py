@@ -664,16 +664,7 @@ def test_a_persistent_pool_keeps_entries_across_a_restart(fresh_daemon: Any, pat
     from maasd.client import Worker
 
     d = fresh_daemon.start()
-    made = d.admin.post(
-        "/v1/pools",
-        json={
-            "name": "durable",
-            "numa_node": 0,
-            "capacity_bytes": 32 << 20,
-            "persistence": "persistent",
-        },
-    )
-    assert made.status_code == 201, made.text
+    d.pool("durable", 32 << 20, persistence="persistent")
     _tid, key = d.tenant("kv-durable", 64 << 20)
     toks, tail = prompt(200, seed=30), prompt(5, seed=31)[1:]
     a = load(path0)

@@ -138,16 +138,7 @@ def test_a_persistent_pool_keeps_prefixes_across_a_daemon_restart(
     fresh_daemon: Any, gemma: Path
 ) -> None:
     d = fresh_daemon.start()
-    made = d.admin.post(
-        "/v1/pools",
-        json={
-            "name": "durable",
-            "numa_node": 0,
-            "capacity_bytes": 64 << 20,
-            "persistence": "persistent",
-        },
-    )
-    assert made.status_code == 201, made.text
+    d.pool("durable", 64 << 20, persistence="persistent")
     _tid, key = d.tenant("gemma-durable", 64 << 20)
     a = complete(d, key, gemma, GERMANY, pool="durable", max_tokens=1)
     assert a["saves"]["saved"] >= 1

@@ -23,13 +23,9 @@ MiB = 1 << 20
 
 
 def make_persistent_pool(d: Daemon, name: str = "durable", cap: int = 16 * MiB) -> dict:
-    r = d.admin.post(
-        "/v1/pools",
-        json={"name": name, "numa_node": 0, "capacity_bytes": cap, "persistence": "persistent"},
-    )
-    assert r.status_code == 201, r.text
-    assert r.json()["persistence"] == "persistent"
-    return r.json()
+    pool = d.pool(name, cap, persistence="persistent")
+    assert pool["persistence"] == "persistent"
+    return pool
 
 
 def fill(d: Daemon, key: str, buffer_id: str, data: np.ndarray) -> None:

@@ -505,18 +505,8 @@ class TestWarmer:
     def test_memory_pressure_sheds_and_stops_refilling(self, reclaimer):
         available = [1 << 40]
         warmer = Warmer(min_available=1 << 30, available=lambda: available[0])
-        pool = Pool(
-            "p",
-            numa_node=0,
-            capacity=8 * MiB,
-            warm_bytes=4 * MiB,
-            reclaimer=reclaimer,
-            warmer=warmer,
-        )
+        pool = _stocked(warmer, reclaimer)
         try:
-            pool.release(pool.reserve(MiB))
-            while warmer.run_once():
-                pass
             assert pool.warm == MiB
             available[0] = (1 << 30) - 1  # below the threshold: give it back
             assert warmer.run_once() is False
@@ -535,18 +525,8 @@ class TestWarmer:
         the region budget (maasd.core.limits) before making one."""
         room = [False]
         warmer = Warmer(min_available=0, may_grow=lambda: room[0])
-        pool = Pool(
-            "p",
-            numa_node=0,
-            capacity=8 * MiB,
-            warm_bytes=4 * MiB,
-            reclaimer=reclaimer,
-            warmer=warmer,
-        )
+        pool = _stocked(warmer, reclaimer)
         try:
-            pool.release(pool.reserve(MiB))
-            while warmer.run_once():
-                pass
             assert pool.warm == 0
             room[0] = True
             while warmer.run_once():
@@ -596,3 +576,15 @@ class TestHugetlbStock:
             finally:
                 hoarder.close()
                 other.close()
+
+
+def _stocked(warmer: Warmer, reclaimer: Reclaimer) -> Pool:
+    """An 8 MiB pool with a 4 MiB warm stock, a MiB reserved and released, and the
+    warmer run until it has nothing more to do."""
+    pool = Pool(
+        "p", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, reclaimer=reclaimer, warmer=warmer
+    )
+    pool.release(pool.reserve(MiB))
+    while warmer.run_once():
+        pass
+    return pool
