@@ -22,18 +22,16 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, get_args
+from typing import Any, get_args
 
-from maasd.allocator.arith import Ledger, check_size, round_up
+from maasd.allocator.arith import check_size, round_up
 from maasd.allocator.reclaim import Reclaimer, reclaim
-from maasd.allocator.refill import FILL_WAIT_S, Refilling
-from maasd.allocator.region import BACKINGS, SCRUB_MODES, Region
-from maasd.allocator.stock import Stock, warm_budget
+from maasd.allocator.refill import WarmStock
+from maasd.allocator.region import SCRUB_MODES, Region, check_backing
+from maasd.allocator.stock import warm_budget
+from maasd.allocator.warm import Warmer
 from maasd.bounds import Backing, Persistence, ScrubMode
-from maasd.errors import BackingError, InvalidRequest, PoolExhausted
-
-if TYPE_CHECKING:
-    from maasd.allocator.warm import Warmer
+from maasd.errors import BackingError, InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +40,18 @@ PERSISTENCES: tuple[Persistence, ...] = get_args(Persistence)
 
 def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
     """The page size regions of this backing are rounded to."""
-    if backing not in BACKINGS:
-        raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
-    return os.sysconf("SC_PAGE_SIZE") if backing == "memfd" else hugepage_bytes
+    return os.sysconf("SC_PAGE_SIZE") if check_backing(backing) == "memfd" else hugepage_bytes
 
 
 @dataclass
-class Pool(Refilling):
+class Pool:
     """Capacity accounting, region creation and a warm stock for one pool. Thread-safe.
 
     ``reclaimer`` gives the pages of released ``zero``-scrubbed regions back in the
     background (see :meth:`release`); without one, that happens in the releasing call.
     ``warmer`` refills the warm stock of ``warm_bytes`` (the pool registers itself with
-    it); without one, :meth:`refill_step` is the caller's to call. Taking from, refilling
-    and shedding the stock is :class:`~maasd.allocator.refill.Refilling`'s part.
+    it); without one, :meth:`refill_step` is the caller's to call. The capacity and the
+    stock inside it are the pool's :class:`~maasd.allocator.refill.WarmStock`.
     """
 
     name: str
@@ -70,14 +66,12 @@ class Pool(Refilling):
     warm_bytes: int = 0
     reclaimer: Reclaimer | None = field(default=None, repr=False, compare=False)
     warmer: Warmer | None = field(default=None, repr=False, compare=False)
-    _ledger: Ledger = field(init=False, repr=False)
+    _warm: WarmStock = field(init=False, repr=False)
+    #: Guards only the ``released`` mark of the regions this pool hands out.
     _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
-    _room: threading.Condition = field(init=False, repr=False)
-    _stock: Stock = field(init=False, repr=False, default_factory=Stock)
 
     def __post_init__(self) -> None:
-        if self.backing not in BACKINGS:
-            raise InvalidRequest(f"backing must be one of {BACKINGS}, got {self.backing!r}")
+        check_backing(self.backing)
         if self.persistence not in PERSISTENCES:
             raise InvalidRequest(
                 f"persistence must be one of {PERSISTENCES}, got {self.persistence!r}"
@@ -95,8 +89,14 @@ class Pool(Refilling):
                 f"capacity {self.capacity} is not a multiple of the {self.page_bytes}-byte page"
             )
         self.set_warm_bytes(self.warm_bytes)
-        self._ledger = Ledger(self.capacity)
-        self._room = threading.Condition(self._lock)
+        self._warm = WarmStock(
+            self.name,
+            self.capacity,
+            self.page_bytes,
+            make=self._create,
+            reclaimer=self.reclaimer,
+            wake=self.warmer.wake if self.warmer is not None else lambda: None,
+        )
         if self.warmer is not None:
             self.warmer.add(self)
 
@@ -109,16 +109,16 @@ class Pool(Refilling):
     @property
     def used(self) -> int:
         """Bytes taken: live regions plus the warm stock (and a refill in flight)."""
-        return self._ledger.used
+        return self._warm.used
 
     @property
     def free(self) -> int:
-        return self._ledger.free
+        return self._warm.free
 
     @property
     def warm(self) -> int:
         """Bytes in the warm stock now."""
-        return self._stock.bytes
+        return self._warm.bytes
 
     def rounded(self, size: int) -> int:
         """The size a request of ``size`` bytes occupies in this pool."""
@@ -149,13 +149,13 @@ class Pool(Refilling):
         given back).
         """
         rounded = self.rounded(size)
-        region = self._from_stock(rounded, extra_seals)
+        region = self._warm.take_region(rounded, extra_seals) if self.warm_bytes else None
         if region is not None:
             if not accounted:
-                self._give(rounded)
+                self._warm.give(rounded)
             return region
         if accounted:
-            self._take(rounded)
+            self._warm.take(rounded)
         options = {
             "prefault": self.prefault if prefault is None else prefault,
             "name": name,
@@ -171,38 +171,20 @@ class Pool(Refilling):
             return self._create(rounded, **options)
         except BaseException:
             if accounted:
-                self._give(rounded)
+                self._warm.give(rounded)
             raise
+
+    def _create(self, size: int, **options: Any) -> Region:
+        return Region.create(
+            size, node=self.numa_node, backing=self.backing, page_bytes=self.page_bytes, **options
+        )
 
     def _shed_everywhere(self) -> bool:
         return self.warmer is not None and self.warmer.shed(backing=self.backing) > 0
 
-    def _take(self, size: int) -> None:
-        """Account ``size`` bytes as used, giving warm stock back if that makes them fit."""
-        shed: list[Region] = []
-        try:
-            with self._lock:
-                while True:
-                    try:
-                        self._ledger.take(size)
-                        break
-                    except PoolExhausted:
-                        if size > self._ledger.free + self._stock.bytes + self._stock.filling:
-                            raise  # the stock would not make room: keep it
-                        region = self._stock.take_largest()
-                        if region is not None:
-                            self._ledger.give(region.size)
-                            shed.append(region)
-                            continue
-                        self._stock.abort = True  # the refill in flight stops and gives back
-                        if not self._room.wait_for(lambda: not self._stock.filling, FILL_WAIT_S):
-                            raise
-        finally:
-            self._discard(shed)
-
     def adopt(self, size: int) -> None:
         """Account for a region made elsewhere (restored from a checkpoint)."""
-        self._take(self.rounded(size))
+        self._warm.take(self.rounded(size))
 
     # -- release ----------------------------------------------------------------------------
 
@@ -234,7 +216,7 @@ class Pool(Refilling):
             finally:
                 region.close()
         if give_back:
-            self._give(region.size)
+            self._warm.give(region.size)
 
     def retire(self, region: Region) -> None:
         """Release a region that a replacement took over (its accounting: ``reserve(
@@ -269,7 +251,23 @@ class Pool(Refilling):
         """
         if self.warmer is not None:
             self.warmer.remove(self)
-        with self._lock:
-            self._stock.closed = True
-            self._room.wait_for(lambda: not self._stock.filling, FILL_WAIT_S)
-        self.shed(now=True)
+        self._warm.close()
+
+    # -- the warm stock, for the warmer -----------------------------------------------------
+
+    def refill_step(self, room: int | None = None) -> bool:
+        """One step towards the planned stock; ``True`` if it changed anything
+        (:meth:`WarmStock.refill_step <maasd.allocator.refill.WarmStock.refill_step>`)."""
+        return self._warm.refill_step(self.warm_bytes, room)
+
+    def shed(self, *, now: bool = False) -> int:
+        """Give the whole stock back (memory is short); returns the bytes given.
+
+        A refill in flight stops too. With ``now``, the regions are closed before
+        this returns (their memory is free); else the reclaimer closes them.
+        """
+        return self._warm.shed(now=now)
+
+    def interrupt_refill(self) -> None:
+        """Stop a refill in flight (its region is given back); the stock stays."""
+        self._warm.interrupt_refill()

@@ -91,13 +91,19 @@ def _huge_flag(page_bytes: int) -> int:
     return _sys.MFD_HUGETLB | ((page_bytes.bit_length() - 1) << _sys.MFD_HUGE_SHIFT)
 
 
+def check_backing(backing: object) -> Backing:
+    """``backing`` if it is one of :data:`BACKINGS`, else :class:`InvalidRequest`."""
+    if backing not in BACKINGS:
+        raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
+    return backing
+
+
 def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tuple[int, int]:
     """A new memfd of ``size`` bytes and the daemon's shared mapping of it: ``(fd, address)``.
 
     Unsealed, unbound, nothing populated; on failure nothing is left open.
     """
-    if backing not in BACKINGS:
-        raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
+    check_backing(backing)
     flags = _sys.MFD_CLOEXEC | _sys.MFD_ALLOW_SEALING
     if backing == "hugetlb":
         flags |= _huge_flag(page_bytes)

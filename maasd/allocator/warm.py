@@ -26,17 +26,28 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from maasd.allocator import _sys
 from maasd.bounds import Backing
 
-if TYPE_CHECKING:
-    from maasd.allocator.pool import Pool
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["Warmer", "default_min_available", "mem_available"]
+__all__ = ["Stocked", "Warmer", "default_min_available", "mem_available"]
+
+
+class Stocked(Protocol):
+    """What the warmer asks of a pool (:class:`~maasd.allocator.pool.Pool` is one)."""
+
+    @property
+    def backing(self) -> Backing: ...
+
+    def refill_step(self, room: int | None = None) -> bool: ...
+
+    def shed(self, *, now: bool = False) -> int: ...
+
+    def interrupt_refill(self) -> None: ...
+
 
 MiB = 1 << 20
 
@@ -80,7 +91,7 @@ class Warmer:
         self._interval_s = interval_s
         self._may_grow = may_grow
         self._lock = threading.Lock()
-        self._pools: list[Pool] = []
+        self._pools: list[Stocked] = []
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -89,17 +100,17 @@ class Warmer:
     def running(self) -> bool:
         return self._thread is not None
 
-    def add(self, pool: Pool) -> None:
+    def add(self, pool: Stocked) -> None:
         with self._lock:
             if pool not in self._pools:
                 self._pools.append(pool)
         self.wake()
 
-    def remove(self, pool: Pool) -> None:
+    def remove(self, pool: Stocked) -> None:
         with self._lock:
             self._pools = [p for p in self._pools if p is not pool]
 
-    def pools(self) -> list[Pool]:
+    def pools(self) -> list[Stocked]:
         with self._lock:
             return list(self._pools)
 
