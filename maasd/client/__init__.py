@@ -45,6 +45,7 @@ from maasd.client.errors import (
     Unprocessable,
     UnsupportedMediaType,
 )
+from maasd.client.mapping import BufferMapping, Mapping
 from maasd.client.rest import Client, raw_json
 from maasd.client.types import (
     Buffer,
@@ -62,12 +63,13 @@ from maasd.client.types import (
     Topology,
     Usage,
 )
-from maasd.client.worker import Mapping, Worker
+from maasd.client.worker import Worker
 
 __all__ = [
     "BadRequest",
     "BodyTooLarge",
     "Buffer",
+    "BufferMapping",
     "BufferCountExceeded",
     "Checkpoint",
     "Component",

@@ -25,13 +25,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
 
-if TYPE_CHECKING:
-    from maasd.client.worker import Mapping
+from maasd.client.mapping import BufferMapping
 
 __all__ = ["DEFAULT_CACHE_AGE_S", "DEFAULT_CACHE_BYTES", "Entry", "EntryMapping", "MappingCache"]
 
@@ -53,9 +51,9 @@ class Entry:
 
 @dataclass(eq=False)
 class Slot:
-    """One cached mapping: the read-only :class:`Mapping` and who uses it now."""
+    """One cached mapping: the read-only :class:`BufferMapping` and who uses it now."""
 
-    mapping: Mapping
+    mapping: BufferMapping
     key: str
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)

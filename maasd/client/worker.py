@@ -28,14 +28,10 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
-import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-
-import numpy as np
-import numpy.typing as npt
 
 from maasd import protocol
 from maasd.client.channel import Channel
@@ -55,8 +51,9 @@ from maasd.client.errors import (
     ProtocolError,
     Unauthorized,
 )
+from maasd.client.mapping import BufferMapping, Mapping
 
-__all__ = ["Entry", "EntryMapping", "Mapping", "Worker"]
+__all__ = ["BufferMapping", "Entry", "EntryMapping", "Mapping", "Worker"]
 
 #: Idle entry mappings are aged out at most this often (on lookups and renewals).
 SWEEP_INTERVAL_S = 1.0
@@ -73,100 +70,6 @@ def _check_memfd_size(fd: int, size_bytes: int) -> None:
 
 def _read_only_fd(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-
-
-class Mapping:
-    """One attachment of a buffer: its memfd, mapped shared.
-
-    ``array`` is a ``numpy.uint8`` view of the whole buffer (no copy), writable
-    unless ``writable`` is false (a committed entry: its fd is read-only); ``size``
-    its length in bytes; ``numa_node`` where its pages live; ``fd`` the sealed
-    memfd (owned by the mapping: closed by :meth:`close`); ``key`` the entry key
-    of a ``put``.
-    """
-
-    def __init__(
-        self,
-        worker: Worker | None,
-        buffer_id: str,
-        fd: int,
-        size: int,
-        numa_node: int,
-        *,
-        writable: bool = True,
-        key: str | None = None,
-        populate: bool = False,
-    ) -> None:
-        self.buffer_id = buffer_id
-        self.fd = fd
-        self.size = size
-        self.numa_node = numa_node
-        self.writable = writable
-        self.key = key
-        self._worker = worker
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        # MAP_POPULATE: for a mapping about to be written in full (a put), filling the
-        # page tables at once costs ~0.6 ms per 9 MiB here; a write fault per page on
-        # a shared memfd, ~7 ms. Read faults map 16 pages at a time and cost no more.
-        flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-        self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=flags, prot=prot)
-        self._array: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
-
-    @property
-    def closed(self) -> bool:
-        return self._mmap is None
-
-    @property
-    def array(self) -> npt.NDArray[np.uint8]:
-        """The buffer as a numpy ``uint8`` array (zero-copy; writable if :attr:`writable`)."""
-        if self._array is None:
-            raise ValueError(f"mapping of buffer {self.buffer_id} is closed")
-        return self._array
-
-    @property
-    def mmap(self) -> mmap.mmap:
-        """The underlying ``mmap`` object (a buffer for ctypes/llama.cpp)."""
-        if self._mmap is None:
-            raise ValueError(f"mapping of buffer {self.buffer_id} is closed")
-        return self._mmap
-
-    def _close_local(self) -> bool:
-        """Drop the view, unmap, close the fd; return False if it was already closed."""
-        mm = self._mmap
-        if mm is None:
-            return False
-        # Drop our array first: it holds a buffer export on the mmap, and
-        # mmap.close() refuses while exports exist.
-        self._array = None
-        self._mmap = None
-        try:
-            mm.close()
-        except BufferError:
-            # The caller still holds a numpy view (or memoryview) of it. The
-            # pages stay mapped until the last view dies; the fd can go now
-            # (mmap keeps its own reference to the file).
-            logger.debug("buffer %s: views still alive, unmapping deferred", self.buffer_id)
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-        return True
-
-    def close(self) -> None:
-        """Unmap and close the fd, then tell the daemon this attachment is over. Idempotent."""
-        if self._close_local() and self._worker is not None:
-            self._worker._mapping_closed(self)
-
-    def __enter__(self) -> Mapping:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else f"fd={self.fd}"
-        return (
-            f"Mapping(buffer_id={self.buffer_id!r}, size={self.size}, "
-            f"numa_node={self.numa_node}, {state})"
-        )
 
 
 class Worker:
@@ -196,8 +99,8 @@ class Worker:
         self.renew_interval_s = ttl_s / 3 if renew_interval_s is None else renew_interval_s
         self.cache = MappingCache(cache_bytes, cache_age_s)
         self._maps_lock = threading.Lock()
-        self._mappings: dict[str, list[Mapping]] = {}
-        self._staged: dict[str, Mapping] = {}
+        self._mappings: dict[str, list[BufferMapping]] = {}
+        self._staged: dict[str, BufferMapping] = {}
         self._swept = time.monotonic()
         self._closed = False
         self._stop = threading.Event()
@@ -215,7 +118,7 @@ class Worker:
 
     # --- buffers -----------------------------------------------------------------
 
-    def attach(self, buffer_id: str) -> Mapping:
+    def attach(self, buffer_id: str) -> BufferMapping:
         """Receive the buffer's memfd and map it (MAP_SHARED; read-write, or read-only for
         a committed entry, whose fd the daemon sends read-only).
 
@@ -225,7 +128,7 @@ class Worker:
         try:
             _check_memfd_size(fd, reply.size_bytes)
             writable = not _read_only_fd(fd)
-            m = Mapping(
+            m = BufferMapping(
                 self, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, writable=writable
             )
         except BaseException:
@@ -284,7 +187,7 @@ class Worker:
             self._drop(self.cache.forget_keys([reply.key], keep=reply.buffer_id))
         try:
             _check_memfd_size(fd, reply.size_bytes)
-            m = Mapping(
+            m = BufferMapping(
                 None, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, writable=False
             )
         except BaseException:
@@ -302,7 +205,7 @@ class Worker:
 
     def put(
         self, key: str, size_bytes: int, *, pool: str | None = None, ttl_s: int | None = None
-    ) -> Mapping:
+    ) -> BufferMapping:
         """Reserve an entry under ``key`` to write: a writable mapping, seen by no one
         else until :meth:`commit` (``pool``: id or name; ``ttl_s``: its lease).
 
@@ -313,7 +216,7 @@ class Worker:
         reply, fd = self._one_fd(put, protocol.Reserved)
         try:
             _check_memfd_size(fd, reply.size_bytes)
-            m = Mapping(
+            m = BufferMapping(
                 None, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, key=key, populate=True
             )
         except BaseException:
@@ -325,7 +228,7 @@ class Worker:
             self._staged[m.buffer_id] = m
         return m
 
-    def commit(self, entry: str | Mapping) -> Entry:
+    def commit(self, entry: str | BufferMapping) -> Entry:
         """Make a put entry immutable and visible to lookups; the writable mapping is
         closed (the daemon scrubs what it mapped: the entry lives on in a sealed copy)."""
         buffer_id, m = self._settle(entry, protocol.Commit)
@@ -333,14 +236,14 @@ class Worker:
         size, node = (0, 0) if m is None else (m.size, m.numa_node)
         return Entry(id=buffer_id, key=key, size_bytes=size, numa_node=node)
 
-    def abort(self, entry: str | Mapping) -> None:
+    def abort(self, entry: str | BufferMapping) -> None:
         """Release a put entry that will not be committed (scrubbed); its mapping is closed."""
         self._settle(entry, protocol.Abort)
 
     @contextlib.contextmanager
     def entry(
         self, key: str, size_bytes: int, *, pool: str | None = None, ttl_s: int | None = None
-    ) -> Iterator[Mapping]:
+    ) -> Iterator[BufferMapping]:
         """``put`` an entry and yield its writable mapping; commit it when the block ends,
         abort it if the block raises."""
         m = self.put(key, size_bytes, pool=pool, ttl_s=ttl_s)
@@ -400,8 +303,8 @@ class Worker:
         return self._channel.request_fd(msg, kind)
 
     def _settle(
-        self, entry: str | Mapping, op: type[protocol.Commit | protocol.Abort]
-    ) -> tuple[str, Mapping | None]:
+        self, entry: str | BufferMapping, op: type[protocol.Commit | protocol.Abort]
+    ) -> tuple[str, BufferMapping | None]:
         """Commit or abort a put entry: its id and its staged mapping (closed now, which
         ever way the request ends: the daemon scrubs what it mapped)."""
         buffer_id = entry if isinstance(entry, str) else entry.buffer_id
@@ -424,7 +327,7 @@ class Worker:
         except MaasdClientError as exc:
             logger.debug("detach of %s failed: %s", buffer_id, exc)
 
-    def _mapping_closed(self, m: Mapping) -> None:
+    def _mapping_closed(self, m: BufferMapping) -> None:
         with self._maps_lock:
             maps = self._mappings.get(m.buffer_id)
             if maps is None or m not in maps:
