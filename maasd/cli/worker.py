@@ -1,7 +1,9 @@
-"""``maasd worker``: the command line of :mod:`maasd.llama.worker`, registered on ``maasd``.
+"""``maasd worker``: llama-cpp-python's OpenAI server in N processes sharing prefixes.
 
-Its flags are llama-cpp-python's (``--n_ctx``, ``--n_threads`` …) besides maasd's, so the
-arguments go as they are to the worker's own parser (``maasd worker --help`` lists both).
+Registered on ``maasd``. Its flags are llama-cpp-python's (``--n_ctx``, ``--n_threads`` …)
+besides maasd's, so the arguments go as they are to the worker's own parser
+(:func:`maasd.llama.worker_config.parse_args`; ``maasd worker --help`` lists both), and the
+config it reads goes to the supervisor (:mod:`maasd.llama.worker_supervisor`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ def worker(args: tuple[str, ...]) -> None:
         raise click.ClickException(
             "maasd worker needs llama-cpp-python: install maasd with the `llama` extra"
         )
-    from maasd.llama.worker import main
-
     sys.exit(main(list(args)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``maasd worker`` → its exit code (0 after SIGTERM/SIGINT). Needs the llama extra."""
+    from maasd.llama.worker_config import parse_args
+    from maasd.llama.worker_supervisor import Supervisor
+
+    return Supervisor(parse_args(argv)).run()

@@ -24,7 +24,9 @@ The package, by layer (each imports only those before it, and the client)::
     link      Link: a Worker connection opened lazily, re-opened after it broke
     context   ContextStore: a Llama's whole context state in entries, zero-copy
     cache     MaasdCache: llama-cpp-python's BaseLlamaCache over ContextStore
-    worker*   ``maasd worker``: llama-cpp-python's OpenAI server on MaasdCache
+    worker*   ``maasd worker`` (the command: ``maasd.cli.worker``), llama-cpp-python's
+              OpenAI server on MaasdCache: ``worker_config`` (the command line),
+              ``worker_metrics``, ``worker_process`` (one server), ``worker_supervisor``
     build     checks that the installed llama.cpp build runs on this machine
 
 Importing ``maasd.llama`` needs neither llama-cpp-python nor xxhash; a ``KVStore``

@@ -38,7 +38,7 @@ from typing import TextIO
 
 import msgspec
 
-from maasd.llama.worker import WorkerConfig
+from maasd.llama.worker_config import WorkerConfig
 from maasd.llama.worker_process import ProcessSpec, reuse_port_socket
 
 __all__ = ["Supervisor", "sharing_check"]

@@ -1,0 +1,169 @@
+"""``maasd worker``: an OpenAI-compatible llama.cpp server whose processes share prefixes.
+
+::
+
+    maasd worker --model PATH.gguf [--host 127.0.0.1] [--port 8000] [--processes N]
+                 [--maasd-url URL] [--socket PATH] [--key KEY | MAASD_KEY] [--pool NAME]
+                 [any llama-cpp-python server/model setting: --n_ctx, --n_threads, …]
+
+The server is llama-cpp-python's own (``llama_cpp.server``: ``/v1/completions``,
+``/v1/chat/completions`` with streaming, ``/v1/models``, its request types and errors);
+its settings are taken as ``python -m llama_cpp.server`` takes them
+(``add_args_from_model``/``parse_model_from_args``), with four defaults changed:
+
+* ``--host 127.0.0.1`` (not ``localhost``), as maasd's REST API;
+* ``--interrupt_requests false``: llama-cpp-python's default cuts a stream short as soon as
+  another request waits, which also skips saving its state;
+* ``--logits_all false``: nothing but ``echo`` with ``logprobs`` reads the prompt's logits,
+  and computing them costs a copy of n_vocab floats per prompt token (1 MiB each for
+  Gemma 3); ``MaasdCache`` refuses ``logits_all`` models (sharing is off with it);
+* ``--verbose false``: llama.cpp's per-request timing lines, not the worker's log.
+
+``--cache`` (llama-cpp-python's own per-process cache) is ignored: maasd is the cache.
+
+This module only reads the command line into a :class:`WorkerConfig`; the command itself
+is :mod:`maasd.cli.worker`, which hands the config to the supervisor
+(:mod:`maasd.llama.worker_supervisor`), which runs ``--processes`` processes
+(:mod:`maasd.llama.worker_process`) on one listening socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["WorkerConfig", "build_parser", "default_socket", "parse_args"]
+
+DEFAULT_URL = "http://127.0.0.1:7878"
+DEFAULT_HOST = "127.0.0.1"
+
+#: llama-cpp-python settings whose default maasd worker changes (see the module docstring)
+CHANGED_DEFAULTS: dict[str, Any] = {
+    "host": DEFAULT_HOST,
+    "interrupt_requests": False,
+    "logits_all": False,
+    "verbose": False,
+}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """A parsed ``maasd worker`` command line."""
+
+    server: dict[str, Any]  # llama_cpp.server.settings.ServerSettings, as JSON
+    model: dict[str, Any]  # llama_cpp.server.settings.ModelSettings, as JSON
+    processes: int
+    maasd_url: str | None
+    socket: str
+    key: str | None
+    pool: str | None
+    log_level: str
+    graceful_s: int
+
+    @property
+    def host(self) -> str:
+        return str(self.server["host"])
+
+    @property
+    def port(self) -> int:
+        return int(self.server["port"])
+
+
+def default_socket() -> str:
+    """``MAASD_SOCKET``, else the daemon's default: ``DATA_DIR/maasd.sock`` (``MAASD_DATA_DIR``,
+    else ``/var/lib/maasd`` as root, else ``$XDG_STATE_HOME/maasd`` or ``~/.local/state/maasd``)."""
+    if os.environ.get("MAASD_SOCKET"):
+        return os.environ["MAASD_SOCKET"]
+    data_dir = os.environ.get("MAASD_DATA_DIR")
+    if not data_dir and os.geteuid() == 0:
+        data_dir = "/var/lib/maasd"
+    if not data_dir:
+        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+        data_dir = os.path.join(base, "maasd")
+    return os.path.join(data_dir, "maasd.sock")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from llama_cpp.server.cli import add_args_from_model
+    from llama_cpp.server.settings import Settings
+
+    parser = argparse.ArgumentParser(
+        prog="maasd worker",
+        description="llama-cpp-python's OpenAI-compatible server, N processes on one port, "
+        "sharing prompt prefixes through maasd.",
+        epilog="Example: MAASD_KEY=… maasd worker --model gemma.gguf --processes 2 --n_threads 1",
+    )
+    m = parser.add_argument_group("maasd")
+    m.add_argument("--processes", type=int, default=1, help="Server processes (default: 1).")
+    m.add_argument(
+        "--maasd-url",
+        default=os.environ.get("MAASD_URL", DEFAULT_URL),
+        help=f"maasd's REST API [env MAASD_URL, default {DEFAULT_URL}].",
+    )
+    m.add_argument(
+        "--socket",
+        default=None,
+        help="maasd's worker socket [env MAASD_SOCKET, default DATA_DIR/maasd.sock].",
+    )
+    m.add_argument("--key", default=None, help="The tenant's API key [env MAASD_KEY].")
+    m.add_argument("--pool", default=None, help="Pool (name or id) entries go to.")
+    m.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    m.add_argument(
+        "--graceful-timeout",
+        type=int,
+        default=30,
+        help="Seconds in-flight requests get to finish after SIGTERM (default: 30).",
+    )
+    # add_argument is all it calls: a group of the parser will do
+    group: Any = parser.add_argument_group("llama-cpp-python settings")
+    add_args_from_model(group, Settings)
+    for name, value in CHANGED_DEFAULTS.items():
+        action = parser._option_string_actions.get(f"--{name}")
+        if action is not None and action.help:
+            action.help = action.help.split(" (default:")[0] + f" (default here: {value})"
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> WorkerConfig:
+    """Parse a ``maasd worker`` command line (argparse exits 2 on a bad one)."""
+    from llama_cpp.server.cli import parse_model_from_args
+    from llama_cpp.server.settings import ModelSettings, ServerSettings
+    from pydantic import ValidationError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name, value in CHANGED_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    if args.cache:
+        print("maasd worker: --cache ignored: maasd is the prompt cache", file=sys.stderr)
+    args.cache = False
+    if args.processes < 1:
+        parser.error("--processes must be at least 1")
+    try:  # (typed as returning the class; it returns an instance)
+        server: Any = parse_model_from_args(ServerSettings, args)
+        model: Any = parse_model_from_args(ModelSettings, args)
+    except ValidationError as exc:
+        parser.error(_first_error(exc))
+    return WorkerConfig(
+        server=server.model_dump(mode="json"),
+        model=model.model_dump(mode="json"),
+        processes=args.processes,
+        maasd_url=args.maasd_url or None,
+        socket=args.socket or default_socket(),
+        key=args.key or os.environ.get("MAASD_KEY") or None,
+        pool=args.pool,
+        log_level=args.log_level,
+        graceful_s=args.graceful_timeout,
+    )
+
+
+def _first_error(exc: Any) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+    if err.get("type") == "missing":
+        return f"--{where} is required"
+    return f"--{where}: {err.get('msg')}"
