@@ -9,8 +9,9 @@ Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
     service   migrate to head, recover(), finish deletes, provision pools, reaper
     broker    the Unix socket for worker handles
-    serve     uvicorn in-process until SIGTERM/SIGINT (maasd.api.server: REST
-              connections capped, request deadlines)
+    serve     uvicorn in-process until SIGTERM/SIGINT (maasd.serving's
+              HANDLED_SIGNALS; maasd.api.server: REST connections capped, request
+              deadlines)
     shutdown  stop accepting, finish in-flight requests (10 s grace),
               close the socket, checkpoint persistent buffers, scrub volatile
               ones (their rows go in one statement), close the database, exit 0
@@ -25,7 +26,6 @@ import fcntl
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Generator
@@ -38,11 +38,10 @@ from maasd.errors import ConfigError, MaasdError
 
 if TYPE_CHECKING:
     import asyncio
-    import socket
-    from types import FrameType
 
-    import uvicorn
-
+    from maasd.api.health import HealthCheck
+    from maasd.broker import Broker
+    from maasd.core import Service
     from maasd.notify import Systemd
     from maasd.settings import Settings
 
@@ -223,10 +222,51 @@ def serve(**flags: Any) -> None:
         _serve(settings)
 
 
+class _Running:
+    """What ``maasd serve`` runs between its startup and its shutdown."""
+
+    def __init__(
+        self, service: Service, broker: Broker, health: HealthCheck, systemd: Systemd
+    ) -> None:
+        self.service = service
+        self.broker = broker
+        self.health = health  # /healthz's checks: the service's and the broker's
+        self.systemd = systemd
+
+
 def _serve(settings: Settings) -> None:
+    """Startup, serve until a signal of ``HANDLED_SIGNALS``, shutdown (as uvicorn's server)."""
     from maasd.api.app import create_app
-    from maasd.api.health import of_checks
     from maasd.api.server import http_config
+    from maasd.serving import make_server
+
+    running = _startup(settings)
+    service, systemd = running.service, running.systemd
+    app = create_app(
+        service,
+        health=running.health,
+        metrics_key=settings.metrics_key,
+        metrics_public=settings.metrics_public,
+        caller_threads=settings.http_tenant_threads,
+    )
+    server = make_server(
+        http_config(app, settings, service.metrics),
+        ready=lambda loop: _ready(settings, systemd, loop),
+        stopping=systemd.stopping,
+    )
+    _log_serving(settings, service)
+    try:
+        server.run()
+    finally:
+        _shutdown(running)
+    if not server.started:
+        raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
+
+
+def _startup(settings: Settings) -> _Running:
+    """The service (ledger migrated, state recovered, pools, reaper), then the worker socket;
+    a failure of either is one line and an exit 1, with nothing left open."""
+    from maasd.api.health import of_checks
     from maasd.broker import Broker, Limits
     from maasd.core import Service
     from maasd.notify import Systemd
@@ -261,19 +301,21 @@ def _serve(settings: Settings) -> None:
             f"{getattr(e, 'detail', None) or e}"
         ) from e
     health = of_checks({**service.health_checks(), **_broker_checks(broker)})
-    systemd = Systemd.from_env(health)  # READY=1, WATCHDOG=1, STOPPING=1 (maasd.notify)
-    app = create_app(
-        service,
-        health=health,
-        metrics_key=settings.metrics_key,
-        metrics_public=settings.metrics_public,
-        caller_threads=settings.http_tenant_threads,
-    )
-    server = _server(
-        http_config(app, settings, service.metrics),
-        ready=lambda loop: _ready(settings, systemd, loop),
-        stopping=systemd.stopping,
-    )
+    # READY=1, WATCHDOG=1, STOPPING=1 (maasd.notify)
+    return _Running(service, broker, health, Systemd.from_env(health))
+
+
+def _shutdown(running: _Running) -> None:
+    """Stop telling systemd, close the socket, then the service (checkpoints, scrubs, the
+    ledger): the order in which nothing new can arrive at what is being closed."""
+    stopping = time.monotonic()
+    running.systemd.close()
+    running.broker.stop()
+    running.service.close()
+    logger.info("stopped", extra={"close_s": round(time.monotonic() - stopping, 3)})
+
+
+def _log_serving(settings: Settings, service: Service) -> None:
     logger.info(
         "serving",
         extra={
@@ -289,16 +331,6 @@ def _serve(settings: Settings) -> None:
         from maasd.l2.client import redact
 
         logger.debug("L2 tier", extra={"l2_url": redact(settings.l2_url)})
-    try:
-        server.run()
-    finally:
-        stopping = time.monotonic()
-        systemd.close()
-        broker.stop()
-        service.close()
-        logger.info("stopped", extra={"close_s": round(time.monotonic() - stopping, 3)})
-    if not server.started:
-        raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
 
 
 def _log_limits(service: Any, settings: Settings) -> None:
@@ -358,43 +390,6 @@ def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
     accept thread alive?), when the broker has one."""
     healthy = getattr(broker, "healthy", None)
     return {"broker": healthy} if callable(healthy) else {}
-
-
-def _server(
-    config: uvicorn.Config,
-    *,
-    ready: Callable[[asyncio.AbstractEventLoop], None] | None = None,
-    stopping: Callable[[], None] | None = None,
-) -> uvicorn.Server:
-    """uvicorn's Server, but a SIGTERM/SIGINT ends in a clean return (exit 0), not a re-raise;
-    ``ready(loop)`` runs once it listens, ``stopping()`` at the first signal."""
-    import asyncio
-
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if self.started and ready is not None:
-                ready(asyncio.get_running_loop())
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if stopping is not None and not self.should_exit:
-                stopping()
-            super().handle_exit(sig, frame)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Generator[None, None, None]:
-            previous = {
-                s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)
-            }
-            try:
-                yield
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-
-    return Server(config)
 
 
 def _redact(url: str) -> str:

@@ -1,6 +1,6 @@
 """One process of ``maasd worker``: llama-cpp-python's OpenAI server on a ``MaasdCache``.
 
-The supervisor (:mod:`maasd.llama.worker`) starts ``python -m maasd.llama.worker_process``
+The supervisor (:mod:`maasd.llama.worker_supervisor`) starts ``python -m maasd.llama.worker_process``
 with a readiness pipe inherited, and writes a :class:`ProcessSpec` (JSON, with the tenant
 key: never on a command line) to its stdin. This process then:
 
@@ -12,8 +12,9 @@ key: never on a command line) to its stdin. This process then:
 3. adds ``GET /metrics`` and a middleware (request arrival for the TTFT, an
    ``x-maasd-worker-pid`` header on every answer);
 4. listens on the worker's port with a socket of its own (``SO_REUSEPORT``: the kernel
-   spreads new connections over the processes), and serves until SIGTERM/SIGINT, then
-   finishes the requests in flight and exits 0.
+   spreads new connections over the processes), and serves until SIGTERM/SIGINT
+   (:data:`maasd.serving.HANDLED_SIGNALS`, uvicorn's server from
+   :func:`maasd.serving.make_server`), then finishes the requests in flight and exits 0.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from types import FrameType
+from maasd.serving import make_server
 
+if TYPE_CHECKING:
     import uvicorn
 
     from maasd.llama.worker_metrics import WorkerMetrics
@@ -76,7 +77,7 @@ def main() -> int:
     app, cache = build_app(spec, metrics)
     listener = listen(spec.host, spec.port)  # after the model loaded: no request waits on it
     config = _config(app, spec)
-    server = make_server(config, ready=lambda: _ready(spec.ready_fd))
+    server = make_server(config, ready=lambda _loop: _ready(spec.ready_fd))
     try:
         server.run(sockets=[listener])
     finally:
@@ -227,32 +228,6 @@ def _config(app: Any, spec: ProcessSpec) -> uvicorn.Config:
         timeout_graceful_shutdown=spec.graceful_s,
         lifespan="off",
     )
-
-
-def make_server(config: uvicorn.Config, *, ready: Callable[[], None]) -> uvicorn.Server:
-    """uvicorn's Server, but SIGTERM/SIGINT end in a clean return (exit 0), not a re-raise;
-    ``ready()`` runs once it accepts connections."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)
-            if self.started:
-                ready()
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Generator[None, None, None]:
-            def on_signal(sig: int, frame: FrameType | None) -> None:
-                self.handle_exit(sig, frame)
-
-            previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-
-    return Server(config)
 
 
 def _ready(fd: int) -> None:

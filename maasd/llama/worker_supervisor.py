@@ -40,6 +40,7 @@ import msgspec
 
 from maasd.llama.worker_config import WorkerConfig
 from maasd.llama.worker_process import ProcessSpec, reuse_port_socket
+from maasd.serving import handling
 
 __all__ = ["Supervisor", "sharing_check"]
 
@@ -113,10 +114,12 @@ class Supervisor:
         print(f"maasd worker: {text}", file=self.out, flush=True)
 
     def run(self) -> int:
-        previous = {
-            s: signal.signal(s, lambda *_: self._stop.set())
-            for s in (signal.SIGTERM, signal.SIGINT)
-        }
+        """Startup (hold the port, start the processes, wait until they serve), watch them
+        until a signal of :data:`~maasd.serving.HANDLED_SIGNALS`, shutdown → the exit code."""
+        with handling(lambda *_: self._stop.set()):
+            return self._run()
+
+    def _run(self) -> int:
         self.metrics_dir = tempfile.mkdtemp(prefix="maasd-worker-metrics-")
         try:
             try:
@@ -140,8 +143,6 @@ class Supervisor:
                 self._watch()
             return self._shutdown(0)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             if self._listener is not None:
                 self._listener.close()
             shutil.rmtree(self.metrics_dir, ignore_errors=True)

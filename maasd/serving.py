@@ -1,0 +1,79 @@
+"""The signals that stop a maasd process, and the in-process uvicorn server, named once.
+
+``maasd serve`` (:mod:`maasd.cli.daemon`), each process of ``maasd worker``
+(:mod:`maasd.llama.worker_process`) and the worker's supervisor
+(:mod:`maasd.llama.worker_supervisor`) stop on the same signals, :data:`HANDLED_SIGNALS`,
+and put their handlers back when they return (:func:`handling`). Both servers are
+uvicorn's :class:`uvicorn.Server` with two changes (:func:`make_server`): a signal ends
+:meth:`~uvicorn.Server.run` in a clean return — exit 0 — where uvicorn re-raises it once
+the server stopped, and hooks for the moment it listens and the first signal. As in
+uvicorn's ``server.py``, each process's life is explicit: startup, serve until a signal,
+shutdown.
+
+Only the standard library is imported here; uvicorn when a server is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+    import socket
+    from types import FrameType
+
+    import uvicorn
+
+__all__ = ["HANDLED_SIGNALS", "handling", "make_server"]
+
+#: What asks a maasd process to stop: finish what it serves, then exit 0.
+HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
+
+Handler = Callable[[int, "FrameType | None"], object]
+
+
+@contextlib.contextmanager
+def handling(handler: Handler) -> Iterator[None]:
+    """``handler`` answers each of :data:`HANDLED_SIGNALS` while the block runs; the
+    handlers before it answer them again after (main thread only, as ``signal.signal``)."""
+    previous = {s: signal.signal(s, handler) for s in HANDLED_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, before in previous.items():
+            signal.signal(s, before)
+
+
+def make_server(
+    config: uvicorn.Config,
+    *,
+    ready: Callable[[asyncio.AbstractEventLoop], None] | None = None,
+    stopping: Callable[[], None] | None = None,
+) -> uvicorn.Server:
+    """uvicorn's Server, but a signal of :data:`HANDLED_SIGNALS` ends :meth:`run` in a clean
+    return (exit 0), not a re-raise; ``ready(loop)`` runs once it listens, ``stopping()`` at
+    the first signal. ``server.started`` says afterwards whether it ever listened."""
+    import asyncio
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started and ready is not None:
+                ready(asyncio.get_running_loop())
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if stopping is not None and not self.should_exit:
+                stopping()
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with handling(self.handle_exit):
+                yield
+
+    return Server(config)
