@@ -1,4 +1,4 @@
-"""Every bound a request must meet, declared once.
+"""Every bound a request must meet, and every default both sides share, declared once.
 
 Both edges decode with these types, strictly and once: the REST bodies
 (:mod:`maasd.api.schemas`) and the socket frames (:mod:`maasd.protocol`). The
@@ -21,11 +21,16 @@ refused
 from __future__ import annotations
 
 import math
+import os
 from typing import Annotated, Literal
 
 import msgspec
 
 __all__ = [
+    "DEFAULT_HOST",
+    "DEFAULT_PORT",
+    "DEFAULT_TTL_S",
+    "DEFAULT_URL",
     "MAX_BUFFERS",
     "MAX_BYTES",
     "MAX_EVENTS",
@@ -66,7 +71,28 @@ __all__ = [
     "SpillDir",
     "TtlS",
     "bytes_of_gib",
+    "default_data_dir",
 ]
+
+#: Where the daemon's REST API listens unless told otherwise (``Settings.host``, ``.port``),
+#: so where its clients look first (``maasctl``, ``maasd worker``: ``MAASD_URL``).
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 7878
+DEFAULT_URL = f"http://{DEFAULT_HOST}:{DEFAULT_PORT}"
+#: A lease's length when none is asked for: a REST reserve's, a socket put's, and the
+#: clients' (``Client.reserve``/``renew``, the ``Worker``'s renewals, ``maasd.llama``'s saves).
+DEFAULT_TTL_S = 600
+
+
+def default_data_dir() -> str:
+    """The daemon's data dir unless told otherwise (``Settings.data_dir``, ``MAASD_DATA_DIR``):
+    ``/var/lib/maasd`` as root, else ``$XDG_STATE_HOME/maasd`` or ``~/.local/state/maasd``.
+    Its worker socket is ``maasd.sock`` in it, where ``maasd worker`` looks."""
+    if os.geteuid() == 0:
+        return "/var/lib/maasd"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return os.path.join(base, "maasd")
+
 
 #: Largest byte count anywhere (sizes, quotas, capacities): it must fit an ``off_t``.
 MAX_BYTES = (1 << 63) - 1

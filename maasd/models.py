@@ -13,6 +13,7 @@ import msgspec
 
 from maasd import bounds
 from maasd.bounds import (
+    DEFAULT_TTL_S,
     Backing,
     BufferKind,
     BufferState,
@@ -98,7 +99,7 @@ class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
     latency_us: int | None = None
     persistence: Persistence | None = None
     numa_node: int | None = None
-    ttl_s: int = 600
+    ttl_s: int = DEFAULT_TTL_S
     label: str | None = None
     key: str | None = None
     evictable: bool = False

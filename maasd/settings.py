@@ -45,7 +45,7 @@ from typing import Any
 import msgspec
 
 from maasd import bounds
-from maasd.bounds import MAX_BUFFERS
+from maasd.bounds import DEFAULT_HOST, DEFAULT_PORT, MAX_BUFFERS, default_data_dir
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
@@ -59,18 +59,11 @@ DEFAULT_POOL_CAP = 8 * GiB
 DEFAULT_WARM_CAP = 256 << 20
 
 
-def default_data_dir() -> str:
-    if os.geteuid() == 0:
-        return "/var/lib/maasd"
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return os.path.join(base, "maasd")
-
-
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Everything the daemon is configured with. Field names double as TOML keys."""
 
-    host: str = "127.0.0.1"
-    port: int = 7878
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     socket: str | None = None  # default: DATA_DIR/maasd.sock
     socket_group: str | None = None  # group (name or gid) given the socket, for workers
     data_dir: str = msgspec.field(default_factory=default_data_dir)

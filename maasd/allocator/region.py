@@ -238,7 +238,7 @@ class Region:
             self._check_open()
             if self.sealed:
                 raise BackingError("region is sealed already", errno=errno.EPERM)
-            if size <= 0 or size > self.size or size % self.page_bytes:
+            if round_up(size, self.page_bytes) != size or size > self.size:  # size > 0 there
                 raise InvalidRequest(f"cannot cut a {self.size}-byte region to {size} bytes")
             if size < self.size:
                 _sys.munmap(self._addr + size, self.size - size)

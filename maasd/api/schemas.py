@@ -25,7 +25,7 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     size_gb: bounds.SizeGiB | None = None
     latency_us: bounds.LatencyUs | None = None
     persistence: Persistence | None = None
-    ttl_s: bounds.TtlS = 600
+    ttl_s: bounds.TtlS = bounds.DEFAULT_TTL_S
     label: bounds.Label | None = None
     key: bounds.EntryKey | None = None
     evictable: bool = False

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
-from maasd.bounds import Persistence
+from maasd.bounds import DEFAULT_TTL_S, Persistence
 from maasd.client.errors import (
     ConnectionFailed,
     InvalidReference,
@@ -279,7 +279,7 @@ class Client(_Http):
         pool: str | None = None,
         persistence: Persistence | None = None,
         latency_us: int | None = None,
-        ttl_s: int = 600,
+        ttl_s: int = DEFAULT_TTL_S,
         label: str | None = None,
         key: str | None = None,
         evictable: bool = False,
@@ -326,7 +326,7 @@ class Client(_Http):
             "PATCH", f"/v1/buffers/{_seg(buffer_id)}/pin", Buffer, json={"numa_node": numa_node}
         )
 
-    def renew(self, buffer_id: str, ttl_s: int = 600) -> Buffer:
+    def renew(self, buffer_id: str, ttl_s: int = DEFAULT_TTL_S) -> Buffer:
         return self._call(
             "POST", f"/v1/buffers/{_seg(buffer_id)}/renew", Buffer, json={"ttl_s": ttl_s}
         )

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from maasd import protocol
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.client.channel import Channel
 from maasd.client.channel import R as _R
 from maasd.client.entries import (
@@ -89,7 +90,7 @@ class Worker:
         api_key: str,
         *,
         renew_interval_s: float | None = None,
-        ttl_s: int = 600,
+        ttl_s: int = DEFAULT_TTL_S,
         timeout: float = 30.0,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         cache_age_s: float = DEFAULT_CACHE_AGE_S,

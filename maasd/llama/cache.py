@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import llama_cpp
 import numpy as np
 
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.llama.adapter import LlamaContextAdapter
 from maasd.llama.context import (
     ContextStore,
@@ -140,7 +141,7 @@ class MaasdCache(llama_cpp.BaseLlamaCache):
         *,
         pool: str | None = None,
         chunk: int = DEFAULT_CHUNK,
-        ttl_s: int = 600,
+        ttl_s: int = DEFAULT_TTL_S,
         observer: CacheObserver | None = None,
         link: Link | None = None,
     ) -> None:

@@ -33,6 +33,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.client import errors as ce
 from maasd.llama.adapter import LlamaContextAdapter, model_fingerprint
 from maasd.llama.format import (
@@ -139,7 +140,7 @@ class ContextStore:
         *,
         chunk: int = DEFAULT_CHUNK,
         pool: str | None = None,
-        ttl_s: int = 600,
+        ttl_s: int = DEFAULT_TTL_S,
     ) -> None:
         if chunk <= 0:
             raise ValueError("chunk must be > 0")

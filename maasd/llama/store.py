@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
 from maasd.llama.entries import (
     CLIENT_ERRORS,
@@ -91,7 +92,7 @@ class KVStore:
         *,
         pool: str | None = None,
         chunk: int = DEFAULT_CHUNK,
-        ttl_s: int = 600,
+        ttl_s: int = DEFAULT_TTL_S,
         renew_on_hit: bool = True,
         fingerprint: str | None = None,
         entries: Entries | None = None,

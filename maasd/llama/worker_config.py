@@ -35,10 +35,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from maasd.bounds import DEFAULT_HOST, DEFAULT_URL, default_data_dir
+
 __all__ = ["WorkerConfig", "build_parser", "default_socket", "parse_args"]
 
-DEFAULT_URL = "http://127.0.0.1:7878"
-DEFAULT_HOST = "127.0.0.1"
 
 #: llama-cpp-python settings whose default maasd worker changes (see the module docstring)
 CHANGED_DEFAULTS: dict[str, Any] = {
@@ -77,12 +77,7 @@ def default_socket() -> str:
     else ``/var/lib/maasd`` as root, else ``$XDG_STATE_HOME/maasd`` or ``~/.local/state/maasd``)."""
     if os.environ.get("MAASD_SOCKET"):
         return os.environ["MAASD_SOCKET"]
-    data_dir = os.environ.get("MAASD_DATA_DIR")
-    if not data_dir and os.geteuid() == 0:
-        data_dir = "/var/lib/maasd"
-    if not data_dir:
-        base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-        data_dir = os.path.join(base, "maasd")
+    data_dir = os.environ.get("MAASD_DATA_DIR") or default_data_dir()
     return os.path.join(data_dir, "maasd.sock")
 
 

@@ -24,6 +24,7 @@ import httpx
 from click.shell_completion import CompletionItem
 from rich.console import Console, RenderableType
 
+from maasd.bounds import DEFAULT_URL
 from maasd.cli.maasctl.errors import CliError, Unreachable, UsageProblem
 from maasd.client import (
     Client,
@@ -47,7 +48,6 @@ __all__ = [
     "resolve_tenant",
 ]
 
-DEFAULT_URL = "http://127.0.0.1:7878"
 
 #: Which key a command needs: the admin's, a tenant's, either, or none at all (``top``).
 Role = Literal["admin", "tenant", "any", "none"]
