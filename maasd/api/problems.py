@@ -47,7 +47,10 @@ MEANING = {
     "volatile checkpoint)",
     413: "Request body over 64 KiB",
     422: "QoS no pool meets, a NUMA node that does not exist, or larger than the pool",
-    507: "The pool could hold the request but is full now",
+    507: "Not now, nothing changed: the pool could hold the request but is full now "
+    "(pool-exhausted), the daemon is at a limit of its own such as open files or "
+    "connections (resource-limit), or the ledger database cannot serve now "
+    "(ledger-unavailable)",
 }
 
 #: A 4xx the framework raises itself → the maasd error it means.

@@ -120,8 +120,8 @@ class MaasdCache(llama_cpp.BaseLlamaCache):
     """A ``llama_cpp.BaseLlamaCache`` whose items are maasd entries of one tenant.
 
     ``model`` is the ``llama_cpp.Llama`` the cache is set on (``Llama`` never passes
-    itself to its cache); ``url`` the daemon's REST address (the cache itself only talks
-    over the worker socket); ``socket`` the worker socket's path; ``key`` the tenant's
+    itself to its cache); ``url`` the daemon's REST address, unused (the cache talks over
+    the worker socket only); ``socket`` the worker socket's path; ``key`` the tenant's
     API key. ``pool`` (id or name) is where entries go — a persistent pool keeps them
     across daemon restarts. ``chunk`` is the key granularity in tokens, ``ttl_s`` the
     lease of an entry (each hit extends it). ``observer`` gets every event
@@ -146,8 +146,8 @@ class MaasdCache(llama_cpp.BaseLlamaCache):
         link: Link | None = None,
     ) -> None:
         super().__init__(capacity_bytes=0)
+        del url  # the signature's: the cache talks over the worker socket only
         self.model = model
-        self.url = url
         self.pool = pool
         self._ctx = LlamaContextAdapter(model)
         if self._ctx.logits_all:

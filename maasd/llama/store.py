@@ -65,8 +65,9 @@ class KVStore:
     """Save and restore llama.cpp sequence states in maasd entries.
 
     ``model`` is a ``llama_cpp.Llama``; ``worker`` an open ``maasd.client.Worker``;
-    ``client`` a ``maasd.client.Client`` of the same tenant (the default transport,
-    the worker socket's entry fast path, makes no REST call: ``None`` will do).
+    ``client`` a ``maasd.client.Client`` of the same tenant, which the store itself never
+    calls (the default transport, the worker socket's entry fast path, makes no REST
+    call: ``None`` will do; :class:`~maasd.llama.entries.RestEntries` takes its own).
     ``pool`` (id or name) sends saved entries to that pool — a persistent pool keeps
     them across daemon restarts. ``chunk`` is the key granularity in tokens (all
     workers sharing entries must use the same); ``ttl_s`` the lease of saved entries
@@ -99,10 +100,9 @@ class KVStore:
     ) -> None:
         if chunk <= 0:
             raise ValueError("chunk must be > 0")
-        self.client = client
+        del client  # the signature's: the transport (``entries``) is what talks to maasd
         self.worker = worker
         self.model = model
-        self.pool = pool
         self.seq = LlamaSeqAdapter(model)
         self.entries: Entries = entries or SocketEntries(worker, pool=pool)
         self.chunk = chunk
