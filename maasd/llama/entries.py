@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -49,7 +49,7 @@ CLIENT_ERRORS: tuple[type[BaseException], ...] = (ce.MaasdClientError, OSError)
 
 
 class MappingLike(Protocol):
-    """A worker's mapping of a buffer (``maasd.client.Mapping``)."""
+    """A worker's mapping of a buffer (``maasd.client.BufferMapping``, ``EntryMapping``)."""
 
     @property
     def array(self) -> npt.NDArray[np.uint8]: ...
@@ -58,6 +58,37 @@ class MappingLike(Protocol):
     def size(self) -> int: ...
 
     def close(self) -> None: ...
+
+
+class Record(Protocol):
+    """An entry as the store holds it between two calls of the transport: its key (and an
+    id, ``.id`` or ``.buffer_id``: :func:`entry_id`)."""
+
+    @property
+    def key(self) -> str | None: ...
+
+
+class RestBuffer(Record, Protocol):
+    """A buffer as REST answers it (``maasd.client.Buffer``)."""
+
+    @property
+    def id(self) -> str: ...
+
+
+class MappedEntry(MappingLike, Record, Protocol):
+    """An entry mapped by a worker: a put's staged entry (``BufferMapping``) or a lookup's
+    hit (``EntryMapping``)."""
+
+    @property
+    def buffer_id(self) -> str: ...
+
+
+#: What ``Worker.put`` hands out and ``commit``/``abort`` take back (``BufferMapping``).
+Staged = TypeVar("Staged", bound=MappedEntry)
+#: What an :class:`Entries` transport hands out for a written entry, and takes back.
+W = TypeVar("W", bound=Record)
+#: What an :class:`Entries` transport hands out for an entry it opened, and takes back.
+R = TypeVar("R", bound=Record)
 
 
 class ClientLike(Protocol):
@@ -71,76 +102,78 @@ class ClientLike(Protocol):
         evictable: bool,
         ttl_s: int,
         pool: str | None = ...,
-    ) -> Any: ...
+    ) -> RestBuffer: ...
 
-    def lookup(self, keys: list[str]) -> Any: ...
+    def lookup(self, keys: list[str]) -> RestBuffer | None: ...
 
-    def release(self, buffer_id: str) -> Any: ...
+    def release(self, buffer_id: str) -> None: ...
 
 
 class WorkerLike(Protocol):
     """The part of ``maasd.client.Worker`` :class:`RestEntries` uses."""
 
-    def attach(self, buffer_id: str) -> Any: ...
+    def attach(self, buffer_id: str) -> MappingLike: ...
 
-    def renew(self, buffer_id: str, ttl_s: int | None = ...) -> Any: ...
+    def renew(self, buffer_id: str, ttl_s: int | None = ...) -> None: ...
 
 
-class SocketWorkerLike(Protocol):
-    """The part of ``maasd.client.Worker`` :class:`SocketEntries` uses."""
+class SocketWorkerLike(Protocol[Staged]):
+    """The part of ``maasd.client.Worker`` :class:`SocketEntries` uses: ``put`` hands out a
+    staged entry (``Staged``) that ``commit`` or ``abort`` takes back."""
 
     def put(
         self, key: str, size_bytes: int, *, pool: str | None = ..., ttl_s: int | None = ...
-    ) -> Any: ...
+    ) -> Staged: ...
 
-    def commit(self, entry: Any) -> Any: ...
+    def commit(self, entry: Staged) -> Record: ...
 
-    def abort(self, entry: Any) -> None: ...
+    def abort(self, entry: Staged) -> None: ...
 
-    def lookup(self, keys: list[str]) -> Any | None: ...
+    def lookup(self, keys: list[str]) -> MappedEntry | None: ...
 
     def forget(self, buffer_id: str) -> None: ...
 
 
-class Entries(Protocol):
-    """What a ``KVStore`` needs of the daemon. Entries are records with ``.key`` and an id
-    (``.id`` or ``.buffer_id``, see :func:`entry_id`); mappings have ``.array``/``.size``."""
+class Entries(Protocol[W, R]):
+    """What a ``KVStore`` needs of the daemon. A transport hands out entry records — ``W``
+    for one it created, ``R`` for one it opened (each with a ``.key`` and an id, see
+    :func:`entry_id`) — and is handed back the same; mappings have ``.array``/``.size``."""
 
     #: whether a published entry's bytes can never change (no state checksum needed)
     immutable: bool
 
-    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Any, MappingLike]:
+    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[W, MappingLike]:
         """A new evictable entry under ``key``, mapped writable; raises ``DuplicateKey``."""
         ...
 
-    def publish(self, buf: Any) -> Any:
+    def publish(self, buf: W) -> Record:
         """Make a fully written entry available to readers → the published entry."""
         ...
 
-    def discard(self, buf: Any) -> None:
+    def discard(self, buf: W) -> None:
         """Drop an entry that will never be published (best effort)."""
         ...
 
-    def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
+    def open_longest(self, keys: list[str]) -> tuple[R, MappingLike] | None:
         """The entry of the longest published key (keys ordered short → long), mapped;
         None on a miss or when it went away before it could be mapped."""
         ...
 
-    def done(self, buf: Any, mapping: MappingLike, *, stale: bool) -> None:
+    def done(self, buf: R, mapping: MappingLike, *, stale: bool) -> None:
         """The reader is done with an entry it opened; ``stale``: it read as released."""
         ...
 
-    def keep(self, buf: Any, ttl_s: int) -> None:
+    def keep(self, buf: R, ttl_s: int) -> None:
         """A hit: keep ``buf`` alive for about ``ttl_s`` more (best effort)."""
         ...
 
 
-def entry_id(buf: Any) -> str:
+def entry_id(buf: object) -> str:
     """The buffer id of an entry record (``Buffer.id``, ``Entry.id``, ``EntryMapping.buffer_id``)."""
     return str(getattr(buf, "id", None) or getattr(buf, "buffer_id", ""))
 
 
-def close_quietly(mapping: Any) -> None:
+def close_quietly(mapping: MappingLike) -> None:
     """Close a mapping (unmap, and detach in the daemon), ignoring any error.
 
     Callers drop their numpy views first, so the unmap is not deferred.
@@ -149,44 +182,46 @@ def close_quietly(mapping: Any) -> None:
         mapping.close()
 
 
-def lease_left(buf: Any) -> float:
+def lease_left(buf: object) -> float:
     """Seconds left on a buffer's lease, from its RFC 3339 ``expires_at`` (0 if unknown)."""
     try:
-        return datetime.fromisoformat(buf.expires_at).timestamp() - time.time()
+        expires_at = buf.expires_at  # type: ignore[attr-defined]  # a Buffer's; else 0
+        return datetime.fromisoformat(expires_at).timestamp() - time.time()
     except (AttributeError, TypeError, ValueError):
         return 0.0
 
 
-class SocketEntries:
-    """:class:`Entries` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no REST call."""
+class SocketEntries(Generic[Staged]):
+    """:class:`Entries` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no REST
+    call. Its written entries are the worker's staged mappings; its opened ones, lookup hits."""
 
     immutable = True
 
-    def __init__(self, worker: SocketWorkerLike, *, pool: str | None = None) -> None:
+    def __init__(self, worker: SocketWorkerLike[Staged], *, pool: str | None = None) -> None:
         self.worker = worker
         self.pool = pool
 
-    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Any, MappingLike]:
+    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Staged, MappingLike]:
         m = self.worker.put(key, size_bytes, pool=self.pool, ttl_s=ttl_s)
         return m, m
 
-    def publish(self, buf: Any) -> Any:
+    def publish(self, buf: Staged) -> Record:
         return self.worker.commit(buf)
 
-    def discard(self, buf: Any) -> None:
+    def discard(self, buf: Staged) -> None:
         with contextlib.suppress(*CLIENT_ERRORS):
             self.worker.abort(buf)
 
-    def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
+    def open_longest(self, keys: list[str]) -> tuple[MappedEntry, MappingLike] | None:
         hit = self.worker.lookup(keys)
         return None if hit is None else (hit, hit)
 
-    def done(self, buf: Any, mapping: MappingLike, *, stale: bool) -> None:
+    def done(self, buf: MappedEntry, mapping: MappingLike, *, stale: bool) -> None:
         mapping.close()  # back to the worker's mapping cache
         if stale:  # released since it was mapped: map afresh next time
             self.worker.forget(entry_id(buf))
 
-    def keep(self, buf: Any, ttl_s: int) -> None:
+    def keep(self, buf: MappedEntry, ttl_s: int) -> None:
         """Nothing to do: the daemon extended the lease when the lookup hit."""
 
 
@@ -200,7 +235,7 @@ class RestEntries:
         self.worker = worker
         self.pool = pool
 
-    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Any, MappingLike]:
+    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[RestBuffer, MappingLike]:
         buf = self.client.reserve(
             size_bytes=size_bytes, key=key, evictable=True, ttl_s=ttl_s, pool=self.pool
         )
@@ -210,16 +245,16 @@ class RestEntries:
             self.discard(buf)
             raise
 
-    def publish(self, buf: Any) -> Any:
+    def publish(self, buf: RestBuffer) -> Record:
         # Today an entry is visible from its reserve on; its magic, written last, is what
         # tells a reader it is complete.
         return buf
 
-    def discard(self, buf: Any) -> None:
+    def discard(self, buf: RestBuffer) -> None:
         with contextlib.suppress(Exception):
             self.client.release(buf.id)
 
-    def open_longest(self, keys: list[str]) -> tuple[Any, MappingLike] | None:
+    def open_longest(self, keys: list[str]) -> tuple[RestBuffer, MappingLike] | None:
         buf = self.client.lookup(keys)
         if buf is None:
             return None
@@ -229,11 +264,11 @@ class RestEntries:
             logger.info("kv entry %s gone before attach: %s", buf.id, exc)
             return None
 
-    def done(self, buf: Any, mapping: MappingLike, *, stale: bool) -> None:
+    def done(self, buf: RestBuffer, mapping: MappingLike, *, stale: bool) -> None:
         del buf, stale
         close_quietly(mapping)
 
-    def keep(self, buf: Any, ttl_s: int) -> None:
+    def keep(self, buf: RestBuffer, ttl_s: int) -> None:
         # Only once half of the lease is gone, so a hot prefix costs no ledger write per hit.
         if lease_left(buf) < ttl_s / 2:
             with contextlib.suppress(Exception):

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from maasd import llama as L
+from maasd.client import BufferMapping, Client, Worker
+from maasd.llama.entries import Entries, MappedEntry, RestBuffer, RestEntries, SocketEntries
 
 FP = "0123456789abcdef0123456789abcdef"
 FP2 = "f" * 32
@@ -225,3 +227,15 @@ def test_import_needs_no_llama_cpp_no_xxhash_and_nothing_of_the_server() -> None
     ]
     assert server_side == []
     assert "litestar" not in out
+
+
+# ----------------------------------------------------------------------------- the seams
+
+
+def _client_classes_fit_the_transports(
+    c: Client, w: Worker
+) -> tuple[Entries[BufferMapping, MappedEntry], Entries[RestBuffer, RestBuffer]]:
+    """Not run: a type check. mypy (``scripts/check``) fails if ``maasd.client``'s ``Client``
+    and ``Worker`` stop being what the two transports' protocols ask of them, or if a
+    transport stops being an ``Entries`` of the records it hands out."""
+    return SocketEntries(w), RestEntries(c, w)
