@@ -40,6 +40,7 @@ from maasd.llama.format import (
     DEFAULT_CHUNK,
     MAGIC,
     HeaderError,
+    check_chunk,
     chunk_keys,
     fingerprint_of,
     header_len_for,
@@ -142,8 +143,7 @@ class ContextStore:
         pool: str | None = None,
         ttl_s: int = DEFAULT_TTL_S,
     ) -> None:
-        if chunk <= 0:
-            raise ValueError("chunk must be > 0")
+        check_chunk(chunk)
         self.link = link
         self.ctx = ctx
         self.fingerprint = fingerprint

@@ -44,6 +44,7 @@ __all__ = [
     "Header",
     "HeaderError",
     "as_tokens",
+    "check_chunk",
     "chunk_keys",
     "file_identity",
     "fingerprint_of",
@@ -84,14 +85,20 @@ def as_tokens(tokens: Sequence[int] | npt.NDArray[Any]) -> npt.NDArray[np.int32]
 # --------------------------------------------------------------------------- keys
 
 
+def check_chunk(chunk: int) -> int:
+    """``chunk`` (the key granularity in tokens) if it is > 0, else ``ValueError``."""
+    if chunk <= 0:
+        raise ValueError("chunk must be > 0")
+    return chunk
+
+
 def save_prefix_len(n_tokens: int, chunk: int = DEFAULT_CHUNK) -> int:
     """The prefix length a save of ``n_tokens`` tokens is keyed at.
 
     The longest chunk boundary, so that longer prompts find it; a save shorter
     than one chunk is keyed at its whole length (found by identical prompts only).
     """
-    if chunk <= 0:
-        raise ValueError("chunk must be > 0")
+    check_chunk(chunk)
     return n_tokens if n_tokens < chunk else n_tokens - n_tokens % chunk
 
 
@@ -107,8 +114,7 @@ def chunk_keys(
     >>> [n for n, _ in chunk_keys("ab" * 16, range(130), 64)]
     [64, 128, 130]
     """
-    if chunk <= 0:
-        raise ValueError("chunk must be > 0")
+    check_chunk(chunk)
     arr = as_tokens(tokens)
     h = hashlib.blake2b(
         b"maasd-kv:%d:%d:%s" % (FORMAT_VERSION, chunk, fingerprint.encode()), digest_size=16

@@ -44,6 +44,7 @@ from maasd.llama.format import (
     MAGIC,
     HeaderError,
     as_tokens,
+    check_chunk,
     chunk_keys,
     header_len_for,
     pack_header,
@@ -98,8 +99,7 @@ class KVStore:
         fingerprint: str | None = None,
         entries: Entries | None = None,
     ) -> None:
-        if chunk <= 0:
-            raise ValueError("chunk must be > 0")
+        check_chunk(chunk)
         del client  # the signature's: the transport (``entries``) is what talks to maasd
         self.worker = worker
         self.model = model
