@@ -94,6 +94,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
     db_pool_size: int = 16  # ledger connections kept open (docs/scale-out.md: sizing)
     db_max_overflow: int = 64  # more, opened under load and closed after
+    # Bounds of every ledger wait (PostgreSQL; docs/scale-out.md, "Failure modes"): a new
+    # connection, and one statement (the server cancels it). Past either: 507.
+    db_connect_timeout_s: float = 3.0
+    db_statement_timeout_s: float = 10.0
     # A tenant's cap on buffers (entries included) when it has none of its own. Each buffer
     # holds one of the daemon's open files and one mapping: 4096 lets a prefix cache of
     # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
@@ -199,6 +203,8 @@ ENV = {
     "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
     "MAASD_DB_POOL_SIZE": "db_pool_size",
     "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
+    "MAASD_DB_CONNECT_TIMEOUT_S": "db_connect_timeout_s",
+    "MAASD_DB_STATEMENT_TIMEOUT_S": "db_statement_timeout_s",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
@@ -266,6 +272,8 @@ def _check(settings: Settings) -> None:
         )
     if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
         raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
+    if not (settings.db_connect_timeout_s > 0 and settings.db_statement_timeout_s > 0):
+        raise ConfigError("settings: db_connect_timeout_s and db_statement_timeout_s must be > 0")
     for name in ("default_warm_bytes", "warm_min_available_bytes"):
         if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"settings: {name} must be ≥ 0")

@@ -265,6 +265,7 @@ def _serve(settings: Settings) -> None:
     app = create_app(
         service,
         health=health,
+        degraded=of_checks(service.degraded_checks()),
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
         caller_threads=settings.http_tenant_threads,
