@@ -50,7 +50,8 @@ def test_an_outage_opens_the_circuit_and_its_probe_closes_it() -> None:
         with pytest.raises(LedgerUnavailable, match="cannot be reached"):
             circuit.check()  # at once, without the database
         wait_until(lambda: probe.calls >= 2, message="probed in the background")
-        assert circuit.down_since is not None and ups == []
+        assert circuit.down_since is not None
+        assert ups == []
         probe.up.set()
         wait_until(lambda: circuit.down_since is None, message="closed by the probe")
         assert ups == [None]  # told once, after it closed
