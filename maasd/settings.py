@@ -133,6 +133,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     l2_ttl_s: int = 24 * 3600  # an entry's life in L2 (renewed by each new write of it)
     l2_queue_entries: int = 64  # committed entries waiting to be written behind, at most
     l2_queue_bytes: int = 512 << 20  # … and their bytes; past either, a write is dropped
+    # The largest value (entry and header) sent to L2; larger entries stay local, counted.
+    l2_max_value_bytes: int = 256 << 20
+    # A store's timeout is l2_timeout_s plus its value's bytes at this rate (a slow link).
+    l2_min_bytes_per_s: int = 100 << 20
     l2_breaker_failures: int = 3  # consecutive L2 failures that open the circuit breaker
     l2_breaker_backoff_s: float = 2.0  # open this long, then one probe (half-open)
     l2_prefix: str = "maasd"  # of every Redis key: several fleets can share one Redis
@@ -166,6 +170,8 @@ SIZES = {
     "warm_min_available_bytes": True,
     "l2_tenant_bytes": False,
     "l2_queue_bytes": False,
+    "l2_max_value_bytes": False,
+    "l2_min_bytes_per_s": False,
 }
 POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
 

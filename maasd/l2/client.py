@@ -8,7 +8,9 @@
 * ``forget`` — drop a value the daemon refused, with its accounting.
 
 Connections come from a bounded pool; every call has the settings' connect and socket
-timeouts and no retry (the circuit breaker of :mod:`maasd.l2.tier` decides when to try
+timeouts — a ``store`` of a large value the longer timeout its caller gives it
+(:meth:`RedisL2.store`'s ``timeout_s``: sending 64 MiB takes longer than a lookup's
+round trip, and is no sign of a failing server) — and no retry (the circuit breaker of :mod:`maasd.l2.tier` decides when to try
 again). Errors are redis-py's (:class:`redis.RedisError`) or ``OSError``; the tier counts
 them. The URL, with its credentials, stays inside this object: :func:`redact` is what logs
 may show.
@@ -16,7 +18,10 @@ may show.
 
 from __future__ import annotations
 
-from typing import cast
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -77,6 +82,36 @@ return 1
 """
 
 
+#: The socket timeout of the calls the current thread makes now (None: the base one).
+_call = threading.local()
+
+
+class _ScaledTimeouts:
+    """A mixin of redis-py's connection classes: each command is sent (and its reply
+    read) with the timeout its thread set (:func:`_timeout`), else the base one. Python
+    bounds a whole ``sendall`` by the socket timeout, so a value that takes longer to
+    send than the base timeout needs a longer one."""
+
+    socket_timeout: float | None
+    _sock: Any
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:
+            self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
+        t = getattr(_call, "timeout_s", None)
+        self._sock.settimeout(self.socket_timeout if t is None else t)
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _timeout(seconds: float | None) -> Iterator[None]:
+    _call.timeout_s = seconds
+    try:
+        yield
+    finally:
+        _call.timeout_s = None
+
+
 def redact(url: str) -> str:
     """``url`` with its password (and user) replaced by ``***``: what a log may show."""
     parts = urlsplit(url)
@@ -106,6 +141,8 @@ class RedisL2:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        base = pool.connection_class
+        pool.connection_class = type(f"Scaled{base.__name__}", (_ScaledTimeouts, base), {})
         self._redis = redis.Redis(connection_pool=pool)
         self._store = self._redis.register_script(_STORE)
         self._forget = self._redis.register_script(_FORGET)
@@ -113,12 +150,23 @@ class RedisL2:
     def keys(self, tenant_id: str) -> Keys:
         return Keys(self.prefix, tenant_id)
 
-    def store(self, tenant_id: str, key: str, value: memoryview, *, cap: int, ttl_ms: int) -> int:
+    def store(
+        self,
+        tenant_id: str,
+        key: str,
+        value: memoryview,
+        *,
+        cap: int,
+        ttl_ms: int,
+        timeout_s: float | None = None,
+    ) -> int:
         """Write ``value`` under the tenant's ``key``; how many older values were evicted
-        (-1: the value alone is larger than the tenant's ``cap``: nothing was written)."""
+        (-1: the value alone is larger than the tenant's ``cap``: nothing was written).
+        ``timeout_s``: this call's socket timeout (default: the base one)."""
         k = self.keys(tenant_id)
         keys = [k.entry(key), k.lru, k.sizes, k.bytes]
-        return int(self._store(keys=keys, args=[value, cap, ttl_ms]))
+        with _timeout(timeout_s):
+            return int(self._store(keys=keys, args=[value, cap, ttl_ms]))
 
     def fetch(
         self, tenant_id: str, keys: list[str], *, max_bytes: int

@@ -1,0 +1,150 @@
+"""One tenant flooding L2 with 64 MiB entries slows only itself (docs/scale-out.md).
+
+Two real daemons on one PostgreSQL and one real Redis (the fixtures of test_l2.py).
+Tenant ``small`` commits small entries on host A and looks each up on host B, once
+alone and once while tenant ``flood`` commits 64 MiB entries on host A as fast as it
+can. Its cross-host hit rate stays what it was alone; A's host-wide breaker never
+opens; the flooder's values do reach L2 (the store's timeout grows with the value),
+and a value over ``l2_max_value_bytes`` is skipped and counted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from test_l2 import commit, in_l2, ledger_url, redis_server  # noqa: F401 - fixtures
+
+from conftest import Daemon
+from maasd.client import Worker
+from redisdb import RedisServer
+from waiting import wait_until
+
+MiB = 1 << 20
+FLOOD_BYTES = 64 * MiB
+ROUND = 12  # the small tenant's entries per measurement
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory,
+    ledger_url: str,  # noqa: F811
+    redis_server: RedisServer,  # noqa: F811
+) -> Iterator[tuple[Daemon, Daemon]]:
+    daemons = [
+        Daemon(
+            tmp_path_factory.mktemp(name),
+            env={
+                "MAASD_DB_URL": ledger_url,
+                "MAASD_NODE_NAME": name,
+                "MAASD_L2_URL": redis_server.url,
+                "MAASD_L2_TIMEOUT_S": "0.1",
+                "MAASD_L2_TENANT_BYTES": str(160 * MiB),
+                "MAASD_L2_MAX_VALUE_BYTES": str(100 * MiB),
+                "MAASD_DEFAULT_POOL_BYTES": str(448 * MiB),
+                "MAASD_DB_POOL_SIZE": "4",
+                "MAASD_DB_MAX_OVERFLOW": "8",
+            },
+        )
+        for name in ("fair-a", "fair-b")
+    ]
+    try:
+        for d in daemons:
+            d.start()
+        yield daemons[0], daemons[1]
+    finally:
+        for d in daemons:
+            d.close()
+
+
+def cross_host_hits(a: Daemon, b: Daemon, key: str, server: RedisServer, tid: str, tag: str) -> int:
+    """Commit ROUND small entries on A, give each up to 5 s to be written behind, then
+    look each up on B: how many B found."""
+    blobs = {f"{tag}:{i}": secrets.token_bytes(256 * 1024) for i in range(ROUND)}
+    with Worker(a.socket_path, key, renew_interval_s=0) as wa:
+        for k, blob in blobs.items():
+            commit(wa, k, blob)
+            time.sleep(0.05)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and not all(in_l2(server, tid, k) for k in blobs):
+        time.sleep(0.05)
+    hits = 0
+    with Worker(b.socket_path, key, renew_interval_s=0) as wb:
+        for k, blob in blobs.items():
+            found = wb.lookup([k])
+            if found is not None:
+                with found:
+                    assert bytes(found.array[: len(blob)]) == blob
+                hits += 1
+    return hits
+
+
+def test_a_flooding_tenant_slows_only_itself(
+    pair: tuple[Daemon, Daemon],
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    a, b = pair
+    small_tid, small_key = a.tenant("small", quota_bytes=32 * MiB)
+    flood_tid, flood_key = a.tenant("flood", quota_bytes=3 * FLOOD_BYTES)
+    alone = cross_host_hits(a, b, small_key, redis_server, small_tid, "alone")
+    trips = a.metric("maasd_l2_breaker_trips_total")
+
+    stop = threading.Event()
+    flooded: list[str] = []
+    errors: list[BaseException] = []
+
+    def flood() -> None:
+        chunk = np.frombuffer(secrets.token_bytes(MiB), np.uint8)
+        try:
+            with Worker(a.socket_path, flood_key, renew_interval_s=0) as w:
+                while not stop.is_set() and len(flooded) < 16:
+                    k = f"big:{len(flooded)}"
+                    m = w.put(k, FLOOD_BYTES)
+                    m.array[:] = np.tile(chunk, FLOOD_BYTES // MiB)
+                    w.commit(m)
+                    flooded.append(k)
+        except BaseException as exc:
+            errors.append(exc)
+
+    flooder = threading.Thread(target=flood)
+    flooder.start()
+    try:
+        wait_until(lambda: len(flooded) >= 1 or errors, timeout=30, message="the flood begins")
+        during = cross_host_hits(a, b, small_key, redis_server, small_tid, "flood")
+    finally:
+        stop.set()
+        flooder.join(120)
+    print(
+        f"small tenant's cross-host hits: {alone}/{ROUND} alone, {during}/{ROUND} during a "
+        f"flood of {len(flooded)} x 64 MiB"
+    )
+    assert errors == []
+    assert alone == ROUND
+    assert during >= alone - 1  # within noise
+    assert a.metric("maasd_l2_breaker_trips_total") == trips  # the host's breaker held
+    assert len(flooded) >= 2
+    # The flooder's values reach L2: a store's timeout grows with the value.
+    wait_until(
+        lambda: any(in_l2(redis_server, flood_tid, k) for k in flooded),
+        timeout=15,
+        message="a 64 MiB entry written behind",
+    )
+
+
+def test_a_value_over_the_limit_is_skipped_and_counted(
+    pair: tuple[Daemon, Daemon],
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    a, _ = pair
+    tid, key = a.tenant("huge", quota_bytes=128 * MiB)
+    assert a.metric("maasd_l2_max_value_bytes") == 100 * MiB
+    before = a.metric("maasd_l2_skipped_writes_total", reason="over_value_limit")
+    with Worker(a.socket_path, key, renew_interval_s=0) as w:
+        m = w.put("over", 100 * MiB)
+        w.commit(m)
+    assert a.metric("maasd_l2_skipped_writes_total", reason="over_value_limit") == before + 1
+    assert not in_l2(redis_server, tid, "over")
