@@ -98,6 +98,8 @@ def unavailable(exc: BaseException) -> str | None:
         return "a statement ran past the statement timeout"
     if sqlstate[:2] == "53":
         return "the database is out of resources"
+    if sqlstate[:2] == "40":  # serialization failure, deadlock: rolled back, retry
+        return "the transaction met a concurrent one and was rolled back"
     if sqlstate[:2] in _UNAVAILABLE_SQLSTATES:
         return "the database cannot serve now"
     if isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError)):
