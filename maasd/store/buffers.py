@@ -199,7 +199,7 @@ def _record_uses(
         conn.execute(_extend, sorted(extends, key=_by_id))
 
 
-def _by_id(params: dict[str, Any]) -> str:
+def _by_id(params: Mapping[str, Any]) -> str:
     return str(params["p_id"])
 
 
