@@ -156,7 +156,9 @@ class Service:
         self._attach_collectors()
         #: ``GET /v1/usage``, pools, buffers: as last known while the ledger is down
         self.last_known = LastKnownReads(
-            self._tenants.usage, lambda all_hosts: self.pools(all_hosts=all_hosts), self.buffers
+            lambda who: self.usage(who),
+            lambda all_hosts: self.pools(all_hosts=all_hosts),
+            lambda who, tenant_id: self.buffers(who, tenant_id),
         )
         # The ledger back: the uses and leases batched meanwhile are written at once.
         self.store.circuit.on_up(self._buffers.flush_uses)
