@@ -134,6 +134,9 @@ def check_during_outage(d: Daemon, w: Worker, key: str) -> None:
         assert r.status_code == 200, (path, r.text)
         assert r.headers["maasd-stale"].startswith("ledger-unavailable; as-of="), path
     assert isinstance(c.get("/v1/usage").json()["used_bytes"], int)
+    # A new connection: a key checked before the outage is taken at hello.
+    with Worker(d.socket_path, key, renew_interval_s=0) as fresh:
+        hit(fresh, ["prefix:1"]).close()
     h = d.admin.get("/healthz")
     assert h.status_code == 200, h.text
     assert h.json()["status"] == "degraded"
