@@ -220,19 +220,15 @@ class L2Tier:
             dropped.labels(reason="gone").inc()
             return
         value = codec.encode_into(buf, t, job.key)
+        timeout = self._timeout + len(value) / self._rate
         started = time.perf_counter()
         try:
             evicted = self.client.store(
-                t,
-                job.key,
-                value,
-                cap=self._cap,
-                ttl_ms=self._ttl_ms,
-                timeout_s=self._timeout + len(value) / self._rate,
+                t, job.key, value, cap=self._cap, ttl_ms=self._ttl_ms, timeout_s=timeout
             )
         except self._errors as exc:
             self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
-            self._failed_for(t, "store", exc)
+            self._failed_for(t, "store", exc, timeout)
             self.metrics.writes.labels(outcome="error").inc()
             dropped.labels(reason="error").inc()
             return
@@ -277,10 +273,14 @@ class L2Tier:
             return False
         return True
 
-    def _failed_for(self, tenant_id: str, op: str, exc: BaseException) -> None:
+    def _failed_for(
+        self, tenant_id: str, op: str, exc: BaseException, timeout_s: float | None = None
+    ) -> None:
         """A call of ``tenant_id``'s failed: its own breaker counts it; the host's only if
-        a PING (small, on the base timeout) fails too — else the service is fine and the
-        failure was this tenant's traffic (a value too large for its timeout, say)."""
+        a PING fails too — else the service is fine and the failure was this tenant's
+        traffic (a value too large for its timeout, say). The PING may take as long as
+        the failed call could (``timeout_s``): queued behind a large value in Redis, it
+        says "busy", not "dead", and the next job waits for that value to be done."""
         if self.tenants.failure(tenant_id):
             self.metrics.tenant_breaker_trips.inc()
             logger.warning(
@@ -288,7 +288,7 @@ class L2Tier:
                 extra={"op": op, "tenant": tenant_id, "error": type(exc).__name__},
             )
         try:
-            self.client.ping()
+            self.client.ping(timeout_s)
         except self._errors:
             self._failed(op, exc)
         else:

@@ -119,9 +119,15 @@ def test_a_flooding_tenant_slows_only_itself(
     finally:
         stop.set()
         flooder.join(120)
+    counts = {
+        r: a.metric("maasd_l2_dropped_writes_total", reason=r)
+        for r in ("queue_full", "breaker_open", "error", "gone", "too_large")
+    }
     print(
         f"small tenant's cross-host hits: {alone}/{ROUND} alone, {during}/{ROUND} during a "
-        f"flood of {len(flooded)} x 64 MiB"
+        f"flood of {len(flooded)} x 64 MiB; host A's dropped writes {counts}, tenant pauses "
+        f"{a.metric('maasd_l2_tenant_breaker_trips_total')}, B's L2 lookups "
+        f"{b.metric('maasd_l2_lookups_total', outcome='hit')} hit"
     )
     assert errors == []
     assert alone == ROUND

@@ -211,7 +211,7 @@ def test_a_store_gets_a_timeout_that_grows_with_its_value() -> None:
         l2_min_bytes_per_s=1 << 20,
     )
     t._write(Job("t", "k", "b1", len(data)))
-    assert len(fake.timeouts) == 1
+    assert len(fake.timeouts) == 1  # the store's (no PING: it succeeded)
     timeout = fake.timeouts[0]
     assert timeout is not None
     assert 1.1 < timeout < 1.2  # 0.1 s, and 1 MiB (and its header) at 1 MiB/s
@@ -297,8 +297,9 @@ class FakeL2:
         self.values.pop((tenant_id, key), None)
         self.forgotten.append(key)
 
-    def ping(self) -> None:
+    def ping(self, timeout_s: float | None = None) -> None:
         self._call()
+        self.timeouts.append(timeout_s)
 
     def close(self) -> None:
         pass
