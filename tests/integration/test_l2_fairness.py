@@ -155,3 +155,34 @@ def test_a_value_over_the_limit_is_skipped_and_counted(
         w.commit(m)
     assert a.metric("maasd_l2_skipped_writes_total", reason="over_value_limit") == before + 1
     assert not in_l2(redis_server, tid, "over")
+
+
+def test_a_store_accounts_and_evicts_atomically_in_a_real_redis(
+    redis_server: RedisServer,  # noqa: F811
+) -> None:
+    """The SET and the accounting script in one MULTI/EXEC: a tenant's total is the sum
+    of what it holds, a rewrite replaces its old size, the oldest go past the cap, and a
+    value larger than the cap is refused before anything is sent."""
+    from maasd.l2.client import RedisL2
+    from maasd.l2.codec import Keys
+
+    l2 = RedisL2(redis_server.url, timeout_s=1.0, connections=2, prefix="acct")
+    r = redis_server.client()
+    tenant = f"t-{secrets.token_hex(4)}"
+    k = Keys("acct", tenant)
+    try:
+        for name in ("a", "b", "c"):
+            assert l2.store(tenant, name, memoryview(b"x" * 100), cap=250, ttl_ms=60_000) in (0, 1)
+        # a + b + c = 300 > 250: the oldest (a) went
+        assert not r.exists(k.entry("a"))
+        assert int(r.get(k.bytes)) == 200
+        assert l2.store(tenant, "b", memoryview(b"y" * 50), cap=250, ttl_ms=60_000) == 0
+        assert int(r.get(k.bytes)) == 150  # b's 100 replaced by 50
+        assert r.get(k.entry("b")) == b"y" * 50
+        assert r.pttl(k.entry("b")) > 0
+        assert l2.store(tenant, "huge", memoryview(b"z" * 251), cap=250, ttl_ms=60_000) == -1
+        assert not r.exists(k.entry("huge"))
+        assert int(r.get(k.bytes)) == 150
+    finally:
+        r.delete(k.entry("a"), k.entry("b"), k.entry("c"), k.lru, k.sizes, k.bytes)
+        l2.close()
