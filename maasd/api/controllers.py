@@ -66,7 +66,11 @@ TENANT = (400, 401, 403)  # tenant key only
 BODY = (400, 413)  # a JSON body (strictly decoded, at most MAX_BODY bytes)
 
 _HEALTH = {
-    200: ResponseSpec(data_container=Status, description="The daemon and every component are ok"),
+    200: ResponseSpec(
+        data_container=Status,
+        description="The daemon serves: every component ok, or `degraded` (then with "
+        "`components`, as for 503) when only the ledger or L2 is failing",
+    ),
     503: ResponseSpec(
         data_container=Unhealthy,
         description="A component is not ok (the broken one says why)",
