@@ -87,6 +87,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host_timeout_s: float = 30.0  # a host silent this long may be forgotten (docs/scale-out.md)
     db_pool_size: int = 16  # ledger connections kept open (docs/scale-out.md: sizing)
     db_max_overflow: int = 64  # more, opened under load and closed after
+    # Bounds of every ledger wait (PostgreSQL; docs/scale-out.md, "Failure modes"): a new
+    # connection, and one statement (the server cancels it). Past either: 507.
+    db_connect_timeout_s: float = 3.0
+    db_statement_timeout_s: float = 10.0
     # A tenant's cap on buffers (entries included) when it has none of its own. Each buffer
     # holds one of the daemon's open files and one mapping: 4096 lets a prefix cache of
     # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
@@ -122,6 +126,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     l2_ttl_s: int = 24 * 3600  # an entry's life in L2 (renewed by each new write of it)
     l2_queue_entries: int = 64  # committed entries waiting to be written behind, at most
     l2_queue_bytes: int = 512 << 20  # … and their bytes; past either, a write is dropped
+    # The largest value (entry and header) sent to L2; larger entries stay local, counted.
+    l2_max_value_bytes: int = 256 << 20
+    # A store's timeout is l2_timeout_s plus its value's bytes at this rate (a slow link).
+    l2_min_bytes_per_s: int = 100 << 20
     l2_breaker_failures: int = 3  # consecutive L2 failures that open the circuit breaker
     l2_breaker_backoff_s: float = 2.0  # open this long, then one probe (half-open)
     l2_prefix: str = "maasd"  # of every Redis key: several fleets can share one Redis
@@ -155,6 +163,8 @@ SIZES = {
     "warm_min_available_bytes": True,
     "l2_tenant_bytes": False,
     "l2_queue_bytes": False,
+    "l2_max_value_bytes": False,
+    "l2_min_bytes_per_s": False,
 }
 POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
 
@@ -192,6 +202,8 @@ ENV = {
     "MAASD_HOST_TIMEOUT_S": "host_timeout_s",
     "MAASD_DB_POOL_SIZE": "db_pool_size",
     "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
+    "MAASD_DB_CONNECT_TIMEOUT_S": "db_connect_timeout_s",
+    "MAASD_DB_STATEMENT_TIMEOUT_S": "db_statement_timeout_s",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
@@ -259,6 +271,8 @@ def _check(settings: Settings) -> None:
         )
     if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
         raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
+    if not (settings.db_connect_timeout_s > 0 and settings.db_statement_timeout_s > 0):
+        raise ConfigError("settings: db_connect_timeout_s and db_statement_timeout_s must be > 0")
     for name in ("default_warm_bytes", "warm_min_available_bytes"):
         if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"settings: {name} must be ≥ 0")

@@ -7,9 +7,12 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import secrets
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -47,3 +50,49 @@ def fresh_pg_database() -> Iterator[str]:
         with admin.connect() as conn:
             conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.dispose()
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of one test's own (``scripts/pg-test-server`` on a free port),
+    which the test may stop (``pg_ctl stop -m fast``: every connection is closed, new
+    ones are refused) and start again on the same port and data — an outage as an
+    operator makes one. :meth:`remove` deletes it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.url = ""
+        self._script = str(Path(__file__).resolve().parent.parent / "scripts" / "pg-test-server")
+
+    def create(self) -> PrivatePostgres:
+        out = subprocess.run(
+            [self._script, "start", str(self.port)], check=True, capture_output=True, text=True
+        )
+        self.url = out.stdout.strip().splitlines()[-1]
+        return self
+
+    @property
+    def _datadir(self) -> str:
+        return Path(f"/tmp/maasd-pg-{self.port}.dir").read_text().strip()
+
+    def _pg_ctl(self, *args: str) -> None:
+        bindir = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1]
+        cmd = [f"{bindir}/pg_ctl", "-D", f"{self._datadir}/data", *args]
+        if os.geteuid() == 0:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    def stop(self) -> None:
+        self._pg_ctl("-m", "fast", "-w", "stop")
+
+    def start(self) -> None:
+        datadir = self._datadir
+        options = f"-p {self.port} -h 127.0.0.1 -k {datadir} -c fsync=off -c max_connections=200"
+        self._pg_ctl("-l", f"{datadir}/server.log", "-w", "-t", "60", "-o", options, "start")
+
+    def remove(self) -> None:
+        subprocess.run([self._script, "stop", str(self.port)], check=False, capture_output=True)
+
+
+def has_pg_server() -> bool:
+    """Whether this machine has PostgreSQL's server binaries (a private cluster can start)."""
+    return bool(glob.glob("/usr/lib/postgresql/*/bin/initdb"))

@@ -48,6 +48,7 @@ def create_app(
     service: Service,
     *,
     health: HealthCheck | None = None,
+    degraded: HealthCheck | None = None,
     metrics_key: str | None = None,
     metrics_public: bool = False,
     threads: int = 64,
@@ -56,7 +57,8 @@ def create_app(
     """Build the app.
 
     ``health``: ``() -> {component: (ok, why)}`` for ``/healthz`` (see
-    :func:`maasd.api.health.of_checks`). ``metrics_key``: a key good for ``GET
+    :func:`maasd.api.health.of_checks`); ``degraded``: the same for components the
+    daemon serves without (``/healthz`` says ``degraded``, still 200). ``metrics_key``: a key good for ``GET
     /metrics`` only; ``metrics_public``: ``/metrics`` needs no key at all.
     ``threads`` bounds concurrent service calls (each may scrub or prefault);
     ``caller_threads`` those of one caller (a tenant, the admin): its further calls
@@ -67,7 +69,7 @@ def create_app(
         run=Run(CapacityLimiter(threads), per_caller=caller_threads),
         metrics_digest=metrics_digest(metrics_key),
         metrics_public=metrics_public,
-        health=Health(health),
+        health=Health(health, degraded),
     )
 
     v1 = Router(

@@ -11,8 +11,9 @@ and the caller); ``/healthz`` and ``/metrics`` get ``api`` (the app's
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from functools import partial
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from litestar import Controller, Response, delete, get, patch, post
 from litestar.di import NamedDependency
@@ -31,6 +32,7 @@ from maasd.api.schemas import (
     TenantPatchBody,
     Unhealthy,
 )
+from maasd.core.stale import Maybe
 from maasd.metrics import CONTENT_TYPE
 from maasd.models import (
     BufferInfo,
@@ -54,6 +56,8 @@ __all__ = [
     "TopologyController",
 ]
 
+T = TypeVar("T")
+
 # The problem answers each kind of route can give (declared in the OpenAPI document).
 # 400 everywhere: path and query parameters are validated as well as bodies.
 KEYED = (400, 401)  # any key
@@ -62,7 +66,11 @@ TENANT = (400, 401, 403)  # tenant key only
 BODY = (400, 413)  # a JSON body (strictly decoded, at most MAX_BODY bytes)
 
 _HEALTH = {
-    200: ResponseSpec(data_container=Status, description="The daemon and every component are ok"),
+    200: ResponseSpec(
+        data_container=Status,
+        description="The daemon serves: every component ok, or `degraded` (then with "
+        "`components`, as for 503) when only the ledger or L2 is failing",
+    ),
     503: ResponseSpec(
         data_container=Unhealthy,
         description="A component is not ok (the broken one says why)",
@@ -100,6 +108,19 @@ class TopologyController(Controller):
         return await call.run(call.service.refresh_topology)
 
 
+#: The header of an answer read from memory while the ledger is down (docs/api.md).
+STALE_HEADER = "Maasd-Stale"
+
+
+def _maybe_stale(answer: Maybe[T]) -> Response[T]:
+    """The answer; a remembered one (the ledger is down) carries ``Maasd-Stale``:
+    ``ledger-unavailable; as-of=<when it was read, RFC 3339>``."""
+    if answer.stale_since is None:
+        return Response(answer.value)
+    as_of = datetime.fromtimestamp(answer.stale_since, UTC).isoformat(timespec="seconds")
+    return Response(answer.value, headers={STALE_HEADER: f"ledger-unavailable; as-of={as_of}"})
+
+
 class PoolsController(Controller):
     path = "/pools"
     tags = ["pools"]
@@ -108,8 +129,9 @@ class PoolsController(Controller):
         summary="List pools with usage: this host's (tenant key), every host's (admin key)",
         responses=problems.responses(*KEYED),
     )
-    async def list_pools(self, call: NamedDependency[Call]) -> list[PoolInfo]:
-        return await call.run(partial(call.service.pools, all_hosts=call.who.is_admin))
+    async def list_pools(self, call: NamedDependency[Call]) -> Response[list[PoolInfo]]:
+        read = partial(call.service.last_known.pools, call.who.is_admin)
+        return _maybe_stale(await call.run(read))
 
     @get(
         "/{pool_id:str}",
@@ -252,8 +274,8 @@ class BuffersController(Controller):
     async def usage(
         self,
         call: NamedDependency[Call],
-    ) -> Usage:
-        return await call.run(call.service.usage, call.who)
+    ) -> Response[Usage]:
+        return _maybe_stale(await call.run(call.service.last_known.usage, call.who))
 
     @post(
         "/pools/{pool_id:str}/reserve",
@@ -293,8 +315,9 @@ class BuffersController(Controller):
         self,
         call: NamedDependency[Call],
         tenant_id: FromQuery[str | None] = None,
-    ) -> list[BufferInfo]:
-        return await call.run(call.service.buffers, call.who, tenant_id)
+    ) -> Response[list[BufferInfo]]:
+        read = call.service.last_known.buffers
+        return _maybe_stale(await call.run(read, call.who, tenant_id))
 
     @get(
         "/buffers/{buffer_id:str}",

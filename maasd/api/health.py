@@ -5,7 +5,11 @@ A component check is a plain ``() -> (ok, why)`` callable (the broker's
 :func:`maasd.api.app.create_app` takes out of named checks. ``/healthz`` answers
 200 ``{"status": "ok"}`` when every component is healthy, else 503
 ``{"status": "unhealthy", "components": {...}}`` — the one 5xx the API gives
-that is not about a request's input.
+that is not about a request's input. The ``degraded`` checks are of components the
+daemon serves without (the ledger, L2: docs/scale-out.md, "Failure modes"): when
+one of those fails and nothing else does, the answer is 200 ``{"status":
+"degraded", "components": {...}}`` — a supervisor must not restart a daemon for
+them (its memory would be lost), an operator should know.
 """
 
 from __future__ import annotations
@@ -52,26 +56,42 @@ def of_checks(checks: Mapping[str, Check]) -> HealthCheck:
 class Health:
     """The ``/healthz`` answer over an optional ``health`` callable (none: always ok)."""
 
-    def __init__(self, check: HealthCheck | None = None) -> None:
+    def __init__(
+        self, check: HealthCheck | None = None, degraded: HealthCheck | None = None
+    ) -> None:
         self.check = check
+        self.degraded = degraded
 
     async def answer(self) -> Response[Status | Unhealthy]:
         # In a worker thread of its own, not on the service's limiter: a check may
         # block, and a daemon whose service threads are all scrubbing is still alive.
-        components = await anyio.to_thread.run_sync(self.components) if self.check else {}
-        if all(c.ok for c in components.values()):
-            return Response(Status(status="ok"))
-        return Response(Unhealthy(status="unhealthy", components=components), status_code=503)
+        vital, soft = await anyio.to_thread.run_sync(self.both)
+        if not all(c.ok for c in vital.values()):
+            return Response(
+                Unhealthy(status="unhealthy", components={**vital, **soft}), status_code=503
+            )
+        if not all(c.ok for c in soft.values()):
+            return Response(Unhealthy(status="degraded", components={**vital, **soft}))
+        return Response(Status(status="ok"))
+
+    def both(self) -> tuple[dict[str, Component], dict[str, Component]]:
+        """The vital components' states and the degraded ones' (blocking)."""
+        return _components(self.check), _components(self.degraded)
 
     def components(self) -> dict[str, Component]:
-        """Every component's state (blocking)."""
-        assert self.check is not None
-        try:
-            states = dict(self.check())
-        except Exception as e:
-            logger.warning("health check failed", exc_info=e)
-            states = {"health": (False, f"the check itself failed: {type(e).__name__}: {e}")}
-        return {
-            name: Component(ok=bool(ok), detail=str(why) or ("ok" if ok else "unhealthy"))
-            for name, (ok, why) in states.items()
-        }
+        """Every vital component's state (blocking)."""
+        return _components(self.check)
+
+
+def _components(check: HealthCheck | None) -> dict[str, Component]:
+    if check is None:
+        return {}
+    try:
+        states = dict(check())
+    except Exception as e:
+        logger.warning("health check failed", exc_info=e)
+        states = {"health": (False, f"the check itself failed: {type(e).__name__}: {e}")}
+    return {
+        name: Component(ok=bool(ok), detail=str(why) or ("ok" if ok else "unhealthy"))
+        for name, (ok, why) in states.items()
+    }

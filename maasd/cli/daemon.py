@@ -237,6 +237,7 @@ class _Running:
 def _serve(settings: Settings) -> None:
     """Startup, serve until a signal of ``HANDLED_SIGNALS``, shutdown (as uvicorn's server)."""
     from maasd.api.app import create_app
+    from maasd.api.health import of_checks
     from maasd.api.server import http_config
     from maasd.serving import make_server
 
@@ -245,6 +246,7 @@ def _serve(settings: Settings) -> None:
     app = create_app(
         service,
         health=running.health,
+        degraded=of_checks(service.degraded_checks()),
         metrics_key=settings.metrics_key,
         metrics_public=settings.metrics_public,
         caller_threads=settings.http_tenant_threads,

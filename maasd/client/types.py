@@ -203,7 +203,8 @@ class Component(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Health(msgspec.Struct, frozen=True, kw_only=True):
-    """``GET /healthz``: ``status`` is ``ok`` (200) or ``unhealthy`` (503), and then
+    """``GET /healthz``: ``status`` is ``ok`` (200), ``degraded`` (200: the ledger or L2
+    is failing, the daemon serves without it) or ``unhealthy`` (503), and then
     ``components`` says which part is not healthy and why."""
 
     status: str

@@ -52,6 +52,7 @@ from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.shared import Shared
+from maasd.core.stale import LastKnownReads, degraded_checks
 from maasd.core.tenants import Tenants
 from maasd.errors import NotFound
 from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
@@ -93,11 +94,7 @@ class Service:
     ) -> None:
         self.settings = settings
         self.host = settings.node_name
-        self.store = store or Store(
-            settings.database_url,
-            pool_size=settings.db_pool_size,
-            max_overflow=settings.db_max_overflow,
-        )
+        self.store = store or _open_store(settings)
         self.store.default_max_buffers = settings.max_buffers_per_tenant
         self.metrics = Metrics()
         self.runtime = Runtime()
@@ -157,6 +154,14 @@ class Service:
             self.warmer,
         )
         self._attach_collectors()
+        #: ``GET /v1/usage``, pools, buffers: as last known while the ledger is down
+        self.last_known = LastKnownReads(
+            lambda who: self.usage(who),
+            lambda all_hosts: self.pools(all_hosts=all_hosts),
+            lambda who, tenant_id: self.buffers(who, tenant_id),
+        )
+        # The ledger back: the uses and leases batched meanwhile are written at once.
+        self.store.circuit.on_up(self._buffers.flush_uses)
 
     def _attach_collectors(self) -> None:
         """The metrics read at scrape time: the ledger's, the runtime's, the entries'."""
@@ -194,6 +199,10 @@ class Service:
         """The core's components for ``/healthz``: files can be opened. (Not the ledger: an
         outage of it answers 507 and is no reason to restart and lose every buffer.)"""
         return {"files": self.budget.health}
+
+    def degraded_checks(self) -> dict[str, Callable[[], tuple[bool, str]]]:
+        """The components ``/healthz`` calls ``degraded`` (200) when failing: ledger, L2."""
+        return degraded_checks(self.store.circuit, self._shared.health, self._shared.enabled)
 
     def reap(self, now: float | None = None) -> int:
         return self._life.reap(now)
@@ -369,6 +378,16 @@ class Service:
         False once it is committed or released (its lease ended, a DELETE)."""
         held = self.runtime.held(buffer_id)
         return held is not None and not held.live
+
+
+def _open_store(settings: Settings) -> Store:
+    return Store(
+        settings.database_url,
+        pool_size=settings.db_pool_size,
+        max_overflow=settings.db_max_overflow,
+        connect_timeout_s=settings.db_connect_timeout_s,
+        statement_timeout_s=settings.db_statement_timeout_s,
+    )
 
 
 def _region_budget(settings: Settings, store: Store) -> RegionBudget:

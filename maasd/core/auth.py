@@ -22,6 +22,17 @@ never outlive its revocation, wherever that was made:
   listener is in place: until it is (at start) and from the moment it loses
   its connection, every check asks the database, as if there were no cache.
 
+While the ledger cannot be read (an outage: the key's check raises
+:class:`~maasd.errors.LedgerUnavailable`), a key this daemon checked against the
+ledger since it last heard of a revocation is still taken (``_known``): the
+worker data plane outlives the ledger (docs/scale-out.md, "Failure modes"). What
+holds: a key revoked before the outage stays revoked (its revocation emptied
+``_known``, and an unknown key is never taken without the ledger); a key revoked
+during the outage cannot reach this host's ledger, nor its notification this
+daemon, until the ledger is back — and then ``on_up`` empties ``_known`` and moves
+the generation, so every connection checks its key against the ledger again (401
+and a close for the revoked one).
+
 Why notifications and not a revocation counter polled with the reaper: a
 notification reaches every daemon within milliseconds of the commit, and
 costs nothing while nothing is revoked; a counter bounds the delay only by its
@@ -41,7 +52,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from maasd.errors import ConfigError, Forbidden, Unauthorized
+from maasd.errors import ConfigError, Forbidden, LedgerUnavailable, Unauthorized
 from maasd.models import Principal
 from maasd.settings import Settings
 from maasd.store import KEYS_CHANNEL, Store
@@ -67,6 +78,12 @@ def require_tenant(who: Principal) -> str:
     if who.tenant_id is None:
         raise Forbidden("this operation needs a tenant key (the admin owns no buffers)")
     return who.tenant_id
+
+
+def _remember(cache: dict[bytes, Principal], digest: bytes, who: Principal) -> None:
+    if len(cache) >= KEY_CACHE_SIZE:
+        cache.clear()
+    cache[digest] = who
 
 
 def _read_key_file(path: Path) -> str:
@@ -102,6 +119,9 @@ class Auth:
         self._store = store
         self._lock = threading.Lock()  # a leaf lock (maasd.core.runtime)
         self._cache: dict[bytes, Principal] = {}
+        # Keys checked against the ledger since the last revocation this daemon heard of:
+        # taken while the ledger cannot be read (see the module docstring).
+        self._known: dict[bytes, Principal] = {}
         # Whether the cache may answer: always with SQLite; with PostgreSQL only
         # while the listener is in place (set and cleared under the lock).
         self._trusted = not store.is_postgres
@@ -136,11 +156,14 @@ class Auth:
 
     def _set_trusted(self, trusted: bool) -> None:
         # Either way the cache starts empty: while nobody listened, a revocation may
-        # have been missed; from now on, none can be.
+        # have been missed; from now on, none can be. Back up, the keys known through
+        # the outage are forgotten too: each is checked against the ledger again.
         with self._lock:
             self._trusted = trusted
             self._generation += 1
             self._cache.clear()
+            if trusted:
+                self._known.clear()
 
     def load_admin_key(self) -> None:
         """Read (or generate once) the admin key. :class:`ConfigError` for an unsafe key file."""
@@ -193,17 +216,25 @@ class Auth:
             if who is not None:
                 return who
         generation = self._generation
-        row = self._store.key_by_digest(d)
+        try:
+            row = self._store.key_by_digest(d)
+        except LedgerUnavailable:
+            known = self._known.get(d)
+            if known is None:
+                raise
+            return known  # checked before the outage, and no revocation heard of since
         if row is None or not hmac.compare_digest(d, row.digest):
+            with self._lock:
+                self._known.pop(d, None)
             raise Unauthorized("unknown or revoked API key")
         who = Principal(is_admin=False, tenant_id=row.tenant_id, key_id=row.id)
         with self._lock:
             # A revocation (or a lost listener) since the read above moved the
             # generation: the row read may be stale, so it is not remembered.
-            if self._trusted and generation == self._generation:
-                if len(self._cache) >= KEY_CACHE_SIZE:
-                    self._cache.clear()
-                self._cache[d] = who
+            if generation == self._generation:
+                if self._trusted:
+                    _remember(self._cache, d, who)
+                _remember(self._known, d, who)
         return who
 
     @property
@@ -225,6 +256,7 @@ class Auth:
         with self._lock:
             self._generation += 1
             self._cache.clear()
+            self._known.clear()
             watchers = list(self._watchers)
         for callback in watchers:
             try:

@@ -274,7 +274,11 @@ class Buffers:
         """
         uses, leases = self._runtime.take_uses()
         if uses or leases:
-            self._store.touch_many(uses, leases)
+            try:
+                self._store.touch_many(uses, leases)
+            except BaseException:  # the ledger is down: kept, written when it is back
+                self._runtime.untake_uses(uses, leases)
+                raise
 
     # -- the others -------------------------------------------------------------------------
 

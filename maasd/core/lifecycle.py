@@ -49,7 +49,7 @@ from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.core.runtime import Held, Runtime
 from maasd.core.tenants import Tenants
-from maasd.errors import ConfigError
+from maasd.errors import ConfigError, LedgerUnavailable
 from maasd.metrics import Metrics
 from maasd.settings import Settings
 from maasd.store import BufferRow, Store, must_last
@@ -225,6 +225,8 @@ class Lifecycle:
                 self.reap()
                 # A tenant deleted through another daemon: release this host's share.
                 self._tenants.finish_deletes()
+            except LedgerUnavailable as exc:  # an outage: said once, by the store's circuit
+                logger.debug("reaper pass skipped: %s", exc.detail)
             except Exception:
                 logger.exception("reaper pass failed; retrying")
 

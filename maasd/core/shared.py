@@ -44,6 +44,7 @@ class Shared:
         self, settings: Settings, store: Store, entries: Entries, metrics: Metrics
     ) -> None:
         self._entries = entries
+        self._circuit = store.circuit
         self._tier: L2Tier | None = None
         if settings.l2_url is None:
             return
@@ -62,7 +63,15 @@ class Shared:
     def ready(self) -> bool:
         """Whether a local miss should be handed on to :meth:`fill` (its breaker is closed,
         or due for a probe). A cheap read: the broker asks it on its event loop."""
-        return self._tier is not None and self._tier.ready()
+        # While the ledger is down nothing found could be restored here (a new row): no
+        # L2 round trip for it.
+        return self._tier is not None and self._circuit.down_since is None and self._tier.ready()
+
+    def health(self) -> tuple[bool, str]:
+        """L2's state for ``/healthz`` (``degraded`` while its breaker is open)."""
+        if self._tier is None or self._tier.breaker.closed:
+            return True, ""
+        return False, "L2 is failing (circuit breaker open): lookups miss it, writes are dropped"
 
     def skipped(self) -> None:
         """A local miss not asked of L2 because its breaker is open (counted if enabled)."""

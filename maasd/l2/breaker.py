@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["Breaker"]
+__all__ = ["Breaker", "TenantBreakers"]
 
 
 class Breaker:
@@ -81,3 +81,56 @@ class Breaker:
         """A caller let through did not reach L2 after all (nothing to judge it by)."""
         with self._lock:
             self._probing = False
+
+
+class TenantBreakers:
+    """One :class:`Breaker` per tenant whose L2 calls fail, so that a tenant's own
+    failures (its values too large to move within their timeout, say) stop its own calls
+    and nobody else's. Made on a tenant's first failure, dropped on its next success;
+    at most ``max_tenants`` at once (past that, the oldest is dropped: it starts over)."""
+
+    def __init__(
+        self,
+        failures: int,
+        backoff_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        max_tenants: int = 4096,
+    ) -> None:
+        Breaker(failures, backoff_s)  # the same checks of the arguments
+        self._args = (failures, backoff_s, clock)
+        self._max = max_tenants
+        self._lock = threading.Lock()
+        self._of: dict[str, Breaker] = {}
+        self.opened = 0  # tenants' breakers opened (metrics, tests)
+
+    def allow(self, tenant: str) -> bool:
+        b = self._of.get(tenant)
+        return b is None or b.allow()
+
+    def ready(self, tenant: str) -> bool:
+        b = self._of.get(tenant)
+        return b is None or b.ready()
+
+    def success(self, tenant: str) -> None:
+        with self._lock:
+            self._of.pop(tenant, None)
+
+    def release(self, tenant: str) -> None:
+        b = self._of.get(tenant)
+        if b is not None:
+            b.release()
+
+    def failure(self, tenant: str) -> bool:
+        """Count a failure of ``tenant``'s call; True if its breaker opened now."""
+        with self._lock:
+            b = self._of.get(tenant)
+            if b is None:
+                if len(self._of) >= self._max:
+                    self._of.pop(next(iter(self._of)))
+                b = self._of[tenant] = Breaker(*self._args)
+        was = b.opened
+        b.failure()
+        if b.opened > was:
+            self.opened += 1
+            return True
+        return False

@@ -1,14 +1,17 @@
 """The daemon's Redis/Valkey client for L2 (redis-py): store, fetch and forget.
 
 * ``store``  — write one value, account its bytes to the tenant, evict the tenant's
-  oldest values while its total passes its cap (atomic: a Lua script);
+  oldest values while its total passes its cap (atomic: the SET and a Lua script of
+  the accounting in one MULTI/EXEC);
 * ``fetch``  — of a lookup's keys (short → long), the value of the longest that exists,
   its last use moved to now — or its length only, when it passes the caller's bound
   (a script finds it; the longest key's value is read in the same round trip);
 * ``forget`` — drop a value the daemon refused, with its accounting.
 
 Connections come from a bounded pool; every call has the settings' connect and socket
-timeouts and no retry (the circuit breaker of :mod:`maasd.l2.tier` decides when to try
+timeouts — a ``store`` of a large value the longer timeout its caller gives it
+(:meth:`RedisL2.store`'s ``timeout_s``: sending 64 MiB takes longer than a lookup's
+round trip, and is no sign of a failing server) — and no retry (the circuit breaker of :mod:`maasd.l2.tier` decides when to try
 again). Errors are redis-py's (:class:`redis.RedisError`) or ``OSError``; the tier counts
 them. The URL, with its credentials, stays inside this object: :func:`redact` is what logs
 may show.
@@ -16,7 +19,10 @@ may show.
 
 from __future__ import annotations
 
-from typing import cast
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -27,14 +33,16 @@ from maasd.l2.codec import Keys
 
 __all__ = ["RedisL2", "redact"]
 
-#: KEYS: entry, lru, sizes, total; ARGV: value, cap, ttl_ms. → evicted count, or -1: too big.
-_STORE = """
-local size = string.len(ARGV[1])
+#: KEYS: entry, lru, sizes, total; ARGV: size, cap. → evicted count. Run in the same
+#: MULTI/EXEC as the SET of the value, after it: the value itself never passes through
+#: Lua (turning 64 MiB into a Lua string and back held Redis' one thread for every
+#: client, on every host, for tens of milliseconds; a plain SET of a large argument
+#: takes the received buffer as it is).
+_ACCOUNT = """
+local size = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
-if size > cap then return -1 end
 local old = redis.call('HGET', KEYS[3], KEYS[1])
 if old then redis.call('DECRBY', KEYS[4], old) end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[2], t[1] + t[2] / 1000000, KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], size)
@@ -77,6 +85,36 @@ return 1
 """
 
 
+#: The socket timeout of the calls the current thread makes now (None: the base one).
+_call = threading.local()
+
+
+class _ScaledTimeouts:
+    """A mixin of redis-py's connection classes: each command is sent (and its reply
+    read) with the timeout its thread set (:func:`_timeout`), else the base one. Python
+    bounds a whole ``sendall`` by the socket timeout, so a value that takes longer to
+    send than the base timeout needs a longer one."""
+
+    socket_timeout: float | None
+    _sock: Any
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:
+            self.connect_check_health(check_health=False)  # type: ignore[attr-defined]
+        t = getattr(_call, "timeout_s", None)
+        self._sock.settimeout(self.socket_timeout if t is None else t)
+        super().send_packed_command(command, check_health)  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _timeout(seconds: float | None) -> Iterator[None]:
+    _call.timeout_s = seconds
+    try:
+        yield
+    finally:
+        _call.timeout_s = None
+
+
 def redact(url: str) -> str:
     """``url`` with its password (and user) replaced by ``***``: what a log may show."""
     parts = urlsplit(url)
@@ -106,19 +144,40 @@ class RedisL2:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
         )
+        base = pool.connection_class
+        pool.connection_class = type(f"Scaled{base.__name__}", (_ScaledTimeouts, base), {})
         self._redis = redis.Redis(connection_pool=pool)
-        self._store = self._redis.register_script(_STORE)
+        self._account = self._redis.register_script(_ACCOUNT)
         self._forget = self._redis.register_script(_FORGET)
 
     def keys(self, tenant_id: str) -> Keys:
         return Keys(self.prefix, tenant_id)
 
-    def store(self, tenant_id: str, key: str, value: memoryview, *, cap: int, ttl_ms: int) -> int:
+    def store(
+        self,
+        tenant_id: str,
+        key: str,
+        value: memoryview,
+        *,
+        cap: int,
+        ttl_ms: int,
+        timeout_s: float | None = None,
+    ) -> int:
         """Write ``value`` under the tenant's ``key``; how many older values were evicted
-        (-1: the value alone is larger than the tenant's ``cap``: nothing was written)."""
+        (-1: the value alone is larger than the tenant's ``cap``: nothing was written).
+        ``timeout_s``: this call's socket timeout (default: the base one)."""
+        if len(value) > cap:
+            return -1
         k = self.keys(tenant_id)
-        keys = [k.entry(key), k.lru, k.sizes, k.bytes]
-        return int(self._store(keys=keys, args=[value, cap, ttl_ms]))
+        entry = k.entry(key)
+        with _timeout(timeout_s):
+            pipe = self._redis.pipeline(transaction=True)  # MULTI … EXEC: one atomic step
+            pipe.set(entry, value, px=ttl_ms)
+            self._account(
+                keys=[entry, k.lru, k.sizes, k.bytes], args=[len(value), cap], client=pipe
+            )
+            _, evicted = pipe.execute()
+        return int(evicted)
 
     def fetch(
         self, tenant_id: str, keys: list[str], *, max_bytes: int
@@ -152,8 +211,9 @@ class RedisL2:
         k = self.keys(tenant_id)
         self._forget(keys=[k.entry(key), k.lru, k.sizes, k.bytes])
 
-    def ping(self) -> None:
-        self._redis.ping()
+    def ping(self, timeout_s: float | None = None) -> None:
+        with _timeout(timeout_s):
+            self._redis.ping()
 
     def close(self) -> None:
         self._redis.close()

@@ -43,6 +43,25 @@ class L2Metrics:
             ["reason"],
             registry=r,
         )
+        self.skipped_writes = Counter(
+            "maasd_l2_skipped_writes",
+            "Committed entries not sent to L2 by rule, by reason: over_value_limit (a value "
+            "larger than maasd_l2_max_value_bytes)",
+            ["reason"],
+            registry=r,
+        )
+        self.max_value = Gauge(
+            "maasd_l2_max_value_bytes",
+            "The largest value (header and entry) sent to or read back from L2 (the "
+            "l2_max_value_bytes setting)",
+            registry=r,
+        )
+        self.tenant_breaker_trips = Counter(
+            "maasd_l2_tenant_breaker_trips",
+            "Times one tenant's L2 calls were paused for its own failures (the host's "
+            "breaker stayed closed unless L2 failed a PING too)",
+            registry=r,
+        )
         self.evicted = Counter(
             "maasd_l2_evicted",
             "Values L2 dropped to keep a tenant under its L2 byte cap (oldest first)",

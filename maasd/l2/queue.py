@@ -4,6 +4,12 @@ Bounded twice — at most ``max_entries`` jobs and ``max_bytes`` bytes of entrie
 never blocking the one who offers: a job that does not fit is refused, and its entry is
 simply not written (the caller counts it). A job names an entry, it does not hold its
 bytes: the writer reads them when the job's turn comes, if the entry is still there.
+
+Fair between tenants: one tenant's jobs hold at most :data:`TENANT_SHARE` of either
+bound, so a tenant flooding L2 with large entries fills its own share and has its own
+further writes refused while another's still fit; and the jobs are taken round-robin
+across tenants (FIFO within one), so another's small write waits for at most one of the
+flooder's writes, not for all of its backlog.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ import collections
 import threading
 from dataclasses import dataclass
 
-__all__ = ["Job", "WriteQueue"]
+__all__ = ["TENANT_SHARE", "Job", "WriteQueue"]
+
+#: The part of each of the queue's bounds one tenant's jobs may hold.
+TENANT_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,55 +37,81 @@ class Job:
 
 
 class WriteQueue:
-    """FIFO, thread-safe; :meth:`offer` never waits."""
+    """Thread-safe; :meth:`offer` never waits. FIFO per tenant, round-robin across them."""
 
     def __init__(self, max_entries: int, max_bytes: int) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._jobs: collections.deque[Job] = collections.deque()
-        self._bytes = 0
+        self.tenant_entries = max(1, int(max_entries * TENANT_SHARE))
+        self.tenant_bytes = max(1, int(max_bytes * TENANT_SHARE))
+        # tenant → its jobs; the dict's order is the round-robin's (a tenant served goes last)
+        self._jobs: dict[str, collections.deque[Job]] = {}
+        self._bytes: dict[str, int] = {}
+        self._count = 0
+        self._total = 0
         self._closed = False
         self._cond = threading.Condition()
 
     @property
     def entries(self) -> int:
-        return len(self._jobs)
+        return self._count
 
     @property
     def bytes(self) -> int:
-        return self._bytes
+        return self._total
 
     def offer(self, job: Job) -> bool:
-        """Queue ``job`` if it fits both bounds (and the queue is open); False otherwise."""
+        """Queue ``job`` if it fits both bounds and its tenant's share of them (and the
+        queue is open); False otherwise."""
+        t = job.tenant_id
         with self._cond:
+            mine = self._jobs.get(t)
+            held = 0 if mine is None else len(mine)
+            held_bytes = self._bytes.get(t, 0)
             if (
                 self._closed
-                or len(self._jobs) >= self.max_entries
-                or self._bytes + job.size > self.max_bytes
+                or self._count >= self.max_entries
+                or self._total + job.size > self.max_bytes
+                or held >= self.tenant_entries
+                or (held and held_bytes + job.size > self.tenant_bytes)
             ):
                 return False
-            self._jobs.append(job)
-            self._bytes += job.size
+            if mine is None:
+                mine = self._jobs[t] = collections.deque()
+            mine.append(job)
+            self._bytes[t] = held_bytes + job.size
+            self._count += 1
+            self._total += job.size
             self._cond.notify()
             return True
 
     def take(self, timeout: float) -> Job | None:
-        """The oldest job, waiting up to ``timeout`` s for one; None if none came (or closed)."""
+        """The next job (the oldest of the tenant whose turn it is), waiting up to
+        ``timeout`` s for one; None if none came (or closed)."""
         with self._cond:
-            if not self._jobs and not self._closed:
+            if not self._count and not self._closed:
                 self._cond.wait(timeout)
-            if not self._jobs:
+            if not self._count:
                 return None
-            job = self._jobs.popleft()
-            self._bytes -= job.size
+            tenant = next(iter(self._jobs))
+            mine = self._jobs.pop(tenant)
+            job = mine.popleft()
+            if mine:
+                self._jobs[tenant] = mine  # to the back of the round
+                self._bytes[tenant] -= job.size
+            else:
+                del self._bytes[tenant]
+            self._count -= 1
+            self._total -= job.size
             return job
 
     def close(self) -> list[Job]:
         """Refuse further jobs, wake the taker; returns the jobs left (not to be done)."""
         with self._cond:
             self._closed = True
-            left = list(self._jobs)
+            left = [job for jobs in self._jobs.values() for job in jobs]
             self._jobs.clear()
-            self._bytes = 0
+            self._bytes.clear()
+            self._count = self._total = 0
             self._cond.notify_all()
             return left

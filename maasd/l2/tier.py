@@ -16,6 +16,20 @@ value is counted and answered as "nothing". After ``l2_breaker_failures`` failur
 row the circuit breaker opens: for ``l2_breaker_backoff_s`` nothing asks L2 (lookups miss
 at once, writes are dropped), then the writer thread probes it with a PING (or the next
 request does), and the first success closes it again.
+
+Judged fairly (docs/scale-out.md, "Failure modes"): the breaker judges the service, not
+one tenant's traffic.
+
+* A store's timeout grows with its value: ``l2_timeout_s`` plus the value's bytes at
+  ``l2_min_bytes_per_s`` (64 MiB at 100 MiB/s: 0.74 s in all).
+* A failed call counts first against its tenant (:class:`~maasd.l2.breaker.TenantBreakers`:
+  after ``l2_breaker_failures`` in a row, that tenant's calls stop for a backoff), and
+  against the host only if a PING — small, on the base timeout — fails too.
+* The write-behind queue gives each tenant a bounded share, taken round-robin
+  (:mod:`maasd.l2.queue`).
+* Values over ``l2_max_value_bytes`` are not sent at all, and counted
+  (``maasd_l2_skipped_writes_total{reason="over_value_limit"}``; the limit is the gauge
+  ``maasd_l2_max_value_bytes``). Not chunked: docs/scale-out.md says why.
 """
 
 from __future__ import annotations
@@ -31,7 +45,7 @@ from prometheus_client import CollectorRegistry
 
 from maasd.errors import ConfigError
 from maasd.l2 import codec
-from maasd.l2.breaker import Breaker
+from maasd.l2.breaker import Breaker, TenantBreakers
 from maasd.l2.metrics import L2Metrics
 from maasd.l2.queue import Job, WriteQueue
 
@@ -69,12 +83,17 @@ class L2Tier:
     ) -> None:
         assert settings.l2_url is not None
         self._cap = settings.l2_tenant_bytes
+        #: what this daemon sends or reads back, at most (a value: header and entry)
+        self._max_value = min(settings.l2_max_value_bytes, settings.l2_tenant_bytes)
         self._ttl_ms = settings.l2_ttl_s * 1000
         self._timeout = settings.l2_timeout_s
+        self._rate = settings.l2_min_bytes_per_s
         self._source = source
         self.metrics = L2Metrics(registry)
+        self.metrics.max_value.set(settings.l2_max_value_bytes)
         self._skipped = self.metrics.lookups.labels(outcome="skipped")  # bound once: hot path
         self.breaker = Breaker(settings.l2_breaker_failures, settings.l2_breaker_backoff_s)
+        self.tenants = TenantBreakers(settings.l2_breaker_failures, settings.l2_breaker_backoff_s)
         self.queue = WriteQueue(settings.l2_queue_entries, settings.l2_queue_bytes)
         self.client = client or _connect(settings)
         #: errors of a call to L2 that count against it (redis-py's, the socket's)
@@ -91,19 +110,23 @@ class L2Tier:
     def fetch(self, tenant_id: str, keys: list[str]) -> Fetched | None:
         """The tenant's longest of ``keys`` that L2 holds, checked; None for anything else."""
         m = self.metrics
-        if not self.breaker.allow():
+        if not self.tenants.ready(tenant_id) or not self.breaker.allow():
+            self._skipped.inc()
+            return None
+        if not self.tenants.allow(tenant_id):
+            self.breaker.release()
             self._skipped.inc()
             return None
         started = time.perf_counter()
         try:
-            found = self.client.fetch(tenant_id, keys, max_bytes=self._cap)
+            found = self.client.fetch(tenant_id, keys, max_bytes=self._max_value)
         except self._errors as exc:
             m.seconds.labels(op="fetch").observe(time.perf_counter() - started)
-            self._failed("fetch", exc)
+            self._failed_for(tenant_id, "fetch", exc)
             m.lookups.labels(outcome="error").inc()
             return None
         m.seconds.labels(op="fetch").observe(time.perf_counter() - started)
-        self._succeeded()
+        self._succeeded(tenant_id)
         if found is None:
             m.lookups.labels(outcome="miss").inc()
             return None
@@ -128,7 +151,7 @@ class L2Tier:
                 "size", f"{value} bytes: more than this daemon reads back", keep=True
             )
         self.metrics.bytes_in.inc(len(value))
-        return codec.decode(value, tenant_id, key, self._cap)
+        return codec.decode(value, tenant_id, key, self._max_value)
 
     def skipped(self) -> None:
         """A local miss not asked of L2: the breaker is open (the broker's hot path)."""
@@ -141,9 +164,12 @@ class L2Tier:
     def write_behind(self, tenant_id: str, key: str, buffer_id: str, size: int) -> None:
         """Queue a committed entry for L2; dropped (and counted) when that cannot be done."""
         dropped = self.metrics.dropped
-        if codec.value_size(tenant_id, key, size) > self._cap:
+        value_size = codec.value_size(tenant_id, key, size)
+        if value_size > self._cap:
             dropped.labels(reason="too_large").inc()
-        elif not self.breaker.ready():
+        elif value_size > self._max_value:
+            self.metrics.skipped_writes.labels(reason="over_value_limit").inc()
+        elif not self.breaker.ready() or not self.tenants.ready(tenant_id):
             dropped.labels(reason="breaker_open").inc()
         elif not self.queue.offer(Job(tenant_id, key, buffer_id, size)):
             dropped.labels(reason="queue_full").inc()
@@ -182,29 +208,32 @@ class L2Tier:
 
     def _write(self, job: Job) -> None:
         dropped = self.metrics.dropped
-        if not self.breaker.allow():
+        t = job.tenant_id
+        if not self._allow(t):
             dropped.labels(reason="breaker_open").inc()
             return
-        head = codec.value_size(job.tenant_id, job.key, 0)
-        buf = self._source(job.buffer_id, job.tenant_id, job.key, head)
+        head = codec.value_size(t, job.key, 0)
+        buf = self._source(job.buffer_id, t, job.key, head)
         if buf is None:
             self.breaker.release()
+            self.tenants.release(t)
             dropped.labels(reason="gone").inc()
             return
-        value = codec.encode_into(buf, job.tenant_id, job.key)
+        value = codec.encode_into(buf, t, job.key)
+        timeout = self._timeout + len(value) / self._rate
         started = time.perf_counter()
         try:
             evicted = self.client.store(
-                job.tenant_id, job.key, value, cap=self._cap, ttl_ms=self._ttl_ms
+                t, job.key, value, cap=self._cap, ttl_ms=self._ttl_ms, timeout_s=timeout
             )
         except self._errors as exc:
             self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
-            self._failed("store", exc)
+            self._failed_for(t, "store", exc, timeout)
             self.metrics.writes.labels(outcome="error").inc()
             dropped.labels(reason="error").inc()
             return
         self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
-        self._succeeded()
+        self._succeeded(t)
         if evicted < 0:
             dropped.labels(reason="too_large").inc()
             return
@@ -235,6 +264,36 @@ class L2Tier:
 
     # -- bookkeeping ---------------------------------------------------------------------------
 
+    def _allow(self, tenant_id: str) -> bool:
+        """The rights to call L2 for this tenant now: the host's breaker's, then its own."""
+        if not self.breaker.allow():
+            return False
+        if not self.tenants.allow(tenant_id):
+            self.breaker.release()
+            return False
+        return True
+
+    def _failed_for(
+        self, tenant_id: str, op: str, exc: BaseException, timeout_s: float | None = None
+    ) -> None:
+        """A call of ``tenant_id``'s failed: its own breaker counts it; the host's only if
+        a PING fails too — else the service is fine and the failure was this tenant's
+        traffic (a value too large for its timeout, say). The PING may take as long as
+        the failed call could (``timeout_s``): queued behind a large value in Redis, it
+        says "busy", not "dead", and the next job waits for that value to be done."""
+        if self.tenants.failure(tenant_id):
+            self.metrics.tenant_breaker_trips.inc()
+            logger.warning(
+                "L2 failing for one tenant: its L2 calls pause, the others' go on",
+                extra={"op": op, "tenant": tenant_id, "error": type(exc).__name__},
+            )
+        try:
+            self.client.ping(timeout_s)
+        except self._errors:
+            self._failed(op, exc)
+        else:
+            self._host_ok()
+
     def _failed(self, op: str, exc: BaseException) -> None:
         was_closed = self.breaker.closed
         self.breaker.failure()
@@ -247,7 +306,12 @@ class L2Tier:
             )
         logger.debug("L2 %s failed: %s", op, exc)
 
-    def _succeeded(self) -> None:
+    def _succeeded(self, tenant_id: str | None = None) -> None:
+        if tenant_id is not None:
+            self.tenants.success(tenant_id)
+        self._host_ok()
+
+    def _host_ok(self) -> None:
         if not self.breaker.closed:
             logger.info("L2 reachable again: circuit breaker closed")
         self.breaker.success()

@@ -51,8 +51,9 @@ from sqlalchemy import BigInteger, Connection, cast, func
 from sqlalchemy.engine import Engine
 
 from maasd.errors import LedgerUnavailable
+from maasd.store.circuit import LedgerCircuit
 
-__all__ = ["Connections", "ledger_errors", "must_last", "used", "violation"]
+__all__ = ["Connections", "is_outage", "ledger_errors", "must_last", "used", "violation"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,19 @@ _UNAVAILABLE_WORDS = (
     ("unable to open database", "the database file cannot be opened"),
     ("connection", "the database cannot be reached"),
     ("server closed", "the database closed the connection"),
+    ("statement timeout", "a statement ran past the statement timeout"),
+)
+#: Of those reasons, the ones that mean the database is gone (an outage: the circuit
+#: opens, :mod:`maasd.store.circuit`), not busy or full (contention: it stays closed).
+_OUTAGES = frozenset(
+    {
+        "the connection to the database was lost",
+        "the database cannot serve now",
+        "a disk I/O error",
+        "the database file cannot be opened",
+        "the database cannot be reached",
+        "the database closed the connection",
+    }
 )
 
 
@@ -80,6 +94,12 @@ def unavailable(exc: BaseException) -> str | None:
     if exc.connection_invalidated:
         return "the connection to the database was lost"
     sqlstate = getattr(exc.orig, "sqlstate", None) or ""
+    if sqlstate == "57014":  # query_canceled: the statement timeout
+        return "a statement ran past the statement timeout"
+    if sqlstate[:2] == "53":
+        return "the database is out of resources"
+    if sqlstate[:2] == "40":  # serialization failure, deadlock: rolled back, retry
+        return "the transaction met a concurrent one and was rolled back"
     if sqlstate[:2] in _UNAVAILABLE_SQLSTATES:
         return "the database cannot serve now"
     if isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError)):
@@ -88,11 +108,17 @@ def unavailable(exc: BaseException) -> str | None:
     return None
 
 
+def is_outage(why: str) -> bool:
+    """Whether :func:`unavailable`'s reason means the database is gone (not busy or full)."""
+    return why in _OUTAGES
+
+
 @contextlib.contextmanager
-def ledger_errors() -> Iterator[None]:
+def ledger_errors(circuit: LedgerCircuit | None = None) -> Iterator[None]:
     """Turn "the database cannot serve now" into :class:`LedgerUnavailable` (507, retry):
     the caller's request changed nothing. The database's own words go to the log only —
-    they can name its host, which a tenant has no business learning."""
+    they can name its host, which a tenant has no business learning. An outage opens
+    ``circuit``: later calls fail at once until its probe finds the database again."""
     try:
         yield
     except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
@@ -100,6 +126,8 @@ def ledger_errors() -> Iterator[None]:
         if why is None:
             raise
         logger.warning("ledger unavailable: %s", exc.__class__.__name__, exc_info=True)
+        if circuit is not None and is_outage(why):
+            circuit.trip(why)
         raise LedgerUnavailable(f"the ledger database cannot serve now ({why}); retry") from exc
 
 
@@ -158,26 +186,31 @@ class Connections:
     _wlock: AbstractContextManager[Any]
     #: PostgreSQL (row locks, several daemons) rather than SQLite (one writer).
     is_postgres: bool
+    #: Open while the database is known to be down: every call fails at once.
+    circuit: LedgerCircuit
 
     @contextlib.contextmanager
     def _writing(self, *, durable: bool = True) -> Iterator[Connection]:
         """A write transaction, committed when the block ends without an exception;
         ``durable=False``: without waiting for the disk (see the module docstring)."""
         engine = self._write if durable else self._write_lax
-        with ledger_errors(), self._wlock, engine.begin() as conn:
+        self.circuit.check()
+        with ledger_errors(self.circuit), self._wlock, engine.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
     def _single_statement(self, *, durable: bool = True) -> Iterator[Connection]:
         """A connection for one write statement (its own transaction)."""
         engine = self._single if durable else self._single_lax
-        with ledger_errors(), self._wlock, engine.begin() as conn:
+        self.circuit.check()
+        with ledger_errors(self.circuit), self._wlock, engine.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
         """A connection for reads (no BEGIN on SQLite, autocommit on PostgreSQL)."""
-        with ledger_errors(), self._read.connect() as conn:
+        self.circuit.check()
+        with ledger_errors(self.circuit), self._read.connect() as conn:
             yield conn
 
     # Rows are typed Any: each becomes a record positionally, which mypy cannot check.

@@ -53,6 +53,7 @@ __all__ = [
     "create_engine",
     "migrations_dir",
     "normalize_url",
+    "pg_liveness",
 ]
 
 #: How long a SQLite writer waits for the write lock before giving up.
@@ -145,6 +146,8 @@ def create_engine(
     max_overflow: int = 32,
     pool_timeout: float = 30.0,
     echo: bool = False,
+    connect_timeout_s: float = 3.0,
+    statement_timeout_s: float = 10.0,
 ) -> Engine:
     """A synchronous engine for ``url`` (see :func:`normalize_url`), set up for the ledger.
 
@@ -153,6 +156,12 @@ def create_engine(
     unless its connection carries the execution option ``maasd_begin="none"``.
     On SQLite, a transaction whose connection carries ``maasd_durable=False`` commits
     without waiting for the disk (see the module docstring).
+
+    On PostgreSQL every wait is bounded (docs/scale-out.md, "Failure modes"): a connect
+    by ``connect_timeout_s``, a statement by ``statement_timeout_s`` (the server cancels
+    it), and a server that vanished without a word by TCP keepalives and
+    ``tcp_user_timeout`` (unacknowledged data), so that a ledger call on a dead network
+    fails within seconds, not after the kernel's minutes.
     """
     u = normalize_url(url)
     kwargs: dict[str, Any] = {
@@ -162,7 +171,7 @@ def create_engine(
         "echo": echo,
     }
     if u.get_backend_name() == "postgresql":
-        kwargs["connect_args"] = {"application_name": "maasd"}
+        kwargs["connect_args"] = pg_liveness(connect_timeout_s, statement_timeout_s)
         kwargs["pool_recycle"] = 3600
         return sa.create_engine(u, **kwargs)
 
@@ -189,6 +198,25 @@ def create_engine(
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def pg_liveness(connect_timeout_s: float, statement_timeout_s: float) -> dict[str, Any]:
+    """libpq options that bound every wait on a PostgreSQL ledger (see :func:`create_engine`).
+
+    >>> pg_liveness(3, 10)["options"]
+    '-c statement_timeout=10000'
+    """
+    statement_ms = max(1, round(statement_timeout_s * 1000))
+    return {
+        "application_name": "maasd",
+        "connect_timeout": max(1, round(connect_timeout_s)),  # libpq: whole seconds, ≥ 1
+        "options": f"-c statement_timeout={statement_ms}",
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 2,
+        "tcp_user_timeout": statement_ms + 1000,
+    }
 
 
 def _set_synchronous(conn: sa.Connection, level: str) -> None:

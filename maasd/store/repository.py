@@ -29,6 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
 from maasd.store.buffers import BufferRepo, ReserveRepo
+from maasd.store.circuit import LedgerCircuit
 from maasd.store.engine import DURABLE, alembic_config, create_engine, normalize_url
 from maasd.store.events import EventRepo
 from maasd.store.hosts import HostRepo
@@ -40,6 +41,9 @@ __all__ = ["Store"]
 
 #: Arbitrary, fixed: the PostgreSQL advisory lock that serialises migrations.
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
+#: What the circuit's probe reads: a table every migrated ledger has, so a SQLite file
+#: that cannot be read fails it (a bare ``SELECT 1`` would not touch the file).
+_PROBE = sa.text("SELECT 1 FROM alembic_version")
 
 
 class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
@@ -63,10 +67,19 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         pool_size: int = 16,
         max_overflow: int = 64,
         echo: bool = False,
+        connect_timeout_s: float = 3.0,
+        statement_timeout_s: float = 10.0,
     ) -> None:
         self.url: URL = normalize_url(url)
         self.engine: Engine = create_engine(
-            self.url, pool_size=pool_size, max_overflow=max_overflow, echo=echo
+            self.url,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            echo=echo,
+            # a request waits for a free connection no longer than for a new one
+            pool_timeout=max(1.0, connect_timeout_s),
+            connect_timeout_s=connect_timeout_s,
+            statement_timeout_s=statement_timeout_s,
         )
         self.dialect: str = self.engine.dialect.name
         self.is_postgres: bool = self.dialect == "postgresql"
@@ -90,6 +103,13 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         # poll with growing sleeps (up to 100 ms), which is what made the reserve p99
         # long under load. Other processes (migrations, tools) still meet the timeout.
         self._wlock = nullcontext() if self.is_postgres else threading.RLock()
+        #: Open while the database is known to be down (:mod:`maasd.store.circuit`).
+        self.circuit = LedgerCircuit(self._probe)
+
+    def _probe(self) -> None:
+        """One read that needs the database itself (a file read, a server round trip)."""
+        with self._read.connect() as conn:
+            conn.execute(_PROBE).first()
 
     def __repr__(self) -> str:
         return f"Store({self.url.render_as_string(hide_password=True)!r})"
@@ -105,6 +125,8 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
 
         with self._write.begin() as conn:
             if self.is_postgres:
+                # A migration may take longer than any request's statement may.
+                conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
                 conn.execute(
                     sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID}
                 )
@@ -125,4 +147,5 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
 
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""
+        self.circuit.close()
         self.engine.dispose()

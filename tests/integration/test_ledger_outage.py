@@ -12,6 +12,7 @@ import contextlib
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,10 +33,12 @@ pytestmark = [
 
 class Proxy:
     """A TCP proxy on loopback to ``upstream``; :meth:`cut` drops every connection and
-    refuses new ones until :meth:`resume`."""
+    refuses new ones until :meth:`resume`. ``delay_s``: each chunk it forwards, either
+    way, waits this long first (a slow ledger: every round trip twice that longer)."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
+        self.delay_s = 0.0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.open = threading.Event()
@@ -66,6 +69,8 @@ class Proxy:
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                if self.delay_s:
+                    time.sleep(self.delay_s)
                 dst.sendall(data)
         except OSError:
             pass

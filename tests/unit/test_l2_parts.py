@@ -131,10 +131,10 @@ def test_the_breaker_refuses_nonsense() -> None:
 def test_the_queue_is_bounded_in_entries_and_bytes_and_never_waits() -> None:
     q = WriteQueue(max_entries=3, max_bytes=100)
     assert q.offer(Job("t", "a", "b1", 40))
-    assert q.offer(Job("t", "b", "b2", 40))
-    assert not q.offer(Job("t", "c", "b3", 40))  # 120 bytes > 100
-    assert q.offer(Job("t", "c", "b3", 20))
-    assert not q.offer(Job("t", "d", "b4", 0))  # 4 entries > 3
+    assert q.offer(Job("u", "b", "b2", 40))
+    assert not q.offer(Job("v", "c", "b3", 40))  # 120 bytes > 100
+    assert q.offer(Job("v", "c", "b3", 20))
+    assert not q.offer(Job("w", "d", "b4", 0))  # 4 entries > 3
     assert (q.entries, q.bytes) == (3, 100)
     first = q.take(0)
     assert first is not None
@@ -147,6 +147,74 @@ def test_the_queue_is_bounded_in_entries_and_bytes_and_never_waits() -> None:
     assert [j.key for j in q.close()] == ["e"]
     assert not q.offer(Job("t", "f", "b6", 1))  # closed
     assert q.take(0) is None
+
+
+def test_a_tenant_holds_at_most_its_share_and_the_others_are_served_in_turn() -> None:
+    q = WriteQueue(max_entries=8, max_bytes=1000)
+    assert q.offer(Job("flood", "f0", "x", 400))  # a first job fits whatever its size
+    assert q.offer(Job("flood", "f1", "x", 100))  # 500: half of the bytes
+    assert not q.offer(Job("flood", "f2", "x", 1))  # past its share of the bytes
+    assert q.offer(Job("small", "s0", "x", 10))  # another's still fits
+    assert q.offer(Job("small", "s1", "x", 10))
+    order = [job.key for job in iter(lambda: q.take(0), None)]
+    assert order == ["f0", "s0", "f1", "s1"]  # round-robin, FIFO within a tenant
+    for i in range(4):
+        assert q.offer(Job("many", f"m{i}", "x", 1))
+    assert not q.offer(Job("many", "m4", "x", 1))  # half of the entries
+    assert q.offer(Job("other", "o", "x", 1))
+
+
+def test_a_tenant_failing_alone_pauses_only_itself() -> None:
+    t, fake, reg = tier(l2_breaker_failures=2, l2_breaker_backoff_s=60)
+    fake.values[("b", "k")] = encode("b", "k", b"y" * 100)
+    failing = {"a"}
+    real_fetch = fake.fetch
+
+    def fetch(tenant_id: str, keys: list[str], *, max_bytes: int):
+        if tenant_id in failing:  # this tenant's calls time out; PING answers
+            raise ConnectionError("its value did not move in time")
+        return real_fetch(tenant_id, keys, max_bytes=max_bytes)
+
+    fake.fetch = fetch
+    assert t.fetch("a", ["k"]) is None
+    assert t.fetch("a", ["k"]) is None  # a's breaker opens; the host's does not
+    assert sample(reg, "maasd_l2_breaker_open") == 0
+    assert sample(reg, "maasd_l2_tenant_breaker_trips_total") == 1
+    assert t.ready()
+    calls = fake.calls
+    assert t.fetch("a", ["k"]) is None  # not asked: a is paused
+    assert fake.calls == calls
+    assert sample(reg, "maasd_l2_lookups_total", outcome="skipped") == 1
+    hit = t.fetch("b", ["k"])  # b is served
+    assert hit is not None
+    assert bytes(hit.data) == b"y" * 100
+    t.write_behind("a", "k2", "b1", 4096)  # a's writes are dropped, b's queued
+    t.write_behind("b", "k2", "b2", 4096)
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="breaker_open") == 1
+    assert t.queue.entries == 1
+
+
+def test_values_over_the_limit_are_skipped_and_counted() -> None:
+    t, _fake, reg = tier(l2_max_value_bytes=1 << 20)
+    assert sample(reg, "maasd_l2_max_value_bytes") == 1 << 20
+    t.write_behind("t", "big", "b1", 1 << 20)  # with its header: over the limit
+    t.write_behind("t", "small", "b2", 4096)
+    assert sample(reg, "maasd_l2_skipped_writes_total", reason="over_value_limit") == 1
+    assert t.queue.entries == 1
+
+
+def test_a_store_gets_a_timeout_that_grows_with_its_value() -> None:
+    data = secrets.token_bytes(1 << 20)
+    t, fake, _reg = tier(
+        lambda *a: bytearray(a[3]) + data,
+        l2_timeout_s=0.1,
+        l2_min_bytes_per_s=1 << 20,
+    )
+    t._write(Job("t", "k", "b1", len(data)))
+    assert len(fake.timeouts) == 1  # the store's (no PING: it succeeded)
+    timeout = fake.timeouts[0]
+    assert timeout is not None
+    assert 1.1 < timeout < 1.2  # 0.1 s, and 1 MiB (and its header) at 1 MiB/s
 
 
 # ---------------------------------------------------------------------------- redaction
@@ -189,6 +257,7 @@ class FakeL2:
         self.down = False
         self.calls = 0
         self.forgotten: list[str] = []
+        self.timeouts: list[float | None] = []
 
     def _call(self) -> None:
         self.calls += 1
@@ -205,8 +274,18 @@ class FakeL2:
                 return key, (value if len(value) <= max_bytes else len(value))
         return None
 
-    def store(self, tenant_id: str, key: str, value: memoryview, *, cap: int, ttl_ms: int) -> int:
+    def store(
+        self,
+        tenant_id: str,
+        key: str,
+        value: memoryview,
+        *,
+        cap: int,
+        ttl_ms: int,
+        timeout_s: float | None = None,
+    ) -> int:
         self._call()
+        self.timeouts.append(timeout_s)
         assert ttl_ms > 0
         if len(value) > cap:
             return -1
@@ -218,8 +297,9 @@ class FakeL2:
         self.values.pop((tenant_id, key), None)
         self.forgotten.append(key)
 
-    def ping(self) -> None:
+    def ping(self, timeout_s: float | None = None) -> None:
         self._call()
+        self.timeouts.append(timeout_s)
 
     def close(self) -> None:
         pass
@@ -261,10 +341,10 @@ def test_the_tier_counts_failures_then_stops_asking() -> None:
 
 
 def test_a_full_queue_drops_and_counts() -> None:
-    t, _fake, reg = tier(l2_queue_entries=2)
+    t, _fake, reg = tier(l2_queue_entries=4)
     for i in range(5):
         t.write_behind("t", f"k{i}", f"b{i}", 4096)
-    assert t.queue.entries == 2
+    assert t.queue.entries == 2  # one tenant: its share, half of the queue
     assert sample(reg, "maasd_l2_dropped_writes_total", reason="queue_full") == 3
     t.write_behind("t", "huge", "b9", 2 << 30)  # more than the tenant's L2 cap
     assert sample(reg, "maasd_l2_dropped_writes_total", reason="too_large") == 1

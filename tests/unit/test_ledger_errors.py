@@ -40,3 +40,26 @@ def test_ledger_errors_turns_an_outage_into_a_507_and_lets_the_rest_through() ->
         raise sa.exc.OperationalError("SELECT", {}, Exception("no such table: x"))
     with pytest.raises(LedgerUnavailable, match="pool is exhausted"), ledger_errors():
         raise sa.exc.TimeoutError("QueuePool limit reached")
+
+
+class _PgError(Exception):
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "words"),
+    [
+        ("40P01", "rolled back"),  # deadlock detected: a retry, not a bug
+        ("40001", "rolled back"),
+        ("57014", "statement timeout"),
+        ("53300", "out of resources"),
+        ("08006", "cannot serve"),
+    ],
+)
+def test_postgresql_states_that_mean_retry(sqlstate: str, words: str) -> None:
+    exc = sa.exc.OperationalError("UPDATE", {}, _PgError(sqlstate))
+    why = unavailable(exc)
+    assert why is not None
+    assert words in why

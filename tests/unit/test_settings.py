@@ -314,3 +314,18 @@ class TestSizes:
         with pytest.raises(ConfigError) as info:
             load(flags={"config": path}, env={})
         assert info.value.detail.startswith(f"{path}: pools[0].capacity_bytes: '8 gigs'")
+
+
+def test_the_ledger_and_l2_bounds_are_checked_at_load() -> None:
+    s = load(env={"MAASD_DB_CONNECT_TIMEOUT_S": "1.5", "MAASD_L2_MAX_VALUE_BYTES": "64MiB"})
+    assert (s.db_connect_timeout_s, s.db_statement_timeout_s) == (1.5, 10.0)
+    assert s.l2_max_value_bytes == 64 << 20
+    assert s.l2_min_bytes_per_s == 100 << 20
+    for env in (
+        {"MAASD_DB_CONNECT_TIMEOUT_S": "0"},
+        {"MAASD_DB_STATEMENT_TIMEOUT_S": "-1"},
+        {"MAASD_L2_MAX_VALUE_BYTES": "0"},
+        {"MAASD_L2_MIN_BYTES_PER_S": "0"},
+    ):
+        with pytest.raises(ConfigError):
+            load(env=env)

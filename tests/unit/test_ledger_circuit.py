@@ -1,0 +1,150 @@
+"""The ledger's circuit, the keys taken through an outage, and the last-known answers.
+
+Real SQLite ledgers; the outage is the circuit opened with a probe that fails (a
+PostgreSQL one is in tests/integration/test_ledger_outage_dataplane.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from maasd.core.auth import Auth
+from maasd.core.stale import LastKnown
+from maasd.errors import LedgerUnavailable, Unauthorized
+from maasd.settings import Settings
+from maasd.store import Store
+from maasd.store.base import ledger_errors
+from maasd.store.circuit import LedgerCircuit
+from maasd.tenancy import keys
+from waiting import wait_until
+
+
+class Probe:
+    """A probe that fails until told to succeed; counts its calls."""
+
+    def __init__(self) -> None:
+        self.up = threading.Event()
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+        if not self.up.is_set():
+            raise sa.exc.OperationalError("SELECT 1", {}, Exception("connection refused"))
+
+
+def test_an_outage_opens_the_circuit_and_its_probe_closes_it() -> None:
+    probe = Probe()
+    circuit = LedgerCircuit(probe, max_backoff_s=0.2)
+    ups: list[float | None] = []
+    circuit.on_up(lambda: ups.append(circuit.down_since))
+    try:
+        circuit.check()  # closed: nothing raised
+        with pytest.raises(LedgerUnavailable), ledger_errors(circuit):
+            raise sa.exc.OperationalError("SELECT", {}, Exception("connection refused"))
+        assert circuit.down_since is not None
+        with pytest.raises(LedgerUnavailable, match="cannot be reached"):
+            circuit.check()  # at once, without the database
+        wait_until(lambda: probe.calls >= 2, message="probed in the background")
+        assert circuit.down_since is not None
+        assert ups == []
+        probe.up.set()
+        wait_until(lambda: circuit.down_since is None, message="closed by the probe")
+        assert ups == [None]  # told once, after it closed
+        circuit.check()
+        assert circuit.opened == 1
+    finally:
+        circuit.close()
+
+
+@pytest.mark.parametrize(
+    "words", ["database is locked", "database or disk is full", "no such table: x"]
+)
+def test_contention_and_bugs_leave_the_circuit_closed(words: str) -> None:
+    circuit = LedgerCircuit(Probe())
+    with pytest.raises((LedgerUnavailable, sa.exc.OperationalError)), ledger_errors(circuit):
+        raise sa.exc.OperationalError("BEGIN", {}, Exception(words))
+    with pytest.raises(LedgerUnavailable), ledger_errors(circuit):
+        raise sa.exc.TimeoutError("QueuePool limit reached")
+    assert circuit.down_since is None
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    s = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    s.upgrade()
+    yield s
+    s.dispose()
+
+
+def _down(store: Store) -> Probe:
+    """Open the store's circuit with a probe that fails until the test says."""
+    probe = Probe()
+    store.circuit = LedgerCircuit(probe, max_backoff_s=0.2)
+    store.circuit.trip("the database cannot be reached")
+    return probe
+
+
+def test_an_open_circuit_fails_every_ledger_call_at_once(store: Store) -> None:
+    store.add_tenant(keys.new_id(), "t", 1 << 20, time.time())
+    probe = _down(store)
+    for call in (store.tenants, lambda: store.add_tenant(keys.new_id(), "u", 1, time.time())):
+        with pytest.raises(LedgerUnavailable):
+            call()
+    probe.up.set()
+    wait_until(lambda: store.circuit.down_since is None)
+    assert [t.name for t in store.tenants()] == ["t"]  # nothing was written meanwhile
+
+
+def test_keys_through_an_outage(store: Store, tmp_path: Path) -> None:
+    tenant = keys.new_id()
+    store.add_tenant(tenant, "t", 1 << 20, time.time())
+    tokens = [keys.new_token() for _ in range(3)]
+    for token in tokens:
+        store.add_key(keys.new_id(), tenant, keys.digest(token), time.time())
+    auth = Auth(Settings(data_dir=str(tmp_path)), store)
+    checked = auth.authenticate(tokens[0])
+    auth.authenticate(tokens[2])
+    auth.forget_keys()  # a revocation heard of: what was checked before must be checked again
+    auth.authenticate(tokens[2])
+    auth._set_trusted(False)  # the listener lost (PostgreSQL): the cache no longer answers
+    probe = _down(store)
+
+    assert auth.authenticate(tokens[2]).tenant_id == tenant  # checked since: taken
+    with pytest.raises(LedgerUnavailable):
+        auth.authenticate(tokens[0])  # checked before the revocation: not without the ledger
+    with pytest.raises(LedgerUnavailable):
+        auth.authenticate(tokens[1])  # never checked here
+    with pytest.raises(LedgerUnavailable):
+        auth.authenticate("maasd_nope")  # unknown or revoked: only the ledger can say
+
+    probe.up.set()
+    wait_until(lambda: store.circuit.down_since is None)
+    auth._set_trusted(True)  # the listener back: every key is checked against the ledger
+    assert auth._known == {}
+    assert auth.authenticate(tokens[0]) == checked
+    with pytest.raises(Unauthorized):
+        auth.authenticate("maasd_nope")
+
+
+def test_last_known_answers_while_the_ledger_is_down() -> None:
+    now = [100.0]
+    known: LastKnown[int] = LastKnown(clock=lambda: now[0])
+    value = [1]
+
+    def read() -> int:
+        if value[0] < 0:
+            raise LedgerUnavailable("down")
+        return value[0]
+
+    fresh = known.answer("q", read)
+    assert (fresh.value, fresh.stale_since) == (1, None)
+    value[0], now[0] = -1, 200.0
+    stale = known.answer("q", read)
+    assert (stale.value, stale.stale_since) == (1, 100.0)  # as of when it was read
+    with pytest.raises(LedgerUnavailable):
+        known.answer("never asked", read)
