@@ -8,8 +8,12 @@ in bytes and in idle time. The daemon counts one attachment per connection and
 entry however often it is looked up, so the cache detaches an entry once, when it
 unmaps it.
 
-An entry the daemon released (evicted, expired) reads zeros through a mapping kept
-here. Every lookup still asks the daemon, so a released entry is not found again:
+An entry the daemon released (evicted, expired, deleted) reads zeros and, while mapped
+here, still counts in the tenant's quota (its pages cannot be freed while anyone maps
+them). The daemon says so with a pushed ``released`` frame, which the worker handles
+before its next call returns (also while it waits for another answer): the mapping is
+dropped at once (unmapped, fd closed), or when its user gives it back. Every lookup
+still asks the daemon, so a released entry is not found again:
 a miss drops the cached mappings of the keys asked for, and a hit drops one cached
 under the same key with another id (the key was published again). An entry released
 between a lookup and its read fails the reader's header check, and
@@ -60,6 +64,8 @@ class Slot:
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
     forgotten: bool = False
+    #: the daemon said it was released: dropped without a detach (it owes none)
+    released: bool = False
 
     @property
     def buffer_id(self) -> str:
@@ -180,6 +186,15 @@ class MappingCache:
             slot = self._slots.get(buffer_id)
             if slot is not None:
                 slot.forgotten = True
+            return self._trim()
+
+    def released(self, buffer_id: str) -> list[Slot]:
+        """The daemon released ``buffer_id`` (a pushed ``released`` frame): dropped now if
+        idle, else when its last user gives it back; no detach is owed for it."""
+        with self._lock:
+            slot = self._slots.get(buffer_id)
+            if slot is not None:
+                slot.forgotten = slot.released = True
             return self._trim()
 
     def forget_keys(self, keys: list[str], keep: str | None = None) -> list[Slot]:

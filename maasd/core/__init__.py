@@ -221,6 +221,11 @@ class Service:
         """Call ``callback()`` right after every key revocation (the broker wakes with it)."""
         self._auth.watch_revocations(callback)
 
+    def watch_releases(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(buffer_id)`` when a committed entry some process still holds is
+        released (the broker tells the connections holding it)."""
+        self.runtime.holders.listen(callback)
+
     require_admin = staticmethod(require_admin)
     require_tenant = staticmethod(require_tenant)
 

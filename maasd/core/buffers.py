@@ -20,7 +20,7 @@ import msgspec
 
 from maasd.allocator import Region
 from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
-from maasd.core import placement
+from maasd.core import placement, room
 from maasd.core.auth import require_tenant
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.limits import RegionBudget, kernel_refusal
@@ -148,11 +148,11 @@ class Buffers:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
                 # before the ledger is asked: a region is one of each.
                 with self._budget.admit():
-                    victims = self._store.begin_reserve(
-                        row, uses=uses, leases=extended, durable=must_last(row.persistence)
-                    )
-                    uses, extended = {}, {}  # written by the admitting transaction
-                    region = self._create(row, live, victims, frozen=frozen)
+                    # victims released; only bytes that really came free make room
+                    row = room.admit(
+                        self._store, self._runtime, self._releaser, row, uses=uses, leases=extended
+                    )  # uses and leases: written by the admitting transaction
+                    region = self._create(row, live, frozen=frozen)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
@@ -165,13 +165,9 @@ class Buffers:
         assert last_error is not None
         raise last_error
 
-    def _create(
-        self, row: BufferRow, live: LivePool, victims: list[BufferRow], *, frozen: bool
-    ) -> Region:
-        """``row`` is admitted: its victims scrubbed, then its region made. A failure
-        finishes the row (``reserve_failed``) and says which limit the kernel met."""
-        for victim in victims:
-            self._releaser.evict(victim)
+    def _create(self, row: BufferRow, live: LivePool, *, frozen: bool) -> Region:
+        """``row`` is admitted (its victims gone): its region made. A failure finishes
+        the row (``reserve_failed``) and says which limit the kernel met."""
         try:
             return live.pool.reserve(
                 row.size_bytes,
