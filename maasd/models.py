@@ -120,6 +120,9 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     prefault: bool
     scrub: ScrubMode
     buffers: int = 0
+    #: Of ``used_bytes``: released entries some process still holds open (resident,
+    #: zeroed, counted until every fd and mapping of them is gone).
+    held_bytes: int = 0
     #: Bytes in the pool's warm stock now (part of the capacity, no tenant's use).
     warm_bytes: int = 0
     #: The warm stock's budget (POST /v1/pools ``warm_bytes``); 0 = none.
@@ -160,6 +163,8 @@ class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
     buffers: int
     created_at: str
     max_buffers: int
+    #: Of ``used_bytes``: released entries some process still holds open (this host's).
+    held_bytes: int = 0
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -187,6 +192,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     buffers: int
     max_buffers: int
+    #: Of ``used_bytes``: released entries some process still holds open — a kept fd or
+    #: mapping, a child's, one passed on; they count until every one of them is gone.
+    held_bytes: int = 0
 
 
 class BufferInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -188,14 +188,19 @@ class MappingCache:
                 slot.forgotten = True
             return self._trim()
 
-    def released(self, buffer_id: str) -> list[Slot]:
-        """The daemon released ``buffer_id`` (a pushed ``released`` frame): dropped now if
-        idle, else when its last user gives it back; no detach is owed for it."""
+    def released(self, buffer_id: str) -> None:
+        """The daemon released ``buffer_id`` (a pushed ``released`` frame): unmapped and
+        closed now if idle, else when its last user gives it back; no detach is owed for
+        it (the worker's channel calls this while it reads: it makes no request)."""
         with self._lock:
             slot = self._slots.get(buffer_id)
-            if slot is not None:
-                slot.forgotten = slot.released = True
-            return self._trim()
+            if slot is None:
+                return
+            slot.forgotten = slot.released = True
+            if slot.users:
+                return
+            del self._slots[buffer_id]
+        slot.mapping._close_local()
 
     def forget_keys(self, keys: list[str], keep: str | None = None) -> list[Slot]:
         """Drop the slots cached under any of ``keys`` (but ``keep``, a buffer id): the

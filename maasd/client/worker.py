@@ -175,9 +175,8 @@ class Worker:
     ``ttl_s`` is the lease the background thread renews attached buffers to,
     every ``renew_interval_s`` seconds (default ``ttl_s / 3``; ``0`` disables
     renewal). ``timeout`` bounds each request/response on the socket.
-    ``cache_bytes`` and ``cache_age_s`` bound the mapping cache of looked-up
-    entries: idle mappings beyond that many bytes, or idle for longer, are unmapped
-    (and detached).
+    ``cache_bytes`` and ``cache_age_s`` bound the mapping cache of looked-up entries:
+    idle mappings beyond that many bytes, or idle for longer, are unmapped (detached).
     """
 
     def __init__(
@@ -203,7 +202,7 @@ class Worker:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._channel = Channel(self.socket_path, timeout)
-        self._channel.on_released = self._released
+        self._channel.on_released = self.cache.released  # unmapped at once
         reply = self._channel.hello(api_key)
         self.tenant_id: str | None = reply.tenant_id
         #: This process's pid as the daemon recorded it (SO_PEERCRED).
@@ -439,17 +438,10 @@ class Worker:
         self._drop(self.cache.checkin(slot))
 
     def _drop(self, slots: list[Slot]) -> None:
-        """Unmap entry mappings the cache let go of, and detach each (one handle each)
-        unless the daemon released it (it dropped the handle itself)."""
+        """Unmap what the cache let go of; detach each unless the daemon released it."""
         for slot in slots:
             slot.mapping._close_local()
             self._detach_quietly(slot.buffer_id, not slot.released)
-
-    def _released(self, buffer_id: str) -> None:
-        """The daemon pushed ``released``: drop the cached mapping now (under the channel's
-        lock: no request from here; a released slot owes no detach)."""
-        for slot in self.cache.released(buffer_id):
-            slot.mapping._close_local()
 
     def _sweep(self, force: bool = False) -> None:
         """Age idle entry mappings out (at most every SWEEP_INTERVAL_S unless ``force``)."""

@@ -36,6 +36,7 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Container
 
 from maasd.allocator import Warmer
@@ -125,6 +126,7 @@ class Service:
             self._auth,
             releaser,
             settings.max_buffers_per_tenant,
+            held=functools.partial(self.runtime.holders.held_bytes_by, "tenant_id"),
             host=settings.node_name,
             remote_wait_s=3 * settings.reaper_interval_s,
         )
@@ -166,8 +168,9 @@ class Service:
                 self.runtime.released_attached, lambda: (self.budget.held(), self.budget.budget)
             )
         )
+        r = self.runtime
         self.metrics.attach_entries(
-            EntryCollector(self.runtime.entry_stats, self.runtime.released_entry_bytes)
+            EntryCollector(r.entry_stats, r.released_entry_bytes, r.holders.held_by)
         )
 
     @property
@@ -222,8 +225,7 @@ class Service:
         self._auth.watch_revocations(callback)
 
     def watch_releases(self, callback: Callable[[str], None]) -> None:
-        """Call ``callback(buffer_id)`` when a committed entry some process still holds is
-        released (the broker tells the connections holding it)."""
+        """Call ``callback(buffer_id)`` when an entry someone holds is released (broker)."""
         self.runtime.holders.listen(callback)
 
     require_admin = staticmethod(require_admin)

@@ -53,7 +53,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from maasd.allocator import Region
 from maasd.errors import ResourceLimit
@@ -335,6 +335,14 @@ class Holders:
         """Every released entry others still hold, with its tenant, pool and size."""
         with self._lock:
             return self._counts.held_by()
+
+    def held_bytes_by(self, what: Literal["tenant_id", "pool_id"]) -> dict[str, int]:
+        """Bytes of released entries others still hold, per tenant or per pool."""
+        totals: dict[str, int] = {}
+        for h in self.held_by():
+            key = h.tenant_id if what == "tenant_id" else h.pool_id
+            totals[key] = totals.get(key, 0) + h.size_bytes
+        return totals
 
     def held_bytes(self) -> int:
         """Bytes of released entries others still hold (resident, zeroed, counted)."""

@@ -326,7 +326,7 @@ class Runtime:
             return self._attached_by_tenant[tenant_id]
 
     def attached_ids(self) -> frozenset[str]:
-        """The buffers some worker holds a handle of now (attached, not yet dropped)."""
+        """The buffers some worker holds a handle of now."""
         with self._attach_lock:
             return frozenset(self._attached_by_buffer)
 
@@ -357,12 +357,7 @@ class Runtime:
             return self._attached_by_tenant[tenant_id]
 
     def released_entry_bytes(self) -> int:
-        """Bytes of released committed entries that some process still holds open.
-
-        A committed entry cannot be punched: its pages stay resident (zeroed) until
-        the last description of its memfd is gone — an fd or a mapping, handed out,
-        inherited or re-opened, attached or not (:mod:`maasd.core.holders`).
-        """
+        """Bytes of released entries some process still holds (:mod:`maasd.core.holders`)."""
         return self.holders.held_bytes()
 
     # -- uses (the LRU order) and lease extensions, batched --------------------------------

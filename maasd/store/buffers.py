@@ -249,8 +249,7 @@ class ReserveRepo(Connections):
 
         ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also
         with persistent victims (why that is safe: docs/operations.md, "Crash safety").
-        ``prefer_not``: ids evicted only after every other candidate (entries a worker
-        holds open, whose memory an eviction might not free: :mod:`maasd.core.room`).
+        ``prefer_not``: ids evicted after every other candidate (:mod:`maasd.core.room`).
         """
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
