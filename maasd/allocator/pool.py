@@ -149,6 +149,8 @@ class Pool(Refilling):
         given back).
         """
         rounded = self.rounded(size)
+        if self.reclaimer is not None and self.reclaimer.pending_bytes > rounded:
+            self.reclaimer.help(rounded)  # released pages waiting stay bounded (reclaim.py)
         region = self._from_stock(rounded, extra_seals)
         if region is not None:
             if not accounted:

@@ -59,13 +59,18 @@ def admit(
     """
     held: list[BufferRow] = []
     for _ in range(EVICT_ROUNDS):
-        victims = store.begin_reserve(
-            row,
-            uses=dict(uses),
-            leases=dict(leases),
-            durable=must_last(row.persistence),
-            prefer_not=runtime.attached_ids(),
-        )
+        try:
+            victims = store.begin_reserve(
+                row,
+                uses=dict(uses),
+                leases=dict(leases),
+                durable=must_last(row.persistence),
+                prefer_not=runtime.attached_ids(),
+            )
+        except (QuotaExceeded, PoolExhausted) as e:
+            if not held:
+                raise
+            raise type(e)(f"{e.detail}; {_still_held(held)}") from e
         uses.clear()
         leases.clear()
         for victim in victims:
@@ -78,10 +83,13 @@ def admit(
         # Admitted on bytes still held: undone, and the ledger asked again.
         store.finish_release(row.id, kind="reserve_failed", durable=must_last(row.persistence))
         row = msgspec.structs.replace(row, id=keys.new_id())
-    what = f"{len(held)} evicted entries ({sum(v.size_bytes for v in held)} bytes) are still held"
     if any(v.tenant_id == row.tenant_id for v in held):
-        raise QuotaExceeded(
-            f"tenant {row.tenant_id}'s quota is full: {what} open by workers "
-            "(they count until every fd and mapping of them is closed)"
-        )
-    raise PoolExhausted(f"the pool is full: {what} open by workers")
+        raise QuotaExceeded(f"tenant {row.tenant_id}'s quota is full: {_still_held(held)}")
+    raise PoolExhausted(f"the pool is full: {_still_held(held)}")
+
+
+def _still_held(held: list[BufferRow]) -> str:
+    return (
+        f"{len(held)} evicted entries ({sum(v.size_bytes for v in held)} bytes) are still "
+        "held open by workers and count until every fd and mapping of them is closed"
+    )

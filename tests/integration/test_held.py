@@ -1,0 +1,224 @@
+"""Memory held after release counts as its tenant's until it is really gone (SPEC §2, 1).
+
+A committed entry is sealed, so a release zeroes its pages but cannot free them while any
+process holds its memfd. Each attack below is a real tenant process (``holder_attack``)
+that keeps released entries in one way; its next ``put`` is refused 409 quota-exceeded
+once what it holds reaches its quota, its usage shows the held bytes, and when it exits
+everything comes back. Honest workers, whose own mapping caches hold entries, are told
+to let go (a pushed ``released`` frame) and never pay for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Daemon
+from hardening import after_attack
+from maasd.client import QuotaExceeded, Worker
+from maasd.protocol import Commit, Found, Lookup, Ok, Put, Reserved
+from processes import signal_and_wait
+from sockpeer import Raw
+from waiting import wait_until
+
+MiB = 1 << 20
+HELPER = Path(__file__).resolve().parent.parent / "holder_attack.py"
+
+
+def usage(d: Daemon, key: str) -> dict[str, Any]:
+    with d.client(key) as c:
+        r = c.get("/v1/usage")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+
+def shmem_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1])
+    return 0
+
+
+@contextlib.contextmanager
+def attacker(d: Daemon, key: str, mode: str, size: int, cycles: int):
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPER), mode, d.socket_path, d.url, key, str(size), str(cycles)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPER.parent), os.getcwd()])},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line, f"the attacker ({mode}) died: {proc.wait()}"
+        yield proc, json.loads(line)
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # it, its child and its helper let go and exit
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            signal_and_wait(proc, 9, 10)
+            raise
+
+
+@pytest.mark.parametrize(
+    "mode", ["attached", "detached", "mapping", "dup", "reopen", "fork", "scm"]
+)
+def test_released_entries_a_tenant_keeps_count_until_they_are_gone(daemon: Daemon, mode: str):
+    quota, size = 8 * MiB, 4 * MiB
+    tenant_id, key = daemon.tenant(f"keeper-{mode}", quota)
+    with attacker(daemon, key, mode, size, cycles=6) as (_proc, out):
+        # Two entries fill the quota; both are released, both still held: the third put
+        # is refused, and nothing it holds is more than its quota.
+        assert out["cycles"] == 2, out
+        refused = out["refused"]
+        assert refused is not None, out
+        assert refused["status"] == 409, out
+        assert refused["type"].endswith("quota-exceeded"), out
+        if mode not in ("fork", "scm"):  # the kernel's count of what it holds itself
+            assert out["resident"] <= quota, out
+        u = usage(daemon, key)
+        assert (u["used_bytes"], u["held_bytes"], u["buffers"]) == (quota, quota, 2), u
+        assert daemon.metric("maasd_held_bytes", tenant=tenant_id) == quota
+        for buffer_id in out["ids"]:  # the admin sees them, their tenant no more
+            assert daemon.admin.get(f"/v1/buffers/{buffer_id}").json()["state"] == "releasing"
+    # The attacker (and its child or helper) exited: its memory is gone, its quota free.
+    wait_until(lambda: usage(daemon, key)["used_bytes"] == 0, message="held entries freed")
+    assert usage(daemon, key)["held_bytes"] == 0
+    assert daemon.metric("maasd_held_bytes", tenant=tenant_id) == 0
+    events = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id}).json()
+    assert sorted(e["kind"] for e in events if e["buffer_id"] in out["ids"]) == sorted(
+        ["release", "reserve"] * 2
+    )
+    after_attack(daemon)
+
+
+def _honest(d: Daemon, key: str, name: str, n: int, size: int) -> subprocess.Popen[bytes]:
+    """A worker process that saves, looks up and restores ``n`` entries in a loop."""
+    code = f"""
+import json, sys
+import numpy as np
+from maasd.client import Worker, MaasdClientError
+errors, hits = [], 0
+with Worker({d.socket_path!r}, {key!r}) as w:
+    for i in range({n}):
+        try:
+            with w.entry("{name}-" + str(i), {size}) as e:
+                e.array[:] = i % 251
+            for k in (i, i - 3):  # restore this one, and one saved a little earlier
+                hit = w.lookup(["{name}-" + str(k)])
+                if hit is not None:
+                    with hit:
+                        ok = bool((hit.array[:4096] == k % 251).all()) or not hit.array.any()
+                        assert ok, "wrong bytes"
+                        hits += 1
+        except MaasdClientError as exc:
+            errors.append(f"{{i}}: {{exc}}")
+print(json.dumps({{"errors": errors, "hits": hits}}), flush=True)
+"""
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+
+
+def test_two_honest_workers_never_pay_for_their_own_caches(daemon: Daemon):
+    """Two worker processes of one tenant save and restore 500 entries under a quota of 20:
+    every eviction picks an entry some cache maps; the daemon tells it, it lets go, and
+    the save fits. No 409, and the daemon's memory stays within the quota."""
+    size = MiB
+    tenant_id, key = daemon.tenant("honest", 20 * size)
+    assert daemon.proc is not None
+    base_kib = shmem_kib(daemon.proc.pid)
+    procs = [_honest(daemon, key, f"w{j}", 250, size) for j in range(2)]
+    peak_used = peak_kib = 0
+    while any(p.poll() is None for p in procs):
+        peak_used = max(peak_used, usage(daemon, key)["used_bytes"])
+        peak_kib = max(peak_kib, shmem_kib(daemon.proc.pid) - base_kib)
+        time.sleep(0.05)
+    outs = []
+    for p in procs:
+        assert p.stdout is not None
+        outs.append(json.loads(p.stdout.read()))
+        assert p.wait() == 0
+    assert [o["errors"] for o in outs] == [[], []], outs
+    assert all(o["hits"] >= 250 for o in outs), outs
+    # the ledger counts a victim until its row is gone, and the save that evicted it
+    # from its admission on: one such pair per worker at a time
+    assert peak_used <= 20 * size + 2 * size, peak_used
+    # resident in the daemon: the entries (within the quota) and one save's copy at a time
+    # per worker (its staging region until the reclaimer punches it)
+    assert peak_kib * 1024 <= 20 * size + 2 * 2 * size, peak_kib
+    wait_until(lambda: usage(daemon, key)["held_bytes"] == 0, message="nothing held at the end")
+    assert daemon.metric("maasd_entry_evictions_total", tenant=tenant_id) >= 480
+
+
+def test_an_eviction_of_a_held_entry_frees_nothing_and_the_put_gets_409(daemon: Daemon):
+    """The only evictable entry is held by a process that does not listen (a raw socket
+    that never reads): evicting it would free nothing, so the put is refused and the
+    ledger never holds more than the quota."""
+    size = 4 * MiB
+    tenant_id, key = daemon.tenant("held-victim", size)
+    w = Raw(daemon.socket_path, timeout=30)
+    w.hello(key)
+    reply, fds = w.call(Put(key="victim", size_bytes=size))
+    assert isinstance(reply, Reserved), reply
+    os.close(fds[0])
+    assert isinstance(w.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
+    found, (fd,) = w.call(Lookup(keys=["victim"]))
+    assert isinstance(found, Found)
+    try:
+        with Worker(daemon.socket_path, key) as other:
+            with pytest.raises(QuotaExceeded, match="still held"):
+                other.put("next", size)
+            u = usage(daemon, key)
+            assert (u["used_bytes"], u["held_bytes"]) == (size, size), u
+            # the victim was evicted (it reads zeros) but stays counted while held
+            assert os.pread(fd, 4096, 0) == bytes(4096)
+            os.close(fd)
+            fd = -1
+            wait_until(lambda: usage(daemon, key)["used_bytes"] == 0, message="victim freed")
+            other.abort(other.put("next", size))  # the room is there now
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        w.close()
+    assert usage(daemon, key)["held_bytes"] == 0
+    assert daemon.metric("maasd_held_bytes", tenant=tenant_id) == 0
+    after_attack(daemon)
+
+
+def test_a_restart_while_workers_hold_entries_leaks_nothing(daemon: Daemon):
+    """The fresh daemon holds none of the old memfds and cannot see who holds them: the
+    rows of held entries are released at its start; the worker keeps zeroed pages."""
+    size = 2 * MiB
+    tenant_id, key = daemon.tenant("held-over-restart", 8 * size)
+    w = Raw(daemon.socket_path, timeout=30)
+    w.hello(key)
+    reply, fds = w.call(Put(key="kept", size_bytes=size))
+    assert isinstance(reply, Reserved), reply
+    os.pwrite(fds[0], b"\x5a" * size, 0)
+    os.close(fds[0])
+    assert isinstance(w.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
+    found, (fd,) = w.call(Lookup(keys=["kept"]))
+    assert isinstance(found, Found)
+    try:
+        with daemon.client(key) as c:
+            assert c.delete(f"/v1/buffers/{reply.buffer_id}").status_code == 204
+        assert usage(daemon, key)["held_bytes"] == size
+        w.close()
+        daemon.restart()
+        u = usage(daemon, key)
+        assert (u["used_bytes"], u["held_bytes"], u["buffers"]) == (0, 0, 0), u
+        assert daemon.admin.get(f"/v1/buffers/{reply.buffer_id}").status_code == 404
+        assert os.pread(fd, 4096, 0) == bytes(4096)  # still the worker's: zeroed
+    finally:
+        os.close(fd)
+    after_attack(daemon)
