@@ -13,6 +13,7 @@ fds, queued behind a reply the peer has not read yet).
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from collections.abc import Callable
 
@@ -22,6 +23,8 @@ from .dispatch import Outcome
 from .table import ConnectionTable
 
 __all__ = ["Pushes"]
+
+logger = logging.getLogger("maasd.broker")
 
 
 class Pushes:
@@ -54,6 +57,10 @@ class Pushes:
                 continue
             for buffer_id in ids.intersection(conn.held):
                 count = conn.held.pop(buffer_id)
+                logger.info(
+                    "released entry still held by a connection",
+                    extra=conn.fields(buffer_id=buffer_id, handles=count),
+                )
                 for _ in range(count):
                     self._table._drop(conn, buffer_id)
                 self._table.deliver(conn, Outcome(reply=Released(buffer_id=buffer_id)))
