@@ -266,10 +266,10 @@ def test_a_released_entry_leaves_the_cache_at_once_or_when_given_back() -> None:
     cache.checkin(idle)
     cache.add(busy)
     cache.released("idle")
-    assert idle.mapping.closed  # type: ignore[attr-defined]
+    assert idle.mapping.closed
     assert "idle" not in cache
     cache.released("busy")
-    assert not busy.mapping.closed  # type: ignore[attr-defined]
+    assert not busy.mapping.closed
     assert cache.checkout("busy") is None  # not handed out again
     assert cache.checkin(busy) == [busy]  # the worker unmaps it, without a detach
     assert busy.released
