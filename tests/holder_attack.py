@@ -1,6 +1,6 @@
 """A tenant that keeps the memory of released entries, run as its own process.
 
-``python tests/holder_attack.py MODE SOCKET URL KEY SIZE CYCLES`` loops: ``put`` an entry
+``python tests/holder_attack.py MODE SOCKET URL KEY SIZE CYCLES [POOL]`` loops: ``put`` an entry
 of SIZE bytes, write and commit it, ``lookup`` it (a read-only fd), keep it as MODE says,
 release it over REST — until a ``put`` is refused or CYCLES are done. Then it prints one
 JSON line (``cycles``, ``refused``: the error frame or null, ``ids``, ``resident``: the
@@ -94,7 +94,9 @@ def _resident(fds: list[int], maps: list[mmap.mmap]) -> int:
     return held
 
 
-def main(mode: str, sock: str, url: str, key: str, size: int, cycles: int) -> None:
+def main(
+    mode: str, sock: str, url: str, key: str, size: int, cycles: int, pool: str | None
+) -> None:
     helper = _scm_helper() if mode == "scm" else None
     w = Raw(sock, timeout=30)
     w.hello(key)
@@ -105,12 +107,13 @@ def main(mode: str, sock: str, url: str, key: str, size: int, cycles: int) -> No
     refused = None
     done = 0
     for i in range(cycles):
-        reply, got = w.call(Put(key=f"held-{i}", size_bytes=size))
+        reply, got = w.call(Put(key=f"held-{i}", size_bytes=size, pool=pool))
         if not isinstance(reply, Reserved):
             assert isinstance(reply, Error)
             refused = {"status": reply.status, "type": reply.type, "detail": reply.detail}
             break
-        os.pwrite(got[0], b"\xa5" * size, 0)
+        with mmap.mmap(got[0], size) as staged:  # (hugetlbfs has no write())
+            staged[:] = b"\xa5" * size
         os.close(got[0])
         assert isinstance(w.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
         found, got = w.call(Lookup(keys=[f"held-{i}"]))
@@ -133,4 +136,4 @@ def main(mode: str, sock: str, url: str, key: str, size: int, cycles: int) -> No
 if __name__ == "__main__":
     mode, sock, url, key, size, cycles = sys.argv[1:7]
     assert mode in MODES, mode
-    main(mode, sock, url, key, int(size), int(cycles))
+    main(mode, sock, url, key, int(size), int(cycles), sys.argv[7] if len(sys.argv) > 7 else None)

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+import hugepages
 from conftest import Daemon
 from hardening import after_attack
 from maasd.client import QuotaExceeded, Worker
@@ -49,9 +50,10 @@ def shmem_kib(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def attacker(d: Daemon, key: str, mode: str, size: int, cycles: int):
+def attacker(d: Daemon, key: str, mode: str, size: int, cycles: int, pool: str | None = None):
+    args = [mode, d.socket_path, d.url, key, str(size), str(cycles), *([pool] if pool else [])]
     proc = subprocess.Popen(
-        [sys.executable, str(HELPER), mode, d.socket_path, d.url, key, str(size), str(cycles)],
+        [sys.executable, str(HELPER), *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(HELPER.parent), os.getcwd()])},
@@ -100,6 +102,38 @@ def test_released_entries_a_tenant_keeps_count_until_they_are_gone(daemon: Daemo
     assert sorted(e["kind"] for e in events if e["buffer_id"] in out["ids"]) == sorted(
         ["release", "reserve"] * 2
     )
+    after_attack(daemon)
+
+
+def test_held_huge_pages_count_and_another_tenant_gets_what_the_pool_says_is_free(
+    daemon: Daemon,
+):
+    """On a hugetlb pool: a tenant of 4 MiB keeps what it released; the pool's free figure
+    counts it, and another tenant gets exactly what that figure says fits."""
+    with hugepages.configured(8):
+        pool = daemon.pool(f"huge-{os.getpid()}", 16 * MiB, backing="hugetlb")
+        try:
+            _, key = daemon.tenant("huge-keeper", 4 * MiB)
+            _, other = daemon.tenant("huge-other", 64 * MiB)
+            with attacker(daemon, key, "detached", 2 * MiB, 6, pool["id"]) as (_proc, out):
+                assert out["cycles"] == 2, out
+                assert out["refused"]["type"].endswith("quota-exceeded"), out
+                info = daemon.admin.get(f"/v1/pools/{pool['id']}").json()
+                assert (info["used_bytes"], info["held_bytes"]) == (4 * MiB, 4 * MiB), info
+                assert info["free_bytes"] == 12 * MiB
+                with daemon.client(other) as c:
+                    body = {"size_bytes": 12 * MiB}
+                    r = c.post(f"/v1/pools/{pool['id']}/reserve", json=body)
+                    assert r.status_code == 201, r.text  # what "free" said fits, fits
+                    more = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": MiB})
+                    assert more.status_code == 507, more.text
+                    assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code == 204
+            wait_until(
+                lambda: daemon.admin.get(f"/v1/pools/{pool['id']}").json()["used_bytes"] == 0,
+                message="the held huge pages freed",
+            )
+        finally:
+            daemon.admin.delete(f"/v1/pools/{pool['id']}", params={"drain": "true"})
     after_attack(daemon)
 
 
