@@ -192,6 +192,7 @@ def test_two_honest_workers_never_pay_for_their_own_caches(daemon: Daemon):
     assert peak_kib * 1024 <= 20 * size + 2 * 2 * size, peak_kib
     wait_until(lambda: usage(daemon, key)["held_bytes"] == 0, message="nothing held at the end")
     assert daemon.metric("maasd_entry_evictions_total", tenant=tenant_id) >= 480
+    assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
 
 
 def test_an_eviction_of_a_held_entry_frees_nothing_and_the_put_gets_409(daemon: Daemon):
