@@ -212,6 +212,9 @@ class BufferInfo(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: str
     placement: dict[str, int] | None = None
     checksum: str | None = None
+    #: Filled by ``GET /v1/buffers?held=true`` (admin): the processes holding this
+    #: released entry's memfd open (an fd or a mapping), as the daemon's /proc shows them.
+    holder_pids: list[int] | None = None
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):

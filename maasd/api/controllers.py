@@ -286,15 +286,16 @@ class BuffersController(Controller):
 
     @get(
         "/buffers",
-        summary="Own buffers (admin: all, or ?tenant_id=)",
+        summary="Own buffers (admin: all, or ?tenant_id=; ?held=true: released, still held)",
         responses=problems.responses(*KEYED + (404,)),
     )
     async def list_buffers(
         self,
         call: NamedDependency[Call],
         tenant_id: FromQuery[str | None] = None,
+        held: FromQuery[bool] = False,
     ) -> list[BufferInfo]:
-        return await call.run(call.service.buffers, call.who, tenant_id)
+        return await call.run(call.service.buffers, call.who, tenant_id, held)
 
     @get(
         "/buffers/{buffer_id:str}",

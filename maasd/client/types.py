@@ -155,6 +155,8 @@ class Buffer(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: str | None = None
     placement: dict[str, int] | None = None
     checksum: str | None = None
+    #: ``buffers(held=True)``: the pids holding this released entry open
+    holder_pids: list[int] | None = None
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):

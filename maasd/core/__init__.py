@@ -297,8 +297,10 @@ class Service:
     def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
         return self._buffers.reserve(who, req)
 
-    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
-        return self._buffers.buffers(who, tenant_id)
+    def buffers(
+        self, who: Principal, tenant: str | None = None, held: bool = False
+    ) -> list[BufferInfo]:
+        return self._buffers.buffers(who, tenant, held=held)
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
         return self._buffers.buffer(who, buffer_id)

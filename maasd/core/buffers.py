@@ -21,8 +21,9 @@ import msgspec
 from maasd.allocator import Region
 from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
 from maasd.core import placement, room
-from maasd.core.auth import require_tenant
+from maasd.core.auth import require_admin, require_tenant
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.holders import holder_pids
 from maasd.core.limits import RegionBudget, kernel_refusal
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
@@ -64,6 +65,19 @@ def buffer_info(row: BufferRow, placed: dict[int, int] | None = None) -> BufferI
         placement=None if placed is None else {str(k): v for k, v in placed.items()},
         checksum=row.checksum,
     )
+
+
+def held_infos(store: Store, runtime: Runtime, tenant_id: str | None) -> list[BufferInfo]:
+    """Released entries some process still holds (of ``tenant_id``, or all), each with the
+    pids that hold it (a scan of /proc: the admin's question, not a request path's)."""
+    held = [h for h in runtime.holders.held_by() if tenant_id in (None, h.tenant_id)]
+    pids = holder_pids(h.inode for h in held)
+    infos = []
+    for h in held:
+        row = store.buffer(h.buffer_id)
+        if row is not None:
+            infos.append(msgspec.structs.replace(buffer_info(row), holder_pids=pids.get(h.inode)))
+    return infos
 
 
 class Buffers:
@@ -274,8 +288,13 @@ class Buffers:
 
     # -- the others -------------------------------------------------------------------------
 
-    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
-        """The caller's live buffers; the admin's: everyone's, or ``tenant_id``'s (id or name)."""
+    def buffers(
+        self, who: Principal, tenant_id: str | None = None, *, held: bool = False
+    ) -> list[BufferInfo]:
+        """The caller's live buffers; the admin's: everyone's, or ``tenant_id``'s (id or name).
+        ``held`` (admin only): the released entries some process still holds, and who."""
+        if held:
+            require_admin(who)
         if not who.is_admin:
             tenant_id = who.tenant_id
         elif tenant_id is not None:
@@ -283,6 +302,8 @@ class Buffers:
             if row is None:
                 raise NotFound(f"no tenant {tenant_id!r}")
             tenant_id = row.id
+        if held:
+            return held_infos(self._store, self._runtime, tenant_id)
         return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:

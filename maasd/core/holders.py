@@ -42,6 +42,7 @@ not yet released cannot have lost anything (the daemon still holds them).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -58,7 +59,7 @@ from typing import Literal, NamedTuple
 from maasd.allocator import Region
 from maasd.errors import ResourceLimit
 
-__all__ = ["Counts", "Held", "Holders"]
+__all__ = ["Counts", "Held", "Holders", "holder_pids"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class _Watch:
     size: int
     tenant_id: str = ""
     pool_id: str = ""
+    inode: int = 0
     #: set once the entry is released while held: what to run when it is free
     on_free: OnFree | None = None
 
@@ -92,6 +94,38 @@ class Held(NamedTuple):
     tenant_id: str
     pool_id: str
     size_bytes: int
+    #: the memfd's inode number (what /proc/<pid>/fd and /proc/<pid>/maps show of it)
+    inode: int = 0
+
+
+def holder_pids(inodes: Iterable[int], proc: str = "/proc") -> dict[int, list[int]]:
+    """Which processes hold each memfd ``inodes`` names — an fd of it or a mapping — as
+    ``/proc`` shows them to this process (all of them to root; the daemon excluded).
+    A scan of every process: for an operator's question, never on a request path."""
+    wanted = {i for i in inodes if i}
+    found: dict[int, set[int]] = {i: set() for i in wanted}
+    me = os.getpid()
+    for name in os.listdir(proc) if wanted else ():
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid = int(name)
+        try:
+            for fd in os.listdir(f"{proc}/{name}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"{proc}/{name}/fd/{fd}").startswith("/memfd:"):
+                        ino = os.stat(f"{proc}/{name}/fd/{fd}").st_ino
+                        if ino in found:
+                            found[ino].add(pid)
+        except OSError:
+            pass  # gone, or not ours to read
+        with contextlib.suppress(OSError), open(f"{proc}/{name}/maps") as maps:
+            for line in maps:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6 and parts[5].startswith("/memfd:"):
+                    ino = int(parts[4])
+                    if ino in found:
+                        found[ino].add(pid)
+    return {i: sorted(p) for i, p in found.items()}
 
 
 class Counts:
@@ -107,10 +141,16 @@ class Counts:
         self.overflows = 0
 
     def add(
-        self, wd: int, buffer_id: str, size: int, tenant_id: str = "", pool_id: str = ""
+        self,
+        wd: int,
+        buffer_id: str,
+        size: int,
+        tenant_id: str = "",
+        pool_id: str = "",
+        inode: int = 0,
     ) -> None:
         """A new watch of ``buffer_id``'s memfd."""
-        self._by_wd[wd] = _Watch(buffer_id, size, tenant_id, pool_id)
+        self._by_wd[wd] = _Watch(buffer_id, size, tenant_id, pool_id, inode)
         self._by_id[buffer_id] = wd
 
     def watched(self, buffer_id: str) -> bool:
@@ -171,7 +211,9 @@ class Counts:
 
     def held_by(self) -> list[Held]:
         """Every released entry others still hold, with its tenant and pool."""
-        return [Held(w.buffer_id, w.tenant_id, w.pool_id, w.size) for w in self._held_watches()]
+        return [
+            Held(w.buffer_id, w.tenant_id, w.pool_id, w.size, w.inode) for w in self._held_watches()
+        ]
 
     def _held_watches(self) -> list[_Watch]:
         held = [w for w in self._by_wd.values() if w.on_free is not None]
@@ -259,7 +301,7 @@ class Holders:
                 raise ResourceLimit(
                     f"the daemon cannot watch another committed entry ({limit}: {e.strerror})"
                 ) from e
-            self._counts.add(wd, buffer_id, size, tenant_id, pool_id)
+            self._counts.add(wd, buffer_id, size, tenant_id, pool_id, os.fstat(fd).st_ino)
 
     def open_read_only(
         self, buffer_id: str, region: Region, tenant_id: str = "", pool_id: str = ""

@@ -79,7 +79,8 @@ def attacker(d: Daemon, key: str, mode: str, size: int, cycles: int, pool: str |
 def test_released_entries_a_tenant_keeps_count_until_they_are_gone(daemon: Daemon, mode: str):
     quota, size = 8 * MiB, 4 * MiB
     tenant_id, key = daemon.tenant(f"keeper-{mode}", quota)
-    with attacker(daemon, key, mode, size, cycles=6) as (_proc, out):
+    assert daemon.proc is not None
+    with attacker(daemon, key, mode, size, cycles=6) as (proc, out):
         # Two entries fill the quota; both are released, both still held: the third put
         # is refused, and nothing it holds is more than its quota.
         assert out["cycles"] == 2, out
@@ -94,6 +95,14 @@ def test_released_entries_a_tenant_keeps_count_until_they_are_gone(daemon: Daemo
         assert daemon.metric("maasd_held_bytes", tenant=tenant_id) == quota
         for buffer_id in out["ids"]:  # the admin sees them, their tenant no more
             assert daemon.admin.get(f"/v1/buffers/{buffer_id}").json()["state"] == "releasing"
+        # who holds them: the attacker, its child or its helper (the daemon's /proc scan)
+        r = daemon.admin.get("/v1/buffers", params={"held": "true", "tenant_id": tenant_id})
+        assert r.status_code == 200, r.text
+        held = {b["id"]: b["holder_pids"] for b in r.json()}
+        assert sorted(held) == sorted(out["ids"]), held
+        assert all(pids and daemon.proc.pid not in pids for pids in held.values()), held
+        if mode not in ("fork", "scm"):
+            assert all(pids == [proc.pid] for pids in held.values()), (held, proc.pid)
     # The attacker (and its child or helper) exited: its memory is gone, its quota free.
     wait_until(lambda: usage(daemon, key)["used_bytes"] == 0, message="held entries freed")
     assert usage(daemon, key)["held_bytes"] == 0
@@ -135,6 +144,46 @@ def test_held_huge_pages_count_and_another_tenant_gets_what_the_pool_says_is_fre
         finally:
             daemon.admin.delete(f"/v1/pools/{pool['id']}", params={"drain": "true"})
     after_attack(daemon)
+
+
+def test_maasctl_lists_held_entries_and_who_holds_them(daemon: Daemon):
+    _, key = daemon.tenant("listed-keeper", 8 * MiB)
+    with attacker(daemon, key, "mapping", 4 * MiB, 1) as (proc, out):
+        env = {**os.environ, "MAASD_URL": daemon.url, "MAASD_ADMIN_KEY": daemon.admin_key}
+        cmd = [sys.executable, "-m", "maasd.cli.maasctl"]
+        listed = subprocess.run(
+            [*cmd, "--json", "buffers", "list", "--held"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert listed.returncode == 0, listed.stderr
+        assert [(b["id"], b["holder_pids"]) for b in json.loads(listed.stdout)] == [
+            (out["ids"][0], [proc.pid])
+        ]
+        table = subprocess.run(
+            [*cmd, "buffers", "list", "--held"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert table.returncode == 0, table.stderr
+        assert str(proc.pid) in table.stdout
+        status = subprocess.run(
+            [*cmd, "status"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert status.returncode == 0, status.stderr
+        assert "HELD" in status.stdout
+        usage_out = subprocess.run(
+            [*cmd, "usage"],
+            env={**env, "MAASD_KEY": key},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert usage_out.returncode == 0, usage_out.stderr
+        assert "held after release" in usage_out.stdout
+        assert "4.0 MiB" in usage_out.stdout or "4 MiB" in usage_out.stdout, usage_out.stdout
+    with daemon.client(key) as c:  # a tenant may not ask who holds what
+        assert c.get("/v1/buffers", params={"held": "true"}).status_code == 403
 
 
 def _honest(d: Daemon, key: str, name: str, n: int, size: int) -> subprocess.Popen[bytes]:
