@@ -303,6 +303,16 @@ class Holders:
                 ) from e
             self._counts.add(wd, buffer_id, size, tenant_id, pool_id, os.fstat(fd).st_ino)
 
+    def prepare(self) -> None:
+        """Make the inotify instance and its reader now, at the daemon's start: another
+        process of the daemon's uid cannot use ``fs.inotify.max_user_instances`` up before
+        the first commit then. Refused, it is logged; each commit tries again."""
+        with self._lock:
+            try:
+                self._start()
+            except OSError as e:
+                logger.warning("no inotify instance for committed entries yet: %s", e)
+
     def open_read_only(
         self, buffer_id: str, region: Region, tenant_id: str = "", pool_id: str = ""
     ) -> int:

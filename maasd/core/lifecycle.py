@@ -101,6 +101,7 @@ class Lifecycle:
         """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
         os.makedirs(self._settings.data_dir, mode=0o700, exist_ok=True)
         self.reclaimer.start()
+        self._runtime.holders.prepare()
         self._store.upgrade()
         self._auth.load_admin_key()
         self._hosts.claim()
