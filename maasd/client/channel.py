@@ -39,6 +39,9 @@ R = TypeVar("R", protocol.Attached, protocol.Found, protocol.Reserved)
 
 #: How long a request whose send failed waits for the error frame the daemon sent first.
 PENDING_ERROR_S = 1.0
+#: How often an idle channel reads the frames the daemon pushed (``released``): an idle
+#: worker lets go of a released entry within this, well inside a reserve's wait for it.
+IDLE_READ_S = 0.1
 
 
 def close_fds(fds: list[int]) -> None:
@@ -72,6 +75,8 @@ class Channel:
         self.on_released: Callable[[str], None] | None = None
         #: a frame read while looking for pushed ones that is not one (the next answer)
         self._early: bytes | None = None
+        self._idle_stop = threading.Event()
+        self._idle: threading.Thread | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout)
         try:
@@ -148,6 +153,31 @@ class Channel:
             f"{type(reply).__name__.lower()} with {len(fds)} fds"
         )
 
+    def read_when_idle(
+        self, on_released: Callable[[str], None], interval_s: float = IDLE_READ_S
+    ) -> None:
+        """Call ``on_released(buffer_id)`` for each ``released`` frame the daemon pushes: as
+        each request reads them, and from a thread every ``interval_s`` while none is in
+        flight."""
+        self.on_released = on_released
+        self._idle = threading.Thread(
+            target=self._idle_loop, args=(interval_s,), name="maasd-worker-pushed", daemon=True
+        )
+        self._idle.start()
+
+    def _idle_loop(self, interval_s: float) -> None:
+        while not self._idle_stop.wait(interval_s):
+            if self.broken is not None:
+                return
+            if not self._lock.acquire(blocking=False):
+                continue  # a request is in flight: it reads them
+            try:
+                self._drain_pushed()
+            except MaasdClientError:
+                return  # the stream broke: the next request says so
+            finally:
+                self._lock.release()
+
     def shutdown(self) -> None:
         """Wake a request blocked in recv (from any thread); the channel stays open."""
         with contextlib.suppress(OSError):
@@ -155,6 +185,9 @@ class Channel:
 
     def close(self) -> None:
         """Close the socket, after any request in progress."""
+        self._idle_stop.set()
+        if self._idle is not None and self._idle is not threading.current_thread():
+            self._idle.join(5.0)
         self.shutdown()
         with self._lock:
             self._sock.close()

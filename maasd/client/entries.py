@@ -43,6 +43,8 @@ __all__ = ["DEFAULT_CACHE_AGE_S", "DEFAULT_CACHE_BYTES", "Entry", "EntryMapping"
 DEFAULT_CACHE_BYTES = 256 << 20
 #: Seconds an entry mapping may stay idle in the cache (``Worker(cache_age_s=…)``).
 DEFAULT_CACHE_AGE_S = 30.0
+#: Released ids remembered that were not cached when the daemon said so.
+_GONE_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,9 @@ class MappingCache:
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._slots: collections.OrderedDict[str, Slot] = collections.OrderedDict()
+        #: released ids not cached when the daemon said so (a lookup's answer racing the
+        #: frame): a slot added for one of them is dropped when given back
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -168,6 +173,8 @@ class MappingCache:
     def add(self, slot: Slot) -> list[Slot]:
         """Cache a new slot (with its first user); returns the slots evicted for room."""
         with self._lock:
+            if self._gone.pop(slot.buffer_id, 0) is None:  # released before it was added
+                slot.forgotten = slot.released = True
             slot.users += 1
             slot.last_used = time.monotonic()
             self._slots[slot.buffer_id] = slot
@@ -195,6 +202,9 @@ class MappingCache:
         with self._lock:
             slot = self._slots.get(buffer_id)
             if slot is None:
+                self._gone[buffer_id] = None
+                if len(self._gone) > _GONE_KEPT:
+                    self._gone.popitem(last=False)
                 return
             slot.forgotten = slot.released = True
             if slot.users:

@@ -202,8 +202,8 @@ class Worker:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self._channel = Channel(self.socket_path, timeout)
-        self._channel.on_released = self.cache.released  # unmapped at once
         reply = self._channel.hello(api_key)
+        self._channel.read_when_idle(self.cache.released)  # released: unmapped at once
         self.tenant_id: str | None = reply.tenant_id
         #: This process's pid as the daemon recorded it (SO_PEERCRED).
         self.peer_pid: int | None = reply.pid
