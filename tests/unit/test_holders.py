@@ -6,11 +6,19 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from maasd.core.holders import IN_DELETE_SELF, IN_IGNORED, IN_Q_OVERFLOW, Counts, Holders
+from maasd.core.holders import (
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_Q_OVERFLOW,
+    Counts,
+    Holders,
+    holder_pids,
+)
 from maasd.errors import ResourceLimit
 from waiting import wait_until
 
@@ -185,3 +193,49 @@ def test_a_watch_the_kernel_refuses_is_a_resource_limit(holders: Holders) -> Non
     with pytest.raises(ResourceLimit, match="cannot watch"):
         holders.watch("b", 1 << 30, SIZE)  # an fd number above any limit: nothing to watch
     assert holders.settle("b", Calls()) is True  # nothing was counted
+
+
+def test_held_entries_by_tenant_and_pool_and_who_holds_them(holders: Holders) -> None:
+    """What usage, /metrics and ``buffers list --held`` show: the held bytes per tenant and
+    pool, and the pids a /proc scan finds holding the memfd (an fd or a mapping)."""
+    memfd = os.memfd_create("t", os.MFD_CLOEXEC)
+    os.ftruncate(memfd, SIZE)
+    ro = holders.open_read_only("b", _Region(memfd), "tenant-a", "pool-p")  # type: ignore[arg-type]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a mapping only, no fd: what the scan must find in /proc/<pid>/maps
+        os.close(r)
+        mm = mmap.mmap(ro, SIZE, prot=mmap.PROT_READ)
+        os.close(ro)
+        os.write(w, b"m")
+        os.close(w)
+        time.sleep(30)  # killed by the test
+        mm.close()
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"m"
+        os.close(ro)
+        os.close(memfd)
+        assert holders.settle("b", Calls()) is False
+        assert holders.held_bytes_by("tenant_id") == {"tenant-a": SIZE}
+        assert holders.held_bytes_by("pool_id") == {"pool-p": SIZE}
+        (held,) = holders.held_by()
+        assert (held.buffer_id, held.tenant_id, held.pool_id, held.size_bytes) == (
+            "b",
+            "tenant-a",
+            "pool-p",
+            SIZE,
+        )
+        assert holder_pids([held.inode]) == {held.inode: [pid]}
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)
+    wait_until(lambda: holders.held_bytes() == 0, message="the child's end frees it")
+    assert holder_pids([held.inode]) == {held.inode: []}
+
+
+class _Region:
+    def __init__(self, fd: int) -> None:
+        self.fd, self.size = fd, SIZE
