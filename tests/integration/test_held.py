@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -305,4 +307,50 @@ def test_a_restart_while_workers_hold_entries_leaks_nothing(daemon: Daemon):
         assert os.pread(fd, 4096, 0) == bytes(4096)  # still the worker's: zeroed
     finally:
         os.close(fd)
+    after_attack(daemon)
+
+
+def test_concurrent_keepers_of_one_tenant_never_hold_more_than_its_quota(daemon: Daemon):
+    """Eight connections of one tenant race put, commit, lookup, keep the fd, release: what
+    they hold all together, as the kernel counts it, stays within the quota."""
+    quota, size = 8 * MiB, MiB
+    _, key = daemon.tenant("racing-keepers", quota)
+    kept: list[int] = []
+    lock = threading.Lock()
+
+    def keeper(n: int) -> None:
+        w = Raw(daemon.socket_path, timeout=30)
+        w.hello(key)
+        with daemon.client(key) as rest:
+            for i in range(8):
+                reply, fds = w.call(Put(key=f"k{n}-{i}", size_bytes=size))
+                if not isinstance(reply, Reserved):
+                    continue  # refused (409): what is held counts
+                with mmap.mmap(fds[0], size) as staged:
+                    staged[:] = b"\x11" * size
+                os.close(fds[0])
+                if not isinstance(w.call(Commit(buffer_id=reply.buffer_id))[0], Ok):
+                    continue
+                found, got = w.call(Lookup(keys=[f"k{n}-{i}"]))
+                if isinstance(found, Found):
+                    with lock:
+                        kept.extend(got)
+                rest.delete(f"/v1/buffers/{reply.buffer_id}")
+        w.close()
+
+    threads = [threading.Thread(target=keeper, args=(n,)) for n in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        resident = sum(os.fstat(fd).st_blocks * 512 for fd in kept)
+        assert resident <= quota, f"{resident >> 20} MiB held by a tenant of {quota >> 20} MiB"
+        assert len(kept) == quota // size  # the quota, all of it held, no more
+        u = usage(daemon, key)
+        assert u["used_bytes"] == u["held_bytes"] == quota, u
+    finally:
+        for fd in kept:
+            os.close(fd)
+    wait_until(lambda: usage(daemon, key)["used_bytes"] == 0, message="all let go")
     after_attack(daemon)
