@@ -24,6 +24,12 @@ so the inode goes at once unless someone else holds it::
                                      ``on_free()`` runs on the reader thread when
                                      the kernel reports the inode gone
 
+A released entry that stays held is announced (:meth:`Holders.announce`: the broker
+pushes ``released`` to the connections holding it, whose clients let go), and a
+reserve that evicted it waits briefly for it (:meth:`Holders.wait_freed`,
+:mod:`maasd.core.room`). What is held is reported per tenant and pool (``held_bytes``)
+and, for an operator, with the pids that hold it (:func:`holder_pids`, a /proc scan).
+
 A close that ends a description queues its event before the call returns, so a
 release sees the result of its own closes. Counting opens against closes
 (``IN_OPEN``/``IN_CLOSE_*``) would not do: the kernel merges an event into an identical
