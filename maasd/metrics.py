@@ -138,10 +138,15 @@ class EntryCollector(Collector):
     """The gauges of committed entries, read from the daemon's memory at scrape time."""
 
     def __init__(
-        self, stats: Callable[[], dict[str, tuple[int, int]]], released: Callable[[], int]
+        self,
+        stats: Callable[[], dict[str, tuple[int, int]]],
+        released: Callable[[], int],
+        held: Callable[[], Iterable[Any]] = tuple,
     ) -> None:
         self._stats = stats
         self._released = released
+        #: released entries still held: records with tenant_id, pool_id, size_bytes
+        self._held = held
 
     def collect(self) -> Iterator[Metric]:
         count = GaugeMetricFamily(
@@ -155,11 +160,21 @@ class EntryCollector(Collector):
             size.add_metric([tenant], nbytes)
         released = GaugeMetricFamily(
             "maasd_released_entry_bytes",
-            "Bytes of released entries that workers still held when they were released "
-            "(resident until the last handle of each goes)",
+            "Bytes of released entries that some process still holds open "
+            "(resident, zeroed, counted in their tenant's quota until the last fd or mapping goes)",
         )
         released.add_metric([], self._released())
-        yield from (count, size, released)
+        held = GaugeMetricFamily(
+            "maasd_held_bytes",
+            "Bytes of released entries still held open, per tenant and pool (counted in both)",
+            labels=["tenant", "pool"],
+        )
+        totals: dict[tuple[str, str], int] = {}
+        for h in self._held():
+            totals[h.tenant_id, h.pool_id] = totals.get((h.tenant_id, h.pool_id), 0) + h.size_bytes
+        for (tenant, pool), nbytes in sorted(totals.items()):
+            held.add_metric([tenant, pool], nbytes)
+        yield from (count, size, released, held)
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,6 +121,9 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     prefault: bool
     scrub: ScrubMode
     buffers: int = 0
+    #: Of ``used_bytes``: released entries some process still holds open (resident,
+    #: zeroed, counted until every fd and mapping of them is gone).
+    held_bytes: int = 0
     #: Bytes in the pool's warm stock now (part of the capacity, no tenant's use).
     warm_bytes: int = 0
     #: The warm stock's budget (POST /v1/pools ``warm_bytes``); 0 = none.
@@ -161,6 +164,8 @@ class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
     buffers: int
     created_at: str
     max_buffers: int
+    #: Of ``used_bytes``: released entries some process still holds open (this host's).
+    held_bytes: int = 0
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -188,6 +193,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     buffers: int
     max_buffers: int
+    #: Of ``used_bytes``: released entries some process still holds open — a kept fd or
+    #: mapping, a child's, one passed on; they count until every one of them is gone.
+    held_bytes: int = 0
 
 
 class BufferInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -205,6 +213,9 @@ class BufferInfo(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: str
     placement: dict[str, int] | None = None
     checksum: str | None = None
+    #: Filled by ``GET /v1/buffers?held=true`` (admin): the processes holding this
+    #: released entry's memfd open (an fd or a mapping), as the daemon's /proc shows them.
+    holder_pids: list[int] | None = None
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):

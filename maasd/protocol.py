@@ -28,6 +28,14 @@ msgpack map, a msgspec tagged union on ``"op"``::
 
     (any)                            <-      error    {status, title, detail, type}
 
+    pushed by the daemon, between replies, unasked
+                                     <-      released {buffer_id}
+                                             an entry this connection holds (looked up
+                                             or attached) was released or evicted: it
+                                             reads zeros; unmap it and close its fd
+                                             now (until then its pages stay counted in
+                                             the tenant's quota); no detach is owed
+
 A ``lookup`` miss is a 404 error frame, with no fd. ``attach`` of a committed entry
 sends a read-only fd too. A ``put`` that cannot be served answers as a REST reserve
 of an evictable keyed buffer would (409 quota / duplicate key, 507 …); a ``commit``
@@ -83,6 +91,7 @@ __all__ = [
     "ProtocolError",
     "Put",
     "Renew",
+    "Released",
     "Reply",
     "Request",
     "Reserved",
@@ -237,7 +246,19 @@ class Error(msgspec.Struct, tag="error", tag_field="op", frozen=True):
     type: str | None = None
 
 
-Reply = Welcome | Attached | Found | Reserved | Ok | Error
+class Released(msgspec.Struct, tag="released", tag_field="op", frozen=True):
+    """Pushed, not an answer: an entry this connection holds was released (or evicted).
+
+    Its pages are zeroed but stay resident, counted in its tenant's quota, until every
+    fd and mapping of it is gone; the daemon has dropped this connection's attachments
+    of it. A worker unmaps and closes what it holds of it, then reads on: the reply it
+    waits for follows.
+    """
+
+    buffer_id: str
+
+
+Reply = Welcome | Attached | Found | Reserved | Ok | Error | Released
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from maasd import errors
 from maasd.broker import Broker, Limits
 from maasd.models import Principal
-from maasd.protocol import FrameReader, Hello, Welcome, decode_reply, encode_frame
+from maasd.protocol import FrameReader, Hello, Released, Welcome, decode_reply, encode_frame
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MiB = 1 << 20
@@ -40,6 +40,8 @@ class Raw:
         self.sock.settimeout(timeout)
         self.sock.connect(path)
         self.reader = FrameReader()
+        #: ids of the entries the daemon said were released (pushed ``released`` frames)
+        self.pushed: list[str] = []
 
     def send(self, msg) -> None:
         self.sock.sendall(encode_frame(msg))
@@ -48,7 +50,16 @@ class Raw:
         self.sock.sendall(data)
 
     def recv(self):
-        """Next reply and the fds that came with it; (None, fds) at EOF."""
+        """Next reply and the fds that came with it; (None, fds) at EOF. Pushed
+        ``released`` frames are not replies: their ids go to :attr:`pushed`."""
+        while True:
+            reply, fds = self._recv_frame()
+            if not isinstance(reply, Released):
+                return reply, fds
+            self.pushed.append(reply.buffer_id)
+            assert fds == []
+
+    def _recv_frame(self):
         fds: list[int] = []
         while True:
             body = self.reader.next_frame()

@@ -149,6 +149,8 @@ class Pool:
         given back).
         """
         rounded = self.rounded(size)
+        if self.reclaimer is not None and self.reclaimer.pending_bytes > rounded:
+            self.reclaimer.help(rounded)  # released pages waiting stay bounded (reclaim.py)
         region = self._warm.take_region(rounded, extra_seals) if self.warm_bytes else None
         if region is not None:
             if not accounted:
@@ -196,7 +198,8 @@ class Pool:
 
         Every byte reads zero when this returns. With ``scrub = "zero"`` on ``memfd``,
         only the memset happens here; the punch and the close are left to the pool's
-        :class:`~maasd.allocator.reclaim.Reclaimer` (done here without one). Otherwise
+        :class:`~maasd.allocator.reclaim.Reclaimer` (done here without one) — but a
+        frozen region (a committed entry), which cannot be punched, is closed here. Otherwise
         the punch *is* the scrub (``hugetlb`` punches in both modes), so it happens here.
         Releasing a released (closed) region again changes nothing.
         """
@@ -205,8 +208,13 @@ class Pool:
                 return
             region.released = True
         if self.scrub == "zero" and region.backing == "memfd":
+            frozen = region.frozen
             region.scrub("zero", punch=False)
-            if self.reclaimer is not None:
+            if frozen:
+                # Nothing to punch (the kernel refuses it): closed now, so that the
+                # memory goes at once unless a worker still holds it (maasd.core.holders).
+                region.close()
+            elif self.reclaimer is not None:
                 self.reclaimer.submit(region)
             else:
                 reclaim(region)
@@ -243,6 +251,11 @@ class Pool:
             self.reclaimer.submit(region)  # reclaimed here if it is not running
         else:
             reclaim(region)
+
+    def give_back(self, size: int) -> None:
+        """Give back the bytes of a region released with ``give_back=False`` whose
+        memory others held until now (a committed entry: maasd.core.holders)."""
+        self._warm.give(size)
 
     def close(self) -> None:
         """No more stock: leave the warmer, stop a refill in flight, close every stocked region.

@@ -308,16 +308,17 @@ class BuffersController(Controller):
 
     @get(
         "/buffers",
-        summary="Own buffers (admin: all, or ?tenant_id=)",
+        summary="Own buffers (admin: all, or ?tenant_id=; ?held=true: released, still held)",
         responses=problems.responses(*KEYED + (404,)),
     )
     async def list_buffers(
         self,
         call: NamedDependency[Call],
         tenant_id: FromQuery[str | None] = None,
+        held: FromQuery[bool] = False,
     ) -> Response[list[BufferInfo]]:
         read = call.service.last_known.buffers
-        return _maybe_stale(await call.run(read, call.who, tenant_id))
+        return _maybe_stale(await call.run(read, call.who, tenant_id, held))
 
     @get(
         "/buffers/{buffer_id:str}",

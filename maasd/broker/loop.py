@@ -39,6 +39,7 @@ from .connection import Connection
 from .dispatch import Dispatcher, HandleService, Op, Outcome, Session
 from .limits import Limits
 from .pacing import Fields, LogLimiter
+from .pushes import Pushes
 from .revocations import Revocations
 from .slowpool import SlowPool
 from .table import ConnectionTable
@@ -87,6 +88,7 @@ class EventLoop:
         self.tick = time.monotonic()
         self.crash: str | None = None
         self.revocations = Revocations(service, self.table, self.dispatcher, pool, self.post)
+        self.pushes = Pushes(self.table, self.wake)
         self._finished = False
         self._post_lock = threading.Lock()
 
@@ -110,7 +112,7 @@ class EventLoop:
 
     def _turn(self) -> None:
         due = self._next_due()
-        if self.backlog or self.results:
+        if self.backlog or self.results or self.pushes:
             timeout = 0.0
         elif due is None:
             timeout = MAX_WAIT_S
@@ -122,6 +124,8 @@ class EventLoop:
             self._run_results()
         if self.backlog:
             self._run_backlog()
+        if self.pushes:
+            self.pushes.send()
         if self.revocations.due():
             self.revocations.sweep()
         if due is not None and (now := time.monotonic()) >= due:

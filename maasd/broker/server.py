@@ -100,6 +100,10 @@ class Broker:
             watch = getattr(self.service, "watch_revocations", None)
             if watch is not None:
                 watch(loop.wake)
+            # A released entry's holders are told to let go (its memory counts until then).
+            releases = getattr(self.service, "watch_releases", None)
+            if releases is not None:
+                releases(loop.pushes.released)
             thread = threading.Thread(target=loop.run, name="maasd-broker", daemon=True)
             thread.start()
         except BaseException:

@@ -10,8 +10,11 @@ later requests raise :class:`~maasd.client.errors.ConnectionFailed` at once.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import select
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -29,11 +32,16 @@ from maasd.client.errors import (
 
 __all__ = ["PENDING_ERROR_S", "Channel", "close_fds"]
 
+logger = logging.getLogger(__name__)
+
 #: A reply that carries one fd.
 R = TypeVar("R", protocol.Attached, protocol.Found, protocol.Reserved)
 
 #: How long a request whose send failed waits for the error frame the daemon sent first.
 PENDING_ERROR_S = 1.0
+#: How often an idle channel reads the frames the daemon pushed (``released``): an idle
+#: worker lets go of a released entry within this, well inside a reserve's wait for it.
+IDLE_READ_S = 0.1
 
 
 def close_fds(fds: list[int]) -> None:
@@ -62,6 +70,13 @@ class Channel:
         self._reader = protocol.FrameReader()
         #: why the stream is unusable, once it is
         self.broken: str | None = None
+        #: told the id of each ``released`` frame the daemon pushes (under the lock: it
+        #: must not make a request)
+        self.on_released: Callable[[str], None] | None = None
+        #: a frame read while looking for pushed ones that is not one (the next answer)
+        self._early: bytes | None = None
+        self._idle_stop = threading.Event()
+        self._idle: threading.Thread | None = None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         sock.settimeout(timeout)
         try:
@@ -70,6 +85,8 @@ class Channel:
             sock.close()
             raise ConnectionFailed(f"cannot connect to {socket_path}: {exc}") from exc
         self._sock = sock
+        self._readable = select.poll()
+        self._readable.register(sock, select.POLLIN)
 
     def request(
         self, msg: protocol.Request, meanwhile: Callable[[], object] | None = None
@@ -85,6 +102,7 @@ class Channel:
         with self._lock:
             if self.broken is not None:
                 raise ConnectionFailed(f"connection unusable: {self.broken}")
+            self._drain_pushed()
             try:
                 protocol.send_message(self._sock, msg)
             except OSError as exc:
@@ -135,6 +153,31 @@ class Channel:
             f"{type(reply).__name__.lower()} with {len(fds)} fds"
         )
 
+    def read_when_idle(
+        self, on_released: Callable[[str], None], interval_s: float = IDLE_READ_S
+    ) -> None:
+        """Call ``on_released(buffer_id)`` for each ``released`` frame the daemon pushes: as
+        each request reads them, and from a thread every ``interval_s`` while none is in
+        flight."""
+        self.on_released = on_released
+        self._idle = threading.Thread(
+            target=self._idle_loop, args=(interval_s,), name="maasd-worker-pushed", daemon=True
+        )
+        self._idle.start()
+
+    def _idle_loop(self, interval_s: float) -> None:
+        while not self._idle_stop.wait(interval_s):
+            if self.broken is not None:
+                return
+            if not self._lock.acquire(blocking=False):
+                continue  # a request is in flight: it reads them
+            try:
+                self._drain_pushed()
+            except MaasdClientError:
+                return  # the stream broke: the next request says so
+            finally:
+                self._lock.release()
+
     def shutdown(self) -> None:
         """Wake a request blocked in recv (from any thread); the channel stays open."""
         with contextlib.suppress(OSError):
@@ -142,6 +185,9 @@ class Channel:
 
     def close(self) -> None:
         """Close the socket, after any request in progress."""
+        self._idle_stop.set()
+        if self._idle is not None and self._idle is not threading.current_thread():
+            self._idle.join(5.0)
         self.shutdown()
         with self._lock:
             self._sock.close()
@@ -153,9 +199,66 @@ class Channel:
         return ConnectionFailed(why)
 
     def _receive(self) -> tuple[protocol.Reply, list[int]]:
-        """One reply (the lock held): the reply, or its error raised; fds closed on error."""
+        """One reply (the lock held): the reply, or its error raised; fds closed on error.
+        Frames the daemon pushed before it are handled on the way (:meth:`_pushed`)."""
+        while True:
+            reply, fds = self._receive_frame()
+            if not isinstance(reply, protocol.Released):
+                return reply, fds
+            close_fds(fds)
+            self._pushed(reply)
+
+    def _pushed(self, frame: protocol.Released) -> None:
+        if self.on_released is not None:
+            try:
+                self.on_released(frame.buffer_id)
+            except Exception:  # the cache's bookkeeping must not break the stream
+                logger.exception("dropping released entry %s failed", frame.buffer_id)
+
+    def _drain_pushed(self) -> None:
+        """(lock held) Before a request: handle the frames the daemon pushed since the last
+        reply (``released``), so that what they ask happens before this request's answer."""
+        while True:
+            data = b""
+            if not self._reader.has_frame:
+                # (a socket with a timeout waits for data before any recv: poll first)
+                if not self._readable.poll(0):
+                    return
+                try:
+                    data, anc, _flags, _addr = self._sock.recvmsg(
+                        65536,
+                        socket.CMSG_SPACE(4 * protocol.MAX_FD_PER_MESSAGE),
+                    )
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return  # the request's send or receive will say what is wrong
+                close_fds([fd for _l, _t, p in anc for fd in struct.unpack(f"{len(p) // 4}i", p)])
+                if not data:
+                    return  # EOF: the request's receive reports it
+            try:
+                body = self._reader.next_frame(data)
+            except protocol.ProtocolError as exc:
+                raise self._fail(f"bad frame from daemon: {exc}") from exc
+            if body is None:
+                return
+            try:
+                frame = protocol.decode_reply(body)
+            except msgspec.DecodeError as exc:
+                raise self._fail(f"undecodable frame from daemon: {exc}") from exc
+            if not isinstance(frame, protocol.Released):
+                self._early = body  # an error the daemon sent before closing: the answer
+                return
+            self._pushed(frame)
+
+    def _receive_frame(self) -> tuple[protocol.Reply, list[int]]:
+        body: bytes | None
+        fds: list[int] = []
         try:
-            body, fds = protocol.recv_message(self._sock, self._reader)
+            if self._early is not None:
+                body, self._early = self._early, None
+            else:
+                body, fds = protocol.recv_message(self._sock, self._reader)
         except TimeoutError as exc:
             raise self._fail(f"no answer from {self.socket_path} in time") from exc
         except protocol.ProtocolError as exc:

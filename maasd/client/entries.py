@@ -8,8 +8,12 @@ in bytes and in idle time. The daemon counts one attachment per connection and
 entry however often it is looked up, so the cache detaches an entry once, when it
 unmaps it.
 
-An entry the daemon released (evicted, expired) reads zeros through a mapping kept
-here. Every lookup still asks the daemon, so a released entry is not found again:
+An entry the daemon released (evicted, expired, deleted) reads zeros and, while mapped
+here, still counts in the tenant's quota (its pages cannot be freed while anyone maps
+them). The daemon says so with a pushed ``released`` frame, which the worker handles
+before its next call returns (also while it waits for another answer): the mapping is
+dropped at once (unmapped, fd closed), or when its user gives it back. Every lookup
+still asks the daemon, so a released entry is not found again:
 a miss drops the cached mappings of the keys asked for, and a hit drops one cached
 under the same key with another id (the key was published again). An entry released
 between a lookup and its read fails the reader's header check, and
@@ -37,6 +41,8 @@ __all__ = ["DEFAULT_CACHE_AGE_S", "DEFAULT_CACHE_BYTES", "Entry", "EntryMapping"
 DEFAULT_CACHE_BYTES = 256 << 20
 #: Seconds an entry mapping may stay idle in the cache (``Worker(cache_age_s=…)``).
 DEFAULT_CACHE_AGE_S = 30.0
+#: Released ids remembered that were not cached when the daemon said so.
+_GONE_KEPT = 1024
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,8 @@ class Slot:
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
     forgotten: bool = False
+    #: the daemon said it was released: dropped without a detach (it owes none)
+    released: bool = False
 
     @property
     def buffer_id(self) -> str:
@@ -131,6 +139,9 @@ class MappingCache:
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
         self._slots: collections.OrderedDict[str, Slot] = collections.OrderedDict()
+        #: released ids not cached when the daemon said so (a lookup's answer racing the
+        #: frame): a slot added for one of them is dropped when given back
+        self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -160,6 +171,8 @@ class MappingCache:
     def add(self, slot: Slot) -> list[Slot]:
         """Cache a new slot (with its first user); returns the slots evicted for room."""
         with self._lock:
+            if self._gone.pop(slot.buffer_id, 0) is None:  # released before it was added
+                slot.forgotten = slot.released = True
             slot.users += 1
             slot.last_used = time.monotonic()
             self._slots[slot.buffer_id] = slot
@@ -179,6 +192,23 @@ class MappingCache:
             if slot is not None:
                 slot.forgotten = True
             return self._trim()
+
+    def released(self, buffer_id: str) -> None:
+        """The daemon released ``buffer_id`` (a pushed ``released`` frame): unmapped and
+        closed now if idle, else when its last user gives it back; no detach is owed for
+        it (the worker's channel calls this while it reads: it makes no request)."""
+        with self._lock:
+            slot = self._slots.get(buffer_id)
+            if slot is None:
+                self._gone[buffer_id] = None
+                if len(self._gone) > _GONE_KEPT:
+                    self._gone.popitem(last=False)
+                return
+            slot.forgotten = slot.released = True
+            if slot.users:
+                return
+            del self._slots[buffer_id]
+        slot.mapping._close_local()
 
     def forget_keys(self, keys: list[str], keep: str | None = None) -> list[Slot]:
         """Drop the slots cached under any of ``keys`` (but ``keep``, a buffer id): the

@@ -315,10 +315,13 @@ class Client(_Http):
     def buffer(self, buffer_id: str) -> Buffer:
         return self._call("GET", f"/v1/buffers/{_seg(buffer_id)}", Buffer)
 
-    def buffers(self, tenant_id: str | None = None) -> list[Buffer]:
-        """The caller's buffers (admin: all, or the tenant's with ``tenant_id``, id or name)."""
-        params = {"tenant_id": tenant_id} if tenant_id is not None else None
-        return self._call("GET", "/v1/buffers", list[Buffer], params=params)
+    def buffers(self, tenant_id: str | None = None, *, held: bool = False) -> list[Buffer]:
+        """The caller's buffers (admin: all, or the tenant's with ``tenant_id``, id or name);
+        ``held`` (admin): released entries some process still holds, with ``holder_pids``."""
+        params: dict[str, str] = {} if tenant_id is None else {"tenant_id": tenant_id}
+        if held:
+            params["held"] = "true"
+        return self._call("GET", "/v1/buffers", list[Buffer], params=params or None)
 
     def pin(self, buffer_id: str, numa_node: int) -> Buffer:
         """Bind and migrate the buffer's pages to ``numa_node``; the answer has ``placement``."""

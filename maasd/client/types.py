@@ -70,6 +70,8 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     buffers: int = 0
     warm_bytes: int = 0
     warm_target_bytes: int = 0
+    #: Of ``used_bytes``: released entries some process still holds open.
+    held_bytes: int = 0
 
 
 class Host(msgspec.Struct, frozen=True, kw_only=True):
@@ -100,6 +102,8 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     buffers: int = 0
     created_at: str | None = None
     max_buffers: int | None = None
+    #: Of ``used_bytes``: released entries some process still holds open.
+    held_bytes: int = 0
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,6 +135,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     buffers: int
     max_buffers: int | None = None
+    #: Of ``used_bytes``: released entries some process still holds open (counted until
+    #: every fd and mapping of them is gone).
+    held_bytes: int = 0
 
 
 class Buffer(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,6 +155,8 @@ class Buffer(msgspec.Struct, frozen=True, kw_only=True):
     expires_at: str | None = None
     placement: dict[str, int] | None = None
     checksum: str | None = None
+    #: ``buffers(held=True)``: the pids holding this released entry open
+    holder_pids: list[int] | None = None
 
 
 class Checkpoint(msgspec.Struct, frozen=True, kw_only=True):

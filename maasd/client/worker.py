@@ -79,9 +79,8 @@ class Worker:
     ``ttl_s`` is the lease the background thread renews attached buffers to,
     every ``renew_interval_s`` seconds (default ``ttl_s / 3``; ``0`` disables
     renewal). ``timeout`` bounds each request/response on the socket.
-    ``cache_bytes`` and ``cache_age_s`` bound the mapping cache of looked-up
-    entries: idle mappings beyond that many bytes, or idle for longer, are unmapped
-    (and detached).
+    ``cache_bytes`` and ``cache_age_s`` bound the mapping cache of looked-up entries:
+    idle mappings beyond that many bytes, or idle for longer, are unmapped (detached).
     """
 
     def __init__(
@@ -108,6 +107,7 @@ class Worker:
         self._renewer: threading.Thread | None = None
         self._channel = Channel(self.socket_path, timeout)
         reply = self._channel.hello(api_key)
+        self._channel.read_when_idle(self.cache.released)  # released: unmapped at once
         self.tenant_id: str | None = reply.tenant_id
         #: This process's pid as the daemon recorded it (SO_PEERCRED).
         self.peer_pid: int | None = reply.pid
@@ -342,10 +342,10 @@ class Worker:
         self._drop(self.cache.checkin(slot))
 
     def _drop(self, slots: list[Slot]) -> None:
-        """Unmap entry mappings the cache let go of, and detach each (one handle each)."""
+        """Unmap what the cache let go of; detach each unless the daemon released it."""
         for slot in slots:
             slot.mapping._close_local()
-            self._detach_quietly(slot.buffer_id, True)
+            self._detach_quietly(slot.buffer_id, not slot.released)
 
     def _sweep(self, force: bool = False) -> None:
         """Age idle entry mappings out (at most every SWEEP_INTERVAL_S unless ``force``)."""

@@ -36,6 +36,7 @@ lives in a module of its own:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Container
 
 from maasd.allocator import Warmer
@@ -122,6 +123,7 @@ class Service:
             self._auth,
             releaser,
             settings.max_buffers_per_tenant,
+            held=functools.partial(self.runtime.holders.held_bytes_by, "tenant_id"),
             host=settings.node_name,
             remote_wait_s=3 * settings.reaper_interval_s,
         )
@@ -153,27 +155,15 @@ class Service:
             self.reclaimer,
             self.warmer,
         )
-        self._attach_collectors()
+        _attach_collectors(self)
         #: ``GET /v1/usage``, pools, buffers: as last known while the ledger is down
         self.last_known = LastKnownReads(
             lambda who: self.usage(who),
             lambda all_hosts: self.pools(all_hosts=all_hosts),
-            lambda who, tenant_id: self.buffers(who, tenant_id),
+            lambda who, tenant_id, held: self.buffers(who, tenant_id, held),
         )
         # The ledger back: the uses and leases batched meanwhile are written at once.
         self.store.circuit.on_up(self._buffers.flush_uses)
-
-    def _attach_collectors(self) -> None:
-        """The metrics read at scrape time: the ledger's, the runtime's, the entries'."""
-        self.metrics.attach_ledger(LedgerCollector(self.pools, self.tenants))
-        self.metrics.attach_runtime(
-            RuntimeCollector(
-                self.runtime.released_attached, lambda: (self.budget.held(), self.budget.budget)
-            )
-        )
-        self.metrics.attach_entries(
-            EntryCollector(self.runtime.entry_stats, self.runtime.released_entry_bytes)
-        )
 
     @property
     def topology(self) -> Topology:
@@ -229,6 +219,10 @@ class Service:
     def watch_revocations(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` right after every key revocation (the broker wakes with it)."""
         self._auth.watch_revocations(callback)
+
+    def watch_releases(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(buffer_id)`` when an entry someone holds is released (broker)."""
+        self.runtime.holders.listen(callback)
 
     require_admin = staticmethod(require_admin)
     require_tenant = staticmethod(require_tenant)
@@ -299,8 +293,10 @@ class Service:
     def reserve(self, who: Principal, req: ReserveSpec) -> BufferInfo:
         return self._buffers.reserve(who, req)
 
-    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
-        return self._buffers.buffers(who, tenant_id)
+    def buffers(
+        self, who: Principal, tenant: str | None = None, held: bool = False
+    ) -> list[BufferInfo]:
+        return self._buffers.buffers(who, tenant, held=held)
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
         return self._buffers.buffer(who, buffer_id)
@@ -378,6 +374,20 @@ class Service:
         False once it is committed or released (its lease ended, a DELETE)."""
         held = self.runtime.held(buffer_id)
         return held is not None and not held.live
+
+
+def _attach_collectors(svc: Service) -> None:
+    """The metrics read at scrape time: the ledger's, the runtime's, the entries'."""
+    svc.metrics.attach_ledger(LedgerCollector(svc.pools, svc.tenants))
+    svc.metrics.attach_runtime(
+        RuntimeCollector(
+            svc.runtime.released_attached, lambda: (svc.budget.held(), svc.budget.budget)
+        )
+    )
+    r = svc.runtime
+    svc.metrics.attach_entries(
+        EntryCollector(r.entry_stats, r.released_entry_bytes, r.holders.held_by)
+    )
 
 
 def _open_store(settings: Settings) -> Store:

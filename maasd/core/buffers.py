@@ -20,9 +20,10 @@ import msgspec
 
 from maasd.allocator import Region
 from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
-from maasd.core import placement
-from maasd.core.auth import require_tenant
+from maasd.core import placement, room
+from maasd.core.auth import require_admin, require_tenant
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.holders import holder_pids
 from maasd.core.limits import RegionBudget, kernel_refusal
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
@@ -64,6 +65,19 @@ def buffer_info(row: BufferRow, placed: dict[int, int] | None = None) -> BufferI
         placement=None if placed is None else {str(k): v for k, v in placed.items()},
         checksum=row.checksum,
     )
+
+
+def held_infos(store: Store, runtime: Runtime, tenant_id: str | None) -> list[BufferInfo]:
+    """Released entries some process still holds (of ``tenant_id``, or all), each with the
+    pids that hold it (a scan of /proc: the admin's question, not a request path's)."""
+    held = [h for h in runtime.holders.held_by() if tenant_id in (None, h.tenant_id)]
+    pids = holder_pids(h.inode for h in held)
+    infos = []
+    for h in held:
+        row = store.buffer(h.buffer_id)
+        if row is not None:
+            infos.append(msgspec.structs.replace(buffer_info(row), holder_pids=pids.get(h.inode)))
+    return infos
 
 
 class Buffers:
@@ -148,11 +162,11 @@ class Buffers:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
                 # before the ledger is asked: a region is one of each.
                 with self._budget.admit():
-                    victims = self._store.begin_reserve(
-                        row, uses=uses, leases=extended, durable=must_last(row.persistence)
-                    )
-                    uses, extended = {}, {}  # written by the admitting transaction
-                    region = self._create(row, live, victims, frozen=frozen)
+                    # victims released; only bytes that really came free make room
+                    row = room.admit(
+                        self._store, self._runtime, self._releaser, row, uses=uses, leases=extended
+                    )  # uses and leases: written by the admitting transaction
+                    region = self._create(row, live, frozen=frozen)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
@@ -165,13 +179,9 @@ class Buffers:
         assert last_error is not None
         raise last_error
 
-    def _create(
-        self, row: BufferRow, live: LivePool, victims: list[BufferRow], *, frozen: bool
-    ) -> Region:
-        """``row`` is admitted: its victims scrubbed, then its region made. A failure
-        finishes the row (``reserve_failed``) and says which limit the kernel met."""
-        for victim in victims:
-            self._releaser.evict(victim)
+    def _create(self, row: BufferRow, live: LivePool, *, frozen: bool) -> Region:
+        """``row`` is admitted (its victims gone): its region made. A failure finishes
+        the row (``reserve_failed``) and says which limit the kernel met."""
         try:
             return live.pool.reserve(
                 row.size_bytes,
@@ -282,8 +292,13 @@ class Buffers:
 
     # -- the others -------------------------------------------------------------------------
 
-    def buffers(self, who: Principal, tenant_id: str | None = None) -> list[BufferInfo]:
-        """The caller's live buffers; the admin's: everyone's, or ``tenant_id``'s (id or name)."""
+    def buffers(
+        self, who: Principal, tenant_id: str | None = None, *, held: bool = False
+    ) -> list[BufferInfo]:
+        """The caller's live buffers; the admin's: everyone's, or ``tenant_id``'s (id or name).
+        ``held`` (admin only): the released entries some process still holds, and who."""
+        if held:
+            require_admin(who)
         if not who.is_admin:
             tenant_id = who.tenant_id
         elif tenant_id is not None:
@@ -291,6 +306,8 @@ class Buffers:
             if row is None:
                 raise NotFound(f"no tenant {tenant_id!r}")
             tenant_id = row.id
+        if held:
+            return held_infos(self._store, self._runtime, tenant_id)
         return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:

@@ -12,7 +12,8 @@ its bytes are immutable, enforced by the kernel, and every handle to it is read-
               the staging region's accounting: the pool counts the entry once)
               the staged bytes copied into it (memfd: memmove, a hole faults in a
               zero page; hugetlb: pread, a hole reads as zeros and nothing faults)
-              an O_RDONLY fd of it, opened once (every later handle is a dup of it)
+              its memfd watched (maasd.core.holders), then an O_RDONLY fd of it
+              opened once (every later handle is a dup of it)
               ledger: staged → live + committed_at (compare-and-set, one statement)
               the regions swapped, the key published; the staging region scrubbed
               (punched) after the answer: only its writer ever held it, and it is
@@ -61,7 +62,7 @@ from maasd.metrics import Metrics
 from maasd.models import EntryAbortReason, Principal, ReserveSpec
 from maasd.store import BufferRow, Store, must_last
 
-__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
+__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +83,6 @@ class Found:
     key: str
     size_bytes: int
     numa_node: int
-
-
-def open_read_only(region: Region) -> int:
-    """An ``O_RDONLY`` fd of the region's memfd (a re-open through ``/proc/self/fd``)."""
-    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 class Entries:
@@ -186,13 +182,14 @@ class Entries:
             if held is None or held.live or live is None:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             try:
-                fresh, ro_fd = _copy(held, live, buffer_id)
+                fresh, ro_fd = _copy(held, live, buffer_id, self._runtime)
             except (OSError, MaasdError) as e:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
                 if self._store.commit(buffer_id, time.time(), durable=durable) is None:
                     _dispose(live, fresh, ro_fd)
+                    self._runtime.holders.forget(buffer_id)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
                 staging = self._runtime.commit(buffer_id, fresh, ro_fd)
                 assert staging is not None  # held under its lock: a release waits for it
@@ -317,9 +314,12 @@ class Entries:
                 view[: len(data)] = data
             finally:
                 view.release()
-            ro_fd = open_read_only(region)
+            ro_fd = self._runtime.holders.open_read_only(
+                buffer_id, region, held.tenant_id, held.pool_id
+            )
             if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
                 os.close(ro_fd)
+                self._runtime.holders.forget(buffer_id)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             self._runtime.commit(buffer_id, region, ro_fd)
 
@@ -352,8 +352,9 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
-    """The staged bytes in a fresh, frozen region of the pool, and its read-only fd."""
+def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> tuple[Region, int]:
+    """The staged bytes in a fresh, frozen region of the pool, and its (watched)
+    read-only fd."""
     staging = held.region
     fresh = live.pool.reserve(
         staging.size,
@@ -366,7 +367,7 @@ def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
         if live.row.prefault and not fresh.placed:  # a stocked region's was measured
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
-        ro_fd = open_read_only(fresh)
+        ro_fd = runtime.holders.open_read_only(buffer_id, fresh, held.tenant_id, held.pool_id)
     except BaseException:
         live.pool.release(fresh, give_back=False)
         raise

@@ -43,13 +43,12 @@ from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
-from maasd.core.entries import open_read_only
 from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.core.runtime import Held, Runtime
 from maasd.core.tenants import Tenants
-from maasd.errors import ConfigError, LedgerUnavailable
+from maasd.errors import ConfigError, LedgerUnavailable, ResourceLimit
 from maasd.metrics import Metrics
 from maasd.settings import Settings
 from maasd.store import BufferRow, Store, must_last
@@ -102,6 +101,7 @@ class Lifecycle:
         """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
         os.makedirs(self._settings.data_dir, mode=0o700, exist_ok=True)
         self.reclaimer.start()
+        self._runtime.holders.prepare()
         self._store.upgrade()
         self._auth.load_admin_key()
         self._hosts.claim()
@@ -152,6 +152,7 @@ class Lifecycle:
                 if region is not None and not region.closed:
                     region.scrub("zero")
                     region.close()
+        self._runtime.holders.close()  # entries workers still hold: their rows went above
         self._auth.stop()
         try:
             self._hosts.stopped()
@@ -288,16 +289,21 @@ class Lifecycle:
             region = self._checkpoints.restore(row, live)
             if region is not None:
                 live.pool.adopt(region.size)
-                self._runtime.hold(row.id, self._held(row, region))
-                return "restored"
+                try:
+                    held = self._held(row, region)
+                except ResourceLimit as e:  # no inotify watch left for a committed entry
+                    logger.warning("buffer %s not restored: %s", row.id, e.detail)
+                    live.pool.release(region)
+                else:
+                    self._runtime.hold(row.id, held)
+                    return "restored"
         # A volatile row's release need not wait for the disk: rolled back by a power
         # loss, the row is released again at the next start.
         self._store.finish_release(row.id, kind="recover", durable=must_last(row.persistence))
         remove_checkpoint(row)
         return "released"
 
-    @staticmethod
-    def _held(row: BufferRow, region: Region) -> Held:
+    def _held(self, row: BufferRow, region: Region) -> Held:
         """A restored buffer as the runtime holds it; a committed entry with its read-only
         fd, published under its key."""
         committed = row.committed_at is not None
@@ -307,7 +313,11 @@ class Lifecycle:
             row.pool_id,
             row.key,
             live=True,
-            ro_fd=open_read_only(region) if committed else None,
+            ro_fd=(
+                self._runtime.holders.open_read_only(row.id, region, row.tenant_id, row.pool_id)
+                if committed
+                else None
+            ),
             ttl_s=max(1, round(row.expires_at - row.created_at)),
         )
 

@@ -38,7 +38,7 @@ __all__ = ["Pools", "pool_info"]
 logger = logging.getLogger(__name__)
 
 
-def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0) -> PoolInfo:
+def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0, held: int = 0) -> PoolInfo:
     """The API record of a pool; ``used`` is ``(used_bytes, buffers)``, ``warm`` its stock.
 
     ``used_bytes`` are the buffers' (the ledger's); the warm stock is part of
@@ -61,6 +61,7 @@ def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0) -> PoolInfo:
         buffers=used[1],
         warm_bytes=warm,
         warm_target_bytes=row.warm_bytes,
+        held_bytes=held,
     )
 
 
@@ -181,11 +182,21 @@ class Pools:
             usage = self._store.usage_by_pool(None)
             rows = self._store.all_pools()
             warm = {live.row.id: live.pool.warm for live in self._runtime.pools()}
-            return [pool_info(row, usage.get(row.id, (0, 0)), warm.get(row.id, 0)) for row in rows]
+            held = self._runtime.holders.held_bytes_by("pool_id")
+            return [
+                pool_info(row, usage.get(row.id, (0, 0)), warm.get(row.id, 0), held.get(row.id, 0))
+                for row in rows
+            ]
         usage = self._store.usage_by_pool(self._host)
+        held = self._runtime.holders.held_bytes_by("pool_id")
         return sorted(
             (
-                pool_info(live.row, usage.get(live.row.id, (0, 0)), live.pool.warm)
+                pool_info(
+                    live.row,
+                    usage.get(live.row.id, (0, 0)),
+                    live.pool.warm,
+                    held.get(live.row.id, 0),
+                )
                 for live in self._runtime.pools()
             ),
             key=lambda p: p.name,
@@ -202,7 +213,8 @@ class Pools:
                 raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
-        return pool_info(live.row, used, live.pool.warm)
+        held = self._runtime.holders.held_bytes_by("pool_id").get(live.row.id, 0)
+        return pool_info(live.row, used, live.pool.warm, held)
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""

@@ -8,6 +8,13 @@ that each one records its intent first and scrubs before it says done
     ledger: row ``releasing`` (its key given up)
     memory: region taken out (after any checkpoint or pin of it), scrubbed, closed
     ledger: row deleted, event recorded
+
+A committed entry's pages cannot be punched (it is sealed): when a worker still holds
+its memfd open after the scrub (a kept fd, a mapping, a child's or a re-opened one),
+the row stays ``releasing`` — counted in its tenant's quota and its pool's use — and
+its bytes stay taken in the pool, until the kernel reports the last holder gone
+(:mod:`maasd.core.holders`); then the row is deleted with its event. A tenant's or
+pool's delete finishes such rows at once (their owner is going away).
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from maasd.models import ReleaseReason
 from maasd.store import BufferRow, Store, must_last
 
 __all__ = ["DELETE_PASSES", "Releaser", "remove_checkpoint"]
+
+#: What ends a released buffer's row (deletes it, records its event).
+Finish = Callable[[], object]
 
 #: Passes over a deleting tenant's (draining pool's) buffers before its delete gives up
 #: for now. Each pass releases every buffer it finds, and the ledger admits no new one
@@ -54,8 +64,12 @@ class Releaser:
         durable = must_last(row.persistence)  # a volatile buffer's: no wait for the disk
         if not marked:
             row = self._store.mark_releasing(row.id, None, durable=durable)
-        self.release_memory(row, reason=reason)
-        self._store.finish_release(row.id, kind=reason, durable=durable)
+        buffer_id = row.id
+        self.release_memory(
+            row,
+            reason=reason,
+            finish=lambda: self._store.finish_release(buffer_id, kind=reason, durable=durable),
+        )
 
     def release_all(
         self,
@@ -89,10 +103,14 @@ class Releaser:
             "its delete continues at the next DELETE or daemon start"
         )
 
-    def release_memory(self, row: BufferRow, *, reason: ReleaseReason) -> None:
-        """Scrub and free a buffer's memory and remove its checkpoint files; the row stays."""
+    def release_memory(
+        self, row: BufferRow, *, reason: ReleaseReason, finish: Finish | None = None
+    ) -> None:
+        """Scrub and free a buffer's memory and remove its checkpoint files, then
+        ``finish()`` (the row's end) — later, if others still hold the memory of this
+        committed entry (see :meth:`drop_region`)."""
         started = time.perf_counter()
-        self.drop_region(row)
+        held = self.drop_region(row, finish)
         if row.persistence == "persistent":
             # A checkpoint that finished while drop_region waited for it may have
             # recorded a newer file than the one ``row`` names: remove both.
@@ -101,39 +119,71 @@ class Releaser:
                 remove_checkpoint(latest)
             remove_checkpoint(row)
         self._runtime.note_released(row.id, row.tenant_id, row.kind, row.size_bytes)
+        if held:  # the connections that hold it are told to let go (maasd.core.holders)
+            self._runtime.holders.announce(row.id)
         self._metrics.release_total.labels(reason=reason).inc()
         self._metrics.release_seconds.observe(time.perf_counter() - started)
+        if not held and finish is not None:
+            finish()
 
-    def drop_region(self, row: BufferRow) -> None:
+    def drop_region(self, row: BufferRow, finish: Finish | None = None) -> bool:
         """Take the buffer's region out of this process, scrub it and give its bytes back.
 
         Waits for a checkpoint or pin of the buffer in progress. Every byte of the
         region reads zero when this returns. Nothing to do if this process holds
-        no region for it.
+        no region for it. Returns True if the region is a committed entry that others
+        still hold open (its pages cannot be punched): its bytes stay taken in the pool
+        and ``finish`` is not called here, both are done when the last holder lets go
+        (:mod:`maasd.core.holders`).
         """
         region = self._runtime.take_region(row.id)
         if region is None:
-            return
+            return False
         live = self._runtime.pool(row.pool_id)
         mode = live.row.scrub if live is not None else "zero"
         started = time.perf_counter()
         if live is not None:
-            live.pool.release(region)
+            live.pool.release(region, give_back=False)
         else:  # its pool is gone (deleted meanwhile): scrub it here
             region.scrub(mode)
             region.close()
         self._metrics.scrub_bytes.labels(mode=mode).inc(region.size)
         self._metrics.scrub_seconds.labels(mode=mode).inc(time.perf_counter() - started)
+        give_back = live.pool.give_back if live is not None else _ignore
+        size = region.size
+
+        def freed() -> None:  # on the holders' reader thread
+            give_back(size)
+            if finish is not None:
+                with contextlib.suppress(NotFound):  # finished meanwhile (a tenant delete)
+                    finish()
+
+        if self._runtime.holders.settle(row.id, freed):
+            give_back(size)
+            return False
+        return True
 
     def evict(self, victim: BufferRow) -> None:
         """Finish an eviction a reserve chose (its row is ``releasing`` already).
 
         The reserve recorded the ``evict`` event, naming itself as the cause, in
-        its own transaction: deleting the row records nothing more.
+        its own transaction: deleting the row records nothing more. A committed entry
+        someone still holds keeps its row (``releasing``, counted) until they let go:
+        whether it did make room is :meth:`Holders.wait_freed`'s answer.
         """
-        self.release_memory(victim, reason="evict")
+        victim_id = victim.id
         durable = must_last(victim.persistence)
-        self._store.finish_release(victim.id, kind="evict", record=False, durable=durable)
+        self.release_memory(
+            victim,
+            reason="evict",
+            finish=lambda: self._store.finish_release(
+                victim_id, kind="evict", record=False, durable=durable
+            ),
+        )
         self._metrics.evictions.inc()
         if victim.kind == "entry":
             self._metrics.entry_evictions.labels(tenant=victim.tenant_id).inc()
+
+
+def _ignore(_size: int) -> None:
+    """Nothing to give back: the buffer's pool is gone."""

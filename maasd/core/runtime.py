@@ -25,7 +25,8 @@ Locks, and the order they are taken in
    cannot be taken out and closed meanwhile), and around the attachments lock (so
    that a handle is counted in the same step it is made, and a release sees it).
 3. **Leaf locks**, each guarding one thing and never held while taking another:
-   the pools lock (the live pools map), the attachments lock, the uses lock —
+   the pools lock (the live pools map), the attachments lock, the uses lock, the
+   holders' lock (:mod:`maasd.core.holders`, whose callbacks run outside it) —
    and outside this module the key cache's lock (:mod:`maasd.core.auth`), each
    allocator pool's lock, and the store's SQLite writer queue.
 
@@ -44,6 +45,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 
 from maasd.allocator import Pool, Region
+from maasd.core.holders import Holders
 from maasd.errors import NotFound, StateConflict
 from maasd.models import BufferKind
 from maasd.store import PoolRow
@@ -110,11 +112,13 @@ class Runtime:
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
         # Buffers released while workers still had handles attached: tenant, kind, size —
-        # until the last handle goes (released_attached, released_entry_bytes).
+        # until the last handle goes (released_attached).
         self._released_attached: dict[str, tuple[str, str, int]] = {}
         self._uses_lock = threading.Lock()
         self._uses: dict[str, float] = {}
         self._leases: dict[str, float] = {}
+        #: who still holds committed entries' memfds, as the kernel reports it
+        self.holders = Holders()
 
     # -- live pools ------------------------------------------------------------------------
 
@@ -212,8 +216,8 @@ class Runtime:
 
         Waits for the buffer's lock, so a checkpoint, pin or commit in progress
         finishes first; from then on no one can find the region here, nor look the
-        entry up. A committed entry's read-only fd is closed; if workers still hold
-        handles of it, its bytes count in :meth:`released_entry_bytes` until they let go.
+        entry up. A committed entry's read-only fd is closed (whether others still hold
+        the memfd is then the caller's question: :meth:`Holders.settle`).
         """
         with self.buffer_lock(buffer_id), self._regions_lock:
             self._busy.pop(buffer_id, None)
@@ -321,6 +325,11 @@ class Runtime:
                     self._released_attached.pop(buffer_id, None)
             return self._attached_by_tenant[tenant_id]
 
+    def attached_ids(self) -> frozenset[str]:
+        """The buffers some worker holds a handle of now."""
+        with self._attach_lock:
+            return frozenset(self._attached_by_buffer)
+
     def attached(self, buffer_id: str) -> int:
         """How many handles workers hold on this buffer now (attached, not yet dropped)."""
         with self._attach_lock:
@@ -348,15 +357,8 @@ class Runtime:
             return self._attached_by_tenant[tenant_id]
 
     def released_entry_bytes(self) -> int:
-        """Bytes of released committed entries that workers still hold handles of.
-
-        A committed entry cannot be punched: its pages stay resident (zeroed) until
-        the last handle of it is gone.
-        """
-        with self._attach_lock:
-            return sum(
-                size for _tenant, kind, size in self._released_attached.values() if kind == "entry"
-            )
+        """Bytes of released entries some process still holds (:mod:`maasd.core.holders`)."""
+        return self.holders.held_bytes()
 
     # -- uses (the LRU order) and lease extensions, batched --------------------------------
 

@@ -77,7 +77,7 @@ class LastKnownReads:
         self,
         usage: Callable[[Principal], Usage],
         pools: Callable[[bool], list[PoolInfo]],
-        buffers: Callable[[Principal, str | None], list[BufferInfo]],
+        buffers: Callable[[Principal, str | None, bool], list[BufferInfo]],
     ) -> None:
         self._usage, self._pools, self._buffers = usage, pools, buffers
         self._last_usage: LastKnown[Usage] = LastKnown()
@@ -90,9 +90,11 @@ class LastKnownReads:
     def pools(self, all_hosts: bool = False) -> Maybe[list[PoolInfo]]:
         return self._last_pools.answer(all_hosts, lambda: self._pools(all_hosts))
 
-    def buffers(self, who: Principal, tenant_id: str | None = None) -> Maybe[list[BufferInfo]]:
-        question = (who.is_admin, who.tenant_id, tenant_id)
-        return self._last_buffers.answer(question, lambda: self._buffers(who, tenant_id))
+    def buffers(
+        self, who: Principal, tenant_id: str | None = None, held: bool = False
+    ) -> Maybe[list[BufferInfo]]:
+        question = (who.is_admin, who.tenant_id, tenant_id, held)
+        return self._last_buffers.answer(question, lambda: self._buffers(who, tenant_id, held))
 
 
 def ledger_health(circuit: LedgerCircuit) -> tuple[bool, str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from maasd.core.auth import Auth, require_tenant
 from maasd.core.release import Releaser
@@ -37,8 +38,9 @@ __all__ = ["Tenants", "tenant_info"]
 logger = logging.getLogger(__name__)
 
 
-def tenant_info(row: TenantRow, default_max_buffers: int) -> TenantInfo:
-    """The API record of a tenant, with its usage and the buffer cap in force."""
+def tenant_info(row: TenantRow, default_max_buffers: int, held: int = 0) -> TenantInfo:
+    """The API record of a tenant, with its usage (``held``: bytes of it still held after
+    their release) and the buffer cap in force."""
     return TenantInfo(
         id=row.id,
         name=row.name,
@@ -47,6 +49,7 @@ def tenant_info(row: TenantRow, default_max_buffers: int) -> TenantInfo:
         buffers=row.buffers,
         created_at=rfc3339(row.created_at),
         max_buffers=row.max_buffers if row.max_buffers is not None else default_max_buffers,
+        held_bytes=held,
     )
 
 
@@ -67,6 +70,7 @@ class Tenants:
         *,
         host: str,
         remote_wait_s: float = 5.0,
+        held: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self._store = store
         self._auth = auth
@@ -74,6 +78,8 @@ class Tenants:
         self._default_max_buffers = default_max_buffers
         self._host = host
         self._remote_wait_s = remote_wait_s
+        #: bytes held after their release, per tenant (maasd.core.holders)
+        self._held = held
 
     def create(self, name: str, quota_bytes: int) -> NewTenant:
         """A new tenant and its first key (shown only here). :class:`StateConflict` if the
@@ -93,14 +99,16 @@ class Tenants:
         )
 
     def infos(self) -> list[TenantInfo]:
-        return [tenant_info(t, self._default_max_buffers) for t in self._store.tenants()]
+        held = self._held()
+        dmb = self._default_max_buffers
+        return [tenant_info(t, dmb, held.get(t.id, 0)) for t in self._store.tenants()]
 
     def info(self, id_or_name: str) -> TenantInfo:
         """One tenant by id (preferred) or name; :class:`NotFound` otherwise."""
         row = self._store.tenant(id_or_name)
         if row is None:
             raise NotFound(f"no tenant {id_or_name!r}")
-        return tenant_info(row, self._default_max_buffers)
+        return tenant_info(row, self._default_max_buffers, self._held().get(row.id, 0))
 
     def update(
         self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
@@ -220,4 +228,5 @@ class Tenants:
             used_bytes=t.used_bytes,
             buffers=t.buffers,
             max_buffers=t.max_buffers,
+            held_bytes=t.held_bytes,
         )

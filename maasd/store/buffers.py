@@ -18,7 +18,7 @@ needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -218,6 +218,7 @@ class ReserveRepo(Connections):
         uses: Mapping[str, float] | None = None,
         leases: Mapping[str, float] | None = None,
         durable: bool = True,
+        prefer_not: Collection[str] = (),
     ) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
 
@@ -257,6 +258,7 @@ class ReserveRepo(Connections):
 
         ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also
         with persistent victims (why that is safe: docs/operations.md, "Crash safety").
+        ``prefer_not``: ids evicted after every other candidate (:mod:`maasd.core.room`).
         """
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
@@ -272,7 +274,7 @@ class ReserveRepo(Connections):
                 touches, extends = [], []
             with self._writing(durable=durable) as conn:
                 _record_uses(conn, touches, extends)
-                victims = self._admit(conn, row, quota_check)
+                victims = self._admit(conn, row, quota_check, prefer_not)
                 conn.execute(_ins_buffer, msgspec.structs.asdict(row))
                 events = [
                     buffer_event("evict", row.created_at, v, detail=f"for {row.id}")
@@ -289,7 +291,9 @@ class ReserveRepo(Connections):
             raise StateConflict(f"buffer {row.id} conflicts with the ledger: {message}") from exc
         return victims
 
-    def _admit(self, conn: Connection, row: BufferRow, quota_check: bool) -> list[BufferRow]:
+    def _admit(
+        self, conn: Connection, row: BufferRow, quota_check: bool, prefer_not: Collection[str]
+    ) -> list[BufferRow]:
         """Inside the reserve transaction: lock, check, and mark the victims if it must."""
         # Lock order is always tenant, then pool: no deadlock between reserves.
         t: Any = conn.execute(lock_tenant, {"p_id": row.tenant_id}).first()
@@ -331,7 +335,9 @@ class ReserveRepo(Connections):
             stmt = _sel_cand_tenant
         else:
             stmt = _sel_cand_pool
-        candidates = (Candidate(*c) for c in conn.execute(stmt, params))
+        candidates = [Candidate(*c) for c in conn.execute(stmt, params)]
+        if prefer_not:  # least recently used first still, but held ones last
+            candidates.sort(key=lambda c: c.id in prefer_not)
         choice = choose_victims(
             candidates,
             tenant_id=row.tenant_id,

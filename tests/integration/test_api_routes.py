@@ -394,6 +394,7 @@ def test_usage(daemon: Daemon, tenant) -> None:
         "used_bytes": 0,
         "buffers": 0,
         "max_buffers": 4096,  # the daemon's default cap
+        "held_bytes": 0,
     }
     a = reserve(c, 5000)  # rounded to two pages
     reserve(c, 1 * MiB)

@@ -124,18 +124,13 @@ def test_a_staged_entry_is_renewed_but_neither_pinned_nor_checkpointed(
     after_attack(daemon)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a committed entry is sealed F_SEAL_FUTURE_WRITE, so its pages cannot be punched: "
-    "a read-only fd kept after the release keeps them resident in the daemon's memory, "
-    "counted nowhere — a tenant holds any multiple of its quota",
-)
 def test_read_only_fds_kept_after_release_hold_no_more_than_the_quota(daemon: Daemon) -> None:
     quota = 4 * MiB
-    _, key = daemon.tenant("fd-keeper", quota)
+    tenant_id, key = daemon.tenant("fd-keeper", quota)
     w = Raw(daemon.socket_path, timeout=30)
     w.hello(key)
     kept: list[int] = []
+    refused = None
     try:
         with daemon.client(key) as c:
             for i in range(6):
@@ -144,7 +139,8 @@ def test_read_only_fds_kept_after_release_hold_no_more_than_the_quota(daemon: Da
                     os.pwrite(fd, b"\xa5" * quota, 0)
                     os.close(fd)
                 if not isinstance(reply, Reserved):
-                    break  # refused: what is still held counts
+                    refused = reply  # what is still held counts
+                    break
                 assert isinstance(w.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
                 found, fds = w.call(Lookup(keys=[f"keep-{i}"]))
                 assert isinstance(found, Found), found
@@ -157,8 +153,19 @@ def test_read_only_fds_kept_after_release_hold_no_more_than_the_quota(daemon: Da
         # But its pages are still there: memory no pool and no quota counts.
         resident = sum(os.fstat(fd).st_blocks * 512 for fd in kept)
         assert resident <= quota, f"{resident >> 20} MiB held by a tenant of {quota >> 20} MiB"
+        assert isinstance(refused, Error), refused
+        assert (refused.type or "").endswith("quota-exceeded"), refused
+        assert used(daemon, tenant_id) == quota  # the held entry, still counted
     finally:
         for fd in kept:
             os.close(fd)
+    try:
+        # The last holder let go: the row ends, the quota is free again.
+        wait_until(lambda: used(daemon, tenant_id) == 0, message="the held entry's row ends")
+        reply, fds = w.call(Put(key="after", size_bytes=quota))
+        assert isinstance(reply, Reserved), reply
+        for fd in fds:
+            os.close(fd)
+    finally:
         w.close()
     after_attack(daemon)

@@ -356,16 +356,27 @@ def test_put_over_pool_capacity_evicts_entries_then_answers_507(daemon):
             write(fd, pattern(3 * MiB))
             os.close(fd)
             commit(ra, reply.buffer_id)
+            old = reply.buffer_id
             _found, reader_fd = lookup(ra, ["old"])
             held = mmap.mmap(reader_fd, 3 * MiB, prot=mmap.PROT_READ)
             assert held[:64] == pattern(3 * MiB)[:64]
             evictions = daemon.metric("maasd_entry_evictions_total", tenant=_a)
-            # another tenant needs the room: the least recently used entry goes
-            got, fd_b = put(rb, "new", 3 * MiB, pool=pool)
-            os.close(fd_b)
+            # another tenant needs the room: the least recently used entry goes ...
+            reply, fds = rb.call(Put(key="new", size_bytes=3 * MiB, pool=pool))
             miss(ra, ["old"])
             assert held[:] == bytes(3 * MiB)  # the evicted entry reads zeros
             assert daemon.metric("maasd_entry_evictions_total", tenant=_a) == evictions + 1
+            # ... but its reader still maps it: its pages stay taken until it lets go
+            assert (fds, getattr(reply, "status", None)) == ([], 507), reply
+            assert daemon.metric("maasd_released_entry_bytes") >= 3 * MiB
+            held.close()
+            os.close(reader_fd)
+            wait_until(
+                lambda: daemon.admin.get(f"/v1/buffers/{old}").status_code == 404,
+                message="the evicted entry's row ends when its reader lets go",
+            )
+            got, fd_b = put(rb, "new", 3 * MiB, pool=pool)  # again, once it let go
+            os.close(fd_b)
             # non-evictable memory fills the pool: nothing left to evict → 507
             buf = daemon.client(key_a).post(f"/v1/pools/{pool}/reserve", json={"size_bytes": MiB})
             assert buf.status_code == 201, buf.text
@@ -377,8 +388,6 @@ def test_put_over_pool_capacity_evicts_entries_then_answers_507(daemon):
             assert reply.type.endswith("/pool-exhausted")
             assert rb.call(Abort(buffer_id=got.buffer_id)) == (Ok(), [])
             daemon.client(key_a).delete(f"/v1/buffers/{buf.json()['id']}")
-            held.close()
-            os.close(reader_fd)
     finally:
         assert daemon.admin.delete(f"/v1/pools/{pool}", params={"drain": "true"}).status_code == 204
 
@@ -463,20 +472,69 @@ def test_a_released_entry_reads_zeros_and_counts_until_its_reader_lets_go(daemon
     assert mm[:] == bytes(size)  # scrubbed before the DELETE answered
     assert daemon.metric("maasd_released_entry_bytes") == base + size
     miss(reader, ["to-release"])
-    assert reader.call(Detach(buffer_id=bid)) == (Ok(), [])
-    assert daemon.metric("maasd_released_entry_bytes") == base
+    # the daemon told the connection (a pushed frame) and dropped its attachment itself
+    assert reader.pushed == [bid]
+    assert reader.call(Detach(buffer_id=bid))[0].status == 404
+    os.close(fd)  # fd closed: the mapping still holds it
+    assert daemon.metric("maasd_released_entry_bytes") == base + size
     mm.close()
-    os.close(fd)
-    # a reader that goes away counts down too
+    wait_until(lambda: daemon.metric("maasd_released_entry_bytes") == base, message="counted down")
+    # a reader that closed its fd before the release holds nothing
     with contextlib.closing(connect(daemon, tenant[1])) as w:
         bid = put_committed(w, "to-release-2", pattern(size))
     _found, fd = lookup(reader, ["to-release-2"])
     os.close(fd)
     assert rest.delete(f"/v1/buffers/{bid}").status_code == 204
-    assert daemon.metric("maasd_released_entry_bytes") == base + size
+    assert daemon.metric("maasd_released_entry_bytes") == base
+    assert rest.get(f"/v1/buffers/{bid}").status_code == 404
     reader.close()
-    wait_until(lambda: daemon.metric("maasd_released_entry_bytes") == base, message="counted down")
     rest.close()
+
+
+def test_a_reopened_or_inherited_fd_keeps_a_released_entry_counted(daemon):
+    """Held by a re-open through /proc/<pid>/fd and by a forked child's inherited fd, a
+    released entry's row stays (``releasing``, in the quota) until the last one closes."""
+    size = MiB
+    tenant_id, key = daemon.tenant("reopener", size)
+    with contextlib.closing(connect(daemon, key)) as w:
+        bid = put_committed(w, "held", pattern(size))
+        _found, fd = lookup(w, ["held"])
+        reopened = os.open(f"/proc/{os.getpid()}/fd/{fd}", os.O_RDONLY)  # a new description
+        r, wr = os.pipe()
+        child = os.fork()
+        if child == 0:  # inherits `fd` (the daemon's description) and keeps it until told
+            os.close(wr)
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+        os.close(fd)  # the parent's copy goes; the child's stays
+        with daemon.client(key) as rest:
+            assert rest.delete(f"/v1/buffers/{bid}").status_code == 204
+            assert os.pread(reopened, 4096, 0) == bytes(4096)  # scrubbed all the same
+            body = daemon.admin.get(f"/v1/tenants/{tenant_id}").json()
+            assert body["used_bytes"] == size  # still the tenant's
+            assert rest.get(f"/v1/buffers/{bid}").status_code == 404  # to its tenant: gone
+            assert daemon.admin.get(f"/v1/buffers/{bid}").json()["state"] == "releasing"
+            reply, fds = w.call(Put(key="more", size_bytes=size))
+            assert fds == []
+            assert isinstance(reply, Error), reply
+            assert reply.status == 409, reply
+            os.close(reopened)
+            assert daemon.admin.get(f"/v1/buffers/{bid}").status_code == 200  # the child's
+            os.write(wr, b"x")
+            os.close(wr)
+            os.waitpid(child, 0)
+            wait_until(
+                lambda: daemon.admin.get(f"/v1/buffers/{bid}").status_code == 404,
+                message="the row ends with the last holder",
+            )
+            assert daemon.admin.get(f"/v1/tenants/{tenant_id}").json()["used_bytes"] == 0
+            reply, fds = w.call(Put(key="more", size_bytes=size))  # the quota is free again
+            assert isinstance(reply, Reserved), reply
+            for f in fds:
+                os.close(f)
+            events = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id}).json()
+            assert [e["kind"] for e in events if e["buffer_id"] == bid] == ["release", "reserve"]
 
 
 def _expires_at(daemon: Any, key: str, bid: str) -> float:

@@ -221,6 +221,11 @@ class _FakeMapping:
     def __init__(self, buffer_id: str, size: int) -> None:
         self.buffer_id, self.size, self.numa_node = buffer_id, size, 0
         self.array = np.zeros(1, np.uint8)
+        self.closed = False
+
+    def _close_local(self) -> bool:
+        self.closed = True
+        return True
 
 
 def _slot(buffer_id: str, size: int = 100, key: str = "k") -> Slot:
@@ -250,6 +255,64 @@ def test_mapping_cache_rules() -> None:
     assert len(cache) == 0
     with pytest.raises(ValueError, match=">= 0"):
         MappingCache(max_bytes=-1)
+
+
+def test_a_released_entry_leaves_the_cache_at_once_or_when_given_back() -> None:
+    """The daemon's pushed ``released``: an idle mapping is unmapped then and there, one in
+    use when its user gives it back; neither owes a detach (``released``)."""
+    cache = MappingCache(max_bytes=1000, max_age_s=10)
+    idle, busy = _slot("idle"), _slot("busy")
+    cache.add(idle)
+    cache.checkin(idle)
+    cache.add(busy)
+    cache.released("idle")
+    assert idle.mapping.closed
+    assert "idle" not in cache
+    cache.released("busy")
+    assert not busy.mapping.closed
+    assert cache.checkout("busy") is None  # not handed out again
+    assert cache.checkin(busy) == [busy]  # the worker unmaps it, without a detach
+    assert busy.released
+    cache.released("late")  # not cached (yet): remembered
+    assert len(cache) == 0
+    late = _slot("late")
+    cache.add(late)  # a lookup's answer that raced the frame
+    assert cache.checkout("late") is None
+    assert cache.checkin(late) == [late]
+    assert late.released
+
+
+def test_a_worker_drops_what_the_daemon_released_before_its_next_call_returns(daemon) -> None:
+    """A worker caches an entry, its tenant deletes it: the cache lets go before the
+    worker's next call returns, or on its own while the worker is idle."""
+    _tenant, key = daemon.tenant("cache-drops", 16 << 20)
+    with Worker(daemon.socket_path, key) as a:
+        with a.entry("k", 1 << 20) as e:
+            e.array[:] = 1
+        hit = a.lookup(["k"])
+        assert hit is not None
+        bid = hit.buffer_id
+        hit.close()
+        assert bid in a.cache
+        with daemon.client(key) as rest:
+            assert rest.delete(f"/v1/buffers/{bid}").status_code == 204
+            # (its idle reader may be quicker) any call reads the pushed frame first
+            assert a.lookup(["nothing"]) is None
+            assert bid not in a.cache
+            wait_until(lambda: rest.get("/v1/usage").json()["used_bytes"] == 0)
+            assert rest.get("/v1/usage").json()["held_bytes"] == 0
+            # an idle worker lets go too (its channel reads pushed frames when idle)
+            with a.entry("k2", 1 << 20) as e:
+                e.array[:] = 2
+            hit = a.lookup(["k2"])
+            assert hit is not None
+            hit.close()
+            assert rest.delete(f"/v1/buffers/{hit.buffer_id}").status_code == 204
+            wait_until(
+                lambda: rest.get("/v1/usage").json()["used_bytes"] == 0,
+                message="the idle worker unmapped the released entry",
+            )
+            assert hit.buffer_id not in a.cache
 
 
 # --- a refusal before hello -------------------------------------------------------------------

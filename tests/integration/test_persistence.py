@@ -129,6 +129,7 @@ def test_never_checkpointed_buffer_does_not_survive_sigkill(fresh_daemon) -> Non
         "used_bytes": 0,
         "buffers": 0,
         "max_buffers": 4096,
+        "held_bytes": 0,
     }
     user.close()
 

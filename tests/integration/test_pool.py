@@ -317,6 +317,82 @@ class TestReclaimer:
         assert region.closed
         assert open_fds() == fds
 
+    def test_help_reclaims_what_waits_in_the_callers_thread(self, monkeypatch):
+        """A reserve helps: queued regions are punched and closed by the caller until no
+        more than it allows wait (here the thread is held up, as a loaded machine would)."""
+        r = Reclaimer()
+        r.start()
+        gate, entered = threading.Event(), threading.Event()
+        slow = Region.create(PAGE, node=0)
+        slow.scrub("zero", punch=False)
+        real = Region.punch_hole
+
+        def punch(region: Region) -> None:
+            if region is slow:
+                entered.set()
+                gate.wait(10)
+            real(region)
+
+        monkeypatch.setattr(Region, "punch_hole", punch)
+        try:
+            r.submit(slow)
+            assert entered.wait(10)  # the thread is stuck on this one
+            regions = [Region.create(4 * PAGE, node=0) for _ in range(6)]
+            for region in regions:
+                region.scrub("zero", punch=False)
+                r.submit(region)
+            assert r.pending_bytes == PAGE + 6 * 4 * PAGE
+            assert r.help(5 * PAGE) == 5 * 4 * PAGE  # the stuck one counts too
+            assert r.pending_bytes == 5 * PAGE
+            assert sum(region.closed for region in regions) == 5
+            assert r.help(0) == 4 * PAGE  # the stuck one is the thread's: left alone
+            assert r.pending_bytes == PAGE
+        finally:
+            gate.set()
+            r.stop()
+        assert r.pending_bytes == 0
+        assert all(region.closed for region in regions)
+
+    def test_churn_keeps_pages_waiting_within_a_buffer_per_thread(self, monkeypatch):
+        """4 threads reserve and release in a pool: what is taken plus what waits for the
+        punch stays within the capacity plus one buffer per thread, however the
+        reclaimer lags (its punches are slowed down here)."""
+        r = Reclaimer()
+        r.start()
+        size, capacity = 16 * PAGE, 256 * PAGE
+        p = Pool("churn", numa_node=0, capacity=capacity, reclaimer=r, prefault=False)
+        peak = 0
+        stop = time.monotonic() + 2.0
+        lock = threading.Lock()
+
+        def churn() -> None:
+            nonlocal peak
+            while time.monotonic() < stop:
+                try:
+                    region = p.reserve(size)
+                except PoolExhausted:
+                    continue
+                with lock:
+                    peak = max(peak, p.used + r.pending_bytes)
+                p.release(region)
+
+        real = Region.punch_hole
+
+        def slow_punch(region: Region) -> None:
+            time.sleep(0.002)
+            real(region)
+
+        monkeypatch.setattr(Region, "punch_hole", slow_punch)
+        try:
+            threads = [threading.Thread(target=churn) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            r.stop()
+        assert 0 < peak <= capacity + 4 * size, peak
+
 
 def minor_faults() -> int:
     """Page faults of the calling thread so far (minor + major)."""

@@ -23,6 +23,7 @@ from maasd.allocator import Pool
 from maasd.core import Service
 from maasd.models import PoolSpec, Principal
 from maasd.settings import Settings
+from waiting import wait_until
 
 MiB = 1 << 20
 F_SEAL_FUTURE_WRITE = 0x10
@@ -196,22 +197,46 @@ def test_the_reaper_spares_an_entry_hit_after_its_lease_ended_in_the_ledger(
     assert svc.reap(now=later + 10) == 1
 
 
-def test_released_entry_bytes_count_until_the_last_handle_goes(svc: Service) -> None:
+def test_a_released_entry_held_open_counts_until_its_last_description_goes(svc: Service) -> None:
     who = tenant(svc)
-    bid = put_committed(svc, who, "r", 64 * 1024)
+    size = 64 * 1024
+    bid = put_committed(svc, who, "r", size)
+    taken = pool(svc).used
     found = svc.lookup_entry(who, ["r"])
-    attach = svc.open_handle(who, bid)
+    attach = svc.open_handle(who, bid)  # a dup of the same read-only description
     assert svc.runtime.released_entry_bytes() == 0
     svc.release(who, bid)
     assert os.pread(found.fd, 8, 0) == bytes(8)  # scrubbed under the reader
-    assert svc.runtime.released_entry_bytes() == 64 * 1024
+    assert svc.runtime.released_entry_bytes() == size
+    # Its row stays releasing: counted in the quota and the pool until it is free.
+    row = svc.store.buffer(bid)
+    assert row is not None
+    assert row.state == "releasing"
+    assert svc.usage(who).used_bytes == size
+    assert pool(svc).used == taken
     svc.drop_handle(who, bid)
-    assert svc.runtime.released_entry_bytes() == 64 * 1024  # one handle left
-    svc.drop_handle(who, bid)
-    assert svc.runtime.released_entry_bytes() == 0
+    svc.drop_handle(who, bid)  # detaching changes nothing: the kernel says who holds it
     os.close(found.fd)
+    assert svc.runtime.released_entry_bytes() == size  # one fd of it left
+    assert svc.store.buffer(bid) is not None
     os.close(attach.fd)
+    wait_until(lambda: svc.store.buffer(bid) is None, message="the row ends with its last fd")
+    assert svc.runtime.released_entry_bytes() == 0
+    assert svc.usage(who).used_bytes == 0
+    assert pool(svc).used == taken - size
+    assert [(e.kind, e.buffer_id) for e in svc.events(limit=1)] == [("release", bid)]
     assert svc.runtime.entry_stats() == {}
+
+
+def test_a_released_entry_no_one_holds_ends_at_once(svc: Service) -> None:
+    who = tenant(svc)
+    bid = put_committed(svc, who, "r", 64 * 1024)
+    found = svc.lookup_entry(who, ["r"])
+    os.close(found.fd)
+    svc.release(who, bid)
+    assert svc.store.buffer(bid) is None
+    assert svc.usage(who).used_bytes == 0
+    assert svc.runtime.released_entry_bytes() == 0
 
 
 def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(

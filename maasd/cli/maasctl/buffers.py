@@ -60,8 +60,12 @@ def buffers_table(
     t.add_column("LABEL")
     t.add_column("KEY")
     t.add_column("EXPIRES", no_wrap=True)
+    held = any(b.holder_pids is not None for b in items)
+    if held:
+        t.add_column("HELD BY (PIDS)")
     now = dt.datetime.now(dt.UTC)
     for b in items:
+        pids = [" ".join(map(str, b.holder_pids or ())) or "?"] if held else []
         add_row(
             t,
             ident(b.id),
@@ -75,6 +79,7 @@ def buffers_table(
             short(b.label),
             short(b.key),
             format_time(b.expires_at, only_relative=True, now=now),
+            *pids,
         )
     return t
 
@@ -133,19 +138,26 @@ def buffers() -> None:
     shell_complete=complete("tenant"),
     help="Only this tenant's buffers.",
 )
+@click.option(
+    "--held",
+    is_flag=True,
+    help="Released entries some process still holds open (admin), and the pids holding them.",
+)
 @pass_ctx
-def buffers_list(c: Ctx, tenant: str | None) -> None:
-    """Live buffers (all tenants with the admin key).
+def buffers_list(c: Ctx, tenant: str | None, held: bool) -> None:
+    """Live buffers (all tenants with the admin key); with --held, released entries still
+    held open: they count in their tenant's quota until every fd and mapping is gone.
 
     \b
     Examples:
       maasctl buffers list
       maasctl buffers list --tenant acme
+      maasctl buffers list --held
     """
-    with c.client("any") as client:
+    with c.client("admin" if held else "any") as client:
         owner = resolve_tenant(client, tenant) if tenant else None
         with client.responses() as seen:
-            items = client.buffers(owner.id if owner else None)
+            items = client.buffers(owner.id if owner else None, held=held)
         tn, pn = ({}, {}) if c.as_json or not items else names(client, tenant=owner)
     c.emit(
         raw(seen),

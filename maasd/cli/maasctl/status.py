@@ -29,6 +29,7 @@ def _pools(pools: list[Pool], ascii_only: bool, title: str = "Pools") -> Table:
     pt.add_column("USED", justify="right")
     pt.add_column("CAPACITY", justify="right")
     pt.add_column("BUFFERS", justify="right")
+    pt.add_column("HELD", justify="right")
     pt.add_column("WARM", justify="right")
     for p in pools:
         add_row(
@@ -40,10 +41,11 @@ def _pools(pools: list[Pool], ascii_only: bool, title: str = "Pools") -> Table:
             size(p.used_bytes),
             size(p.capacity_bytes),
             p.buffers,
+            size(p.held_bytes),
             warm(p),
         )
     if not pools:
-        add_row(pt, "(no pools)", *[Text()] * 7)
+        add_row(pt, "(no pools)", *[Text()] * 8)
     return pt
 
 
@@ -54,6 +56,7 @@ def _tenants(tenants: list[Tenant], ascii_only: bool) -> Table:
     tt.add_column("USED", justify="right")
     tt.add_column("QUOTA", justify="right")
     tt.add_column("BUFFERS", justify="right")
+    tt.add_column("HELD", justify="right")
     for x in tenants:
         add_row(
             tt,
@@ -62,9 +65,10 @@ def _tenants(tenants: list[Tenant], ascii_only: bool) -> Table:
             size(x.used_bytes),
             size(x.quota_bytes),
             x.buffers,
+            size(x.held_bytes),
         )
     if not tenants:
-        add_row(tt, "(no tenants)", *[Text()] * 4)
+        add_row(tt, "(no tenants)", *[Text()] * 5)
     return tt
 
 

@@ -27,6 +27,8 @@ def usage_view(u: Usage, *, ascii_only: bool = False) -> Table:
     add_row(t, "tenant id", ident(u.tenant_id))
     add_row(t, "quota", format_size(u.quota_bytes))
     add_row(t, "used", format_size(u.used_bytes))
+    # released entries a process still holds open: in "used" until every fd and mapping goes
+    add_row(t, "held after release", format_size(u.held_bytes))
     add_row(t, "free", format_size(max(0, u.quota_bytes - u.used_bytes)))
     add_row(t, "use", usage_bar(u.used_bytes, u.quota_bytes, ascii_only=ascii_only))
     add_row(t, "buffers", u.buffers)
