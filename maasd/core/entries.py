@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
@@ -61,7 +60,7 @@ from maasd.metrics import Metrics
 from maasd.models import EntryAbortReason, Principal, ReserveSpec
 from maasd.store import BufferRow, Store, must_last
 
-__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found", "open_read_only"]
+__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +81,6 @@ class Found:
     key: str
     size_bytes: int
     numa_node: int
-
-
-def open_read_only(region: Region) -> int:
-    """An ``O_RDONLY`` fd of the region's memfd (a re-open through ``/proc/self/fd``)."""
-    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
 
 
 class Entries:
@@ -186,15 +180,15 @@ class Entries:
             if held is None or held.live or live is None:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             try:
-                fresh, ro_fd = _copy(held, live, buffer_id)
+                fresh = _copy(held, live, buffer_id)
             except (OSError, MaasdError) as e:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
                 if self._store.commit(buffer_id, time.time(), durable=durable) is None:
-                    _dispose(live, fresh, ro_fd)
+                    live.pool.release(fresh, give_back=False)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
-                staging = self._runtime.commit(buffer_id, fresh, ro_fd)
+                staging = self._runtime.commit(buffer_id, fresh)
                 assert staging is not None  # held under its lock: a release waits for it
                 # The copy took over its bytes; its scrub (the punch that frees it) comes
                 # after the answer: saves ~0.5 ms of memset per 9 MiB commit.
@@ -317,11 +311,9 @@ class Entries:
                 view[: len(data)] = data
             finally:
                 view.release()
-            ro_fd = open_read_only(region)
             if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
-                os.close(ro_fd)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
-            self._runtime.commit(buffer_id, region, ro_fd)
+            self._runtime.commit(buffer_id, region)
 
     def read(self, buffer_id: str, tenant_id: str, key: str, head: int) -> bytearray | None:
         """``head`` free bytes, then the bytes of the committed entry ``buffer_id`` of this
@@ -352,8 +344,8 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
-    """The staged bytes in a fresh, frozen region of the pool, and its read-only fd."""
+def _copy(held: Held, live: LivePool, buffer_id: str) -> Region:
+    """The staged bytes in a fresh, frozen region of the pool."""
     staging = held.region
     fresh = live.pool.reserve(
         staging.size,
@@ -366,11 +358,10 @@ def _copy(held: Held, live: LivePool, buffer_id: str) -> tuple[Region, int]:
         if live.row.prefault and not fresh.placed:  # a stocked region's was measured
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
-        ro_fd = open_read_only(fresh)
     except BaseException:
         live.pool.release(fresh, give_back=False)
         raise
-    return fresh, ro_fd
+    return fresh
 
 
 def _read_all(staging: Region, fresh: Region) -> None:
@@ -380,11 +371,6 @@ def _read_all(staging: Region, fresh: Region) -> None:
     copied = copy_region(staging, fresh)
     if copied != staging.size:
         raise BackingError(f"copied {copied} of {staging.size} staged bytes", errno.EIO)
-
-
-def _dispose(live: LivePool, region: Region, ro_fd: int) -> None:
-    os.close(ro_fd)
-    live.pool.release(region, give_back=False)
 
 
 def _storage_error(buffer_id: str, exc: Exception) -> Exception:

@@ -43,7 +43,6 @@ from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
-from maasd.core.entries import open_read_only
 from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
@@ -296,16 +295,15 @@ class Lifecycle:
 
     @staticmethod
     def _held(row: BufferRow, region: Region) -> Held:
-        """A restored buffer as the runtime holds it; a committed entry with its read-only
-        fd, published under its key."""
-        committed = row.committed_at is not None
+        """A restored buffer as the runtime holds it; a committed entry published under
+        its key."""
         return Held(
             region,
             row.tenant_id,
             row.pool_id,
             row.key,
             live=True,
-            ro_fd=open_read_only(region) if committed else None,
+            committed=row.committed_at is not None,
             ttl_s=max(1, round(row.expires_at - row.created_at)),
         )
 

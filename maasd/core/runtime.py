@@ -20,8 +20,8 @@ Locks, and the order they are taken in
    instead of unmapping under it. Held across I/O and ledger calls. Never taken
    while holding any other lock.
 2. **The regions lock**: the held buffers, the entry index and the buffer locks
-   map. Held only for dict operations, the ``dup(2)`` of an fd and the ``close(2)``
-   of a committed entry's read-only fd (so that a region being handed to a worker
+   map. Held only for dict operations, the ``dup(2)`` of an fd and the read-only
+   re-open of a committed entry's memfd (so that a region being handed to a worker
    cannot be taken out and closed meanwhile), and around the attachments lock (so
    that a handle is counted in the same step it is made, and a release sees it).
 3. **Leaf locks**, each guarding one thing and never held while taking another:
@@ -36,7 +36,6 @@ out deadlock.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 from collections import Counter
@@ -64,9 +63,10 @@ class Held:
     """A buffer whose region this process holds, and what handing it out needs to know.
 
     ``live`` is False until the ledger says the buffer is live (a reserve finishing, an
-    entry not yet committed): no worker gets a handle to it. A committed entry has
-    ``ro_fd``, an ``O_RDONLY`` fd of its sealed memfd opened once at commit, and
-    ``ttl_s``, the lease a lookup hit extends it to.
+    entry not yet committed): no worker gets a handle to it. A ``committed`` entry's
+    memfd is sealed; each handle of it is an ``O_RDONLY`` re-open made when it is
+    handed out (no read-only fd is kept: an idle entry holds one fd, its memfd), and
+    ``ttl_s`` is the lease a lookup hit extends it to.
     """
 
     region: Region
@@ -74,12 +74,8 @@ class Held:
     pool_id: str
     key: str | None = None
     live: bool = False
-    ro_fd: int | None = None
+    committed: bool = False
     ttl_s: int = 0
-
-    @property
-    def committed(self) -> bool:
-        return self.ro_fd is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +102,7 @@ class Runtime:
         self._held: dict[str, Held] = {}
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
+        self._by_tenant: Counter[str] = Counter()  # held regions per tenant
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
@@ -174,6 +171,8 @@ class Runtime:
     def hold(self, buffer_id: str, held: Held) -> None:
         """Hold a buffer's region; a live committed entry is indexed under its key at once."""
         with self._regions_lock:
+            if buffer_id not in self._held:
+                self._by_tenant[held.tenant_id] += 1
             self._held[buffer_id] = held
             if held.live and held.committed and held.key is not None:
                 self._entries[(held.tenant_id, held.key)] = buffer_id
@@ -187,17 +186,17 @@ class Runtime:
             held.live = True
             return True
 
-    def commit(self, buffer_id: str, region: Region, ro_fd: int) -> Region | None:
+    def commit(self, buffer_id: str, region: Region) -> Region | None:
         """Swap a staged entry's region for its sealed copy, publish it under its key.
 
         Returns the staging region (the caller scrubs it), or ``None`` if the entry is
-        no longer held (the caller then disposes of ``region`` and ``ro_fd``).
+        no longer held (the caller then disposes of ``region``).
         """
         with self._regions_lock:
             held = self._held.get(buffer_id)
             if held is None or held.live:
                 return None
-            staging, held.region, held.ro_fd, held.live = held.region, region, ro_fd, True
+            staging, held.region, held.committed, held.live = held.region, region, True, True
             if held.key is not None:
                 self._entries[(held.tenant_id, held.key)] = buffer_id
             return staging
@@ -212,19 +211,20 @@ class Runtime:
 
         Waits for the buffer's lock, so a checkpoint, pin or commit in progress
         finishes first; from then on no one can find the region here, nor look the
-        entry up. A committed entry's read-only fd is closed; if workers still hold
-        handles of it, its bytes count in :meth:`released_entry_bytes` until they let go.
+        entry up. If workers still hold handles of a committed entry, its bytes count in
+        :meth:`released_entry_bytes` until they let go.
         """
         with self.buffer_lock(buffer_id), self._regions_lock:
             self._busy.pop(buffer_id, None)
             held = self._held.pop(buffer_id, None)
             if held is None:
                 return None
+            self._by_tenant[held.tenant_id] -= 1
+            if self._by_tenant[held.tenant_id] <= 0:
+                del self._by_tenant[held.tenant_id]
             if held.key is not None and self._entries.get((held.tenant_id, held.key)) == buffer_id:
                 del self._entries[(held.tenant_id, held.key)]
-            if held.ro_fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(held.ro_fd)
+            if held.committed:
                 with self._attach_lock:
                     if self._attached_by_buffer[buffer_id] > 0:
                         self._released_attached[buffer_id] = (
@@ -233,6 +233,11 @@ class Runtime:
                             held.region.size,
                         )
             return held.region
+
+    def tenant_regions(self, tenant_id: str) -> int:
+        """Regions this process holds for the tenant now (reserved, staged or committed)."""
+        with self._regions_lock:
+            return self._by_tenant[tenant_id]
 
     def dup_fd(self, buffer_id: str) -> int | None:
         """A new fd of a held buffer's memfd (writable), or ``None`` if it is not held here."""
@@ -247,7 +252,7 @@ class Runtime:
     def open_handle(self, tenant_id: str, buffer_id: str) -> Opened | None:
         """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``.
 
-        A committed entry's handle is read-only (a dup of its ``O_RDONLY`` fd).
+        A committed entry's handle is read-only (an ``O_RDONLY`` re-open of its memfd).
         """
         with self._regions_lock:
             held = self._held.get(buffer_id)
@@ -269,11 +274,11 @@ class Runtime:
             return None
 
     def _open(self, buffer_id: str, held: Held, *, count: bool = True) -> Opened | None:
-        """(regions lock held) dup the fd and count the attachment in one step."""
+        """(regions lock held) open the fd and count the attachment in one step."""
         region = held.region
         if not held.live or region.closed:
             return None
-        fd = os.dup(held.ro_fd) if held.ro_fd is not None else region.dup_fd()
+        fd = open_read_only(region) if held.committed else region.dup_fd()
         n = None
         if count:
             with self._attach_lock:
@@ -400,5 +405,16 @@ class Runtime:
 
 def _copy(held: Held) -> Held:
     return Held(
-        held.region, held.tenant_id, held.pool_id, held.key, held.live, held.ro_fd, held.ttl_s
+        held.region, held.tenant_id, held.pool_id, held.key, held.live, held.committed, held.ttl_s
     )
+
+
+def open_read_only(region: Region) -> int:
+    """A new ``O_RDONLY`` fd of the region's memfd: a re-open through ``/proc/self/fd``.
+
+    A ``dup`` would share the daemon's writable open file; a re-open is a file of its
+    own whose mode a worker cannot change (and ``mmap(PROT_WRITE, MAP_SHARED)`` of it
+    fails). Made per handle (~2 µs) rather than kept per entry: an idle committed entry
+    then holds one fd, not two.
+    """
+    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
