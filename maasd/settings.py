@@ -99,6 +99,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
     # regions that vm.max_map_count's default allows (maasd.core.limits).
     max_buffers_per_tenant: int = 4096
+    # The share of the daemon's region budget (its open files and mappings for buffers,
+    # maasd.core.limits) one tenant may hold at once: a quarter, so that one tenant's
+    # flood of small entries leaves the others theirs. 1.0 on a host of one tenant.
+    tenant_region_share: float = 0.25
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
@@ -200,6 +204,7 @@ ENV = {
     "MAASD_DB_POOL_SIZE": "db_pool_size",
     "MAASD_DB_MAX_OVERFLOW": "db_max_overflow",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
+    "MAASD_TENANT_REGION_SHARE": "tenant_region_share",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
     **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
@@ -256,6 +261,10 @@ def _check(settings: Settings) -> None:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
     if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
         raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
+    if not 0 < settings.tenant_region_share <= 1:
+        raise ConfigError(
+            f"settings: tenant_region_share must be in (0, 1], got {settings.tenant_region_share}"
+        )
     for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")

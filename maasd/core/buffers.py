@@ -146,8 +146,9 @@ class Buffers:
             )
             try:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
-                # before the ledger is asked: a region is one of each.
-                with self._budget.admit():
+                # before the ledger is asked: a region is one of each; the tenant's
+                # fair share of it too.
+                with self._budget.admit(tenant_id, self._runtime.tenant_regions(tenant_id)):
                     victims = self._store.begin_reserve(
                         row, uses=uses, leases=extended, durable=must_last(row.persistence)
                     )
