@@ -49,9 +49,9 @@ from maasd.core.hosts import Hosts
 from maasd.core.lifecycle import Lifecycle
 from maasd.core.limits import (
     MIN_USEFUL_REGIONS,
-    REST_THREADS,
     RegionBudget,
     read_limits,
+    settings_limits,
     too_few_regions,
 )
 from maasd.core.pools import Pools
@@ -381,13 +381,9 @@ def _region_budget(settings: Settings, store: Store) -> RegionBudget:
     """The daemon-wide region budget: the open-files limit less the ledger's connections,
     the sockets' and REST's caps and the threads' transient files (docs/operations.md,
     "Limits"). A :class:`ConfigError` when it leaves too few regions to be of use."""
-    pooled = settings.db_pool_size + settings.db_max_overflow
-    limits = read_limits(
-        socket_connections=settings.socket_max_connections,
-        http_max_connections=settings.http_max_connections,
-        ledger_files=pooled * (1 if store.is_postgres else 2),
-        threads=REST_THREADS + settings.socket_slow_workers,
-        tenant_share=settings.tenant_region_share,
+    limits = read_limits()  # this process's RLIMIT_NOFILE and vm.max_map_count
+    limits = settings_limits(
+        settings, limits.open_files, limits.max_map_count, postgres=store.is_postgres
     )
     if limits.region_budget < MIN_USEFUL_REGIONS:
         raise ConfigError(too_few_regions(limits))

@@ -65,8 +65,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from maasd.allocator.region import open_regions
+
+if TYPE_CHECKING:
+    from maasd.settings import Settings
 from maasd.errors import BackingError, MaasdError, PoolExhausted, ResourceLimit
 
 __all__ = [
@@ -76,8 +80,10 @@ __all__ = [
     "kernel_refusal",
     "open_files_needed",
     "raise_open_files",
+    "maps_needed",
     "read_limits",
     "rest_connections",
+    "settings_limits",
     "socket_connections",
     "too_few_regions",
 ]
@@ -279,6 +285,35 @@ def too_few_regions(lim: Limits) -> str:
         f"needs room for {MIN_USEFUL_REGIONS} at least: {fix}, or lower "
         "socket_max_connections, http_max_connections or db_max_overflow"
     )
+
+
+def settings_limits(
+    settings: Settings, open_files: int, max_map_count: int | None, *, postgres: bool
+) -> Limits:
+    """The limits of a daemon with ``settings`` under these process limits: what ``maasd
+    serve`` budgets (:func:`read_limits` with the same settings) and ``maasd doctor`` sizes."""
+    pooled = settings.db_pool_size + settings.db_max_overflow
+    return limits_for(
+        open_files,
+        max_map_count,
+        socket_max_connections=settings.socket_max_connections,
+        http_max_connections=settings.http_max_connections,
+        ledger_files=pooled * (1 if postgres else 2),
+        threads=REST_THREADS + settings.socket_slow_workers,
+        tenant_share=settings.tenant_region_share,
+    )
+
+
+def maps_needed(regions: int) -> int:
+    """The smallest ``vm.max_map_count`` whose mapping budget holds ``regions``."""
+    lo, hi = 1, 1 << 34
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if (Limits(open_files=0, max_map_count=mid).map_budget or 0) >= regions:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def read_limits(
