@@ -187,11 +187,8 @@ class Runtime:
             return True
 
     def commit(self, buffer_id: str, region: Region) -> Region | None:
-        """Swap a staged entry's region for its sealed copy, publish it under its key.
-
-        Returns the staging region (the caller scrubs it), or ``None`` if the entry is
-        no longer held (the caller then disposes of ``region``).
-        """
+        """Swap a staged entry's region for its sealed copy, publish it under its key; the
+        staging region (the caller scrubs it), or ``None`` if the entry is no longer held."""
         with self._regions_lock:
             held = self._held.get(buffer_id)
             if held is None or held.live:
@@ -207,21 +204,15 @@ class Runtime:
             return self._busy.setdefault(buffer_id, threading.Lock())
 
     def take_region(self, buffer_id: str) -> Region | None:
-        """Take a buffer's region out (``None`` if none), after any work on it ends.
-
-        Waits for the buffer's lock, so a checkpoint, pin or commit in progress
-        finishes first; from then on no one can find the region here, nor look the
-        entry up. If workers still hold handles of a committed entry, its bytes count in
-        :meth:`released_entry_bytes` until they let go.
-        """
+        """Take a buffer's region out (``None`` if none), once a checkpoint, pin or commit in
+        progress ends (its lock); from then on no one finds it here, nor looks it up. A
+        committed entry still attached counts in :meth:`released_entry_bytes` till let go."""
         with self.buffer_lock(buffer_id), self._regions_lock:
             self._busy.pop(buffer_id, None)
             held = self._held.pop(buffer_id, None)
             if held is None:
                 return None
             self._by_tenant[held.tenant_id] -= 1
-            if self._by_tenant[held.tenant_id] <= 0:
-                del self._by_tenant[held.tenant_id]
             if held.key is not None and self._entries.get((held.tenant_id, held.key)) == buffer_id:
                 del self._entries[(held.tenant_id, held.key)]
             if held.committed:
@@ -250,10 +241,8 @@ class Runtime:
     # -- handles for workers, answered from memory -----------------------------------------
 
     def open_handle(self, tenant_id: str, buffer_id: str) -> Opened | None:
-        """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``.
-
-        A committed entry's handle is read-only (an ``O_RDONLY`` re-open of its memfd).
-        """
+        """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``
+        (a committed entry's: read-only, an ``O_RDONLY`` re-open of its memfd)."""
         with self._regions_lock:
             held = self._held.get(buffer_id)
             if held is None or held.tenant_id != tenant_id:

@@ -114,6 +114,55 @@ def fill(w: Worker, have: int, want: int) -> int:
     return want
 
 
+def table(d: Daemon, tenant_id: str, key: str, steps: list[int], ops: int, top: int) -> int:
+    """Fill to each step and print its row; returns the tenant's live entries at the end."""
+    print(
+        f"{'entries':>8} {'put ms':>8} {'x':>5} {'lookup ms':>9} {'x':>5} "
+        f"{'evicting put ms':>15} {'x':>5} {'fd/entry':>8} {'map/entry':>9} "
+        f"{'RSS B/entry':>11} {'fill s':>7}"
+    )
+    assert d.proc is not None
+    pid = d.proc.pid
+    base = proc_counts(pid)
+    first: tuple[float, float, float] | None = None
+    have = total = 0  # e-keys made; live entries of the tenant
+    with Client(d.url, d.admin_key) as admin_c, Worker(d.socket_path, key, renew_interval_s=0) as w:
+        raw = Raw(d.socket_path, timeout=30)
+        raw.hello(key)
+        for step in steps:
+            t0 = time.perf_counter()
+            total += step - have
+            have = fill(w, have, step)
+            filled_s = time.perf_counter() - t0
+            fds, maps, rss = proc_counts(pid)
+            per = [(now - was) / total for now, was in zip((fds, maps, rss), base, strict=True)]
+            put = put_ms(w, f"p{step}-", 0, ops)
+            total += ops
+            look = lookup_ms(raw, [f"e{(i * 7919) % step}" for i in range(ops)])
+            admin_c.set_max_buffers(tenant_id, total)
+            evict = put_ms(w, f"v{step}-", 0, ops)  # each evicts the least recently used
+            admin_c.set_max_buffers(tenant_id, top + 1000)
+            if first is None:
+                first = (put, look, evict)
+            print(
+                f"{step:>8} {put:>8.3f} {put / first[0]:>5.2f} {look:>9.3f} "
+                f"{look / first[1]:>5.2f} {evict:>15.3f} {evict / first[2]:>5.2f} "
+                f"{per[0]:>8.3f} {per[1]:>9.3f} {per[2]:>11.0f} {filled_s:>7.1f}",
+                flush=True,
+            )
+            # put back the e-keys the evictions took, so the next fill starts whole
+            for i in range(step):
+                reply, got = raw.call(Lookup(keys=[f"e{i}"]))
+                for fd in got:
+                    os.close(fd)
+                if not isinstance(reply, Found):
+                    with w.entry(f"e{i}", SIZE, pool="scale") as m:
+                        m.array[:8] = 1
+                    total += 1
+        raw.close()
+    return total
+
+
 def run(steps: list[int], ops: int, raise_limits: bool) -> None:
     top = steps[-1] + 2 * ops + 64
     wrapper: list[str] = []
@@ -146,50 +195,7 @@ def run(steps: list[int], ops: int, raise_limits: bool) -> None:
             f"LimitNOFILE {files if raise_limits else 'as inherited'}, vm.max_map_count "
             f"{Path(MAP_COUNT).read_text().strip()}; {SIZE} B entries; {ops} ops per cell"
         )
-        print(
-            f"{'entries':>8} {'put ms':>8} {'x':>5} {'lookup ms':>9} {'x':>5} "
-            f"{'evicting put ms':>15} {'x':>5} {'fd/entry':>8} {'map/entry':>9} "
-            f"{'RSS B/entry':>11} {'fill s':>7}"
-        )
-        pid = d.proc.pid
-        base = proc_counts(pid)
-        first: tuple[float, float, float] | None = None
-        have = total = 0  # e-keys made; live entries of the tenant
-        admin_c = stack.enter_context(Client(d.url, d.admin_key))
-        with Worker(d.socket_path, key, renew_interval_s=0) as w:
-            raw = Raw(d.socket_path, timeout=30)
-            raw.hello(key)
-            for step in steps:
-                t0 = time.perf_counter()
-                total += step - have
-                have = fill(w, have, step)
-                filled_s = time.perf_counter() - t0
-                fds, maps, rss = proc_counts(pid)
-                per = [(now - was) / total for now, was in zip((fds, maps, rss), base, strict=True)]
-                put = put_ms(w, f"p{step}-", 0, ops)
-                total += ops
-                look = lookup_ms(raw, [f"e{(i * 7919) % step}" for i in range(ops)])
-                admin_c.set_max_buffers(tenant.id, total)
-                evict = put_ms(w, f"v{step}-", 0, ops)  # each evicts the least recently used
-                admin_c.set_max_buffers(tenant.id, top + 1000)
-                if first is None:
-                    first = (put, look, evict)
-                print(
-                    f"{step:>8} {put:>8.3f} {put / first[0]:>5.2f} {look:>9.3f} "
-                    f"{look / first[1]:>5.2f} {evict:>15.3f} {evict / first[2]:>5.2f} "
-                    f"{per[0]:>8.3f} {per[1]:>9.3f} {per[2]:>11.0f} {filled_s:>7.1f}",
-                    flush=True,
-                )
-                # put back the e-keys the evictions took, so the next fill starts whole
-                for i in range(step):
-                    reply, got = raw.call(Lookup(keys=[f"e{i}"]))
-                    for fd in got:
-                        os.close(fd)
-                    if not isinstance(reply, Found):
-                        with w.entry(f"e{i}", SIZE, pool="scale") as m:
-                            m.array[:8] = 1
-                        total += 1
-            raw.close()
+        total = table(d, tenant.id, key, steps, ops, top)
         t0 = time.perf_counter()
         d.stop(timeout=3600)
         stopped = time.perf_counter() - t0
