@@ -14,9 +14,12 @@ import contextlib
 import errno
 import os
 import resource
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -25,6 +28,7 @@ import pytest
 from conftest import Daemon
 from maasd.api.loop import AcceptPacing
 from maasd.api.problems import process_limit
+from nobody import require_reachable_checkout
 from waiting import wait_until
 
 #: The open-files limit of the burst test (the issue's measurement: 1.3 MB/s of log).
@@ -122,3 +126,68 @@ def test_process_limits_are_refusals_and_bugs_are_not() -> None:
     assert process_limit(RuntimeError("a bug")) is None
     assert process_limit(OSError(errno.EINVAL, "Invalid argument")) is None
     assert process_limit(BlockingIOError(errno.EAGAIN, "again")) is None
+
+
+#: A uid of its own for the thread-limit test: RLIMIT_NPROC counts every thread of the
+#: real uid, so no other process may share it (root is exempt from the limit).
+THREAD_UID = 61_721
+
+
+def threads_of(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError("no Threads: line")
+
+
+@pytest.fixture
+def own_uid_dir() -> Iterator[Path]:
+    require_reachable_checkout()  # as nobody: others may traverse the checkout
+    base = Path(tempfile.mkdtemp(prefix="maasd-nproc-"))
+    base.chmod(0o755)
+    (base / "data").mkdir()
+    os.chown(base / "data", THREAD_UID, THREAD_UID)
+    yield base / "data"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_at_the_thread_limit_rest_answers_507_never_500(own_uid_dir: Path) -> None:
+    as_uid = ["setpriv", f"--reuid={THREAD_UID}", f"--regid={THREAD_UID}", "--clear-groups", "--"]
+    # First without a limit: the threads the daemon keeps once it served a few requests.
+    d = Daemon(own_uid_dir, wrapper=as_uid).start()
+    try:
+        keys = [d.tenant(f"t{i}", 256 << 20)[1] for i in range(5)]
+        assert d.proc is not None
+        time.sleep(0.5)
+        cap = threads_of(d.proc.pid) + 2
+        d.stop()
+    except BaseException:
+        d.close()
+        raise
+    # Then under RLIMIT_NPROC just above that (the uid runs nothing else).
+    d = Daemon(own_uid_dir, wrapper=["prlimit", f"--nproc={cap}:{cap}", "--", *as_uid])
+    try:
+        d.start()  # the same data dir: its ledger and tenants' keys are kept
+        statuses: list[int] = []
+
+        def reserve(key: str) -> None:
+            with httpx.Client(base_url=d.url, timeout=60) as c:
+                r = c.post(
+                    "/v1/reserve",
+                    json={"size_bytes": 1 << 20},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                statuses.append(r.status_code)
+                if r.status_code == 507:
+                    assert r.json()["type"].endswith("resource-limit"), r.text
+
+        with ThreadPoolExecutor(80) as pool:
+            list(pool.map(reserve, [keys[i % 5] for i in range(80)]))
+        assert 500 not in statuses, statuses
+        assert 507 in statuses, f"the thread limit never bit: {statuses}"
+        assert set(statuses) <= {201, 507}, statuses
+        log = d.log()
+        assert "Traceback" not in log, log[-4000:]
+        assert httpx.get(f"{d.url}/healthz", timeout=10).status_code == 200
+    finally:
+        d.close()
