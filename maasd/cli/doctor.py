@@ -90,6 +90,7 @@ def needs(settings: Settings, *, regions: int | None = None, postgres: bool = Fa
     daemon's own budget (:mod:`maasd.core.limits`; deploy/systemd/maasd.service sizes
     ``LimitNOFILE`` and ``TasksMax`` from the same sum)."""
     from maasd.core.limits import (
+        HOT_READ_ONLY_FDS,
         OWN_FILES,
         REST_THREADS,
         maps_needed,
@@ -109,7 +110,7 @@ def needs(settings: Settings, *, regions: int | None = None, postgres: bool = Fa
         files_sum=f"{want} regions + {at.headroom} kept (the larger of a quarter of the "
         f"limit and {at.reserved}: the ledger {at.ledger_files}, REST {at.rest_connections}, "
         f"2 × {at.socket_connections} socket connections, 2 × {at.threads} threads' "
-        f"transient files, {OWN_FILES} of the daemon's own)",
+        f"transient files, {OWN_FILES + HOT_READ_ONLY_FDS} of the daemon's own)",
         tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {slow} socket slow-op "
         f"threads + {BASE_TASKS}",
         regions=want,

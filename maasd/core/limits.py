@@ -8,7 +8,8 @@ warm stock, or filled from the L2 tier. A committed entry keeps no second fd
 (a lookup re-opens its memfd read-only for the reply: :mod:`maasd.core.runtime`);
 the fd a reply carries, a checkpoint file being written or read, the fresh copy
 of a commit are transient, bounded by the connections and threads, and kept in
-the headroom below. Quotas in bytes do not bound regions — a tenant of 4 KiB
+the headroom below, as are the read-only fds kept for the hottest entries
+(:mod:`maasd.core.rofds`). Quotas in bytes do not bound regions — a tenant of 4 KiB
 buffers reaches the open-files limit long before its quota — so three bounds do:
 
 * per tenant, ``max_buffers`` (:mod:`maasd.store.buffers` checks it in the
@@ -31,8 +32,9 @@ plus the eighth it still answers 507), the ledger's connection pool
 with PostgreSQL: ``L`` files) and the threads ``T`` that may hold a transient
 file (the REST API's 64 service threads and ``socket_slow_workers``)::
 
-    reserved      = 64 + L + R + 2 × S + 2 × T   the daemon's own files (listeners,
-                                                 logs, pipes, libraries), the ledger,
+    reserved      = 96 + L + R + 2 × S + 2 × T   the daemon's own files (listeners,
+                                                 logs, pipes, libraries; the read-only
+                                                 fds of the 32 hottest entries), the ledger,
                                                  the REST connections, per socket
                                                  connection its socket and the fd of
                                                  the one reply held for it, per thread
@@ -50,7 +52,7 @@ peer: :mod:`maasd.broker.inflight`), which the kernel counts against the same
 With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``, ``T = 68``) and
 ``M = 20000``: 15,000 regions, 3,750 per tenant. With ``M = 524288`` (systemd's
 default hard limit) and ``P = 65530`` the mappings bind: 57,339. With ``M =
-1024``: ``S = 128``, 120 regions. Below :data:`MIN_USEFUL_REGIONS` the daemon
+1024``: ``S = 128``, 88 regions. Below :data:`MIN_USEFUL_REGIONS` the daemon
 refuses to start, naming the ``LimitNOFILE`` it needs (:func:`open_files_needed`).
 """
 
@@ -68,6 +70,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from maasd.allocator.region import open_regions
+from maasd.core.rofds import HOT_READ_ONLY_FDS
 
 if TYPE_CHECKING:
     from maasd.settings import Settings
@@ -140,7 +143,8 @@ class Limits:
         """Fds the daemon needs besides regions, at most."""
         sockets = self.socket_connections * (1 + FDS_PER_REPLY)
         transient = self.threads * FILES_PER_THREAD
-        return OWN_FILES + self.ledger_files + self.rest_connections + sockets + transient
+        own = OWN_FILES + HOT_READ_ONLY_FDS
+        return own + self.ledger_files + self.rest_connections + sockets + transient
 
     @property
     def fds_in_flight(self) -> int:

@@ -36,13 +36,13 @@ out deadlock.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import Counter
 from collections.abc import Container
 from dataclasses import dataclass
 
 from maasd.allocator import Pool, Region
+from maasd.core.rofds import ReadOnlyFds
 from maasd.errors import NotFound, StateConflict
 from maasd.models import BufferKind
 from maasd.store import PoolRow
@@ -64,9 +64,8 @@ class Held:
 
     ``live`` is False until the ledger says the buffer is live (a reserve finishing, an
     entry not yet committed): no worker gets a handle to it. A ``committed`` entry's
-    memfd is sealed; each handle of it is an ``O_RDONLY`` re-open made when it is
-    handed out (no read-only fd is kept: an idle entry holds one fd, its memfd), and
-    ``ttl_s`` is the lease a lookup hit extends it to.
+    memfd is sealed; its handles are ``O_RDONLY`` (:mod:`maasd.core.rofds`: an idle
+    entry holds one fd, its memfd), and ``ttl_s`` is the lease a hit extends it to.
     """
 
     region: Region
@@ -103,6 +102,7 @@ class Runtime:
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
         self._by_tenant: Counter[str] = Counter()  # held regions per tenant
+        self._ro = ReadOnlyFds()  # the hottest committed entries' read-only fds
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
@@ -213,6 +213,7 @@ class Runtime:
             if held is None:
                 return None
             self._by_tenant[held.tenant_id] -= 1
+            self._ro.drop(buffer_id)
             if held.key is not None and self._entries.get((held.tenant_id, held.key)) == buffer_id:
                 del self._entries[(held.tenant_id, held.key)]
             if held.committed:
@@ -242,7 +243,7 @@ class Runtime:
 
     def open_handle(self, tenant_id: str, buffer_id: str) -> Opened | None:
         """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``
-        (a committed entry's: read-only, an ``O_RDONLY`` re-open of its memfd)."""
+        (a committed entry's: read-only, :mod:`maasd.core.rofds`)."""
         with self._regions_lock:
             held = self._held.get(buffer_id)
             if held is None or held.tenant_id != tenant_id:
@@ -267,7 +268,7 @@ class Runtime:
         region = held.region
         if not held.live or region.closed:
             return None
-        fd = open_read_only(region) if held.committed else region.dup_fd()
+        fd = self._ro.handle(buffer_id, region) if held.committed else region.dup_fd()
         n = None
         if count:
             with self._attach_lock:
@@ -396,14 +397,3 @@ def _copy(held: Held) -> Held:
     return Held(
         held.region, held.tenant_id, held.pool_id, held.key, held.live, held.committed, held.ttl_s
     )
-
-
-def open_read_only(region: Region) -> int:
-    """A new ``O_RDONLY`` fd of the region's memfd: a re-open through ``/proc/self/fd``.
-
-    A ``dup`` would share the daemon's writable open file; a re-open is a file of its
-    own whose mode a worker cannot change (and ``mmap(PROT_WRITE, MAP_SHARED)`` of it
-    fails). Made per handle (~2 µs) rather than kept per entry: an idle committed entry
-    then holds one fd, not two.
-    """
-    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
