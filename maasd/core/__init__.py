@@ -161,6 +161,7 @@ class Service:
             self.metrics,
             self.reclaimer,
             self.warmer,
+            budget=self.budget,
         )
         self._attach_collectors()
 

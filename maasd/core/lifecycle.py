@@ -44,6 +44,7 @@ from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.hosts import Hosts
+from maasd.core.limits import RegionBudget, open_files_needed
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.core.runtime import Held, Runtime
@@ -76,8 +77,10 @@ class Lifecycle:
         metrics: Metrics,
         reclaimer: Reclaimer,
         warmer: Warmer,
+        budget: RegionBudget | None = None,
     ) -> None:
         self._settings = settings
+        self._budget = budget
         self._host = settings.node_name
         self._store = store
         self._runtime = runtime
@@ -264,7 +267,9 @@ class Lifecycle:
         """
         counts: Counter[str] = Counter()
         keep: set[str] = set()
-        for row in self._store.buffers_on_host(self._host):
+        rows = self._store.buffers_on_host(self._host)
+        self._check_room(rows)
+        for row in rows:
             outcome = self._recover_row(row)
             if outcome != "released":
                 keep.add(os.path.realpath(row.checkpoint_path or ""))
@@ -275,6 +280,30 @@ class Lifecycle:
         if found:
             logger.info("recovered ledger: %s", found)
         return found
+
+    def _check_room(self, rows: list[BufferRow]) -> None:
+        """Every persistent buffer to restore fits the region budget, or a ConfigError
+        naming the limit that would hold them (nothing is released: start again with it)."""
+        if self._budget is None:
+            return
+        todo = sum(
+            1
+            for r in rows
+            if r.state == "live"
+            and r.persistence == "persistent"
+            and self._runtime.pool(r.pool_id) is not None
+            and self._runtime.region(r.id) is None
+        )
+        budget = self._budget
+        room = budget.budget - budget.held()
+        if todo > room:
+            need = open_files_needed(budget.limits, budget.held() + todo)
+            raise ConfigError(
+                f"the ledger holds {todo} persistent buffers and entries to restore, and the "
+                f"region budget has room for {room} (from {budget.limits.binding}): raise "
+                + (f"LimitNOFILE to at least {need}" if need else "vm.max_map_count")
+                + "; nothing was released"
+            )
 
     def _recover_row(self, row: BufferRow) -> str:
         """Settle one row: ``"ours"`` (already held), ``"restored"`` or ``"released"``."""

@@ -104,3 +104,40 @@ def test_a_limit_with_no_room_for_buffers_stops_the_daemon_naming_what_it_needs(
         assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
     finally:
         d.close()
+
+
+def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
+    tmp_path: Path,
+) -> None:
+    entries = 100
+    d = Daemon(tmp_path / "d")
+    d.start()
+    try:
+        d.pool("keep", 64 << 20, persistence="persistent")
+        _tid, key = d.tenant("keeper", GiB)
+        with Worker(d.socket_path, key, renew_interval_s=0) as w:
+            for i in range(entries):
+                with w.entry(f"k{i}", 4 * KiB, pool="keep") as m:
+                    m.array[:4] = 7
+        assert d.stop() == 0  # every persistent entry checkpointed
+        # A limit whose budget holds fewer: the daemon says so and releases nothing.
+        files = open_files_needed(limits_for(4096, None, **DEFAULTS), entries - 20)  # type: ignore[arg-type]
+        assert files is not None
+        low = Daemon(tmp_path / "d", wrapper=["prlimit", f"--nofile={files}:{files}", "--"])
+        with pytest.raises(RuntimeError, match="maasd exited") as e:
+            low.start()
+        assert f"the ledger holds {entries} persistent buffers and entries to restore" in str(
+            e.value
+        )
+        assert "raise LimitNOFILE to at least" in str(e.value)
+        assert "nothing was released" in str(e.value)
+        # With the limit back, every entry is restored.
+        d = Daemon(tmp_path / "d").start()
+        with Worker(d.socket_path, key, renew_interval_s=0) as w:
+            for i in (0, entries // 2, entries - 1):
+                hit = w.lookup([f"k{i}"])
+                assert hit is not None
+                assert bytes(hit.array[:4]) == b"\x07" * 4
+                hit.close()
+    finally:
+        d.close()
