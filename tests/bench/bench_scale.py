@@ -208,6 +208,7 @@ def run(steps: list[int], ops: int, raise_limits: bool) -> None:
             f"(checkpoint each) {stopped:.1f} s, start to /healthz 200 {ready:.1f} s "
             f"(listing answers {r.status_code})"
         )
+        d.stop(timeout=3600)  # checkpoints every entry again: longer than close() waits
 
 
 def main() -> None:
