@@ -96,6 +96,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
     # regions that vm.max_map_count's default allows (maasd.core.limits).
     max_buffers_per_tenant: int = 4096
+    # The share of the daemon's region budget (its open files and mappings for buffers,
+    # maasd.core.limits) one tenant may hold at once: a quarter, so that one tenant's
+    # flood of small entries leaves the others theirs. 1.0 on a host of one tenant.
+    tenant_region_share: float = 0.25
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
@@ -205,6 +209,7 @@ ENV = {
     "MAASD_DB_CONNECT_TIMEOUT_S": "db_connect_timeout_s",
     "MAASD_DB_STATEMENT_TIMEOUT_S": "db_statement_timeout_s",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
+    "MAASD_TENANT_REGION_SHARE": "tenant_region_share",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
     **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},
@@ -261,6 +266,10 @@ def _check(settings: Settings) -> None:
         raise ConfigError("settings: max_ttl_s must be ≥ 1")
     if not 1 <= settings.max_buffers_per_tenant <= MAX_BUFFERS:
         raise ConfigError(f"settings: max_buffers_per_tenant must be 1..{MAX_BUFFERS}")
+    if not 0 < settings.tenant_region_share <= 1:
+        raise ConfigError(
+            f"settings: tenant_region_share must be in (0, 1], got {settings.tenant_region_share}"
+        )
     for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
@@ -269,10 +278,7 @@ def _check(settings: Settings) -> None:
             "settings: host_timeout_s must be at least 3 heartbeats (reaper_interval_s = "
             f"{settings.reaper_interval_s:g}), got {settings.host_timeout_s:g}"
         )
-    if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
-        raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
-    if not (settings.db_connect_timeout_s > 0 and settings.db_statement_timeout_s > 0):
-        raise ConfigError("settings: db_connect_timeout_s and db_statement_timeout_s must be > 0")
+    _check_db(settings)
     for name in ("default_warm_bytes", "warm_min_available_bytes"):
         if (getattr(settings, name) or 0) < 0:
             raise ConfigError(f"settings: {name} must be ≥ 0")
@@ -286,6 +292,14 @@ def _check(settings: Settings) -> None:
     names = [p.name for p in settings.pools]
     if len(names) != len(set(names)):
         raise ConfigError(f"settings: duplicate pool names in config: {names}")
+
+
+def _check_db(settings: Settings) -> None:
+    """The ledger connection's rules: its pool and its timeouts."""
+    if settings.db_pool_size < 1 or settings.db_max_overflow < 0:
+        raise ConfigError("settings: db_pool_size must be ≥ 1 and db_max_overflow ≥ 0")
+    if not (settings.db_connect_timeout_s > 0 and settings.db_statement_timeout_s > 0):
+        raise ConfigError("settings: db_connect_timeout_s and db_statement_timeout_s must be > 0")
 
 
 def _parse_sizes(from_env: dict[str, Any], from_file: dict[str, Any], path: str | None) -> None:

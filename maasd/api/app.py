@@ -40,6 +40,7 @@ from maasd.api.paths import one_segment_per_id
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
+from maasd.core.limits import REST_THREADS
 
 __all__ = ["MAX_BODY", "create_app"]
 
@@ -51,7 +52,7 @@ def create_app(
     degraded: HealthCheck | None = None,
     metrics_key: str | None = None,
     metrics_public: bool = False,
-    threads: int = 64,
+    threads: int = REST_THREADS,  # the region budget keeps a transient file for each
     caller_threads: int = 16,
 ) -> Litestar:
     """Build the app.

@@ -11,7 +11,9 @@ unknown route) become the maasd error they mean; anything else is a bug: a bland
 
 from __future__ import annotations
 
+import errno
 import logging
+import time
 from collections.abc import Mapping
 
 from litestar import Request, Response
@@ -114,8 +116,60 @@ def from_http_exception(request: Request, exc: HTTPException) -> Response[Proble
 
 
 def from_unexpected(_: Request, exc: Exception) -> Response[Problem]:
+    limit = process_limit(exc)
+    if limit is not None:
+        _limit_log(limit)
+        return answer(problem_of(errors.ResourceLimit(limit)))
     logger.error("unhandled error: %s", exc, exc_info=exc)
     return answer(problem_of(exc))
+
+
+#: errnos that mean a process limit, not a bug: open files (the process's, the system's),
+#: threads/processes (``EAGAIN`` from ``clone``), memory for a thread's stack.
+_LIMIT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
+
+
+def process_limit(exc: BaseException) -> str | None:
+    """What process limit ``exc`` is the kernel's refusal of (the detail of a 507
+    ``resource-limit``), or ``None`` for anything else: a thread that could not start
+    (the thread limit, RLIMIT_NPROC or ``kernel.threads-max``), a file that could not
+    open. Looks into exception groups (anyio raises them) and the ``__cause__`` chain."""
+    seen = 0
+    todo: list[BaseException] = [exc]
+    while todo and seen < 16:
+        e = todo.pop()
+        seen += 1
+        if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
+            return "the daemon is at its thread limit (RLIMIT_NPROC); retry shortly"
+        if (
+            isinstance(e, OSError)
+            and e.errno in _LIMIT_ERRNOS
+            and not isinstance(e, BlockingIOError)
+        ):
+            return f"the daemon is at a resource limit ({e.strerror or e}); retry shortly"
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        if e.__cause__ is not None:
+            todo.append(e.__cause__)
+    return None
+
+
+_limit_logged = [0.0, 0]  # when the last line was written, refusals since
+
+
+def _limit_log(detail: str) -> None:
+    """At most one warning a second for requests refused at a process limit (a flood of
+    them must not write a line, let alone a traceback, each)."""
+    now = time.monotonic()
+    if now - _limit_logged[0] < 1.0:
+        _limit_logged[1] += 1
+        return
+    logger.warning(
+        "REST request refused at a process limit: %s",
+        detail,
+        extra={"suppressed": _limit_logged[1]},
+    )
+    _limit_logged[0], _limit_logged[1] = now, 0
 
 
 def _detail(request: Request, exc: HTTPException) -> str:

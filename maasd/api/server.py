@@ -321,6 +321,7 @@ def http_config(app: Any, settings: Settings, metrics: Metrics | None = None) ->
         host=settings.host,
         port=settings.port,
         http=protocol_for(Gate(limits, metrics)),
+        loop="maasd.api.loop:GuardedLoop",  # an accept loop that backs off at EMFILE
         ws="none",  # no WebSocket routes; an upgrade would also take a connection out of the gate
         log_config=None,
         access_log=False,

@@ -16,9 +16,12 @@ given back exactly once (``leave``), whatever way the connection ends.
 from __future__ import annotations
 
 import collections
+import resource
 from typing import TYPE_CHECKING, TypeVar
 
 import msgspec
+
+from maasd.core.limits import socket_connections
 
 if TYPE_CHECKING:
     from maasd.settings import Settings
@@ -55,8 +58,15 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
-        """The limits configured in ``settings`` (fields ``socket_max_connections``, …)."""
-        return cls(**{name: getattr(settings, "socket_" + name) for name in cls.__struct_fields__})
+        """The limits configured in ``settings`` (fields ``socket_max_connections``, …),
+        ``max_connections`` lowered to an eighth of the open-files limit as the region
+        budget counts it (:func:`maasd.core.limits.socket_connections`)."""
+        got = cls(**{name: getattr(settings, "socket_" + name) for name in cls.__struct_fields__})
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft != resource.RLIM_INFINITY:
+            cap = socket_connections(got.max_connections, int(soft))
+            got = msgspec.structs.replace(got, max_connections=cap)
+        return got
 
 
 class ConnectionCounts:

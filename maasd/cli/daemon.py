@@ -336,7 +336,10 @@ def _log_serving(settings: Settings, service: Service) -> None:
 
 
 def _log_limits(service: Any, settings: Settings) -> None:
-    """Say what the daemon may hold, and warn when one tenant could take all of it."""
+    """Say what the daemon may hold: its region budget and one tenant's share of it.
+
+    (A budget too small to be of use stopped the daemon already: maasd.core.limits.)
+    """
     budget = service.budget
     logger.info(
         "limits",
@@ -344,27 +347,12 @@ def _log_limits(service: Any, settings: Settings) -> None:
             "open_files": budget.limits.open_files,
             "max_map_count": budget.limits.max_map_count,
             "region_budget": budget.budget,
+            "tenant_region_budget": budget.tenant_budget,
             "rest_connections": budget.limits.rest_connections,
             "socket_connections": budget.limits.socket_connections,
             "max_buffers_per_tenant": settings.max_buffers_per_tenant,
         },
     )
-    if budget.budget == 0:
-        logger.warning(
-            "the open-files limit (%d) leaves no file for a buffer once connections and the "
-            "ledger have theirs (%d): every reserve answers 507 until LimitNOFILE is raised "
-            "or socket_max_connections lowered",
-            budget.limits.open_files,
-            budget.limits.reserved,
-        )
-    elif settings.max_buffers_per_tenant >= budget.budget:
-        logger.warning(
-            "one tenant at its default max_buffers could hold every buffer region the "
-            "daemon can hold (%d, from %s): raise LimitNOFILE or lower "
-            "max_buffers_per_tenant",
-            budget.budget,
-            budget.limits.binding,
-        )
 
 
 def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop) -> None:

@@ -17,10 +17,12 @@ configured; exit 1); ``skip`` (does not apply here, e.g. llama-cpp-python absent
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import grp
 import importlib.util
+import math
 import os
 import resource
 import stat
@@ -55,18 +57,11 @@ class Check(msgspec.Struct, frozen=True):
 
 # -- what the daemon needs at its caps -----------------------------------------------------
 
-#: Regions (one memfd each) the daemon may hold: buffers, entries and warm stock.
-REGION_BUDGET = 65536
-#: REST connections uvicorn may hold open at once.
-REST_CONNECTIONS = 1024
-#: Service threads for REST calls (maasd.api.app.create_app's ``threads``).
-REST_THREADS = 64
 #: anyio's default thread pool (the health checks and other to_thread calls).
 ANYIO_THREADS = 40
-#: Ledger, logs, epoll, the lock file, shared libraries, lingering closes; the event loop,
-#: the broker's loop, reaper, reclaimer, watchdog, … (OPENBLAS_NUM_THREADS=1: numpy
-#: would otherwise start a thread per CPU that the daemon never uses).
-BASE_FILES, BASE_TASKS = 128, 12
+#: The event loop, the broker's loop, reaper, reclaimer, watchdog, … (OPENBLAS_NUM_THREADS=1:
+#: numpy would otherwise start a thread per CPU that the daemon never uses).
+BASE_TASKS = 12
 
 
 class Needs(msgspec.Struct, frozen=True):
@@ -74,22 +69,52 @@ class Needs(msgspec.Struct, frozen=True):
     tasks: int
     files_sum: str
     tasks_sum: str
+    #: The regions the files are sized for, and the vm.max_map_count they need.
+    regions: int = 0
+    maps: int = 0
 
 
-def needs(settings: Settings) -> Needs:
-    """Open files and tasks a daemon at its caps holds (deploy/systemd/maasd.service sizes
+def regions_wanted(settings: Settings, tenant_caps: list[int | None] | None = None) -> int:
+    """Regions a budget must hold for every tenant to reach its cap (``None``: the
+    default, ``max_buffers_per_tenant``; no tenants known: one at the default): their
+    sum, and at least the largest cap over ``tenant_region_share`` (a tenant meets its
+    share of the budget before its cap otherwise)."""
+    default = settings.max_buffers_per_tenant
+    caps = [default if c is None else c for c in (tenant_caps or [None])]
+    return max(sum(caps), math.ceil(max(caps) / settings.tenant_region_share))
+
+
+def needs(settings: Settings, *, regions: int | None = None, postgres: bool = False) -> Needs:
+    """Open files, tasks and mappings a daemon with ``settings`` needs for a budget of
+    ``regions`` (default: :func:`regions_wanted` with no tenants known), computed by the
+    daemon's own budget (:mod:`maasd.core.limits`; deploy/systemd/maasd.service sizes
     ``LimitNOFILE`` and ``TasksMax`` from the same sum)."""
-    conns, slow = settings.socket_max_connections, settings.socket_slow_workers
-    # a socket connection: its socket, and the fd of the one reply held for it
-    files = REGION_BUDGET + 2 * conns + REST_CONNECTIONS + REST_THREADS + BASE_FILES
+    from maasd.core.limits import (
+        HOT_READ_ONLY_FDS,
+        OWN_FILES,
+        REST_THREADS,
+        maps_needed,
+        open_files_needed,
+        settings_limits,
+    )
+
+    want = regions_wanted(settings) if regions is None else regions
+    files = open_files_needed(settings_limits(settings, 0, None, postgres=postgres), want)
+    assert files is not None  # no mapping limit given: the files alone bind
+    at = settings_limits(settings, files, None, postgres=postgres)
+    slow = settings.socket_slow_workers
     tasks = REST_THREADS + ANYIO_THREADS + slow + BASE_TASKS
     return Needs(
         files=files,
         tasks=tasks,
-        files_sum=f"{REGION_BUDGET} regions + 2 × {conns} socket + {REST_CONNECTIONS} REST "
-        f"connections + {REST_THREADS} checkpoint files + {BASE_FILES}",
+        files_sum=f"{want} regions + {at.headroom} kept (the larger of a quarter of the "
+        f"limit and {at.reserved}: the ledger {at.ledger_files}, REST {at.rest_connections}, "
+        f"2 × {at.socket_connections} socket connections, 2 × {at.threads} threads' "
+        f"transient files, {OWN_FILES + HOT_READ_ONLY_FDS} of the daemon's own)",
         tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {slow} socket slow-op "
         f"threads + {BASE_TASKS}",
+        regions=want,
+        maps=maps_needed(want),
     )
 
 
@@ -238,8 +263,8 @@ def check_limits(settings: Settings) -> list[Check]:
             Check(
                 "open files",
                 "fail",
-                f"RLIMIT_NOFILE is {soft} (hard {hard}); at its caps the daemon holds "
-                f"{need.files} = {need.files_sum}",
+                f"RLIMIT_NOFILE is {soft} (hard {hard}); for a tenant at its default cap "
+                f"the daemon holds {need.files} = {need.files_sum}",
                 f"raise it to ≥ {need.files}: LimitNOFILE= in the unit (deploy/systemd), "
                 "--ulimit nofile= for a container, or ulimit -n",
             )
@@ -302,9 +327,12 @@ def check_region_budget(
     *,
     soft_now: int | None = None,
 ) -> Check:
-    """The region budget ``maasd serve`` would derive (docs/operations.md, "Limits") against
-    what the configured tenants and pools could hold. ``limits.open_files`` is the limit
-    the daemon will run with; ``soft_now``, when lower, the soft limit it raises."""
+    """The region budget ``maasd serve`` would derive (docs/operations.md, "Limits"; the
+    daemon's own :mod:`maasd.core.limits`) against what the configured tenants and pools
+    could hold. ``limits.open_files`` is the limit the daemon will run with; ``soft_now``,
+    when lower, the soft limit it raises."""
+    from maasd.core.limits import MIN_USEFUL_REGIONS, maps_needed, open_files_needed
+
     name = "region budget"
     budget = limits.region_budget
     maps = "unknown" if limits.max_map_count is None else str(limits.max_map_count)
@@ -315,33 +343,50 @@ def check_region_budget(
     )
     basis = (
         f"RLIMIT_NOFILE {limits.open_files}{raised}, vm.max_map_count {maps}, "
-        f"{limits.headroom} files kept for the ledger and connections"
+        f"{limits.headroom} files kept for the ledger, connections and threads"
     )
-    fix = (
-        "raise the hard open-files limit (LimitNOFILE= in the unit, --ulimit nofile= for a "
-        "container), lower socket_max_connections, or lower max_buffers_per_tenant / the "
-        "tenants' max_buffers"
-    )
-    if budget == 0:
+    if budget < MIN_USEFUL_REGIONS:
+        need = open_files_needed(limits)
         return Check(
             name,
             "fail",
-            f"no buffer can be reserved: budget 0 regions from {basis}",
-            fix,
+            f"maasd serve would refuse to start: budget {budget} regions from {basis}",
+            f"raise the hard open-files limit to ≥ {need} (LimitNOFILE= in the unit, "
+            "--ulimit nofile= for a container), or lower socket_max_connections"
+            if need is not None
+            else f"raise vm.max_map_count to ≥ {maps_needed(MIN_USEFUL_REGIONS)}",
         )
-    need, why = region_need(max_per_tenant, tenant_caps, pool_regions)
-    detail = f"{budget} regions from {basis} ({limits.binding} binds); could need {need}: {why}"
-    if max_per_tenant >= budget:
+    want, why = region_need(max_per_tenant, tenant_caps, pool_regions)
+    share = limits.tenant_budget
+    caps = [max_per_tenant if c is None else c for c in (tenant_caps or [None])]
+    wanted = max(want, math.ceil(min(max(caps), pool_regions) / limits.tenant_share))
+    detail = (
+        f"{budget} entries or buffers in all, {share} per tenant "
+        f"(tenant_region_share {limits.tenant_share:g}), from {basis} ({limits.binding} "
+        f"binds); could need {want}: {why}"
+    )
+    if wanted > budget:
+        files = open_files_needed(dataclasses.replace(limits, max_map_count=None), wanted)
         return Check(
             name,
             "warn",
-            f"max_buffers_per_tenant {max_per_tenant} ≥ the budget: one tenant could hold every "
-            f"region; {detail}",
-            fix,
+            f"below what could be asked for: {detail}; a tenant at its cap needs "
+            f"{math.ceil(min(max(caps), pool_regions) / limits.tenant_share)} in all",
+            f"for {wanted} regions: LimitNOFILE ≥ {files}{_maps_fix(limits, wanted)}, or "
+            "lower the tenants' max_buffers / max_buffers_per_tenant, or raise "
+            "tenant_region_share",
         )
-    if need > budget:
-        return Check(name, "warn", f"below what could be asked for: {detail}", fix)
     return Check(name, "ok", detail)
+
+
+def _maps_fix(limits: Limits, regions: int) -> str:
+    """`` and vm.max_map_count ≥ N (…)`` when the host's is below what ``regions`` need."""
+    from maasd.core.limits import maps_needed
+
+    need = maps_needed(regions)
+    if limits.max_map_count is not None and limits.max_map_count >= need:
+        return ""
+    return f" and vm.max_map_count ≥ {need} (sysctl -w vm.max_map_count={need})"
 
 
 def _ledger_tenant_caps(url: URL) -> list[int | None] | None:
@@ -378,8 +423,17 @@ def _pool_regions(settings: Settings, topology: Topology) -> int:
     )
 
 
-def check_regions(settings: Settings, topology: Topology) -> Check:
-    from maasd.core.limits import read_limits
+def check_regions(
+    settings: Settings,
+    topology: Topology,
+    *,
+    open_files: int | None = None,
+    max_map_count: int | None = None,
+) -> Check:
+    """The region budget under this host's limits, or under ``open_files`` (a
+    ``LimitNOFILE``) and ``max_map_count`` given instead (``--nofile``, ``--max-map-count``)."""
+    from maasd.core.limits import max_map_count as read_max_map_count
+    from maasd.core.limits import settings_limits
     from maasd.store.engine import normalize_url
 
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -388,12 +442,15 @@ def check_regions(settings: Settings, topology: Topology) -> Check:
         url = normalize_url(settings.database_url)
     except ConfigError as e:
         return Check("region budget", "fail", e.detail, "fix MAASD_DB_URL / --db")
-    pooled = settings.db_pool_size + settings.db_max_overflow
-    limits = read_limits(
-        socket_connections=settings.socket_max_connections,
-        http_max_connections=settings.http_max_connections,
-        ledger_files=pooled * (1 if url.get_backend_name() == "postgresql" else 2),
-        open_files=soft if hard == resource.RLIM_INFINITY else hard,
+    if open_files is None:
+        open_files = soft if hard == resource.RLIM_INFINITY else hard
+    else:
+        soft = open_files
+    limits = settings_limits(
+        settings,
+        open_files,
+        read_max_map_count() if max_map_count is None else max_map_count,
+        postgres=url.get_backend_name() == "postgresql",
     )
     return check_region_budget(
         limits,
@@ -596,16 +653,27 @@ def run_checks(
     sysfs_root: str = SYSFS_NODES,
     llama_model: str | None = None,
     skip: frozenset[str] = frozenset(),
+    open_files: int | None = None,
+    max_map_count: int | None = None,
 ) -> list[Check]:
     """Every check, in the order an operator would fix them; those named in ``skip`` are
-    reported as skipped."""
+    reported as skipped. ``open_files``/``max_map_count``: size the region budget for
+    these limits instead of this host's."""
     topology = discover(sysfs_root)
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
         ("memfd seals", check_memfd_seals),
         ("hugetlb memfd", lambda: check_hugetlb_memfd(topology)),
         ("huge pages", lambda: check_hugepages(topology, settings)),
         ("NUMA placement", lambda: check_numa(topology)),
-        ("limits", lambda: [*check_limits(settings), check_regions(settings, topology)]),
+        (
+            "limits",
+            lambda: [
+                *check_limits(settings),
+                check_regions(
+                    settings, topology, open_files=open_files, max_map_count=max_map_count
+                ),
+            ],
+        ),
         ("socket directory", lambda: check_socket_dir(settings)),
         ("ledger", lambda: check_ledger(settings)),
         ("llama-cpp-python", lambda: check_llama(llama_model)),
@@ -663,16 +731,36 @@ def _print_table(checks: list[Check]) -> None:
     type=click.Choice(CHECKS),
     help="Do not run this check (repeatable), e.g. llama-cpp-python on a host with no worker.",
 )
+@click.option(
+    "--nofile",
+    type=click.IntRange(1),
+    help="Size the region budget for this LimitNOFILE instead of this host's hard limit.",
+)
+@click.option(
+    "--max-map-count",
+    type=click.IntRange(1),
+    help="Size the region budget for this vm.max_map_count instead of this host's.",
+)
 @click.option("--sysfs-root", default=SYSFS_NODES, hidden=True)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def doctor(
-    as_json: bool, llama_model: str | None, sysfs_root: str, skip: tuple[str, ...], **flags: Any
+    as_json: bool,
+    llama_model: str | None,
+    sysfs_root: str,
+    skip: tuple[str, ...],
+    nofile: int | None,
+    max_map_count: int | None,
+    **flags: Any,
 ) -> None:
     """Check that this host can run the daemon as configured, and say how to fix what fails.
+
+    The region budget says how many entries and buffers the daemon holds (in all, and
+    per tenant); --nofile and --max-map-count ask it for other limits.
 
     \b
     Example:
       maasd doctor --data-dir /var/lib/maasd --socket /run/maasd/maasd.sock
+      maasd doctor --nofile 262144 --max-map-count 262144 --skip llama-cpp-python
     """
     from maasd.settings import load
 
@@ -681,7 +769,12 @@ def doctor(
     except ConfigError as e:
         raise click.ClickException(e.detail) from e
     checks = run_checks(
-        settings, sysfs_root=sysfs_root, llama_model=llama_model, skip=frozenset(skip)
+        settings,
+        sysfs_root=sysfs_root,
+        llama_model=llama_model,
+        skip=frozenset(skip),
+        open_files=nofile,
+        max_map_count=max_map_count,
     )
     ok = not any(c.status == "fail" for c in checks)
     if as_json:

@@ -48,14 +48,20 @@ from maasd.core.entries import Entries, Found
 from maasd.core.handles import Handle, Handles
 from maasd.core.hosts import Hosts
 from maasd.core.lifecycle import Lifecycle
-from maasd.core.limits import RegionBudget, read_limits
+from maasd.core.limits import (
+    MIN_USEFUL_REGIONS,
+    RegionBudget,
+    read_limits,
+    settings_limits,
+    too_few_regions,
+)
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.shared import Shared
 from maasd.core.stale import LastKnownReads, degraded_checks
 from maasd.core.tenants import Tenants
-from maasd.errors import NotFound
+from maasd.errors import ConfigError, NotFound
 from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
 from maasd.models import (
     BufferInfo,
@@ -154,6 +160,7 @@ class Service:
             self.metrics,
             self.reclaimer,
             self.warmer,
+            budget=self.budget,
         )
         _attach_collectors(self)
         #: ``GET /v1/usage``, pools, buffers: as last known while the ledger is down
@@ -402,12 +409,12 @@ def _open_store(settings: Settings) -> Store:
 
 def _region_budget(settings: Settings, store: Store) -> RegionBudget:
     """The daemon-wide region budget: the open-files limit less the ledger's connections,
-    the sockets' and REST's caps (docs/operations.md, "Limits")."""
-    pooled = settings.db_pool_size + settings.db_max_overflow
-    return RegionBudget(
-        read_limits(
-            socket_connections=settings.socket_max_connections,
-            http_max_connections=settings.http_max_connections,
-            ledger_files=pooled * (1 if store.is_postgres else 2),
-        )
+    the sockets' and REST's caps and the threads' transient files (docs/operations.md,
+    "Limits"). A :class:`ConfigError` when it leaves too few regions to be of use."""
+    limits = read_limits()  # this process's RLIMIT_NOFILE and vm.max_map_count
+    limits = settings_limits(
+        settings, limits.open_files, limits.max_map_count, postgres=store.is_postgres
     )
+    if limits.region_budget < MIN_USEFUL_REGIONS:
+        raise ConfigError(too_few_regions(limits))
+    return RegionBudget(limits)

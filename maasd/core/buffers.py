@@ -111,12 +111,10 @@ class Buffers:
     ) -> BufferInfo:
         """Reserve a buffer in ``req.pool`` (id or name), or in the best pool meeting the QoS.
 
-        ``kind="entry"`` is a socket ``put``: the same reserve, ending ``staged`` (held
-        here, handed to no one but its writer) instead of ``live``. ``frozen``: the region
-        is sealed ``F_SEAL_FUTURE_WRITE`` from the start, fully populated — an entry only
-        the daemon writes (through its own mapping) before committing it in place.
-        Raises InvalidRequest (a lease beyond ``max_ttl_s``), QosUnmet/PlacementError/
-        TooLarge (never satisfiable), QuotaExceeded, DuplicateKey, PoolExhausted (not now).
+        ``kind="entry"`` is a socket ``put`` (ends ``staged``: handed to its writer only);
+        ``frozen``: sealed ``F_SEAL_FUTURE_WRITE`` from the start, for an entry only the
+        daemon writes before committing it in place. Raises InvalidRequest, QosUnmet/
+        PlacementError/TooLarge, QuotaExceeded, DuplicateKey, PoolExhausted (not now).
         """
         tenant_id = require_tenant(who)
         started = time.perf_counter()
@@ -160,8 +158,9 @@ class Buffers:
             )
             try:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
-                # before the ledger is asked: a region is one of each.
-                with self._budget.admit():
+                # before the ledger is asked: a region is one of each; the tenant's
+                # fair share of it too.
+                with self._budget.admit(tenant_id, self._runtime.tenant_regions(tenant_id)):
                     # victims released; only bytes that really came free make room
                     row = room.admit(
                         self._store, self._runtime, self._releaser, row, uses=uses, leases=extended

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
@@ -182,16 +181,16 @@ class Entries:
             if held is None or held.live or live is None:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             try:
-                fresh, ro_fd = _copy(held, live, buffer_id, self._runtime)
+                fresh = _copy(held, live, buffer_id, self._runtime)
             except (OSError, MaasdError) as e:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
                 if self._store.commit(buffer_id, time.time(), durable=durable) is None:
-                    _dispose(live, fresh, ro_fd)
+                    live.pool.release(fresh, give_back=False)
                     self._runtime.holders.forget(buffer_id)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
-                staging = self._runtime.commit(buffer_id, fresh, ro_fd)
+                staging = self._runtime.commit(buffer_id, fresh)
                 assert staging is not None  # held under its lock: a release waits for it
                 # The copy took over its bytes; its scrub (the punch that frees it) comes
                 # after the answer: saves ~0.5 ms of memset per 9 MiB commit.
@@ -314,14 +313,13 @@ class Entries:
                 view[: len(data)] = data
             finally:
                 view.release()
-            ro_fd = self._runtime.holders.open_read_only(
-                buffer_id, region, held.tenant_id, held.pool_id
+            self._runtime.holders.watch(
+                buffer_id, region.fd, region.size, held.tenant_id, held.pool_id
             )
             if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
-                os.close(ro_fd)
                 self._runtime.holders.forget(buffer_id)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
-            self._runtime.commit(buffer_id, region, ro_fd)
+            self._runtime.commit(buffer_id, region)
 
     def read(self, buffer_id: str, tenant_id: str, key: str, head: int) -> bytearray | None:
         """``head`` free bytes, then the bytes of the committed entry ``buffer_id`` of this
@@ -352,9 +350,9 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> tuple[Region, int]:
-    """The staged bytes in a fresh, frozen region of the pool, and its (watched)
-    read-only fd."""
+def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> Region:
+    """The staged bytes in a fresh, frozen region of the pool, watched from now on
+    (who holds its memfd: :mod:`maasd.core.holders`)."""
     staging = held.region
     fresh = live.pool.reserve(
         staging.size,
@@ -367,11 +365,11 @@ def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> tuple
         if live.row.prefault and not fresh.placed:  # a stocked region's was measured
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
-        ro_fd = runtime.holders.open_read_only(buffer_id, fresh, held.tenant_id, held.pool_id)
+        runtime.holders.watch(buffer_id, fresh.fd, fresh.size, held.tenant_id, held.pool_id)
     except BaseException:
         live.pool.release(fresh, give_back=False)
         raise
-    return fresh, ro_fd
+    return fresh
 
 
 def _read_all(staging: Region, fresh: Region) -> None:
@@ -381,11 +379,6 @@ def _read_all(staging: Region, fresh: Region) -> None:
     copied = copy_region(staging, fresh)
     if copied != staging.size:
         raise BackingError(f"copied {copied} of {staging.size} staged bytes", errno.EIO)
-
-
-def _dispose(live: LivePool, region: Region, ro_fd: int) -> None:
-    os.close(ro_fd)
-    live.pool.release(region, give_back=False)
 
 
 def _storage_error(buffer_id: str, exc: Exception) -> Exception:

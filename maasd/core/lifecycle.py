@@ -44,6 +44,7 @@ from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
 from maasd.core.hosts import Hosts
+from maasd.core.limits import RegionBudget, open_files_needed
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.core.runtime import Held, Runtime
@@ -76,8 +77,10 @@ class Lifecycle:
         metrics: Metrics,
         reclaimer: Reclaimer,
         warmer: Warmer,
+        budget: RegionBudget | None = None,
     ) -> None:
         self._settings = settings
+        self._budget = budget
         self._host = settings.node_name
         self._store = store
         self._runtime = runtime
@@ -162,13 +165,9 @@ class Lifecycle:
         self._store.dispose()
 
     def _checkpoint_all(self, rows: list[BufferRow]) -> set[str]:
-        """Checkpoint every live persistent buffer this process holds, all at once, then
-        scrub and drop their regions; their rows stay ``live`` and the next start restores
-        them. Returns their ids.
-
-        A checkpoint that fails leaves the buffer's previous one (logged): the next start
-        restores that, or releases the buffer if it never had one.
-        """
+        """Checkpoint every live persistent buffer held here, all at once, then scrub and
+        drop their regions (rows stay ``live``: the next start restores them); their ids.
+        A failed checkpoint leaves the previous one (logged), or none: then it is released."""
         if not self._settings.checkpoint_on_shutdown:
             return set()
         held = [
@@ -268,7 +267,9 @@ class Lifecycle:
         """
         counts: Counter[str] = Counter()
         keep: set[str] = set()
-        for row in self._store.buffers_on_host(self._host):
+        rows = self._store.buffers_on_host(self._host)
+        self._check_room(rows)
+        for row in rows:
             outcome = self._recover_row(row)
             if outcome != "released":
                 keep.add(os.path.realpath(row.checkpoint_path or ""))
@@ -279,6 +280,30 @@ class Lifecycle:
         if found:
             logger.info("recovered ledger: %s", found)
         return found
+
+    def _check_room(self, rows: list[BufferRow]) -> None:
+        """Every persistent buffer to restore fits the region budget, or a ConfigError
+        naming the limit that would hold them (nothing is released: start again with it)."""
+        if self._budget is None:
+            return
+        todo = sum(
+            1
+            for r in rows
+            if r.state == "live"
+            and r.persistence == "persistent"
+            and self._runtime.pool(r.pool_id) is not None
+            and self._runtime.region(r.id) is None
+        )
+        budget = self._budget
+        room = budget.budget - budget.held()
+        if todo > room:
+            need = open_files_needed(budget.limits, budget.held() + todo)
+            raise ConfigError(
+                f"the ledger holds {todo} persistent buffers and entries to restore, and the "
+                f"region budget has room for {room} (from {budget.limits.binding}): raise "
+                + (f"LimitNOFILE to at least {need}" if need else "vm.max_map_count")
+                + "; nothing was released"
+            )
 
     def _recover_row(self, row: BufferRow) -> str:
         """Settle one row: ``"ours"`` (already held), ``"restored"`` or ``"released"``."""
@@ -304,20 +329,18 @@ class Lifecycle:
         return "released"
 
     def _held(self, row: BufferRow, region: Region) -> Held:
-        """A restored buffer as the runtime holds it; a committed entry with its read-only
-        fd, published under its key."""
+        """A restored buffer as the runtime holds it; a committed entry watched (who holds
+        its memfd: maasd.core.holders) and published under its key."""
         committed = row.committed_at is not None
+        if committed:
+            self._runtime.holders.watch(row.id, region.fd, region.size, row.tenant_id, row.pool_id)
         return Held(
             region,
             row.tenant_id,
             row.pool_id,
             row.key,
             live=True,
-            ro_fd=(
-                self._runtime.holders.open_read_only(row.id, region, row.tenant_id, row.pool_id)
-                if committed
-                else None
-            ),
+            committed=committed,
             ttl_s=max(1, round(row.expires_at - row.created_at)),
         )
 

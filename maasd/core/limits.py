@@ -1,66 +1,94 @@
 """The daemon's own limits: open files and memory mappings, and what a buffer may take of them.
 
-Every buffer costs the daemon one open file (its memfd) and one mapping (the
-daemon's own, for scrubbing and placement checks) for as long as the region
-exists — live, waiting to be reclaimed, or in a pool's warm stock. Quotas in
-bytes do not bound those: a tenant of 4 KiB buffers reaches the open-files
-limit long before its quota. Two bounds do:
+What a region costs the daemon, in every state, is one open file (its memfd)
+and one mapping (the daemon's writable one: ``F_SEAL_FUTURE_WRITE`` forbids
+every later writable mapping, and the scrub at release writes through it):
+staged or committed, live, released and waiting to be reclaimed, in a pool's
+warm stock, or filled from the L2 tier. A committed entry keeps no second fd
+(a lookup re-opens its memfd read-only for the reply: :mod:`maasd.core.runtime`);
+the fd a reply carries, a checkpoint file being written or read, the fresh copy
+of a commit are transient, bounded by the connections and threads, and kept in
+the headroom below, as are the read-only fds kept for the hottest entries
+(:mod:`maasd.core.rofds`). Quotas in bytes do not bound regions — a tenant of 4 KiB
+buffers reaches the open-files limit long before its quota — so three bounds do:
 
 * per tenant, ``max_buffers`` (:mod:`maasd.store.buffers` checks it in the
-  reserve transaction, 409 ``buffer-count-exceeded``);
+  reserve transaction; at it the tenant's own evictable buffers are evicted,
+  else 409 ``buffer-count-exceeded``);
+* per tenant, its **fair share** of the region budget (``tenant_region_share``
+  of it, a quarter by default: 507 ``resource-limit``), so that no tenant takes
+  the regions others need;
 * daemon-wide, the **region budget** below (507 ``resource-limit``), so that
   the ledger, the REST and socket connections and the fds being handed out
-  always find a free descriptor.
+  always find a free descriptor: no request meets ``EMFILE``.
 
 The budget, from the soft ``RLIMIT_NOFILE`` ``M`` (which ``maasd serve`` first
 raises to the hard limit), ``vm.max_map_count`` ``P``, the worker socket's
-``socket_max_connections`` ``S``, the REST server's connections ``R`` (its cap,
+connections ``S`` (``socket_max_connections`` lowered to ``M // 8``, never below
+16, as the broker caps it), the REST server's connections ``R`` (its cap,
 ``http_max_connections`` lowered to ``M // 4`` as :mod:`maasd.api.server` does,
-plus the eighth it still answers 507) and the ledger's connection pool
+plus the eighth it still answers 507), the ledger's connection pool
 (``db_pool_size + db_max_overflow`` connections, 2 files each with SQLite, 1
-with PostgreSQL: ``L`` files)::
+with PostgreSQL: ``L`` files) and the threads ``T`` that may hold a transient
+file (the REST API's 64 service threads and ``socket_slow_workers``)::
 
-    reserved      = 64 + L + R + 2 × S               the daemon's own files (listeners,
-                                                     logs, pipes, libraries), the ledger,
-                                                     the REST connections, and per socket
-                                                     connection its socket and the fd of
-                                                     the one reply held for it
-    headroom      = max(reserved, M // 4)            fds for everything but regions
-    region_budget = min(M - headroom,                regions held at once
+    reserved      = 96 + L + R + 2 × S + 2 × T   the daemon's own files (listeners,
+                                                 logs, pipes, libraries; the read-only
+                                                 fds of the 32 hottest entries), the ledger,
+                                                 the REST connections, per socket
+                                                 connection its socket and the fd of
+                                                 the one reply held for it, per thread
+                                                 a checkpoint file and a commit's copy
+    headroom      = max(reserved, M // 4)        fds for everything but regions
+    region_budget = min(M - headroom,            regions held at once
                         P - max(1024, P // 8))
+    tenant share  = max(1, region_budget × tenant_region_share)
 
 A socket connection has at most one fd in flight too (sent, not yet read by its
 peer: :mod:`maasd.broker.inflight`), which the kernel counts against the same
 ``RLIMIT_NOFILE`` for the daemon's user: ``S`` of them at most
 (:attr:`Limits.fds_in_flight`), inside the headroom whenever the budget is not 0.
 
-With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``) and
-``M = 20000``: 15,000 regions. With ``M = 524288`` (systemd's default hard
-limit) and ``P = 65530`` the mappings bind: 57,339. With ``M = 1024`` nothing is
-left for buffers until ``socket_max_connections`` is lowered (to 64: 384
-regions) — the daemon says so when it starts.
+With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``, ``T = 68``) and
+``M = 20000``: 15,000 regions, 3,750 per tenant. With ``M = 524288`` (systemd's
+default hard limit) and ``P = 65530`` the mappings bind: 57,339. With ``M =
+1024``: ``S = 128``, 88 regions. Below :data:`MIN_USEFUL_REGIONS` the daemon
+refuses to start, naming the ``LimitNOFILE`` it needs (:func:`open_files_needed`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import os
 import resource
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from maasd.allocator.region import open_regions
+from maasd.core.rofds import HOT_READ_ONLY_FDS
+
+if TYPE_CHECKING:
+    from maasd.settings import Settings
 from maasd.errors import BackingError, MaasdError, PoolExhausted, ResourceLimit
 
 __all__ = [
+    "MIN_USEFUL_REGIONS",
     "Limits",
     "RegionBudget",
     "kernel_refusal",
+    "open_files_needed",
     "raise_open_files",
+    "maps_needed",
     "read_limits",
     "rest_connections",
+    "settings_limits",
+    "socket_connections",
+    "too_few_regions",
 ]
 
 #: The daemon's own files besides the ledger and connections (listeners, logs, pipes,
@@ -74,6 +102,16 @@ MIN_FREE_FILES = 16
 MIN_MAP_HEADROOM = 1024
 #: The share of the open-files limit REST connections may hold (maasd.api.server's rule).
 REST_FD_SHARE = 4
+#: The share of the open-files limit worker socket connections may hold (each: 2 files).
+SOCKET_FD_SHARE = 8
+#: Socket connections allowed whatever the limit (a daemon below it refuses to start).
+MIN_SOCKET_CONNECTIONS = 16
+#: Transient files a service thread may hold at once (a checkpoint file, a commit's copy).
+FILES_PER_THREAD = 2
+#: The REST API's service threads (maasd.api.app's ``threads``).
+REST_THREADS = 64
+#: Fewer regions than this and the daemon is of no use: ``maasd serve`` refuses to start.
+MIN_USEFUL_REGIONS = 64
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
@@ -92,12 +130,21 @@ class Limits:
     rest_connections: int = 0
     #: Files the ledger's connection pool may hold at most.
     ledger_files: int = 0
+    #: Threads that may each hold :data:`FILES_PER_THREAD` transient files.
+    threads: int = 0
+    #: The share of the region budget one tenant may hold (``tenant_region_share``).
+    tenant_share: float = 1.0
+    #: The settings the connection counts were scaled from (0: taken as they are).
+    socket_setting: int = 0
+    http_setting: int = 0
 
     @property
     def reserved(self) -> int:
         """Fds the daemon needs besides regions, at most."""
         sockets = self.socket_connections * (1 + FDS_PER_REPLY)
-        return OWN_FILES + self.ledger_files + self.rest_connections + sockets
+        transient = self.threads * FILES_PER_THREAD
+        own = OWN_FILES + HOT_READ_ONLY_FDS
+        return own + self.ledger_files + self.rest_connections + sockets + transient
 
     @property
     def fds_in_flight(self) -> int:
@@ -126,6 +173,11 @@ class Limits:
         return self.file_budget if maps is None else min(self.file_budget, maps)
 
     @property
+    def tenant_budget(self) -> int:
+        """Regions one tenant may hold at once: its fair share of :attr:`region_budget`."""
+        return max(1, int(self.region_budget * self.tenant_share))
+
+    @property
     def binding(self) -> str:
         """Which limit the budget comes from, as an operator would name it."""
         maps = self.map_budget
@@ -150,34 +202,150 @@ def rest_connections(http_max_connections: int, open_files: int) -> int:
     return cap + max(4, cap // 8)
 
 
+def socket_connections(socket_max_connections: int, open_files: int) -> int:
+    """Worker socket connections the broker may hold at once: ``socket_max_connections``
+    lowered to an eighth of the open files (never below 16), so that a small
+    ``RLIMIT_NOFILE`` still leaves files for buffers (``maasd.broker.Limits`` caps it so)."""
+    return min(socket_max_connections, max(MIN_SOCKET_CONNECTIONS, open_files // SOCKET_FD_SHARE))
+
+
+def max_map_count() -> int | None:
+    """``vm.max_map_count``, or ``None`` when it cannot be read."""
+    try:
+        with open(_MAX_MAP_COUNT) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def limits_for(
+    open_files: int,
+    max_map_count: int | None,
+    *,
+    socket_max_connections: int = 0,
+    http_max_connections: int = 0,
+    ledger_files: int = 0,
+    threads: int = 0,
+    tenant_share: float = 1.0,
+) -> Limits:
+    """The limits of a daemon with these settings under these process limits (the
+    connection caps lowered to their shares of ``open_files``)."""
+    return Limits(
+        open_files=open_files,
+        max_map_count=max_map_count,
+        socket_connections=socket_connections(socket_max_connections, open_files)
+        if socket_max_connections
+        else 0,
+        rest_connections=rest_connections(http_max_connections, open_files)
+        if http_max_connections
+        else 0,
+        ledger_files=ledger_files,
+        threads=threads,
+        tenant_share=tenant_share,
+        socket_setting=socket_max_connections,
+        http_setting=http_max_connections,
+    )
+
+
+def open_files_needed(lim: Limits, regions: int = MIN_USEFUL_REGIONS) -> int | None:
+    """The smallest ``RLIMIT_NOFILE`` that gives ``regions`` regions with ``lim``'s other
+    settings (the connection caps scaled as :func:`limits_for` does), or ``None`` when
+    ``vm.max_map_count`` alone holds fewer."""
+    maps = dataclasses.replace(lim, open_files=1 << 30).map_budget
+    if maps is not None and maps < regions:
+        return None
+
+    def budget(m: int) -> int:
+        at_m = dataclasses.replace(lim, open_files=m)
+        if lim.socket_setting:
+            at_m = dataclasses.replace(
+                at_m, socket_connections=socket_connections(lim.socket_setting, m)
+            )
+        if lim.http_setting:
+            at_m = dataclasses.replace(at_m, rest_connections=rest_connections(lim.http_setting, m))
+        return at_m.file_budget
+
+    lo, hi = 1, 1 << 30  # the budget grows with M: each file adds under one to the headroom
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if budget(mid) >= regions:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def too_few_regions(lim: Limits) -> str:
+    """Why a daemon under ``lim`` refuses to start, and the limit it needs."""
+    need = open_files_needed(lim)
+    fix = (
+        f"raise LimitNOFILE (ulimit -Hn) to at least {need}"
+        if need is not None
+        else f"raise vm.max_map_count (now {lim.max_map_count})"
+    )
+    return (
+        f"RLIMIT_NOFILE {lim.open_files} leaves {lim.region_budget} open files for buffers "
+        f"once the ledger, connections and threads have theirs ({lim.headroom}); the daemon "
+        f"needs room for {MIN_USEFUL_REGIONS} at least: {fix}, or lower "
+        "socket_max_connections, http_max_connections or db_max_overflow"
+    )
+
+
+def settings_limits(
+    settings: Settings, open_files: int, max_map_count: int | None, *, postgres: bool
+) -> Limits:
+    """The limits of a daemon with ``settings`` under these process limits: what ``maasd
+    serve`` budgets (:func:`read_limits` with the same settings) and ``maasd doctor`` sizes."""
+    pooled = settings.db_pool_size + settings.db_max_overflow
+    return limits_for(
+        open_files,
+        max_map_count,
+        socket_max_connections=settings.socket_max_connections,
+        http_max_connections=settings.http_max_connections,
+        ledger_files=pooled * (1 if postgres else 2),
+        threads=REST_THREADS + settings.socket_slow_workers,
+        tenant_share=settings.tenant_region_share,
+    )
+
+
+def maps_needed(regions: int) -> int:
+    """The smallest ``vm.max_map_count`` whose mapping budget holds ``regions``."""
+    lo, hi = 1, 1 << 34
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if (Limits(open_files=0, max_map_count=mid).map_budget or 0) >= regions:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def read_limits(
     *,
     socket_connections: int = 0,
     http_max_connections: int = 0,
     ledger_files: int = 0,
+    threads: int = 0,
+    tenant_share: float = 1.0,
     open_files: int | None = None,
 ) -> Limits:
-    """This process's limits now, with what the daemon's configuration takes of its files.
+    """This process's limits now, with what the daemon's configuration takes of its files
+    (``socket_connections``: the ``socket_max_connections`` setting, lowered here).
 
     ``open_files`` replaces the soft RLIMIT_NOFILE (``maasd doctor`` passes the hard
     limit, which ``maasd serve`` raises the soft one to).
     """
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if open_files is None else open_files
-    try:
-        with open(_MAX_MAP_COUNT) as f:
-            maps: int | None = int(f.read().strip())
-    except (OSError, ValueError):
-        maps = None
     if soft == resource.RLIM_INFINITY:  # pragma: no cover - Linux always has a finite limit
         soft = 1 << 20
-    return Limits(
-        open_files=int(soft),
-        max_map_count=maps,
-        socket_connections=socket_connections,
-        rest_connections=rest_connections(http_max_connections, int(soft))
-        if http_max_connections
-        else 0,
+    return limits_for(
+        int(soft),
+        max_map_count(),
+        socket_max_connections=socket_connections,
+        http_max_connections=http_max_connections,
         ledger_files=ledger_files,
+        threads=threads,
+        tenant_share=tenant_share,
     )
 
 
@@ -194,19 +362,23 @@ def raise_open_files() -> tuple[int, int]:
 
 
 class RegionBudget:
-    """Admits the creation of a region while the process holds fewer than its budget.
+    """Admits the creation of a region while the process holds fewer than its budget,
+    and the tenant fewer than its share.
 
     ``held`` counts the regions that exist (by default every open
     :class:`~maasd.allocator.Region` of the process); regions being created are
-    counted from :meth:`admit` on, so concurrent reserves cannot overshoot.
+    counted from :meth:`admit` on (in all, and per tenant), so concurrent reserves
+    cannot overshoot.
     """
 
     def __init__(self, limits: Limits, held: Callable[[], int] = open_regions) -> None:
         self.limits = limits
         self.budget = limits.region_budget
+        self.tenant_budget = limits.tenant_budget
         self._held = held
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._tenant_in_flight: Counter[str] = Counter()
 
     def held(self) -> int:
         """Regions that exist or are being created now."""
@@ -219,18 +391,38 @@ class RegionBudget:
         return self.held() + 1 <= self.budget - max(1, self.budget // 4)
 
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
-        """One region may be created inside the block; :class:`ResourceLimit` at the budget."""
+    def admit(self, tenant_id: str | None = None, tenant_held: int = 0) -> Iterator[None]:
+        """One region may be created inside the block; :class:`ResourceLimit` at the budget,
+        or when ``tenant_id``, holding ``tenant_held`` regions, is at its share."""
         with self._lock:
             held = self._held() + self._in_flight
             if held >= self.budget:
                 raise ResourceLimit(self.describe(held))
+            if tenant_id is not None:
+                mine = tenant_held + self._tenant_in_flight[tenant_id]
+                if mine >= self.tenant_budget:
+                    raise ResourceLimit(self.describe_share(tenant_id, mine))
+                self._tenant_in_flight[tenant_id] += 1
             self._in_flight += 1
         try:
             yield
         finally:
             with self._lock:
                 self._in_flight -= 1
+                if tenant_id is not None:
+                    self._tenant_in_flight[tenant_id] -= 1
+                    if self._tenant_in_flight[tenant_id] <= 0:
+                        del self._tenant_in_flight[tenant_id]
+
+    def describe_share(self, tenant_id: str, mine: int) -> str:
+        """The detail of a 507 at a tenant's share of the budget."""
+        return (
+            f"tenant {tenant_id} holds {mine} buffer regions, its share of the daemon's "
+            f"budget of {self.budget} (tenant_region_share {self.limits.tenant_share:g}: "
+            f"{self.tenant_budget}; each buffer or entry takes one open file and one memory "
+            "mapping); release buffers or entries, or ask the operator to raise "
+            "tenant_region_share or LimitNOFILE"
+        )
 
     def describe(self, held: int | None = None) -> str:
         """What the budget is and how much of it is taken, for a 507's detail and /healthz."""

@@ -20,8 +20,8 @@ Locks, and the order they are taken in
    instead of unmapping under it. Held across I/O and ledger calls. Never taken
    while holding any other lock.
 2. **The regions lock**: the held buffers, the entry index and the buffer locks
-   map. Held only for dict operations, the ``dup(2)`` of an fd and the ``close(2)``
-   of a committed entry's read-only fd (so that a region being handed to a worker
+   map. Held only for dict operations, the ``dup(2)`` of an fd and the read-only
+   re-open of a committed entry's memfd (so that a region being handed to a worker
    cannot be taken out and closed meanwhile), and around the attachments lock (so
    that a handle is counted in the same step it is made, and a release sees it).
 3. **Leaf locks**, each guarding one thing and never held while taking another:
@@ -37,8 +37,6 @@ out deadlock.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 from collections import Counter
 from collections.abc import Container
@@ -46,6 +44,7 @@ from dataclasses import dataclass
 
 from maasd.allocator import Pool, Region
 from maasd.core.holders import Holders
+from maasd.core.rofds import ReadOnlyFds
 from maasd.errors import NotFound, StateConflict
 from maasd.models import BufferKind
 from maasd.store import PoolRow
@@ -66,9 +65,9 @@ class Held:
     """A buffer whose region this process holds, and what handing it out needs to know.
 
     ``live`` is False until the ledger says the buffer is live (a reserve finishing, an
-    entry not yet committed): no worker gets a handle to it. A committed entry has
-    ``ro_fd``, an ``O_RDONLY`` fd of its sealed memfd opened once at commit, and
-    ``ttl_s``, the lease a lookup hit extends it to.
+    entry not yet committed): no worker gets a handle to it. A ``committed`` entry's
+    memfd is sealed; its handles are ``O_RDONLY`` (:mod:`maasd.core.rofds`: an idle
+    entry holds one fd, its memfd), and ``ttl_s`` is the lease a hit extends it to.
     """
 
     region: Region
@@ -76,12 +75,8 @@ class Held:
     pool_id: str
     key: str | None = None
     live: bool = False
-    ro_fd: int | None = None
+    committed: bool = False
     ttl_s: int = 0
-
-    @property
-    def committed(self) -> bool:
-        return self.ro_fd is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +103,8 @@ class Runtime:
         self._held: dict[str, Held] = {}
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
+        self._by_tenant: Counter[str] = Counter()  # held regions per tenant
+        self._ro = ReadOnlyFds()  # the hottest committed entries' read-only fds
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
         self._attached_by_buffer: Counter[str] = Counter()
@@ -178,6 +175,8 @@ class Runtime:
     def hold(self, buffer_id: str, held: Held) -> None:
         """Hold a buffer's region; a live committed entry is indexed under its key at once."""
         with self._regions_lock:
+            if buffer_id not in self._held:
+                self._by_tenant[held.tenant_id] += 1
             self._held[buffer_id] = held
             if held.live and held.committed and held.key is not None:
                 self._entries[(held.tenant_id, held.key)] = buffer_id
@@ -191,17 +190,14 @@ class Runtime:
             held.live = True
             return True
 
-    def commit(self, buffer_id: str, region: Region, ro_fd: int) -> Region | None:
-        """Swap a staged entry's region for its sealed copy, publish it under its key.
-
-        Returns the staging region (the caller scrubs it), or ``None`` if the entry is
-        no longer held (the caller then disposes of ``region`` and ``ro_fd``).
-        """
+    def commit(self, buffer_id: str, region: Region) -> Region | None:
+        """Swap a staged entry's region for its sealed copy, publish it under its key; the
+        staging region (the caller scrubs it), or ``None`` if the entry is no longer held."""
         with self._regions_lock:
             held = self._held.get(buffer_id)
             if held is None or held.live:
                 return None
-            staging, held.region, held.ro_fd, held.live = held.region, region, ro_fd, True
+            staging, held.region, held.committed, held.live = held.region, region, True, True
             if held.key is not None:
                 self._entries[(held.tenant_id, held.key)] = buffer_id
             return staging
@@ -212,23 +208,19 @@ class Runtime:
             return self._busy.setdefault(buffer_id, threading.Lock())
 
     def take_region(self, buffer_id: str) -> Region | None:
-        """Take a buffer's region out (``None`` if none), after any work on it ends.
-
-        Waits for the buffer's lock, so a checkpoint, pin or commit in progress
-        finishes first; from then on no one can find the region here, nor look the
-        entry up. A committed entry's read-only fd is closed (whether others still hold
-        the memfd is then the caller's question: :meth:`Holders.settle`).
-        """
+        """Take a buffer's region out (``None`` if none), once a checkpoint, pin or commit in
+        progress ends (its lock); from then on no one finds it here, nor looks it up. Whether
+        others still hold a committed entry's memfd is the caller's question (Holders.settle)."""
         with self.buffer_lock(buffer_id), self._regions_lock:
             self._busy.pop(buffer_id, None)
             held = self._held.pop(buffer_id, None)
             if held is None:
                 return None
+            self._by_tenant[held.tenant_id] -= 1
+            self._ro.drop(buffer_id)
             if held.key is not None and self._entries.get((held.tenant_id, held.key)) == buffer_id:
                 del self._entries[(held.tenant_id, held.key)]
-            if held.ro_fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(held.ro_fd)
+            if held.committed:
                 with self._attach_lock:
                     if self._attached_by_buffer[buffer_id] > 0:
                         self._released_attached[buffer_id] = (
@@ -237,6 +229,11 @@ class Runtime:
                             held.region.size,
                         )
             return held.region
+
+    def tenant_regions(self, tenant_id: str) -> int:
+        """Regions this process holds for the tenant now (reserved, staged or committed)."""
+        with self._regions_lock:
+            return self._by_tenant[tenant_id]
 
     def dup_fd(self, buffer_id: str) -> int | None:
         """A new fd of a held buffer's memfd (writable), or ``None`` if it is not held here."""
@@ -249,10 +246,8 @@ class Runtime:
     # -- handles for workers, answered from memory -----------------------------------------
 
     def open_handle(self, tenant_id: str, buffer_id: str) -> Opened | None:
-        """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``.
-
-        A committed entry's handle is read-only (a dup of its ``O_RDONLY`` fd).
-        """
+        """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``
+        (a committed entry's: read-only, :mod:`maasd.core.rofds`)."""
         with self._regions_lock:
             held = self._held.get(buffer_id)
             if held is None or held.tenant_id != tenant_id:
@@ -273,11 +268,11 @@ class Runtime:
             return None
 
     def _open(self, buffer_id: str, held: Held, *, count: bool = True) -> Opened | None:
-        """(regions lock held) dup the fd and count the attachment in one step."""
+        """(regions lock held) open the fd and count the attachment in one step."""
         region = held.region
         if not held.live or region.closed:
             return None
-        fd = os.dup(held.ro_fd) if held.ro_fd is not None else region.dup_fd()
+        fd = self._ro.handle(buffer_id, region) if held.committed else region.dup_fd()
         n = None
         if count:
             with self._attach_lock:
@@ -402,5 +397,5 @@ class Runtime:
 
 def _copy(held: Held) -> Held:
     return Held(
-        held.region, held.tenant_id, held.pool_id, held.key, held.live, held.ro_fd, held.ttl_s
+        held.region, held.tenant_id, held.pool_id, held.key, held.live, held.committed, held.ttl_s
     )

@@ -152,8 +152,11 @@ buffers = Table(
     Column("checkpoint_path", Text, nullable=True),
     Column("checksum", String(128), nullable=True),
     Column("checkpointed_at", Float, nullable=True),
-    Index(None, "tenant_id", "state"),
-    Index(None, "pool_id", "state"),
+    # Equality columns, then the eviction order (least recently used first), then the
+    # size: an eviction scan reads victims in order from the index, and the reserve's
+    # sums of a tenant's or a pool's bytes read the index alone (migration 0004).
+    Index(None, "tenant_id", "state", "last_used_at", "id", "size_bytes"),
+    Index(None, "pool_id", "state", "last_used_at", "id", "size_bytes"),
     Index(None, "expires_at"),
 )
 # A key is unique among one tenant's buffers on one host; NULL keys do not take

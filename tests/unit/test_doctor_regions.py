@@ -4,8 +4,9 @@ runs it against real limits and a real ledger)."""
 
 from __future__ import annotations
 
-from maasd.cli.doctor import check_region_budget, region_need
-from maasd.core.limits import Limits
+from maasd.cli.doctor import check_region_budget, needs, region_need, regions_wanted
+from maasd.core.limits import Limits, settings_limits
+from maasd.settings import Settings
 
 #: The documented example (docs/operations.md, "Limits"): M = 20000, the default socket
 #: and REST caps, SQLite with the default ledger pool → 15,000 regions.
@@ -15,38 +16,61 @@ DEFAULTS = Limits(
     socket_connections=1024,
     rest_connections=576,
     ledger_files=160,
+    tenant_share=0.25,
 )
 
 
 def test_the_documented_budget_is_reported_with_its_basis() -> None:
-    c = check_region_budget(DEFAULTS, 4096, None, 1 << 30)
+    c = check_region_budget(DEFAULTS, 3000, None, 1 << 30)
     assert c.status == "ok", c
-    assert c.detail.startswith("15000 regions from RLIMIT_NOFILE 20000")
-    assert "vm.max_map_count 65530" in c.detail
-    assert "could need 4096: one tenant at max_buffers_per_tenant" in c.detail
+    assert c.detail.startswith("15000 entries or buffers in all, 3750 per tenant")
+    assert "from RLIMIT_NOFILE 20000, vm.max_map_count 65530" in c.detail
+    assert "could need 3000: one tenant at max_buffers_per_tenant" in c.detail
+
+
+def test_a_tenant_cap_above_its_share_warns_with_the_limits_to_set() -> None:
+    # the default cap 4096 over the share 0.25: a budget of 16,384 lets a tenant reach it
+    c = check_region_budget(DEFAULTS, 4096, None, 1 << 30)
+    assert c.status == "warn"
+    assert "a tenant at its cap needs 16384 in all" in c.detail
+    files = needs(Settings()).files
+    assert f"for 16384 regions: LimitNOFILE ≥ {files}" in c.fix
+    assert "vm.max_map_count" not in c.fix  # 65,530 holds 16,384 already
+    big = Limits(**{**DEFAULTS.__dict__, "max_map_count": 8192})
+    assert "sysctl -w vm.max_map_count=" in check_region_budget(big, 4096, None, 1 << 30).fix
+
+
+def test_the_needs_are_the_daemons_own_budget() -> None:
+    n = needs(Settings())
+    assert n.regions == regions_wanted(Settings()) == 16384
+    # at the files it names, the daemon's own formula gives that many regions, not one less
+    assert settings_limits(Settings(), n.files, None, postgres=False).region_budget >= n.regions
+    assert settings_limits(Settings(), n.files - 1, None, postgres=False).region_budget < n.regions
+    assert Limits(open_files=0, max_map_count=n.maps).map_budget == n.regions
+    assert regions_wanted(Settings(), [None, 100, 20000]) == 80000  # 20000 / 0.25
 
 
 def test_no_budget_fails() -> None:
     low = Limits(open_files=1024, max_map_count=65530, socket_connections=1024)
     c = check_region_budget(low, 4096, None, 1 << 30, soft_now=256)
     assert c.status == "fail"
-    assert "budget 0 regions" in c.detail
+    assert "maasd serve would refuse to start: budget 0 regions" in c.detail
     assert "RLIMIT_NOFILE 1024 (raised from 256 by maasd serve)" in c.detail
     assert "LimitNOFILE" in c.fix
 
 
 def test_tenants_that_could_hold_more_than_the_budget_warn() -> None:
-    c = check_region_budget(DEFAULTS, 4096, [None, None, None, 3000], 1 << 30)
+    c = check_region_budget(DEFAULTS, 3500, [None, None, None, None, 3500], 1 << 30)
     assert c.status == "warn"
     assert "below what could be asked for" in c.detail
-    assert "could need 15288: 4 tenant(s) at their caps" in c.detail
-    assert check_region_budget(DEFAULTS, 4096, [None, None, None, 2000], 1 << 30).status == "ok"
+    assert "could need 17500: 5 tenant(s) at their caps" in c.detail
+    assert check_region_budget(DEFAULTS, 3500, [None, None, 3000], 1 << 30).status == "ok"
 
 
 def test_one_tenant_cap_at_the_budget_warns() -> None:
     c = check_region_budget(DEFAULTS, 15000, None, 1 << 30)
     assert c.status == "warn"
-    assert "one tenant could hold every region" in c.detail
+    assert "a tenant at its cap needs 60000 in all" in c.detail
 
 
 def test_the_pools_pages_bound_the_need() -> None:

@@ -9,12 +9,17 @@ import pytest
 
 from maasd.core.limits import (
     MIN_FREE_FILES,
+    MIN_USEFUL_REGIONS,
     Limits,
     RegionBudget,
     kernel_refusal,
+    limits_for,
     open_files,
+    open_files_needed,
     read_limits,
     rest_connections,
+    socket_connections,
+    too_few_regions,
 )
 from maasd.errors import BackingError, PoolExhausted, ResourceLimit
 
@@ -23,9 +28,9 @@ from maasd.errors import BackingError, PoolExhausted, ResourceLimit
     ("files", "maps", "socket", "rest", "headroom", "budget", "binding"),
     [
         (20000, 65530, 1024, 576, 5000, 15000, "RLIMIT_NOFILE 20000"),
-        (1024, 65530, 1024, 288, 2560, 0, "RLIMIT_NOFILE 1024"),
-        (1024, 65530, 64, 288, 640, 384, "RLIMIT_NOFILE 1024"),
-        (2048, 65530, 128, 576, 1056, 992, "RLIMIT_NOFILE 2048"),
+        (1024, 65530, 1024, 288, 2592, 0, "RLIMIT_NOFILE 1024"),
+        (1024, 65530, 64, 288, 672, 352, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 128, 576, 1088, 960, "RLIMIT_NOFILE 2048"),
         (524288, 65530, 1024, 576, 131072, 57339, "vm.max_map_count 65530"),
         (524288, None, 1024, 576, 131072, 393216, "RLIMIT_NOFILE 524288"),
     ],
@@ -66,9 +71,9 @@ def test_read_limits_reads_this_process() -> None:
 def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
     held = [0]
     budget = RegionBudget(
-        Limits(open_files=100, ledger_files=16, rest_connections=16), held=lambda: held[0]
+        Limits(open_files=132, ledger_files=16, rest_connections=16), held=lambda: held[0]
     )
-    assert budget.limits.reserved == 96  # 64 own + 16 ledger + 16 REST: budget 4
+    assert budget.limits.reserved == 128  # 64 own + 32 hot read-only + 16 ledger + 16 REST
     assert budget.budget == 4
     with budget.admit(), budget.admit():  # two being made count as held
         assert budget.held() == 2
@@ -78,7 +83,7 @@ def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
     assert budget.held() == 2  # the two made are counted by ``held`` alone now
     with budget.admit(), budget.admit(), pytest.raises(ResourceLimit) as e:
         budget.admit().__enter__()
-    assert "RLIMIT_NOFILE 100" in e.value.detail
+    assert "RLIMIT_NOFILE 132" in e.value.detail
     assert "open files" in e.value.detail
     held[0] = 0
     with pytest.raises(RuntimeError), budget.admit():  # a failure gives the slot back
@@ -126,7 +131,7 @@ def test_other_kernel_refusals_are_not_limits() -> None:
 
 def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
     held = [0]
-    budget = RegionBudget(Limits(open_files=100 + 64), held=lambda: held[0])
+    budget = RegionBudget(Limits(open_files=100 + 96), held=lambda: held[0])
     assert budget.budget == 100
     held[0] = 74
     assert budget.room_for_stock()  # the 75th region leaves 25 free
@@ -134,3 +139,61 @@ def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
     assert not budget.room_for_stock()
     with budget.admit():  # reserves may still take them
         pass
+
+
+#: The daemon's defaults: SQLite (16 + 64 connections, 2 files each), 64 REST threads + 4
+#: slow workers, socket_max_connections 1024, http_max_connections 512, a quarter each.
+DEFAULTS = {
+    "socket_max_connections": 1024,
+    "http_max_connections": 512,
+    "ledger_files": 160,
+    "threads": 68,
+    "tenant_share": 0.25,
+}
+
+
+@pytest.mark.parametrize(
+    ("files", "socket", "budget", "share"),
+    [
+        (20000, 1024, 15000, 3750),  # the documented example
+        (4096, 512, 2104, 526),
+        (1024, 128, 88, 22),  # the connection caps scale: room for buffers remains
+        (512, 64, 0, 1),
+    ],
+)
+def test_the_connection_caps_scale_with_the_open_files_limit(
+    files: int, socket: int, budget: int, share: int
+) -> None:
+    lim = limits_for(files, 65530, **DEFAULTS)  # type: ignore[arg-type]
+    assert socket_connections(1024, files) == lim.socket_connections == socket
+    assert (lim.region_budget, lim.tenant_budget) == (budget, share)
+    assert lim.region_budget + lim.reserved <= max(files, lim.reserved)
+
+
+def test_the_open_files_needed_is_the_least_that_gives_a_useful_budget() -> None:
+    lim = limits_for(512, 65530, **DEFAULTS)  # type: ignore[arg-type]
+    need = open_files_needed(lim)
+    assert need is not None
+    assert limits_for(need, 65530, **DEFAULTS).region_budget >= MIN_USEFUL_REGIONS  # type: ignore[arg-type]
+    assert limits_for(need - 1, 65530, **DEFAULTS).region_budget < MIN_USEFUL_REGIONS  # type: ignore[arg-type]
+    why = too_few_regions(lim)
+    assert f"raise LimitNOFILE (ulimit -Hn) to at least {need}" in why
+    assert "RLIMIT_NOFILE 512 leaves 0 open files for buffers" in why
+    # the mappings alone too few: no open-files limit helps
+    assert open_files_needed(limits_for(1 << 20, 1000, **DEFAULTS)) is None  # type: ignore[arg-type]
+
+
+def test_a_tenant_stops_at_its_share_and_others_are_admitted() -> None:
+    held = [0]
+    budget = RegionBudget(Limits(open_files=100 + 96, tenant_share=0.25), held=lambda: held[0])
+    assert (budget.budget, budget.tenant_budget) == (100, 25)
+    with budget.admit("a", 24):  # the 25th of tenant a
+        with pytest.raises(ResourceLimit, match="its share of the daemon's budget of 100"):
+            budget.admit("a", 24).__enter__()  # one being made counts as held
+        with budget.admit("b", 0):
+            pass
+    with pytest.raises(ResourceLimit, match="tenant_region_share 0.25: 25"):
+        budget.admit("a", 25).__enter__()
+    held[0] = 100  # the whole budget: everyone is refused, with the budget's own detail
+    with pytest.raises(ResourceLimit, match="budget for buffers is 100"):
+        budget.admit("c", 0).__enter__()

@@ -1,0 +1,143 @@
+"""The region budget in a real daemon at its default settings (SPEC §2.9): every limit
+answers before the kernel does.
+
+Three tenants, each with a 1 GiB quota, put and commit 4 KiB entries until they are
+refused. Each is refused by its fair share of the budget — a 507 ``resource-limit``
+naming it, never the kernel's ``EMFILE`` — while ``/healthz`` stays fast and a fourth
+tenant reserves over REST, looks up over the socket and releases. The daemon's
+``RLIMIT_NOFILE`` is lowered to 4,096 (``prlimit``) only to keep the run short: the
+budget scales with it (maasd.core.limits).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import Daemon
+from hardening import another_tenant_works, healthz
+from maasd.client import Client, Worker
+from maasd.client.errors import ResourceLimit
+from maasd.core.limits import MIN_USEFUL_REGIONS, limits_for, open_files_needed
+
+KiB = 1 << 10
+GiB = 1 << 30
+OPEN_FILES = 4096
+#: What the daemon's defaults give at OPEN_FILES (tests/unit/test_limits.py checks it).
+DEFAULTS = {
+    "socket_max_connections": 1024,
+    "http_max_connections": 512,
+    "ledger_files": 160,
+    "threads": 68,
+    "tenant_share": 0.25,
+}
+
+
+def fill(w: Worker, tenant: str, most: int) -> tuple[int, ResourceLimit]:
+    """Put and commit 4 KiB entries until refused; how many went in, and the refusal."""
+    for i in range(most):
+        try:
+            with w.entry(f"{tenant}-{i}", 4 * KiB) as m:
+                m.array[:8] = 1
+        except ResourceLimit as e:
+            return i, e
+    raise AssertionError(f"{tenant} put {most} entries and was never refused")
+
+
+def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) -> None:
+    lim = limits_for(OPEN_FILES, None, **DEFAULTS)  # type: ignore[arg-type]
+    share = lim.tenant_budget
+    d = Daemon(
+        tmp_path / "d",
+        env={"MAASD_DEFAULT_POOL_BYTES": str(4 * GiB)},
+        wrapper=["prlimit", f"--nofile={OPEN_FILES}:{OPEN_FILES}", "--"],
+    ).start()
+    try:
+        assert d.proc is not None
+        for name in ("t1", "t2", "t3"):
+            _tid, key = d.tenant(name, GiB)
+            with Worker(d.socket_path, key, renew_interval_s=0) as w:
+                n, refusal = fill(w, name, 4 * share)
+            assert n == share, f"{name} put {n} entries, its share is {share}"
+            assert refusal.status == 507
+            assert "its share of the daemon's budget" in refusal.detail
+            r = httpx.get(f"{d.url}/healthz", timeout=5)
+            assert r.status_code == 200, r.text
+        fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        assert fds < OPEN_FILES - lim.headroom // 2, f"{fds} open files"
+        assert "Too many open files" not in d.log()
+        # A fourth tenant: reserve over REST, put/commit/lookup over the socket, release.
+        _tid, key = d.tenant("t4", GiB)
+        with Client(d.url, key) as c:
+            buf = c.reserve(size_bytes=64 * KiB, ttl_s=300)
+            with Worker(d.socket_path, key, renew_interval_s=0) as w:
+                with w.entry("t4-hit", 4 * KiB) as m:
+                    m.array[:4] = 9
+                hit = w.lookup(["t4-hit"])
+                assert hit is not None
+                assert bytes(hit.array[:4]) == b"\x09" * 4
+                hit.close()
+            c.release(buf.id)
+        assert healthz(d) == (200, {"status": "ok"})
+        another_tenant_works(d)
+    finally:
+        d.close()
+
+
+def test_a_limit_with_no_room_for_buffers_stops_the_daemon_naming_what_it_needs(
+    tmp_path: Path,
+) -> None:
+    need = open_files_needed(limits_for(256, None, **DEFAULTS))  # type: ignore[arg-type]
+    assert need is not None
+    d = Daemon(tmp_path / "d", wrapper=["prlimit", "--nofile=256:256", "--"])
+    with pytest.raises(RuntimeError, match="maasd exited") as e:
+        d.start(timeout=30)
+    assert f"raise LimitNOFILE (ulimit -Hn) to at least {need}" in str(e.value)
+    assert f"room for {MIN_USEFUL_REGIONS} at least" in str(e.value)
+    # and at the limit it names, the daemon starts
+    d = Daemon(tmp_path / "d2", wrapper=["prlimit", f"--nofile={need}:{need}", "--"])
+    try:
+        d.start()
+        assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
+    finally:
+        d.close()
+
+
+def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
+    tmp_path: Path,
+) -> None:
+    entries = 100
+    d = Daemon(tmp_path / "d")
+    d.start()
+    try:
+        d.pool("keep", 64 << 20, persistence="persistent")
+        _tid, key = d.tenant("keeper", GiB)
+        with Worker(d.socket_path, key, renew_interval_s=0) as w:
+            for i in range(entries):
+                with w.entry(f"k{i}", 4 * KiB, pool="keep") as m:
+                    m.array[:4] = 7
+        assert d.stop() == 0  # every persistent entry checkpointed
+        # A limit whose budget holds fewer: the daemon says so and releases nothing.
+        files = open_files_needed(limits_for(4096, None, **DEFAULTS), entries - 20)  # type: ignore[arg-type]
+        assert files is not None
+        low = Daemon(tmp_path / "d", wrapper=["prlimit", f"--nofile={files}:{files}", "--"])
+        with pytest.raises(RuntimeError, match="maasd exited") as e:
+            low.start()
+        assert f"the ledger holds {entries} persistent buffers and entries to restore" in str(
+            e.value
+        )
+        assert "raise LimitNOFILE to at least" in str(e.value)
+        assert "nothing was released" in str(e.value)
+        # With the limit back, every entry is restored.
+        d = Daemon(tmp_path / "d").start()
+        with Worker(d.socket_path, key, renew_interval_s=0) as w:
+            for i in (0, entries // 2, entries - 1):
+                hit = w.lookup([f"k{i}"])
+                assert hit is not None
+                assert bytes(hit.array[:4]) == b"\x07" * 4
+                hit.close()
+    finally:
+        d.close()
