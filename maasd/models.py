@@ -83,6 +83,11 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     spill_dir: bounds.SpillDir | None = None
     #: Bytes of fresh, prefaulted regions kept ready (within the capacity); 0 = none.
     warm_bytes: bounds.Bytes = 0
+    #: The disk tier: evicted entries worth keeping are demoted here, encrypted (an
+    #: absolute path; made 0700 and emptied at start). None = no disk tier.
+    disk_dir: bounds.SpillDir | None = None
+    #: The bytes the disk tier may hold (0 = none).
+    disk_bytes: bounds.Bytes = 0
 
 
 class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +129,12 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     warm_bytes: int = 0
     #: The warm stock's budget (POST /v1/pools ``warm_bytes``); 0 = none.
     warm_target_bytes: int = 0
+    #: The disk tier (docs/operations.md, "The disk tier"); None / 0 = none.
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    #: What the disk tier holds now (entries written, or being written).
+    disk_used_bytes: int = 0
+    disk_entries: int = 0
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -70,6 +70,10 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     buffers: int = 0
     warm_bytes: int = 0
     warm_target_bytes: int = 0
+    disk_dir: str | None = None  # the disk tier (docs/operations.md, "The disk tier")
+    disk_bytes: int = 0
+    disk_used_bytes: int = 0
+    disk_entries: int = 0
 
 
 class Host(msgspec.Struct, frozen=True, kw_only=True):

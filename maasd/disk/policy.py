@@ -71,13 +71,9 @@ class Admission:
         self._uses: dict[Hashable, int] = {}
         self._ghost = _Ghost(ghost_keys)
 
-    def put(self, key: Hashable) -> None:
-        """A new entry of ``key`` (its first use); a key in the ghost starts with one use."""
-        self._uses[key] = 1 if self._ghost.take(key) else 0
-
     def hit(self, key: Hashable) -> None:
-        if key in self._uses:
-            self._uses[key] = min(self._uses[key] + 1, MAX_FREQ)
+        """A use of ``key`` after its put (a lookup hit, or its promotion)."""
+        self._uses[key] = min(self._uses.get(key, 0) + 1, MAX_FREQ)
 
     def forget(self, key: Hashable) -> None:
         """The entry ended other than by eviction (released, deleted): no ghost."""
@@ -85,8 +81,8 @@ class Admission:
 
     def evicted(self, key: Hashable) -> bool:
         """DRAM evicted ``key``: whether to demote it (else it is dropped, and ghosted)."""
-        uses = self._uses.pop(key, 0)
-        if uses > 0:
+        came_back = self._ghost.take(key)
+        if self._uses.pop(key, 0) > 0 or came_back:
             return True
         self._ghost.add(key)
         return False

@@ -77,13 +77,14 @@ class DiskDir:
             raise PermissionError(errno.EACCES, "not writable", self.path)
         removed = 0
         for name in os.listdir(self.path):
-            if name.endswith(SUFFIX) or name.endswith(".tmp"):
+            if name.endswith(SUFFIX) or (name.startswith(".") and name.endswith(SUFFIX + ".tmp")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(os.path.join(self.path, name))
                 removed += 1
         return removed
 
-    def seal(self, tenant_id: str, key: str, data: memoryview) -> tuple[Sealed, bytes]:
+    @staticmethod
+    def seal(tenant_id: str, key: str, data: memoryview) -> tuple[Sealed, bytes]:
         """The entry's key and file name, and its file's bytes (nonce, ciphertext, tag)."""
         name = secrets.token_hex(16) + SUFFIX
         aad = _aad(tenant_id, key, len(data), name)

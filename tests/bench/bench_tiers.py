@@ -140,10 +140,8 @@ class Replay:
         self.place(key, size)
 
     def place(self, key: Hashable, size: int, *, used: bool = False) -> None:
-        if self.admission is not None:
-            self.admission.put(key)
-            if used:
-                self.admission.hit(key)
+        if self.admission is not None and used:
+            self.admission.hit(key)
         for victim in self.dram.insert(key, size):
             self.demote(victim)
 
