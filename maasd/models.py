@@ -29,6 +29,7 @@ __all__ = [
     "BufferKind",
     "BufferState",
     "Checkpoint",
+    "DiskTierInfo",
     "EntryAbortReason",
     "Event",
     "EventKind",
@@ -109,6 +110,18 @@ class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
     evictable: bool = False
 
 
+class DiskTierInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a pool's disk tier holds now and has done since the daemon started."""
+
+    used_bytes: int = 0  # entries written or being written (plaintext bytes)
+    entries: int = 0
+    demotions: int = 0  # entries evicted from DRAM and kept here
+    promotions: int = 0  # DRAM misses answered from here (hits)
+    drops: dict[str, int] = msgspec.field(default_factory=dict)  # by reason
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     name: str
@@ -132,9 +145,8 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     #: The disk tier (docs/operations.md, "The disk tier"); None / 0 = none.
     disk_dir: str | None = None
     disk_bytes: int = 0
-    #: What the disk tier holds now (entries written, or being written).
-    disk_used_bytes: int = 0
-    disk_entries: int = 0
+    #: What the disk tier holds and did (None without one, or for another host's pool).
+    disk: DiskTierInfo | None = None
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):

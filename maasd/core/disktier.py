@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -47,7 +47,7 @@ from maasd.disk.store import DiskDir, Sealed, Unreadable
 from maasd.disk.writer import Writer
 from maasd.errors import DuplicateKey, MaasdError, NotFound
 from maasd.metrics import Metrics
-from maasd.models import Principal
+from maasd.models import DiskTierInfo, Principal
 from maasd.settings import Settings
 from maasd.store import BufferRow, PoolRow, Store
 
@@ -134,11 +134,23 @@ class DiskTiers:
         for pool_id in list(self._tiers):
             self.remove(pool_id)
 
-    def usage(self, pool_id: str) -> tuple[int, int]:
-        """(bytes, entries) of the pool's tier now, pending writes included."""
+    def usage(self, pool_id: str) -> DiskTierInfo | None:
+        """What the pool's tier holds now (pending writes included) and has done."""
         with self._lock:
             tier = self._tiers.get(pool_id)
-            return (0, 0) if tier is None else (tier.policy.used, len(tier.entries))
+            if tier is None:
+                return None
+            used, entries = tier.policy.used, len(tier.entries)
+        c: Mapping[str, int] = self.metrics.counts.get(tier.pool) or {}
+        return DiskTierInfo(
+            used_bytes=used,
+            entries=entries,
+            demotions=c.get("demotions", 0),
+            promotions=c.get("promotions", 0),
+            drops={k[5:]: v for k, v in sorted(c.items()) if k.startswith("drop:")},
+            read_bytes=c.get("read_bytes", 0),
+            write_bytes=c.get("write_bytes", 0),
+        )
 
     def stats(self) -> list[tuple[str, int, int]]:
         """(pool name, bytes, entries) of every tier: the gauges, read at scrape time."""

@@ -28,7 +28,7 @@ from maasd.bounds import MAX_BYTES
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
 from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
-from maasd.models import PoolInfo, PoolSpec
+from maasd.models import DiskTierInfo, PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
 from maasd.store import ACCOUNTED_STATES, PoolRow, Store
 from maasd.tenancy import keys
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 
 def pool_info(
-    row: PoolRow, used: tuple[int, int], warm: int = 0, disk: tuple[int, int] = (0, 0)
+    row: PoolRow, used: tuple[int, int], warm: int = 0, disk: DiskTierInfo | None = None
 ) -> PoolInfo:
     """The API record of a pool; ``used`` is ``(used_bytes, buffers)``, ``warm`` its stock.
 
@@ -66,8 +66,7 @@ def pool_info(
         warm_target_bytes=row.warm_bytes,
         disk_dir=row.disk_dir,
         disk_bytes=row.disk_bytes,
-        disk_used_bytes=disk[0],
-        disk_entries=disk[1],
+        disk=disk,
     )
 
 
@@ -130,8 +129,8 @@ class Pools:
         self._warmer = warmer
         #: The NUMA topology as last discovered.
         self.topology = topology
-        #: A pool's disk tier now: (bytes, entries) by pool id (set by the disk tiers).
-        self.disk_usage: Callable[[str], tuple[int, int]] = lambda _pool_id: (0, 0)
+        #: A pool's disk tier now, by pool id (set by the disk tiers).
+        self.disk_usage: Callable[[str], DiskTierInfo | None] = lambda _pool_id: None
 
     def refresh_topology(self) -> Topology:
         """Discover the topology again (free memory changes) and keep it."""

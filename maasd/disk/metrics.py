@@ -6,6 +6,8 @@ at scrape time; the counters move as entries are demoted, promoted, dropped, wri
 
 from __future__ import annotations
 
+from collections import Counter as CountsByName
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter
@@ -47,8 +49,11 @@ class _Gauges(Collector):
 
 
 class DiskMetrics:
+    """The series, and the same counts by pool in memory (for GET /v1/pools)."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
+        self.counts: dict[str, CountsByName] = defaultdict(CountsByName)
         r = registry
         self.demotions = Counter(
             "maasd_disk_demotions", "Entries demoted from DRAM to disk", ["pool"], registry=r
@@ -77,15 +82,20 @@ class DiskMetrics:
 
     def demoted(self, pool: str) -> None:
         self.demotions.labels(pool=pool).inc()
+        self.counts[pool]["demotions"] += 1
 
     def promoted(self, pool: str) -> None:
         self.promotions.labels(pool=pool).inc()
+        self.counts[pool]["promotions"] += 1
 
     def dropped(self, pool: str, reason: str) -> None:
         self.drops.labels(pool=pool, reason=reason).inc()
+        self.counts[pool]["drop:" + reason] += 1
 
     def written(self, pool: str, n: int) -> None:
         self.write_bytes.labels(pool=pool).inc(n)
+        self.counts[pool]["write_bytes"] += n
 
     def read(self, pool: str, n: int) -> None:
         self.read_bytes.labels(pool=pool).inc(n)
+        self.counts[pool]["read_bytes"] += n

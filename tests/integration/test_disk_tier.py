@@ -135,8 +135,13 @@ def test_demote_then_promote_from_another_process(disk_daemon: Daemon, tmp_path:
     assert d.metric("maasd_disk_read_bytes_total", pool=pool) == len(raw)
     assert d.metric("maasd_disk_write_bytes_total", pool=pool) == len(raw)
     listed = {p["name"]: p for p in d.admin.get("/v1/pools").json()}[pool]
-    assert listed["disk_entries"] == 1  # the copy stays on disk
-    assert listed["disk_used_bytes"] == MiB
+    tier = listed["disk"]
+    assert tier["entries"] == 1  # the copy stays on disk
+    assert tier["used_bytes"] == MiB
+    assert tier["promotions"] == 1
+    assert tier["demotions"] == 1
+    assert tier["write_bytes"] == tier["read_bytes"] == len(raw)
+    assert tier["drops"]["cold"] >= 1
     r.close()
 
 
@@ -163,7 +168,7 @@ def test_release_and_tenant_delete_erase_the_file(disk_daemon: Daemon, tmp_path:
 
 
 def listed_entries(d: Daemon, pool: str) -> int:
-    return int({p["name"]: p for p in d.admin.get("/v1/pools").json()}[pool]["disk_entries"])
+    return int({p["name"]: p for p in d.admin.get("/v1/pools").json()}[pool]["disk"]["entries"])
 
 
 def test_a_corrupt_file_is_a_miss_and_is_dropped(disk_daemon: Daemon, tmp_path: Path) -> None:
@@ -225,7 +230,7 @@ def test_sigkill_during_demotions_leaves_nothing_behind(
     d.start()
     assert disk_files(disk) == []  # the keys died: nothing is restorable, nothing left
     listed = {p["name"]: p for p in d.admin.get("/v1/pools").json()}[pool]
-    assert listed["disk_entries"] == 0
+    assert listed["disk"]["entries"] == 0
     assert listed["used_bytes"] == 0  # no accounting leak in DRAM either
     r2 = connect(d, key)
     miss(r2, ["e0"])

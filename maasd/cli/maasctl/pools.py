@@ -70,8 +70,8 @@ def disk(p: Pool) -> Text:
     """The disk tier as ``used/budget (entries)`` (``-`` without one)."""
     if not p.disk_bytes:
         return Text("-", justify="right")
-    used = f"{format_size(p.disk_used_bytes)}/{format_size(p.disk_bytes)}"
-    return Text(f"{used} ({p.disk_entries})", justify="right")
+    used, entries = (p.disk.used_bytes, p.disk.entries) if p.disk else (0, 0)
+    return Text(f"{format_size(used)}/{format_size(p.disk_bytes)} ({entries})", justify="right")
 
 
 def warm(p: Pool) -> Text:
