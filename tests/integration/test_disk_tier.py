@@ -287,3 +287,96 @@ def test_disk_quota_holds_under_concurrent_demotions(disk_daemon: Daemon, tmp_pa
     assert max(seen) <= 24 * (MiB + overhead)
     assert int(d.metric("maasd_disk_bytes", pool=pool)) <= 24 * MiB
     assert d.metric("maasd_disk_drops_total", pool=pool, reason="evicted") >= 1
+
+
+def maasctl(d: Daemon, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAASD_")}
+    env.update(MAASD_URL=d.url, MAASD_ADMIN_KEY=d.admin_key, COLUMNS="220", NO_COLOR="1")
+    env["PYTHONPATH"] = str(TESTS.parent)
+    p = subprocess.run(
+        [sys.executable, "-m", "maasd.cli.maasctl", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout
+
+
+def test_maasctl_creates_a_tiered_pool_and_status_shows_the_tier(
+    disk_daemon: Daemon, tmp_path: Path
+) -> None:
+    d, disk = disk_daemon, tmp_path / "cli-disk"
+    out = maasctl(
+        d, "pools", "create", "tiered", "--node", "0", "--capacity", "8MiB",
+        "--disk", "64MiB", "--disk-dir", str(disk), "--no-prefault",
+    )  # fmt: skip
+    assert "tiered" in out
+    assert disk.is_dir()
+    _, key = d.tenant(quota_bytes=64 * MiB)
+    demote_one(d, key, "tiered", pattern(MiB, 7), fill=9).close()
+    wait_until(lambda: d.metric("maasd_disk_demotions_total", pool="tiered") == 1, timeout=20)
+    status = maasctl(d, "status")
+    assert "Disk tiers" in status
+    assert "cold" in status  # the fillers, dropped by the policy
+    tier_table = status[status.index("Disk tiers") :]
+    row = next(line for line in tier_table.splitlines() if "tiered" in line)
+    assert "1 MiB" in row, row
+
+
+@pytest.mark.parametrize(
+    ("fields", "status"),
+    [
+        ({"disk_dir": "relative/dir", "disk_bytes": MiB}, 400),
+        ({"disk_dir": "/tmp/x"}, 400),  # a directory without bytes
+        ({"disk_bytes": -1}, 400),
+        ({"disk_bytes": "lots"}, 400),
+        ({"disk_dir": "/proc/maasd-cannot", "disk_bytes": MiB}, 400),
+    ],
+)
+def test_bad_disk_tiers_are_refused_and_nothing_changes(
+    daemon: Daemon, fields: dict[str, Any], status: int
+) -> None:
+    before = daemon.admin.get("/v1/pools").json()
+    body = {"name": "bad-tier", "numa_node": 0, "capacity_bytes": 4 * MiB, **fields}
+    r = daemon.admin.post("/v1/pools", json=body)
+    assert r.status_code == status, r.text
+    assert daemon.admin.get("/v1/pools").json() == before
+    assert daemon.healthy()
+
+
+def test_two_pools_cannot_share_a_disk_dir(daemon: Daemon, tmp_path: Path) -> None:
+    shared = str(tmp_path / "one-dir")
+    daemon.pool("first-tier", 4 * MiB, disk_dir=shared, disk_bytes=MiB)
+    r = daemon.admin.post(
+        "/v1/pools",
+        json={"name": "second-tier", "numa_node": 0, "capacity_bytes": 4 * MiB,
+              "disk_dir": shared, "disk_bytes": MiB},
+    )  # fmt: skip
+    assert r.status_code == 409, r.text
+    assert daemon.admin.delete("/v1/pools/first-tier").status_code == 204
+
+
+def test_a_configured_tier_is_made_and_emptied_at_start(
+    fresh_daemon: Daemon, tmp_path: Path
+) -> None:
+    disk = tmp_path / "conf-disk"
+    disk.mkdir()
+    (disk / "0123.ent").write_bytes(b"a past run's ciphertext")
+    (disk / ".0123.ent.tmp").write_bytes(b"torn")
+    (disk / "notes.txt").write_text("not the daemon's")
+    config = tmp_path / "maasd.toml"
+    config.write_text(
+        "[[pools]]\n"
+        'name = "conf"\nnuma_node = 0\ncapacity_bytes = "8MiB"\nprefault = false\n'
+        f'disk_dir = "{disk}"\ndisk_bytes = "32MiB"\n'
+    )
+    fresh_daemon.env["MAASD_CONFIG"] = str(config)
+    d = fresh_daemon.start()
+    (pool,) = [p for p in d.admin.get("/v1/pools").json() if p["name"] == "conf"]
+    assert pool["disk_dir"] == str(disk)
+    assert pool["disk_bytes"] == 32 * MiB
+    assert pool["disk"]["entries"] == 0
+    assert disk_files(disk) == ["notes.txt"]
