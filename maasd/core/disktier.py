@@ -160,6 +160,8 @@ class DiskTiers:
     # -- hooks -----------------------------------------------------------------------------
 
     def hit(self, tenant_id: str, key: str) -> None:
+        if not self._tiers:  # no pool has a tier: nothing to remember
+            return
         with self._lock:
             self._admission.hit((tenant_id, key))
 
@@ -170,8 +172,8 @@ class DiskTiers:
             return
         held = self.runtime.held(row.id)
         key = row.key if held is None else held.key
-        if key is None:
-            return
+        if key is None or (held is not None and not held.committed):
+            return  # a staged entry (an abort, a failed commit or promotion): not its copy
         row = msgspec.structs.replace(row, key=key)
         if reason == "evict":
             try:
@@ -206,6 +208,7 @@ class DiskTiers:
         with self._lock:
             tier = self._tiers.get(row.pool_id)
             if tier is None:
+                self._admission.forget(ident)
                 return
             if ident in self._index:  # its copy is on disk still: nothing to write
                 self._admission.forget(ident)
@@ -217,6 +220,8 @@ class DiskTiers:
             self.metrics.dropped(tier.pool, "busy")
             return
         tenant = self.store.tenant(row.tenant_id)
+        if tenant is not None and tenant.deleting_at is not None:
+            tenant = None  # being deleted: nothing of it may stay behind on disk
         sealed_blob = None if tenant is None else self._seal(row)
         doomed = None
         if tenant is not None and sealed_blob is not None:
@@ -346,9 +351,11 @@ class DiskTiers:
         except DuplicateKey:
             pass  # restored (or being put) by another caller meanwhile
         except Unreadable as e:
-            logger.warning("pool %s: an entry on disk is lost: %s", tier.pool, e)
             with self._lock:
+                raced = found.gone  # erased meanwhile (a release): no corruption
                 self._forget(found, tier)
+            if not raced:
+                logger.warning("pool %s: an entry on disk is lost: %s", tier.pool, e)
                 self.metrics.dropped(tier.pool, "corrupt")
             tier.disk.erase(found.sealed)
             return None

@@ -98,7 +98,15 @@ def test_a_prefix_is_found_on_each_tier_in_order(hosts: tuple[Daemon, Daemon, Pa
         commit(wa, "p:l2", in_l2)
     wait_until(lambda: a.metric("maasd_l2_writes_total", outcome="ok") >= 1, timeout=20)
     with Worker(b.socket_path, key) as wb:
-        wait_until(lambda: (h := wb.lookup(["p:l2"])) is not None and h.close() is None)
+
+        def restored() -> bool:
+            found = wb.lookup(["p:l2"])
+            if found is None:
+                return False
+            found.close()
+            return True
+
+        wait_until(restored)
         assert b.metric("maasd_l2_lookups_total", outcome="hit") == l2_hits + 1
         assert b.metric("maasd_disk_promotions_total", pool="tiered") == 1
         # Nowhere: a miss, counted once.
