@@ -27,7 +27,8 @@ def test_round_trip_and_the_file_is_ciphertext(disk: DiskDir, size: int) -> None
     assert out == data
     raw = Path(disk.path, sealed.name).read_bytes()
     assert len(raw) == NONCE + size + 16
-    assert data[: min(size, 32)] not in raw[NONCE:]
+    if size >= 32:  # a shorter plaintext may turn up in random ciphertext by chance
+        assert data[:32] not in raw[NONCE:]
     assert disk.files() == [sealed.name]  # no temporary file left
 
 
