@@ -63,6 +63,7 @@ class _OnDisk:
     key: str
     pool_id: str
     written: bool = False  # the file is whole and in place: it may be promoted
+    promoted_as: str | None = None  # the DRAM entry last promoted from it (its bytes)
     gone: bool = False  # erased (a pending write skips it, and removes what it wrote)
 
 
@@ -152,8 +153,7 @@ class DiskTiers:
             write_bytes=c.get("write_bytes", 0),
         )
 
-    def stats(self) -> list[tuple[str, int, int]]:
-        """(pool name, bytes, entries) of every tier: the gauges, read at scrape time."""
+    def stats(self) -> list[tuple[str, int, int]]:  # the gauges, at scrape time
         with self._lock:
             return [(t.pool, t.policy.used, len(t.entries)) for t in self._tiers.values()]
 
@@ -179,7 +179,8 @@ class DiskTiers:
             try:
                 self._demote(row)
             except Exception:  # never fails the eviction: the entry is just dropped
-                self.metrics.dropped(self._pool_name(row.pool_id), "error")
+                tier = self._tiers.get(row.pool_id)
+                self.metrics.dropped("" if tier is None else tier.pool, "error")
                 logger.exception("demoting entry %s failed", row.id)
             return
         with self._lock:
@@ -210,12 +211,18 @@ class DiskTiers:
             if tier is None:
                 self._admission.forget(ident)
                 return
-            if ident in self._index:  # its copy is on disk still: nothing to write
-                self._admission.forget(ident)
+            existing = self._index.get(ident)
+            if existing is not None and existing.promoted_as == row.id:
+                self._admission.forget(ident)  # its copy is on disk still: nothing to write
                 return
-            if not self._admission.evicted(ident):
+            # Another entry's bytes under this key (a put of it since): they go.
+            stale = [] if existing is None else [self._forget(existing, tier)]
+            cold = not self._admission.evicted(ident)
+            if cold:
                 self.metrics.dropped(tier.pool, "cold")
-                return
+        self._erase_all(tier, stale)
+        if cold:
+            return
         if not self._writer.reserve(row.size_bytes):
             self.metrics.dropped(tier.pool, "busy")
             return
@@ -313,11 +320,6 @@ class DiskTiers:
         if entry.gone:  # erased while it was being written
             tier.disk.erase(entry.sealed)
 
-    def _pool_name(self, pool_id: str) -> str:
-        with self._lock:
-            tier = self._tiers.get(pool_id)
-            return "" if tier is None else tier.pool
-
     # -- promotion -------------------------------------------------------------------------
 
     def fill_ready(self, tenant_id: str, keys: list[str]) -> bool:
@@ -345,7 +347,7 @@ class DiskTiers:
         if found is None or tier is None:
             return None
         try:
-            self._entries.materialise_with(
+            found.promoted_as = self._entries.materialise_with(
                 who, found.key, found.sealed.size, self._reader(tier, found), pool=found.pool_id
             )
         except DuplicateKey:
@@ -371,7 +373,6 @@ class DiskTiers:
 
     def _reader(self, tier: _Tier, entry: _OnDisk) -> Callable[[memoryview], None]:
         def fill(out: memoryview) -> None:
-            read = tier.disk.read_into(entry.sealed, out)
-            self.metrics.read(tier.pool, read)
+            self.metrics.read(tier.pool, tier.disk.read_into(entry.sealed, out))
 
         return fill

@@ -94,3 +94,32 @@ def test_pools_without_a_tier_remember_no_uses(svc: Service) -> None:
     svc.release(who, buffer_id)
     held = [k for k in svc._disk._admission._uses if isinstance(k, tuple)]
     assert len(held) <= 3  # only the entries still in DRAM
+
+
+def test_a_key_put_again_replaces_its_copy_on_disk(svc: Service, tmp_path: Path) -> None:
+    who = svc.authenticate(svc.create_tenant("r", 64 * MiB).api_key)
+    disk = tmp_path / "disk"
+
+    def evict_all(round_: int) -> None:
+        for i in range(4):
+            put(svc, who, f"f{round_}-{i}", "tiered", i)
+
+    def files() -> list[Path]:
+        return [p for p in disk.iterdir() if p.suffix == ".ent"]
+
+    put(svc, who, "k", "tiered", 1)  # the first bytes of "k": used, evicted, demoted
+    used_once(svc, who, "k")
+    evict_all(0)
+    wait_until(lambda: len(files()) == 1)
+    first = files()[0]
+    put(svc, who, "k", "tiered", 2)  # "k" put again, with other bytes, then evicted
+    used_once(svc, who, "k")
+    evict_all(1)
+    wait_until(lambda: len(files()) == 1 and files()[0] != first)
+    found = svc.fill_entry(who, ["k"])  # promoted: the second bytes
+    with mmap.mmap(found.fd, MiB, prot=mmap.PROT_READ) as m:
+        assert m[:] == bytes([2]) * MiB
+    os.close(found.fd)
+    svc.drop_handle(who, found.buffer_id)
+    evict_all(2)  # its promoted entry evicted: its copy is on disk, nothing written
+    assert svc._disk.usage(svc.pool("tiered").id).demotions == 2  # type: ignore[union-attr]
