@@ -30,6 +30,7 @@ __all__ = [
     "BufferKind",
     "BufferState",
     "Checkpoint",
+    "DiskTierInfo",
     "EntryAbortReason",
     "Event",
     "EventKind",
@@ -84,6 +85,11 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     spill_dir: bounds.SpillDir | None = None
     #: Bytes of fresh, prefaulted regions kept ready (within the capacity); 0 = none.
     warm_bytes: bounds.Bytes = 0
+    #: The disk tier: evicted entries worth keeping are demoted here, encrypted (an
+    #: absolute path; made 0700 and emptied at start). None = no disk tier.
+    disk_dir: bounds.SpillDir | None = None
+    #: The bytes the disk tier may hold (0 = none).
+    disk_bytes: bounds.Bytes = 0
 
 
 class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,6 +109,18 @@ class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
     label: str | None = None
     key: str | None = None
     evictable: bool = False
+
+
+class DiskTierInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a pool's disk tier holds now and has done since the daemon started."""
+
+    used_bytes: int = 0  # entries written or being written (plaintext bytes)
+    entries: int = 0
+    demotions: int = 0  # entries evicted from DRAM and kept here
+    promotions: int = 0  # DRAM misses answered from here (hits)
+    drops: dict[str, int] = msgspec.field(default_factory=dict)  # by reason
+    read_bytes: int = 0
+    write_bytes: int = 0
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,6 +146,11 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     warm_bytes: int = 0
     #: The warm stock's budget (POST /v1/pools ``warm_bytes``); 0 = none.
     warm_target_bytes: int = 0
+    #: The disk tier (docs/operations.md, "The disk tier"); None / 0 = none.
+    disk_dir: str | None = None
+    disk_bytes: int = 0
+    #: What the disk tier holds and did (None without one, or for another host's pool).
+    disk: DiskTierInfo | None = None
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -137,6 +137,11 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     l2_breaker_failures: int = 3  # consecutive L2 failures that open the circuit breaker
     l2_breaker_backoff_s: float = 2.0  # open this long, then one probe (half-open)
     l2_prefix: str = "maasd"  # of every Redis key: several fleets can share one Redis
+    # The pools' disk tiers (docs/operations.md, "The disk tier"): a tenant may hold this
+    # many times its quota_bytes on a pool's disk tier; the encrypted bytes waiting for
+    # the demotion writer, at most (past it an eviction drops rather than waits).
+    disk_quota_factor: int = 4
+    disk_inflight_bytes: int = 64 << 20
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -169,8 +174,9 @@ SIZES = {
     "l2_queue_bytes": False,
     "l2_max_value_bytes": False,
     "l2_min_bytes_per_s": False,
+    "disk_inflight_bytes": False,
 }
-POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True}
+POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True, "disk_bytes": True}
 
 #: The REST server's bounds: each must be > 0.
 HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
@@ -216,6 +222,8 @@ ENV = {
     "MAASD_L2_URL": "l2_url",
     "MAASD_L2_PREFIX": "l2_prefix",
     **{f"MAASD_{name.upper()}": name for name in L2_BOUNDS},
+    "MAASD_DISK_QUOTA_FACTOR": "disk_quota_factor",
+    "MAASD_DISK_INFLIGHT_BYTES": "disk_inflight_bytes",
 }
 
 
@@ -270,7 +278,7 @@ def _check(settings: Settings) -> None:
         raise ConfigError(
             f"settings: tenant_region_share must be in (0, 1], got {settings.tenant_region_share}"
         )
-    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS):
+    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS, "disk_quota_factor"):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:

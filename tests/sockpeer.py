@@ -227,6 +227,9 @@ class FakeService:
     def l2_ready(self) -> bool:
         return self.remote is not None
 
+    def fill_ready(self, _principal: Principal, _keys: list[str]) -> bool:
+        return self.l2_ready()
+
     def fill_entry(self, who: Principal, keys: list[str]) -> FakeHandle:
         """A miss asked of the fake tier: a hit becomes a committed local entry."""
         self.fill_threads.append(threading.current_thread().name)

@@ -67,3 +67,16 @@ def eviction_candidates() -> st.SearchStrategy[list[Candidate]]:
 
 #: A shortfall in bytes: ≤ 0 means none.
 shortfalls = st.integers(min_value=-50, max_value=400)
+
+
+#: Operations on a tier cache (maasd.disk.policy): ("insert", key, size), ("hit", key),
+#: ("remove", key), ("evict", None, parity) — keys from a small universe, so that they repeat.
+tier_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, 15), st.integers(1, 40)),
+        st.tuples(st.just("hit"), st.integers(0, 15), st.just(0)),
+        st.tuples(st.just("remove"), st.integers(0, 15), st.just(0)),
+        st.tuples(st.just("evict"), st.none(), st.integers(0, 1)),
+    ),
+    max_size=120,
+)

@@ -110,6 +110,7 @@ class HandleService(Protocol):
         self, principal: Principal, keys: list[str], attached: Container[str], /
     ) -> EntryHit: ...
     def l2_ready(self) -> bool: ...
+    def fill_ready(self, principal: Principal, keys: list[str], /) -> bool: ...
     def fill_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
     def put_entry(
         self,
@@ -208,9 +209,10 @@ def _lookup(call: Call, req: Lookup) -> Outcome:
     try:
         hit = service.lookup_entry(call.principal, req.keys, held)
     except errors.NotFound:
-        # A local miss goes on to the shared tier (L2) when there is one and its breaker
-        # lets calls through — on the slow pool, as it waits for the network.
-        if not service.l2_ready():
+        # A DRAM miss goes on to the disk tier when it holds one of the keys, and to the
+        # shared tier (L2) when there is one and its breaker lets calls through — on the
+        # slow pool, as it waits for the disk or the network.
+        if not service.fill_ready(call.principal, req.keys):
             raise
         if call.inline:
             return Outcome(None, defer=True)

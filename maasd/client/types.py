@@ -32,6 +32,7 @@ __all__ = [
     "Buffer",
     "Checkpoint",
     "Component",
+    "DiskTier",
     "Event",
     "Health",
     "Host",
@@ -53,6 +54,18 @@ __all__ = [
 # client takes for what it sends (``Client.reserve(persistence=…)``).
 
 
+class DiskTier(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool's disk tier (docs/operations.md, "The disk tier")."""
+
+    used_bytes: int = 0
+    entries: int = 0
+    demotions: int = 0
+    promotions: int = 0
+    drops: dict[str, int] = msgspec.field(default_factory=dict)
+    read_bytes: int = 0
+    write_bytes: int = 0
+
+
 class Pool(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     name: str
@@ -72,6 +85,9 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     warm_target_bytes: int = 0
     #: Of ``used_bytes``: released entries some process still holds open.
     held_bytes: int = 0
+    disk_dir: str | None = None  # the disk tier (docs/operations.md, "The disk tier")
+    disk_bytes: int = 0
+    disk: DiskTier | None = None
 
 
 class Host(msgspec.Struct, frozen=True, kw_only=True):

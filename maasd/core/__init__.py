@@ -44,6 +44,7 @@ from maasd.allocator.reclaim import Reclaimer
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.disktier import DiskTiers
 from maasd.core.entries import Entries, Found
 from maasd.core.handles import Handle, Handles
 from maasd.core.hosts import Hosts
@@ -61,7 +62,8 @@ from maasd.core.runtime import Runtime
 from maasd.core.shared import Shared
 from maasd.core.stale import LastKnownReads, degraded_checks
 from maasd.core.tenants import Tenants
-from maasd.errors import ConfigError, NotFound
+from maasd.core.tiers import Tiers
+from maasd.errors import ConfigError
 from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
 from maasd.models import (
     BufferInfo,
@@ -146,6 +148,10 @@ class Service:
         self._handles = Handles(self.runtime, self.metrics)
         self._entries = Entries(self.store, self.runtime, self._buffers, releaser, self.metrics)
         self._shared = Shared(settings, self.store, self._entries, self.metrics)
+        self._disk = DiskTiers(
+            settings, self.store, self.runtime, self._entries, releaser, self._pools, self.metrics
+        )
+        self._tiers = Tiers(self._entries, self._disk, self._shared, self._pools, self._tenants)
         self._life = Lifecycle(
             settings,
             self.store,
@@ -186,10 +192,12 @@ class Service:
 
     def start(self, *, reaper: bool = True) -> None:
         self._life.start(reaper=reaper)
+        self._disk.start()
         self._shared.start()
 
     def close(self) -> None:
         self._shared.close()  # the writer stops before the entries it reads are released
+        self._disk.close()  # its writer stopped, every tier erased (keys die with us)
         self._life.close()
 
     def health_checks(self) -> dict[str, Callable[[], tuple[bool, str]]]:
@@ -246,10 +254,10 @@ class Service:
         return self._pools.info(id_or_name, any_host=any_host)
 
     def create_pool(self, spec: PoolSpec) -> PoolInfo:
-        return self._pools.create(spec)
+        return self._tiers.create_pool(spec)
 
     def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
-        self._pools.delete(id_or_name, drain=drain)
+        self._tiers.delete_pool(id_or_name, drain=drain)
 
     # -- hosts sharing the ledger (maasd.core.hosts) ----------------------------------------
 
@@ -279,7 +287,7 @@ class Service:
         return self._tenants.update(id_or_name, quota_bytes=quota_bytes, max_buffers=max_buffers)
 
     def delete_tenant(self, id_or_name: str) -> None:
-        self._tenants.delete(id_or_name)
+        self._tiers.delete_tenant(id_or_name)
 
     def issue_key(self, id_or_name: str) -> KeyInfo:
         return self._tenants.issue_key(id_or_name)
@@ -339,23 +347,19 @@ class Service:
         """From memory; a miss that the L2 tier will be asked about is not counted here.
         A hit on one of ``attached`` (buffers the caller holds) is not counted as a new
         attachment."""
-        ready = self._shared.ready()
-        try:
-            return self._entries.lookup(who, lookup_keys, count_miss=not ready, attached=attached)
-        except NotFound:
-            if not ready:
-                self._shared.skipped()
-            raise
+        return self._tiers.lookup(who, lookup_keys, attached)
 
     def l2_ready(self) -> bool:
-        """Whether a local lookup miss should go on to :meth:`fill_entry` (on a thread that
-        may wait for L2): an L2 tier is configured and its circuit breaker lets calls in."""
+        """Whether an L2 tier is configured and its circuit breaker lets calls in."""
         return self._shared.ready()
 
+    def fill_ready(self, who: Principal, lookup_keys: list[str]) -> bool:
+        """Whether a DRAM miss should go on to :meth:`fill_entry` (maasd.core.tiers)."""
+        return self._tiers.fill_ready(who, lookup_keys)
+
     def fill_entry(self, who: Principal, lookup_keys: list[str]) -> Found:
-        """A lookup that missed locally, asked of L2 (restored here on a hit); may wait for
-        L2 up to its timeout, so never on an event loop. NotFound for any other outcome."""
-        return self._shared.fill(who, lookup_keys)
+        """A DRAM miss asked of the disk tiers, then L2; may wait, so never on an event loop."""
+        return self._tiers.fill(who, lookup_keys)
 
     def put_entry(
         self,

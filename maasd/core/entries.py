@@ -292,17 +292,37 @@ class Entries:
         commits the region in place, without a copy. Raises what a put raises
         (DuplicateKey when the key is here already, QuotaExceeded, PoolExhausted …).
         """
+
+        def fill(view: memoryview) -> None:
+            view[: len(data)] = data
+
+        return self.materialise_with(who, key, len(data), fill)
+
+    def materialise_with(
+        self,
+        who: Principal,
+        key: str,
+        size: int,
+        fill: Callable[[memoryview], None],
+        *,
+        pool: str | None = None,
+    ) -> str:
+        """:meth:`materialise`, with ``fill`` writing the bytes into the region's mapping
+        (the disk tier decrypts straight into it), in ``pool`` if given. What ``fill``
+        raises releases the entry (scrubbed) and is raised."""
         tenant_id = require_tenant(who)
-        spec = ReserveSpec(size_bytes=len(data), ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True)
+        spec = ReserveSpec(
+            size_bytes=size, pool=pool, ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True
+        )
         info = self._buffers.reserve(who, spec, kind="entry", frozen=True)
         try:
-            self._publish(info.id, data)
+            self._publish(info.id, fill)
         except Exception:
             self._release_staged(tenant_id, info.id, "commit_failed")
             raise
         return info.id
 
-    def _publish(self, buffer_id: str, data: memoryview) -> None:
+    def _publish(self, buffer_id: str, fill: Callable[[memoryview], None]) -> None:
         with self._runtime.buffer_lock(buffer_id):
             held = self._runtime.held(buffer_id)
             if held is None or held.live:
@@ -310,7 +330,7 @@ class Entries:
             region = held.region
             view = region.view()
             try:
-                view[: len(data)] = data
+                fill(view)
             finally:
                 view.release()
             self._runtime.holders.watch(

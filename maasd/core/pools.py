@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 
 import msgspec
 
@@ -27,7 +28,7 @@ from maasd.bounds import MAX_BYTES
 from maasd.core.release import Releaser
 from maasd.core.runtime import LivePool, Runtime
 from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
-from maasd.models import PoolInfo, PoolSpec
+from maasd.models import DiskTierInfo, PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
 from maasd.store import ACCOUNTED_STATES, PoolRow, Store
 from maasd.tenancy import keys
@@ -38,7 +39,13 @@ __all__ = ["Pools", "pool_info"]
 logger = logging.getLogger(__name__)
 
 
-def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0, held: int = 0) -> PoolInfo:
+def pool_info(
+    row: PoolRow,
+    used: tuple[int, int],
+    warm: int = 0,
+    held: int = 0,
+    disk: DiskTierInfo | None = None,
+) -> PoolInfo:
     """The API record of a pool; ``used`` is ``(used_bytes, buffers)``, ``warm`` its stock.
 
     ``used_bytes`` are the buffers' (the ledger's); the warm stock is part of
@@ -62,7 +69,47 @@ def pool_info(row: PoolRow, used: tuple[int, int], warm: int = 0, held: int = 0)
         warm_bytes=warm,
         warm_target_bytes=row.warm_bytes,
         held_bytes=held,
+        disk_dir=row.disk_dir,
+        disk_bytes=row.disk_bytes,
+        disk=disk,
     )
+
+
+def disk_dir_of(spec: PoolSpec, data_dir: str, pools: Iterable[LivePool]) -> str | None:
+    """The directory of a pool's disk tier, made and checked; ``None`` without one. Each
+    pool needs a directory of its own (none of ``pools``'): a tier empties it at start."""
+    if not spec.disk_bytes:
+        if spec.disk_dir is not None:
+            raise InvalidRequest("disk_dir needs disk_bytes > 0")
+        return None
+    if spec.disk_dir is not None and not os.path.isabs(spec.disk_dir):
+        raise InvalidRequest(f"disk_dir must be an absolute path, got {spec.disk_dir!r}")
+    disk_dir = os.path.normpath(spec.disk_dir or os.path.join(data_dir, "disk", spec.name))
+    for live in pools:
+        if live.row.disk_dir == disk_dir:
+            raise StateConflict(f"disk_dir {disk_dir!r} is pool {live.row.name}'s already")
+    try:
+        os.makedirs(disk_dir, mode=0o700, exist_ok=True)
+        if not os.access(disk_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise InvalidRequest(f"disk_dir {disk_dir!r} cannot be used: {e.strerror or e}") from e
+    return disk_dir
+
+
+def follow_disk(spec: PoolSpec, store: Store, runtime: Runtime, data_dir: str) -> None:
+    """Give a pool the disk tier its configuration asks for now. It binds no buffer (the
+    tier is emptied at every start), so a change applies at this start."""
+    live = runtime.find_pool(spec.name)
+    if (live.row.disk_dir, live.row.disk_bytes) == (spec.disk_dir, spec.disk_bytes):
+        return
+    if spec.disk_bytes == live.row.disk_bytes and spec.disk_dir is None and live.row.disk_dir:
+        return  # the default directory, as made when the pool was
+    others = [p for p in runtime.pools() if p is not live]
+    disk_dir = disk_dir_of(spec, data_dir, others)
+    store.set_pool_disk(live.row.id, disk_dir, spec.disk_bytes)
+    live.row = msgspec.structs.replace(live.row, disk_dir=disk_dir, disk_bytes=spec.disk_bytes)
+    logger.info("pool %s: disk tier %s, %d bytes", spec.name, disk_dir, spec.disk_bytes)
 
 
 class Pools:
@@ -87,6 +134,8 @@ class Pools:
         self._warmer = warmer
         #: The NUMA topology as last discovered.
         self.topology = topology
+        #: A pool's disk tier now, by pool id (set by the disk tiers).
+        self.disk_usage: Callable[[str], DiskTierInfo | None] = lambda _pool_id: None
 
     def refresh_topology(self) -> Topology:
         """Discover the topology again (free memory changes) and keep it."""
@@ -130,6 +179,7 @@ class Pools:
                 self.create(spec)
                 continue
             self._follow_warm(spec)
+            follow_disk(spec, self._store, self._runtime, self._settings.data_dir)
             if (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
                 spec.numa_node,
                 spec.backing,
@@ -184,7 +234,13 @@ class Pools:
             warm = {live.row.id: live.pool.warm for live in self._runtime.pools()}
             held = self._runtime.holders.held_bytes_by("pool_id")
             return [
-                pool_info(row, usage.get(row.id, (0, 0)), warm.get(row.id, 0), held.get(row.id, 0))
+                pool_info(
+                    row,
+                    usage.get(row.id, (0, 0)),
+                    warm.get(row.id, 0),
+                    held.get(row.id, 0),
+                    self.disk_usage(row.id),
+                )
                 for row in rows
             ]
         usage = self._store.usage_by_pool(self._host)
@@ -196,6 +252,7 @@ class Pools:
                     usage.get(live.row.id, (0, 0)),
                     live.pool.warm,
                     held.get(live.row.id, 0),
+                    self.disk_usage(live.row.id),
                 )
                 for live in self._runtime.pools()
             ),
@@ -214,7 +271,7 @@ class Pools:
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
         held = self._runtime.holders.held_bytes_by("pool_id").get(live.row.id, 0)
-        return pool_info(live.row, used, live.pool.warm, held)
+        return pool_info(live.row, used, live.pool.warm, held, self.disk_usage(live.row.id))
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
@@ -256,6 +313,8 @@ class Pools:
             spill_dir=self._spill_dir(spec),
             created_at=time.time(),
             warm_bytes=warm,
+            disk_dir=disk_dir_of(spec, self._settings.data_dir, self._runtime.pools()),
+            disk_bytes=spec.disk_bytes,
         )
         pool = self._make_pool(row)
         try:

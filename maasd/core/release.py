@@ -55,6 +55,10 @@ class Releaser:
         self._store = store
         self._runtime = runtime
         self._metrics = metrics
+        #: Called with every entry's row and reason before its region is dropped (the
+        #: disk tier: an eviction may be demoted, any other end erases its copy on disk).
+        #: It must not raise, and reads the region under the buffer's lock if at all.
+        self.on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None
 
     def release_row(self, row: BufferRow, *, reason: ReleaseReason, marked: bool = False) -> None:
         """Mark releasing (unless ``marked`` already), scrub and free, delete the row.
@@ -110,6 +114,8 @@ class Releaser:
         ``finish()`` (the row's end) — later, if others still hold the memory of this
         committed entry (see :meth:`drop_region`)."""
         started = time.perf_counter()
+        if self.on_entry_end is not None and row.kind == "entry":
+            self.on_entry_end(row, reason)  # before the region goes: a demotion reads it
         held = self.drop_region(row, finish)
         if row.persistence == "persistent":
             # A checkpoint that finished while drop_region waited for it may have

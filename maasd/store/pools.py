@@ -48,6 +48,11 @@ _mark_deleting = (
 _lock_pool_name = select(_P.c.name, _P.c.host).where(_P.c.id == bindparam("p_id")).with_for_update()
 _del_pool = delete(_P).where(_P.c.id == bindparam("p_id"))
 _set_warm = update(_P).where(_P.c.id == bindparam("p_id")).values(warm_bytes=bindparam("warm"))
+_set_disk = (
+    update(_P)
+    .where(_P.c.id == bindparam("p_id"))
+    .values(disk_dir=bindparam("disk_dir"), disk_bytes=bindparam("disk_bytes"))
+)
 _E = schema.events
 _sel_deleted = (
     select(_E.c.detail)
@@ -128,6 +133,12 @@ class PoolRepo(Connections):
     def set_pool_warm(self, pool_id: str, warm_bytes: int) -> None:
         """Set a pool's warm stock budget (the one property that follows its configuration)."""
         if self._single_count(_set_warm, {"p_id": pool_id, "warm": warm_bytes}) != 1:
+            raise NotFound(f"pool {pool_id} not found")
+
+    def set_pool_disk(self, pool_id: str, disk_dir: str | None, disk_bytes: int) -> None:
+        """Set a pool's disk tier (it follows its configuration: it binds no buffer)."""
+        params = {"p_id": pool_id, "disk_dir": disk_dir, "disk_bytes": disk_bytes}
+        if self._single_count(_set_disk, params) != 1:
             raise NotFound(f"pool {pool_id} not found")
 
     def delete_pool(self, pool_id: str, *, now: float | None = None) -> None:

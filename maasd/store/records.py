@@ -36,6 +36,8 @@ class PoolRow(msgspec.Struct, frozen=True):
     created_at: float
     warm_bytes: int = 0
     deleting_at: float | None = None
+    disk_dir: str | None = None
+    disk_bytes: int = 0
 
 
 class TenantRow(msgspec.Struct, frozen=True):

@@ -93,6 +93,11 @@ pools = Table(
     # Set when a delete of the pool starts: from then on no reserve lands in it,
     # while its buffers are drained. NULL = not being deleted.
     Column("deleting_at", Float, nullable=True),
+    # The pool's disk tier (docs/operations.md, "The disk tier"): the directory its
+    # evicted entries are demoted to, encrypted, and the bytes it may hold there.
+    # NULL / 0 = none. What is on disk is not in the ledger (its keys are in memory only).
+    Column("disk_dir", Text, nullable=True),
+    Column("disk_bytes", BigInteger, nullable=False, server_default="0"),
     UniqueConstraint("host", "name"),
 )
 

@@ -85,6 +85,9 @@ class MemService:
     def l2_ready(self) -> bool:
         return False
 
+    def fill_ready(self, _principal: Principal, _keys: list[str]) -> bool:
+        return self.l2_ready()
+
     def fill_entry(self, _principal: Principal, _keys: list[str]) -> _Handle:
         raise InvalidRequest("the bench service has no shared tier")
 

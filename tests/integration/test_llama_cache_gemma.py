@@ -152,3 +152,41 @@ def test_a_persistent_pool_keeps_prefixes_across_a_daemon_restart(
     assert after["evals"] == before["evals"]
     np.testing.assert_array_equal(after["logits"], before["logits"])  # the same bytes restored
     assert after["text"] == before["text"] == " Stockholm"
+
+
+def test_a_prefix_demoted_to_disk_is_restored_by_another_worker(
+    fresh_daemon: Any, gemma: Path, tmp_path: Path
+) -> None:
+    from maasd.protocol import Commit, Ok, Put, Reserved
+    from sockpeer import Raw
+    from waiting import wait_until
+
+    d = fresh_daemon.start()
+    d.pool("tiered", 24 << 20, disk_dir=str(tmp_path / "disk"), disk_bytes=128 << 20)
+    _tid, key = d.tenant("gemma-disk", 64 << 20)
+    a = complete(d, key, gemma, GERMANY, pool="tiered", max_tokens=1)
+    assert a["saves"]["saved"] >= 1
+    before = complete(d, key, gemma, SWEDEN, pool="tiered", max_tokens=1)  # from DRAM
+    assert before["lookups"] == {"hit": 1}  # a second use: worth a disk write
+
+    # Another tenant fills the pool: every Gemma entry is evicted from DRAM.
+    _other, filler = d.tenant("filler", 64 << 20)
+    r = Raw(d.socket_path, timeout=30)
+    r.hello(filler)
+    for i in range(24):
+        reply, fds = r.call(Put(key=f"fill{i}", size_bytes=1 << 20, pool="tiered"))
+        assert isinstance(reply, Reserved), reply
+        for fd in fds:
+            os.close(fd)
+        assert r.call(Commit(buffer_id=reply.buffer_id)) == (Ok(), [])
+    r.close()
+    wait_until(lambda: d.metric("maasd_disk_demotions_total", pool="tiered") >= 1, timeout=30)
+    promoted = d.metric("maasd_disk_promotions_total", pool="tiered")
+
+    after = complete(d, key, gemma, SWEDEN, pool="tiered", max_tokens=1)  # from disk
+    assert after["lookups"] == {"hit": 1}
+    assert d.metric("maasd_disk_promotions_total", pool="tiered") == promoted + 1
+    assert after["restored"] == before["restored"]
+    assert after["evals"] == before["evals"]  # the same batch shapes
+    np.testing.assert_array_equal(after["logits"], before["logits"])  # the same bytes restored
+    assert after["text"] == before["text"] == " Stockholm"

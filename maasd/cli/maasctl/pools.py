@@ -43,6 +43,7 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
     t.add_column("BUFFERS", justify="right")
     t.add_column("SCRUB")
     t.add_column("WARM", justify="right")
+    t.add_column("DISK", justify="right")
     for p in items:
         add_row(
             t,
@@ -60,8 +61,17 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
             p.buffers,
             p.scrub,
             warm(p),
+            disk(p),
         )
     return t
+
+
+def disk(p: Pool) -> Text:
+    """The disk tier as ``used/budget (entries)`` (``-`` without one)."""
+    if not p.disk_bytes:
+        return Text("-", justify="right")
+    used, entries = (p.disk.used_bytes, p.disk.entries) if p.disk else (0, 0)
+    return Text(f"{format_size(used)}/{format_size(p.disk_bytes)} ({entries})", justify="right")
 
 
 def warm(p: Pool) -> Text:
@@ -136,6 +146,17 @@ def pools_show(c: Ctx, pool: str) -> None:
     type=SizeType(),
     help="Keep this much prefaulted memory ready for reserves (SIZE, within the capacity) [0].",
 )
+@click.option(
+    "--disk-dir",
+    type=click.Path(),
+    help="The disk tier's directory (its own; emptied at start) [DATA_DIR/disk/NAME].",
+)
+@click.option(
+    "--disk",
+    "disk_bytes",
+    type=SizeType(),
+    help="Demote evicted entries worth keeping to a disk tier of this size (SIZE) [0].",
+)
 @pass_ctx
 def pools_create(c: Ctx, name: str, numa_node: int, capacity: int, **optional: object) -> None:
     """Create a pool NAME on a NUMA node. Unset options take the daemon's defaults.
@@ -146,6 +167,8 @@ def pools_create(c: Ctx, name: str, numa_node: int, capacity: int, **optional: o
       maasctl pools create kv1 --node 1 --capacity 64GiB --backing hugetlb \\
           --persistence persistent --spill-dir /var/lib/maasd/spill --scrub punch
       maasctl pools create fast1 --node 0 --capacity 16GiB --warm 1GiB
+      maasctl pools create kv0 --node 0 --capacity 16GiB --disk 200GiB \\
+          --disk-dir /nvme/maasd/kv0
     """
     fields = {k: v for k, v in optional.items() if v is not None}
     with c.client("admin") as client, client.responses() as seen:

@@ -49,6 +49,34 @@ def _pools(pools: list[Pool], ascii_only: bool, title: str = "Pools") -> Table:
     return pt
 
 
+def _disk_tiers(pools: list[Pool], ascii_only: bool) -> Table | None:
+    """Each pool's disk tier (docs/operations.md, "The disk tier"); None if there is none."""
+    tiered = [p for p in pools if p.disk_bytes and p.disk is not None]
+    if not tiered:
+        return None
+    dt = table("Disk tiers")
+    for name, justify in [("POOL", "left"), ("USE", "left"), ("USED", "right"),
+                          ("ENTRIES", "right"), ("DEMOTED", "right"), ("PROMOTED", "right"),
+                          ("READ", "right"), ("WRITTEN", "right"), ("DROPS", "left")]:  # fmt: skip
+        dt.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for p in tiered:
+        assert p.disk is not None
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(p.disk.drops.items())) or "-"
+        add_row(
+            dt,
+            p.name,
+            usage_bar(p.disk.used_bytes, p.disk_bytes, ascii_only=ascii_only),
+            size(p.disk.used_bytes),
+            p.disk.entries,
+            p.disk.demotions,
+            p.disk.promotions,
+            size(p.disk.read_bytes),
+            size(p.disk.write_bytes),
+            drops,
+        )
+    return dt
+
+
 def _tenants(tenants: list[Tenant], ascii_only: bool) -> Table:
     tt = table("Tenants")
     tt.add_column("NAME", style="bold", no_wrap=True)
@@ -100,6 +128,9 @@ def status_view(
 ) -> Group:
     """Pools (by host, when they are several) with usage bars, tenants with quota bars, totals."""
     parts: list[RenderableType] = _pool_tables(pools, ascii_only)
+    disk = _disk_tiers(pools, ascii_only)
+    if disk is not None:
+        parts += [Text(""), disk]
     if tenants is not None:
         parts += [Text(""), _tenants(tenants, ascii_only)]
     cap = sum(p.capacity_bytes for p in pools)

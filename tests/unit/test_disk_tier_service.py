@@ -1,0 +1,125 @@
+"""The disk tier inside the service (in-process, a real ledger and real memfds): after a
+release no key still in the daemon's memory opens the file that was there; pools without
+a tier remember nothing of their entries' uses."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from maasd.core import Service
+from maasd.disk.store import NONCE
+from maasd.models import PoolSpec, Principal
+from maasd.settings import Settings
+from waiting import wait_until
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def svc(tmp_path: Path) -> Iterator[Service]:
+    s = Service(
+        Settings(
+            data_dir=str(tmp_path / "data"),
+            admin_key="admin-key-for-tests",
+            node_name="unit-host",
+            pools=[
+                PoolSpec(
+                    name="tiered",
+                    numa_node=0,
+                    capacity_bytes=4 * MiB,
+                    prefault=False,
+                    disk_dir=str(tmp_path / "disk"),
+                    disk_bytes=16 * MiB,
+                ),
+                PoolSpec(name="plain", numa_node=0, capacity_bytes=4 * MiB, prefault=False),
+            ],
+        )  # fmt: skip
+    )
+    s.start(reaper=False)
+    yield s
+    s.close()
+
+
+def put(svc: Service, who: Principal, key: str, pool: str, fill: int) -> str:
+    h = svc.put_entry(who, key, MiB, pool=pool)
+    with mmap.mmap(h.fd, MiB) as m:
+        m[:] = bytes([fill]) * MiB
+    os.close(h.fd)
+    svc.commit_entry(who, h.buffer_id, owned=True)
+    return h.buffer_id
+
+
+def used_once(svc: Service, who: Principal, key: str) -> None:
+    found = svc.lookup_entry(who, [key])
+    os.close(found.fd)
+    svc.drop_handle(who, found.buffer_id)
+
+
+def test_after_a_release_no_key_in_memory_opens_the_file(svc: Service, tmp_path: Path) -> None:
+    who = svc.authenticate(svc.create_tenant("t", 64 * MiB).api_key)
+    put(svc, who, "hot", "tiered", 7)
+    used_once(svc, who, "hot")
+    put(svc, who, "warm", "tiered", 8)
+    used_once(svc, who, "warm")
+    for i in range(4):  # the pool holds 4: "hot" and "warm" are evicted, and demoted
+        put(svc, who, f"f{i}", "tiered", i)
+    disk = tmp_path / "disk"
+    tiers = svc._disk  # the keys this daemon holds
+    wait_until(lambda: len([p for p in disk.iterdir() if p.suffix == ".ent"]) == 2)
+    path = disk / tiers._index[(who.tenant_id or "", "hot")].sealed.name
+    raw = path.read_bytes()
+    found = svc.fill_entry(who, ["hot"])  # promoted; then released by its owner
+    os.close(found.fd)
+    svc.drop_handle(who, found.buffer_id)
+    svc.release(who, found.buffer_id)
+    assert not path.exists()
+    assert list(k for _t, k in tiers._index) == ["warm"]
+    for sealed in [e.sealed for t in tiers._tiers.values() for e in t.entries.values()]:
+        with pytest.raises(InvalidTag):  # no key still held opens those bytes
+            AESGCM(sealed.key).decrypt(raw[:NONCE], raw[NONCE:], sealed.aad)
+
+
+def test_pools_without_a_tier_remember_no_uses(svc: Service) -> None:
+    who = svc.authenticate(svc.create_tenant("u", 64 * MiB).api_key)
+    for i in range(12):  # every one used, then evicted or released
+        buffer_id = put(svc, who, f"k{i}", "plain", i)
+        used_once(svc, who, f"k{i}")
+    svc.release(who, buffer_id)
+    held = [k for k in svc._disk._admission._uses if isinstance(k, tuple)]
+    assert len(held) <= 3  # only the entries still in DRAM
+
+
+def test_a_key_put_again_replaces_its_copy_on_disk(svc: Service, tmp_path: Path) -> None:
+    who = svc.authenticate(svc.create_tenant("r", 64 * MiB).api_key)
+    disk = tmp_path / "disk"
+
+    def evict_all(round_: int) -> None:
+        for i in range(4):
+            put(svc, who, f"f{round_}-{i}", "tiered", i)
+
+    def files() -> list[Path]:
+        return [p for p in disk.iterdir() if p.suffix == ".ent"]
+
+    put(svc, who, "k", "tiered", 1)  # the first bytes of "k": used, evicted, demoted
+    used_once(svc, who, "k")
+    evict_all(0)
+    wait_until(lambda: len(files()) == 1)
+    first = files()[0]
+    put(svc, who, "k", "tiered", 2)  # "k" put again, with other bytes, then evicted
+    used_once(svc, who, "k")
+    evict_all(1)
+    wait_until(lambda: len(files()) == 1 and files()[0] != first)
+    found = svc.fill_entry(who, ["k"])  # promoted: the second bytes
+    with mmap.mmap(found.fd, MiB, prot=mmap.PROT_READ) as m:
+        assert m[:] == bytes([2]) * MiB
+    os.close(found.fd)
+    svc.drop_handle(who, found.buffer_id)
+    evict_all(2)  # its promoted entry evicted: its copy is on disk, nothing written
+    assert svc._disk.usage(svc.pool("tiered").id).demotions == 2  # type: ignore[union-attr]
