@@ -30,13 +30,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from maasd.llama.fleet import FILE_VERSION, fleet_fingerprint, ggml_type_name
 from maasd.llama.format import (
-    FORMAT_VERSION,
     Header,
     HeaderError,
     as_tokens,
-    file_identity,
-    fingerprint_of,
     header_len_for,
     pack_header,
     parse_header,
@@ -60,63 +58,16 @@ __all__ = [
 ]
 
 FILE_MAGIC = 0x67677371  # LLAMA_FILE_MAGIC_GGSQ
-FILE_VERSION = 3  # LLAMA_STATE_SEQ_VERSION of the pinned llama.cpp
 IO_MAGIC = 0xAF143CD8  # the first u32 of llama_state_seq_get_data
 _FILE_HEAD = struct.Struct("<III")
 _IO_PREFIX = struct.Struct("<Ii")
 _PACKED_MARK = -1  # LLAMA_TOKEN_NULL: a packed server_tokens record follows
 _PACKED_VERSION = 1
 
-_GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0"}
-_GGML_TYPES.update({20: "iq4_nl", 30: "bf16"})
 
 
 class StateError(ValueError):
     """A state that must not reach llama.cpp (why is in the message)."""
-
-
-def ggml_type_name(t: int | str) -> str:
-    """A K/V cache type as ``llama-server --cache-type-k`` names it (``1`` → ``"f16"``)."""
-    if isinstance(t, str):
-        return t.lower()
-    return _GGML_TYPES.get(int(t), f"type{int(t)}")
-
-
-def fleet_fingerprint(
-    model_path: str,
-    build: str,
-    *,
-    type_k: int | str = "f16",
-    type_v: int | str = "f16",
-    flash_attn: bool = False,
-    swa_full: bool = True,
-    n_stream: int = 1,
-) -> str:
-    """The fingerprint of everything that decides whether a sequence state restores right.
-
-    The model file (size and edge hash, :func:`~maasd.llama.format.file_identity`), the
-    llama.cpp build (``build``: ``llama-cpp-python-0.3.36`` for the pinned one, whether
-    it runs as llama-cpp-python or as the ``llama-server`` of ``scripts/llama-server``),
-    the K and V cache types, flash attention (it decides whether V is stored
-    transposed), the number of KV streams (1: ``--kv-unified`` or a single sequence),
-    the sliding-window cache mode, and both state formats. A ``maasd worker`` and a
-    router compute the same value for the same model, build and settings, and then share
-    entries; any difference gives another fingerprint, so nothing restores wrong.
-    """
-    return fingerprint_of(
-        {
-            "kind": "llama-seq-state",
-            "entry_format": FORMAT_VERSION,
-            "file_format": FILE_VERSION,
-            "build": build,
-            "model": file_identity(model_path),
-            "type_k": ggml_type_name(type_k),
-            "type_v": ggml_type_name(type_v),
-            "flash_attn": bool(flash_attn),
-            "swa_full": bool(swa_full),
-            "n_stream": int(n_stream),
-        }
-    )
 
 
 # --------------------------------------------------------------------------- file form
