@@ -118,6 +118,7 @@ class Router:
                     "slots": b.n_slots,
                     "busy": sum(s.busy for s in b.slots),
                     "restarts": b.process.restarts if b.process else 0,
+                    "pid": b.process.proc.pid if b.process and b.process.proc else None,
                 }
                 for b in self.fleet.backends
             ],
