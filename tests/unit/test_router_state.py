@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -110,7 +111,7 @@ def test_every_corruption_is_refused_before_a_server_sees_it() -> None:
         validate_entry(zeros, zeros.size, FP, [10], 1)
 
 
-def test_fingerprint_names_every_setting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_fingerprint_names_every_setting(tmp_path: Path) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"x" * 1000)
     base = fleet_fingerprint(str(model), "llama-cpp-python-0.3.36")
