@@ -10,7 +10,7 @@ import os
 
 import click
 
-DEFAULT_URL = "http://127.0.0.1:7070"
+DEFAULT_URL = "http://127.0.0.1:7878"
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
