@@ -114,20 +114,30 @@ class Proxy:
         except httpx.HTTPStatusError as exc:
             return Answer(exc.response.status_code, "application/json", {}, exc.response.content)
         sharing = self.sharing is not None and self.sharing.up and len(tokens) > 0
-        choice = await self.fleet.acquire(tokens, sharing=sharing)
-        turn = Turn(choice.slot, self.fleet.backend_of(choice.slot), tokens, t0=t0)
-        try:
-            if choice.restore:
-                await self._restore(turn, choice.held)
-            body["id_slot"] = turn.slot.index
-            body["cache_prompt"] = True
-            data = json.dumps(body).encode()
-            if body.get("stream"):
-                return await self._stream(path, data, turn)
-            return await self._whole(path, data, turn)
-        except BaseException:
-            await self._finish(turn, ok=False)
-            raise
+        for attempt in range(2):
+            choice = await self.fleet.acquire(tokens, sharing=sharing)
+            turn = Turn(choice.slot, self.fleet.backend_of(choice.slot), tokens, t0=t0)
+            try:
+                if choice.restore:
+                    await self._restore(turn, choice.held)
+                body["id_slot"] = turn.slot.index
+                body["cache_prompt"] = True
+                data = json.dumps(body).encode()
+                if body.get("stream"):
+                    return await self._stream(path, data, turn)
+                return await self._whole(path, data, turn)
+            except httpx.TransportError as exc:
+                # Nothing has reached the client yet: once more, on another slot.
+                logger.warning("backend %s failed before answering: %s", turn.backend.url, exc)
+                self.metrics.errors.labels(str(turn.backend.index), "transport").inc()
+                await self._finish(turn, ok=False)
+                if attempt:
+                    break
+            except BaseException:
+                await self._finish(turn, ok=False)
+                raise
+        err = {"error": {"message": "the backend went away", "type": "server_error"}}
+        return Answer(502, "application/json", {}, json.dumps(err).encode())
 
     async def _restore(self, turn: Turn, held: int) -> None:
         assert self.sharing is not None

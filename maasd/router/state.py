@@ -65,7 +65,6 @@ _PACKED_MARK = -1  # LLAMA_TOKEN_NULL: a packed server_tokens record follows
 _PACKED_VERSION = 1
 
 
-
 class StateError(ValueError):
     """A state that must not reach llama.cpp (why is in the message)."""
 
