@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,3 +179,51 @@ def test_longest_held_prefix_first_else_least_loaded() -> None:
     assert c.restore
     assert c.held == 0
     assert restore_target(cold, c, {0: 0, 1: 1}) is cold[0]
+
+
+# --------------------------------------------------------------------------- publish plan
+
+
+class _Open:
+    closed = False
+
+
+def publisher(chunk: int = 4, min_tokens: int = 8) -> Any:
+    from maasd.llama.link import Link
+    from maasd.router.metrics import RouterMetrics
+    from maasd.router.publish import Publisher
+    from maasd.router.share import Sharing
+
+    link = Link("/nowhere", "key", open_worker=lambda _s, _k: _Open())
+    assert link.get() is not None  # up
+    return Publisher(Sharing(link, FP, chunk=chunk), RouterMetrics(), min_tokens=min_tokens)
+
+
+def test_the_prompts_own_prefix_and_the_one_it_shares_are_worth_publishing() -> None:
+    p = publisher()
+    system = list(range(100, 113))  # 13 tokens shared by every user
+    a = held(*system, 1, 2, 3, 4, 5)  # 18 tokens
+    assert p.plan(a, restored=0) == [16]  # its own boundary; nothing seen before
+    b = held(*system, 9, 9, 9, 9, 9, 9, 9)  # 20 tokens, shares 13 with a
+    assert p.plan(b, restored=0) == [20, 12]  # its own, and the shared system prompt
+    p._remember(p._key(b, 12))  # published once: not again
+    c = held(*system, 7, 7, 7)
+    assert p.plan(c, restored=12) == [16]  # its own; the shared part is known already
+    assert p.plan(held(1, 2, 3), restored=0) == []  # shorter than min_tokens
+    d = held(*range(200, 224))
+    assert p.plan(d, restored=24) == []  # maasd gave it all
+
+
+def test_nothing_is_published_while_maasd_is_down() -> None:
+    from maasd.llama.link import Link
+    from maasd.router.metrics import RouterMetrics
+    from maasd.router.publish import Publisher
+    from maasd.router.share import Sharing
+
+    def refuse(_s: str, _k: str) -> Any:
+        raise OSError("no socket")
+
+    link = Link("/nowhere", "key", open_worker=refuse)
+    assert link.get() is None
+    p = Publisher(Sharing(link, FP, chunk=4), RouterMetrics(), min_tokens=8)
+    assert p.plan(held(*range(40)), restored=0) == []
