@@ -113,7 +113,11 @@ class Proxy:
             tokens = await self.tokens(path, body)
         except httpx.HTTPStatusError as exc:
             return Answer(exc.response.status_code, "application/json", {}, exc.response.content)
-        sharing = self.sharing is not None and self.sharing.up and len(tokens) > 0
+        except httpx.TransportError:  # that backend just went away: route by load alone
+            tokens = np.empty(0, np.int32)
+        sharing = False
+        if self.sharing is not None and len(tokens) > 0:
+            sharing = await asyncio.to_thread(self.sharing.available)
         for attempt in range(2):
             choice = await self.fleet.acquire(tokens, sharing=sharing)
             turn = Turn(choice.slot, self.fleet.backend_of(choice.slot), tokens, t0=t0)

@@ -74,6 +74,10 @@ class Sharing:
     def up(self) -> bool:
         return self.link.up
 
+    def available(self) -> bool:
+        """Whether maasd is reachable now (connecting again once a back-off is over)."""
+        return self.link.get() is not None
+
     def keys(self, tokens: Any) -> list[tuple[int, str]]:
         return chunk_keys(self.fingerprint, tokens, self.chunk)
 

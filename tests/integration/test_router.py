@@ -87,8 +87,11 @@ def test_restore_from_maasd_equals_a_cold_run_on_another_router(start: Any) -> N
     b = start(backends=1)  # another router, other backends: only maasd holds the prefix
     warm = b.complete(GERMANY)
     n = len(tokens_of(b, GERMANY))
-    assert int(warm.headers["x-maasd-restored"]) == n - n % CHUNK
+    restored = int(warm.headers["x-maasd-restored"])
+    assert restored == n - n % CHUNK
     assert text_of(warm) == text_of(cold)
+    # a sliding-window model (Gemma 3) continued a prefix-only save: a partial prefill
+    assert 0 < b.metric("maasd_router_prompt_tokens", kind="evaluated") <= n - restored + 1
     assert b.metric("maasd_router_prompt_tokens", kind="restored") > 0
     assert b.metric("maasd_router_restore_seconds_count") == 1
     # the slot now holds it: the next identical prompt needs no restore
