@@ -51,6 +51,7 @@ class RouterProc:
         chunk: int = 32,
         min_save: int = 64,
         server_args: tuple[str, ...] = ("-c", "1024", "-t", "1"),
+        router_args: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -71,7 +72,7 @@ class RouterProc:
             self.argv += ["--socket", socket_path]
         if maasd_url:
             self.argv += ["--maasd-url", maasd_url]
-        self.argv += ["--", *server_args]
+        self.argv += [*router_args, "--", *server_args]
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=300.0)

@@ -101,6 +101,14 @@ _OPTIONS = [
         "--cache-type-v", default="f16", show_default=True, help="V cache type of the backends."
     ),
     click.option("--log-dir", default=None, help="Where the backends' logs go (default: dropped)."),
+    click.option(
+        "--slot-files",
+        type=click.Choice(["link", "copy"]),
+        default="link",
+        show_default=True,
+        help="link: /proc links to router memfds (same uid and PID namespace as the "
+        "backends); copy: real files in the slot dirs (a tmpfs both reach).",
+    ),
     click.option("--log-level", default="info", show_default=True),
 ]
 
@@ -176,4 +184,5 @@ def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
         chunk=o["chunk"],
         min_save_tokens=o["min_save_tokens"],
         ttl_s=o["ttl_s"],
+        copy_slot_files=o["slot_files"] == "copy",
     )

@@ -40,6 +40,7 @@ class RouterConfig:
     chunk: int = 64
     min_save_tokens: int = 128
     ttl_s: int = 3600
+    copy_slot_files: bool = False
 
 
 class Router:
@@ -69,6 +70,7 @@ class Router:
                 ttl_s=cfg.ttl_s,
                 drop=self._drop,
                 count=self.metrics.count_entry,
+                copy_files=cfg.copy_slot_files,
             )
             self.link.get()  # connect now, so the log says at once whether sharing is on
             publisher = Publisher(self.sharing, self.metrics, min_tokens=cfg.min_save_tokens)
@@ -114,6 +116,7 @@ class Router:
             "backends": [
                 {
                     "url": b.url,
+                    "slot_dir": b.slot_dir,
                     "alive": b.alive,
                     "slots": b.n_slots,
                     "busy": sum(s.busy for s in b.slots),

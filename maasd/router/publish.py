@@ -114,7 +114,7 @@ class Publisher:
         self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
     ) -> bool | None:
         """Save the slot and publish it → True: published, False: a duplicate, None: failed."""
-        with LinkedFile(backend.slot_dir, "save") as f:
+        with LinkedFile(backend.slot_dir, "save", copy=self.sharing.copy_files) as f:
             try:
                 r = await backend.slot_action(slot.index, "save", f.name)
             except Exception as exc:

@@ -60,6 +60,7 @@ class Sharing:
         ttl_s: int = 3600,
         drop: Callable[[str], None] | None = None,
         count: Callable[[str, str], None] | None = None,
+        copy_files: bool = False,
     ) -> None:
         self.link = link
         self.fingerprint = fingerprint
@@ -69,6 +70,7 @@ class Sharing:
         self._drop = drop  # releases an entry that failed validation (REST), best effort
         self._count = count or (lambda _what, _kind: None)
         self._lock = threading.Lock()
+        self.copy_files = copy_files  # real files in the slot dir, not /proc links
 
     @property
     def up(self) -> bool:
@@ -120,7 +122,8 @@ class Sharing:
             if self._drop is not None:
                 self._drop(hit.buffer_id)
             return None
-        f = LinkedFile(slot_dir, "restore", file_size(hdr.n_tokens, hdr.state_len - 8))
+        size = file_size(hdr.n_tokens, hdr.state_len - 8)
+        f = LinkedFile(slot_dir, "restore", size, copy=self.copy_files)
         try:
             _copy_checked(f, view, hit.size, hdr)
         except HeaderError as exc:

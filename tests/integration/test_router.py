@@ -101,6 +101,21 @@ def test_restore_from_maasd_equals_a_cold_run_on_another_router(start: Any) -> N
     assert b.metric("maasd_router_prompt_tokens", kind="held") > 0
 
 
+def test_real_slot_files_where_proc_links_cannot_be_used(start: Any) -> None:
+    copy = ("--slot-files", "copy")
+    prompt = "Copies.\n" + SWEDEN
+    a = start(backends=1, router_args=copy)
+    cold = a.complete(prompt)
+    a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+    b = start(backends=1, router_args=copy)
+    warm = b.complete(prompt)
+    assert int(warm.headers["x-maasd-restored"]) > 0
+    assert text_of(warm) == text_of(cold)
+    for r in (a, b):  # nothing left behind in the slot dirs
+        for be in r.health()["backends"]:
+            assert not list(Path(be["slot_dir"]).iterdir())
+
+
 def test_a_prefix_from_backend_a_restores_on_backend_b_while_a_is_busy(start: Any) -> None:
     r = start(backends=2)
     first = r.complete(SWEDEN)
