@@ -92,6 +92,8 @@ class Fleet:
             self.metrics.slots.labels(str(b.index)).set(b.n_slots)
             if b.process is not None:
                 self._tasks.append(asyncio.create_task(self._supervise(b)))
+        if cfg.attach:
+            self._tasks.append(asyncio.create_task(self._watch_attached()))
 
     async def _until_ready(self, b: Backend) -> None:
         loop = asyncio.get_running_loop()
@@ -150,6 +152,27 @@ class Fleet:
             self.metrics.restarts.labels(str(b.index)).inc()
             async with self._cond:
                 self._cond.notify_all()
+
+    async def _watch_attached(self, every_s: float = 1.0) -> None:
+        """Attached backends are not ours to restart: follow their ``/health``."""
+        while not self._closing:
+            await asyncio.sleep(every_s)
+            for b in self.backends:
+                if b.process is not None:
+                    continue
+                up = await b.probe()
+                if up == b.alive:
+                    continue
+                b.alive = up
+                b.forget_all()  # a backend that went away and came back holds nothing
+                self.metrics.backend_up.labels(str(b.index)).set(1 if up else 0)
+                if up:
+                    logger.info("llama-server %s is back", b.url)
+                    async with self._cond:
+                        self._cond.notify_all()
+                else:
+                    self.metrics.errors.labels(str(b.index), "backend_down").inc()
+                    logger.warning("llama-server %s does not answer", b.url)
 
     async def close(self) -> None:
         self._closing = True
