@@ -59,12 +59,13 @@ class RouterProc:
         self.log_path = log_dir / f"router-{self.port}.log"
         self.argv = [
             sys.executable, "-m", "maasd.cli.daemon", "router",
-            "--port", str(self.port),
-            "--backends", str(backends), "--slots", str(slots),
-            "--llama-server", binary, "--model", str(model),
+            "--port", str(self.port), "--model", str(model),
             "--chunk", str(chunk), "--min-save-tokens", str(min_save),
             "--log-dir", str(log_dir),
         ]  # fmt: skip
+        if backends:  # else: attached, with --backend/--slot-dir in router_args
+            self.argv += ["--backends", str(backends), "--slots", str(slots)]
+            self.argv += ["--llama-server", binary]
         env = {k: v for k, v in os.environ.items() if k not in ("MAASD_KEY", "MAASD_SOCKET")}
         if key:
             env["MAASD_KEY"] = key

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import struct
+import subprocess
 import threading
 import time
 import uuid
@@ -246,3 +247,49 @@ def test_chat_streams_and_models(start: Any) -> None:
     bad = r.http.post("/v1/chat/completions", content=b"{not json")
     assert bad.status_code == 400
     assert r.health()["status"] == "ok"
+
+
+def test_attached_backends_with_two_slots(
+    start: Any, binary: str, gemma: Path, tmp_path: Path
+) -> None:
+    from conftest import free_port
+    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
+    from processes import signal_and_wait
+
+    slot_dir = tmp_path / "slots"
+    slot_dir.mkdir()
+    port = free_port()
+    argv = [
+        binary,
+        "-m",
+        str(gemma),
+        "--port",
+        str(port),
+        "-np",
+        "2",
+        "-c",
+        "2048",
+        "-t",
+        "1",
+        "--slot-save-path",
+        f"{slot_dir}/",
+        *REQUIRED_FLAGS,
+        *REQUIRED_FLAGS_EXTRA,
+    ]
+    with open(tmp_path / "attached.log", "ab") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        r = start(backends=0, router_args=("--backend", url, "--slot-dir", str(slot_dir)))
+        assert r.health()["backends"][0]["slots"] == 2
+        first = r.complete("Attached.\n" + GERMANY)
+        r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+        # a second prompt sharing nothing goes to the other, empty slot
+        other = r.complete("Zebra " * 20)
+        assert other.headers["x-maasd-slot"] != first.headers["x-maasd-slot"]
+        again = r.complete("Attached.\n" + GERMANY)
+        assert again.headers["x-maasd-slot"] == first.headers["x-maasd-slot"]
+        assert text_of(again) == text_of(first)
+        assert not [p for p in slot_dir.iterdir()]  # no link left behind
+    finally:
+        signal_and_wait(server, signal.SIGTERM, 60)
