@@ -128,6 +128,14 @@ class RouterProc:
             time.sleep(0.1)
         raise AssertionError(f"{name}{labels} stayed below {at_least}:\n{self.log()}")
 
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until no slot is busy (a publish holds its slot for a moment after the answer)."""
+        deadline = time.monotonic() + timeout
+        while any(b["busy"] for b in self.health()["backends"]):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"slots stay busy: {self.health()}")
+            time.sleep(0.05)
+
     def stop(self) -> None:
         self.http.close()
         if self.proc is not None:

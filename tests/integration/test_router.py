@@ -287,6 +287,7 @@ def test_attached_backends_with_two_slots(
         # a second prompt sharing nothing goes to the other, empty slot
         other = r.complete("Zebra " * 20)
         assert other.headers["x-maasd-slot"] != first.headers["x-maasd-slot"]
+        r.wait_idle()
         again = r.complete("Attached.\n" + GERMANY)
         assert again.headers["x-maasd-slot"] == first.headers["x-maasd-slot"]
         assert text_of(again) == text_of(first)
