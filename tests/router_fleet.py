@@ -113,7 +113,7 @@ class RouterProc:
         total = 0.0
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                if s.name in (name, name + "_total") and all(s.labels.get(k) == v for k, v in labels.items()):
                     total += s.value
         return total
 
@@ -126,7 +126,8 @@ class RouterProc:
             if v >= at_least:
                 return v
             time.sleep(0.1)
-        raise AssertionError(f"{name}{labels} stayed below {at_least}:\n{self.log()}")
+        lines = [x for x in self.http.get("/metrics").text.splitlines() if x.startswith(name)]
+        raise AssertionError(f"{name}{labels} stayed below {at_least}: {lines}\n{self.log()}")
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Until no slot is busy (a publish holds its slot for a moment after the answer)."""

@@ -139,6 +139,7 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     logging.basicConfig(
         level=o["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per backend call
     app = build_app(Router(config))
     uvicorn.run(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
 
