@@ -113,7 +113,9 @@ class RouterProc:
         total = 0.0
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                if s.name in (name, name + "_total") and all(s.labels.get(k) == v for k, v in labels.items()):
+                if s.name in (name, name + "_total") and all(
+                    s.labels.get(k) == v for k, v in labels.items()
+                ):
                     total += s.value
         return total
 

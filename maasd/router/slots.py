@@ -46,8 +46,17 @@ class Choice:
     restore: bool  # whether to try maasd for more than ``held`` first
 
 
+#: a shorter common prefix (a BOS, a few template tokens) is worth nothing to keep or use
+MIN_HELD = 16
+
+
 def choose(
-    slots: list[Slot], tokens: npt.NDArray[np.int32], load: dict[int, int], *, sharing: bool
+    slots: list[Slot],
+    tokens: npt.NDArray[np.int32],
+    load: dict[int, int],
+    *,
+    sharing: bool,
+    min_held: int = MIN_HELD,
 ) -> Choice | None:
     """The slot for ``tokens`` (None: every live slot is busy).
 
@@ -62,12 +71,13 @@ def choose(
         return None
     scored = [(common_prefix(s.held, tokens), s) for s in idle]
     best_len, best = max(scored, key=lambda t: (t[0], -load.get(t[1].backend, 0), -t[1].index))
+    if best_len < min(min_held, len(tokens)):  # nothing worth keeping: an empty slot
+        best_len, best = 0, _least_loaded(idle, load)
+        best_len = common_prefix(best.held, tokens)
     if best_len >= len(tokens) - 1 and best_len > 0:
         return Choice(best, best_len, False)
     if not sharing:
-        if best_len > 0:
-            return Choice(best, best_len, False)
-        return Choice(_least_loaded(idle, load), 0, False)
+        return Choice(best, best_len, False)
     # Try maasd for more than the best slot holds: keep the best slot as it is if its
     # content is worth something, and restore into the slot that matters least.
     return Choice(best, best_len, True)
@@ -85,6 +95,6 @@ def restore_target(slots: list[Slot], best: Choice, load: dict[int, int]) -> Slo
     least-useful idle slot on the least-loaded backend, so a prefix this prompt does not
     share stays where it is for the prompts that do.
     """
-    if best.held == 0:
+    if best.held < MIN_HELD:
         return _least_loaded([s for s in slots if not s.busy], load)
     return best.slot

@@ -181,6 +181,21 @@ def test_longest_held_prefix_first_else_least_loaded() -> None:
     assert restore_target(cold, c, {0: 0, 1: 1}) is cold[0]
 
 
+def test_a_few_common_tokens_keep_no_slot_from_an_empty_one() -> None:
+    prompt = held(*range(1, 41))
+    bos_only = Slot(0, 0, held=held(1, 99, 98))  # shares the BOS, nothing more
+    empty = Slot(0, 1)
+    c = choose([bos_only, empty], prompt, {0: 0}, sharing=True)
+    assert c is not None
+    assert c.slot is empty  # the other slot's content stays for the prompts that share it
+    assert restore_target([bos_only, empty], c, {0: 0}) is empty
+    useful = Slot(0, 0, held=held(*range(1, 21)))
+    c = choose([useful, empty], prompt, {0: 0}, sharing=True)
+    assert c is not None
+    assert c.slot is useful
+    assert c.held == 20
+
+
 # --------------------------------------------------------------------------- publish plan
 
 
