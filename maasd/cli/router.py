@@ -131,9 +131,16 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
       MAASD_KEY=… maasd router --backends 2 --llama-server $(scripts/llama-server) \\
           --model gemma.gguf -- -c 4096 -t 1
     """
+    import importlib.util
+
     import uvicorn
 
     from maasd.router.app import Router, build_app
+
+    if importlib.util.find_spec("xxhash") is None:
+        raise click.ClickException(
+            "maasd router needs xxhash: install maasd with the `router` extra"
+        )
 
     config = _config(server_args, o)
     logging.basicConfig(
