@@ -63,11 +63,15 @@ class Backend:
     http: httpx.AsyncClient = field(init=False)
 
     def __post_init__(self) -> None:
-        # Completions may run for minutes: no read timeout; connecting must be quick.
+        # Completions may run for minutes: no read timeout; connecting must be quick. Idle
+        # connections are dropped after 2 s, before llama-server's own keep-alive timeout
+        # (5 s) closes them under a request being sent.
         self.http = httpx.AsyncClient(
             base_url=self.url.rstrip("/"),
             timeout=httpx.Timeout(None, connect=5.0),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            limits=httpx.Limits(
+                max_connections=64, max_keepalive_connections=16, keepalive_expiry=2.0
+            ),
         )
         self.resize(self.n_slots)
 

@@ -123,7 +123,9 @@ async def replay(urls: list[str], a: argparse.Namespace, system: str) -> dict[st
             msgs.append({"role": "assistant", "content": text})
 
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=600) as http:
+    # a connection per request: a kept-alive one may be closed by the server as it is reused
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as http:
         await asyncio.gather(*(user(u, http) for u in range(a.users)))
     wall = time.perf_counter() - t0
     ttfts.sort()
@@ -178,6 +180,10 @@ def run_plain(
         for u in urls:
             wait_http(u)
         return asyncio.run(replay(urls, a, system))
+    except httpx.HTTPError:
+        for i in range(n):  # a server that died says why in its log
+            print((tmp / f"plain-{n}-{i}.log").read_text(errors="replace")[-3000:], file=sys.stderr)
+        raise
     finally:
         for p in procs:
             p.terminate()
@@ -203,6 +209,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-router-") as t:
         tmp = Path(t)
         rows["router + 2 backends (maasd)"] = run_router(a, binary, model, tmp, system)
+        print(rows, file=sys.stderr, flush=True)
         rows["2 servers round-robin, own cache-ram"] = run_plain(
             a, binary, model, tmp, system, n=2, np_=1
         )
