@@ -189,9 +189,13 @@ def test_a_corrupt_or_foreign_entry_is_a_miss_and_dropped(
 
 def test_a_backend_killed_mid_stream_is_restarted(start: Any) -> None:
     r = start(backends=1)
+    prompt = "Restarts.\n" + GERMANY
+    cold = r.complete(prompt)
+    r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+    r.wait_idle()
     pid = r.health()["backends"][0]["pid"]
     body = {
-        "prompt": GERMANY,
+        "prompt": prompt,
         "max_tokens": 300,
         "stream": True,
         "temperature": 0,
@@ -215,7 +219,10 @@ def test_a_backend_killed_mid_stream_is_restarted(start: Any) -> None:
     else:
         raise AssertionError(f"not restarted: {r.health()}\n{r.log()}")
     assert h["pid"] != pid
-    assert " Berlin" in text_of(r.complete(GERMANY))
+    # the new process holds nothing: the prefix survives in maasd and is restored
+    warm = r.complete(prompt)
+    assert int(warm.headers["x-maasd-restored"]) > 0
+    assert text_of(warm) == text_of(cold)
     assert r.metric("maasd_router_backend_restarts") == 1
     assert r.metric("maasd_router_errors", kind="backend_died") == 1
 
