@@ -301,3 +301,46 @@ def test_attached_backends_with_two_slots(
         assert not [p for p in slot_dir.iterdir()]  # no link left behind
     finally:
         signal_and_wait(server, signal.SIGTERM, 60)
+
+
+def test_python_workers_and_llama_server_share_entries_both_ways(
+    start: Any, daemon: Any, key: str, gemma: Path
+) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from maasd.llama import KVStore, LlamaSeqAdapter
+    from maasd.llama.fleet import model_fleet_fingerprint
+
+    def load() -> Any:
+        return llama_cpp.Llama(str(gemma), n_ctx=512, n_threads=1, verbose=False)
+
+    r = start(backends=1)
+    py = load()
+    fp = model_fleet_fingerprint(py)
+    assert fp == r.health()["fingerprint"]  # one llama.cpp build, the same settings
+    # a prefix a Python worker computed, restored by llama-server
+    first = "Python first.\n" + GERMANY
+    toks = tokens_of(r, first)
+    n = len(toks) - len(toks) % CHUNK
+    py.eval(toks[:n])
+    with Worker(daemon.socket_path, key) as w:
+        assert KVStore(None, w, py, chunk=CHUNK, fingerprint=fp).save(0, toks[:n]) is not None
+    out = r.complete(first)
+    assert int(out.headers["x-maasd-restored"]) == n
+    assert " Berlin" in text_of(out)
+    # and one llama-server computed, restored by a Python worker
+    second = "Server first.\n" + GERMANY
+    r.complete(second)
+    r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+    toks2 = tokens_of(r, second)
+    m = len(toks2) - len(toks2) % CHUNK
+    b = load()
+    with Worker(daemon.socket_path, key) as w:
+        kv = KVStore(None, w, b, chunk=CHUNK, fingerprint=fp)
+        assert kv.restore(0, toks2, max_tokens=len(toks2) - 1) == m
+    b.eval(toks2[m:])
+    c = load()  # cold, in the same batch split
+    c.eval(toks2[:m])
+    c.eval(toks2[m:])
+    lb, lc = LlamaSeqAdapter(b).last_logits(), LlamaSeqAdapter(c).last_logits()
+    assert int(np.argmax(lb)) == int(np.argmax(lc))
+    np.testing.assert_allclose(lb, lc, rtol=0, atol=1.5)
