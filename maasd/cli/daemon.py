@@ -473,9 +473,11 @@ def _ranges(cpus: list[int]) -> str:
 
 
 from maasd.cli.doctor import doctor  # noqa: E402 - registered after the group exists
+from maasd.cli.router import router  # noqa: E402
 from maasd.cli.worker import worker  # noqa: E402
 
 cli.add_command(doctor)
+cli.add_command(router)
 cli.add_command(worker)
 
 

@@ -1,0 +1,196 @@
+"""``maasd router``: an OpenAI-compatible front for unmodified llama-server processes.
+
+See docs/llama-server.md. Registered on ``maasd`` (``maasd router --help``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+DEFAULT_URL = "http://127.0.0.1:7878"
+
+
+_OPTIONS = [
+    click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on."),
+    click.option("--port", default=8080, show_default=True, type=int, help="Port to listen on."),
+    click.option(
+        "--maasd-url",
+        envvar="MAASD_URL",
+        default=DEFAULT_URL,
+        show_default=True,
+        help="maasd's REST API (drops entries that fail their checks) [env MAASD_URL].",
+    ),
+    click.option(
+        "--socket",
+        "socket_path",
+        envvar="MAASD_SOCKET",
+        default=None,
+        help="maasd's worker socket [env MAASD_SOCKET, default DATA_DIR/maasd.sock].",
+    ),
+    click.option(
+        "--key",
+        envvar="MAASD_KEY",
+        default=None,
+        help="The tenant's API key [env MAASD_KEY]; without it: a plain balancer.",
+    ),
+    click.option("--pool", default=None, help="Pool (id or name) for published entries."),
+    click.option(
+        "--backends",
+        "spawn",
+        default=0,
+        type=int,
+        help="Start this many llama-server backends (needs --llama-server, --model).",
+    ),
+    click.option(
+        "--llama-server",
+        "llama_server",
+        default=None,
+        help="The llama-server binary (scripts/llama-server builds one).",
+    ),
+    click.option("--model", default=None, help="The GGUF model the backends run."),
+    click.option(
+        "--slots",
+        default=1,
+        show_default=True,
+        type=int,
+        help="Slots (-np) of each backend the router starts.",
+    ),
+    click.option(
+        "--backend",
+        "attach",
+        multiple=True,
+        help="URL of a running llama-server to attach to (repeatable; pair each with --slot-dir).",
+    ),
+    click.option(
+        "--slot-dir",
+        "slot_dirs",
+        multiple=True,
+        help="The --slot-save-path of the --backend in the same position.",
+    ),
+    click.option(
+        "--chunk",
+        default=64,
+        show_default=True,
+        type=int,
+        help="Key granularity in tokens (equal on every router and worker that share).",
+    ),
+    click.option(
+        "--min-save-tokens",
+        default=128,
+        show_default=True,
+        type=int,
+        help="Shortest prefix worth publishing.",
+    ),
+    click.option(
+        "--ttl",
+        "ttl_s",
+        default=3600,
+        show_default=True,
+        type=int,
+        help="Lease of published entries, seconds (a hit extends it).",
+    ),
+    click.option(
+        "--cache-type-k", default="f16", show_default=True, help="K cache type of the backends."
+    ),
+    click.option(
+        "--cache-type-v", default="f16", show_default=True, help="V cache type of the backends."
+    ),
+    click.option("--log-dir", default=None, help="Where the backends' logs go (default: dropped)."),
+    click.option(
+        "--slot-files",
+        type=click.Choice(["link", "copy"]),
+        default="link",
+        show_default=True,
+        help="link: /proc links to router memfds (same uid and PID namespace as the "
+        "backends); copy: real files in the slot dirs (a tmpfs both reach).",
+    ),
+    click.option("--log-level", default="info", show_default=True),
+]
+
+
+def _options(f: Callable[..., None]) -> Callable[..., None]:
+    for option in reversed(_OPTIONS):
+        f = option(f)
+    return f
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@_options
+@click.argument("server_args", nargs=-1, type=click.UNPROCESSED)
+def router(server_args: tuple[str, ...], **o: Any) -> None:
+    """Serve the OpenAI API in front of llama-server backends, sharing prefixes through maasd.
+
+    \b
+    Extra arguments (after --) go to every backend the router starts, e.g. -c 4096 -t 2.
+    Example:
+      MAASD_KEY=… maasd router --backends 2 --llama-server $(scripts/llama-server) \\
+          --model gemma.gguf -- -c 4096 -t 1
+    """
+    import importlib.util
+
+    import uvicorn
+
+    from maasd.router.app import Router, build_app
+
+    if importlib.util.find_spec("xxhash") is None:
+        raise click.ClickException(
+            "maasd router needs xxhash: install maasd with the `router` extra"
+        )
+
+    config = _config(server_args, o)
+    logging.basicConfig(
+        level=o["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per backend call
+    app = build_app(Router(config))
+    uvicorn.run(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
+
+
+def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
+    """The router's configuration from its options; UsageError for what can't work."""
+    from maasd.llama.worker_config import default_socket
+    from maasd.router.app import RouterConfig
+    from maasd.router.fleet import FleetConfig
+
+    attach, slot_dirs = o["attach"], o["slot_dirs"]
+    if len(attach) != len(slot_dirs):
+        raise click.UsageError("each --backend needs its --slot-dir (in the same order)")
+    if not o["spawn"] and not attach:
+        raise click.UsageError("give --backends N (with --llama-server, --model) or --backend URL")
+    if o["spawn"] and not (o["llama_server"] and o["model"]):
+        raise click.UsageError("--backends needs --llama-server and --model")
+    for d in slot_dirs:
+        if not os.path.isdir(d):
+            raise click.UsageError(f"--slot-dir {d}: not a directory")
+    for flag, value in (
+        ("--cache-type-k", o["cache_type_k"]),
+        ("--cache-type-v", o["cache_type_v"]),
+    ):
+        if flag not in server_args and value != "f16":
+            server_args += (flag, value)
+    return RouterConfig(
+        fleet=FleetConfig(
+            attach=list(zip(attach, slot_dirs, strict=True)),
+            spawn=o["spawn"],
+            llama_server=o["llama_server"],
+            model=o["model"],
+            slots_per_backend=o["slots"],
+            server_args=list(server_args),
+            log_dir=o["log_dir"],
+            type_k=o["cache_type_k"],
+            type_v=o["cache_type_v"],
+        ),
+        socket_path=(o["socket_path"] or default_socket()) if o["key"] else None,
+        maasd_url=o["maasd_url"],
+        key=o["key"],
+        pool=o["pool"],
+        chunk=o["chunk"],
+        min_save_tokens=o["min_save_tokens"],
+        ttl_s=o["ttl_s"],
+        copy_slot_files=o["slot_files"] == "copy",
+    )

@@ -1,0 +1,18 @@
+"""``maasd router``: llama-server fleets share prompt prefixes through maasd (SPEC §11).
+
+The package, by layer (each imports only those before it, ``maasd.llama.format`` and
+``maasd.llama.link``, and the client)::
+
+    state     the entry and ggsq forms of a sequence state, the fleet fingerprint (pure)
+    files     router memfds linked into a backend's slot dir (no file on disk)
+    slots     what each slot holds and which slot a prompt gets (pure)
+    metrics   the router's Prometheus metrics
+    share     maasd lookups (checked, staged as a sealed slot file) and publishes
+    backend   one llama-server: HTTP client, slot actions, its process
+    fleet     the backends: started or attached, restarted, slots handed out
+    publish   which prefixes are worth publishing, and the prefix-only save
+    proxy     one completion: tokens, slot, restore, forward, publish
+    app       the litestar app and the Router that assembles the parts
+
+See docs/llama-server.md.
+"""

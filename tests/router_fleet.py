@@ -1,0 +1,149 @@
+"""``maasd router`` as a test runs it: a real subprocess in front of real llama-server
+processes (the binary of ``scripts/llama-server``), on free ports.
+
+``llama_server_binary()`` finds the binary (``MAASD_LLAMA_SERVER``, which scripts/test
+sets, else the build cache) or skips the test, saying how to build it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import free_port
+from processes import signal_and_wait
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def llama_server_binary() -> str:
+    path = os.environ.get("MAASD_LLAMA_SERVER")
+    if not path:
+        r = subprocess.run(
+            [str(REPO / "scripts" / "llama-server"), "--cached"], capture_output=True, text=True
+        )
+        path = r.stdout.strip() if r.returncode == 0 else ""
+    if not path or not os.access(path, os.X_OK):
+        pytest.skip("no llama-server: build it with scripts/llama-server (~9 min, cached)")
+    return path
+
+
+class RouterProc:
+    def __init__(
+        self,
+        binary: str,
+        model: Path,
+        log_dir: Path,
+        *,
+        backends: int = 2,
+        slots: int = 1,
+        key: str | None = None,
+        socket_path: str | None = None,
+        maasd_url: str | None = None,
+        chunk: int = 32,
+        min_save: int = 64,
+        server_args: tuple[str, ...] = ("-c", "1024", "-t", "1"),
+        router_args: tuple[str, ...] = (),
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"router-{self.port}.log"
+        self.argv = [
+            sys.executable, "-m", "maasd.cli.daemon", "router",
+            "--port", str(self.port), "--model", str(model),
+            "--chunk", str(chunk), "--min-save-tokens", str(min_save),
+            "--log-dir", str(log_dir),
+        ]  # fmt: skip
+        if backends:  # else: attached, with --backend/--slot-dir in router_args
+            self.argv += ["--backends", str(backends), "--slots", str(slots)]
+            self.argv += ["--llama-server", binary]
+        env = {k: v for k, v in os.environ.items() if k not in ("MAASD_KEY", "MAASD_SOCKET")}
+        if key:
+            env["MAASD_KEY"] = key
+        if socket_path:
+            self.argv += ["--socket", socket_path]
+        if maasd_url:
+            self.argv += ["--maasd-url", maasd_url]
+        self.argv += [*router_args, "--", *server_args]
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.http = httpx.Client(base_url=self.url, timeout=300.0)
+
+    def start(self, timeout: float = 180.0) -> RouterProc:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.http.get("/healthz", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"router not up in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+    def health(self) -> dict[str, Any]:
+        out: dict[str, Any] = self.http.get("/healthz").json()
+        return out
+
+    def complete(self, prompt: str, max_tokens: int = 6, **kw: Any) -> httpx.Response:
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
+        r = self.http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = self.http.get("/metrics").text
+        total = 0.0
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name in (name, name + "_total") and all(
+                    s.labels.get(k) == v for k, v in labels.items()
+                ):
+                    total += s.value
+        return total
+
+    def wait_metric(
+        self, name: str, at_least: float, timeout: float = 60.0, **labels: str
+    ) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = self.metric(name, **labels)
+            if v >= at_least:
+                return v
+            time.sleep(0.1)
+        lines = [x for x in self.http.get("/metrics").text.splitlines() if x.startswith(name)]
+        raise AssertionError(f"{name}{labels} stayed below {at_least}: {lines}\n{self.log()}")
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until no slot is busy (a publish holds its slot for a moment after the answer)."""
+        deadline = time.monotonic() + timeout
+        while any(b["busy"] for b in self.health()["backends"]):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"slots stay busy: {self.health()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.http.close()
+        if self.proc is not None:
+            signal_and_wait(self.proc, 15, 60)
+
+
+def text_of(r: httpx.Response) -> str:
+    return str(r.json()["choices"][0]["text"])
