@@ -17,7 +17,7 @@ from maasd.allocator.reclaim import Reclaimer, reclaim
 from maasd.allocator.region import Region
 from maasd.allocator.stock import Stock, size_class
 from maasd.bounds import Backing
-from maasd.errors import BackingError, PlacementError
+from maasd.errors import BackingError, PlacementError, PoolExhausted
 
 if TYPE_CHECKING:
     from maasd.allocator.warm import Warmer
@@ -123,7 +123,7 @@ class Refilling:
                 # (more on a busy host); the pages stay on the node they are bound to.
                 region.verify_node(sample=16)
                 done = True
-        except (BackingError, PlacementError) as e:
+        except (BackingError, PlacementError, PoolExhausted) as e:
             log = logger.debug if self._stock.failed else logger.warning
             log("pool %s: no warm region of %d bytes now (%s)", self.name, size, e.detail)
         finally:

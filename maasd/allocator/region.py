@@ -55,7 +55,8 @@ import numpy as np
 from maasd.allocator import _sys
 from maasd.allocator.arith import round_up
 from maasd.bounds import Backing, ScrubMode
-from maasd.errors import BackingError, InvalidRequest, PlacementError
+from maasd.errors import BackingError, InvalidRequest, PlacementError, PoolExhausted
+from maasd.topology import node_room
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,22 @@ def _count_open(delta: int) -> None:
     global _open
     with _open_lock:
         _open += delta
+
+
+def _check_node_room(node: int, size: int) -> None:
+    """Refuse (507) a ``memfd`` region its node cannot hold now (:func:`~maasd.topology.node_room`).
+
+    Its pages are bound (``MPOL_BIND``): they never land on another node, and populating
+    past the node's free memory makes the kernel OOM-kill a process — the daemon, in a
+    two-node guest. Huge pages need no such check: a node without enough of them makes
+    the populate fail with an errno.
+    """
+    room = node_room(node)
+    if room is not None and size > room:
+        raise PoolExhausted(
+            f"NUMA node {node} has {room} bytes to spare, fewer than the {size} bytes asked "
+            f"(its pages are never placed on another node)"
+        )
 
 
 def _huge_flag(page_bytes: int) -> int:
@@ -203,10 +220,13 @@ class Region:
         ``MADV_POPULATE_WRITE`` through the bound mapping allocates the pages *and*
         the daemon's page-table entries (``fallocate`` alone is twice as fast, but
         then the release-time memset faults every page in: 0.4 instead of 0.015 ms
-        per MiB here). A refusal is a :class:`BackingError` (``ENOMEM``: no huge page
-        free), never a signal. With ``abort``, it goes :data:`POPULATE_CHUNK` bytes at
-        a time, asks ``abort()`` before each, and returns ``False`` if it said stop.
+        per MiB here). A refusal is a :class:`BackingError` (huge pages: ``ENOMEM``, or
+        ``EFAULT`` if too few on the node), never a signal; more than a ``memfd`` region's
+        node can spare, :class:`PoolExhausted` (:func:`_check_node_room`). ``abort``: go
+        :data:`POPULATE_CHUNK` bytes at a time, ask it before each; ``False`` if it said stop.
         """
+        if self.backing == "memfd":
+            _check_node_room(self.node, self.size)
         step = self.size if abort is None else max(POPULATE_CHUNK, self.page_bytes)
         for off in range(0, self.size, step):
             if abort is not None and abort():

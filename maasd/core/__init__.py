@@ -52,9 +52,16 @@ from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.shared import Shared
+from maasd.core.strays import stray_pages
 from maasd.core.tenants import Tenants
 from maasd.errors import NotFound
-from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
+from maasd.metrics import (
+    EntryCollector,
+    LedgerCollector,
+    Metrics,
+    PlacementCollector,
+    RuntimeCollector,
+)
 from maasd.models import (
     BufferInfo,
     Checkpoint,
@@ -169,6 +176,7 @@ class Service:
         self.metrics.attach_entries(
             EntryCollector(self.runtime.entry_stats, self.runtime.released_entry_bytes)
         )
+        self.metrics.attach_placement(PlacementCollector(lambda: stray_pages(self.runtime)))
 
     @property
     def topology(self) -> Topology:
