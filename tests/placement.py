@@ -92,6 +92,6 @@ def numa_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         tmp_path_factory.mktemp("maasd-numa"),
         env={"MAASD_DEFAULT_POOL_BYTES": str(64 * MiB)},
     )
-    d.start(timeout=600.0)
+    d.start()
     yield d
     d.close()
