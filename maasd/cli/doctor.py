@@ -603,7 +603,7 @@ def run_checks(
 ) -> list[Check]:
     """Every check, in the order an operator would fix them; those named in ``skip`` are
     reported as skipped."""
-    from maasd.cli.doctor_kernel import check_kernel
+    from maasd.cli.doctor_kernel import check_bandwidth, check_kernel
 
     topology = discover(sysfs_root)
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
@@ -612,6 +612,7 @@ def run_checks(
         ("hugetlb memfd", lambda: check_hugetlb_memfd(topology)),
         ("huge pages", lambda: check_hugepages(topology, settings)),
         ("NUMA placement", lambda: check_numa(topology)),
+        ("memory bandwidth", lambda: check_bandwidth(topology)),
         ("limits", lambda: [*check_limits(settings), check_regions(settings, topology)]),
         ("socket directory", lambda: check_socket_dir(settings)),
         ("ledger", lambda: check_ledger(settings)),
@@ -637,6 +638,7 @@ CHECKS = (
     "hugetlb memfd",
     "huge pages",
     "NUMA placement",
+    "memory bandwidth",
     "limits",
     "socket directory",
     "ledger",

@@ -16,8 +16,9 @@ import platform
 from pathlib import Path
 
 from maasd.cli.doctor import Check
+from maasd.topology import Topology
 
-__all__ = ["check_kernel"]
+__all__ = ["check_bandwidth", "check_kernel"]
 
 MEMFD_NOEXEC = Path("/proc/sys/vm/memfd_noexec")
 
@@ -73,3 +74,28 @@ def check_kernel() -> Check:
         )
     parts.append("MADV_POPULATE_READ/WRITE")
     return Check(name, "ok", "; ".join(parts))
+
+
+def check_bandwidth(topology: Topology) -> Check:
+    """Copy bandwidth per CPU node × memory node (:mod:`maasd.probe`): a remote pair
+    measured faster than the local one means the distances the kernel reports mislead."""
+    from maasd.probe import probe_bandwidth
+
+    name = "memory bandwidth"
+    measured = probe_bandwidth(topology, size=16 << 20, rounds=2)
+    rate = {(b.cpu_node, b.mem_node): b.gib_per_s for b in measured}
+    detail = ", ".join(f"cpu {c}→mem {m} {r:.1f} GiB/s" for (c, m), r in sorted(rate.items()))
+    odd = [
+        f"cpu {c}→mem {m}"
+        for (c, m), r in rate.items()
+        if c != m and (m, m) in rate and r > 1.25 * rate[(m, m)]
+    ]
+    if odd:
+        return Check(
+            name,
+            "warn",
+            f"{detail}: remote faster than local for {', '.join(odd)}",
+            "the nodes' distances (and pools' latency_us) may not match the hardware: "
+            "check the BIOS NUMA settings (node interleaving) or a VM's declared topology",
+        )
+    return Check(name, "ok", detail)
