@@ -160,7 +160,7 @@ def test_a_full_node_is_a_clear_507_and_nothing_changes(numa_daemon: Daemon) -> 
     before = c.get("/v1/usage").json()
     r = c.post("/v1/pools/huge-far/reserve", json={"size_bytes": room + 64 * MiB})
     assert r.status_code == 507, r.text
-    assert r.json()["code"] == "pool-exhausted"
+    assert r.json()["type"].endswith("/pool-exhausted")
     assert f"NUMA node {FAR} has" in r.json()["detail"]
     assert c.get("/v1/usage").json() == before
     assert d.healthy()
