@@ -134,6 +134,36 @@ class RuntimeCollector(Collector):
         yield from (nbuf, nbytes, handles, regions, cap)
 
 
+class PlacementCollector(Collector):
+    """Where the pages of each pool's buffers are, sampled at scrape time.
+
+    ``sample`` gives ``(pool, node, sampled, off_node)`` per pool: pages asked about with
+    ``move_pages`` (a few per buffer, never populating) and, of those, pages found on
+    another node than the buffer's own (its pool's, or the one it was pinned to). Expected
+    0: anything else is a placement fault of the host (docs/allocator.md, "Placement").
+    """
+
+    def __init__(self, sample: Callable[[], Iterable[tuple[str, int, int, int]]]) -> None:
+        self._sample = sample
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "node"]
+        sampled = GaugeMetricFamily(
+            "maasd_pool_pages_sampled",
+            "Pages of the pool's buffers whose node was asked at this scrape (move_pages)",
+            labels=labels,
+        )
+        off = GaugeMetricFamily(
+            "maasd_pool_pages_off_node",
+            "Of the sampled pages, those found on another NUMA node than their buffer's",
+            labels=labels,
+        )
+        for pool, node, n_sampled, n_off in self._sample():
+            sampled.add_metric([pool, str(node)], n_sampled)
+            off.add_metric([pool, str(node)], n_off)
+        yield from (sampled, off)
+
+
 class EntryCollector(Collector):
     """The gauges of committed entries, read from the daemon's memory at scrape time."""
 
@@ -335,6 +365,9 @@ class Metrics:
         self.registry.register(collector)
 
     def attach_runtime(self, collector: RuntimeCollector) -> None:
+        self.registry.register(collector)
+
+    def attach_placement(self, collector: PlacementCollector) -> None:
         self.registry.register(collector)
 
     def render(self) -> bytes:

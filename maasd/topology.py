@@ -56,7 +56,7 @@ def parse_cpulist(text: str) -> list[int]:
     return cpus
 
 
-_MEMINFO = re.compile(r"Node\s+\d+\s+(\w+):\s+(\d+)(?:\s+kB)?")
+_MEMINFO = re.compile(r"Node\s+\d+\s+([\w()]+):\s+(\d+)(?:\s+kB)?")
 
 
 def parse_node_meminfo(text: str) -> dict[str, int]:
@@ -129,6 +129,22 @@ def discover(
         hugepage_bytes=hp_bytes,
         hugepages_free=sum(n.hugepages_free for n in nodes),
     )
+
+
+def node_room(node: int, sysfs_root: str | os.PathLike[str] = SYSFS_NODES) -> int | None:
+    """Bytes a strict (``MPOL_BIND``) allocation on ``node`` can take now without the OOM
+    killer: free plus inactive page cache, less a margin the kernel keeps for itself
+    (1/64 of the node, between 32 MiB and 1 GiB, above its watermarks).
+
+    ``None`` when the node's ``meminfo`` cannot be read (no NUMA sysfs): nothing is known.
+    Under ``MPOL_BIND`` a page never comes from another node, so a populate past this
+    does not fall back: the kernel reclaims, then OOM-kills (often the daemon itself).
+    """
+    mem = parse_node_meminfo(_read(Path(sysfs_root) / f"node{node}" / "meminfo"))
+    if "MemFree" not in mem:
+        return None
+    margin = min(max(32 << 20, mem.get("MemTotal", 0) // 64), 1 << 30)
+    return max(0, mem["MemFree"] + mem.get("Inactive(file)", 0) - margin)
 
 
 def libnuma_view() -> dict[str, object] | None:

@@ -28,6 +28,8 @@ from processes import signal_and_wait
 # Helper modules with asserts of their own: rewritten like test modules, so a failing
 # assert in them says what it compared.
 pytest.register_assert_rewrite("ledger")
+# The placement suite's fixtures and its skip outside a multi-node host (tests/multinode).
+pytest_plugins = ("placement",)
 
 MiB = 1 << 20
 DEFAULT_POOL_BYTES = 256 * MiB
@@ -79,7 +81,11 @@ class Daemon:
 
     # -- process --------------------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> Daemon:
+    def start(self, timeout: float | None = None) -> Daemon:
+        """Start and wait until healthy: ``timeout`` seconds, default 30 or
+        ``MAASD_TEST_START_TIMEOUT`` (scripts/numa-guest sets it: imports take minutes there)."""
+        if timeout is None:
+            timeout = float(os.environ.get("MAASD_TEST_START_TIMEOUT", "30"))
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(

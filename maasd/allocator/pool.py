@@ -31,7 +31,7 @@ from maasd.allocator.region import SCRUB_MODES, Region, check_backing
 from maasd.allocator.stock import warm_budget
 from maasd.allocator.warm import Warmer
 from maasd.bounds import Backing, Persistence, ScrubMode
-from maasd.errors import BackingError, InvalidRequest
+from maasd.errors import BackingError, InvalidRequest, PoolExhausted
 
 logger = logging.getLogger(__name__)
 
@@ -144,8 +144,8 @@ class Pool:
         sealed copy at its commit): no capacity is taken (a stocked region's is given
         back), so a full pool can still swap one region for another — the host holds
         both for the length of the swap. Raises :class:`TooLarge` above capacity,
-        :class:`PoolExhausted` when full now even without the stock (nothing changes
-        either way), :class:`BackingError` if the kernel refuses (the capacity is
+        :class:`PoolExhausted` when full now even without the stock, or when its NUMA
+        node cannot spare the pages (nothing changes either way), :class:`BackingError` if the kernel refuses (the capacity is
         given back).
         """
         rounded = self.rounded(size)
@@ -169,6 +169,9 @@ class Pool:
             except BackingError as e:
                 # Out of memory while pools hold warm stock: once it is given back, try again.
                 if e.errno not in (errno.ENOMEM, errno.ENOSPC) or not self._shed_everywhere():
+                    raise
+            except PoolExhausted:  # the node cannot spare the pages (Region.populate): the same
+                if not self._shed_everywhere():
                     raise
             return self._create(rounded, **options)
         except BaseException:

@@ -177,7 +177,7 @@ class WarmStock:
                 # (more on a busy host); the pages stay on the node they are bound to.
                 region.verify_node(sample=16)
                 done = True
-        except (BackingError, PlacementError) as e:
+        except (BackingError, PlacementError, PoolExhausted) as e:
             log = logger.debug if self._stock.failed else logger.warning
             log("pool %s: no warm region of %d bytes now (%s)", self._pool, size, e.detail)
         finally:

@@ -416,15 +416,22 @@ def migrate(**flags: Any) -> None:
 @cli.command()
 @common
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def info(as_json: bool, **flags: Any) -> None:
+@click.option(
+    "--probe",
+    is_flag=True,
+    help="Also measure copy bandwidth per CPU node × memory node (64 MiB each, seconds).",
+)
+def info(as_json: bool, probe: bool, **flags: Any) -> None:
     """Print the NUMA topology this host shows and the pools the daemon would create.
 
     \b
     Example:
       maasd info --json
+      maasd info --probe
     """
     import msgspec
 
+    from maasd.probe import probe_bandwidth
     from maasd.settings import default_pools
     from maasd.topology import discover, libnuma_view
 
@@ -433,12 +440,12 @@ def info(as_json: bool, **flags: Any) -> None:
     pools = settings.pools or default_pools(
         topo, settings.default_pool_bytes, settings.default_warm_bytes
     )
+    measured = probe_bandwidth(topo) if probe else None
     if as_json:
-        click.echo(
-            msgspec.json.encode(
-                {"topology": topo, "libnuma": libnuma_view(), "pools": pools}
-            ).decode()
-        )
+        view: dict[str, Any] = {"topology": topo, "libnuma": libnuma_view(), "pools": pools}
+        if measured is not None:
+            view["bandwidth"] = measured
+        click.echo(msgspec.json.encode(view).decode())
         return
     click.echo(
         f"page size {topo.page_bytes} B, huge page {topo.hugepage_bytes >> 20} MiB, "
@@ -458,6 +465,24 @@ def info(as_json: bool, **flags: Any) -> None:
             f"  {p.name}: node {p.numa_node}, {p.capacity_bytes / 2**30:.2f} GiB, {p.backing}, "
             f"{p.persistence}, latency_us={p.latency_us}, prefault={p.prefault}, scrub={p.scrub}, "
             f"warm {p.warm_bytes / 2**20:.0f} MiB"
+        )
+    if measured is not None:
+        _print_probe(measured, pools)
+
+
+def _print_probe(measured: list[Any], pools: list[Any]) -> None:
+    """The bandwidth matrix, then each pool's declared class beside what its node measured."""
+    click.echo("copy bandwidth, GiB/s (CPU node → memory node):")
+    for b in measured:
+        click.echo(f"  cpu {b.cpu_node} → mem {b.mem_node}: {b.gib_per_s:.2f}")
+    for p in pools:
+        on = [b for b in measured if b.mem_node == p.numa_node]
+        local = next((b.gib_per_s for b in on if b.cpu_node == p.numa_node), None)
+        remote = min((b.gib_per_s for b in on if b.cpu_node != p.numa_node), default=None)
+        click.echo(
+            f"  {p.name}: declared latency_us={p.latency_us}; measured "
+            + (f"{local:.2f} GiB/s local" if local is not None else "no local cpus")
+            + (f", {remote:.2f} GiB/s from the slowest other node" if remote is not None else "")
         )
 
 

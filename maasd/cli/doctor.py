@@ -236,8 +236,12 @@ def check_numa(topology: Topology) -> Check:
         if where != {node.id}:
             return Check(name, "fail", f"node {node.id}: pages landed on nodes {sorted(where)}")
         placed.append(str(node.id))
+    distances = " / ".join(" ".join(map(str, n.distances)) for n in topology.nodes)
     return Check(
-        name, "ok", f"{len(placed)} node(s) ({', '.join(placed)}): mbind + move_pages work"
+        name,
+        "ok",
+        f"{len(placed)} node(s) ({', '.join(placed)}): mbind + move_pages work; "
+        f"distances {distances}",
     )
 
 
@@ -659,12 +663,16 @@ def run_checks(
     """Every check, in the order an operator would fix them; those named in ``skip`` are
     reported as skipped. ``open_files``/``max_map_count``: size the region budget for
     these limits instead of this host's."""
+    from maasd.cli.doctor_kernel import check_bandwidth, check_kernel
+
     topology = discover(sysfs_root)
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
+        ("kernel", check_kernel),
         ("memfd seals", check_memfd_seals),
         ("hugetlb memfd", lambda: check_hugetlb_memfd(topology)),
         ("huge pages", lambda: check_hugepages(topology, settings)),
         ("NUMA placement", lambda: check_numa(topology)),
+        ("memory bandwidth", lambda: check_bandwidth(topology)),
         (
             "limits",
             lambda: [
@@ -693,10 +701,12 @@ def run_checks(
 
 #: The checks by name, in order (``--skip`` takes these).
 CHECKS = (
+    "kernel",
     "memfd seals",
     "hugetlb memfd",
     "huge pages",
     "NUMA placement",
+    "memory bandwidth",
     "limits",
     "socket directory",
     "ledger",

@@ -61,10 +61,17 @@ from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
 from maasd.core.shared import Shared
 from maasd.core.stale import LastKnownReads, degraded_checks
+from maasd.core.strays import stray_pages
 from maasd.core.tenants import Tenants
 from maasd.core.tiers import Tiers
 from maasd.errors import ConfigError
-from maasd.metrics import EntryCollector, LedgerCollector, Metrics, RuntimeCollector
+from maasd.metrics import (
+    EntryCollector,
+    LedgerCollector,
+    Metrics,
+    PlacementCollector,
+    RuntimeCollector,
+)
 from maasd.models import (
     BufferInfo,
     Checkpoint,
@@ -388,7 +395,8 @@ class Service:
 
 
 def _attach_collectors(svc: Service) -> None:
-    """The metrics read at scrape time: the ledger's, the runtime's, the entries'."""
+    """The metrics read at scrape time: the ledger's, the runtime's, the entries', the
+    pages found off their pool's node."""
     svc.metrics.attach_ledger(LedgerCollector(svc.pools, svc.tenants))
     svc.metrics.attach_runtime(
         RuntimeCollector(
@@ -399,6 +407,7 @@ def _attach_collectors(svc: Service) -> None:
     svc.metrics.attach_entries(
         EntryCollector(r.entry_stats, r.released_entry_bytes, r.holders.held_by)
     )
+    svc.metrics.attach_placement(PlacementCollector(lambda: stray_pages(r)))
 
 
 def _open_store(settings: Settings) -> Store:

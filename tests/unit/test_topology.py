@@ -11,6 +11,7 @@ from maasd.topology import (
     Node,
     Topology,
     discover,
+    node_room,
     parse_cpulist,
     parse_node_meminfo,
 )
@@ -145,3 +146,38 @@ class TestRealHost:
         assert topo.node_ids == frozenset({0})
         assert node(topo, 0).mem_total_bytes > 0
         assert node(topo, 0).distances == [10]
+
+
+class TestNodeRoom:
+    """What a bound allocation on a node can take: free + inactive file cache − a margin."""
+
+    def test_meminfo_keys_with_parentheses(self):
+        text = "Node 0 Inactive(file):  2048 kB\nNode 0 Active(anon):  4 kB\n"
+        assert parse_node_meminfo(text) == {"Inactive(file)": 2 << 20, "Active(anon)": 4 * KiB}
+
+    def write(self, root: Path, total_kb: int, free_kb: int, inactive_kb: int) -> Path:
+        (root / "node0").mkdir(parents=True)
+        (root / "node0" / "meminfo").write_text(
+            f"Node 0 MemTotal: {total_kb} kB\nNode 0 MemFree: {free_kb} kB\n"
+            f"Node 0 Inactive(file): {inactive_kb} kB\n"
+        )
+        return root
+
+    def test_small_node_keeps_32_mib(self, tmp_path):
+        root = self.write(tmp_path, 1 << 20, 512 << 10, 64 << 10)  # 1 GiB node, 512 MiB free
+        assert node_room(0, root) == (512 + 64 - 32) << 20
+
+    def test_margin_is_a_64th_capped_at_1_gib(self, tmp_path):
+        root = self.write(tmp_path / "a", 16 << 20, 8 << 20, 0)  # 16 GiB: margin 256 MiB
+        assert node_room(0, root) == (8 << 30) - (256 << 20)
+        root = self.write(tmp_path / "b", 256 << 20, 100 << 20, 0)  # 256 GiB: margin 1 GiB
+        assert node_room(0, root) == (100 << 30) - (1 << 30)
+
+    def test_never_negative_and_unknown_without_sysfs(self, tmp_path):
+        root = self.write(tmp_path, 1 << 20, 1 << 10, 0)
+        assert node_room(0, root) == 0
+        assert node_room(3, root) is None
+
+    def test_this_host(self):
+        room = node_room(0)
+        assert room is None or 0 <= room < discover().nodes[0].mem_total_bytes

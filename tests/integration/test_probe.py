@@ -1,0 +1,50 @@
+"""``maasd info --probe`` and doctor's bandwidth check: measured on this host's real memory
+(one node here; every pair of two nodes in tests/multinode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from maasd.cli.doctor_kernel import check_bandwidth
+from maasd.probe import probe_bandwidth
+from maasd.topology import discover
+
+
+def test_one_figure_per_cpu_node_and_memory_node() -> None:
+    topo = discover()
+    measured = probe_bandwidth(topo, size=8 << 20, rounds=2)
+    pairs = {(n.id, m.id) for n in topo.nodes if n.cpus for m in topo.nodes}
+    assert {(b.cpu_node, b.mem_node) for b in measured} == pairs
+    assert all(b.gib_per_s > 0 for b in measured)
+
+
+def test_affinity_is_given_back() -> None:
+    before = os.sched_getaffinity(0)
+    probe_bandwidth(discover(), size=4 << 20, rounds=1)
+    assert os.sched_getaffinity(0) == before
+
+
+def test_doctor_check() -> None:
+    c = check_bandwidth(discover())
+    assert c.status == "ok", c
+    assert "cpu 0→mem 0" in c.detail
+
+
+def test_info_probe_side_by_side(tmp_path) -> None:
+    env = {**os.environ, "MAASD_DATA_DIR": str(tmp_path)}
+    run = [sys.executable, "-m", "maasd.cli.daemon", "info", "--probe"]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert "copy bandwidth, GiB/s (CPU node → memory node):" in out.stdout
+    assert "node0: declared latency_us=1; measured " in out.stdout
+    js = subprocess.run(
+        [*run, "--json"], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    bandwidth = json.loads(js.stdout)["bandwidth"]
+    assert [(b["cpu_node"], b["mem_node"]) for b in bandwidth][0] == (0, 0)
+    plain = subprocess.run(
+        run[:-1] + ["--json"], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "bandwidth" not in json.loads(plain.stdout)  # measured only when asked
