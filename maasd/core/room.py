@@ -20,9 +20,11 @@ quota and its pool (:mod:`maasd.core.holders`). Such a victim made no room::
                     are counted and no candidates any more, so each round evicts others,
                     until the ledger refuses (409 quota-exceeded, 507) or it fits
 
-Rounds that waited are at most EVICT_ROUNDS; rounds that did not (their held victims
-no connection was told about) at most EVICT_ROUNDS_UNTOLD more, each one a ledger
-transaction and no wait. So a tenant that keeps cold entries of its own held in a shared
+The waits of all rounds together are at most EVICT_WAIT_S (a peer told ``released``
+that never lets go costs a reserve that moment once, not once per round). Rounds that
+waited are at most EVICT_ROUNDS; rounds that did not (their held victims no connection
+was told about, or the moment spent) at most EVICT_ROUNDS_UNTOLD more, each one a
+ledger transaction and no wait. So a tenant that keeps cold entries of its own held in a shared
 pool (counted in its quota, as they should be) cannot make another tenant's put fail
 while that tenant's own evictable entries could make room, unless it holds more than
 EVICT_ROUNDS_UNTOLD rounds' worth of victims (tests/integration/test_attacks_round3.py).
@@ -34,6 +36,8 @@ short and the victim does free.
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 
 from maasd.core.release import Releaser
@@ -44,7 +48,8 @@ from maasd.tenancy import keys
 
 __all__ = ["EVICT_ROUNDS", "EVICT_ROUNDS_UNTOLD", "EVICT_WAIT_S", "admit"]
 
-#: How long a reserve waits for the holders of the entries it evicted to let go.
+#: How long a reserve waits, all rounds together, for the holders of the entries it
+#: evicted to let go.
 EVICT_WAIT_S = 0.5
 #: Admissions tried before a reserve whose victims stay held gives up.
 EVICT_ROUNDS = 4
@@ -71,6 +76,7 @@ def admit(
     """
     held: list[BufferRow] = []
     waited = untold = 0
+    deadline = time.monotonic() + EVICT_WAIT_S  # all rounds' waits together
     while waited < EVICT_ROUNDS and untold < EVICT_ROUNDS_UNTOLD:
         attached = runtime.attached_ids()
         try:
@@ -91,8 +97,9 @@ def admit(
             releaser.evict(victim)
         entries = [v.id for v in victims if v.kind == "entry"]
         still = runtime.holders.wait_freed(entries, 0) if entries else set()
-        if still & attached:  # a connection was told to let go: give it a moment
-            still = runtime.holders.wait_freed(still, EVICT_WAIT_S)
+        left = deadline - time.monotonic()
+        if still & attached and left > 0:  # a connection was told to let go: a moment
+            still = runtime.holders.wait_freed(still, left)
             waited += 1
         else:
             untold += 1

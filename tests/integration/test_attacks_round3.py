@@ -89,6 +89,48 @@ def test_held_cold_entries_of_one_tenant_do_not_fail_anothers_put_in_a_shared_po
     after_attack(daemon)
 
 
+def test_held_attached_entries_of_a_peer_that_never_reads_do_not_fail_anothers_put(
+    daemon: Daemon,
+):
+    """The same, with A's fds kept attached on a connection that never reads what the
+    daemon pushes (it is told ``released`` and ignores it). B's own entries are attached
+    too (an honest worker's cache): every candidate is attached, A's are the oldest. A
+    may cost B's put the one bounded wait, but not fail it."""
+    size = MiB
+    pool = daemon.pool(f"shared-{secrets.token_hex(3)}", 8 * size)["name"]
+    tenant_a, key_a = daemon.tenant("hostile-attached", 8 * size)
+    tenant_b, key_b = daemon.tenant("victim-attached", 8 * size)
+    a = Raw(daemon.socket_path, timeout=30)
+    a.hello(key_a)
+    b = Raw(daemon.socket_path, timeout=30)
+    b.hello(key_b)
+    kept: list[int] = []
+    try:
+        for i in range(5):
+            _put_commit(a, f"cold-{i}", size, pool)
+            found, fds = a.call(Lookup(keys=[f"cold-{i}"]))
+            assert isinstance(found, Found), found
+            kept.extend(fds)  # attached, never detached; pushes are never read
+        for i in range(3):
+            _put_commit(b, f"b-{i}", size, pool)
+            found, fds = b.call(Lookup(keys=[f"b-{i}"]))
+            assert isinstance(found, Found), found
+            for fd in fds:  # an honest worker lets go when told; this one already has
+                os.close(fd)
+        reply, fds = b.call(Put(key="b-next", size_bytes=size, pool=pool))
+        for fd in fds:
+            os.close(fd)
+        assert isinstance(reply, Reserved), f"B's put was refused because of A: {reply}"
+    finally:
+        for fd in kept:
+            os.close(fd)
+        a.close()
+        b.close()
+    for tenant_id in (tenant_a, tenant_b):
+        assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+    after_attack(daemon)
+
+
 def _pool(d: Daemon, name: str) -> dict[str, object]:
     r = d.admin.get(f"/v1/pools/{name}")
     assert r.status_code == 200, r.text
