@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from conftest import Daemon
-from maasd.protocol import Commit, Error, Found, Lookup, Ok, Put, Reserved
+from maasd.protocol import Commit, Detach, Error, Found, Lookup, Ok, Put, Reserved
 from sockpeer import Raw
 from waiting import wait_until
 
@@ -84,12 +84,14 @@ def tier_pool(d: Daemon, disk: Path, capacity: int = 8 * MiB, disk_bytes: int = 
 
 
 def demote_one(d: Daemon, key: str, pool: str, data: bytes, fill: int) -> Raw:
-    """Put ``data`` under ``key``, look it up once (a second use: worth a write), then put
-    ``fill`` more 1 MiB entries so that eviction takes it out of DRAM."""
+    """Put ``data`` under ``key``, look it up once (a second use: worth a write) and let
+    go of it (closed and detached: an attached entry is evicted after every other), then
+    put ``fill`` more 1 MiB entries so that eviction takes it out of DRAM."""
     r = connect(d, key)
     put_committed_in(r, "hot", data, pool)
-    _, fd = lookup(r, ["hot"])
+    found, fd = lookup(r, ["hot"])
     os.close(fd)
+    assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
     for i in range(fill):
         put_committed_in(r, f"filler-{i}", pattern(MiB, i), pool)
     return r
