@@ -14,7 +14,10 @@ its memfd open after the scrub (a kept fd, a mapping, a child's or a re-opened o
 the row stays ``releasing`` — counted in its tenant's quota and its pool's use — and
 its bytes stay taken in the pool, until the kernel reports the last holder gone
 (:mod:`maasd.core.holders`); then the row is deleted with its event. A tenant's or
-pool's delete finishes such rows at once (their owner is going away).
+pool's delete leaves such rows alone too: finishing them at once made the ledger forget
+memory still resident, so the pool admitted (and a live tenant of a drained pool got)
+that memory again. The delete raises :class:`HeldOpen` instead; the tenant or pool
+stays ``deleting`` (no new reserve lands in it) and its delete ends once they are gone.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
 from maasd.store import BufferRow, Store, must_last
 
-__all__ = ["DELETE_PASSES", "Releaser", "remove_checkpoint"]
+__all__ = ["DELETE_PASSES", "HeldOpen", "Releaser", "remove_checkpoint"]
 
 #: What ends a released buffer's row (deletes it, records its event).
 Finish = Callable[[], object]
@@ -39,6 +42,22 @@ Finish = Callable[[], object]
 #: for now. Each pass releases every buffer it finds, and the ledger admits no new one
 #: once the delete began, so a second pass is needed only when a release raced it.
 DELETE_PASSES = 50
+#: How long a delete gives the workers holding its released entries to let go.
+HELD_GRACE_S = 0.5
+
+
+class HeldOpen(StateConflict):
+    """A delete could not finish: all that is left of its buffers is released entries
+    that workers still hold open (counted until they let go)."""
+
+
+def _held_open(what: str, held: list[BufferRow]) -> str:
+    return (
+        f"{what}: {len(held)} released entries ({sum(r.size_bytes for r in held)} bytes) "
+        "are still held open by workers (maasctl buffers list --held names them); they "
+        "count until every fd and mapping of them is closed, and the delete ends then "
+        "(DELETE again, or the daemon finishes it)"
+    )
 
 
 def remove_checkpoint(row: BufferRow) -> None:
@@ -82,16 +101,25 @@ class Releaser:
         *,
         reason: ReleaseReason,
         what: str,
+        grace: float = HELD_GRACE_S,
     ) -> None:
         """Release every buffer ``rows()`` lists, then ``delete()`` their owner (a tenant or
         a pool being deleted); again while ``delete`` finds buffers left
         (:class:`StateConflict`). An owner already gone (:class:`NotFound`) is done.
 
         Each release is idempotent: a buffer another path is releasing is finished
-        here too, and one gone meanwhile is skipped.
+        here too, and one gone meanwhile is skipped — but not a released entry that
+        workers still hold open: its row stays, counted, until they let go. When only
+        such rows are left, they are given ``grace`` seconds (the workers were told to
+        let go), then :class:`HeldOpen`.
         """
+        waited = False
         for _ in range(DELETE_PASSES):
+            held = []
             for row in rows():
+                if self._runtime.holders.released_held(row.id):
+                    held.append(row)  # its row ends when the last holder lets go
+                    continue
                 with contextlib.suppress(NotFound):  # its own release finished meanwhile
                     self.release_row(row, reason=reason)
             try:
@@ -99,6 +127,12 @@ class Releaser:
             except NotFound:
                 return
             except StateConflict:
+                if held and all(self._runtime.holders.released_held(r.id) for r in rows()):
+                    if waited or grace <= 0:
+                        raise HeldOpen(_held_open(what, held)) from None
+                    self._runtime.holders.wait_freed([r.id for r in held], grace)
+                    waited = True
+                    continue
                 time.sleep(0.01)
                 continue
             return

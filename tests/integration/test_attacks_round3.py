@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import secrets
 
-import pytest
-
 from conftest import Daemon
 from hardening import after_attack
 from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
@@ -176,7 +174,7 @@ def test_held_entries_of_a_deleted_tenant_are_not_handed_out_again(daemon: Daemo
     after_attack(daemon)
 
 
-def _hold_then_delete_tenant(d: Daemon, pool: str, n: int, size: int) -> list[int]:
+def _hold_then_delete_tenant(d: Daemon, pool: str, n: int, size: int) -> tuple[str, list[int]]:
     """A tenant that keeps ``n`` entries' fds (detached), then is deleted: the fds."""
     tenant_id, key = d.tenant("hostile-deleted", n * size)
     w = Raw(d.socket_path, timeout=30)
@@ -189,26 +187,18 @@ def _hold_then_delete_tenant(d: Daemon, pool: str, n: int, size: int) -> list[in
     finally:
         w.close()
     assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
-    return kept
+    return tenant_id, kept
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a tenant delete finishes its held entries' rows at once (Releaser.release_all -> "
-        "release_row finds no region left and deletes the row), so the ledger no longer "
-        "counts pages a process still holds: the pool's used_bytes/free_bytes omit them "
-        "(held_bytes shows them), and a put that needs room is admitted by the ledger "
-        "without evicting, then refused 507 by the allocator — the putting tenant's own "
-        "evictable entries, which could make room, are never evicted until the holder "
-        "lets go. Fix: keep such rows (and the tenant, deleting) until the inode goes."
-    ),
-)
 def test_a_deleted_tenants_held_entries_stay_in_the_pools_ledger(daemon: Daemon):
+    """The deleted tenant's held entries keep their rows (``releasing``) until the holder
+    lets go: the pool's use shows them, and another tenant's put that needs room evicts
+    its own entries rather than meet the allocator's 507. The tenant's delete ends (the
+    reaper's pass) once they are gone."""
     size = MiB
     pool = daemon.pool(f"deleted-{secrets.token_hex(3)}", 8 * size)["name"]
     tenant_b, key_b = daemon.tenant("next-tenant", 8 * size)
-    kept = _hold_then_delete_tenant(daemon, pool, 4, size)
+    tenant_a, kept = _hold_then_delete_tenant(daemon, pool, 4, size)
     b = Raw(daemon.socket_path, timeout=30)
     b.hello(key_b)
     try:
@@ -221,8 +211,52 @@ def test_a_deleted_tenants_held_entries_stay_in_the_pools_ledger(daemon: Daemon)
         for fd in fds:
             os.close(fd)
         assert isinstance(reply, Reserved), f"B's own entries could make room: {reply}"
+        assert isinstance(b.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
+        assert daemon.admin.get(f"/v1/tenants/{tenant_a}").status_code == 200  # deleting
     finally:
         for fd in kept:
             os.close(fd)
         b.close()
-        assert daemon.admin.delete(f"/v1/tenants/{tenant_b}").status_code == 204
+    wait_until(
+        lambda: daemon.admin.get(f"/v1/tenants/{tenant_a}").status_code == 404,
+        message="the deleted tenant gone once nothing of it is held",
+    )
+    assert _pool(daemon, pool)["held_bytes"] == 0
+    assert daemon.admin.delete(f"/v1/tenants/{tenant_b}").status_code == 204
+    after_attack(daemon)
+
+
+def test_a_pool_drain_while_entries_are_held_keeps_counting_them(daemon: Daemon):
+    """A tenant keeps its entries' fds (detached) and the admin drains their pool. The
+    memory is still resident: it must stay in the tenant's quota (which it filled with
+    the held half and could otherwise fill again) — the drain answers 409 saying what is
+    held, the pool takes nothing new, and a drain after the holder let go ends it."""
+    size = MiB
+    pool = daemon.pool(f"drain-{secrets.token_hex(3)}", 8 * size)
+    tenant_id, key = daemon.tenant("hostile-drain", 8 * size)
+    w = Raw(daemon.socket_path, timeout=30)
+    w.hello(key)
+    kept: list[int] = []
+    try:
+        for i in range(4):
+            _put_commit(w, f"kept-{i}", size, pool["name"])
+            kept.append(_hold_detached(w, f"kept-{i}"))
+        r = daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true")
+        assert r.status_code == 409, r.text
+        assert "held open" in r.json()["detail"], r.text
+        u = _usage(daemon, key)
+        assert (u["used_bytes"], u["held_bytes"]) == (4 * size, 4 * size), u
+        with daemon.client(key) as c:  # the held half counts: 8 MiB more would exceed it
+            r = c.post("/v1/reserve", json={"size_bytes": 8 * size})
+            assert r.status_code == 409, r.text
+            r = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": size})
+            assert r.status_code == 409, r.text  # the pool is being deleted
+    finally:
+        for fd in kept:
+            os.close(fd)
+        w.close()
+    wait_until(lambda: _usage(daemon, key)["used_bytes"] == 0, message="held memory freed")
+    assert daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true").status_code == 204
+    assert daemon.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
+    assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+    after_attack(daemon)
