@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 from conftest import Daemon
 from hardening import after_attack
@@ -260,3 +261,20 @@ def test_a_pool_drain_while_entries_are_held_keeps_counting_them(daemon: Daemon)
     assert daemon.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
     assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
     after_attack(daemon)
+
+
+def test_a_disk_dir_cannot_be_another_pools_through_a_symlink(daemon: Daemon, tmp_path: Path):
+    """A tier empties its directory when it is made: a second pool whose ``disk_dir`` is
+    the first one's under another name (a symlink) would erase the first one's files."""
+    first = tmp_path / "tier-one"
+    alias = tmp_path / "alias"
+    alias.symlink_to(first, target_is_directory=True)
+    one = daemon.pool(f"tier-{secrets.token_hex(3)}", 4 * MiB, disk_dir=str(first), disk_bytes=MiB)
+    (first / "0123.ent").write_bytes(b"stands for a demoted entry of the first pool")
+    before = daemon.admin.get("/v1/pools").json()
+    body = {"name": f"tier-{secrets.token_hex(3)}", "numa_node": 0, "capacity_bytes": 4 * MiB}
+    r = daemon.admin.post("/v1/pools", json={**body, "disk_dir": str(alias), "disk_bytes": MiB})
+    assert r.status_code == 409, r.text
+    assert (first / "0123.ent").exists()
+    assert daemon.admin.get("/v1/pools").json() == before
+    assert daemon.admin.delete(f"/v1/pools/{one['id']}").status_code == 204
