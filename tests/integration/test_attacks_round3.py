@@ -8,9 +8,12 @@ connection is told anything when the entry goes).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
+
+from test_disk_tier import connect, demote_one, miss, pattern, probe, tier_pool
 
 from conftest import Daemon
 from hardening import after_attack
@@ -278,3 +281,31 @@ def test_a_disk_dir_cannot_be_another_pools_through_a_symlink(daemon: Daemon, tm
     assert (first / "0123.ent").exists()
     assert daemon.admin.get("/v1/pools").json() == before
     assert daemon.admin.delete(f"/v1/pools/{one['id']}").status_code == 204
+
+
+def test_another_tenant_never_reaches_an_entry_on_disk(fresh_daemon: Daemon, tmp_path: Path):
+    """Tenant A's entry is demoted to the pool's disk tier. Tenant B, in the same pool,
+    looks the same key up: a miss, nothing promoted (into anyone's quota); B's own entry
+    under that key, put and evicted, does not replace A's copy, and A's lookup promotes
+    A's bytes."""
+    d = fresh_daemon.start()
+    disk = tmp_path / "disk"
+    pool = tier_pool(d, disk)
+    _, key_a = d.tenant("disk-owner", 64 * MiB)
+    tenant_b, key_b = d.tenant("disk-prober", 64 * MiB)
+    data = pattern(MiB, 5)
+    a = demote_one(d, key_a, pool, data, fill=9)
+    wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) == 1, timeout=20)
+    b = connect(d, key_b)
+    try:
+        miss(b, ["hot"])
+        assert d.metric("maasd_disk_promotions_total", pool=pool) == 0
+        assert _usage(d, key_b)["used_bytes"] == 0
+        demote_one(d, key_b, pool, pattern(MiB, 6), fill=9).close()  # B's own "hot"
+        got = probe(d, key_a, ["hot"])
+        assert got["reply"] == "Found", got
+        assert got["after"] == hashlib.sha256(data).hexdigest()
+    finally:
+        a.close()
+        b.close()
+    assert d.admin.delete(f"/v1/tenants/{tenant_b}").status_code == 204
