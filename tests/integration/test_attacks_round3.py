@@ -16,7 +16,7 @@ from pathlib import Path
 from test_disk_tier import connect, demote_one, miss, pattern, probe, tier_pool
 
 from conftest import Daemon
-from hardening import after_attack
+from hardening import after_attack, ledger_ids
 from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
 from sockpeer import Raw
 from waiting import wait_until
@@ -309,3 +309,34 @@ def test_another_tenant_never_reaches_an_entry_on_disk(fresh_daemon: Daemon, tmp
         a.close()
         b.close()
     assert d.admin.delete(f"/v1/tenants/{tenant_b}").status_code == 204
+
+
+def test_a_kill_while_deletes_wait_for_held_entries_leaks_nothing(fresh_daemon: Daemon):
+    """A tenant delete and a pool drain left waiting for entries a process holds, then a
+    SIGKILL: the fresh daemon holds none of the old memfds, so it finishes both at its
+    start, and the ledger has no row left of either."""
+    d = fresh_daemon.start()
+    size = MiB
+    pool = d.pool(f"kill-{secrets.token_hex(3)}", 8 * size)
+    tenant_id, kept = _hold_then_delete_tenant(d, pool["name"], 2, size)
+    other_id, key = d.tenant("drained", 8 * size)
+    w = Raw(d.socket_path, timeout=30)
+    w.hello(key)
+    try:
+        _put_commit(w, "kept", size, pool["name"])
+        kept.append(_hold_detached(w, "kept"))
+        w.close()
+        assert d.admin.delete(f"/v1/pools/{pool['id']}?drain=true").status_code == 409
+        assert d.admin.get(f"/v1/tenants/{tenant_id}").status_code == 200  # deleting
+        d.kill()
+        d.start()
+        assert d.admin.get(f"/v1/tenants/{tenant_id}").status_code == 404
+        assert d.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
+        assert ledger_ids(d) == []
+        assert _usage(d, key)["used_bytes"] == 0
+    finally:
+        for fd in kept:
+            os.close(fd)
+        w.close()
+    assert d.admin.delete(f"/v1/tenants/{other_id}").status_code == 204
+    after_attack(d)
