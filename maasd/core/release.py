@@ -23,7 +23,9 @@ stays ``deleting`` (no new reserve lands in it) and its delete ends once they ar
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -32,6 +34,8 @@ from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
 from maasd.store import BufferRow, Store, must_last
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DELETE_PASSES", "HeldOpen", "Releaser", "remove_checkpoint"]
 
@@ -78,6 +82,10 @@ class Releaser:
         #: disk tier: an eviction may be demoted, any other end erases its copy on disk).
         #: It must not raise, and reads the region under the buffer's lock if at all.
         self.on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None
+        #: Ends of held entries' rows that the ledger refused when their last holder let
+        #: go (an outage): tried again at each reaper pass (:meth:`finish_unfinished`).
+        self._unfinished: list[Finish] = []
+        self._unfinished_lock = threading.Lock()
 
     def release_row(self, row: BufferRow, *, reason: ReleaseReason, marked: bool = False) -> None:
         """Mark releasing (unless ``marked`` already), scrub and free, delete the row.
@@ -195,13 +203,39 @@ class Releaser:
         def freed() -> None:  # on the holders' reader thread
             give_back(size)
             if finish is not None:
-                with contextlib.suppress(NotFound):  # finished meanwhile (a tenant delete)
-                    finish()
+                self._finish_or_later(finish)
 
         if self._runtime.holders.settle(row.id, freed):
             give_back(size)
             return False
         return True
+
+    def _finish_or_later(self, finish: Finish) -> None:
+        """End a held entry's row now that its memory is free; if the ledger refuses (an
+        outage), at a later reaper pass — else it would stay counted until a restart."""
+        try:
+            with contextlib.suppress(NotFound):  # finished meanwhile (a tenant delete)
+                finish()
+        except Exception as e:
+            logger.warning("a freed entry's row is ended at the next reaper pass: %s", e)
+            with self._unfinished_lock:
+                self._unfinished.append(finish)
+
+    def finish_unfinished(self) -> int:
+        """Try again the row ends the ledger refused (:meth:`_finish_or_later`); how many
+        are still waiting. Raises what the ledger raises (the rest wait for the next)."""
+        with self._unfinished_lock:
+            todo, self._unfinished = self._unfinished, []
+        try:
+            while todo:
+                with contextlib.suppress(NotFound):
+                    todo[0]()
+                todo.pop(0)
+        finally:
+            with self._unfinished_lock:
+                self._unfinished[:0] = todo
+                left = len(self._unfinished)
+        return left
 
     def evict(self, victim: BufferRow) -> None:
         """Finish an eviction a reserve chose (its row is ``releasing`` already).

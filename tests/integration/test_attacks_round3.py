@@ -11,17 +11,23 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import time
 from pathlib import Path
 
+import pytest
+import test_ledger_outage
 from test_disk_tier import connect, demote_one, miss, pattern, probe, tier_pool
 
 from conftest import Daemon
 from hardening import after_attack, ledger_ids
 from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
+from pgdb import PG_URL
 from sockpeer import Raw
 from waiting import wait_until
 
 MiB = 1 << 20
+#: A daemon on PostgreSQL through a proxy a test cuts (the fixture of test_ledger_outage).
+outage = test_ledger_outage.outage
 
 
 def _usage(d: Daemon, key: str) -> dict[str, object]:
@@ -340,3 +346,37 @@ def test_a_kill_while_deletes_wait_for_held_entries_leaks_nothing(fresh_daemon: 
         w.close()
     assert d.admin.delete(f"/v1/tenants/{other_id}").status_code == 204
     after_attack(d)
+
+
+@pytest.mark.postgres
+@pytest.mark.skipif(not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
+def test_a_held_entry_let_go_during_a_ledger_outage_is_freed_when_it_is_back(outage):
+    """A released entry a process holds, and the holder lets go while the daemon is cut
+    from its ledger: the row's end cannot be written then. Once the ledger is back the
+    entry's bytes must leave its tenant's quota (not stay counted until a restart)."""
+    d, proxy = outage
+    size = MiB
+    _, key = d.tenant("held-outage", 4 * size)
+    w = Raw(d.socket_path, timeout=30)
+    w.hello(key)
+    fd = -1
+    try:
+        buffer_id = _put_commit(w, "kept", size, "node0")
+        fd = _hold_detached(w, "kept")
+        with d.client(key) as c:
+            assert c.delete(f"/v1/buffers/{buffer_id}").status_code == 204
+        assert _usage(d, key)["held_bytes"] == size
+        proxy.cut()
+        os.close(fd)
+        fd = -1
+        time.sleep(0.5)  # the reader thread sees the inode go while the ledger is out
+        proxy.resume()
+        wait_until(
+            lambda: _usage(d, key)["used_bytes"] == 0,
+            timeout=30,
+            message="the held entry's bytes freed once the ledger is back",
+        )
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        w.close()
