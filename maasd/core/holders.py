@@ -167,6 +167,13 @@ class Counts:
         reported gone) or held and no longer watched (after an overflow)."""
         return buffer_id in self._by_id or buffer_id in self._untracked
 
+    def released_held(self, buffer_id: str) -> bool:
+        """Whether ``buffer_id`` was released and others still hold its memory."""
+        wd = self._by_id.get(buffer_id)
+        if wd is not None:
+            return self._by_wd[wd].on_free is not None
+        return buffer_id in self._untracked
+
     def forget(self, buffer_id: str) -> int | None:
         """Stop watching ``buffer_id`` (a commit undone); its wd to remove, if any."""
         wd = self._by_id.pop(buffer_id, None)
@@ -383,6 +390,12 @@ class Holders:
                 listener(buffer_id)
             except Exception:
                 logger.exception("telling the holders of %s that it was released failed", buffer_id)
+
+    def released_held(self, buffer_id: str) -> bool:
+        """Whether ``buffer_id`` was released and others still hold its memory (its row
+        ends by itself when they let go)."""
+        with self._lock:
+            return self._counts.released_held(buffer_id)
 
     def held(self) -> list[tuple[str, int]]:
         """``(buffer_id, size)`` of every released entry others still hold."""

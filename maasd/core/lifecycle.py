@@ -222,6 +222,7 @@ class Lifecycle:
             try:
                 if not self._hosts.heartbeat():
                     self._rejoin()
+                self._releaser.finish_unfinished()  # held entries freed during an outage
                 self.reap()
                 # A tenant deleted through another daemon: release this host's share.
                 self._tenants.finish_deletes()

@@ -85,8 +85,10 @@ def disk_dir_of(spec: PoolSpec, data_dir: str, pools: Iterable[LivePool]) -> str
     if spec.disk_dir is not None and not os.path.isabs(spec.disk_dir):
         raise InvalidRequest(f"disk_dir must be an absolute path, got {spec.disk_dir!r}")
     disk_dir = os.path.normpath(spec.disk_dir or os.path.join(data_dir, "disk", spec.name))
+    real = os.path.realpath(disk_dir)  # one directory under another name (a symlink)
     for live in pools:
-        if live.row.disk_dir == disk_dir:
+        theirs = live.row.disk_dir
+        if theirs and (theirs == disk_dir or os.path.realpath(theirs) == real):
             raise StateConflict(f"disk_dir {disk_dir!r} is pool {live.row.name}'s already")
     try:
         os.makedirs(disk_dir, mode=0o700, exist_ok=True)

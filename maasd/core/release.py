@@ -14,13 +14,18 @@ its memfd open after the scrub (a kept fd, a mapping, a child's or a re-opened o
 the row stays ``releasing`` — counted in its tenant's quota and its pool's use — and
 its bytes stay taken in the pool, until the kernel reports the last holder gone
 (:mod:`maasd.core.holders`); then the row is deleted with its event. A tenant's or
-pool's delete finishes such rows at once (their owner is going away).
+pool's delete leaves such rows alone too: finishing them at once made the ledger forget
+memory still resident, so the pool admitted (and a live tenant of a drained pool got)
+that memory again. The delete raises :class:`HeldOpen` instead; the tenant or pool
+stays ``deleting`` (no new reserve lands in it) and its delete ends once they are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 
@@ -30,7 +35,9 @@ from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
 from maasd.store import BufferRow, Store, must_last
 
-__all__ = ["DELETE_PASSES", "Releaser", "remove_checkpoint"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["DELETE_PASSES", "HeldOpen", "Releaser", "remove_checkpoint"]
 
 #: What ends a released buffer's row (deletes it, records its event).
 Finish = Callable[[], object]
@@ -39,6 +46,22 @@ Finish = Callable[[], object]
 #: for now. Each pass releases every buffer it finds, and the ledger admits no new one
 #: once the delete began, so a second pass is needed only when a release raced it.
 DELETE_PASSES = 50
+#: How long a delete gives the workers holding its released entries to let go.
+HELD_GRACE_S = 0.5
+
+
+class HeldOpen(StateConflict):
+    """A delete could not finish: all that is left of its buffers is released entries
+    that workers still hold open (counted until they let go)."""
+
+
+def _held_open(what: str, held: list[BufferRow]) -> str:
+    return (
+        f"{what}: {len(held)} released entries ({sum(r.size_bytes for r in held)} bytes) "
+        "are still held open by workers (maasctl buffers list --held names them); they "
+        "count until every fd and mapping of them is closed, and the delete ends then "
+        "(DELETE again, or the daemon finishes it)"
+    )
 
 
 def remove_checkpoint(row: BufferRow) -> None:
@@ -59,6 +82,10 @@ class Releaser:
         #: disk tier: an eviction may be demoted, any other end erases its copy on disk).
         #: It must not raise, and reads the region under the buffer's lock if at all.
         self.on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None
+        #: Ends of held entries' rows that the ledger refused when their last holder let
+        #: go (an outage): tried again at each reaper pass (:meth:`finish_unfinished`).
+        self._unfinished: list[Finish] = []
+        self._unfinished_lock = threading.Lock()
 
     def release_row(self, row: BufferRow, *, reason: ReleaseReason, marked: bool = False) -> None:
         """Mark releasing (unless ``marked`` already), scrub and free, delete the row.
@@ -82,16 +109,25 @@ class Releaser:
         *,
         reason: ReleaseReason,
         what: str,
+        grace: float = HELD_GRACE_S,
     ) -> None:
         """Release every buffer ``rows()`` lists, then ``delete()`` their owner (a tenant or
         a pool being deleted); again while ``delete`` finds buffers left
         (:class:`StateConflict`). An owner already gone (:class:`NotFound`) is done.
 
         Each release is idempotent: a buffer another path is releasing is finished
-        here too, and one gone meanwhile is skipped.
+        here too, and one gone meanwhile is skipped — but not a released entry that
+        workers still hold open: its row stays, counted, until they let go. When only
+        such rows are left, they are given ``grace`` seconds (the workers were told to
+        let go), then :class:`HeldOpen`.
         """
+        waited = False
         for _ in range(DELETE_PASSES):
+            held = []
             for row in rows():
+                if self._runtime.holders.released_held(row.id):
+                    held.append(row)  # its row ends when the last holder lets go
+                    continue
                 with contextlib.suppress(NotFound):  # its own release finished meanwhile
                     self.release_row(row, reason=reason)
             try:
@@ -99,6 +135,12 @@ class Releaser:
             except NotFound:
                 return
             except StateConflict:
+                if held and all(self._runtime.holders.released_held(r.id) for r in rows()):
+                    if waited or grace <= 0:
+                        raise HeldOpen(_held_open(what, held)) from None
+                    self._runtime.holders.wait_freed([r.id for r in held], grace)
+                    waited = True
+                    continue
                 time.sleep(0.01)
                 continue
             return
@@ -161,13 +203,39 @@ class Releaser:
         def freed() -> None:  # on the holders' reader thread
             give_back(size)
             if finish is not None:
-                with contextlib.suppress(NotFound):  # finished meanwhile (a tenant delete)
-                    finish()
+                self._finish_or_later(finish)
 
         if self._runtime.holders.settle(row.id, freed):
             give_back(size)
             return False
         return True
+
+    def _finish_or_later(self, finish: Finish) -> None:
+        """End a held entry's row now that its memory is free; if the ledger refuses (an
+        outage), at a later reaper pass — else it would stay counted until a restart."""
+        try:
+            with contextlib.suppress(NotFound):  # finished meanwhile (a tenant delete)
+                finish()
+        except Exception as e:
+            logger.warning("a freed entry's row is ended at the next reaper pass: %s", e)
+            with self._unfinished_lock:
+                self._unfinished.append(finish)
+
+    def finish_unfinished(self) -> int:
+        """Try again the row ends the ledger refused (:meth:`_finish_or_later`); how many
+        are still waiting. Raises what the ledger raises (the rest wait for the next)."""
+        with self._unfinished_lock:
+            todo, self._unfinished = self._unfinished, []
+        try:
+            while todo:
+                with contextlib.suppress(NotFound):
+                    todo[0]()
+                todo.pop(0)
+        finally:
+            with self._unfinished_lock:
+                self._unfinished[:0] = todo
+                left = len(self._unfinished)
+        return left
 
     def evict(self, victim: BufferRow) -> None:
         """Finish an eviction a reserve chose (its row is ``releasing`` already).

@@ -22,12 +22,13 @@ it starts again (recovery) or is forgotten (``maasctl hosts forget``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 from maasd.core.auth import Auth, require_tenant
-from maasd.core.release import Releaser
+from maasd.core.release import HELD_GRACE_S, HeldOpen, Releaser
 from maasd.errors import NotFound, StateConflict
 from maasd.models import Event, KeyInfo, NewTenant, Principal, TenantInfo, Usage, rfc3339
 from maasd.store import ACCOUNTED_STATES, Store, TenantRow
@@ -133,8 +134,11 @@ class Tenants:
         t = self.info(id_or_name)
         self._store.mark_tenant_deleting(t.id)
         self._auth.forget_keys()
-        if self._finish_delete(t.id):
-            return
+        try:
+            if self._finish_delete(t.id):
+                return
+        except HeldOpen:
+            return  # deleting (keys revoked, nothing new admitted); ends when they go
         deadline = time.monotonic() + self._remote_wait_s
         while time.monotonic() < deadline:
             time.sleep(0.05)
@@ -153,10 +157,11 @@ class Tenants:
         done = 0
         for tenant_id in self._store.deleting_tenants():
             logger.info("finishing the delete of tenant %s", tenant_id)
-            done += self._finish_delete(tenant_id)
+            with contextlib.suppress(HeldOpen):  # still held: the next pass, then
+                done += self._finish_delete(tenant_id, grace=0)
         return done
 
-    def _finish_delete(self, tenant_id: str) -> bool:
+    def _finish_delete(self, tenant_id: str, *, grace: float = HELD_GRACE_S) -> bool:
         """Release the deleting tenant's buffers on this host, then delete it if no host
         holds any. True if the tenant is gone."""
         gone = True
@@ -170,14 +175,20 @@ class Tenants:
                     raise  # ours, released meanwhile or raced: another pass
                 gone = False  # other hosts' share: theirs to release
 
-        self._releaser.release_all(
-            lambda: self._store.buffers(
-                tenant_id=tenant_id, states=ACCOUNTED_STATES, host=self._host
-            ),
-            delete_if_empty,
-            reason="tenant_delete",
-            what=f"tenant {tenant_id}",
-        )
+        try:
+            self._releaser.release_all(
+                lambda: self._store.buffers(
+                    tenant_id=tenant_id, states=ACCOUNTED_STATES, host=self._host
+                ),
+                delete_if_empty,
+                reason="tenant_delete",
+                what=f"tenant {tenant_id}",
+                grace=grace,
+            )
+        except HeldOpen as e:  # counted until they go; the reaper's pass then ends it
+            if grace > 0:
+                logger.warning("deleting: %s", e.detail)
+            raise
         return gone
 
     def issue_key(self, id_or_name: str) -> KeyInfo:

@@ -46,6 +46,22 @@ def test_an_entry_whose_inode_went_at_its_release_is_free() -> None:
     assert counts.held() == []
 
 
+def test_only_a_released_entry_others_hold_is_released_and_held() -> None:
+    """What a tenant's or pool's delete leaves alone (its row ends when they let go): not
+    a live entry (watched from its commit), nor one never watched or gone."""
+    counts = Counts()
+    counts.add(4, "live", SIZE)
+    counts.add(5, "kept", SIZE)
+    assert counts.settle("kept", Calls()) is False
+    assert not counts.released_held("live")
+    assert counts.released_held("kept")
+    assert not counts.released_held("unknown")
+    counts.unwatch(5)  # after an overflow: held, no longer watched, still held
+    assert counts.released_held("kept")
+    counts.event(4, IN_IGNORED)
+    assert not counts.released_held("live")
+
+
 def test_a_held_entry_is_free_when_its_inode_goes() -> None:
     counts, done = Counts(), Calls()
     counts.add(3, "b", SIZE)
