@@ -30,6 +30,7 @@ Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -230,17 +231,25 @@ class DiskTiers:
         if tenant is not None and tenant.deleting_at is not None:
             tenant = None  # being deleted: nothing of it may stay behind on disk
         sealed_blob = None if tenant is None else self._seal(row)
-        doomed = None
         if tenant is not None and sealed_blob is not None:
             sealed, blob = sealed_blob
             with self._lock:
                 doomed = self._admit(tier, row, sealed, tenant.quota_bytes * self._factor)
                 entry = self._index.get(ident)
-        if doomed is None or entry is None:
-            self._writer.cancel(row.size_bytes)
-            return
-        self._writer.submit(row.size_bytes, lambda: self._write(tier, entry, blob))
+                if doomed is not None and entry is not None:
+                    # Queued in the order of admission, and the victims' files erased
+                    # before the new one is written: the bytes on disk never pass the
+                    # limits, not even for a moment (the victims' keys are dropped now).
+                    self._writer.submit(
+                        row.size_bytes, functools.partial(self._replace, tier, doomed, entry, blob)
+                    )
+                    return
+        self._writer.cancel(row.size_bytes)
+
+    def _replace(self, tier: _Tier, doomed: list[_OnDisk], entry: _OnDisk, blob: bytes) -> None:
+        """(writer thread) Erase the victims an admission chose, then write the entry."""
         self._erase_all(tier, doomed)
+        self._write(tier, entry, blob)
 
     def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:
         """The entry's bytes encrypted, read under its lock (a release waits)."""
