@@ -141,6 +141,8 @@ class Service:
             held=functools.partial(self.runtime.holders.held_bytes_by, "tenant_id"),
             host=settings.node_name,
             remote_wait_s=3 * settings.reaper_interval_s,
+            disk_factor=settings.disk_quota_factor,
+            disk_used=lambda: self._disk.tenant_usage(),
         )
         self._buffers = Buffers(
             settings,
@@ -276,8 +278,10 @@ class Service:
 
     # -- tenants and keys (maasd.core.tenants) ----------------------------------------------
 
-    def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
-        return self._tenants.create(name, quota_bytes)
+    def create_tenant(
+        self, name: str, quota_bytes: int, disk_quota_bytes: int | None = None
+    ) -> NewTenant:
+        return self._tenants.create(name, quota_bytes, disk_quota_bytes)
 
     def tenants(self) -> list[TenantInfo]:
         return self._tenants.infos()
@@ -289,9 +293,17 @@ class Service:
         return self._tenants.set_quota(id_or_name, quota_bytes)
 
     def update_tenant(
-        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+        self,
+        id_or_name: str,
+        *,
+        quota_bytes: int | None = None,
+        max_buffers: int | None = None,
+        disk_quota_bytes: int | None = None,
     ) -> TenantInfo:
-        return self._tenants.update(id_or_name, quota_bytes=quota_bytes, max_buffers=max_buffers)
+        return self._tenants.update(
+            id_or_name, quota_bytes=quota_bytes, max_buffers=max_buffers,
+            disk_quota_bytes=disk_quota_bytes,
+        )  # fmt: skip
 
     def delete_tenant(self, id_or_name: str) -> None:
         self._tiers.delete_tenant(id_or_name)

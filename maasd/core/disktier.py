@@ -18,8 +18,11 @@ tier")::
               it from memory. The copy on disk stays (a later eviction writes nothing).
     hit       a DRAM hit counts a use of its key for the admission filter.
 
-Each tier evicts by S3-FIFO within its ``disk_bytes`` and, per tenant, within
-``disk_quota_factor`` times the tenant's quota (the tenant's own entries, same rules).
+Each tier evicts by S3-FIFO within its ``disk_bytes``; a tenant's bytes on all the
+host's tiers stay within its disk quota (``tenants.disk_quota_bytes``, by default
+``disk_quota_factor`` times its quota): its own coldest entries go first, on the tier
+demoted to, then on the others, same rules. A quota lowered below use holds from the
+tenant's next demotion on.
 Nothing here fails a DRAM operation: a full or failing disk, a corrupt file or no room
 is a drop or a miss, counted in ``maasd_disk_drops``. Keys live in this object only, so
 the tiers are emptied at start and at close.
@@ -41,6 +44,7 @@ from maasd.core.entries import Entries, Found
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
+from maasd.core.tenants import disk_quota
 from maasd.disk.metrics import DiskMetrics
 from maasd.disk.policy import Admission, S3Fifo
 from maasd.disk.store import DiskDir, Sealed, Unreadable
@@ -62,6 +66,7 @@ class _OnDisk:
     tenant_id: str
     key: str
     pool_id: str
+    disk: DiskDir  # its tier's directory (where to erase it, even from another tier's demotion)
     written: bool = False  # the file is whole and in place: it may be promoted
     promoted_as: str | None = None  # the DRAM entry last promoted from it (its bytes)
     gone: bool = False  # erased (a pending write skips it, and removes what it wrote)
@@ -153,6 +158,15 @@ class DiskTiers:
             write_bytes=c.get("write_bytes", 0),
         )
 
+    def tenant_usage(self) -> dict[str, int]:
+        """Bytes on this host's tiers (pending writes included), per tenant."""
+        with self._lock:
+            out: dict[str, int] = {}
+            for tier in self._tiers.values():
+                for tenant, n in tier.tenant_bytes.items():
+                    out[tenant] = out.get(tenant, 0) + n
+            return out
+
     def stats(self) -> list[tuple[str, int, int]]:  # the gauges, at scrape time
         with self._lock:
             return [(t.pool, t.policy.used, len(t.entries)) for t in self._tiers.values()]
@@ -234,7 +248,7 @@ class DiskTiers:
         if tenant is not None and sealed_blob is not None:
             sealed, blob = sealed_blob
             with self._lock:
-                doomed = self._admit(tier, row, sealed, tenant.quota_bytes * self._factor)
+                doomed = self._admit(tier, row, sealed, disk_quota(tenant, self._factor))
                 entry = self._index.get(ident)
         if doomed is None or entry is None:
             self._writer.cancel(row.size_bytes)
@@ -267,13 +281,16 @@ class DiskTiers:
             self.metrics.dropped(tier.pool, "quota" if size > quota else "full")
             return None
         doomed: list[_OnDisk] = []
-        while tier.tenant_bytes.get(tenant, 0) + size > quota:
-            victim = tier.policy.evict_one(lambda name: tier.entries[name].tenant_id == tenant)  # type: ignore[index]
+        # The tenant's coldest entries, on this tier first, then on the host's others.
+        others = [tier, *(t for t in self._tiers.values() if t is not tier)]
+        while sum(t.tenant_bytes.get(tenant, 0) for t in others) + size > quota:
+            at = next(t for t in others if t.tenant_bytes.get(tenant, 0) > 0)
+            victim = at.policy.evict_one(lambda name: at.entries[name].tenant_id == tenant)  # type: ignore[index]  # noqa: B023
             assert victim is not None  # the tenant's bytes are its entries'
-            doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
+            doomed.append(self._forget(at.entries[victim.key], at, evicted=True))  # type: ignore[index]
         for victim in tier.policy.insert(sealed.name, size):
             doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
-        entry = _OnDisk(sealed, tenant, row.key or "", row.pool_id)
+        entry = _OnDisk(sealed, tenant, row.key or "", row.pool_id, tier.disk)
         tier.entries[sealed.name] = entry
         tier.tenant_bytes[tenant] = tier.tenant_bytes.get(tenant, 0) + size
         self._index[(tenant, entry.key)] = entry
@@ -300,7 +317,7 @@ class DiskTiers:
     def _erase_all(self, tier: _Tier | None, doomed: list[_OnDisk]) -> None:
         for entry in doomed:
             if tier is not None and entry.written:
-                tier.disk.erase(entry.sealed)
+                entry.disk.erase(entry.sealed)
 
     def _write(self, tier: _Tier, entry: _OnDisk, blob: bytes) -> None:
         if entry.gone:  # erased before its turn
