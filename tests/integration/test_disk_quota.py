@@ -190,3 +190,24 @@ def test_maasctl_creates_shows_and_sets_a_disk_quota(daemon: Daemon) -> None:
     other = f"cli-{secrets.token_hex(3)}"
     created = json.loads(maasctl(daemon, "--json", "tenants", "create", other, "--quota", "8MiB"))
     assert created["disk_quota_bytes"] == 4 * 8 * MiB  # the default: the factor × the quota
+
+
+def test_the_disk_quota_spans_the_hosts_tiers(disk_daemon: Daemon, tmp_path: Path) -> None:
+    d = disk_daemon
+    one, two = tmp_path / "one", tmp_path / "two"
+    pools = [tier_pool(d, one, capacity=2 * MiB), tier_pool(d, two, capacity=2 * MiB)]
+    tenant_id, key = new_tenant(d, 16 * MiB, disk_quota_bytes=2 * MiB)
+    r = connect(d, key)
+    for n, pool in enumerate(pools):  # two demoted to each tier, in turn
+        for i in range(4):
+            put_committed_in(r, f"p{n}-{i}", pattern(MiB, 10 * n + i), pool)
+            use_and_let_go(r, f"p{n}-{i}")
+        wait_until(lambda pool=pool: d.metric("maasd_disk_demotions_total", pool=pool) >= 2)
+    r.close()
+    # The first tier held 2 MiB, all the quota: the second tier's first demotion made
+    # room by evicting one of them there; its second, by the policy on its own tier first.
+    wait_until(lambda: len([f for f in disk_files(one) if f.endswith(SUFFIX)]) == 1)
+    assert len([f for f in disk_files(two) if f.endswith(SUFFIX)]) == 1
+    assert record(d, tenant_id)["disk_used_bytes"] == 2 * MiB
+    assert d.metric("maasd_disk_drops_total", pool=pools[0], reason="evicted") == 1
+    assert sum(int(d.metric("maasd_disk_bytes", pool=p)) for p in pools) == 2 * MiB
