@@ -253,8 +253,11 @@ class DiskTiers:
         if doomed is None or entry is None:
             self._writer.cancel(row.size_bytes)
             return
-        self._writer.submit(row.size_bytes, lambda: self._write(tier, entry, blob))
+        # The victims' files go before the new one can be written (the writer is one
+        # thread, in order: one of them still being written is erased by it, first), so
+        # the files on disk never exceed a limit, not even for a moment.
         self._erase_all(tier, doomed)
+        self._writer.submit(row.size_bytes, lambda: self._write(tier, entry, blob))
 
     def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:
         """The entry's bytes encrypted, read under its lock (a release waits)."""
