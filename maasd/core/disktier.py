@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -79,6 +80,29 @@ class _Tier:
     policy: S3Fifo
     entries: dict[str, _OnDisk] = field(default_factory=dict)  # by file name
     tenant_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _tenant_victims(
+    tier: _Tier, tiers: Iterable[_Tier], tenant: str, size: int, quota: int
+) -> Iterator[tuple[_Tier, _OnDisk]]:
+    """The tenant's coldest entries on disk, taken out of their tier's policy, until
+    ``size`` more bytes fit in its ``quota`` over all of ``tiers``: on ``tier`` (the one
+    demoted to) first, then on the others. Its caller forgets each before the next (their
+    bytes leave ``tenant_bytes``). Under the tiers' lock."""
+    order = [tier, *(t for t in tiers if t is not tier)]
+    while sum(t.tenant_bytes.get(tenant, 0) for t in order) + size > quota:
+        at = next(t for t in order if t.tenant_bytes.get(tenant, 0) > 0)
+        victim = at.policy.evict_one(lambda name: at.entries[name].tenant_id == tenant)  # type: ignore[index]  # noqa: B023
+        assert victim is not None  # the tenant's bytes are its entries'
+        yield at, at.entries[victim.key]  # type: ignore[index]
+
+
+def _erase(doomed: list[_OnDisk]) -> None:
+    """The files of entries taken out of the books (those written: a pending write skips
+    or removes its own)."""
+    for entry in doomed:
+        if entry.written:
+            entry.disk.erase(entry.sealed)
 
 
 class DiskTiers:
@@ -133,7 +157,7 @@ class DiskTiers:
             doomed = (
                 [] if tier is None else [self._forget(e, tier) for e in list(tier.entries.values())]
             )
-        self._erase_all(tier, doomed)
+        _erase(doomed)
 
     def close(self) -> None:
         self._writer.close()
@@ -161,11 +185,7 @@ class DiskTiers:
     def tenant_usage(self) -> dict[str, int]:
         """Bytes on this host's tiers (pending writes included), per tenant."""
         with self._lock:
-            out: dict[str, int] = {}
-            for tier in self._tiers.values():
-                for tenant, n in tier.tenant_bytes.items():
-                    out[tenant] = out.get(tenant, 0) + n
-            return out
+            return dict(sum((Counter(t.tenant_bytes) for t in self._tiers.values()), Counter()))
 
     def stats(self) -> list[tuple[str, int, int]]:  # the gauges, at scrape time
         with self._lock:
@@ -206,7 +226,7 @@ class DiskTiers:
             found = self._index.get((tenant_id, key))
             tier = None if found is None else self._tiers.get(found.pool_id)
             doomed = [] if found is None or tier is None else [self._forget(found, tier)]
-        self._erase_all(tier, doomed)
+        _erase(doomed)
 
     def drop_tenant(self, tenant_id: str) -> None:
         """The tenant is deleted: every entry of it on any tier erased."""
@@ -234,7 +254,7 @@ class DiskTiers:
             cold = not self._admission.evicted(ident)
             if cold:
                 self.metrics.dropped(tier.pool, "cold")
-        self._erase_all(tier, stale)
+        _erase(stale)
         if cold:
             return
         if not self._writer.reserve(row.size_bytes):
@@ -253,10 +273,7 @@ class DiskTiers:
         if doomed is None or entry is None:
             self._writer.cancel(row.size_bytes)
             return
-        # The victims' files go before the new one can be written (the writer is one
-        # thread, in order: one of them still being written is erased by it, first), so
-        # the files on disk never exceed a limit, not even for a moment.
-        self._erase_all(tier, doomed)
+        _erase(doomed)  # before the file: never over a limit (one writer)
         self._writer.submit(row.size_bytes, lambda: self._write(tier, entry, blob))
 
     def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:
@@ -283,14 +300,10 @@ class DiskTiers:
         if size > quota or size > tier.policy.capacity:
             self.metrics.dropped(tier.pool, "quota" if size > quota else "full")
             return None
-        doomed: list[_OnDisk] = []
-        # The tenant's coldest entries, on this tier first, then on the host's others.
-        others = [tier, *(t for t in self._tiers.values() if t is not tier)]
-        while sum(t.tenant_bytes.get(tenant, 0) for t in others) + size > quota:
-            at = next(t for t in others if t.tenant_bytes.get(tenant, 0) > 0)
-            victim = at.policy.evict_one(lambda name: at.entries[name].tenant_id == tenant)  # type: ignore[index]  # noqa: B023
-            assert victim is not None  # the tenant's bytes are its entries'
-            doomed.append(self._forget(at.entries[victim.key], at, evicted=True))  # type: ignore[index]
+        doomed = [
+            self._forget(victim, at, evicted=True)
+            for at, victim in _tenant_victims(tier, self._tiers.values(), tenant, size, quota)
+        ]
         for victim in tier.policy.insert(sealed.name, size):
             doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
         entry = _OnDisk(sealed, tenant, row.key or "", row.pool_id, tier.disk)
@@ -316,11 +329,6 @@ class DiskTiers:
         if self._index.get((entry.tenant_id, entry.key)) is entry:
             del self._index[(entry.tenant_id, entry.key)]
         return entry
-
-    def _erase_all(self, tier: _Tier | None, doomed: list[_OnDisk]) -> None:
-        for entry in doomed:
-            if tier is not None and entry.written:
-                entry.disk.erase(entry.sealed)
 
     def _write(self, tier: _Tier, entry: _OnDisk, blob: bytes) -> None:
         if entry.gone:  # erased before its turn

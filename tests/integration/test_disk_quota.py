@@ -7,6 +7,7 @@ demotion under concurrent demotions (docs/operations.md, "The disk tier").
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -50,6 +51,10 @@ def record(d: Daemon, tenant_id: str) -> dict[str, Any]:
     r = d.admin.get(f"/v1/tenants/{tenant_id}")
     assert r.status_code == 200, r.text
     return dict(r.json())
+
+
+def demoted(d: Daemon, pool: str, n: int) -> bool:
+    return d.metric("maasd_disk_demotions_total", pool=pool) >= n
 
 
 def use_and_let_go(r: Any, key: str) -> None:
@@ -202,7 +207,7 @@ def test_the_disk_quota_spans_the_hosts_tiers(disk_daemon: Daemon, tmp_path: Pat
         for i in range(4):
             put_committed_in(r, f"p{n}-{i}", pattern(MiB, 10 * n + i), pool)
             use_and_let_go(r, f"p{n}-{i}")
-        wait_until(lambda pool=pool: d.metric("maasd_disk_demotions_total", pool=pool) >= 2)
+        wait_until(functools.partial(demoted, d, pool, 2))
     r.close()
     # The first tier held 2 MiB, all the quota: the second tier's first demotion made
     # room by evicting one of them there; its second, by the policy on its own tier first.
