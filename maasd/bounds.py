@@ -195,6 +195,7 @@ EventKind = Literal[
     "tenant_delete",
     "quota_set",
     "max_buffers_set",
+    "disk_quota_set",
     "key_issue",
     "key_revoke",
     "pool_create",

@@ -189,6 +189,10 @@ class TenantInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_buffers: int
     #: Of ``used_bytes``: released entries some process still holds open (this host's).
     held_bytes: int = 0
+    #: The bytes it may hold on this host's disk tiers in force: its own, or
+    #: ``disk_quota_factor`` × ``quota_bytes``; and what it holds there now.
+    disk_quota_bytes: int = 0
+    disk_used_bytes: int = 0
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -200,6 +204,8 @@ class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     api_key: str
     key_id: str
+    #: The disk quota in force (its own, or ``disk_quota_factor`` × ``quota_bytes``).
+    disk_quota_bytes: int = 0
 
 
 class KeyInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -219,6 +225,10 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     #: Of ``used_bytes``: released entries some process still holds open — a kept fd or
     #: mapping, a child's, one passed on; they count until every one of them is gone.
     held_bytes: int = 0
+    #: The disk quota in force (its own, or ``disk_quota_factor`` × ``quota_bytes``) and
+    #: the bytes of its entries on this host's disk tiers.
+    disk_quota_bytes: int = 0
+    disk_used_bytes: int = 0
 
 
 class BufferInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -266,7 +276,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     :data:`~maasd.bounds.ReleaseReason` (``release``, ``evict``, ``expire``, ``pool_drain``,
     ``shutdown``, ``recover``, ``reserve_failed``, and an entry's ``abort``, ``disconnect``,
     ``commit_failed``) for buffers; ``tenant_create``, ``tenant_delete``, ``quota_set``,
-    ``max_buffers_set`` (``detail``: the cap), ``key_issue``, ``key_revoke`` (tenants);
+    ``max_buffers_set`` (``detail``: the cap), ``disk_quota_set``, ``key_issue``, ``key_revoke`` (tenants);
     ``pool_create``, ``pool_delete`` (pools); ``host_forget`` (a forgotten host: one per
     buffer it held and one for the host). ``bytes`` is the buffer size (or quota,
     capacity); ``detail`` a name or id the kind needs (never a key itself).

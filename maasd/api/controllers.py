@@ -183,7 +183,9 @@ class TenantsController(Controller):
         call: NamedDependency[Call],
         data: JSONBody[TenantBody],
     ) -> NewTenant:
-        return await call.run(call.service.create_tenant, data.name, data.quota_bytes)
+        return await call.run(
+            call.service.create_tenant, data.name, data.quota_bytes, data.disk_quota()
+        )
 
     @get("/tenants", summary="List tenants (admin)", responses=problems.responses(*ADMIN))
     async def list_tenants(self, call: NamedDependency[Call]) -> list[TenantInfo]:
@@ -199,7 +201,7 @@ class TenantsController(Controller):
 
     @patch(
         "/tenants/{tenant_id:str}",
-        summary="Set a tenant's quota and/or buffer cap (admin)",
+        summary="Set a tenant's quota, buffer cap and/or disk quota (admin)",
         responses=problems.responses(*ADMIN + BODY + (404,)),
     )
     async def update_tenant(
@@ -208,10 +210,11 @@ class TenantsController(Controller):
         tenant_id: FromPath[str],
         data: JSONBody[TenantPatchBody],
     ) -> TenantInfo:
-        quota, cap = data.given()
-        return await call.run(
-            partial(call.service.update_tenant, quota_bytes=quota, max_buffers=cap), tenant_id
+        quota, cap, disk = data.given()
+        change = partial(
+            call.service.update_tenant, quota_bytes=quota, max_buffers=cap, disk_quota_bytes=disk
         )
+        return await call.run(change, tenant_id)
 
     @delete(
         "/tenants/{tenant_id:str}",

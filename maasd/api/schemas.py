@@ -53,29 +53,42 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class TenantBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /v1/tenants``; ``disk_quota_bytes`` left out: the default disk quota."""
+
     name: bounds.Name
     quota_bytes: bounds.Bytes
+    disk_quota_bytes: bounds.Bytes | msgspec.UnsetType = msgspec.UNSET
+
+    def disk_quota(self) -> int | None:
+        return (
+            None if isinstance(self.disk_quota_bytes, msgspec.UnsetType) else self.disk_quota_bytes
+        )
 
 
 class TenantPatchBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """``PATCH /v1/tenants/{id}``: the quota, the buffer cap, or both (at least one).
+    """``PATCH /v1/tenants/{id}``: the quota, the buffer cap, the disk quota (at least one).
 
     A field left out is left alone; ``null`` is refused like any wrong type.
     """
 
     quota_bytes: bounds.Bytes | msgspec.UnsetType = msgspec.UNSET
     max_buffers: bounds.MaxBuffers | msgspec.UnsetType = msgspec.UNSET
+    disk_quota_bytes: bounds.Bytes | msgspec.UnsetType = msgspec.UNSET
 
     def __post_init__(self) -> None:
-        if self.quota_bytes is msgspec.UNSET and self.max_buffers is msgspec.UNSET:
-            raise ValueError("give quota_bytes, max_buffers or both")
+        if all(
+            v is msgspec.UNSET for v in (self.quota_bytes, self.max_buffers, self.disk_quota_bytes)
+        ):
+            raise ValueError("give quota_bytes, max_buffers or disk_quota_bytes")
 
-    def given(self) -> tuple[int | None, int | None]:
-        """``(quota_bytes, max_buffers)`` as the service takes them: ``None`` = leave alone."""
-        quota, cap = self.quota_bytes, self.max_buffers
+    def given(self) -> tuple[int | None, int | None, int | None]:
+        """``(quota_bytes, max_buffers, disk_quota_bytes)`` as the service takes them:
+        ``None`` = leave alone."""
+        quota, cap, disk = self.quota_bytes, self.max_buffers, self.disk_quota_bytes
         return (
             None if isinstance(quota, msgspec.UnsetType) else quota,
             None if isinstance(cap, msgspec.UnsetType) else cap,
+            None if isinstance(disk, msgspec.UnsetType) else disk,
         )
 
 

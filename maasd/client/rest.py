@@ -359,11 +359,15 @@ class Client(_Http):
 
     # --- admin -----------------------------------------------------------------
 
-    def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
-        """A new tenant and its first key: ``.id`` is the tenant's, ``.key_id`` the key's."""
-        return self._call(
-            "POST", "/v1/tenants", NewTenant, json={"name": name, "quota_bytes": quota_bytes}
-        )
+    def create_tenant(
+        self, name: str, quota_bytes: int, disk_quota_bytes: int | None = None
+    ) -> NewTenant:
+        """A new tenant and its first key: ``.id`` is the tenant's, ``.key_id`` the key's.
+        ``disk_quota_bytes`` ``None``: the daemon's default (``disk_quota_factor`` × quota)."""
+        body: dict[str, object] = {"name": name, "quota_bytes": quota_bytes}
+        if disk_quota_bytes is not None:
+            body["disk_quota_bytes"] = disk_quota_bytes
+        return self._call("POST", "/v1/tenants", NewTenant, json=body)
 
     def tenants(self) -> list[Tenant]:
         return self._call("GET", "/v1/tenants", list[Tenant])
@@ -380,17 +384,31 @@ class Client(_Http):
         its evictable ones, then answers 409 ``BufferCountExceeded``."""
         return self.update_tenant(tenant, max_buffers=max_buffers)
 
+    def set_disk_quota(self, tenant: str, disk_quota_bytes: int) -> Tenant:
+        """Bound the tenant's bytes on the disk tiers (from its next demotion on)."""
+        return self.update_tenant(tenant, disk_quota_bytes=disk_quota_bytes)
+
     def update_tenant(
-        self, tenant: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+        self,
+        tenant: str,
+        *,
+        quota_bytes: int | None = None,
+        max_buffers: int | None = None,
+        disk_quota_bytes: int | None = None,
     ) -> Tenant:
-        """``PATCH /v1/tenants/{tenant}``: the quota, the buffer cap, or both at once."""
+        """``PATCH /v1/tenants/{tenant}``: the quota, the buffer cap, the disk quota (any
+        of them at once)."""
         body = {
             k: v
-            for k, v in (("quota_bytes", quota_bytes), ("max_buffers", max_buffers))
+            for k, v in (
+                ("quota_bytes", quota_bytes),
+                ("max_buffers", max_buffers),
+                ("disk_quota_bytes", disk_quota_bytes),
+            )
             if v is not None
         }
         if not body:
-            raise ValueError("give quota_bytes, max_buffers or both")
+            raise ValueError("give quota_bytes, max_buffers or disk_quota_bytes")
         return self._call("PATCH", f"/v1/tenants/{_seg(tenant)}", Tenant, json=body)
 
     def delete_tenant(self, tenant: str) -> None:

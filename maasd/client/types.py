@@ -120,6 +120,10 @@ class Tenant(msgspec.Struct, frozen=True, kw_only=True):
     max_buffers: int | None = None
     #: Of ``used_bytes``: released entries some process still holds open.
     held_bytes: int = 0
+    #: The disk quota in force (its own, or ``disk_quota_factor`` × the quota) and the
+    #: bytes of its entries on the daemon's disk tiers (0 from a daemon without them).
+    disk_quota_bytes: int = 0
+    disk_used_bytes: int = 0
 
 
 class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +139,7 @@ class NewTenant(msgspec.Struct, frozen=True, kw_only=True):
     api_key: str
     used_bytes: int = 0
     key_id: str | None = None
+    disk_quota_bytes: int = 0
 
 
 class KeyInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -154,6 +159,9 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
     #: Of ``used_bytes``: released entries some process still holds open (counted until
     #: every fd and mapping of them is gone).
     held_bytes: int = 0
+    #: The disk quota in force and the bytes on the daemon's disk tiers.
+    disk_quota_bytes: int = 0
+    disk_used_bytes: int = 0
 
 
 class Buffer(msgspec.Struct, frozen=True, kw_only=True):

@@ -134,14 +134,11 @@ class Service:
             topology or discover(),
         )
         self._tenants = Tenants(
-            self.store,
-            self._auth,
-            releaser,
-            settings.max_buffers_per_tenant,
+            self.store, self._auth, releaser, settings.max_buffers_per_tenant,
             held=functools.partial(self.runtime.holders.held_bytes_by, "tenant_id"),
-            host=settings.node_name,
-            remote_wait_s=3 * settings.reaper_interval_s,
-        )
+            host=settings.node_name, remote_wait_s=3 * settings.reaper_interval_s,
+            disk_factor=settings.disk_quota_factor, disk_used=lambda: self._disk.tenant_usage(),
+        )  # fmt: skip
         self._buffers = Buffers(
             settings,
             self.store,
@@ -276,8 +273,8 @@ class Service:
 
     # -- tenants and keys (maasd.core.tenants) ----------------------------------------------
 
-    def create_tenant(self, name: str, quota_bytes: int) -> NewTenant:
-        return self._tenants.create(name, quota_bytes)
+    def create_tenant(self, name: str, quota: int, disk_quota: int | None = None) -> NewTenant:
+        return self._tenants.create(name, quota, disk_quota)
 
     def tenants(self) -> list[TenantInfo]:
         return self._tenants.infos()
@@ -288,10 +285,9 @@ class Service:
     def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
         return self._tenants.set_quota(id_or_name, quota_bytes)
 
-    def update_tenant(
-        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
-    ) -> TenantInfo:
-        return self._tenants.update(id_or_name, quota_bytes=quota_bytes, max_buffers=max_buffers)
+    def update_tenant(self, id_or_name: str, **change: int | None) -> TenantInfo:
+        """``quota_bytes``, ``max_buffers``, ``disk_quota_bytes``: see Tenants.update."""
+        return self._tenants.update(id_or_name, **change)
 
     def delete_tenant(self, id_or_name: str) -> None:
         self._tiers.delete_tenant(id_or_name)

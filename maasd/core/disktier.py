@@ -18,8 +18,11 @@ tier")::
               it from memory. The copy on disk stays (a later eviction writes nothing).
     hit       a DRAM hit counts a use of its key for the admission filter.
 
-Each tier evicts by S3-FIFO within its ``disk_bytes`` and, per tenant, within
-``disk_quota_factor`` times the tenant's quota (the tenant's own entries, same rules).
+Each tier evicts by S3-FIFO within its ``disk_bytes``; a tenant's bytes on all the
+host's tiers stay within its disk quota (``tenants.disk_quota_bytes``, by default
+``disk_quota_factor`` times its quota): its own coldest entries go first, on the tier
+demoted to, then on the others, same rules. A quota lowered below use holds from the
+tenant's next demotion on.
 Nothing here fails a DRAM operation: a full or failing disk, a corrupt file or no room
 is a drop or a miss, counted in ``maasd_disk_drops``. Keys live in this object only, so
 the tiers are emptied at start and at close.
@@ -33,7 +36,8 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
@@ -42,6 +46,7 @@ from maasd.core.entries import Entries, Found
 from maasd.core.pools import Pools
 from maasd.core.release import Releaser
 from maasd.core.runtime import Runtime
+from maasd.core.tenants import disk_quota
 from maasd.disk.metrics import DiskMetrics
 from maasd.disk.policy import Admission, S3Fifo
 from maasd.disk.store import DiskDir, Sealed, Unreadable
@@ -63,6 +68,7 @@ class _OnDisk:
     tenant_id: str
     key: str
     pool_id: str
+    disk: DiskDir  # its tier's directory (where to erase it, even from another tier's demotion)
     written: bool = False  # the file is whole and in place: it may be promoted
     promoted_as: str | None = None  # the DRAM entry last promoted from it (its bytes)
     gone: bool = False  # erased (a pending write skips it, and removes what it wrote)
@@ -77,6 +83,29 @@ class _Tier:
     tenant_bytes: dict[str, int] = field(default_factory=dict)
 
 
+def _tenant_victims(
+    tier: _Tier, tiers: Iterable[_Tier], tenant: str, size: int, quota: int
+) -> Iterator[tuple[_Tier, _OnDisk]]:
+    """The tenant's coldest entries on disk, taken out of their tier's policy, until
+    ``size`` more bytes fit in its ``quota`` over all of ``tiers``: on ``tier`` (the one
+    demoted to) first, then on the others. Its caller forgets each before the next (their
+    bytes leave ``tenant_bytes``). Under the tiers' lock."""
+    order = [tier, *(t for t in tiers if t is not tier)]
+    while sum(t.tenant_bytes.get(tenant, 0) for t in order) + size > quota:
+        at = next(t for t in order if t.tenant_bytes.get(tenant, 0) > 0)
+        victim = at.policy.evict_one(lambda name: at.entries[name].tenant_id == tenant)  # type: ignore[index]  # noqa: B023
+        assert victim is not None  # the tenant's bytes are its entries'
+        yield at, at.entries[victim.key]  # type: ignore[index]
+
+
+def _erase(doomed: list[_OnDisk]) -> None:
+    """The files of entries taken out of the books (those written: a pending write skips
+    or removes its own)."""
+    for entry in doomed:
+        if entry.written:
+            entry.disk.erase(entry.sealed)
+
+
 class DiskTiers:
     """Every pool's disk tier on this host (a pool without ``disk_dir``/``disk_bytes`` has none)."""
 
@@ -86,9 +115,7 @@ class DiskTiers:
     ) -> None:  # fmt: skip
         """Wired in: every entry's end (``releaser``), the pools' listing (``pools``)."""
         self._factor = settings.disk_quota_factor
-        #: The ledger (a tenant's quota) and the runtime (the regions read).
-        self.store = store
-        self.runtime = runtime
+        self.store, self.runtime = store, runtime  # a tenant's quota; the regions read
         self._entries = entries
         self.metrics = DiskMetrics(metrics.registry)
         self.metrics.attach(self.stats)
@@ -129,7 +156,7 @@ class DiskTiers:
             doomed = (
                 [] if tier is None else [self._forget(e, tier) for e in list(tier.entries.values())]
             )
-        self._erase_all(tier, doomed)
+        _erase(doomed)
 
     def close(self) -> None:
         self._writer.close()
@@ -153,6 +180,11 @@ class DiskTiers:
             read_bytes=c.get("read_bytes", 0),
             write_bytes=c.get("write_bytes", 0),
         )
+
+    def tenant_usage(self) -> dict[str, int]:
+        """Bytes on this host's tiers (pending writes included), per tenant."""
+        with self._lock:
+            return dict(sum((Counter(t.tenant_bytes) for t in self._tiers.values()), Counter()))
 
     def stats(self) -> list[tuple[str, int, int]]:  # the gauges, at scrape time
         with self._lock:
@@ -193,7 +225,7 @@ class DiskTiers:
             found = self._index.get((tenant_id, key))
             tier = None if found is None else self._tiers.get(found.pool_id)
             doomed = [] if found is None or tier is None else [self._forget(found, tier)]
-        self._erase_all(tier, doomed)
+        _erase(doomed)
 
     def drop_tenant(self, tenant_id: str) -> None:
         """The tenant is deleted: every entry of it on any tier erased."""
@@ -221,7 +253,7 @@ class DiskTiers:
             cold = not self._admission.evicted(ident)
             if cold:
                 self.metrics.dropped(tier.pool, "cold")
-        self._erase_all(tier, stale)
+        _erase(stale)
         if cold:
             return
         if not self._writer.reserve(row.size_bytes):
@@ -234,22 +266,13 @@ class DiskTiers:
         if tenant is not None and sealed_blob is not None:
             sealed, blob = sealed_blob
             with self._lock:
-                doomed = self._admit(tier, row, sealed, tenant.quota_bytes * self._factor)
+                doomed = self._admit(tier, row, sealed, disk_quota(tenant, self._factor))
                 entry = self._index.get(ident)
-                if doomed is not None and entry is not None:
-                    # Queued in the order of admission, and the victims' files erased
-                    # before the new one is written: the bytes on disk never pass the
-                    # limits, not even for a moment (the victims' keys are dropped now).
-                    self._writer.submit(
-                        row.size_bytes, functools.partial(self._replace, tier, doomed, entry, blob)
-                    )
+                if doomed is not None and entry is not None:  # queued in admission order
+                    write = functools.partial(self._write, tier, entry, blob, doomed)
+                    self._writer.submit(row.size_bytes, write)
                     return
         self._writer.cancel(row.size_bytes)
-
-    def _replace(self, tier: _Tier, doomed: list[_OnDisk], entry: _OnDisk, blob: bytes) -> None:
-        """(writer thread) Erase the victims an admission chose, then write the entry."""
-        self._erase_all(tier, doomed)
-        self._write(tier, entry, blob)
 
     def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:
         """The entry's bytes encrypted, read under its lock (a release waits)."""
@@ -275,14 +298,13 @@ class DiskTiers:
         if size > quota or size > tier.policy.capacity:
             self.metrics.dropped(tier.pool, "quota" if size > quota else "full")
             return None
-        doomed: list[_OnDisk] = []
-        while tier.tenant_bytes.get(tenant, 0) + size > quota:
-            victim = tier.policy.evict_one(lambda name: tier.entries[name].tenant_id == tenant)  # type: ignore[index]
-            assert victim is not None  # the tenant's bytes are its entries'
-            doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
+        doomed = [
+            self._forget(victim, at, evicted=True)
+            for at, victim in _tenant_victims(tier, self._tiers.values(), tenant, size, quota)
+        ]
         for victim in tier.policy.insert(sealed.name, size):
             doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
-        entry = _OnDisk(sealed, tenant, row.key or "", row.pool_id)
+        entry = _OnDisk(sealed, tenant, row.key or "", row.pool_id, tier.disk)
         tier.entries[sealed.name] = entry
         tier.tenant_bytes[tenant] = tier.tenant_bytes.get(tenant, 0) + size
         self._index[(tenant, entry.key)] = entry
@@ -306,12 +328,10 @@ class DiskTiers:
             del self._index[(entry.tenant_id, entry.key)]
         return entry
 
-    def _erase_all(self, tier: _Tier | None, doomed: list[_OnDisk]) -> None:
-        for entry in doomed:
-            if tier is not None and entry.written:
-                tier.disk.erase(entry.sealed)
-
-    def _write(self, tier: _Tier, entry: _OnDisk, blob: bytes) -> None:
+    def _write(self, tier: _Tier, entry: _OnDisk, blob: bytes, doomed: list[_OnDisk]) -> None:
+        """(writer thread) The victims the admission chose erased first — the bytes on disk
+        never pass a limit, not even for a moment —, then the entry written."""
+        _erase(doomed)
         if entry.gone:  # erased before its turn
             return
         try:

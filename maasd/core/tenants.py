@@ -39,9 +39,18 @@ __all__ = ["Tenants", "tenant_info"]
 logger = logging.getLogger(__name__)
 
 
-def tenant_info(row: TenantRow, default_max_buffers: int, held: int = 0) -> TenantInfo:
+def disk_quota(row: TenantRow, factor: int) -> int:
+    """The tenant's disk quota in force: its own, or ``factor`` × its quota."""
+    return row.disk_quota_bytes if row.disk_quota_bytes is not None else factor * row.quota_bytes
+
+
+def tenant_info(
+    row: TenantRow, default_max_buffers: int, held: int = 0, *, disk_factor: int = 4,
+    disk_used: int = 0,
+) -> TenantInfo:  # fmt: skip
     """The API record of a tenant, with its usage (``held``: bytes of it still held after
-    their release) and the buffer cap in force."""
+    their release; ``disk_used``: its bytes on the disk tiers), the buffer cap and the disk
+    quota in force."""
     return TenantInfo(
         id=row.id,
         name=row.name,
@@ -51,6 +60,8 @@ def tenant_info(row: TenantRow, default_max_buffers: int, held: int = 0) -> Tena
         created_at=rfc3339(row.created_at),
         max_buffers=row.max_buffers if row.max_buffers is not None else default_max_buffers,
         held_bytes=held,
+        disk_quota_bytes=disk_quota(row, disk_factor),
+        disk_used_bytes=disk_used,
     )
 
 
@@ -72,6 +83,8 @@ class Tenants:
         host: str,
         remote_wait_s: float = 5.0,
         held: Callable[[], dict[str, int]] = dict,
+        disk_factor: int = 4,
+        disk_used: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self._store = store
         self._auth = auth
@@ -81,14 +94,17 @@ class Tenants:
         self._remote_wait_s = remote_wait_s
         #: bytes held after their release, per tenant (maasd.core.holders)
         self._held = held
+        #: the default disk quota's multiple of the quota; bytes on the disk tiers, per tenant
+        self._disk_factor = disk_factor
+        self._disk_used = disk_used
 
-    def create(self, name: str, quota_bytes: int) -> NewTenant:
+    def create(self, name: str, quota_bytes: int, disk_quota_bytes: int | None = None) -> NewTenant:
         """A new tenant and its first key (shown only here). :class:`StateConflict` if the
-        name is taken."""
+        name is taken. ``disk_quota_bytes`` ``None``: the default disk quota."""
         now = time.time()
         tenant_id = keys.new_id()
         token, key_id = keys.new_token(), keys.new_id()
-        self._store.add_tenant(tenant_id, name, quota_bytes, now)
+        row = self._store.add_tenant(tenant_id, name, quota_bytes, now, disk_quota_bytes)
         self._store.add_key(key_id, tenant_id, keys.digest(token), now)
         return NewTenant(
             id=tenant_id,
@@ -97,30 +113,46 @@ class Tenants:
             used_bytes=0,
             api_key=token,
             key_id=key_id,
+            disk_quota_bytes=disk_quota(row, self._disk_factor),
         )
 
+    def _info(self, row: TenantRow, held: dict[str, int], disk: dict[str, int]) -> TenantInfo:
+        return tenant_info(
+            row, self._default_max_buffers, held.get(row.id, 0),
+            disk_factor=self._disk_factor, disk_used=disk.get(row.id, 0),
+        )  # fmt: skip
+
     def infos(self) -> list[TenantInfo]:
-        held = self._held()
-        dmb = self._default_max_buffers
-        return [tenant_info(t, dmb, held.get(t.id, 0)) for t in self._store.tenants()]
+        held, disk = self._held(), self._disk_used()
+        return [self._info(t, held, disk) for t in self._store.tenants()]
 
     def info(self, id_or_name: str) -> TenantInfo:
         """One tenant by id (preferred) or name; :class:`NotFound` otherwise."""
         row = self._store.tenant(id_or_name)
         if row is None:
             raise NotFound(f"no tenant {id_or_name!r}")
-        return tenant_info(row, self._default_max_buffers, self._held().get(row.id, 0))
+        return self._info(row, self._held(), self._disk_used())
 
     def update(
-        self, id_or_name: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+        self,
+        id_or_name: str,
+        *,
+        quota_bytes: int | None = None,
+        max_buffers: int | None = None,
+        disk_quota_bytes: int | None = None,
     ) -> TenantInfo:
-        """Change the quota and/or the buffer cap, atomically (one event each).
+        """Change the quota, the buffer cap and/or the disk quota, atomically (one event
+        each).
 
-        Lowering either below current use is allowed: it blocks new reserves until use
-        falls below it. At least one must be given (:class:`InvalidRequest`).
+        Lowering one below current use is allowed: it blocks new reserves until use
+        falls below it; a disk quota holds from the next demotion of the tenant's on.
+        At least one must be given (:class:`InvalidRequest`).
         """
         t = self.info(id_or_name)
-        self._store.update_tenant(t.id, quota_bytes=quota_bytes, max_buffers=max_buffers)
+        self._store.update_tenant(
+            t.id, quota_bytes=quota_bytes, max_buffers=max_buffers,
+            disk_quota_bytes=disk_quota_bytes,
+        )  # fmt: skip
         return self.info(t.id)
 
     def set_quota(self, id_or_name: str, quota_bytes: int) -> TenantInfo:
@@ -240,4 +272,6 @@ class Tenants:
             buffers=t.buffers,
             max_buffers=t.max_buffers,
             held_bytes=t.held_bytes,
+            disk_quota_bytes=t.disk_quota_bytes,
+            disk_used_bytes=t.disk_used_bytes,
         )

@@ -45,7 +45,8 @@ class TenantRow(msgspec.Struct, frozen=True):
 
     ``used_bytes`` and ``buffers`` count the buffers in every state
     (:data:`~maasd.store.schema.ACCOUNTED_STATES`) — exactly what quota checks count.
-    ``max_buffers`` ``None`` means the daemon's default cap.
+    ``max_buffers`` ``None`` means the daemon's default cap, ``disk_quota_bytes``
+    ``None`` the default disk quota (``disk_quota_factor`` × ``quota_bytes``).
     """
 
     id: str
@@ -54,6 +55,7 @@ class TenantRow(msgspec.Struct, frozen=True):
     created_at: float
     max_buffers: int | None = None
     deleting_at: float | None = None
+    disk_quota_bytes: int | None = None
     used_bytes: int = 0
     buffers: int = 0
 

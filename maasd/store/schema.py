@@ -115,6 +115,9 @@ tenants = Table(
     # refused, while its buffers (also those whose reserve was in flight) are
     # released. NULL = not being deleted.
     Column("deleting_at", Float, nullable=True),
+    # The bytes it may hold on this host's disk tiers (docs/operations.md, "The disk
+    # tier"); NULL = the default, disk_quota_factor × quota_bytes.
+    Column("disk_quota_bytes", BigInteger, nullable=True),
 )
 
 api_keys = Table(

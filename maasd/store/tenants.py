@@ -38,6 +38,9 @@ _set_quota = update(_T).where(_T.c.id == bindparam("p_id")).values(quota_bytes=b
 _set_max_buffers = (
     update(_T).where(_T.c.id == bindparam("p_id")).values(max_buffers=bindparam("cap"))
 )
+_set_disk_quota = (
+    update(_T).where(_T.c.id == bindparam("p_id")).values(disk_quota_bytes=bindparam("disk"))
+)
 # The first delete marks the tenant; a delete resumed (again, or after a restart) keeps
 # the first mark.
 _mark_deleting = (
@@ -79,9 +82,14 @@ class TenantRepo(Connections):
     """Tenants (with their usage) and their keys."""
 
     # ------------------------------------------------------------ tenants
-    def add_tenant(self, id: str, name: str, quota_bytes: int, now: float) -> TenantRow:
-        """Insert a tenant. A taken name, or one that is another tenant's id (references
-        resolve ids first: it would stand for that one), raises :class:`StateConflict`."""
+    def add_tenant(
+        self, id: str, name: str, quota_bytes: int, now: float, disk_quota_bytes: int | None = None
+    ) -> TenantRow:
+        """Insert a tenant (``disk_quota_bytes`` ``None``: the default disk quota). A taken
+        name, or one that is another tenant's id (references resolve ids first: it would
+        stand for that one), raises :class:`StateConflict`."""
+        if disk_quota_bytes is not None and disk_quota_bytes < 0:
+            raise InvalidRequest(f"disk_quota_bytes must be ≥ 0, got {disk_quota_bytes}")
         try:
             with self._writing() as conn:
                 if conn.execute(select(_T.c.id).where(_T.c.id == name)).first() is not None:
@@ -90,7 +98,13 @@ class TenantRepo(Connections):
                     )
                 conn.execute(
                     insert(_T),
-                    {"id": id, "name": name, "quota_bytes": quota_bytes, "created_at": now},
+                    {
+                        "id": id,
+                        "name": name,
+                        "quota_bytes": quota_bytes,
+                        "created_at": now,
+                        "disk_quota_bytes": disk_quota_bytes,
+                    },
                 )
                 conn.execute(
                     ins_event,
@@ -98,7 +112,13 @@ class TenantRepo(Connections):
                 )
         except sa.exc.IntegrityError as exc:
             raise StateConflict(f"a tenant named {name!r} already exists") from exc
-        return TenantRow(id=id, name=name, quota_bytes=quota_bytes, created_at=now)
+        return TenantRow(
+            id=id,
+            name=name,
+            quota_bytes=quota_bytes,
+            created_at=now,
+            disk_quota_bytes=disk_quota_bytes,
+        )
 
     def tenant(self, id_or_name: str) -> TenantRow | None:
         """The tenant with this id (preferred) or name, with its usage; else ``None``."""
@@ -117,19 +137,27 @@ class TenantRepo(Connections):
         self.update_tenant(tenant_id, quota_bytes=quota_bytes)
 
     def update_tenant(
-        self, tenant_id: str, *, quota_bytes: int | None = None, max_buffers: int | None = None
+        self,
+        tenant_id: str,
+        *,
+        quota_bytes: int | None = None,
+        max_buffers: int | None = None,
+        disk_quota_bytes: int | None = None,
     ) -> None:
-        """Change a tenant's quota and/or buffer cap in one transaction, one event each.
+        """Change a tenant's quota, buffer cap and/or disk quota in one transaction, one
+        event each.
 
-        Lowering either below current use is allowed: it blocks new reserves until
-        use falls below it. :class:`NotFound` if unknown; :class:`InvalidRequest` for
-        neither value, a negative quota or a cap below 1.
+        Lowering one below current use is allowed: it blocks new reserves until use
+        falls below it (the disk quota: it holds from the next demotion on).
+        :class:`NotFound` if unknown; :class:`InvalidRequest` for no value, a negative
+        quota or a cap below 1.
         """
-        if quota_bytes is None and max_buffers is None:
-            raise InvalidRequest("give quota_bytes, max_buffers or both")
-        if quota_bytes is not None and quota_bytes < 0:
-            # a negative quota would make every usage sum "over quota"
-            raise InvalidRequest(f"quota_bytes must be ≥ 0, got {quota_bytes}")
+        if quota_bytes is None and max_buffers is None and disk_quota_bytes is None:
+            raise InvalidRequest("give quota_bytes, max_buffers or disk_quota_bytes")
+        for field, value in (("quota_bytes", quota_bytes), ("disk_quota_bytes", disk_quota_bytes)):
+            if value is not None and value < 0:
+                # a negative quota would make every usage sum "over quota"
+                raise InvalidRequest(f"{field} must be ≥ 0, got {value}")
         if max_buffers is not None and max_buffers < 1:
             raise InvalidRequest(f"max_buffers must be ≥ 1, got {max_buffers}")
         now = time.time()
@@ -146,6 +174,12 @@ class TenantRepo(Connections):
                 conn.execute(
                     ins_event,
                     event("max_buffers_set", now, tenant_id=tenant_id, detail=str(max_buffers)),
+                )
+            if disk_quota_bytes is not None:
+                conn.execute(_set_disk_quota, {"p_id": tenant_id, "disk": disk_quota_bytes})
+                conn.execute(
+                    ins_event,
+                    event("disk_quota_set", now, tenant_id=tenant_id, nbytes=disk_quota_bytes),
                 )
 
     def mark_tenant_deleting(self, tenant_id: str, *, now: float | None = None) -> int:

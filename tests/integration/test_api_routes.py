@@ -395,6 +395,8 @@ def test_usage(daemon: Daemon, tenant) -> None:
         "buffers": 0,
         "max_buffers": 4096,  # the daemon's default cap
         "held_bytes": 0,
+        "disk_quota_bytes": 4 * 64 * MiB,  # disk_quota_factor × the quota, by default
+        "disk_used_bytes": 0,
     }
     a = reserve(c, 5000)  # rounded to two pages
     reserve(c, 1 * MiB)

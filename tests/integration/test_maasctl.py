@@ -265,6 +265,8 @@ def test_keys_issue_revoke_and_usage(daemon: Any) -> None:
     out = ok(maasctl(daemon, "usage", MAASD_KEY=first_key, MAASD_ADMIN_KEY=None))
     assert "32 MiB" in out
     assert tid in out
+    assert "disk quota" in out
+    assert "128 MiB" in out  # disk_quota_factor 4 × the quota
 
     human = ok(maasctl(daemon, "keys", "issue", tid))
     assert "api key" in human

@@ -130,6 +130,8 @@ def test_never_checkpointed_buffer_does_not_survive_sigkill(fresh_daemon) -> Non
         "buffers": 0,
         "max_buffers": 4096,
         "held_bytes": 0,
+        "disk_quota_bytes": 4 * 64 * MiB,
+        "disk_used_bytes": 0,
     }
     user.close()
 

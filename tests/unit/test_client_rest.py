@@ -434,10 +434,12 @@ def test_update_tenant_sends_only_what_is_given() -> None:
         assert c.set_max_buffers("acme", 9).max_buffers == 9
         c.set_quota("acme", 5)
         c.update_tenant("acme", quota_bytes=5, max_buffers=9)
-        with pytest.raises(ValueError, match="give quota_bytes, max_buffers or both"):
+        c.set_disk_quota("acme", 0)
+        with pytest.raises(ValueError, match="give quota_bytes, max_buffers or disk_quota_bytes"):
             c.update_tenant("acme")
     assert bodies == [
         b'{"max_buffers":9}',
         b'{"quota_bytes":5}',
         b'{"quota_bytes":5,"max_buffers":9}',
+        b'{"disk_quota_bytes":0}',
     ]

@@ -87,3 +87,32 @@ def test_keys(store: Store) -> None:
     assert all(store.key_by_digest(digest(tok)) is None for tok in t2)
     with pytest.raises(NotFound):
         store.add_key(new_id(), new_id(), digest(new_token()), NOW)
+
+
+def test_a_tenants_disk_quota(store: Store) -> None:
+    from maasd.core.tenants import disk_quota, tenant_info
+
+    t = make_tenant(store, "acme", 1000)
+    assert t.disk_quota_bytes is None  # the default: disk_quota_factor × the quota
+    assert disk_quota(t, 4) == 4000
+    own = store.add_tenant(new_id(), "beta", 1000, NOW, disk_quota_bytes=123)
+    assert store.tenant(own.id) == own
+    assert own.disk_quota_bytes == 123
+    assert disk_quota(own, 4) == 123
+    info = tenant_info(own, 10, disk_factor=4, disk_used=77)
+    assert (info.disk_quota_bytes, info.disk_used_bytes) == (123, 77)
+    with pytest.raises(InvalidRequest):
+        store.add_tenant(new_id(), "gamma", 1000, NOW, disk_quota_bytes=-1)
+    assert store.tenant("gamma") is None
+    store.update_tenant(t.id, disk_quota_bytes=0)  # nothing of it kept on disk
+    after = store.tenant(t.id)
+    assert after is not None
+    assert (after.disk_quota_bytes, after.quota_bytes, after.max_buffers) == (0, 1000, None)
+    assert disk_quota(after, 4) == 0
+    events = [e for e in store.events(10, tenant_id=t.id) if e.kind == "disk_quota_set"]
+    assert [e.bytes for e in events] == [0]
+    with pytest.raises(InvalidRequest):
+        store.update_tenant(t.id, disk_quota_bytes=-5)
+    with pytest.raises(NotFound):
+        store.update_tenant(new_id(), disk_quota_bytes=5)
+    assert store.tenant(t.id) == after

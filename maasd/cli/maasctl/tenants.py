@@ -67,6 +67,8 @@ def tenant_detail(x: Tenant, *, ascii_only: bool = False) -> Table:
     add_row(t, "buffers", x.buffers)
     if x.max_buffers is not None:
         add_row(t, "max buffers", x.max_buffers)
+    add_row(t, "disk quota", format_size(x.disk_quota_bytes))
+    add_row(t, "disk used", format_size(x.disk_used_bytes))
     if x.created_at is not None:
         add_row(t, "created", format_time(x.created_at))
     return t
@@ -79,6 +81,7 @@ def tenant_created(x: NewTenant) -> Group:
     add_row(t, "name", x.name)
     add_row(t, "tenant id", ident(x.id))
     add_row(t, "quota", format_size(x.quota_bytes))
+    add_row(t, "disk quota", format_size(x.disk_quota_bytes))
     if x.key_id is not None:
         add_row(t, "key id", ident(x.key_id))
     add_row(t, "api key", text(x.api_key, "bold yellow", overflow="fold"))
@@ -115,8 +118,14 @@ def tenants_list(c: Ctx) -> None:
 @tenants.command("create")
 @click.argument("name")
 @click.option("--quota", type=SizeType(allow_zero=True), required=True, help="Hard quota (SIZE).")
+@click.option(
+    "--disk-quota",
+    type=SizeType(allow_zero=True),
+    default=None,
+    help="Bytes it may hold on the disk tiers (SIZE; default disk_quota_factor × quota).",
+)
 @pass_ctx
-def tenants_create(c: Ctx, name: str, quota: int) -> None:
+def tenants_create(c: Ctx, name: str, quota: int, disk_quota: int | None) -> None:
     """Create a tenant; prints its first API key, shown only this once.
 
     The answer names two ids: the tenant's ("tenant id"; "id" in --json) and its
@@ -125,10 +134,11 @@ def tenants_create(c: Ctx, name: str, quota: int) -> None:
     \b
     Examples:
       maasctl tenants create acme --quota 8GiB
+      maasctl tenants create acme --quota 8GiB --disk-quota 100GiB
       maasctl --json tenants create acme --quota 8GiB | jq -r .api_key
     """
     with c.client("admin") as client, client.responses() as seen:
-        t = client.create_tenant(name, quota)
+        t = client.create_tenant(name, quota, disk_quota)
     c.emit(raw(seen), lambda: tenant_created(t))
 
 
@@ -159,6 +169,23 @@ def tenants_set_quota(c: Ctx, tenant: str, size: int) -> None:
       maasctl tenants set-quota acme 16GiB
     """
     _update(c, tenant, f"Quota of {{}} set to {format_size(size)}.", quota_bytes=size)
+
+
+@tenants.command("set-disk-quota")
+@click.argument("tenant", metavar="NAME|ID", shell_complete=complete("tenant"))
+@click.argument("size", metavar="SIZE", type=SizeType(allow_zero=True))
+@pass_ctx
+def tenants_set_disk_quota(c: Ctx, tenant: str, size: int) -> None:
+    """Bound a tenant's bytes on the pools' disk tiers (by default disk_quota_factor × quota).
+
+    Lowering it below current use is allowed: the tenant's coldest entries on disk
+    are evicted at its next demotion. 0: none of its entries is kept on disk.
+
+    \b
+    Example:
+      maasctl tenants set-disk-quota acme 100GiB
+    """
+    _update(c, tenant, f"Disk quota of {{}} set to {format_size(size)}.", disk_quota_bytes=size)
 
 
 @tenants.command("set-max-buffers")

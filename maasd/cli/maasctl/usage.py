@@ -32,6 +32,8 @@ def usage_view(u: Usage, *, ascii_only: bool = False) -> Table:
     add_row(t, "free", format_size(max(0, u.quota_bytes - u.used_bytes)))
     add_row(t, "use", usage_bar(u.used_bytes, u.quota_bytes, ascii_only=ascii_only))
     add_row(t, "buffers", u.buffers)
+    add_row(t, "disk quota", format_size(u.disk_quota_bytes))  # on this host's disk tiers
+    add_row(t, "disk used", format_size(u.disk_used_bytes))
     return t
 
 
