@@ -343,9 +343,9 @@ class DiskTiers:
                 self.metrics.dropped(tier.pool, reason)
             logger.info("pool %s: a demotion was dropped: %s", tier.pool, e)
             return
-        self.metrics.written(tier.pool, len(blob))
         with self._lock:
-            entry.written = not entry.gone
+            entry.written = not entry.gone  # promotable from now on
+        self.metrics.written(tier.pool, len(blob))  # (after: a metric seen is promotable)
         if entry.gone:  # erased while it was being written
             tier.disk.erase(entry.sealed)
 

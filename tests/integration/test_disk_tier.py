@@ -120,7 +120,8 @@ def test_demote_then_promote_from_another_process(disk_daemon: Daemon, tmp_path:
     data = pattern(MiB, 99)
     r = demote_one(d, key, pool, data, fill=9)
     wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) == 1, timeout=20)
-    wait_until(lambda: len([f for f in disk_files(disk) if f.endswith(SUFFIX)]) == 1)
+    wait_written(d, pool)
+    assert len([f for f in disk_files(disk) if f.endswith(SUFFIX)]) == 1
     assert d.metric("maasd_disk_drops_total", pool=pool, reason="cold") >= 1  # the fillers
     (name,) = [f for f in disk_files(disk) if f.endswith(SUFFIX)]
     raw = (disk / name).read_bytes()
@@ -152,7 +153,7 @@ def test_release_and_tenant_delete_erase_the_file(disk_daemon: Daemon, tmp_path:
     pool = tier_pool(d, disk)
     tenant_id, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 1), fill=8)
-    wait_until(lambda: any(f.endswith(SUFFIX) for f in disk_files(disk)), timeout=20)
+    wait_written(d, pool)
     # Promoted, then released by its owner: the copy on disk goes with it.
     hit, fd = lookup(r, ["hot"])
     os.close(fd)
@@ -161,12 +162,20 @@ def test_release_and_tenant_delete_erase_the_file(disk_daemon: Daemon, tmp_path:
     assert listed_entries(d, pool) == 0
     # Demoted again (a new entry of the key), then its tenant deleted: erased too.
     r.close()
+    written = d.metric("maasd_disk_write_bytes_total", pool=pool)
     r = demote_one(d, key, pool, pattern(MiB, 2), fill=8)
-    wait_until(lambda: any(f.endswith(SUFFIX) for f in disk_files(disk)), timeout=20)
+    wait_written(d, pool, written)
     r.close()
     assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
     wait_until(lambda: disk_files(disk) == [])
     assert listed_entries(d, pool) == 0
+
+
+def wait_written(d: Daemon, pool: str, before: float = 0.0) -> None:
+    """Until a demotion's file is written and promotable (its file appears a moment
+    before: the writes metric counts it once a lookup can find it)."""
+    metric = "maasd_disk_write_bytes_total"
+    wait_until(lambda: d.metric(metric, pool=pool) > before, timeout=20)
 
 
 def listed_entries(d: Daemon, pool: str) -> int:
@@ -178,7 +187,7 @@ def test_a_corrupt_file_is_a_miss_and_is_dropped(disk_daemon: Daemon, tmp_path: 
     pool = tier_pool(d, disk)
     _, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 3), fill=8)
-    wait_until(lambda: any(f.endswith(SUFFIX) for f in disk_files(disk)), timeout=20)
+    wait_written(d, pool)
     (name,) = disk_files(disk)
     raw = bytearray((disk / name).read_bytes())
     raw[len(raw) // 2] ^= 0x40

@@ -73,6 +73,7 @@ def test_after_a_release_no_key_in_memory_opens_the_file(svc: Service, tmp_path:
     disk = tmp_path / "disk"
     tiers = svc._disk  # the keys this daemon holds
     wait_until(lambda: len([p for p in disk.iterdir() if p.suffix == ".ent"]) == 2)
+    wait_until(lambda: tiers.fill_ready(who.tenant_id or "", ["hot"]))  # written: promotable
     path = disk / tiers._index[(who.tenant_id or "", "hot")].sealed.name
     raw = path.read_bytes()
     found = svc.fill_entry(who, ["hot"])  # promoted; then released by its owner
@@ -116,6 +117,9 @@ def test_a_key_put_again_replaces_its_copy_on_disk(svc: Service, tmp_path: Path)
     used_once(svc, who, "k")
     evict_all(1)
     wait_until(lambda: len(files()) == 1 and files()[0] != first)
+    tenant_id = who.tenant_id
+    assert tenant_id is not None
+    wait_until(lambda: svc._disk.fill_ready(tenant_id, ["k"]))  # written: promotable
     found = svc.fill_entry(who, ["k"])  # promoted: the second bytes
     with mmap.mmap(found.fd, MiB, prot=mmap.PROT_READ) as m:
         assert m[:] == bytes([2]) * MiB
