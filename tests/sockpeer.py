@@ -23,7 +23,17 @@ from dataclasses import dataclass
 from maasd import errors
 from maasd.broker import Broker, Limits
 from maasd.models import Principal
-from maasd.protocol import FrameReader, Hello, Released, Welcome, decode_reply, encode_frame
+from maasd.protocol import (
+    Error,
+    Found,
+    FrameReader,
+    Hello,
+    Lookup,
+    Released,
+    Welcome,
+    decode_reply,
+    encode_frame,
+)
 
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 MiB = 1 << 20
@@ -110,6 +120,22 @@ class Raw:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def lookup(r: Raw, keys: list[str]) -> tuple[Found, int]:
+    """A lookup that must hit: the answer and its one fd."""
+    reply, fds = r.call(Lookup(keys=keys))
+    assert isinstance(reply, Found), reply
+    assert len(fds) == 1
+    return reply, fds[0]
+
+
+def miss(r: Raw, keys: list[str]) -> None:
+    """A lookup that must miss: a 404 frame and no fd."""
+    reply, fds = r.call(Lookup(keys=keys))
+    assert fds == []
+    assert isinstance(reply, Error), reply
+    assert reply.status == 404, reply
 
 
 # --- the fake service ---------------------------------------------------------------

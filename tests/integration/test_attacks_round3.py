@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import test_ledger_outage
-from test_disk_tier import connect, demote_one, miss, pattern, probe, tier_pool
+from test_disk_tier import connect, demote_one, pattern, probe, tier_pool
 
 from conftest import Daemon
 from hardening import after_attack, ledger_ids
 from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
 from pgdb import PG_URL
-from sockpeer import Raw
+from sockpeer import Raw, miss
 from waiting import wait_until
 
 MiB = 1 << 20

@@ -21,6 +21,7 @@ from test_disk_tier import (
     SUFFIX,
     connect,
     disk_files,
+    entry_file_bytes,
     maasctl,
     pattern,
     put_committed_in,
@@ -78,15 +79,9 @@ def test_a_small_disk_quota_holds_under_concurrent_demotions(
     errors: list[BaseException] = []
     stop = threading.Event()
 
-    def size(name: str) -> int:
-        try:
-            return (disk / name).stat().st_size
-        except FileNotFoundError:
-            return 0
-
     def watch() -> None:
         while not stop.is_set():
-            seen.append(sum(size(f) for f in disk_files(disk) if f.endswith(SUFFIX)))
+            seen.append(entry_file_bytes(disk))
             seen.append(record(d, tenant_id)["disk_used_bytes"])
 
     def churn(n: int) -> None:

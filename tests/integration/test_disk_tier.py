@@ -9,6 +9,7 @@ a SIGKILL leaves nothing restorable behind; a tenant's disk quota holds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -22,8 +23,8 @@ from typing import Any
 import pytest
 
 from conftest import Daemon
-from maasd.protocol import Commit, Detach, Error, Found, Lookup, Ok, Put, Reserved
-from sockpeer import Raw
+from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
+from sockpeer import Raw, lookup, miss
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -39,20 +40,6 @@ def connect(d: Daemon, key: str) -> Raw:
 
 def pattern(size: int, seed: int = 0) -> bytes:
     return hashlib.shake_256(f"entry-{seed}".encode()).digest(size)
-
-
-def lookup(r: Raw, keys: list[str]) -> tuple[Found, int]:
-    reply, fds = r.call(Lookup(keys=keys))
-    assert isinstance(reply, Found), reply
-    assert len(fds) == 1
-    return reply, fds[0]
-
-
-def miss(r: Raw, keys: list[str]) -> None:
-    reply, fds = r.call(Lookup(keys=keys))
-    assert fds == []
-    assert isinstance(reply, Error), reply
-    assert reply.status == 404, reply
 
 
 def probe(d: Daemon, key: str, keys: list[str]) -> dict[str, Any]:
@@ -73,6 +60,16 @@ def probe(d: Daemon, key: str, keys: list[str]) -> dict[str, Any]:
 
 def disk_files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir()) if path.exists() else []
+
+
+def entry_file_bytes(disk: Path) -> int:
+    """The bytes of the tier's entry files now (a file erased meanwhile counts 0)."""
+    total = 0
+    for name in disk_files(disk):
+        if name.endswith(SUFFIX):
+            with contextlib.suppress(FileNotFoundError):
+                total += (disk / name).stat().st_size
+    return total
 
 
 def tier_pool(d: Daemon, disk: Path, capacity: int = 8 * MiB, disk_bytes: int = 64 * MiB) -> str:
@@ -258,15 +255,9 @@ def test_disk_quota_holds_under_concurrent_demotions(disk_daemon: Daemon, tmp_pa
     errors: list[BaseException] = []
     stop = threading.Event()
 
-    def size(name: str) -> int:
-        try:
-            return (disk / name).stat().st_size
-        except FileNotFoundError:
-            return 0
-
     def watch() -> None:
         while not stop.is_set():
-            seen.append(sum(size(f) for f in disk_files(disk) if f.endswith(SUFFIX)))
+            seen.append(entry_file_bytes(disk))
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()

@@ -36,13 +36,12 @@ from maasd.protocol import (
     Commit,
     Detach,
     Error,
-    Found,
     Lookup,
     Ok,
     Put,
     Reserved,
 )
-from sockpeer import Raw
+from sockpeer import Raw, lookup, miss
 from waiting import wait_until
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -87,20 +86,6 @@ def put_committed(r: Raw, key: str, data: bytes) -> str:
     os.close(fd)
     commit(r, reply.buffer_id)
     return reply.buffer_id
-
-
-def lookup(r: Raw, keys: list[str]) -> tuple[Found, int]:
-    reply, fds = r.call(Lookup(keys=keys))
-    assert isinstance(reply, Found), reply
-    assert len(fds) == 1
-    return reply, fds[0]
-
-
-def miss(r: Raw, keys: list[str]) -> None:
-    reply, fds = r.call(Lookup(keys=keys))
-    assert fds == []
-    assert isinstance(reply, Error), reply
-    assert reply.status == 404, reply
 
 
 def probe(daemon: Any, key: str, keys: list[str]) -> dict[str, Any]:
