@@ -207,8 +207,10 @@ def test_the_data_plane_outlives_a_stopped_ledger(
             assert "maasd-stale" not in d.client(key).get("/v1/usage").headers
         # The hit entry's lease was extended during the outage and written after it; the
         # unused one ended during the outage and is reaped now, as the reaper would have.
-        # (within a few reaper passes: generous, for a loaded machine)
-        wait_until(lambda: workers[a].lookup(["prefix:unused"]) is None, timeout=30)
+        # Watched over REST, which uses nothing: a lookup hit would extend its lease.
+        unused_url = f"/v1/buffers/{unused}"
+        wait_until(lambda: a.client(key).get(unused_url).status_code == 404, timeout=30)
+        assert workers[a].lookup(["prefix:unused"]) is None
         assert expires_at(a, key, short) >= last_hit + LEASE_S - 1.0  # written once back
         with hit(workers[a], ["prefix:short"]) as m:
             assert m.buffer_id == short
