@@ -24,8 +24,8 @@ from maasd.llama.link import Link
 from maasd.router.files import LinkedFile
 from maasd.router.state import (
     StateError,
+    check_file_form,
     file_size,
-    parse_file_form,
     validate_entry,
     write_entry_form,
     write_file_form,
@@ -146,7 +146,7 @@ class Sharing:
         key = next(k for n, k in self.keys(np.asarray(tokens)[:key_len]) if n == key_len)
         mm, src = saved.map(n_written, write=False)
         try:
-            form = parse_file_form(src, n_written)
+            form = check_file_form(src, n_written)
             if len(form.tokens) != key_len or not np.array_equal(
                 form.tokens, np.asarray(tokens, dtype=np.int32)[:key_len]
             ):

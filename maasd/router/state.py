@@ -23,8 +23,6 @@ will read, in memory nobody else can change.
 
 from __future__ import annotations
 
-import struct
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -40,6 +38,16 @@ from maasd.llama.format import (
     parse_header,
     state_checksum,
 )
+from maasd.llama.forms import (
+    FILE_HEAD,
+    FILE_MAGIC,
+    IO_MAGIC,
+    IO_PREFIX,
+    FileForm,
+    StateError,
+    parse_file_form,
+)
+from maasd.llama.views import StateView, view_file_form, view_get_data
 
 __all__ = [
     "FILE_MAGIC",
@@ -47,6 +55,7 @@ __all__ = [
     "IO_MAGIC",
     "FileForm",
     "StateError",
+    "check_file_form",
     "entry_size",
     "file_size",
     "fleet_fingerprint",
@@ -57,65 +66,10 @@ __all__ = [
     "write_file_form",
 ]
 
-FILE_MAGIC = 0x67677371  # LLAMA_FILE_MAGIC_GGSQ
-IO_MAGIC = 0xAF143CD8  # the first u32 of llama_state_seq_get_data
-_FILE_HEAD = struct.Struct("<III")
-_IO_PREFIX = struct.Struct("<Ii")
-_PACKED_MARK = -1  # LLAMA_TOKEN_NULL: a packed server_tokens record follows
-_PACKED_VERSION = 1
-
-
-class StateError(ValueError):
-    """A state that must not reach llama.cpp (why is in the message)."""
-
-
-# --------------------------------------------------------------------------- file form
-
-
-@dataclass(frozen=True)
-class FileForm:
-    """A parsed ``ggsq`` file: its tokens and where its memory state lies."""
-
-    tokens: npt.NDArray[np.int32]
-    state_offset: int
-    state_len: int
-
-
-def _unpack_tokens(raw: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
-    """The tokens of a server's token record (packed or plain)."""
-    if len(raw) == 0 or raw[0] != _PACKED_MARK:
-        return raw
-    if len(raw) < 4 or int(raw[1]) != _PACKED_VERSION:
-        raise StateError("unknown packed token record")
-    n = int(raw[2])
-    if n < 0 or 3 + n + 1 > len(raw):
-        raise StateError("packed token count exceeds the record")
-    if int(raw[3 + n]) != 0:
-        raise StateError("the slot holds media chunks (not shareable)")
-    if any(raw[4 + n :]):
-        raise StateError("trailing data in the packed token record")
-    return raw[3 : 3 + n]
-
-
-def parse_file_form(buf: bytes | memoryview | npt.NDArray[np.uint8], size: int) -> FileForm:
-    """Parse the ``ggsq`` bytes a server saved (the first ``size`` of ``buf``)."""
-    view = buf.data if isinstance(buf, np.ndarray) else memoryview(buf).cast("B")
-    size = min(size, len(view))
-    if size < _FILE_HEAD.size:
-        raise StateError(f"slot file of {size} bytes")
-    magic, version, count = _FILE_HEAD.unpack_from(view, 0)
-    if magic != FILE_MAGIC or version != FILE_VERSION:
-        raise StateError(f"slot file magic {magic:#x} version {version}, want ggsq v{FILE_VERSION}")
-    offset = _FILE_HEAD.size + 4 * count
-    if offset >= size:
-        raise StateError(f"slot file of {size} bytes cannot hold {count} token words and a state")
-    raw = np.frombuffer(view, dtype="<i4", count=count, offset=_FILE_HEAD.size)
-    return FileForm(_unpack_tokens(raw).copy(), offset, size - offset)
-
 
 def file_size(n_tokens: int, memory_len: int) -> int:
     """Bytes of the file form of ``n_tokens`` tokens and ``memory_len`` bytes of memory state."""
-    return _FILE_HEAD.size + 4 * n_tokens + memory_len
+    return FILE_HEAD.size + 4 * n_tokens + memory_len
 
 
 def write_file_form(
@@ -126,14 +80,14 @@ def write_file_form(
     The memory state is the entry's state less its 8-byte ``get_data`` prefix.
     """
     toks = header.tokens
-    memory = entry[header.header_len + _IO_PREFIX.size : header.header_len + header.state_len]
+    memory = entry[header.header_len + IO_PREFIX.size : header.header_len + header.state_len]
     n = file_size(len(toks), len(memory))
     if dst.size < n:
         raise ValueError(f"{dst.size} B cannot hold a {n} B slot file")
-    dst[: _FILE_HEAD.size] = np.frombuffer(
-        _FILE_HEAD.pack(FILE_MAGIC, FILE_VERSION, len(toks)), dtype=np.uint8
+    dst[: FILE_HEAD.size] = np.frombuffer(
+        FILE_HEAD.pack(FILE_MAGIC, FILE_VERSION, len(toks)), dtype=np.uint8
     )
-    off = _FILE_HEAD.size
+    off = FILE_HEAD.size
     dst[off : off + 4 * len(toks)] = as_tokens(toks).view(np.uint8)
     dst[off + 4 * len(toks) : n] = memory
     return n
@@ -144,7 +98,7 @@ def write_file_form(
 
 def entry_size(n_tokens: int, memory_len: int) -> int:
     """Bytes of the entry form of ``n_tokens`` tokens and ``memory_len`` bytes of memory."""
-    return header_len_for(n_tokens) + _IO_PREFIX.size + memory_len
+    return header_len_for(n_tokens) + IO_PREFIX.size + memory_len
 
 
 def write_entry_form(
@@ -162,12 +116,12 @@ def write_entry_form(
     """
     toks = form.tokens if n_tokens is None else form.tokens[:n_tokens]
     hlen = header_len_for(len(toks))
-    state_len = _IO_PREFIX.size + form.state_len
+    state_len = IO_PREFIX.size + form.state_len
     if dst.size < hlen + state_len:
         raise ValueError(f"{dst.size} B cannot hold a {hlen + state_len} B entry")
     state = dst[hlen : hlen + state_len]
-    state[: _IO_PREFIX.size] = np.frombuffer(_IO_PREFIX.pack(IO_MAGIC, 0), dtype=np.uint8)
-    state[_IO_PREFIX.size :] = src[form.state_offset : form.state_offset + form.state_len]
+    state[: IO_PREFIX.size] = np.frombuffer(IO_PREFIX.pack(IO_MAGIC, 0), dtype=np.uint8)
+    state[IO_PREFIX.size :] = src[form.state_offset : form.state_offset + form.state_len]
     crc = state_checksum(state.data)
     head = pack_header(fingerprint, toks, state_len, crc, chunk)
     m = 8  # the magic goes last: a reader sees the entry whole or not at all
@@ -183,7 +137,8 @@ def validate_entry(
 
     The header (magic, version, header checksum, bounds), the fingerprint, that the
     stored tokens start with the ``matched`` tokens of the prompt the key was computed
-    from, the ``get_data`` prefix, and the checksum of the whole state. Raises
+    from, the ``get_data`` prefix, the checksum of the whole state, and that the state
+    parses into whole per-layer K/V caches holding those tokens. Raises
     :class:`StateError` (a miss: the caller drops the entry).
     """
     try:
@@ -196,11 +151,27 @@ def validate_entry(
     if hdr.n_tokens < matched or not np.array_equal(hdr.tokens[:matched], arr[:matched]):
         raise StateError("its tokens do not match its key")
     state = buf[hdr.header_len : hdr.header_len + hdr.state_len]
-    if hdr.state_len <= _IO_PREFIX.size:
+    if hdr.state_len <= IO_PREFIX.size:
         raise StateError("empty state")
-    magic, _seq = _IO_PREFIX.unpack_from(state.data, 0)
+    magic, _seq = IO_PREFIX.unpack_from(state.data, 0)
     if magic != IO_MAGIC:
         raise StateError(f"state magic {magic:#x} is not llama_state_seq_get_data's")
     if state_checksum(state.data) != hdr.state_crc:
         raise StateError("state checksum mismatch")
+    _check_layout(view_get_data(state), hdr.n_tokens)
     return hdr
+
+
+def _check_layout(view: StateView, n_tokens: int) -> None:
+    """The memory state parses into whole caches (:mod:`maasd.llama.views`: llama.cpp
+    aborts on some malformed states) and holds at least the tokens its head names."""
+    cells = max((c.n_cells for c in view.caches), default=0)
+    if cells < n_tokens:
+        raise StateError(f"the state holds {cells} cells for {n_tokens} tokens")
+
+
+def check_file_form(buf: npt.NDArray[np.uint8], size: int) -> FileForm:
+    """:func:`parse_file_form`, and its memory state checked like an entry's."""
+    form = parse_file_form(buf, size)
+    _check_layout(view_file_form(buf, size), len(form.tokens))
+    return form

@@ -11,12 +11,14 @@ import pytest
 
 pytest.importorskip("xxhash")
 
+from kvstate import Cache, memory
 from maasd.llama.fleet import fleet_fingerprint, ggml_type_name
 from maasd.router.slots import Slot, choose, common_prefix, restore_target
 from maasd.router.state import (
     FILE_MAGIC,
     FILE_VERSION,
     StateError,
+    check_file_form,
     entry_size,
     parse_file_form,
     validate_entry,
@@ -25,7 +27,7 @@ from maasd.router.state import (
 )
 
 FP = "ab" * 16
-MEMORY = np.arange(4000, dtype=np.uint32).view(np.uint8)  # a stand-in memory state
+MEMORY = np.frombuffer(memory(Cache(n_cells=4)), np.uint8)  # 2 layers, 4 cells
 
 
 def ggsq(tokens: list[int], memory: np.ndarray, *, packed: bool = True) -> np.ndarray:
@@ -110,6 +112,26 @@ def test_every_corruption_is_refused_before_a_server_sees_it() -> None:
     zeros = np.zeros_like(good)  # what a scrubbed entry reads as
     with pytest.raises(StateError):
         validate_entry(zeros, zeros.size, FP, [10], 1)
+
+
+@pytest.mark.parametrize(
+    ("mem", "why"),
+    [
+        (memory(Cache(n_cells=3)), "3 cells for 4 tokens"),
+        (memory(Cache(n_cells=4))[:-1], "truncated"),
+        (memory(Cache(n_cells=4)) + b"\0\0\0\0", "0 streams"),
+        (struct.pack("<II", 1, 4) + b"\0" * 200, "n_seq_id"),
+    ],
+    ids=["fewer-cells", "truncated", "trailing", "no-sequence"],
+)
+def test_a_state_with_a_good_checksum_but_a_broken_layout_is_refused(mem: bytes, why: str) -> None:
+    # The checksum is the writer's: these entries were written so, not corrupted since.
+    bad = entry_of([10, 11, 12, 13], np.frombuffer(mem, np.uint8))
+    with pytest.raises(StateError, match=why):
+        validate_entry(bad, bad.size, FP, [10, 11, 12, 13], 4)
+    src = ggsq([10, 11, 12, 13], np.frombuffer(mem, np.uint8))
+    with pytest.raises(StateError, match=why):
+        check_file_form(src, src.size)
 
 
 def test_fingerprint_names_every_setting(tmp_path: Path) -> None:
