@@ -15,6 +15,7 @@ import click
 
 from maasd.cli.maasctl.buffers import buffers
 from maasd.cli.maasctl.context import DEFAULT_URL, Ctx, console
+from maasd.cli.maasctl.entries import entries
 from maasd.cli.maasctl.errors import from_client_error
 from maasd.cli.maasctl.events import events
 from maasd.cli.maasctl.hosts import hosts
@@ -109,7 +110,9 @@ def cli(ctx: click.Context, url: str, key: str | None, as_json: bool, timeout: f
     ctx.obj = Ctx(url=url, key=key, as_json=as_json, timeout=timeout, out=console())
 
 
-for command in (status, usage, topology, top, pools, tenants, keys, buffers, events, hosts):
+for command in (
+    *(status, usage, topology, top, pools, tenants, keys, buffers, entries, events, hosts),
+):
     cli.add_command(command)
 
 
