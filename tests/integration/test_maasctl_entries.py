@@ -17,11 +17,12 @@ pytestmark = pytest.mark.llama
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+from test_maasctl import fails, maasctl, ok, ok_json  # noqa: E402
+
 from llama_model import GERMANY  # noqa: E402
 from maasd.client import Worker  # noqa: E402
 from maasd.llama import KVStore  # noqa: E402
 from maasd.llama.fleet import model_fleet_fingerprint  # noqa: E402
-from test_maasctl import fails, maasctl, ok, ok_json  # noqa: E402
 
 CHUNK = 32
 
