@@ -736,6 +736,11 @@ def _print_table(checks: list[Check]) -> None:
 @click.option("--socket-group", help="Workers' group [env MAASD_SOCKET_GROUP].")
 @click.option("--llama-model", type=click.Path(dir_okay=False), help="A GGUF to eval with.")
 @click.option(
+    "--llama-server",
+    type=click.Path(dir_okay=False),
+    help="Also check that this llama-server binary runs a quantized eval here (maasd router).",
+)
+@click.option(
     "--skip",
     multiple=True,
     type=click.Choice(CHECKS),
@@ -756,6 +761,7 @@ def _print_table(checks: list[Check]) -> None:
 def doctor(
     as_json: bool,
     llama_model: str | None,
+    llama_server: str | None,
     sysfs_root: str,
     skip: tuple[str, ...],
     nofile: int | None,
@@ -786,6 +792,10 @@ def doctor(
         open_files=nofile,
         max_map_count=max_map_count,
     )
+    if llama_server:
+        from maasd.cli.doctor_llama import check_llama_server
+
+        checks.append(check_llama_server(llama_server, _model(llama_model)))
     ok = not any(c.status == "fail" for c in checks)
     if as_json:
         click.echo(msgspec.json.encode({"ok": ok, "checks": checks}).decode())
