@@ -17,6 +17,9 @@ evaluated skips recomputing it::
 The package, by layer (each imports only those before it, and the client)::
 
     format    entry header, keys, fingerprints: pure (numpy; xxhash on first checksum)
+    fleet     the fingerprint a llama-cpp-python process shares with a llama-server fleet
+    forms     the heads of a state's get_data and ggsq (slot file) forms: pure
+    views     per-layer K/V views of a state in any form, zero-copy: pure
     adapter   LlamaSeqAdapter: every access to llama-cpp-python's internals
     entries   Entries: what the store needs of the daemon — SocketEntries (the worker
               socket's entry fast path, the default) or RestEntries

@@ -1,9 +1,9 @@
 """``maasd router``: llama-server fleets share prompt prefixes through maasd (SPEC §11).
 
-The package, by layer (each imports only those before it, ``maasd.llama.format`` and
-``maasd.llama.link``, and the client)::
+The package, by layer (each imports only those before it, maasd.llama's pure parts —
+``format``, ``forms``, ``views``, ``fleet`` — ``maasd.llama.link``, and the client)::
 
-    state     the entry and ggsq forms of a sequence state, the fleet fingerprint (pure)
+    state     the entry and ggsq forms of a sequence state and their checks (pure)
     files     router memfds linked into a backend's slot dir (no file on disk)
     slots     what each slot holds and which slot a prompt gets (pure)
     metrics   the router's Prometheus metrics
