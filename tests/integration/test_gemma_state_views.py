@@ -108,3 +108,35 @@ def test_an_entry_is_viewed_in_place_through_its_read_only_mapping(daemon: Any, 
                 assert not layer.k.flags.writeable
             g = view_get_data(get_data(model))
             assert all(np.array_equal(a.k, b.k) for a, b in zip(v.layers, g.layers, strict=True))
+
+
+def test_the_routers_conversion_keeps_every_layer(daemon: Any, model: Any, tmp_path: Path) -> None:
+    """The sealed slot file the router stages from a Python worker's entry holds, layer
+    for layer, the K/V bytes of the entry (and of the model's own get_data)."""
+    from maasd.llama.link import Link
+    from maasd.router.share import Sharing
+
+    _tid, key = daemon.tenant(f"views-{uuid.uuid4().hex[:8]}", 64 << 20)
+    n = model.n_tokens
+    toks = list(model.input_ids[:n])
+    fp = model_fleet_fingerprint(model)
+    with Worker(daemon.socket_path, key) as w:
+        assert KVStore(None, w, model, chunk=CHUNK, fingerprint=fp).save(0, toks) is not None
+    staged = Sharing(Link(daemon.socket_path, key), fp, chunk=CHUNK).stage(
+        np.asarray(toks), tmp_path, 0
+    )
+    assert staged is not None
+    try:
+        f = view_file_form(staged.file.path.read_bytes())
+    finally:
+        staged.file.close()
+    g = view_get_data(get_data(model))
+    assert f.tokens is not None
+    assert f.tokens.tolist() == toks
+    assert len(f.layers) == len(g.layers) == 18
+    for a, b in zip(f.layers, g.layers, strict=True):
+        assert (a.k_type, a.v_type, a.v_trans) == (b.k_type, b.v_type, b.v_trans)
+        assert np.array_equal(a.k, b.k)
+        assert a.v is not None
+        assert b.v is not None
+        assert np.array_equal(a.v, b.v)
