@@ -5,6 +5,7 @@ is viewed strictly inside the buffer."""
 from __future__ import annotations
 
 import contextlib
+import struct
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstate import Cache, get_data
+from maasd.llama.format import pack_header, state_checksum
+from maasd.llama.forms import FILE_MAGIC, FILE_VERSION
 from maasd.llama.views import StateError, StateView, view_state
 
 caches = st.builds(
@@ -40,6 +43,7 @@ def inside(v: StateView, buf: Any) -> bool:
     return True
 
 
+@settings(deadline=None)
 @given(states)
 def test_a_built_state_parses_back_to_its_shape(cs: list[Cache]) -> None:
     data = get_data(*cs)
@@ -54,10 +58,24 @@ def test_a_built_state_parses_back_to_its_shape(cs: list[Cache]) -> None:
     assert inside(v, data)
 
 
-@settings(max_examples=300)
-@given(states, st.data())
-def test_damage_is_a_state_error_or_a_view_inside_the_buffer(cs: list[Cache], d: Any) -> None:
-    buf = bytearray(get_data(*cs))
+def in_form(form: str, data: bytes) -> bytes:
+    """``data`` (get_data bytes) as an entry, a ggsq file, or as it is."""
+    tokens = list(range(5))
+    if form == "entry":
+        head = pack_header("ab" * 16, tokens, len(data), state_checksum(data), 64)
+        return head + data
+    if form == "file":
+        return struct.pack("<III", FILE_MAGIC, FILE_VERSION, 5) + bytes(4 * 5) + data[8:]
+    return data
+
+
+@settings(max_examples=200, deadline=None)  # a loaded machine: no per-example deadline
+@given(states, st.sampled_from(["get_data", "entry", "file"]), st.data())
+def test_damage_is_a_state_error_or_a_view_inside_the_buffer(
+    cs: list[Cache], form: str, d: Any
+) -> None:
+    buf = bytearray(in_form(form, get_data(*cs)))
+    assert view_state(buf).form == form
     for _ in range(d.draw(st.integers(1, 4))):
         at = d.draw(st.integers(0, len(buf) - 1))
         buf[at] = d.draw(st.integers(0, 255))
@@ -69,6 +87,7 @@ def test_damage_is_a_state_error_or_a_view_inside_the_buffer(cs: list[Cache], d:
     assert inside(v, buf)
 
 
+@settings(deadline=None)
 @given(st.binary(max_size=512))
 def test_random_bytes_are_never_a_crash(raw: bytes) -> None:
     with contextlib.suppress(StateError):
