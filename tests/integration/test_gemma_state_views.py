@@ -140,3 +140,37 @@ def test_the_routers_conversion_keeps_every_layer(daemon: Any, model: Any, tmp_p
         assert a.v is not None
         assert b.v is not None
         assert np.array_equal(a.v, b.v)
+
+
+def test_an_entry_its_writer_cut_short_is_refused_before_any_server(
+    daemon: Any, model: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Gemma state cut inside a layer, under a header whose checksum is right (the
+    writer's bug, not damage since): the router's check parses the layout, refuses it
+    and counts it; nothing is staged."""
+    from maasd.llama.format import header_len_for, pack_header, state_checksum
+    from maasd.llama.link import Link
+    from maasd.router.share import Sharing
+
+    _tid, key = daemon.tenant(f"views-{uuid.uuid4().hex[:8]}", 64 << 20)
+    n = model.n_tokens
+    toks = list(model.input_ids[:n])
+    fp = model_fleet_fingerprint(model)
+    state = get_data(model)[:-1000].tobytes()
+    head = pack_header(fp, toks, len(state), state_checksum(state), CHUNK)
+    size = header_len_for(n) + len(state)
+    with (
+        Worker(daemon.socket_path, key) as w,
+        w.entry(chunk_keys(fp, toks, CHUNK)[-1][1], size) as e,
+    ):
+        e.array[len(head) : len(head) + len(state)] = np.frombuffer(state, np.uint8)
+        e.array[: len(head)] = np.frombuffer(head, np.uint8)
+    counted: list[tuple[str, str]] = []
+    sharing = Sharing(
+        Link(daemon.socket_path, key), fp, chunk=CHUNK, count=lambda *c: counted.append(c)
+    )
+    with caplog.at_level("WARNING", logger="maasd.router.share"):
+        assert sharing.stage(np.asarray(toks), tmp_path, 0) is None
+    assert counted == [("lookup", "refused")]
+    assert "truncated" in caplog.text  # the layout check, not the checksum, refused it
+    assert list(tmp_path.iterdir()) == []  # no slot file was made
