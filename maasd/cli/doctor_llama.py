@@ -33,11 +33,13 @@ REBUILD = (
     "rebuild it portable with scripts/llama-server (AVX2/FMA/F16C, no AMX, no AVX-512, "
     "GGML_NATIVE=OFF; see docs/llama.md, 'Building llama-cpp-python')"
 )
-# The flags maasd router gives every backend (maasd.router.backend.REQUIRED_FLAGS).
-ROUTER_FLAGS = (
-    *("--kv-unified", "-fa", "off", "--swa-full", "--cache-ram", "0"),
-    "--no-cache-idle-slots",
-)
+
+
+def _router_flags() -> tuple[str, ...]:
+    """The flags maasd router gives every backend it starts."""
+    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
+
+    return (*REQUIRED_FLAGS, *REQUIRED_FLAGS_EXTRA)
 
 
 def _free_port() -> int:
@@ -107,7 +109,7 @@ def check_llama_server(binary: str, model: Path | None, *, timeout_s: float = 18
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-c", "512", "-t", "1", "-np", "1", *ROUTER_FLAGS]
+    argv += ["-c", "512", "-t", "1", "-np", "1", *_router_flags()]
     with tempfile.TemporaryDirectory(prefix="maasd-doctor-") as tmp:
         log = Path(tmp) / "llama-server.log"
         with open(log, "wb") as out:
