@@ -45,10 +45,10 @@ from maasd.errors import (
     PoolExhausted,
     QuotaExceeded,
     StateConflict,
-    TooLarge,
     Unauthorized,
 )
 from maasd.models import BufferState, ReleaseReason
+from maasd.sizes import check_fits, check_size
 from maasd.store import schema
 from maasd.store.base import Connections, used, violation
 from maasd.store.events import buffer_event, ins_event
@@ -263,8 +263,7 @@ class ReserveRepo(Connections):
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
             row = msgspec.structs.replace(row, state=state)
-        if row.size_bytes <= 0:  # a size ≤ 0 would let the sums below undercount
-            raise InvalidRequest(f"size_bytes must be > 0, got {row.size_bytes}")
+        check_size(row.size_bytes, "size_bytes")  # a size ≤ 0 would let the sums undercount
         try:
             touches = [{"p_id": b, "now": t} for b, t in (uses or {}).items()]
             extends = [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()]
@@ -310,10 +309,7 @@ class ReserveRepo(Connections):
         if cap is None:
             cap = self.default_max_buffers
         size = row.size_bytes
-        if size > capacity:
-            raise TooLarge(
-                f"{size} bytes exceed pool {pool_name!r}'s whole capacity of {capacity} bytes"
-            )
+        check_fits(size, capacity, f"pool {pool_name!r}")
         params = {
             "p_tenant": row.tenant_id,
             "p_pool": row.pool_id,

@@ -679,3 +679,27 @@ def test_worker_is_thread_safe(fake):
             t.join(60)
     assert failures == []
     wait_until(lambda: fake.attached(tenant[0]) == 0, message="every attachment is dropped")
+
+
+@pytest.mark.parametrize("ttl_s", [2**31 + 1, 2**62, -1])
+def test_a_renew_with_an_absurd_ttl_is_refused_and_changes_nothing(daemon, ttl_s):
+    """``ttl_s`` on the socket is bounded as REST's is (``maasd.bounds.TtlS``): a 400 that
+    names the field, the lease as it was, the connection and the daemon still serving."""
+    env = DaemonEnv(daemon)
+    try:
+        tenant = env.new_tenant()
+        bid = env.reserve(tenant)
+        before = env._client(tenant[1]).buffer(bid).expires_at
+        with contextlib.closing(Raw(env.socket_path)) as r:
+            r.hello(tenant[1])
+            reply, fds = r.call(Renew(buffer_id=bid, ttl_s=ttl_s))
+            assert fds == []
+            assert isinstance(reply, Error)
+            assert reply.status == 400
+            assert "$.ttl_s" in reply.detail
+            assert env._client(tenant[1]).buffer(bid).expires_at == before
+            assert r.call(Renew(buffer_id=bid, ttl_s=60)) == (Ok(), [])  # still served
+        assert env.healthy()
+        env.release(tenant, bid)
+    finally:
+        env.close()
