@@ -135,20 +135,39 @@ def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
     return page_bytes_of(check_backing(backing), hugepage_bytes)
 
 
-def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tuple[int, int]:
-    """A new memfd of ``size`` bytes and the daemon's shared mapping of it: ``(fd, address)``.
-
-    Unsealed, unbound, nothing populated; on failure nothing is left open.
-    """
+def new_memfd(name: str, size: int, backing: Backing, page_bytes: int) -> int:
+    """A new memfd of ``size`` bytes of a (checked) ``backing``, as every region's is made
+    (close-on-exec, sealable, ``hugetlb`` of ``page_bytes`` pages): unsealed, unmapped,
+    nothing allocated. Raises :class:`BackingError`; on failure nothing is left open.
+    (``maasd doctor`` makes its test memfds here, so it tests what the daemon does.)"""
     flags = _sys.MFD_CLOEXEC | _sys.MFD_ALLOW_SEALING
     if backing == "hugetlb":
         flags |= _huge_flag(page_bytes)
     fd = _sys.memfd_create(name, flags)
     try:
-        try:
-            os.ftruncate(fd, size)
-        except OSError as e:
-            raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
+        os.ftruncate(fd, size)
+    except OSError as e:
+        os.close(fd)
+        raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
+    return fd
+
+
+def add_seals(fd: int, extra_seals: int = 0) -> None:
+    """Seal ``fd`` as every region is sealed: :data:`SEALS`, plus ``extra_seals`` (e.g.
+    :data:`F_SEAL_FUTURE_WRITE` for a committed entry). Raises :class:`BackingError`."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | extra_seals)
+    except OSError as e:
+        raise BackingError(f"sealing memfd ({extra_seals:#x}): {e.strerror}", e.errno) from e
+
+
+def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tuple[int, int]:
+    """A new memfd of ``size`` bytes and the daemon's shared mapping of it: ``(fd, address)``.
+
+    Unsealed, unbound, nothing populated; on failure nothing is left open.
+    """
+    fd = new_memfd(name, size, backing, page_bytes)
+    try:
         return fd, _sys.mmap_shared(fd, size)
     except BaseException:
         os.close(fd)
@@ -290,10 +309,7 @@ class Region:
             self._seal(extra_seals)
 
     def _seal(self, extra_seals: int) -> None:
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | extra_seals)
-        except OSError as e:
-            raise BackingError(f"sealing memfd ({extra_seals:#x}): {e.strerror}", e.errno) from e
+        add_seals(self.fd, extra_seals)
         self.sealed = True
 
     def read_into(self, buf: memoryview | bytearray, offset: int = 0) -> int:

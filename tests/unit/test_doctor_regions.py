@@ -80,3 +80,28 @@ def test_the_pools_pages_bound_the_need() -> None:
     assert why.startswith("the pools' pages: 2048")
     assert check_region_budget(DEFAULTS, 4096, [None] * 100, 2048).status == "ok"
     assert region_need(4096, [], 1 << 30) == (4096, "one tenant at max_buffers_per_tenant: 4096")
+
+
+def test_the_tenants_caps_are_read_through_the_daemons_store(tmp_path):
+    """``maasd doctor`` reads the caps with :meth:`Store.tenants`, the query ``GET
+    /v1/tenants`` answers from: a tenant's own cap, ``None`` for the default, and nothing
+    for one being deleted; no ledger file, nothing read (and none created)."""
+    from maasd.cli.doctor_ledger import ledger_tenant_caps
+    from maasd.store import Store
+    from maasd.store.engine import normalize_url
+
+    missing = tmp_path / "none.db"
+    assert ledger_tenant_caps(normalize_url(f"sqlite:///{missing}")) is None
+    assert not missing.exists()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    store = Store(url)
+    try:
+        store.upgrade()
+        store.add_tenant("a" * 32, "own", 1 << 20, 1.0)
+        store.update_tenant("a" * 32, max_buffers=7)
+        store.add_tenant("b" * 32, "default", 1 << 20, 1.0)
+        store.add_tenant("c" * 32, "leaving", 1 << 20, 1.0)
+        store.mark_tenant_deleting("c" * 32)
+    finally:
+        store.dispose()
+    assert sorted(ledger_tenant_caps(normalize_url(url)) or [], key=str) == [7, None]
