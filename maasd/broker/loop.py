@@ -68,7 +68,10 @@ class EventLoop:
         limits: Limits,
         pool: SlowPool,
         log: LogLimiter,
+        events: Callable[[str], None] | None = None,
     ) -> None:
+        """``events`` is told each ``shed``, ``refused``, ``hello_timeout``,
+        ``send_timeout`` and ``fds_refused`` (the daemon's metrics)."""
         self.service = service
         self.limits = limits
         self.pool = pool
@@ -78,9 +81,15 @@ class EventLoop:
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.sel.register(self.wake_r, READ, None)
         self.table = ConnectionTable(
-            self.sel, service, self.dispatcher, limits, log, abandon=self._abandon
+            self.sel,
+            service,
+            self.dispatcher,
+            limits,
+            log,
+            abandon=self._abandon,
+            resume=self._resume,
+            count=events,
         )
-        self.table.resume = self._resume
         self.acceptor = Acceptor(listener, self.sel, self.dispatcher, log, self.table.admit)
         self.backlog: collections.deque[Connection] = collections.deque()
         self.results: collections.deque[tuple[Connection, Outcome]] = collections.deque()
