@@ -68,10 +68,8 @@ class EventLoop:
         limits: Limits,
         pool: SlowPool,
         log: LogLimiter,
-        events: Callable[[str], None] | None = None,
+        events: Callable[[str], None] | None = None,  # the table's count: its metrics
     ) -> None:
-        """``events`` is told each ``shed``, ``refused``, ``hello_timeout``,
-        ``send_timeout`` and ``fds_refused`` (the daemon's metrics)."""
         self.service = service
         self.limits = limits
         self.pool = pool
@@ -81,14 +79,7 @@ class EventLoop:
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.sel.register(self.wake_r, READ, None)
         self.table = ConnectionTable(
-            self.sel,
-            service,
-            self.dispatcher,
-            limits,
-            log,
-            abandon=self._abandon,
-            resume=self._resume,
-            count=events,
+            self.sel, service, self.dispatcher, limits, log, self._abandon, self._resume, events
         )
         self.acceptor = Acceptor(listener, self.sel, self.dispatcher, log, self.table.admit)
         self.backlog: collections.deque[Connection] = collections.deque()
