@@ -24,7 +24,7 @@ from maasd.settings import Settings
 from maasd.topology import Topology
 
 if TYPE_CHECKING:
-    from maasd.core.limits import Limits
+    from maasd.core.limits import ProcessLimits
 
 __all__ = [
     "Needs",
@@ -185,14 +185,14 @@ def region_need(
 
 
 def check_region_budget(
-    limits: Limits,
+    limits: ProcessLimits,
     max_per_tenant: int,
     tenant_caps: list[int | None] | None,
     pool_regions: int,
     *,
     soft_now: int | None = None,
 ) -> Check:
-    """The region budget ``maasd serve`` would derive (docs/operations.md, "Limits"; the
+    """The region budget ``maasd serve`` would derive (docs/operations.md, "ProcessLimits"; the
     daemon's own :mod:`maasd.core.limits`) against what the configured tenants and pools
     could hold. ``limits.open_files`` is the limit the daemon will run with; ``soft_now``,
     when lower, the soft limit it raises."""
@@ -244,7 +244,7 @@ def check_region_budget(
     return Check(name, "ok", detail)
 
 
-def _maps_fix(limits: Limits, regions: int) -> str:
+def _maps_fix(limits: ProcessLimits, regions: int) -> str:
     """`` and vm.max_map_count ≥ N (…)`` when the host's is below what ``regions`` need."""
     from maasd.core.limits import maps_needed
 
