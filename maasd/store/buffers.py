@@ -50,7 +50,7 @@ from maasd.errors import (
 from maasd.models import BufferState, ReleaseReason
 from maasd.sizes import check_fits, check_size
 from maasd.store import schema
-from maasd.store.base import Connections, used, violation
+from maasd.store.base import Repository, used, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Choice, choose_victims
 from maasd.store.pools import lock_pool
@@ -203,7 +203,7 @@ def _by_id(params: Mapping[str, Any]) -> str:
     return str(params["p_id"])
 
 
-class ReserveRepo(Connections):
+class ReserveRepo(Repository):
     """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
 
     #: The cap on a tenant's buffers when its ``max_buffers`` is NULL; ``None``: no cap.
@@ -417,7 +417,7 @@ def _even_after(freed: int) -> str:
     return f", even after evicting {freed} evictable bytes" if freed else ""
 
 
-class BufferRepo(Connections):
+class BufferRepo(Repository):
     """Reading buffers, changing their state, lease, placement and checkpoint."""
 
     def set_state(self, buffer_id: str, state: BufferState, *, durable: bool = True) -> None:
