@@ -141,7 +141,7 @@ def must_last(persistence: str) -> bool:
     return persistence != "volatile"
 
 
-def used(column: Any) -> Any:
+def used(column: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
     """``SUM(column)`` as a BigInteger, 0 when there are no rows.
 
     (PostgreSQL's ``sum(bigint)`` is ``numeric``; the cast keeps it an ``int``.)
