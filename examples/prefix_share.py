@@ -82,6 +82,7 @@ def worker_1(args: argparse.Namespace, out: Any) -> None:
     with Client(args.url, args.key) as c, Worker(args.socket, args.key) as w:
         t0 = time.perf_counter()
         buf = KVStore(c, w, llm).save(0, sys_toks)
+        assert buf is not None  # None: another worker saved this prefix first
         t_save = time.perf_counter() - t0
     print(
         f"[worker 1 pid {os.getpid()}] evaluated {len(sys_toks)} system-prompt tokens in "

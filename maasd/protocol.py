@@ -66,11 +66,10 @@ import os
 import socket
 import struct
 from collections.abc import Iterable
-from typing import Annotated
 
 import msgspec
 
-from maasd.bounds import EntryKey, EntryKeys, Id, PositiveBytes, Ref, TtlS
+from maasd.bounds import ApiKey, EntryKey, EntryKeys, Id, PositiveBytes, Ref, TtlS
 
 __all__ = [
     "HEADER",
@@ -111,10 +110,9 @@ HEADER = struct.Struct(">I")
 #: misbehaving peer's extra fds are received (and closed) instead of truncated.
 MAX_FD_PER_MESSAGE = 4
 
-# Strings are bounded so that a decoded frame can never make the service do
-# work proportional to an attacker-chosen size (the frame cap bounds it too).
-_Key = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
-_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+# Strings and numbers are bounded by maasd.bounds' types, the same as REST's, so that a
+# decoded frame can never make the service do work proportional to an attacker-chosen
+# size (the frame cap bounds it too).
 
 
 class ProtocolError(Exception):
@@ -139,26 +137,26 @@ class FrameTooLarge(ProtocolError):
 class Hello(msgspec.Struct, tag="hello", tag_field="op", forbid_unknown_fields=True, frozen=True):
     """First frame of every connection: authenticates it with a tenant key."""
 
-    api_key: _Key
+    api_key: ApiKey
 
 
 class Attach(msgspec.Struct, tag="attach", tag_field="op", forbid_unknown_fields=True, frozen=True):
     """Ask for the buffer's memfd; answered by :class:`Attached` plus the fd."""
 
-    buffer_id: _Id
+    buffer_id: Id
 
 
 class Detach(msgspec.Struct, tag="detach", tag_field="op", forbid_unknown_fields=True, frozen=True):
     """Tell the daemon one attachment of this connection is over."""
 
-    buffer_id: _Id
+    buffer_id: Id
 
 
 class Renew(msgspec.Struct, tag="renew", tag_field="op", forbid_unknown_fields=True, frozen=True):
     """Extend the buffer's lease to ``ttl_s`` seconds from now."""
 
-    buffer_id: _Id
-    ttl_s: int
+    buffer_id: Id
+    ttl_s: TtlS
 
 
 class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields=True, frozen=True):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     import uvicorn
 
-__all__ = ["HANDLED_SIGNALS", "handling", "make_server"]
+__all__ = ["HANDLED_SIGNALS", "exit_on_signals", "handling", "make_server"]
 
 #: What asks a maasd process to stop: finish what it serves, then exit 0.
 HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
@@ -45,6 +45,18 @@ def handling(handler: Handler) -> Iterator[None]:
     finally:
         for s, before in previous.items():
             signal.signal(s, before)
+
+
+def exit_on_signals(code: int = 0) -> None:
+    """Until a server takes them over (:func:`make_server`), each of :data:`HANDLED_SIGNALS`
+    exits the process with ``code`` (``SystemExit``: ``finally`` blocks run) — e.g. while a
+    worker process loads its model, so that a stop then is as clean as one later."""
+
+    def _exit(_sig: int, _frame: FrameType | None) -> None:
+        raise SystemExit(code)
+
+    for s in HANDLED_SIGNALS:
+        signal.signal(s, _exit)
 
 
 def make_server(

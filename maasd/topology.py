@@ -40,6 +40,11 @@ class Topology(msgspec.Struct, frozen=True, kw_only=True):
     def node(self, node_id: int) -> Node | None:
         return next((n for n in self.nodes if n.id == node_id), None)
 
+    def page_bytes_of(self, backing: str) -> int:
+        """The page a pool of ``backing`` is made of on this host (its capacity is whole
+        pages of it): the huge page for ``hugetlb``, else the base page."""
+        return self.hugepage_bytes if backing == "hugetlb" else self.page_bytes
+
 
 def parse_cpulist(text: str) -> list[int]:
     """Parse a kernel cpulist such as ``0-3,8,10-11``.

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import uuid
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 from maasd import errors
@@ -174,6 +174,15 @@ class FakeService:
         #: what a fill waits for (a slow L2), and the threads fills ran on
         self.fill_gate: threading.Event | None = None
         self.fill_threads: list[str] = []
+        #: what the broker subscribed to (BrokerService): told of each revocation
+        self.revocation_watchers: list[Callable[[], None]] = []
+        self.release_watchers: list[Callable[[str], None]] = []
+
+    def watch_revocations(self, callback: Callable[[], None]) -> None:
+        self.revocation_watchers.append(callback)
+
+    def watch_releases(self, callback: Callable[[str], None]) -> None:
+        self.release_watchers.append(callback)  # the fake never releases a held entry
 
     def add_key(self, tenant_id: str) -> str:
         key = uuid.uuid4().hex
@@ -183,6 +192,8 @@ class FakeService:
     def revoke(self, key: str) -> None:
         self.keys.pop(key, None)
         self.auth_generation += 1
+        for wake in self.revocation_watchers:
+            wake()
 
     def reserve(self, tenant_id: str, size: int) -> str:
         fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

@@ -4,20 +4,30 @@ persistent pools."""
 
 from maasd.allocator.arith import Ledger, check_size, round_up
 from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
-from maasd.allocator.pool import Pool, default_page_bytes
-from maasd.allocator.region import SEALS, Region
+from maasd.allocator.pool import Pool
+from maasd.allocator.region import (
+    F_SEAL_FUTURE_WRITE,
+    SEALS,
+    Region,
+    add_seals,
+    default_page_bytes,
+    new_memfd,
+)
 from maasd.allocator.warm import Warmer
 
 __all__ = [
+    "F_SEAL_FUTURE_WRITE",
     "SEALS",
     "Ledger",
     "Pool",
     "Region",
     "Warmer",
+    "add_seals",
     "check_size",
     "checkpoint",
     "default_page_bytes",
     "file_checksum",
+    "new_memfd",
     "restore",
     "round_up",
     "sync_filesystem",

@@ -9,22 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maasd.bounds import MAX_BYTES
-from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
+from maasd.errors import InvalidRequest, PoolExhausted
+from maasd.sizes import check_fits, check_size
 
-
-def check_size(size: object) -> int:
-    """Return ``size`` if it is a positive int below 2^63 (:data:`maasd.bounds.MAX_BYTES`: an
-    ``off_t``), else raise :class:`InvalidRequest`.
-
-    ``bool`` is refused even though it is an ``int`` subclass: ``True`` bytes is a bug.
-    """
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise InvalidRequest(f"size must be an integer number of bytes, got {type(size).__name__}")
-    if size <= 0:
-        raise InvalidRequest(f"size must be > 0, got {size}")
-    if size > MAX_BYTES:
-        raise InvalidRequest(f"size must be below 2^63 bytes, got {size}")
-    return size
+__all__ = ["Ledger", "check_size", "round_up"]
 
 
 def round_up(size: int, page: int) -> int:
@@ -58,8 +46,7 @@ class Ledger:
 
     def take(self, size: int) -> None:
         """Account ``size`` bytes as used, or raise without changing anything."""
-        if size > self.capacity:
-            raise TooLarge(f"{size} bytes exceed the pool's capacity of {self.capacity} bytes")
+        check_fits(size, self.capacity, "the pool")
         if size > self.free:
             raise PoolExhausted(f"{size} bytes requested, {self.free} of {self.capacity} free")
         self.used += size

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, get_args
@@ -27,7 +26,12 @@ from typing import Any, get_args
 from maasd.allocator.arith import check_size, round_up
 from maasd.allocator.reclaim import Reclaimer, reclaim
 from maasd.allocator.refill import WarmStock
-from maasd.allocator.region import SCRUB_MODES, Region, check_backing
+from maasd.allocator.region import (
+    SCRUB_MODES,
+    Region,
+    check_backing,
+    page_bytes_of,
+)
 from maasd.allocator.stock import warm_budget
 from maasd.allocator.warm import Warmer
 from maasd.bounds import Backing, Persistence, ScrubMode
@@ -36,11 +40,6 @@ from maasd.errors import BackingError, InvalidRequest, PoolExhausted
 logger = logging.getLogger(__name__)
 
 PERSISTENCES: tuple[Persistence, ...] = get_args(Persistence)
-
-
-def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
-    """The page size regions of this backing are rounded to."""
-    return os.sysconf("SC_PAGE_SIZE") if check_backing(backing) == "memfd" else hugepage_bytes
 
 
 @dataclass
@@ -79,7 +78,7 @@ class Pool:
         if self.scrub not in SCRUB_MODES:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {self.scrub!r}")
         if not self.page_bytes:
-            self.page_bytes = default_page_bytes(self.backing)
+            self.page_bytes = page_bytes_of(self.backing)
         if self.page_bytes < 0 or self.page_bytes & (self.page_bytes - 1):
             # else every reserve would fail later; refuse the pool now
             raise InvalidRequest(f"page size must be a power of two, got {self.page_bytes}")

@@ -61,7 +61,12 @@ from maasd.topology import node_room
 
 logger = logging.getLogger(__name__)
 
+#: The seals every region carries before its fd leaves: its size is fixed, for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: The seal that makes a committed entry immutable for everyone but the mapping made
+#: before it (the daemon's, for scrubbing): an ``extra_seals`` of :meth:`Region.create`.
+#: (Python's ``fcntl`` has no such constant.)
+F_SEAL_FUTURE_WRITE = _sys.F_SEAL_FUTURE_WRITE
 
 BACKINGS: tuple[Backing, ...] = get_args(Backing)
 SCRUB_MODES: tuple[ScrubMode, ...] = get_args(ScrubMode)
@@ -110,10 +115,50 @@ def _huge_flag(page_bytes: int) -> int:
 
 
 def check_backing(backing: object) -> Backing:
-    """``backing`` if it is one of :data:`BACKINGS`, else :class:`InvalidRequest`."""
+    """``backing`` if it is one of :data:`BACKINGS`, else :class:`InvalidRequest`.
+
+    Checked where a backing comes in: a :class:`~maasd.allocator.pool.Pool`'s construction,
+    :meth:`Region.create` and :func:`default_page_bytes`; what they hand on is trusted."""
     if backing not in BACKINGS:
         raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
     return backing
+
+
+def page_bytes_of(backing: Backing, hugepage_bytes: int = 2 << 20) -> int:
+    """The page size regions of a (checked) ``backing`` are rounded to: the base page for
+    ``memfd``, ``hugepage_bytes`` for ``hugetlb``."""
+    return os.sysconf("SC_PAGE_SIZE") if backing == "memfd" else hugepage_bytes
+
+
+def default_page_bytes(backing: str, hugepage_bytes: int = 2 << 20) -> int:
+    """The page size regions of this backing are rounded to (:func:`page_bytes_of`, checked)."""
+    return page_bytes_of(check_backing(backing), hugepage_bytes)
+
+
+def new_memfd(name: str, size: int, backing: Backing, page_bytes: int) -> int:
+    """A new memfd of ``size`` bytes of a (checked) ``backing``, as every region's is made
+    (close-on-exec, sealable, ``hugetlb`` of ``page_bytes`` pages): unsealed, unmapped,
+    nothing allocated. Raises :class:`BackingError`; on failure nothing is left open.
+    (``maasd doctor`` makes its test memfds here, so it tests what the daemon does.)"""
+    flags = _sys.MFD_CLOEXEC | _sys.MFD_ALLOW_SEALING
+    if backing == "hugetlb":
+        flags |= _huge_flag(page_bytes)
+    fd = _sys.memfd_create(name, flags)
+    try:
+        os.ftruncate(fd, size)
+    except OSError as e:
+        os.close(fd)
+        raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
+    return fd
+
+
+def add_seals(fd: int, extra_seals: int = 0) -> None:
+    """Seal ``fd`` as every region is sealed: :data:`SEALS`, plus ``extra_seals`` (e.g.
+    :data:`F_SEAL_FUTURE_WRITE` for a committed entry). Raises :class:`BackingError`."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS | extra_seals)
+    except OSError as e:
+        raise BackingError(f"sealing memfd ({extra_seals:#x}): {e.strerror}", e.errno) from e
 
 
 def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tuple[int, int]:
@@ -121,16 +166,8 @@ def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tup
 
     Unsealed, unbound, nothing populated; on failure nothing is left open.
     """
-    check_backing(backing)
-    flags = _sys.MFD_CLOEXEC | _sys.MFD_ALLOW_SEALING
-    if backing == "hugetlb":
-        flags |= _huge_flag(page_bytes)
-    fd = _sys.memfd_create(name, flags)
+    fd = new_memfd(name, size, backing, page_bytes)
     try:
-        try:
-            os.ftruncate(fd, size)
-        except OSError as e:
-            raise BackingError(f"sizing memfd to {size} bytes: {e.strerror}", e.errno) from e
         return fd, _sys.mmap_shared(fd, size)
     except BaseException:
         os.close(fd)
@@ -197,8 +234,9 @@ class Region:
         a warm stock (:meth:`seal_at` seals it). Raises :class:`InvalidRequest` for a
         bad size or backing and :class:`BackingError` when the kernel refuses.
         """
+        check_backing(backing)
         if page_bytes is None:
-            page_bytes = os.sysconf("SC_PAGE_SIZE") if backing == "memfd" else 2 << 20
+            page_bytes = page_bytes_of(backing)
         size = round_up(size, page_bytes)
         fd, addr = _mapped_file(name, size, backing, page_bytes)
         region: Region | None = None
@@ -271,10 +309,7 @@ class Region:
             self._seal(extra_seals)
 
     def _seal(self, extra_seals: int) -> None:
-        try:
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS | extra_seals)
-        except OSError as e:
-            raise BackingError(f"sealing memfd ({extra_seals:#x}): {e.strerror}", e.errno) from e
+        add_seals(self.fd, extra_seals)
         self.sealed = True
 
     def read_into(self, buf: memoryview | bytearray, offset: int = 0) -> int:

@@ -34,7 +34,7 @@ from maasd.api.controllers import (
     TenantsController,
     TopologyController,
 )
-from maasd.api.health import Health, HealthCheck
+from maasd.api.health import HealthCheck, Healthz
 from maasd.api.hosts import HostsController
 from maasd.api.paths import one_segment_per_id
 from maasd.api.schemas import MAX_BODY
@@ -70,7 +70,7 @@ def create_app(
         run=Run(CapacityLimiter(threads), per_caller=caller_threads),
         metrics_digest=metrics_digest(metrics_key),
         metrics_public=metrics_public,
-        health=Health(health, degraded),
+        health=Healthz(health, degraded),
     )
 
     v1 = Router(

@@ -33,7 +33,7 @@ from anyio import CapacityLimiter
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
-from maasd.api.health import Health
+from maasd.api.health import Healthz
 from maasd.core import Service
 from maasd.errors import Forbidden
 from maasd.models import Principal
@@ -130,7 +130,7 @@ class ApiContext:
     run: Run
     metrics_digest: bytes | None  # SHA-256 of the metrics key
     metrics_public: bool
-    health: Health
+    health: Healthz
 
     def is_metrics_key(self, token: str | None) -> bool:
         """Whether ``token`` is the metrics key, compared in constant time."""

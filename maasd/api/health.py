@@ -22,18 +22,18 @@ from litestar import Response
 
 from maasd.api.schemas import Component, Status, Unhealthy
 
-__all__ = ["Check", "Health", "HealthCheck", "of_checks"]
+__all__ = ["ComponentCheck", "Healthz", "HealthCheck", "of_checks"]
 
 logger = logging.getLogger(__name__)
 
 #: One component's check: ``(True, "")`` when healthy, else ``(False, why)``.
-Check = Callable[[], tuple[bool, str]]
+ComponentCheck = Callable[[], tuple[bool, str]]
 
 #: What ``create_app(health=...)`` takes: ``() -> {component: (ok, why)}``.
 HealthCheck = Callable[[], Mapping[str, tuple[bool, str]]]
 
 
-def _run(name: str, check: Check) -> tuple[bool, str]:
+def _run(name: str, check: ComponentCheck) -> tuple[bool, str]:
     try:
         ok, why = check()
     except Exception as e:  # a check that fails says "unhealthy", it does not break /healthz
@@ -42,7 +42,7 @@ def _run(name: str, check: Check) -> tuple[bool, str]:
     return bool(ok), str(why)
 
 
-def of_checks(checks: Mapping[str, Check]) -> HealthCheck:
+def of_checks(checks: Mapping[str, ComponentCheck]) -> HealthCheck:
     """One ``health`` callable over named component checks; a check that raises counts as failing.
 
     >>> health = of_checks({"broker": lambda: (True, ""), "disk": lambda: (False, "full")})
@@ -53,7 +53,7 @@ def of_checks(checks: Mapping[str, Check]) -> HealthCheck:
     return lambda: {name: _run(name, check) for name, check in named.items()}
 
 
-class Health:
+class Healthz:
     """The ``/healthz`` answer over an optional ``health`` callable (none: always ok)."""
 
     def __init__(

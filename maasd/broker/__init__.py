@@ -38,6 +38,6 @@ Example::
 
 from .dispatch import OPS, HandleService, Op, Outcome
 from .limits import Limits
-from .server import Broker
+from .server import Broker, BrokerService
 
-__all__ = ["OPS", "Broker", "HandleService", "Limits", "Op", "Outcome"]
+__all__ = ["OPS", "Broker", "BrokerService", "HandleService", "Limits", "Op", "Outcome"]

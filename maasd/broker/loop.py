@@ -68,6 +68,7 @@ class EventLoop:
         limits: Limits,
         pool: SlowPool,
         log: LogLimiter,
+        events: Callable[[str], None] | None = None,  # the table's count: its metrics
     ) -> None:
         self.service = service
         self.limits = limits
@@ -78,9 +79,8 @@ class EventLoop:
         self.wake_r, self.wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self.sel.register(self.wake_r, READ, None)
         self.table = ConnectionTable(
-            self.sel, service, self.dispatcher, limits, log, abandon=self._abandon
+            self.sel, service, self.dispatcher, limits, log, self._abandon, self._resume, events
         )
-        self.table.resume = self._resume
         self.acceptor = Acceptor(listener, self.sel, self.dispatcher, log, self.table.admit)
         self.backlog: collections.deque[Connection] = collections.deque()
         self.results: collections.deque[tuple[Connection, Outcome]] = collections.deque()

@@ -19,6 +19,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from .dispatch import HandleService
 from .limits import Limits
@@ -26,7 +27,7 @@ from .loop import EventLoop
 from .pacing import LogLimiter
 from .slowpool import SlowPool
 
-__all__ = ["Broker"]
+__all__ = ["Broker", "BrokerService"]
 
 logger = logging.getLogger("maasd.broker")
 
@@ -40,11 +41,24 @@ ACCEPT_FAILING_UNHEALTHY_S = 5.0
 LOG_INTERVAL_S = 10.0
 
 
+class BrokerService(HandleService, Protocol):
+    """What the :class:`Broker` needs of the daemon: the calls of :class:`HandleService`,
+    and the two things it subscribes to when it starts."""
+
+    def watch_revocations(self, callback: Callable[[], None], /) -> None:
+        """Call ``callback()`` right after every key revocation (any thread): the loop
+        wakes, so idle connections of the key are cut at once, not at its next turn."""
+
+    def watch_releases(self, callback: Callable[[str], None], /) -> None:
+        """Call ``callback(buffer_id)`` when an entry someone holds is released: its
+        holders are told to let go (its memory counts until they do)."""
+
+
 class Broker:
     """Serve worker handles on a Unix stream socket at ``path`` (:mod:`maasd.protocol`).
 
     ``service`` is the daemon's service (or anything with the methods of
-    :class:`maasd.broker.dispatch.HandleService`). ``mode`` (and ``group``, a
+    :class:`BrokerService`). ``mode`` (and ``group``, a
     gid, when given) is applied to the socket file before it accepts
     connections. ``limits`` bounds connections, deadlines and slow work
     (defaults: :class:`Limits`). ``events`` (for metrics) is told ``shed``,
@@ -61,7 +75,7 @@ class Broker:
 
     def __init__(
         self,
-        service: HandleService,
+        service: BrokerService,
         path: str,
         mode: int = 0o660,
         group: int | None = None,
@@ -91,19 +105,13 @@ class Broker:
         pool = SlowPool(self.limits.slow_workers, self.limits.slow_per_tenant)
         try:
             pool.start()
-            loop = EventLoop(sock, self.service, self.limits, pool, self.log)
-            if self.events is not None:
-                loop.table.count = self.events
+            loop = EventLoop(sock, self.service, self.limits, pool, self.log, self.events)
             # A revocation made on another thread (REST, or another daemon's, heard by the
             # ledger listener) wakes the loop, so idle connections of the key are cut at
             # once instead of at the loop's next turn (up to a second later).
-            watch = getattr(self.service, "watch_revocations", None)
-            if watch is not None:
-                watch(loop.wake)
+            self.service.watch_revocations(loop.wake)
             # A released entry's holders are told to let go (its memory counts until then).
-            releases = getattr(self.service, "watch_releases", None)
-            if releases is not None:
-                releases(loop.pushes.released)
+            self.service.watch_releases(loop.pushes.released)
             thread = threading.Thread(target=loop.run, name="maasd-broker", daemon=True)
             thread.start()
         except BaseException:

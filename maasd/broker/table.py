@@ -57,15 +57,16 @@ class ConnectionTable(GiveBack):
         log: LogLimiter,
         abandon: Callable[[Connection, str], None] | None = None,
         resume: Callable[[Connection], None] | None = None,
+        count: Callable[[str], None] | None = None,
     ) -> None:
         """``abandon(conn, buffer_id)`` releases an entry ``conn`` put and never committed
         (the loop hands it to the slow pool: it scrubs); ``resume(conn)`` serves the frames
-        ``conn`` has waiting, once a reply held for its peer went out."""
+        ``conn`` has waiting, once a reply held for its peer went out; ``count(event)`` is
+        told each ``shed``, ``refused``, ``hello_timeout``, ``send_timeout`` and
+        ``fds_refused`` (the daemon's metrics)."""
         self.abandon = abandon
         self.resume = resume
-        #: told each ``shed``, ``refused``, ``hello_timeout``, ``send_timeout``,
-        #: ``fds_refused`` (the daemon's metrics)
-        self.count: Callable[[str], None] = _ignore
+        self.count: Callable[[str], None] = count or _ignore
         self.sel = sel
         self.service = service
         self.dispatcher = dispatcher

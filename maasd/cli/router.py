@@ -76,7 +76,7 @@ _OPTIONS = [
         "--chunk",
         default=64,
         show_default=True,
-        type=int,
+        type=click.IntRange(1),
         help="Key granularity in tokens (equal on every router and worker that share).",
     ),
     click.option(

@@ -18,8 +18,7 @@ import time
 
 import msgspec
 
-from maasd.allocator import Region
-from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
+from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.core import placement, room
 from maasd.core.auth import require_admin, require_tenant
 from maasd.core.checkpoints import Checkpoints

@@ -21,8 +21,7 @@ from collections.abc import Iterator
 import msgspec
 
 from maasd import allocator
-from maasd.allocator import Region
-from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
+from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.core.release import remove_checkpoint
 from maasd.core.runtime import LivePool, Runtime
 from maasd.errors import BackingError, NotFound, StateConflict

@@ -47,7 +47,7 @@ file (the REST API's 64 service threads and ``socket_slow_workers``)::
 A socket connection has at most one fd in flight too (sent, not yet read by its
 peer: :mod:`maasd.broker.inflight`), which the kernel counts against the same
 ``RLIMIT_NOFILE`` for the daemon's user: ``S`` of them at most
-(:attr:`Limits.fds_in_flight`), inside the headroom whenever the budget is not 0.
+(:attr:`ProcessLimits.fds_in_flight`), inside the headroom whenever the budget is not 0.
 
 With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``, ``T = 68``) and
 ``M = 20000``: 15,000 regions, 3,750 per tenant. With ``M = 524288`` (systemd's
@@ -78,7 +78,7 @@ from maasd.errors import BackingError, MaasdError, PoolExhausted, ResourceLimit
 
 __all__ = [
     "MIN_USEFUL_REGIONS",
-    "Limits",
+    "ProcessLimits",
     "RegionBudget",
     "kernel_refusal",
     "open_files_needed",
@@ -117,7 +117,7 @@ _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
 
 @dataclass(frozen=True)
-class Limits:
+class ProcessLimits:
     """The process limits the budget derives from (see the module docstring)."""
 
     #: The soft RLIMIT_NOFILE.
@@ -227,10 +227,10 @@ def limits_for(
     ledger_files: int = 0,
     threads: int = 0,
     tenant_share: float = 1.0,
-) -> Limits:
+) -> ProcessLimits:
     """The limits of a daemon with these settings under these process limits (the
     connection caps lowered to their shares of ``open_files``)."""
-    return Limits(
+    return ProcessLimits(
         open_files=open_files,
         max_map_count=max_map_count,
         socket_connections=socket_connections(socket_max_connections, open_files)
@@ -247,7 +247,7 @@ def limits_for(
     )
 
 
-def open_files_needed(lim: Limits, regions: int = MIN_USEFUL_REGIONS) -> int | None:
+def open_files_needed(lim: ProcessLimits, regions: int = MIN_USEFUL_REGIONS) -> int | None:
     """The smallest ``RLIMIT_NOFILE`` that gives ``regions`` regions with ``lim``'s other
     settings (the connection caps scaled as :func:`limits_for` does), or ``None`` when
     ``vm.max_map_count`` alone holds fewer."""
@@ -275,7 +275,7 @@ def open_files_needed(lim: Limits, regions: int = MIN_USEFUL_REGIONS) -> int | N
     return lo
 
 
-def too_few_regions(lim: Limits) -> str:
+def too_few_regions(lim: ProcessLimits) -> str:
     """Why a daemon under ``lim`` refuses to start, and the limit it needs."""
     need = open_files_needed(lim)
     fix = (
@@ -293,7 +293,7 @@ def too_few_regions(lim: Limits) -> str:
 
 def settings_limits(
     settings: Settings, open_files: int, max_map_count: int | None, *, postgres: bool
-) -> Limits:
+) -> ProcessLimits:
     """The limits of a daemon with ``settings`` under these process limits: what ``maasd
     serve`` budgets (:func:`read_limits` with the same settings) and ``maasd doctor`` sizes."""
     pooled = settings.db_pool_size + settings.db_max_overflow
@@ -313,7 +313,7 @@ def maps_needed(regions: int) -> int:
     lo, hi = 1, 1 << 34
     while lo < hi:
         mid = (lo + hi) // 2
-        if (Limits(open_files=0, max_map_count=mid).map_budget or 0) >= regions:
+        if (ProcessLimits(open_files=0, max_map_count=mid).map_budget or 0) >= regions:
             hi = mid
         else:
             lo = mid + 1
@@ -328,7 +328,7 @@ def read_limits(
     threads: int = 0,
     tenant_share: float = 1.0,
     open_files: int | None = None,
-) -> Limits:
+) -> ProcessLimits:
     """This process's limits now, with what the daemon's configuration takes of its files
     (``socket_connections``: the ``socket_max_connections`` setting, lowered here).
 
@@ -371,7 +371,7 @@ class RegionBudget:
     cannot overshoot.
     """
 
-    def __init__(self, limits: Limits, held: Callable[[], int] = open_regions) -> None:
+    def __init__(self, limits: ProcessLimits, held: Callable[[], int] = open_regions) -> None:
         self.limits = limits
         self.budget = limits.region_budget
         self.tenant_budget = limits.tenant_budget

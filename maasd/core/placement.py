@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from maasd.errors import PlacementError, QosUnmet, TooLarge
+from maasd.errors import PlacementError, QosUnmet
 from maasd.models import ReserveSpec
+from maasd.sizes import check_fits
 from maasd.store import PoolRow
 
 __all__ = ["by_free_space", "candidates", "meets", "qos_text"]
@@ -64,10 +65,7 @@ def candidates(
     big = [row for row in fit if req.size_bytes <= row.capacity_bytes]
     if not big:
         biggest = max(row.capacity_bytes for row in fit)
-        raise TooLarge(
-            f"{req.size_bytes} bytes exceed the capacity of every pool that meets the QoS "
-            f"(largest: {biggest} bytes)"
-        )
+        check_fits(req.size_bytes, biggest, "the largest pool that meets the QoS")
     return big
 
 

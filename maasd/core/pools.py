@@ -282,9 +282,7 @@ class Pools:
                 f"NUMA node {spec.numa_node} does not exist on this host "
                 f"(nodes: {sorted(self.topology.node_ids)})"
             )
-        page = (
-            self.topology.hugepage_bytes if spec.backing == "hugetlb" else self.topology.page_bytes
-        )
+        page = self.topology.page_bytes_of(spec.backing)
         if spec.capacity_bytes > MAX_BYTES - page:  # it must stay below 2^63 rounded up
             raise InvalidRequest("capacity_bytes rounded up to whole pages must stay below 2^63")
         capacity = -(-spec.capacity_bytes // page) * page

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from maasd.client import errors as ce
 
 __all__ = [
+    "Published",
     "CLIENT_ERRORS",
     "DUPLICATE_KEY",
     "Entries",
@@ -68,11 +69,19 @@ class Record(Protocol):
     def key(self) -> str | None: ...
 
 
-class RestBuffer(Record, Protocol):
-    """A buffer as REST answers it (``maasd.client.Buffer``)."""
+class Published(Record, Protocol):
+    """An entry once published — what :meth:`~maasd.llama.store.KVStore.save` answers:
+    ``maasd.client.Entry`` over the socket, ``maasd.client.Buffer`` over REST."""
 
     @property
     def id(self) -> str: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+
+class RestBuffer(Published, Protocol):
+    """A buffer as REST answers it (``maasd.client.Buffer``)."""
 
 
 class MappedEntry(MappingLike, Record, Protocol):
@@ -125,7 +134,7 @@ class SocketWorkerLike(Protocol[Staged]):
         self, key: str, size_bytes: int, *, pool: str | None = ..., ttl_s: int | None = ...
     ) -> Staged: ...
 
-    def commit(self, entry: Staged) -> Record: ...
+    def commit(self, entry: Staged) -> Published: ...
 
     def abort(self, entry: Staged) -> None: ...
 
@@ -146,7 +155,7 @@ class Entries(Protocol[W, R]):
         """A new evictable entry under ``key``, mapped writable; raises ``DuplicateKey``."""
         ...
 
-    def publish(self, buf: W) -> Record:
+    def publish(self, buf: W) -> Published:
         """Make a fully written entry available to readers → the published entry."""
         ...
 
@@ -205,7 +214,7 @@ class SocketEntries(Generic[Staged]):
         m = self.worker.put(key, size_bytes, pool=self.pool, ttl_s=ttl_s)
         return m, m
 
-    def publish(self, buf: Staged) -> Record:
+    def publish(self, buf: Staged) -> Published:
         return self.worker.commit(buf)
 
     def discard(self, buf: Staged) -> None:
@@ -245,7 +254,7 @@ class RestEntries:
             self.discard(buf)
             raise
 
-    def publish(self, buf: RestBuffer) -> Record:
+    def publish(self, buf: RestBuffer) -> Published:
         # Today an entry is visible from its reserve on; its magic, written last, is what
         # tells a reader it is complete.
         return buf

@@ -35,6 +35,7 @@ from maasd.llama.entries import (
     DUPLICATE_KEY,
     Entries,
     MappingLike,
+    Published,
     SocketEntries,
     close_quietly,
     entry_id,
@@ -122,7 +123,7 @@ class KVStore:
 
     # -- save
 
-    def save(self, seq_id: int, tokens: Tokens) -> Any:
+    def save(self, seq_id: int, tokens: Tokens) -> Published | None:
         """Save sequence ``seq_id`` (which must hold exactly ``tokens``) → the entry
         (``maasd.client.Entry``: ``.id``, ``.key``, ``.size_bytes``), or ``None`` when
         another worker has (or is writing) that prefix already (a 409 duplicate key).

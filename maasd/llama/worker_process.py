@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from maasd.serving import make_server
+from maasd.serving import exit_on_signals, make_server
 
 if TYPE_CHECKING:
     import uvicorn
@@ -65,8 +65,8 @@ class ProcessSpec(msgspec.Struct, forbid_unknown_fields=True):
 def main() -> int:
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=ProcessSpec)
     _die_with_parent(spec.parent_pid)
-    # Until uvicorn takes the signals over: a SIGTERM while the model loads exits 0 too.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # Until uvicorn takes the signals over: a stop while the model loads exits 0 too.
+    exit_on_signals(0)
     logging.basicConfig(
         level=spec.log_level.upper(),
         format=f"%(asctime)s maasd-worker[{os.getpid()}] %(levelname)s %(name)s: %(message)s",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from maasd.client import errors as ce
-from maasd.llama.format import HeaderError, chunk_keys, parse_header
+from maasd.llama.format import HeaderError, check_chunk, chunk_keys, parse_header
 from maasd.llama.link import Link
 from maasd.router.files import LinkedFile
 from maasd.router.state import (
@@ -64,7 +64,7 @@ class Sharing:
     ) -> None:
         self.link = link
         self.fingerprint = fingerprint
-        self.chunk = chunk
+        self.chunk = check_chunk(chunk)
         self.pool = pool
         self.ttl_s = ttl_s
         self._drop = drop  # releases an entry that failed validation (REST), best effort

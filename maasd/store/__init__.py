@@ -10,7 +10,8 @@ top-level ``migrations/`` directory (:meth:`Store.upgrade`).
 
 from __future__ import annotations
 
-from maasd.store.base import must_last
+from maasd.store.base import Repository, must_last
+from maasd.store.database import Database
 from maasd.store.engine import alembic_config, create_engine, migrations_dir, normalize_url
 from maasd.store.hosts import HostUsage, is_live
 from maasd.store.notify import KEYS_CHANNEL
@@ -22,12 +23,14 @@ __all__ = [
     "ACCOUNTED_STATES",
     "BUFFER_STATES",
     "BufferRow",
+    "Database",
     "KEYS_CHANNEL",
     "EventRow",
     "HostRow",
     "HostUsage",
     "KeyRow",
     "PoolRow",
+    "Repository",
     "Store",
     "TenantRow",
     "alembic_config",

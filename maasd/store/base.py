@@ -44,16 +44,18 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, cast, func
-from sqlalchemy.engine import Engine
 
 from maasd.errors import LedgerUnavailable
 from maasd.store.circuit import LedgerCircuit
 
-__all__ = ["Connections", "is_outage", "ledger_errors", "must_last", "used", "violation"]
+if TYPE_CHECKING:
+    from maasd.store.database import Database
+
+__all__ = ["Repository", "is_outage", "ledger_errors", "must_last", "used", "violation"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +141,7 @@ def must_last(persistence: str) -> bool:
     return persistence != "volatile"
 
 
-def used(column: Any) -> Any:
+def used(column: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
     """``SUM(column)`` as a BigInteger, 0 when there are no rows.
 
     (PostgreSQL's ``sum(bigint)`` is ``numeric``; the cast keeps it an ``int``.)
@@ -165,53 +167,40 @@ def violation(exc: sa.exc.IntegrityError) -> tuple[str, str]:
     return "other", what
 
 
-class Connections:
-    """The three kinds of connection of the module docstring, for the repositories.
+class Repository:
+    """The base of the ledger's repositories, one per aggregate (tenants and keys, pools,
+    buffers and entries, events, hosts): each is handed the one :class:`Database` they
+    share at construction, and reaches the database only through it — the helpers below
+    are the three kinds of connection of the module docstring, read off ``db``.
 
-    :class:`maasd.store.Store` sets these attributes up; each repository mixin
-    reaches the database only through the helpers below.
+    A repository keeps no state of its own beyond ``db`` (the reserve's default cap is a
+    setting it is told). :class:`maasd.store.Store` builds all of them over one database.
     """
 
-    #: Reads (no BEGIN on SQLite, autocommit on PostgreSQL).
-    _read: Engine
-    #: Single-statement writes (BEGIN IMMEDIATE on SQLite, autocommit on PostgreSQL).
-    _single: Engine
-    #: Write transactions (BEGIN IMMEDIATE on SQLite, READ COMMITTED on PostgreSQL).
-    _write: Engine
-    #: The same two, committed without waiting for the disk (``durable=False``; SQLite
-    #: only: on PostgreSQL these are ``_write`` and ``_single``).
-    _single_lax: Engine
-    _write_lax: Engine
-    #: This process's writers queue here on SQLite (a no-op on PostgreSQL).
-    _wlock: AbstractContextManager[Any]
-    #: PostgreSQL (row locks, several daemons) rather than SQLite (one writer).
-    is_postgres: bool
-    #: Open while the database is known to be down: every call fails at once.
-    circuit: LedgerCircuit
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
-    @contextlib.contextmanager
-    def _writing(self, *, durable: bool = True) -> Iterator[Connection]:
-        """A write transaction, committed when the block ends without an exception;
-        ``durable=False``: without waiting for the disk (see the module docstring)."""
-        engine = self._write if durable else self._write_lax
-        self.circuit.check()
-        with ledger_errors(self.circuit), self._wlock, engine.begin() as conn:
-            yield conn
+    @property
+    def is_postgres(self) -> bool:
+        """PostgreSQL (row locks, several daemons) rather than SQLite (one writer)."""
+        return self.db.is_postgres
 
-    @contextlib.contextmanager
-    def _single_statement(self, *, durable: bool = True) -> Iterator[Connection]:
-        """A connection for one write statement (its own transaction)."""
-        engine = self._single if durable else self._single_lax
-        self.circuit.check()
-        with ledger_errors(self.circuit), self._wlock, engine.begin() as conn:
-            yield conn
+    @property
+    def circuit(self) -> LedgerCircuit:
+        """Open while the database is known to be down: every call fails at once."""
+        return self.db.circuit
 
-    @contextlib.contextmanager
-    def _reading(self) -> Iterator[Connection]:
-        """A connection for reads (no BEGIN on SQLite, autocommit on PostgreSQL)."""
-        self.circuit.check()
-        with ledger_errors(self.circuit), self._read.connect() as conn:
-            yield conn
+    def _writing(self, *, durable: bool = True) -> AbstractContextManager[Connection]:
+        """A write transaction (:meth:`Database.writing`)."""
+        return self.db.writing(durable=durable)
+
+    def _single_statement(self, *, durable: bool = True) -> AbstractContextManager[Connection]:
+        """A connection for one write statement (:meth:`Database.single_statement`)."""
+        return self.db.single_statement(durable=durable)
+
+    def _reading(self) -> AbstractContextManager[Connection]:
+        """A connection for reads (:meth:`Database.reading`)."""
+        return self.db.reading()
 
     # Rows are typed Any: each becomes a record positionally, which mypy cannot check.
     def _read_rows(self, stmt: Any, params: dict[str, Any] | None = None) -> list[Any]:

@@ -45,12 +45,12 @@ from maasd.errors import (
     PoolExhausted,
     QuotaExceeded,
     StateConflict,
-    TooLarge,
     Unauthorized,
 )
 from maasd.models import BufferState, ReleaseReason
+from maasd.sizes import check_fits, check_size
 from maasd.store import schema
-from maasd.store.base import Connections, used, violation
+from maasd.store.base import Repository, used, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Choice, choose_victims
 from maasd.store.pools import lock_pool
@@ -203,7 +203,7 @@ def _by_id(params: Mapping[str, Any]) -> str:
     return str(params["p_id"])
 
 
-class ReserveRepo(Connections):
+class ReserveRepo(Repository):
     """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
 
     #: The cap on a tenant's buffers when its ``max_buffers`` is NULL; ``None``: no cap.
@@ -263,8 +263,7 @@ class ReserveRepo(Connections):
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
             row = msgspec.structs.replace(row, state=state)
-        if row.size_bytes <= 0:  # a size ≤ 0 would let the sums below undercount
-            raise InvalidRequest(f"size_bytes must be > 0, got {row.size_bytes}")
+        check_size(row.size_bytes, "size_bytes")  # a size ≤ 0 would let the sums undercount
         try:
             touches = [{"p_id": b, "now": t} for b, t in (uses or {}).items()]
             extends = [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()]
@@ -310,10 +309,7 @@ class ReserveRepo(Connections):
         if cap is None:
             cap = self.default_max_buffers
         size = row.size_bytes
-        if size > capacity:
-            raise TooLarge(
-                f"{size} bytes exceed pool {pool_name!r}'s whole capacity of {capacity} bytes"
-            )
+        check_fits(size, capacity, f"pool {pool_name!r}")
         params = {
             "p_tenant": row.tenant_id,
             "p_pool": row.pool_id,
@@ -421,7 +417,7 @@ def _even_after(freed: int) -> str:
     return f", even after evicting {freed} evictable bytes" if freed else ""
 
 
-class BufferRepo(Connections):
+class BufferRepo(Repository):
     """Reading buffers, changing their state, lease, placement and checkpoint."""
 
     def set_state(self, buffer_id: str, state: BufferState, *, durable: bool = True) -> None:

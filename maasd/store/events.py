@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, insert, select
 
 from maasd.models import EventKind
 from maasd.store import schema
-from maasd.store.base import Connections
+from maasd.store.base import Repository
 from maasd.store.records import BufferRow, EventRow
 
 __all__ = ["EventRepo", "buffer_event", "event", "ins_event"]
@@ -62,7 +62,7 @@ def buffer_event(
     )
 
 
-class EventRepo(Connections):
+class EventRepo(Repository):
     """Reading the audit trail."""
 
     def events(

@@ -22,7 +22,7 @@ from sqlalchemy.sql.functions import FunctionElement
 
 from maasd.errors import NotFound, StateConflict
 from maasd.store import schema
-from maasd.store.base import Connections, used
+from maasd.store.base import Repository, used
 from maasd.store.events import buffer_event, event, ins_event
 from maasd.store.records import BufferRow, HostRow
 
@@ -114,7 +114,7 @@ def is_live(row: HostRow, now: float, stale_s: float) -> bool:
     return row.stopped_at is None and now - row.last_seen < stale_s
 
 
-class HostRepo(Connections):
+class HostRepo(Repository):
     """Claiming a host name for this process, beating, listing hosts, forgetting one."""
 
     def claim_host(

@@ -15,7 +15,7 @@ from sqlalchemy import bindparam, delete, func, insert, select, update
 
 from maasd.errors import NotFound, StateConflict
 from maasd.store import schema
-from maasd.store.base import Connections, used
+from maasd.store.base import Repository, used
 from maasd.store.events import event, ins_event
 from maasd.store.records import PoolRow
 
@@ -69,7 +69,7 @@ def deleted_detail(name: str, host: str) -> str:
 _count_pool_buffers = select(func.count()).select_from(_B).where(_B.c.pool_id == bindparam("p_id"))
 
 
-class PoolRepo(Connections):
+class PoolRepo(Repository):
     """Adding, listing and deleting the pools of a host."""
 
     def add_pool(self, row: PoolRow) -> PoolRow:

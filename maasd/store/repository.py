@@ -1,16 +1,22 @@
-"""The ledger's one entry point: ``Store`` — engine, connections, migrations, repositories.
+"""The ledger's one entry point: ``Store`` — every repository over one :class:`Database`.
 
-The SQL lives with its aggregate, one repository mixin each:
+The SQL lives with its aggregate, one repository each (:class:`~maasd.store.base.Repository`:
+handed the database it shares with the others, and no other state):
 
-* :mod:`maasd.store.tenants` — tenants (with their usage) and API keys;
-* :mod:`maasd.store.pools` — the pools of a host (with their usage);
-* :mod:`maasd.store.buffers` — buffers, leases, and the reserve transaction,
-  whose victims the pure :mod:`maasd.store.eviction` chooses;
-* :mod:`maasd.store.events` — the audit trail;
-* :mod:`maasd.store.hosts` — the daemon hosts sharing the ledger, their heartbeats;
+* :mod:`maasd.store.tenants` — :class:`TenantRepo`: tenants (with their usage) and API keys;
+* :mod:`maasd.store.pools` — :class:`PoolRepo`: the pools of a host (with their usage);
+* :mod:`maasd.store.buffers` — buffers and entries: :class:`ReserveRepo` (the reserve
+  transaction, whose victims the pure :mod:`maasd.store.eviction` chooses, and the
+  release) and :class:`BufferRepo` (states, leases, lookups);
+* :mod:`maasd.store.events` — :class:`EventRepo`: the audit trail;
+* :mod:`maasd.store.hosts` — :class:`HostRepo`: the daemon hosts sharing the ledger;
 
-and the transaction rules all of them follow are in :mod:`maasd.store.base`.
+:mod:`maasd.store.database` holds the engines and connections they share, and the
+transaction rules all of them follow are in :mod:`maasd.store.base`.
 :mod:`maasd.store.notify` listens for what other daemons announce (PostgreSQL).
+
+A module that needs one aggregate can be handed its repository alone (``TenantRepo(db)``);
+:class:`Store` is all of them over one database, for the callers that use the whole ledger.
 
 Example::
 
@@ -21,16 +27,14 @@ Example::
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
 from maasd.store.buffers import BufferRepo, ReserveRepo
-from maasd.store.circuit import LedgerCircuit
-from maasd.store.engine import DURABLE, alembic_config, create_engine, normalize_url
+from maasd.store.database import Database
+from maasd.store.engine import alembic_config
 from maasd.store.events import EventRepo
 from maasd.store.hosts import HostRepo
 from maasd.store.notify import Listener
@@ -41,9 +45,6 @@ __all__ = ["Store"]
 
 #: Arbitrary, fixed: the PostgreSQL advisory lock that serialises migrations.
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
-#: What the circuit's probe reads: a table every migrated ledger has, so a SQLite file
-#: that cannot be read fails it (a bare ``SELECT 1`` would not touch the file).
-_PROBE = sa.text("SELECT 1 FROM alembic_version")
 
 
 class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
@@ -69,47 +70,32 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         echo: bool = False,
         connect_timeout_s: float = 3.0,
         statement_timeout_s: float = 10.0,
+        default_max_buffers: int | None = None,
     ) -> None:
-        self.url: URL = normalize_url(url)
-        self.engine: Engine = create_engine(
-            self.url,
-            pool_size=pool_size,
-            max_overflow=max_overflow,
-            echo=echo,
-            # a request waits for a free connection no longer than for a new one
-            pool_timeout=max(1.0, connect_timeout_s),
-            connect_timeout_s=connect_timeout_s,
-            statement_timeout_s=statement_timeout_s,
+        super().__init__(
+            Database(
+                url,
+                pool_size=pool_size,
+                max_overflow=max_overflow,
+                echo=echo,
+                connect_timeout_s=connect_timeout_s,
+                statement_timeout_s=statement_timeout_s,
+            )
         )
-        self.dialect: str = self.engine.dialect.name
-        self.is_postgres: bool = self.dialect == "postgresql"
-        if self.is_postgres:
-            autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
-            self._read = autocommit
-            self._single = autocommit
-        else:
-            self._read = self.engine.execution_options(maasd_begin="none")
-            self._single = self.engine  # BEGIN IMMEDIATE
-        self._write = self.engine
-        # Committed without waiting for the disk (store/base.py, "Durability"): on SQLite
-        # only. A PostgreSQL server can crash and lose its unflushed commits while this
-        # daemon keeps the memory they were about; there every write waits.
-        if self.is_postgres:
-            self._write_lax, self._single_lax = self._write, self._single
-        else:
-            self._write_lax = self._single_lax = self.engine.execution_options(**{DURABLE: False})
-        # SQLite has one writer at a time. Queueing this process's writers on a lock
-        # hands the database over at once; leaving it to the busy timeout makes them
-        # poll with growing sleeps (up to 100 ms), which is what made the reserve p99
-        # long under load. Other processes (migrations, tools) still meet the timeout.
-        self._wlock = nullcontext() if self.is_postgres else threading.RLock()
-        #: Open while the database is known to be down (:mod:`maasd.store.circuit`).
-        self.circuit = LedgerCircuit(self._probe)
+        if default_max_buffers is not None:
+            self.default_max_buffers = default_max_buffers
 
-    def _probe(self) -> None:
-        """One read that needs the database itself (a file read, a server round trip)."""
-        with self._read.connect() as conn:
-            conn.execute(_PROBE).first()
+    @property
+    def url(self) -> URL:
+        return self.db.url
+
+    @property
+    def engine(self) -> Engine:
+        return self.db.engine
+
+    @property
+    def dialect(self) -> str:
+        return self.db.dialect
 
     def __repr__(self) -> str:
         return f"Store({self.url.render_as_string(hide_password=True)!r})"
@@ -123,7 +109,7 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         """
         from alembic import command
 
-        with self._write.begin() as conn:
+        with self.db.write.begin() as conn:
             if self.is_postgres:
                 # A migration may take longer than any request's statement may.
                 conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
@@ -147,5 +133,4 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
 
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""
-        self.circuit.close()
-        self.engine.dispose()
+        self.db.dispose()

@@ -9,7 +9,7 @@ from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 
 from maasd.errors import InvalidRequest, NotFound, StateConflict
 from maasd.store import schema
-from maasd.store.base import Connections, used, violation
+from maasd.store.base import Repository, used, violation
 from maasd.store.events import event, ins_event
 from maasd.store.records import KeyRow, TenantRow
 
@@ -78,7 +78,7 @@ _revoke_keys = (
 _del_keys = delete(_K).where(_K.c.tenant_id == bindparam("p_id"))
 
 
-class TenantRepo(Connections):
+class TenantRepo(Repository):
     """Tenants (with their usage) and their keys."""
 
     # ------------------------------------------------------------ tenants

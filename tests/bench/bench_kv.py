@@ -198,6 +198,7 @@ def bench_maasd(args: argparse.Namespace, llm: Any, tokens: list[int], R: int) -
         llm.eval(tokens)
         out |= bench_saves(kv, c, w, tokens, R)
         entry = kv.save(0, tokens)
+        assert entry is not None
         out["n_restored"] = kv.restore(0, tokens)
         out["restore"] = median_ms(lambda: kv.restore(0, tokens), R)
         kv_cold = KVStore(c, cold, llm)

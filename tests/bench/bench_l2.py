@@ -137,6 +137,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             kva, kvb = KVStore(ca, wa, llm), KVStore(cb, wb, llm)
             saved = kva.save(0, tokens)
             assert saved is not None
+            assert saved.key is not None
+            saved_key: str = saved.key
             out["entry_bytes"] = saved.size_bytes
             r = redis.client()
             l2_key = codec.Keys("maasd", tid).entry(saved.key)
@@ -160,7 +162,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                 raw_get()
 
             def forget_on_b() -> None:  # outside the timing: B must go to L2 again
-                hit = cb.lookup([saved.key])
+                hit = cb.lookup([saved_key])
                 if hit is not None:
                     cb.release(hit.id)
 

@@ -70,6 +70,12 @@ class MemService:
     def authenticate(self, _token: str) -> Principal:
         return self.principal
 
+    def watch_revocations(self, _callback: object) -> None:
+        return None  # no key is ever revoked here
+
+    def watch_releases(self, _callback: object) -> None:
+        return None  # no entry is ever released here
+
     def open_handle(self, _principal: Principal, _buffer_id: str) -> _Handle:
         return _Handle(os.dup(self.memfd), MiB, 0)
 

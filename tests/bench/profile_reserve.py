@@ -180,7 +180,7 @@ def instrument(svc: Service, clock: Clock) -> list[Any]:
 
 def count_ledger(svc: Service) -> dict[str, int]:
     counts = {"commits": 0, "statements": 0}
-    engines = {id(e): e for e in (svc.store._write, svc.store._single, svc.store._read)}
+    engines = {id(e): e for e in (svc.store.db.write, svc.store.db.single, svc.store.db.read)}
 
     def on_commit(_conn: Any) -> None:
         counts["commits"] += 1

@@ -679,3 +679,51 @@ def test_worker_is_thread_safe(fake):
             t.join(60)
     assert failures == []
     wait_until(lambda: fake.attached(tenant[0]) == 0, message="every attachment is dropped")
+
+
+@pytest.mark.parametrize("ttl_s", [2**31 + 1, 2**62, -1])
+def test_a_renew_with_an_absurd_ttl_is_refused_and_changes_nothing(daemon, ttl_s):
+    """``ttl_s`` on the socket is bounded as REST's is (``maasd.bounds.TtlS``): a 400 that
+    names the field, the lease as it was, the connection and the daemon still serving."""
+    env = DaemonEnv(daemon)
+    try:
+        tenant = env.new_tenant()
+        bid = env.reserve(tenant)
+        before = env._client(tenant[1]).buffer(bid).expires_at
+        with contextlib.closing(Raw(env.socket_path)) as r:
+            r.hello(tenant[1])
+            reply, fds = r.call(Renew(buffer_id=bid, ttl_s=ttl_s))
+            assert fds == []
+            assert isinstance(reply, Error)
+            assert reply.status == 400
+            assert "$.ttl_s" in reply.detail
+            assert env._client(tenant[1]).buffer(bid).expires_at == before
+            assert r.call(Renew(buffer_id=bid, ttl_s=60)) == (Ok(), [])  # still served
+        assert env.healthy()
+        env.release(tenant, bid)
+    finally:
+        env.close()
+
+
+def test_the_broker_is_wired_by_its_constructor_and_its_service_protocol(tmp_path):
+    """``events`` reaches the connection table through the constructors, and the broker
+    subscribes to revocations and releases through :class:`BrokerService`'s two methods:
+    a revocation wakes the loop, which cuts the key's idle connection with a 401."""
+    svc = FakeService()
+    events: list[str] = []
+    path = str(tmp_path / "s.sock")
+    with Broker(svc, path, limits=Limits(max_per_uid=1), events=events.append):
+        assert len(svc.revocation_watchers) == 1
+        assert len(svc.release_watchers) == 1
+        key = svc.add_key("t1")
+        with contextlib.closing(Raw(path)) as r:
+            r.hello(key)
+            with contextlib.closing(Raw(path)) as second:  # over max_per_uid: refused, counted
+                reply, _ = second.recv()
+                assert isinstance(reply, Error)
+                assert reply.status == 429
+            wait_until(lambda: "refused" in events, message="the refusal is counted")
+            svc.revoke(key)
+            reply, _ = r.recv()
+            assert isinstance(reply, Error)
+            assert reply.status == 401

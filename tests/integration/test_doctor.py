@@ -248,3 +248,20 @@ def test_no_huge_pages_for_a_hugetlb_pool_fails(tmp_path: Path) -> None:
     assert "node 1 has 0, hugetlb pools want 512" in c["detail"]
     assert "nr_hugepages" in c["fix"]
     assert code == 1
+
+
+def test_the_memory_checks_use_the_allocators_own_memfds_and_regions():
+    """The seal check seals as a committed entry is sealed (``maasd.allocator.add_seals``
+    with ``F_SEAL_FUTURE_WRITE``), and the NUMA check places a real ``Region`` on each node
+    and counts its pages with ``Region.placement``: on this host both hold."""
+    from maasd.allocator import F_SEAL_FUTURE_WRITE, SEALS
+    from maasd.cli.doctor_memory import check_memfd_seals, check_numa
+    from maasd.topology import discover
+
+    topology = discover()
+    seals = check_memfd_seals(topology)
+    assert seals.status == "ok", seals
+    assert f"{SEALS | F_SEAL_FUTURE_WRITE:#x}" in seals.detail
+    numa = check_numa(topology)
+    assert numa.status == "ok", numa
+    assert f"{len(topology.nodes)} node(s)" in numa.detail

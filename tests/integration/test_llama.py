@@ -214,7 +214,9 @@ def saved_entry(
     a = load(path)
     a.eval(toks)
     kv = rest_store(d, a)
-    raw = d.raw(kv.save(0, toks).id)
+    saved = kv.save(0, toks)
+    assert saved is not None
+    raw = d.raw(saved.id)
     return kv, toks, raw, raw.copy(), L.parse_header(raw)
 
 
@@ -230,6 +232,7 @@ class TestMechanics:
         a = load(path0)
         a.eval(toks[:200])
         buf = L.KVStore(None, d, a).save(0, toks[:200])
+        assert buf is not None
         assert buf.key == L.KVStore(None, d, a).key(toks[:192])  # keyed at the chunk boundary
         assert d.staged == {}  # committed
         a.eval(toks[200:])
@@ -266,6 +269,7 @@ class TestMechanics:
         a.eval(toks)
         kv = L.KVStore(None, d, a)
         entry = kv.save(0, toks)
+        assert entry is not None
         d.raw(entry.id)[:] = 0  # what the daemon's scrub leaves in a mapping kept
         assert kv.restore(0, toks) == 0
         assert d.forgotten == [entry.id]  # the next lookup maps it afresh
@@ -407,6 +411,7 @@ class TestMechanics:
         a.eval(toks)
         kv = rest_store(d, a)
         buf = kv.save(0, toks)
+        assert buf is not None
         assert d.renewed == []
         assert rest_store(d, load(path0)).restore(0, toks) == 70
         assert d.renewed == [buf.id]  # a hit renews the entry's lease (over REST)
@@ -540,6 +545,7 @@ class TestWithDaemon:
         a = load(path0)
         a.eval(toks)
         entry = L.KVStore(t.client, t.worker, a).save(0, toks)
+        assert entry is not None
         assert entry.key
         assert entry.size_bytes >= L.header_len_for(300)
         a.eval(tail)
@@ -558,6 +564,7 @@ class TestWithDaemon:
         a.eval(toks)
         kv = L.KVStore(t.client, t.worker, a)
         saved = kv.save(0, toks)
+        assert saved is not None
         longer = toks + prompt(120, seed=23)[1:]
         b = load(path0)
         n = L.KVStore(t.client, t.worker, b).restore(0, longer)
@@ -593,6 +600,7 @@ class TestWithDaemon:
         a.eval(toks)
         kv = L.KVStore(t.client, t.worker, a)
         entry = kv.save(0, toks)
+        assert entry is not None
         with t.worker.attach(entry.id) as m:  # no one can corrupt it any more
             assert not m.writable
             assert not m.array.flags.writeable
@@ -620,6 +628,7 @@ class TestWithDaemon:
         a.eval(toks)
         kv = L.KVStore(t.client, t.worker, a)
         entry = kv.save(0, toks)
+        assert entry is not None
         assert kv.restore(0, toks) == 130  # its mapping is cached now
         t.client.release(entry.id)  # scrubbed: the cached mapping reads zeros
         assert kv.restore(0, toks) == 0
@@ -671,6 +680,7 @@ def test_a_persistent_pool_keeps_entries_across_a_restart(fresh_daemon: Any, pat
     a.eval(toks)
     with Worker(d.socket_path, key) as w:
         entry = L.KVStore(None, w, a, pool="durable").save(0, toks)
+        assert entry is not None
     a.eval(tail)
     d.restart()  # SIGTERM: the entry is checkpointed, then restored committed at start
     out = run_child(d, key, path0, toks + tail)

@@ -165,3 +165,15 @@ def test_docs_slug_table_is_the_catalog() -> None:
     documented = {slug: int(status) for status, slug in rows}
     assert len(rows) == len(documented), "a slug is listed twice"
     assert documented == catalog()
+
+
+def test_the_507_description_names_every_507_problem() -> None:
+    """A 507 means "not now, nothing changed" for several reasons; the OpenAPI text of the
+    status names each of them by its code, so none is left out when one is added."""
+    from maasd.api.problems import MEANING
+
+    base = "insufficient-storage"  # the base of the 507s, never raised itself
+    codes = [code for code, status in catalog().items() if status == 507 and code != base]
+    assert {"pool-exhausted", "resource-limit", "ledger-unavailable"} <= set(codes)
+    for code in codes:
+        assert f"({code})" in MEANING[507], code

@@ -5,12 +5,12 @@ runs it against real limits and a real ledger)."""
 from __future__ import annotations
 
 from maasd.cli.doctor import check_region_budget, needs, region_need, regions_wanted
-from maasd.core.limits import Limits, settings_limits
+from maasd.core.limits import ProcessLimits, settings_limits
 from maasd.settings import Settings
 
-#: The documented example (docs/operations.md, "Limits"): M = 20000, the default socket
+#: The documented example (docs/operations.md, "ProcessLimits"): M = 20000, the default socket
 #: and REST caps, SQLite with the default ledger pool → 15,000 regions.
-DEFAULTS = Limits(
+DEFAULTS = ProcessLimits(
     open_files=20000,
     max_map_count=65530,
     socket_connections=1024,
@@ -36,7 +36,7 @@ def test_a_tenant_cap_above_its_share_warns_with_the_limits_to_set() -> None:
     files = needs(Settings()).files
     assert f"for 16384 regions: LimitNOFILE ≥ {files}" in c.fix
     assert "vm.max_map_count" not in c.fix  # 65,530 holds 16,384 already
-    big = Limits(**{**DEFAULTS.__dict__, "max_map_count": 8192})
+    big = ProcessLimits(**{**DEFAULTS.__dict__, "max_map_count": 8192})
     assert "sysctl -w vm.max_map_count=" in check_region_budget(big, 4096, None, 1 << 30).fix
 
 
@@ -46,12 +46,12 @@ def test_the_needs_are_the_daemons_own_budget() -> None:
     # at the files it names, the daemon's own formula gives that many regions, not one less
     assert settings_limits(Settings(), n.files, None, postgres=False).region_budget >= n.regions
     assert settings_limits(Settings(), n.files - 1, None, postgres=False).region_budget < n.regions
-    assert Limits(open_files=0, max_map_count=n.maps).map_budget == n.regions
+    assert ProcessLimits(open_files=0, max_map_count=n.maps).map_budget == n.regions
     assert regions_wanted(Settings(), [None, 100, 20000]) == 80000  # 20000 / 0.25
 
 
 def test_no_budget_fails() -> None:
-    low = Limits(open_files=1024, max_map_count=65530, socket_connections=1024)
+    low = ProcessLimits(open_files=1024, max_map_count=65530, socket_connections=1024)
     c = check_region_budget(low, 4096, None, 1 << 30, soft_now=256)
     assert c.status == "fail"
     assert "maasd serve would refuse to start: budget 0 regions" in c.detail
@@ -80,3 +80,28 @@ def test_the_pools_pages_bound_the_need() -> None:
     assert why.startswith("the pools' pages: 2048")
     assert check_region_budget(DEFAULTS, 4096, [None] * 100, 2048).status == "ok"
     assert region_need(4096, [], 1 << 30) == (4096, "one tenant at max_buffers_per_tenant: 4096")
+
+
+def test_the_tenants_caps_are_read_through_the_daemons_store(tmp_path):
+    """``maasd doctor`` reads the caps with :meth:`Store.tenants`, the query ``GET
+    /v1/tenants`` answers from: a tenant's own cap, ``None`` for the default, and nothing
+    for one being deleted; no ledger file, nothing read (and none created)."""
+    from maasd.cli.doctor_ledger import ledger_tenant_caps
+    from maasd.store import Store
+    from maasd.store.engine import normalize_url
+
+    missing = tmp_path / "none.db"
+    assert ledger_tenant_caps(normalize_url(f"sqlite:///{missing}")) is None
+    assert not missing.exists()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    store = Store(url)
+    try:
+        store.upgrade()
+        store.add_tenant("a" * 32, "own", 1 << 20, 1.0)
+        store.update_tenant("a" * 32, max_buffers=7)
+        store.add_tenant("b" * 32, "default", 1 << 20, 1.0)
+        store.add_tenant("c" * 32, "leaving", 1 << 20, 1.0)
+        store.mark_tenant_deleting("c" * 32)
+    finally:
+        store.dispose()
+    assert sorted(ledger_tenant_caps(normalize_url(url)) or [], key=str) == [7, None]

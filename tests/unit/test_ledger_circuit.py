@@ -84,7 +84,7 @@ def store(tmp_path: Path):
 def _down(store: Store) -> Probe:
     """Open the store's circuit with a probe that fails until the test says."""
     probe = Probe()
-    store.circuit = LedgerCircuit(probe, max_backoff_s=0.2)
+    store.db.circuit = LedgerCircuit(probe, max_backoff_s=0.2)
     store.circuit.trip("the database cannot be reached")
     return probe
 

@@ -10,7 +10,7 @@ import pytest
 from maasd.core.limits import (
     MIN_FREE_FILES,
     MIN_USEFUL_REGIONS,
-    Limits,
+    ProcessLimits,
     RegionBudget,
     kernel_refusal,
     limits_for,
@@ -45,7 +45,7 @@ def test_the_budget_formula(
     binding: str,
 ) -> None:
     assert rest_connections(512, files) == rest  # http_max_connections 512, the default
-    lim = Limits(
+    lim = ProcessLimits(
         open_files=files,
         max_map_count=maps,
         socket_connections=socket,
@@ -71,7 +71,7 @@ def test_read_limits_reads_this_process() -> None:
 def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
     held = [0]
     budget = RegionBudget(
-        Limits(open_files=132, ledger_files=16, rest_connections=16), held=lambda: held[0]
+        ProcessLimits(open_files=132, ledger_files=16, rest_connections=16), held=lambda: held[0]
     )
     assert budget.limits.reserved == 128  # 64 own + 32 hot read-only + 16 ledger + 16 REST
     assert budget.budget == 4
@@ -93,12 +93,12 @@ def test_admission_stops_at_the_budget_and_counts_regions_being_made() -> None:
 
 def test_health_is_ok_at_the_budget_but_not_out_of_files() -> None:
     n = open_files()
-    lim = Limits(open_files=n + 1000)
+    lim = ProcessLimits(open_files=n + 1000)
     full = RegionBudget(lim, held=lambda: lim.region_budget)  # at its budget
     ok, detail = full.health()
     assert ok
     assert detail.endswith(f"open files, {lim.region_budget} of {lim.region_budget} buffer regions")
-    tight = RegionBudget(Limits(open_files=n + MIN_FREE_FILES - 1), held=lambda: 0)
+    tight = RegionBudget(ProcessLimits(open_files=n + MIN_FREE_FILES - 1), held=lambda: 0)
     ok, detail = tight.health()
     assert not ok
     assert detail.startswith("out of open files: the daemon holds")
@@ -117,7 +117,7 @@ def test_health_is_ok_at_the_budget_but_not_out_of_files() -> None:
 def test_kernel_refusals_on_the_reserve_path_name_the_limit(
     err: int, what: str, expected: type[Exception], says: str
 ) -> None:
-    budget = RegionBudget(Limits(open_files=1024, max_map_count=65530), held=lambda: 0)
+    budget = RegionBudget(ProcessLimits(open_files=1024, max_map_count=65530), held=lambda: 0)
     got = kernel_refusal(BackingError(f"{what}: [x] y", err), budget, "4096 bytes on node 0")
     assert type(got) is expected
     assert got is not None
@@ -125,13 +125,13 @@ def test_kernel_refusals_on_the_reserve_path_name_the_limit(
 
 
 def test_other_kernel_refusals_are_not_limits() -> None:
-    budget = RegionBudget(Limits(open_files=1024), held=lambda: 0)
+    budget = RegionBudget(ProcessLimits(open_files=1024), held=lambda: 0)
     assert kernel_refusal(BackingError("mbind: [EINVAL]", errno.EINVAL), budget, "x") is None
 
 
 def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
     held = [0]
-    budget = RegionBudget(Limits(open_files=100 + 96), held=lambda: held[0])
+    budget = RegionBudget(ProcessLimits(open_files=100 + 96), held=lambda: held[0])
     assert budget.budget == 100
     held[0] = 74
     assert budget.room_for_stock()  # the 75th region leaves 25 free
@@ -185,7 +185,9 @@ def test_the_open_files_needed_is_the_least_that_gives_a_useful_budget() -> None
 
 def test_a_tenant_stops_at_its_share_and_others_are_admitted() -> None:
     held = [0]
-    budget = RegionBudget(Limits(open_files=100 + 96, tenant_share=0.25), held=lambda: held[0])
+    budget = RegionBudget(
+        ProcessLimits(open_files=100 + 96, tenant_share=0.25), held=lambda: held[0]
+    )
     assert (budget.budget, budget.tenant_budget) == (100, 25)
     with budget.admit("a", 24):  # the 25th of tenant a
         with pytest.raises(ResourceLimit, match="its share of the daemon's budget of 100"):

@@ -66,7 +66,7 @@ class Commits:
     def __init__(self, svc: Service) -> None:
         self.n = 0
         store: Any = svc.store
-        for engine in {id(e): e for e in (store._write, store._single, store._read)}.values():
+        for engine in {id(e): e for e in (store.db.write, store.db.single, store.db.read)}.values():
             event.listen(engine, "commit", self._count)
 
     def _count(self, _conn: Any) -> None:

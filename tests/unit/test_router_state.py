@@ -264,3 +264,15 @@ def test_nothing_is_published_while_maasd_is_down() -> None:
     assert link.get() is None
     p = Publisher(Sharing(link, FP, chunk=4), RouterMetrics(), min_tokens=8)
     assert p.plan(held(*range(40)), restored=0) == []
+
+
+@pytest.mark.parametrize("chunk", [0, -4])
+def test_sharing_refuses_a_chunk_that_is_not_positive_at_once(chunk: int) -> None:
+    """The router's key granularity is held to the rule every worker's is
+    (``maasd.llama.format.check_chunk``), when it is made — not at its first save."""
+    from maasd.llama.link import Link
+    from maasd.router.share import Sharing
+
+    link = Link("/nowhere", "key", open_worker=lambda _s, _k: _Open())
+    with pytest.raises(ValueError, match="chunk must be > 0"):
+        Sharing(link, FP, chunk=chunk)

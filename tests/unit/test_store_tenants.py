@@ -116,3 +116,19 @@ def test_a_tenants_disk_quota(store: Store) -> None:
     with pytest.raises(NotFound):
         store.update_tenant(new_id(), disk_quota_bytes=5)
     assert store.tenant(t.id) == after
+
+
+def test_a_repository_stands_alone_over_the_database_it_is_handed(store: Store) -> None:
+    """Each repository reaches the ledger only through the ``Database`` it is handed: one
+    built over the store's database sees (and makes) the same rows, and nothing else of
+    the store is needed — a module can be given its aggregate's repository alone."""
+    from maasd.store.events import EventRepo
+    from maasd.store.tenants import TenantRepo
+
+    tenants = TenantRepo(store.db)
+    tid = new_id()
+    tenants.add_tenant(tid, "alone", 1 << 20, 1.0)
+    assert store.tenant(tid) is not None
+    assert [t.id for t in tenants.tenants() if t.id == tid] == [tid]
+    assert tenants.is_postgres == store.is_postgres
+    assert [e.kind for e in EventRepo(store.db).events(tenant_id=tid)] == ["tenant_create"]
