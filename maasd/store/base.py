@@ -53,7 +53,15 @@ from sqlalchemy.engine import Engine
 from maasd.errors import LedgerUnavailable
 from maasd.store.circuit import LedgerCircuit
 
-__all__ = ["Connections", "is_outage", "ledger_errors", "must_last", "used", "violation"]
+__all__ = [
+    "Connections",
+    "is_outage",
+    "is_write_outage",
+    "ledger_errors",
+    "must_last",
+    "used",
+    "violation",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +72,7 @@ _UNAVAILABLE_SQLSTATES = ("08", "53", "57")
 _UNAVAILABLE_WORDS = (
     ("database is locked", "busy: the database stayed locked past the busy timeout"),
     ("database or disk is full", "its disk is full"),
+    ("readonly database", "its file cannot be written (read-only)"),
     ("disk i/o error", "a disk I/O error"),
     ("unable to open database", "the database file cannot be opened"),
     ("connection", "the database cannot be reached"),
@@ -80,6 +89,16 @@ _OUTAGES = frozenset(
         "the database file cannot be opened",
         "the database cannot be reached",
         "the database closed the connection",
+    }
+)
+#: Of those reasons, the ones that mean a SQLite file can be read but not written now:
+#: the circuit opens for writes only, so that each write does not wait out the busy
+#: timeout in turn (:mod:`maasd.store.circuit`). Only SQLite's words give these.
+_WRITE_OUTAGES = frozenset(
+    {
+        "busy: the database stayed locked past the busy timeout",
+        "its disk is full",
+        "its file cannot be written (read-only)",
     }
 )
 
@@ -113,12 +132,19 @@ def is_outage(why: str) -> bool:
     return why in _OUTAGES
 
 
+def is_write_outage(why: str) -> bool:
+    """Whether :func:`unavailable`'s reason means the database cannot be written now
+    (a SQLite file locked past the busy timeout, full, or read-only)."""
+    return why in _WRITE_OUTAGES
+
+
 @contextlib.contextmanager
 def ledger_errors(circuit: LedgerCircuit | None = None) -> Iterator[None]:
     """Turn "the database cannot serve now" into :class:`LedgerUnavailable` (507, retry):
     the caller's request changed nothing. The database's own words go to the log only —
     they can name its host, which a tenant has no business learning. An outage opens
-    ``circuit``: later calls fail at once until its probe finds the database again."""
+    ``circuit``: later calls fail at once until its probe finds the database again; a
+    file that cannot be written opens it for writes only."""
     try:
         yield
     except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
@@ -128,6 +154,8 @@ def ledger_errors(circuit: LedgerCircuit | None = None) -> Iterator[None]:
         logger.warning("ledger unavailable: %s", exc.__class__.__name__, exc_info=True)
         if circuit is not None and is_outage(why):
             circuit.trip(why)
+        elif circuit is not None and is_write_outage(why):
+            circuit.trip(why, writes_only=True)
         raise LedgerUnavailable(f"the ledger database cannot serve now ({why}); retry") from exc
 
 
@@ -194,22 +222,30 @@ class Connections:
         """A write transaction, committed when the block ends without an exception;
         ``durable=False``: without waiting for the disk (see the module docstring)."""
         engine = self._write if durable else self._write_lax
-        self.circuit.check()
-        with ledger_errors(self.circuit), self._wlock, engine.begin() as conn:
+        with self._queued(), ledger_errors(self.circuit), engine.begin() as conn:
             yield conn
 
     @contextlib.contextmanager
     def _single_statement(self, *, durable: bool = True) -> Iterator[Connection]:
         """A connection for one write statement (its own transaction)."""
         engine = self._single if durable else self._single_lax
-        self.circuit.check()
-        with ledger_errors(self.circuit), self._wlock, engine.begin() as conn:
+        with self._queued(), ledger_errors(self.circuit), engine.begin() as conn:
             yield conn
+
+    @contextlib.contextmanager
+    def _queued(self) -> Iterator[None]:
+        """This process's writer queue (SQLite), with the circuit checked before and again
+        once through it: writers that queued behind one waiting out the busy timeout
+        fail at once when it opened the circuit, instead of each waiting in turn."""
+        self.circuit.check()
+        with self._wlock:
+            self.circuit.check()
+            yield
 
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
         """A connection for reads (no BEGIN on SQLite, autocommit on PostgreSQL)."""
-        self.circuit.check()
+        self.circuit.check(write=False)
         with ledger_errors(self.circuit), self._read.connect() as conn:
             yield conn
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
@@ -44,6 +45,11 @@ MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 #: What the circuit's probe reads: a table every migrated ledger has, so a SQLite file
 #: that cannot be read fails it (a bare ``SELECT 1`` would not touch the file).
 _PROBE = sa.text("SELECT 1 FROM alembic_version")
+#: What the write probe commits (SQLite): the row rewritten as it is — a page of the
+#: WAL written and synced, nothing changed.
+_WRITE_PROBE = "UPDATE alembic_version SET version_num = version_num"
+#: How long the write probe waits for the write lock.
+_WRITE_PROBE_WAIT_S = 0.25
 
 
 class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
@@ -104,12 +110,33 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         # long under load. Other processes (migrations, tools) still meet the timeout.
         self._wlock = nullcontext() if self.is_postgres else threading.RLock()
         #: Open while the database is known to be down (:mod:`maasd.store.circuit`).
-        self.circuit = LedgerCircuit(self._probe)
+        self.circuit = LedgerCircuit(
+            self._probe, write_probe=None if self.is_postgres else self._write_probe
+        )
 
     def _probe(self) -> None:
         """One read that needs the database itself (a file read, a server round trip)."""
         with self._read.connect() as conn:
             conn.execute(_PROBE).first()
+
+    def _write_probe(self) -> None:
+        """One committed write that changes nothing, waiting at most
+        :data:`_WRITE_PROBE_WAIT_S` for the write lock (SQLite: a file locked by another
+        process, full, or read-only fails it) — on a connection of its own, so that the
+        pool's keep their busy timeout."""
+        import sqlite3
+
+        args, kwargs = self.engine.dialect.create_connect_args(self.url)
+        kwargs.update(timeout=_WRITE_PROBE_WAIT_S, isolation_level=None)
+        connect: Any = sqlite3.connect  # the dialect's arguments, as the pool passes them
+        with self._wlock:
+            conn = connect(*args, **kwargs)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute(_WRITE_PROBE)
+                conn.execute("COMMIT")
+            finally:
+                conn.close()  # a transaction left open is rolled back
 
     def __repr__(self) -> str:
         return f"Store({self.url.render_as_string(hide_password=True)!r})"
