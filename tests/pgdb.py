@@ -10,6 +10,7 @@ import contextlib
 import glob
 import os
 import secrets
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,32 @@ class PrivatePostgres:
 
     def remove(self) -> None:
         subprocess.run([self._script, "stop", str(self.port)], check=False, capture_output=True)
+
+    def pids(self) -> list[int]:
+        """The postmaster and every process it forked (backends, walwriter …)."""
+        postmaster = int(Path(f"{self._datadir}/data/postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == postmaster:
+                children.append(int(Path(stat).parent.name))
+        return [postmaster, *children]
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP the whole cluster: connections stay open, the kernel still acknowledges
+        every packet, and nothing answers (no statement timeout fires: it is frozen too)."""
+        pids = self.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw(self, pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def has_pg_server() -> bool:

@@ -51,6 +51,7 @@ from sqlalchemy import BigInteger, Connection, cast, func
 from sqlalchemy.engine import Engine
 
 from maasd.errors import LedgerUnavailable
+from maasd.store import hotpath
 from maasd.store.circuit import LedgerCircuit
 
 __all__ = [
@@ -237,6 +238,7 @@ class Connections:
         """This process's writer queue (SQLite), with the circuit checked before and again
         once through it: writers that queued behind one waiting out the busy timeout
         fail at once when it opened the circuit, instead of each waiting in turn."""
+        hotpath.count()
         self.circuit.check()
         with self._wlock:
             self.circuit.check()
@@ -245,6 +247,7 @@ class Connections:
     @contextlib.contextmanager
     def _reading(self) -> Iterator[Connection]:
         """A connection for reads (no BEGIN on SQLite, autocommit on PostgreSQL)."""
+        hotpath.count()
         self.circuit.check(write=False)
         with ledger_errors(self.circuit), self._read.connect() as conn:
             yield conn
