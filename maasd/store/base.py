@@ -81,7 +81,7 @@ _UNAVAILABLE_WORDS = (
     ("statement timeout", "a statement ran past the statement timeout"),
 )
 #: Of those reasons, the ones that mean the database is gone (an outage: the circuit
-#: opens, :mod:`maasd.store.circuit`), not busy or full (contention: it stays closed).
+#: opens, :mod:`maasd.store.circuit`), not busy or full (those open it for writes only).
 _OUTAGES = frozenset(
     {
         "the connection to the database was lost",

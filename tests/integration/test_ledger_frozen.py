@@ -13,6 +13,8 @@ with the cluster frozen:
   all complete (a deadline of a minute guards against a hang; nothing is timed);
 * meanwhile a hello with a key this daemon never saw — whose check must read the ledger,
   and so waits for the thaw — holds up no one else: it is checked off the event loop;
+* a REST reserve made meanwhile waits for the thaw too, and is then answered (201 or 507,
+  never 500);
 * ``maasd_ledger_calls_on_hot_path_total`` (ledger calls made on the socket's event loop)
   is 0 after all of it, including that hello, before the freeze and after the thaw.
 """
@@ -92,6 +94,15 @@ def test_a_frozen_ledger_holds_up_no_lookup_attach_or_detach(
                 lambda: late.append(Worker(d.socket_path, unseen, renew_interval_s=0)),
                 "unseen-hello",
             )
+            # A write meanwhile needs the ledger: it waits (nothing times out against a
+            # frozen server — docs/scale-out.md), and is answered once it thaws, never 500.
+            reserved: list[int] = []
+            writer, writer_errors = _in_thread(
+                lambda: reserved.append(
+                    d.client(key).post("/v1/reserve", json={"size_bytes": 4096}).status_code
+                ),
+                "reserve",
+            )
             rounds = [0]
 
             def data_plane() -> None:
@@ -114,8 +125,14 @@ def test_a_frozen_ledger_holds_up_no_lookup_attach_or_detach(
             assert plane_errors == [], repr(plane_errors)
             assert rounds[0] >= 20
             assert hello.is_alive()  # the unseen key's check waits for the ledger, alone
+            # (The pool had no idle connection: a new one met the connect timeout, 507.)
+            print(f"a reserve during the freeze: {'waiting' if writer.is_alive() else reserved}")
         finally:
             pg.thaw(pids)
+        writer.join(HANG_GUARD_S)
+        assert writer_errors == [], repr(writer_errors)
+        assert len(reserved) == 1
+        assert reserved[0] in (201, 507), reserved
         hello.join(HANG_GUARD_S)
         assert not hello.is_alive()
         assert hello_errors == [], repr(hello_errors)
