@@ -37,6 +37,7 @@ from maasd.store.hosts import HostRepo
 from maasd.store.notify import Listener
 from maasd.store.pools import PoolRepo
 from maasd.store.tenants import TenantRepo
+from maasd.store.watchdog import CheckoutWatchdog, unwatched
 
 __all__ = ["Store"]
 
@@ -89,6 +90,12 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         )
         self.dialect: str = self.engine.dialect.name
         self.is_postgres: bool = self.dialect == "postgresql"
+        #: PostgreSQL: cuts a connection held past every bound (a frozen server).
+        self.watchdog: CheckoutWatchdog | None = None
+        if self.is_postgres:
+            # two statements at their timeout (a transaction's), a connect, a second
+            limit = 2 * statement_timeout_s + connect_timeout_s + 1.0
+            self.watchdog = CheckoutWatchdog(self.engine, limit)
         if self.is_postgres:
             autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
             self._read = autocommit
@@ -152,6 +159,7 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
 
         with self._write.begin() as conn:
             if self.is_postgres:
+                unwatched(conn.info)  # a migration may take as long as it needs
                 # A migration may take longer than any request's statement may.
                 conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
                 conn.execute(
@@ -175,4 +183,6 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""
         self.circuit.close()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.engine.dispose()

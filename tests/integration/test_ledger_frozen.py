@@ -21,6 +21,8 @@ with the cluster frozen:
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +34,9 @@ from test_ledger_outage_dataplane import _daemon, commit, hit
 
 from conftest import Daemon, free_port
 from maasd.client import Worker
+from maasd.client.errors import LedgerUnavailable
 from pgdb import PG_URL, PrivatePostgres, has_pg_server
+from waiting import wait_until
 
 MiB = 1 << 20
 #: A hang guard, not a measurement: the frozen-ledger phase's work takes well under it.
@@ -70,6 +74,10 @@ def _in_thread(work, name: str) -> tuple[threading.Thread, list[BaseException]]:
     t = threading.Thread(target=run, name=name, daemon=True)
     t.start()
     return t, errors
+
+
+def _refused_507(errors: list[BaseException]) -> bool:
+    return len(errors) == 1 and isinstance(errors[0], LedgerUnavailable)
 
 
 def test_a_frozen_ledger_holds_up_no_lookup_attach_or_detach(
@@ -124,7 +132,9 @@ def test_a_frozen_ledger_holds_up_no_lookup_attach_or_detach(
             assert not plane.is_alive(), "the data plane waited on the frozen ledger"
             assert plane_errors == [], repr(plane_errors)
             assert rounds[0] >= 20
-            assert hello.is_alive()  # the unseen key's check waits for the ledger, alone
+            # The unseen key's check waits for the ledger, alone — until the thaw, or until
+            # the store's watchdog cuts its connection (23 s here): then it is a 507.
+            assert hello.is_alive() or _refused_507(hello_errors), repr(hello_errors)
             # (The pool had no idle connection: a new one met the connect timeout, 507.)
             print(f"a reserve during the freeze: {'waiting' if writer.is_alive() else reserved}")
         finally:
@@ -135,11 +145,68 @@ def test_a_frozen_ledger_holds_up_no_lookup_attach_or_detach(
         assert reserved[0] in (201, 507), reserved
         hello.join(HANG_GUARD_S)
         assert not hello.is_alive()
-        assert hello_errors == [], repr(hello_errors)
-        assert late[0].lookup(["frozen:1"]) is None  # welcomed; another tenant's entry
-        late[0].close()
+        if hello_errors:
+            assert _refused_507(hello_errors), repr(hello_errors)
+        else:
+            assert late[0].lookup(["frozen:1"]) is None  # welcomed; another tenant's entry
+            late[0].close()
         assert d.metric(HOT_PATH) == 0
         assert d.client(key).post("/v1/reserve", json={"size_bytes": 4096}).status_code == 201
     finally:
         for w in workers:
             w.close()
+
+
+@pytest.fixture
+def frozen_backends_host(tmp_path: Path) -> Iterator[tuple[Daemon, PrivatePostgres]]:
+    pg = PrivatePostgres(free_port()).create()
+    d = Daemon(
+        tmp_path / "backends",
+        env={
+            "MAASD_DB_URL": pg.url,
+            "MAASD_NODE_NAME": "frozen-backends",
+            "MAASD_DB_POOL_SIZE": "4",
+            "MAASD_DB_CONNECT_TIMEOUT_S": "2",
+            "MAASD_DB_STATEMENT_TIMEOUT_S": "2",  # the watchdog's limit: 2 × 2 + 2 + 1 s
+        },
+    )
+    try:
+        d.start()
+        yield d, pg
+    finally:
+        d.close()
+        pg.remove()
+
+
+def test_a_write_on_a_frozen_backend_is_cut_not_left_waiting(
+    frozen_backends_host: tuple[Daemon, PrivatePostgres],
+) -> None:
+    """Only the backends frozen (not the postmaster): a pooled connection's statement
+    would wait for the thaw — no server or kernel timeout fires — so the store's watchdog
+    cuts the connection held past its limit, the request answers 507, and a new
+    connection (a fresh backend) serves the next. Never a hang, never a 500."""
+    d, pg = frozen_backends_host
+    _tid, key = d.tenant("frozen-backends", quota_bytes=64 * MiB)
+    c = d.client(key)
+    for _ in range(4):  # pooled connections, each with a backend of its own
+        assert c.post("/v1/reserve", json={"size_bytes": 4096}).status_code == 201
+    backends = pg.pids()[1:]
+    statuses: list[int] = []
+    for pid in backends:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        for _ in range(3):
+            r = c.post("/v1/reserve", json={"size_bytes": 4096}, timeout=HANG_GUARD_S)
+            statuses.append(r.status_code)
+            if r.status_code == 507:
+                assert r.json()["type"].endswith("/ledger-unavailable"), r.text
+    finally:
+        pg.thaw(backends)
+    assert set(statuses) <= {201, 507}, statuses
+    assert 507 in statuses, statuses  # at least one met a frozen backend and was cut
+    assert "past every bound of a serving database" in d.log()
+
+    def reserves() -> bool:
+        return c.post("/v1/reserve", json={"size_bytes": 4096}).status_code == 201
+
+    wait_until(reserves, timeout=30, message="reserves work after the thaw, no restart")
