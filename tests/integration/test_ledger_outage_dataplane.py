@@ -361,8 +361,10 @@ def test_a_slow_ledger_leaves_the_data_plane_as_fast(
             f"{slow_loads} slow"
         )
         assert load_errors == [], repr(load_errors)
-        # The ratios are reported, not asserted: on a shared two-core machine they ranged
-        # from 0.1x to 5x between runs (docs/scale-out.md, "Failure modes").
+        # The ratios are reported, not asserted (noise on a shared machine, both ways): the
+        # benchmark is tests/bench/bench_ledger_p99.py. What is asserted is the structure:
+        # nothing on the socket's event loop called the ledger.
+        assert d.metric("maasd_ledger_calls_on_hot_path_total") == 0
     finally:
         stop.set()
         proxy.delay_s = 0.0
