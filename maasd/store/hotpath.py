@@ -1,16 +1,16 @@
-"""Ledger calls made on a hot path — the worker socket's event loop — counted: there must be none.
+"""Ledger calls made on a hot path — an event loop — counted: there must be none.
 
-The loop serves ``lookup``, ``attach`` and ``detach`` inline, from memory (docs/scale-out.md,
-"Failure modes"); anything that needs the ledger runs on the slow pool. A ledger call on the
-loop would make every worker of the host wait for the database, and stop them all while it
-is frozen. So the loop marks its thread (:func:`mark`), every ledger call of the store
+The worker socket's loop serves ``lookup``, ``attach`` and ``detach`` inline, from memory
+(docs/scale-out.md, "Failure modes"); anything that needs the ledger runs on its slow pool.
+The REST server's asyncio loop hands every service call to a thread. A ledger call on
+either loop would make every worker (or every REST client) of the host wait for the
+database, and stop them all while it is frozen. So both loops mark their thread
+(:func:`mark`: :mod:`maasd.broker.loop`, :class:`maasd.api.loop.GuardedLoop`), every
+ledger call of the store
 (:class:`maasd.store.base.Connections`) counts itself if made on a marked thread
 (:func:`count`), and ``/metrics`` reports the count as
 ``maasd_ledger_calls_on_hot_path_total`` (:class:`HotPathCollector`), which the tests
 check stays 0 while the ledger is frozen.
-
->>> calls()
-0
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class HotPathCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(
             "maasd_ledger_calls_on_hot_path",
-            "Ledger calls made on the worker socket's event loop (none expected: that loop "
-            "answers from memory, so that it never waits on the database)",
+            "Ledger calls made on an event loop, the worker socket's or the REST server's "
+            "(none expected: neither may ever wait on the database)",
             value=calls(),
         )
