@@ -23,6 +23,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from maasd.errors import LedgerUnavailable
+
 if TYPE_CHECKING:
     from maasd.models import PoolInfo, TenantInfo
 
@@ -58,7 +60,11 @@ class LedgerCollector(Collector):
         warm_target = GaugeMetricFamily(
             "maasd_pool_warm_target_bytes", "The pool's warm stock budget", labels=["pool", "node"]
         )
-        for p in self._pools():
+        try:
+            pools, tenants = list(self._pools()), list(self._tenants())
+        except LedgerUnavailable:  # its gauges are left out; the rest of /metrics answers
+            pools, tenants = [], []
+        for p in pools:
             labels = [p.name, str(p.numa_node)]
             cap.add_metric(labels, p.capacity_bytes)
             used.add_metric(labels, p.used_bytes)
@@ -73,7 +79,7 @@ class LedgerCollector(Collector):
         tquota = GaugeMetricFamily(
             "maasd_tenant_quota_bytes", "Tenant quota", labels=["tenant", "name"]
         )
-        for t in self._tenants():
+        for t in tenants:
             tused.add_metric([t.id, t.name], t.used_bytes)
             tquota.add_metric([t.id, t.name], t.quota_bytes)
         yield from (cap, used, nbuf, warm, warm_target, tused, tquota)

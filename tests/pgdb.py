@@ -10,6 +10,7 @@ import contextlib
 import glob
 import os
 import secrets
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,23 +75,56 @@ class PrivatePostgres:
     def _datadir(self) -> str:
         return Path(f"/tmp/maasd-pg-{self.port}.dir").read_text().strip()
 
-    def _pg_ctl(self, *args: str) -> None:
+    def _pg_ctl(self, *args: str, wrap: tuple[str, ...] = ()) -> None:
         bindir = sorted(glob.glob("/usr/lib/postgresql/*/bin"))[-1]
         cmd = [f"{bindir}/pg_ctl", "-D", f"{self._datadir}/data", *args]
         if os.geteuid() == 0:
             cmd = ["runuser", "-u", "postgres", "--", *cmd]
-        subprocess.run(cmd, check=True, capture_output=True)
+        subprocess.run([*wrap, *cmd], check=True, capture_output=True)
 
     def stop(self) -> None:
         self._pg_ctl("-m", "fast", "-w", "stop")
 
-    def start(self) -> None:
+    def start(self, host: str = "127.0.0.1", wrap: tuple[str, ...] = ()) -> None:
+        """Start again; ``host``: the address to listen on (a client of another address
+        is trusted too), ``wrap``: the command to run pg_ctl under (``ip netns exec …``)."""
         datadir = self._datadir
-        options = f"-p {self.port} -h 127.0.0.1 -k {datadir} -c fsync=off -c max_connections=200"
-        self._pg_ctl("-l", f"{datadir}/server.log", "-w", "-t", "60", "-o", options, "start")
+        if host != "127.0.0.1":
+            with open(f"{datadir}/data/pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {host}/16 trust\n")
+        options = f"-p {self.port} -h {host} -k {datadir} -c fsync=off -c max_connections=200"
+        self._pg_ctl(
+            "-l", f"{datadir}/server.log", "-w", "-t", "60", "-o", options, "start", wrap=wrap
+        )
 
     def remove(self) -> None:
         subprocess.run([self._script, "stop", str(self.port)], check=False, capture_output=True)
+
+    def pids(self) -> list[int]:
+        """The postmaster and every process it forked (backends, walwriter …)."""
+        postmaster = int(Path(f"{self._datadir}/data/postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[1]) == postmaster:
+                children.append(int(Path(stat).parent.name))
+        return [postmaster, *children]
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP the whole cluster: connections stay open, the kernel still acknowledges
+        every packet, and nothing answers (no statement timeout fires: it is frozen too)."""
+        pids = self.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        return pids
+
+    def thaw(self, pids: list[int]) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def has_pg_server() -> bool:

@@ -29,6 +29,8 @@ import socket
 import time
 from typing import Any
 
+from maasd.store import hotpath
+
 __all__ = ["AcceptPacing", "GuardedLoop"]
 
 logger = logging.getLogger("maasd.api.server")
@@ -80,6 +82,12 @@ class GuardedLoop(asyncio.SelectorEventLoop):
     def __init__(self) -> None:
         super().__init__()
         self.accept_pacing = AcceptPacing()
+
+    def run_forever(self) -> None:
+        # Every request's authentication and response pass through this thread: a ledger
+        # call on it would stall every REST request (maasd.store.hotpath counts any).
+        hotpath.mark()
+        super().run_forever()
 
     def _accept_connection(
         self,

@@ -149,6 +149,9 @@ class Outcome:
     authed: int | None = None
     #: nothing to send yet: run the op again on the slow pool (an inline op that must wait)
     defer: bool = False
+    #: a hello checked on the slow pool: ``(principal or None if refused, api_key)``, for
+    #: the loop to apply (:meth:`maasd.broker.table.ConnectionTable.welcome`)
+    hello: tuple[Principal | None, str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +317,20 @@ class Dispatcher:
             return self.error(exc, fields, close=True), None, None
         welcome = Outcome(Welcome(tenant_id=principal.tenant_id, pid=pid), authed=generation)
         return welcome, principal, req.api_key
+
+    def hello_inline(self, body: bytes) -> bool:
+        """Whether the hello ``body`` can be answered on the loop: its key is told from
+        memory (the admin, a remembered key), or it is refused without a check. Otherwise
+        checking it reads the ledger, which the loop must never wait on (a slow or frozen
+        database would stall every worker of the host): it goes to the slow pool."""
+        known = getattr(self.service, "known_principal", None)
+        if known is None:
+            return True
+        try:
+            req = decode_request(body)
+            return not isinstance(req, Hello) or known(req.api_key) is not None
+        except Exception:  # undecodable, or no key: refused at once
+            return True
 
     def decode(self, body: bytes, fields: Fields) -> tuple[Request, Op] | Outcome:
         """A frame after hello: the request and its op, or the 400 to answer (no close)."""

@@ -10,6 +10,7 @@ Per turn::
     connections with frames left over (a burst) → their next share
     deadlines: hello (absolute, from accept), send (a reply nobody reads), linger
     a key revoked since the last turn → idle connections' keys re-checked (slow pool)
+    a hello whose key is not known from memory → checked on the slow pool (it reads the ledger)
 
 A connection has at most one frame in flight: while an operation of it runs
 on the slow pool, or a reply of it is not yet wholly in the kernel, the loop
@@ -33,10 +34,12 @@ from collections.abc import Callable
 
 from maasd import errors
 from maasd.protocol import ProtocolError, Request
+from maasd.store import hotpath
 
 from .acceptor import Acceptor
 from .connection import Connection
 from .dispatch import Dispatcher, HandleService, Op, Outcome, Session
+from .hellos import Hellos
 from .limits import Limits
 from .pacing import Fields, LogLimiter
 from .pushes import Pushes
@@ -88,6 +91,7 @@ class EventLoop:
         self.tick = time.monotonic()
         self.crash: str | None = None
         self.revocations = Revocations(service, self.table, self.dispatcher, pool, self.post)
+        self.hellos = Hellos(self.table, self.dispatcher, pool, self.post)
         self.pushes = Pushes(self.table, self.wake)
         self._finished = False
         self._post_lock = threading.Lock()
@@ -95,6 +99,7 @@ class EventLoop:
     # --- the loop ------------------------------------------------------------------
 
     def run(self) -> None:
+        hotpath.mark()  # nothing on this thread may wait on the ledger: counted if it does
         try:
             while not self.stopping.is_set():
                 self.tick = time.monotonic()
@@ -230,7 +235,7 @@ class EventLoop:
 
     def _frame(self, conn: Connection, body: bytes) -> None:
         if conn.principal is None:
-            self.table.hello(conn, body)
+            self.hellos.hello(conn, body)
             return
         fields = conn.fields  # built only if a log line needs them
         decoded = self.dispatcher.decode(body, fields)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from maasd import errors
+from maasd.models import Principal
 from maasd.protocol import FrameTooLarge, encode_frame
 
 from .connection import Connection, FdsRefused
@@ -122,10 +123,11 @@ class ConnectionTable(GiveBack):
         )
         self.deliver(conn, self.dispatcher.error(err, conn.fields(), close=True))
 
-    def hello(self, conn: Connection, body: bytes) -> None:
-        """Serve the first frame: welcome (and count it for its tenant) or refuse and close."""
+    def welcome(
+        self, conn: Connection, outcome: Outcome, principal: Principal | None, key: str | None
+    ) -> None:
+        """Apply a checked hello (:mod:`.hellos`): welcome, counted, or refuse and close."""
         fields = conn.fields()
-        outcome, principal, key = self.dispatcher.hello(body, conn.pid, fields)
         if principal is not None:
             reason = self.counts.admit_tenant(conn.uid, tenant_of(principal))
             if reason is None:
@@ -147,6 +149,9 @@ class ConnectionTable(GiveBack):
 
     def deliver(self, conn: Connection, outcome: Outcome) -> None:
         """Apply what ``outcome`` changes for ``conn``, then send its reply."""
+        if outcome.hello is not None:  # a hello checked on the slow pool
+            (principal, key), outcome.hello = outcome.hello, None
+            return self.welcome(conn, outcome, principal, key)
         if conn.closed:
             self.undeliverable(conn, outcome)
             return

@@ -89,6 +89,7 @@ from maasd.models import (
 )
 from maasd.settings import Settings
 from maasd.store import Store
+from maasd.store.hotpath import HotPathCollector
 from maasd.topology import Topology, discover
 
 __all__ = ["Found", "Handle", "Service"]
@@ -394,6 +395,7 @@ def _attach_collectors(svc: Service) -> None:
     """The metrics read at scrape time: the ledger's, the runtime's, the entries', the
     pages found off their pool's node."""
     svc.metrics.attach_ledger(LedgerCollector(svc.pools, svc.tenants))
+    svc.metrics.registry.register(HotPathCollector())
     svc.metrics.attach_runtime(
         RuntimeCollector(
             svc.runtime.released_attached, lambda: (svc.budget.held(), svc.budget.budget)

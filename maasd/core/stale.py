@@ -102,8 +102,9 @@ def ledger_health(circuit: LedgerCircuit) -> tuple[bool, str]:
     since = circuit.down_since
     if since is None:
         return True, ""
+    what = "can be read but not written" if circuit.writes_only else "cannot serve"
     return False, (
-        f"the ledger database cannot serve ({circuit.why}) for {time.time() - since:.0f} s: "
+        f"the ledger database {what} ({circuit.why}) for {time.time() - since:.0f} s: "
         "lookups, attaches and detaches answer from memory; reserves, puts and commits 507"
     )
 

@@ -55,7 +55,15 @@ from maasd.store.circuit import LedgerCircuit
 if TYPE_CHECKING:
     from maasd.store.database import Database
 
-__all__ = ["Repository", "is_outage", "ledger_errors", "must_last", "used", "violation"]
+__all__ = [
+    "Repository",
+    "is_outage",
+    "is_write_outage",
+    "ledger_errors",
+    "must_last",
+    "used",
+    "violation",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +74,7 @@ _UNAVAILABLE_SQLSTATES = ("08", "53", "57")
 _UNAVAILABLE_WORDS = (
     ("database is locked", "busy: the database stayed locked past the busy timeout"),
     ("database or disk is full", "its disk is full"),
+    ("readonly database", "its file cannot be written (read-only)"),
     ("disk i/o error", "a disk I/O error"),
     ("unable to open database", "the database file cannot be opened"),
     ("connection", "the database cannot be reached"),
@@ -73,7 +82,7 @@ _UNAVAILABLE_WORDS = (
     ("statement timeout", "a statement ran past the statement timeout"),
 )
 #: Of those reasons, the ones that mean the database is gone (an outage: the circuit
-#: opens, :mod:`maasd.store.circuit`), not busy or full (contention: it stays closed).
+#: opens, :mod:`maasd.store.circuit`), not busy or full (those open it for writes only).
 _OUTAGES = frozenset(
     {
         "the connection to the database was lost",
@@ -82,6 +91,16 @@ _OUTAGES = frozenset(
         "the database file cannot be opened",
         "the database cannot be reached",
         "the database closed the connection",
+    }
+)
+#: Of those reasons, the ones that mean a SQLite file can be read but not written now:
+#: the circuit opens for writes only, so that each write does not wait out the busy
+#: timeout in turn (:mod:`maasd.store.circuit`). Only SQLite's words give these.
+_WRITE_OUTAGES = frozenset(
+    {
+        "busy: the database stayed locked past the busy timeout",
+        "its disk is full",
+        "its file cannot be written (read-only)",
     }
 )
 
@@ -115,12 +134,19 @@ def is_outage(why: str) -> bool:
     return why in _OUTAGES
 
 
+def is_write_outage(why: str) -> bool:
+    """Whether :func:`unavailable`'s reason means the database cannot be written now
+    (a SQLite file locked past the busy timeout, full, or read-only)."""
+    return why in _WRITE_OUTAGES
+
+
 @contextlib.contextmanager
 def ledger_errors(circuit: LedgerCircuit | None = None) -> Iterator[None]:
     """Turn "the database cannot serve now" into :class:`LedgerUnavailable` (507, retry):
     the caller's request changed nothing. The database's own words go to the log only —
     they can name its host, which a tenant has no business learning. An outage opens
-    ``circuit``: later calls fail at once until its probe finds the database again."""
+    ``circuit``: later calls fail at once until its probe finds the database again; a
+    file that cannot be written opens it for writes only."""
     try:
         yield
     except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
@@ -130,6 +156,8 @@ def ledger_errors(circuit: LedgerCircuit | None = None) -> Iterator[None]:
         logger.warning("ledger unavailable: %s", exc.__class__.__name__, exc_info=True)
         if circuit is not None and is_outage(why):
             circuit.trip(why)
+        elif circuit is not None and is_write_outage(why):
+            circuit.trip(why, writes_only=True)
         raise LedgerUnavailable(f"the ledger database cannot serve now ({why}); retry") from exc
 
 

@@ -8,12 +8,19 @@ statement timeout: a request that needs a new row is answered 507 in microsecond
 the threads that serve requests are never all stuck on a dead server. One thread of the
 circuit's own probes the database (``SELECT 1``) with a backoff of 0.1 s doubling to
 ``max_backoff_s``; its first success closes the circuit and calls the ``on_up``
-callbacks (the core writes what it batched meanwhile). Contention is no outage: a busy
-SQLite file, an exhausted connection pool or a full disk answer 507 but leave it closed.
+callbacks (the core writes what it batched meanwhile). Contention is no outage: an
+exhausted connection pool or a statement timeout answer 507 but leave it closed.
+
+A SQLite file that can be read but not written — its write lock held past the busy
+timeout by another process, its disk full, its file system read-only — opens the circuit
+for *writes only* (``trip(..., writes_only=True)``): reads go on (``check(write=False)``
+passes), every write is 507 at once instead of each waiting out the busy timeout in
+turn, and the probe is ``write_probe`` (a harmless committed write with a short wait).
 
 ::
 
     closed ──an outage error──► open (every call: 507 at once) ──probe succeeds──► closed
+    closed ──locked/full/read-only──► open for writes (reads go on) ──write probe──► closed
 """
 
 from __future__ import annotations
@@ -40,10 +47,13 @@ class LedgerCircuit:
         self,
         probe: Callable[[], None],
         *,
+        write_probe: Callable[[], None] | None = None,
         max_backoff_s: float = 2.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._probe = probe
+        self._write_probe = write_probe or probe
+        self._writes_only = False
         self._max_backoff_s = max_backoff_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -64,9 +74,15 @@ class LedgerCircuit:
     def why(self) -> str:
         return self._why
 
-    def check(self) -> None:
-        """Raise :class:`LedgerUnavailable` at once while the circuit is open."""
-        if self._down_since is not None:
+    @property
+    def writes_only(self) -> bool:
+        """Open for writes only: the database can be read (see the module docstring)."""
+        return self._down_since is not None and self._writes_only
+
+    def check(self, *, write: bool = True) -> None:
+        """Raise :class:`LedgerUnavailable` at once while the circuit is open (for a
+        read, ``write=False``: only while it is open for reads too)."""
+        if self._down_since is not None and (write or not self._writes_only):
             raise LedgerUnavailable(f"the ledger database cannot serve now ({self._why}); retry")
 
     def on_up(self, callback: Callable[[], None]) -> None:
@@ -74,12 +90,19 @@ class LedgerCircuit:
         with self._lock:
             self._on_up.append(callback)
 
-    def trip(self, why: str) -> None:
-        """An outage was seen: open the circuit (if closed) and start probing."""
+    def trip(self, why: str, *, writes_only: bool = False) -> None:
+        """An outage was seen: open the circuit (if closed) and start probing.
+        ``writes_only``: the database can be read, not written. An outage of reads
+        widens a circuit open for writes only."""
         with self._lock:
-            if self._down_since is not None or self._stop.is_set():
+            if self._stop.is_set():
+                return
+            if self._down_since is not None:
+                if self._writes_only and not writes_only:
+                    self._writes_only, self._why = False, why
                 return
             self._down_since, self._why = self._clock(), why
+            self._writes_only = writes_only
             self.opened += 1
             self._thread = threading.Thread(
                 target=self._run, name="maasd-ledger-probe", daemon=True
@@ -98,7 +121,7 @@ class LedgerCircuit:
         delay = _FIRST_BACKOFF_S
         while not self._stop.wait(delay):
             try:
-                self._probe()
+                (self._write_probe if self._writes_only else self._probe)()
             except Exception as exc:
                 logger.debug("ledger probe failed: %s", exc)
                 delay = min(delay * 2, self._max_backoff_s)

@@ -40,6 +40,7 @@ from maasd.store.hosts import HostRepo
 from maasd.store.notify import Listener
 from maasd.store.pools import PoolRepo
 from maasd.store.tenants import TenantRepo
+from maasd.store.watchdog import unwatched
 
 __all__ = ["Store"]
 
@@ -111,6 +112,7 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
 
         with self.db.write.begin() as conn:
             if self.is_postgres:
+                unwatched(conn.info)  # a migration may take as long as it needs
                 # A migration may take longer than any request's statement may.
                 conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
                 conn.execute(

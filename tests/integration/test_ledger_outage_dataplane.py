@@ -137,6 +137,10 @@ def check_during_outage(d: Daemon, w: Worker, key: str) -> None:
     # A new connection: a key checked before the outage is taken at hello.
     with Worker(d.socket_path, key, renew_interval_s=0) as fresh:
         hit(fresh, ["prefix:1"]).close()
+    # /metrics still answers: the ledger's gauges left out, the rest there.
+    m = d.admin.get("/metrics")
+    assert m.status_code == 200, m.text
+    assert "maasd_ledger_calls_on_hot_path_total 0.0" in m.text
     h = d.admin.get("/healthz")
     assert h.status_code == 200, h.text
     assert h.json()["status"] == "degraded"
@@ -195,6 +199,11 @@ def test_the_data_plane_outlives_a_stopped_ledger(
         # A key revoked before the outage stays out.
         with pytest.raises(MaasdClientError):
             Worker(a.socket_path, revoked["api_key"], renew_interval_s=0).close()
+        # Hit once more, still in the outage: its lease must then outlast the start below
+        # (the checks above take seconds on a loaded machine, longer than the lease).
+        with hit(workers[a], ["prefix:short"]) as m:
+            assert m.buffer_id == short
+        last_hit = time.time()
 
         cluster.start()
 
@@ -352,8 +361,10 @@ def test_a_slow_ledger_leaves_the_data_plane_as_fast(
             f"{slow_loads} slow"
         )
         assert load_errors == [], repr(load_errors)
-        # The ratios are reported, not asserted: on a shared two-core machine they ranged
-        # from 0.1x to 5x between runs (docs/scale-out.md, "Failure modes").
+        # The ratios are reported, not asserted (noise on a shared machine, both ways): the
+        # benchmark is tests/bench/bench_ledger_p99.py. What is asserted is the structure:
+        # nothing on the socket's event loop called the ledger.
+        assert d.metric("maasd_ledger_calls_on_hot_path_total") == 0
     finally:
         stop.set()
         proxy.delay_s = 0.0

@@ -61,16 +61,63 @@ def test_an_outage_opens_the_circuit_and_its_probe_closes_it() -> None:
         circuit.close()
 
 
-@pytest.mark.parametrize(
-    "words", ["database is locked", "database or disk is full", "no such table: x"]
-)
-def test_contention_and_bugs_leave_the_circuit_closed(words: str) -> None:
+@pytest.mark.parametrize("words", ["no such table: x", 'near "x": syntax error'])
+def test_bugs_and_contention_leave_the_circuit_closed(words: str) -> None:
     circuit = LedgerCircuit(Probe())
-    with pytest.raises((LedgerUnavailable, sa.exc.OperationalError)), ledger_errors(circuit):
+    with pytest.raises(sa.exc.OperationalError), ledger_errors(circuit):
         raise sa.exc.OperationalError("BEGIN", {}, Exception(words))
     with pytest.raises(LedgerUnavailable), ledger_errors(circuit):
         raise sa.exc.TimeoutError("QueuePool limit reached")
     assert circuit.down_since is None
+
+
+@pytest.mark.parametrize(
+    "words",
+    ["database is locked", "database or disk is full", "attempt to write a readonly database"],
+)
+def test_a_file_that_cannot_be_written_opens_the_circuit_for_writes_only(words: str) -> None:
+    reads, writes = Probe(), Probe()
+    circuit = LedgerCircuit(reads, write_probe=writes, max_backoff_s=0.2)
+    try:
+        with pytest.raises(LedgerUnavailable), ledger_errors(circuit):
+            raise sa.exc.OperationalError("INSERT", {}, Exception(words))
+        assert circuit.writes_only
+        circuit.check(write=False)  # reads go on
+        with pytest.raises(LedgerUnavailable):
+            circuit.check()  # writes: at once
+        wait_until(lambda: writes.calls >= 2, message="the write probe runs")
+        assert reads.calls == 0
+        # An outage of reads meanwhile widens it.
+        with pytest.raises(LedgerUnavailable), ledger_errors(circuit):
+            raise sa.exc.OperationalError("SELECT", {}, Exception("disk I/O error"))
+        assert not circuit.writes_only
+        with pytest.raises(LedgerUnavailable):
+            circuit.check(write=False)
+        reads.up.set()
+        wait_until(lambda: circuit.down_since is None, message="closed by the read probe")
+    finally:
+        circuit.close()
+
+
+def test_the_write_probe_of_a_real_file_fails_while_another_process_holds_its_lock(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    s = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    s.upgrade()
+    other = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None)
+    try:
+        s.db.write_probe()
+        other.execute("BEGIN IMMEDIATE")
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            s.db.write_probe()  # within its short wait, not the pool's busy timeout
+        other.execute("ROLLBACK")
+        s.db.write_probe()
+        assert [r[0] for r in other.execute("SELECT version_num FROM alembic_version")]
+    finally:
+        other.close()
+        s.dispose()
 
 
 @pytest.fixture

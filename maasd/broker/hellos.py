@@ -1,0 +1,50 @@
+"""Hellos off the loop: a key the daemon cannot tell from memory is checked on the slow pool.
+
+Checking an API key it has not seen (or cannot trust its cache for: PostgreSQL with its
+revocation listener down) reads the ledger. On the event loop that read would make every
+connection of the host wait for the database — a slow ledger would slow every worker's
+``lookup``, a frozen one would stop them all. So such a hello runs on the slow pool, like
+any op that may wait on the ledger; its connection reads nothing more meanwhile (busy), and
+the loop applies the outcome (:meth:`maasd.broker.table.ConnectionTable.welcome`). A key
+told from memory (the admin, a remembered key), or a hello refused without a check, is
+answered inline as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from .connection import Connection
+from .dispatch import Dispatcher, Outcome
+from .slowpool import SlowPool
+from .table import ConnectionTable
+
+__all__ = ["Hellos"]
+
+
+class Hellos:
+    def __init__(
+        self,
+        table: ConnectionTable,
+        dispatcher: Dispatcher,
+        pool: SlowPool,
+        post: Callable[[Connection, Outcome], None],
+    ) -> None:
+        self._table, self._dispatcher, self._pool, self._post = table, dispatcher, pool, post
+
+    def hello(self, conn: Connection, body: bytes) -> None:
+        """Serve ``conn``'s first frame, inline if no ledger read is needed."""
+        if self._dispatcher.hello_inline(body):
+            self._table.welcome(conn, *self._dispatcher.hello(body, conn.pid, conn.fields()))
+            return
+        conn.busy = True
+        self._pool.submit("-", functools.partial(self._check, conn, body))
+
+    def _check(self, conn: Connection, body: bytes) -> None:
+        """On a slow-pool thread."""
+        if conn.closed:  # gone (or its hello deadline passed) while the job waited
+            return
+        outcome, principal, key = self._dispatcher.hello(body, conn.pid, conn.fields())
+        outcome.hello = (principal, key)
+        self._post(conn, outcome)
