@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .dispatch import HandleService
+from .dispatch import UseCases
 from .limits import Limits
 from .loop import EventLoop
 from .pacing import LogLimiter
@@ -43,8 +43,8 @@ LOG_INTERVAL_S = 10.0
 class Broker:
     """Serve worker handles on a Unix stream socket at ``path`` (:mod:`maasd.protocol`).
 
-    ``service`` is the daemon's service (or anything with the methods of
-    :class:`maasd.broker.dispatch.HandleService`). ``mode`` (and ``group``, a
+    ``service`` is the core's use-case objects the broker calls
+    (:class:`maasd.broker.dispatch.UseCases`: ``Service.socket_use_cases()``). ``mode`` (and ``group``, a
     gid, when given) is applied to the socket file before it accepts
     connections. ``limits`` bounds connections, deadlines and slow work
     (defaults: :class:`Limits`). ``events`` (for metrics) is told ``shed``,
@@ -53,7 +53,8 @@ class Broker:
 
     Example::
 
-        broker = Broker(service, "/var/lib/maasd/maasd.sock", limits=Limits.from_settings(s))
+        broker = Broker(svc.socket_use_cases(), "/var/lib/maasd/maasd.sock",
+                        limits=Limits.from_settings(s))
         broker.start()
         ok, why = broker.healthy()
         broker.stop()
@@ -61,7 +62,7 @@ class Broker:
 
     def __init__(
         self,
-        service: HandleService,
+        service: UseCases,
         path: str,
         mode: int = 0o660,
         group: int | None = None,
@@ -97,13 +98,9 @@ class Broker:
             # A revocation made on another thread (REST, or another daemon's, heard by the
             # ledger listener) wakes the loop, so idle connections of the key are cut at
             # once instead of at the loop's next turn (up to a second later).
-            watch = getattr(self.service, "watch_revocations", None)
-            if watch is not None:
-                watch(loop.wake)
+            self.service.auth.watch_revocations(loop.wake)
             # A released entry's holders are told to let go (its memory counts until then).
-            releases = getattr(self.service, "watch_releases", None)
-            if releases is not None:
-                releases(loop.pushes.released)
+            self.service.entries.watch_releases(loop.pushes.released)
             thread = threading.Thread(target=loop.run, name="maasd-broker", daemon=True)
             thread.start()
         except BaseException:

@@ -20,7 +20,7 @@ its bytes are immutable, enforced by the kernel, and every handle to it is read-
               never read again (Pool.retire)
     abort   a staged entry released (scrubbed); also when its writer's connection
             closes before the commit
-    lookup  from memory: the runtime's index of this host's committed entries; a hit
+    lookup  from memory: the index (maasd.core.regions) of this host's committed entries; a hit
             is a use (LRU) and extends the lease, batched like attach times
 
 No worker ever held the fresh region writable, and after the seal no one can get a
@@ -35,6 +35,7 @@ A commit that cannot be honoured leaves nothing behind: the entry is released.
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import time
@@ -47,8 +48,11 @@ from maasd.allocator.region import copy_region
 from maasd.core.auth import require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.handles import Handle
+from maasd.core.holders import Holders
+from maasd.core.livepools import LivePool, LivePools
+from maasd.core.regions import Held, Regions
 from maasd.core.release import Releaser
-from maasd.core.runtime import Held, LivePool, Runtime
+from maasd.core.uses import UseBatch
 from maasd.errors import (
     BackingError,
     MaasdError,
@@ -73,6 +77,13 @@ _NO_MEMORY = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EFAULT, errno.EAGAIN})
 _AT_LIMIT = frozenset({errno.EMFILE, errno.ENFILE})
 
 
+class Settle(enum.Enum):
+    """How a writer settles its staged entry (what its check and its answers say)."""
+
+    COMMIT = "committed"
+    ABORT = "aborted"
+
+
 @dataclass(frozen=True)
 class Found:
     """A lookup hit: ``fd`` is a new read-only descriptor the receiver closes."""
@@ -90,13 +101,19 @@ class Entries:
     def __init__(
         self,
         store: Store,
-        runtime: Runtime,
+        regions: Regions,
+        live: LivePools,
+        holders: Holders,
+        uses: UseBatch,
         buffers: Buffers,
         releaser: Releaser,
         metrics: Metrics,
     ) -> None:
         self._store = store
-        self._runtime = runtime
+        self._regions = regions
+        self._live = live
+        self._holders = holders
+        self._uses = uses  # a hit is a use, written in a batch
         self._buffers = buffers
         self._releaser = releaser
         self._metrics = metrics
@@ -142,7 +159,7 @@ class Entries:
         )
 
     def _writable_fd(self, buffer_id: str) -> int:
-        fd = self._runtime.dup_fd(buffer_id)
+        fd = self._regions.dup_fd(buffer_id)
         if fd is None:  # its tenant or pool was deleted meanwhile
             raise StateConflict(f"entry {buffer_id} was released before it was handed out")
         return fd
@@ -173,24 +190,24 @@ class Entries:
 
     def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> tuple[str | None, int]:
         """The commit; returns the entry's key and size."""
-        self._check_own_staged(tenant_id, buffer_id, owned, "committed")
+        self._check_own_staged(tenant_id, buffer_id, owned, Settle.COMMIT)
         failure: Exception
-        with self._runtime.buffer_lock(buffer_id):
-            held = self._runtime.held(buffer_id)
-            live = None if held is None else self._runtime.pool(held.pool_id)
+        with self._regions.buffer_lock(buffer_id):
+            held = self._regions.held(buffer_id)
+            live = None if held is None else self._live.get(held.pool_id)
             if held is None or held.live or live is None:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             try:
-                fresh = _copy(held, live, buffer_id, self._runtime)
+                fresh = _copy(held, live, buffer_id, self._holders)
             except (OSError, MaasdError) as e:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
                 if self._store.commit(buffer_id, time.time(), durable=durable) is None:
                     live.pool.release(fresh, give_back=False)
-                    self._runtime.holders.forget(buffer_id)
+                    self._holders.forget(buffer_id)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
-                staging = self._runtime.commit(buffer_id, fresh)
+                staging = self._regions.commit(buffer_id, fresh)
                 assert staging is not None  # held under its lock: a release waits for it
                 # The copy took over its bytes; its scrub (the punch that frees it) comes
                 # after the answer: saves ~0.5 ms of memset per 9 MiB commit.
@@ -208,7 +225,7 @@ class Entries:
     def abort(self, who: Principal, buffer_id: str, *, owned: bool) -> None:
         """Release a staged entry (scrubbed). One released meanwhile is fine: it is gone."""
         tenant_id = require_tenant(who)
-        if self._check_own_staged(tenant_id, buffer_id, owned, "aborted") is not None:
+        if self._check_own_staged(tenant_id, buffer_id, owned, Settle.ABORT) is not None:
             self._release_staged(tenant_id, buffer_id, "abort")
 
     def abandon(self, who: Principal, buffer_id: str) -> None:
@@ -216,21 +233,32 @@ class Entries:
         if who.tenant_id is not None:
             self._release_staged(who.tenant_id, buffer_id, "disconnect")
 
+    def staged(self, buffer_id: str) -> bool:
+        """Whether ``buffer_id`` is still an entry awaiting its commit here (from memory);
+        False once it is committed or released (its lease ended, a DELETE)."""
+        held = self._regions.held(buffer_id)
+        return held is not None and not held.live
+
+    def watch_releases(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(buffer_id)`` when an entry someone holds is released (broker)."""
+        self._holders.listen(callback)
+
     def _check_own_staged(
-        self, tenant_id: str, buffer_id: str, owned: bool, what: str
+        self, tenant_id: str, buffer_id: str, owned: bool, what: Settle
     ) -> Held | None:
         """The entry if it is staged and the caller's connection put it; ``None`` if the
-        caller put it and it was released meanwhile. NotFound/StateConflict otherwise."""
-        held = self._runtime.held(buffer_id)
+        caller put it and it was released meanwhile (fine for an abort: it is gone).
+        NotFound/StateConflict otherwise."""
+        held = self._regions.held(buffer_id)
         if held is None or held.tenant_id != tenant_id:
             if owned:
-                if what == "aborted":
+                if what is Settle.ABORT:
                     return None
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             raise NotFound(f"no entry {buffer_id!r}")
         if not owned:
             raise StateConflict(
-                f"entry {buffer_id} can only be {what} by the connection that put it"
+                f"entry {buffer_id} can only be {what.value} by the connection that put it"
             )
         if held.live:
             raise StateConflict(f"entry {buffer_id} is committed already")
@@ -238,7 +266,7 @@ class Entries:
 
     def _release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
-        held = self._runtime.held(buffer_id)
+        held = self._regions.held(buffer_id)
         row: BufferRow | None = self._store.mark_staged_releasing(
             buffer_id, tenant_id, durable=held is None or self._durable(held)
         )
@@ -256,8 +284,9 @@ class Entries:
         *,
         count_miss: bool = True,
         attached: Container[str] = (),
-    ) -> Found:
-        """The committed entry of the longest of ``keys`` (short → long), read-only.
+    ) -> Found | None:
+        """The committed entry of the longest of ``keys`` (short → long), read-only; ``None``
+        for a miss (a value, not an error: the edge that must answer 404 raises it).
 
         Answered from memory. A hit counts as an attachment of the caller — unless the
         entry is one of ``attached``, which the caller holds already — as a use and
@@ -266,14 +295,14 @@ class Entries:
         lookup's outcome is counted once that answered).
         """
         tenant_id = require_tenant(who)
-        opened = self._runtime.lookup(tenant_id, keys, attached)
+        opened = self._regions.lookup(tenant_id, keys, attached)
         series = self._metrics.tenant(tenant_id)
         if opened is None:
             if count_miss:
                 series.misses.inc()
-            raise NotFound("no committed entry carries any of these keys")
+            return None
         now = time.time()
-        self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
+        self._uses.touch(opened.buffer_id, now, now + opened.ttl_s)
         series.hits.inc()
         series.restored.inc(opened.size_bytes)
         if opened.tenant_attached is not None:
@@ -323,8 +352,8 @@ class Entries:
         return info.id
 
     def _publish(self, buffer_id: str, fill: Callable[[memoryview], None]) -> None:
-        with self._runtime.buffer_lock(buffer_id):
-            held = self._runtime.held(buffer_id)
+        with self._regions.buffer_lock(buffer_id):
+            held = self._regions.held(buffer_id)
             if held is None or held.live:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             region = held.region
@@ -333,20 +362,18 @@ class Entries:
                 fill(view)
             finally:
                 view.release()
-            self._runtime.holders.watch(
-                buffer_id, region.fd, region.size, held.tenant_id, held.pool_id
-            )
+            self._holders.watch(buffer_id, region.fd, region.size, held.tenant_id, held.pool_id)
             if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
-                self._runtime.holders.forget(buffer_id)
+                self._holders.forget(buffer_id)
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
-            self._runtime.commit(buffer_id, region)
+            self._regions.commit(buffer_id, region)
 
     def read(self, buffer_id: str, tenant_id: str, key: str, head: int) -> bytearray | None:
         """``head`` free bytes, then the bytes of the committed entry ``buffer_id`` of this
         tenant and key; None if it is not (or no longer) that. Read under the entry's lock,
         so a release cannot scrub it halfway through (L2 would get a mix of it and zeros)."""
-        with self._runtime.buffer_lock(buffer_id):
-            held = self._runtime.held(buffer_id)
+        with self._regions.buffer_lock(buffer_id):
+            held = self._regions.held(buffer_id)
             if (
                 held is None
                 or not held.committed
@@ -361,7 +388,7 @@ class Entries:
 
     def _durable(self, held: Held) -> bool:
         """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""
-        live = self._runtime.pool(held.pool_id)
+        live = self._live.get(held.pool_id)
         return live is None or must_last(live.row.persistence)
 
     @staticmethod
@@ -370,7 +397,7 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> Region:
+def _copy(held: Held, live: LivePool, buffer_id: str, holders: Holders) -> Region:
     """The staged bytes in a fresh, frozen region of the pool, watched from now on
     (who holds its memfd: :mod:`maasd.core.holders`)."""
     staging = held.region
@@ -385,7 +412,7 @@ def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> Regio
         if live.row.prefault and not fresh.placed:  # a stocked region's was measured
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
-        runtime.holders.watch(buffer_id, fresh.fd, fresh.size, held.tenant_id, held.pool_id)
+        holders.watch(buffer_id, fresh.fd, fresh.size, held.tenant_id, held.pool_id)
     except BaseException:
         live.pool.release(fresh, give_back=False)
         raise

@@ -534,7 +534,7 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
     stale.close()  # file left behind, nobody listening
-    svc = FakeService()
+    svc = FakeService().use_cases()
     with Broker(svc, path) as b:
         assert os.path.exists(path)
         with pytest.raises(FileExistsError):
