@@ -20,12 +20,12 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-from maasd.core.livepools import LivePool
 
 from maasd import errors
 from maasd.allocator import Region
 from maasd.bounds import bytes_of_gib
 from maasd.core import Service, limits
+from maasd.core.livepools import LivePool
 from maasd.models import BufferState, Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
 from maasd.settings import Settings
 from maasd.store import BufferRow, KeyRow
