@@ -468,7 +468,7 @@ def kernel_refusal(
         return ResourceLimit(
             f"the system-wide open files limit (fs.file-max) is reached ({e.detail})"
         )
-    if e.errno == errno.ENOMEM and e.detail.startswith("mmap") and not hugetlb:
+    if e.errno == errno.ENOMEM and e.op == "mmap" and not hugetlb:
         return ResourceLimit(
             f"the kernel refused a mapping ({e.detail}): vm.max_map_count "
             f"{budget.limits.max_map_count} or the address space is exhausted; "

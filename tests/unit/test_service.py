@@ -711,7 +711,7 @@ def test_a_kernel_out_of_files_on_reserve_is_a_507_naming_the_limit(
     who = tenant(svc)
 
     def emfile(name: str, flags: int) -> int:
-        raise _sys._fail(f"memfd_create({name!r}, flags={flags:#x})", errno.EMFILE)
+        raise _sys._fail("memfd_create", f"memfd_create({name!r}, flags={flags:#x})", errno.EMFILE)
 
     monkeypatch.setattr(_sys, "memfd_create", emfile)
     with pytest.raises(errors.ResourceLimit, match="RLIMIT_NOFILE"):
