@@ -46,6 +46,7 @@ from maasd.core.reaper import Reaper
 from maasd.core.recovery import Recovery
 from maasd.core.regions import Regions
 from maasd.core.release import Releaser
+from maasd.core.restore import Restores
 from maasd.core.shared import Shared
 from maasd.core.stale import LastKnownReads, degraded_checks
 from maasd.core.strays import stray_pages
@@ -151,9 +152,10 @@ class Service:
         self.entries = Entries(
             store, regions, live, holders, self.uses, self.buffers, releaser, metrics
         )
-        self.shared = Shared(settings, store, self.entries, metrics)
+        restores = Restores(store, regions, holders, self.buffers, self.entries)
+        self.shared = Shared(settings, store, self.entries, restores, metrics)
         self.disk = DiskTiers(
-            settings, store, regions, live, self.entries, releaser, self.pools, metrics
+            settings, store, regions, live, self.entries, restores, releaser, self.pools, metrics
         )
         self.tiers = Tiers(
             store, live, self.entries, self.disk, self.shared, self.pools, self.tenants

@@ -13,7 +13,7 @@ tier")::
               (a DELETE, a lease, a tenant's deletion) erases the key's copy on disk.
     lookup    a socket lookup that misses DRAM and names a key on disk goes to the slow
               pool (fill_ready), where promote() reads the file straight into a fresh
-              sealed memfd of the tier's pool — Entries.materialise, the L2 fill's seam:
+              sealed memfd of the tier's pool — Restores.materialise, the L2 fill's seam:
               quota, max_buffers, capacity and eviction as for any put — and answers
               it from memory. The copy on disk stays (a later eviction writes nothing).
     hit       a DRAM hit counts a use of its key for the admission filter.
@@ -46,6 +46,7 @@ from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
 from maasd.core.regions import Regions
 from maasd.core.release import Releaser
+from maasd.core.restore import Restores
 from maasd.core.tenants import disk_quota
 from maasd.disk.metrics import DiskMetrics
 from maasd.disk.policy import Admission, S3Fifo
@@ -111,12 +112,12 @@ class DiskTiers:
 
     def __init__(
         self, settings: Settings, store: Store, regions: Regions, live: LivePools,
-        entries: Entries,
-        releaser: Releaser, pools: Pools, metrics: Metrics,
+        entries: Entries, restores: Restores, releaser: Releaser, pools: Pools, metrics: Metrics,
     ) -> None:  # fmt: skip
         self._factor = settings.disk_quota_factor
         self.store, self._regions, self._live = store, regions, live
         self._entries = entries
+        self._restores = restores
         self.metrics = DiskMetrics(metrics.registry)
         self.metrics.attach(self.stats)
         releaser.on_entry_end = self.ended
@@ -379,7 +380,7 @@ class DiskTiers:
         if found is None or tier is None:
             return None
         try:
-            found.promoted_as = self._entries.materialise_with(
+            found.promoted_as = self._restores.materialise_with(
                 who, found.key, found.sealed.size, self._reader(tier, found), pool=found.pool_id
             )
         except DuplicateKey:

@@ -214,7 +214,7 @@ class Entries:
                 live.pool.retire(staging)
                 return held.key, fresh.size
         # The copy failed: nothing may stay behind (the row is still staged).
-        self._release_staged(tenant_id, buffer_id, "commit_failed")
+        self.release_staged(tenant_id, buffer_id, "commit_failed")
         answer = _storage_error(buffer_id, failure)
         if answer is failure:
             raise failure
@@ -226,12 +226,12 @@ class Entries:
         """Release a staged entry (scrubbed). One released meanwhile is fine: it is gone."""
         tenant_id = require_tenant(who)
         if self._check_own_staged(tenant_id, buffer_id, owned, Settle.ABORT) is not None:
-            self._release_staged(tenant_id, buffer_id, "abort")
+            self.release_staged(tenant_id, buffer_id, "abort")
 
     def abandon(self, who: Principal, buffer_id: str) -> None:
         """The writer's connection closed: release the entry if it is still staged."""
         if who.tenant_id is not None:
-            self._release_staged(who.tenant_id, buffer_id, "disconnect")
+            self.release_staged(who.tenant_id, buffer_id, "disconnect")
 
     def staged(self, buffer_id: str) -> bool:
         """Whether ``buffer_id`` is still an entry awaiting its commit here (from memory);
@@ -264,11 +264,11 @@ class Entries:
             raise StateConflict(f"entry {buffer_id} is committed already")
         return held
 
-    def _release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
+    def release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
         held = self._regions.held(buffer_id)
         row: BufferRow | None = self._store.mark_staged_releasing(
-            buffer_id, tenant_id, durable=held is None or self._durable(held)
+            buffer_id, tenant_id, durable=held is None or self.durable(held)
         )
         if row is None:
             return  # committed, or someone else releases it
@@ -310,83 +310,7 @@ class Entries:
         assert opened.key is not None
         return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
 
-    # -- the L2 tier's side: an entry read back, an entry's bytes read out ---------------------
-
-    def materialise(self, who: Principal, key: str, data: memoryview) -> str:
-        """A committed entry of ``key`` holding ``data`` (read back from L2); its id.
-
-        The reserve of a put (quota, ``max_buffers``, capacity and eviction as for any
-        entry), into a region sealed ``F_SEAL_FUTURE_WRITE`` from the start: no worker
-        ever holds it writable, so the daemon writes ``data`` through its own mapping and
-        commits the region in place, without a copy. Raises what a put raises
-        (DuplicateKey when the key is here already, QuotaExceeded, PoolExhausted …).
-        """
-
-        def fill(view: memoryview) -> None:
-            view[: len(data)] = data
-
-        return self.materialise_with(who, key, len(data), fill)
-
-    def materialise_with(
-        self,
-        who: Principal,
-        key: str,
-        size: int,
-        fill: Callable[[memoryview], None],
-        *,
-        pool: str | None = None,
-    ) -> str:
-        """:meth:`materialise`, with ``fill`` writing the bytes into the region's mapping
-        (the disk tier decrypts straight into it), in ``pool`` if given. What ``fill``
-        raises releases the entry (scrubbed) and is raised."""
-        tenant_id = require_tenant(who)
-        spec = ReserveSpec(
-            size_bytes=size, pool=pool, ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True
-        )
-        info = self._buffers.reserve(who, spec, kind="entry", frozen=True)
-        try:
-            self._publish(info.id, fill)
-        except Exception:
-            self._release_staged(tenant_id, info.id, "commit_failed")
-            raise
-        return info.id
-
-    def _publish(self, buffer_id: str, fill: Callable[[memoryview], None]) -> None:
-        with self._regions.buffer_lock(buffer_id):
-            held = self._regions.held(buffer_id)
-            if held is None or held.live:
-                raise StateConflict(f"entry {buffer_id} was released before its commit")
-            region = held.region
-            view = region.view()
-            try:
-                fill(view)
-            finally:
-                view.release()
-            self._holders.watch(buffer_id, region.fd, region.size, held.tenant_id, held.pool_id)
-            if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
-                self._holders.forget(buffer_id)
-                raise StateConflict(f"entry {buffer_id} was released before its commit")
-            self._regions.commit(buffer_id, region)
-
-    def read(self, buffer_id: str, tenant_id: str, key: str, head: int) -> bytearray | None:
-        """``head`` free bytes, then the bytes of the committed entry ``buffer_id`` of this
-        tenant and key; None if it is not (or no longer) that. Read under the entry's lock,
-        so a release cannot scrub it halfway through (L2 would get a mix of it and zeros)."""
-        with self._regions.buffer_lock(buffer_id):
-            held = self._regions.held(buffer_id)
-            if (
-                held is None
-                or not held.committed
-                or held.tenant_id != tenant_id
-                or held.key != key
-                or held.region.closed
-            ):
-                return None
-            buf = bytearray(head + held.region.size)
-            held.region.read_into(memoryview(buf)[head:])
-            return buf
-
-    def _durable(self, held: Held) -> bool:
+    def durable(self, held: Held) -> bool:
         """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""
         live = self._live.get(held.pool_id)
         return live is None or must_last(live.row.persistence)

@@ -3,7 +3,7 @@
 Two hooks, both off the worker's hot path::
 
     commit        the entry's key and id go to the L2 tier's write-behind queue (never
-                  waits; the writer thread reads the bytes later with Entries.read)
+                  waits; the writer thread reads the bytes later with Restores.read)
     lookup miss   the order of the tiers is maasd.core.tiers' (the one place): a local
                   miss while L2 is ready goes to fill(), off the event loop: one L2
                   round trip for all the keys, the value's checks, then the entry
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from maasd.core.auth import require_tenant
 from maasd.core.entries import Entries, Found
+from maasd.core.restore import Restores
 from maasd.errors import ConfigError, DuplicateKey, MaasdError
 from maasd.l2 import open_tier
 from maasd.metrics import Metrics
@@ -42,9 +43,15 @@ class Shared:
     """The L2 tier as the core uses it; inert (``enabled`` False) without ``l2_url``."""
 
     def __init__(
-        self, settings: Settings, store: Store, entries: Entries, metrics: Metrics
+        self,
+        settings: Settings,
+        store: Store,
+        entries: Entries,
+        restores: Restores,
+        metrics: Metrics,
     ) -> None:
         self._entries = entries
+        self._restores = restores
         self._circuit = store.circuit
         self._tier: L2Tier | None = None
         if settings.l2_url is None:
@@ -54,7 +61,7 @@ class Shared:
                 "--l2-url needs the shared PostgreSQL ledger: L2 keys are namespaced by "
                 f"tenant id, and tenant ids are global only there (this ledger is {store.dialect})"
             )
-        self._tier = open_tier(settings, metrics.registry, entries.read)
+        self._tier = open_tier(settings, metrics.registry, restores.read)
         entries.on_commit(self._tier.write_behind)
 
     @property
@@ -98,7 +105,7 @@ class Shared:
         fetched = None if tier is None else tier.fetch(tenant_id, keys)
         if tier is not None and fetched is not None:
             try:
-                self._entries.materialise(who, fetched.key, fetched.data)
+                self._restores.materialise(who, fetched.key, fetched.data)
             except DuplicateKey:
                 pass  # restored (or being put) by another caller: the lookup finds it, or not
             except MaasdError as exc:  # no room here (quota, max_buffers, pool full …)
