@@ -205,14 +205,22 @@ class LedgerUnavailable(InsufficientStorage):
 
 
 class BackingError(MaasdError):
-    """Raised when a memory syscall fails; carries the errno and the operation attempted."""
+    """Raised when a memory syscall fails; carries the errno and the operation attempted.
+
+    ``errno``: the kernel's answer; ``op``: the syscall that gave it (``"mmap"``,
+    ``"fallocate"`` …), when one did — what a caller tells refusals apart by, never
+    the detail's text.
+    """
 
     code = "backing-error"
     title = "Memory backing failed"
 
-    def __init__(self, detail: str = "", errno: int | None = None) -> None:
+    def __init__(
+        self, detail: str = "", errno: int | None = None, *, op: str | None = None
+    ) -> None:
         super().__init__(detail)
         self.errno = errno
+        self.op = op
 
 
 class ConfigError(MaasdError):

@@ -28,8 +28,9 @@ MiB = 1 << 20
 ADMIN_KEY = "maasd_admin_key_for_the_api_tests"
 ADMIN = Principal(is_admin=True)
 
-#: Methods a handler may call; authentication and the role checks are the guards' own.
-NOT_SERVICE_CALLS = {"authenticate", "known_principal", "require_admin", "require_tenant"}
+#: The use-case objects the app's handlers are given (maasd.api.dependencies); the keys
+#: (authentication, the role checks) are the guards' own, not counted.
+HANDED_TO_HANDLERS = ("pools", "tiers", "tenants", "buffers", "hosts", "last_known")
 
 
 def service(data_dir: Path) -> Service:
@@ -59,24 +60,26 @@ def auth(key: str) -> dict[str, str]:
 
 def snapshot(svc: Service) -> tuple[Any, ...]:
     """Everything a refused request must leave unchanged: pools, tenants, every buffer."""
-    return svc.pools(), svc.tenants(), svc.buffers(ADMIN)
+    return svc.pools.infos(), svc.tenants.infos(), svc.buffers.buffers(ADMIN)
 
 
 class ServiceCalls:
-    """Counts the calls of every public service method, wrapping the real ones on the instance.
+    """Counts the calls of every public method of the use-case objects the handlers are
+    given (``"buffers.reserve"``), wrapping the real ones on the instances.
 
-    The app is given the service itself (handlers receive it by dependency
+    The app is given those very objects (handlers receive them by dependency
     injection), so a handler that runs shows up here; a guard that refuses
     before the handler leaves :attr:`counts` empty.
     """
 
     def __init__(self, svc: Service, monkeypatch: pytest.MonkeyPatch) -> None:
         self.counts: Counter[str] = Counter()
-        for name in dir(Service):
-            if name.startswith("_") or name in NOT_SERVICE_CALLS:
-                continue
-            if callable(getattr(Service, name)):
-                monkeypatch.setattr(svc, name, self._counting(name, getattr(svc, name)))
+        for noun in HANDED_TO_HANDLERS:
+            obj = getattr(svc, noun)
+            for name in dir(type(obj)):
+                if not name.startswith("_") and callable(getattr(type(obj), name)):
+                    counted = self._counting(f"{noun}.{name}", getattr(obj, name))
+                    monkeypatch.setattr(obj, name, counted)
 
     def _counting(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(fn)

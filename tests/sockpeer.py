@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from maasd import errors
 from maasd.broker import Broker, Limits
+from maasd.core.tiers import LATER, Later
 from maasd.models import Principal
 from maasd.protocol import (
     Error,
@@ -151,8 +152,10 @@ class FakeHandle:
 
 
 class FakeService:
-    """Enough of maasd.core.Service for the broker: keys, sealed memfds, a gauge, and
-    entries kept in dicts (a put is a memfd; a commit files it under its key)."""
+    """Enough of the core for the broker: keys, sealed memfds, a gauge, and entries kept
+    in dicts (a put is a memfd; a commit files it under its key). The broker is built
+    with :meth:`use_cases`: the same methods, in the shape of the core's use-case objects
+    (maasd.broker.dispatch.UseCases)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -174,15 +177,13 @@ class FakeService:
         #: what a fill waits for (a slow L2), and the threads fills ran on
         self.fill_gate: threading.Event | None = None
         self.fill_threads: list[str] = []
-        #: what the broker subscribed to (BrokerService): told of each revocation
+        #: who is told of a revocation (the broker's loop wakes)
         self.revocation_watchers: list[Callable[[], None]] = []
+        #: who is told of a released entry someone holds (the broker's pushes)
         self.release_watchers: list[Callable[[str], None]] = []
 
-    def watch_revocations(self, callback: Callable[[], None]) -> None:
-        self.revocation_watchers.append(callback)
-
-    def watch_releases(self, callback: Callable[[str], None]) -> None:
-        self.release_watchers.append(callback)  # the fake never releases a held entry
+    def use_cases(self) -> FakeUseCases:
+        return FakeUseCases(self)
 
     def add_key(self, tenant_id: str) -> str:
         key = uuid.uuid4().hex
@@ -192,8 +193,8 @@ class FakeService:
     def revoke(self, key: str) -> None:
         self.keys.pop(key, None)
         self.auth_generation += 1
-        for wake in self.revocation_watchers:
-            wake()
+        for watcher in self.revocation_watchers:
+            watcher()
 
     def reserve(self, tenant_id: str, size: int) -> str:
         fd = os.memfd_create("fake", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -249,7 +250,7 @@ class FakeService:
     # entries
     def lookup_entry(
         self, who: Principal, keys: list[str], attached: Container[str] = ()
-    ) -> FakeHandle:
+    ) -> FakeHandle | None:
         with self.lock:
             for key in reversed(keys):
                 bid = self.by_key.get((str(who.tenant_id), key))
@@ -259,7 +260,7 @@ class FakeService:
                         self.attached[str(who.tenant_id)] += 1
                     ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
                     return FakeHandle(ro, bid, size, 0, key)
-        raise errors.NotFound("no committed entry carries any of these keys")
+        return None
 
     def l2_ready(self) -> bool:
         return self.remote is not None
@@ -267,7 +268,9 @@ class FakeService:
     def fill_ready(self, _principal: Principal, _keys: list[str]) -> bool:
         return self.l2_ready()
 
-    def fill_entry(self, who: Principal, keys: list[str]) -> FakeHandle:
+    def fill_entry(
+        self, who: Principal, keys: list[str], attached: Container[str] = ()
+    ) -> FakeHandle | None:
         """A miss asked of the fake tier: a hit becomes a committed local entry."""
         self.fill_threads.append(threading.current_thread().name)
         if self.fill_gate is not None:
@@ -279,8 +282,8 @@ class FakeService:
                 h = self.put_entry(who, key, size)
                 os.close(h.fd)
                 self.commit_entry(who, h.buffer_id, owned=True)
-                return self.lookup_entry(who, keys)
-        raise errors.NotFound("no committed entry carries any of these keys")
+                return self.lookup_entry(who, keys, attached)
+        return None
 
     def put_entry(
         self, who: Principal, key: str, size: int, _pool: str | None = None, _ttl: int | None = None
@@ -322,6 +325,100 @@ class FakeService:
             self.abandoned.append(bid)
 
 
+class FakeUseCases:
+    """A :class:`FakeService` in the shape the broker is built with: ``auth``, ``handles``,
+    ``buffers``, ``entries``, ``lookups`` — each the fake's own methods, looked up at call
+    time (a test may replace one on the fake)."""
+
+    def __init__(self, svc: FakeService) -> None:
+        self.auth = _FakeAuth(svc)
+        self.handles = _FakeHandles(svc)
+        self.buffers = _FakeLeases(svc)
+        self.entries = _FakeEntries(svc)
+        self.lookups = _FakeLookups(svc)
+
+
+@dataclass
+class _FakeAuth:
+    svc: FakeService
+
+    @property
+    def generation(self) -> int:
+        return self.svc.auth_generation
+
+    def authenticate(self, token: str) -> Principal:
+        return self.svc.authenticate(token)
+
+    def watch_revocations(self, callback: Callable[[], None]) -> None:
+        self.svc.revocation_watchers.append(callback)
+
+
+@dataclass
+class _FakeHandles:
+    svc: FakeService
+
+    def open(self, who: Principal, buffer_id: str) -> FakeHandle:
+        return self.svc.open_handle(who, buffer_id)
+
+    def drop(self, who: Principal, buffer_id: str) -> None:
+        self.svc.drop_handle(who, buffer_id)
+
+
+@dataclass
+class _FakeLeases:
+    svc: FakeService
+
+    def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> None:
+        return self.svc.renew(who, buffer_id, ttl_s)
+
+
+@dataclass
+class _FakeEntries:
+    svc: FakeService
+
+    def put(
+        self, who: Principal, key: str, size: int, pool: str | None = None, ttl: int | None = None
+    ) -> FakeHandle:
+        return self.svc.put_entry(who, key, size, pool, ttl)
+
+    def commit(self, who: Principal, bid: str, *, owned: bool) -> None:
+        self.svc.commit_entry(who, bid, owned=owned)
+
+    def abort(self, who: Principal, bid: str, *, owned: bool) -> None:
+        self.svc.abort_entry(who, bid, owned=owned)
+
+    def abandon(self, who: Principal, bid: str) -> None:
+        self.svc.abandon_entry(who, bid)
+
+    def staged(self, bid: str) -> bool:
+        return self.svc.entry_staged(bid)
+
+    def watch_releases(self, callback: Callable[[str], None]) -> None:
+        self.svc.release_watchers.append(callback)  # the fake never releases a held entry
+
+
+@dataclass
+class _FakeLookups:
+    """The core's lookup order (maasd.core.tiers) over the fake: memory, then its tier."""
+
+    svc: FakeService
+
+    def find(
+        self,
+        who: Principal,
+        keys: list[str],
+        attached: Container[str] = (),
+        *,
+        may_wait: bool = True,
+    ) -> FakeHandle | Later | None:
+        found = self.svc.lookup_entry(who, keys, attached)
+        if found is not None or not self.svc.fill_ready(who, keys):
+            return found
+        if not may_wait:
+            return LATER
+        return self.svc.fill_entry(who, keys, attached)
+
+
 class FakeEnv:
     """A real :class:`Broker` on a socket in ``tmp_path``, over a :class:`FakeService`."""
 
@@ -330,7 +427,7 @@ class FakeEnv:
     def __init__(self, tmp_path, limits: Limits | None = None, group: int | None = None) -> None:
         self.svc = FakeService()
         self.socket_path = str(tmp_path / "maasd.sock")
-        self.broker = Broker(self.svc, self.socket_path, group=group, limits=limits)
+        self.broker = Broker(self.svc.use_cases(), self.socket_path, group=group, limits=limits)
         self.broker.start()
 
     def new_tenant(self) -> tuple[str, str]:

@@ -102,39 +102,40 @@ def _load_libnuma() -> ctypes.CDLL | None:
 _numa = _load_libnuma()
 
 
-def _fail(what: str, err: int | None = None) -> BackingError:
+def _fail(op: str, what: str, err: int | None = None) -> BackingError:
+    """The refusal of syscall ``op`` (``what``: how it was called, for the detail)."""
     err = ctypes.get_errno() if err is None else err
     name = _errno.errorcode.get(err, str(err))
-    return BackingError(f"{what}: [{name}] {os.strerror(err)}", errno=err)
+    return BackingError(f"{what}: [{name}] {os.strerror(err)}", errno=err, op=op)
 
 
 def memfd_create(name: str, flags: int) -> int:
     try:
         return os.memfd_create(name, flags)
     except OSError as e:
-        raise _fail(f"memfd_create({name!r}, flags={flags:#x})", e.errno) from e
+        raise _fail("memfd_create", f"memfd_create({name!r}, flags={flags:#x})", e.errno) from e
 
 
 def mmap_shared(fd: int, size: int) -> int:
     addr = _libc.mmap(None, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
     if addr in (None, ctypes.c_void_p(-1).value):
-        raise _fail(f"mmap(MAP_SHARED) of {size} bytes")
+        raise _fail("mmap", f"mmap(MAP_SHARED) of {size} bytes")
     return int(addr)
 
 
 def munmap(addr: int, size: int) -> None:
     if _libc.munmap(addr, size) != 0:
-        raise _fail(f"munmap of {size} bytes")
+        raise _fail("munmap", f"munmap of {size} bytes")
 
 
 def madvise(addr: int, size: int, advice: int) -> None:
     if _libc.madvise(addr, size, advice) != 0:
-        raise _fail(f"madvise({advice}) of {size} bytes")
+        raise _fail("madvise", f"madvise({advice}) of {size} bytes")
 
 
 def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, mode, offset, length) != 0:
-        raise _fail(f"fallocate(mode={mode:#x}, offset={offset}, len={length})")
+        raise _fail("fallocate", f"fallocate(mode={mode:#x}, offset={offset}, len={length})")
 
 
 def _nodemask(node: int) -> tuple[ctypes.Array[ctypes.c_ulong], int]:
@@ -152,7 +153,7 @@ def mbind(addr: int, size: int, node: int, flags: int = 0) -> None:
         raise BackingError("mbind: libnuma is not available on this host", errno=_errno.ENOSYS)
     mask, maxnode = _nodemask(node)
     if _numa.mbind(addr, size, MPOL_BIND, mask, maxnode, flags) != 0:
-        raise _fail(f"mbind(MPOL_BIND, node {node}, flags={flags:#x}) of {size} bytes")
+        raise _fail("mbind", f"mbind(MPOL_BIND, node {node}, flags={flags:#x}) of {size} bytes")
 
 
 def move_pages_query(addr: int, size: int, page: int, sample: int | None = None) -> np.ndarray:
@@ -175,7 +176,7 @@ def move_pages_query(addr: int, size: int, page: int, sample: int | None = None)
     status = np.full(count, -1, dtype=np.int32)
     rc = _numa.numa_move_pages(0, count, pages.ctypes.data, None, status.ctypes.data, 0)
     if rc < 0:
-        raise _fail(f"move_pages(query) of {count} pages")
+        raise _fail("move_pages", f"move_pages(query) of {count} pages")
     return status
 
 
@@ -189,7 +190,7 @@ def pread_into(fd: int, view: memoryview, offset: int) -> int:
                 break
             done += n
     except OSError as e:
-        raise _fail(f"pread at {offset + done}", e.errno) from e
+        raise _fail("pread", f"pread at {offset + done}", e.errno) from e
     return done
 
 

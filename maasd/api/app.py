@@ -1,4 +1,4 @@
-"""The REST control plane: a litestar app over one :class:`maasd.core.Service`.
+"""The REST control plane: a litestar app over the use-cases of one :class:`maasd.core.Service`.
 
 How a request goes through it::
 
@@ -9,7 +9,8 @@ How a request goes through it::
                    on the event loop, before the body is read (maasd.api.auth)
     body           read (≤ 64 KiB, else 413), decoded strictly once (400, 415)
                    into the handler's ``data`` type (maasd.api.strict)
-    handler        one service call in a worker thread, at most ``threads`` at once
+    handler        one use-case call in a worker thread, at most ``threads`` at once
+                   (the use-case objects: maasd.api.dependencies)
     errors         every error answer is a problem (maasd.api.problems)
 
 The routes live in :mod:`maasd.api.controllers`, one controller per noun.
@@ -34,6 +35,7 @@ from maasd.api.controllers import (
     TenantsController,
     TopologyController,
 )
+from maasd.api.dependencies import use_cases
 from maasd.api.health import HealthCheck, Healthz
 from maasd.api.hosts import HostsController
 from maasd.api.paths import one_segment_per_id
@@ -66,7 +68,8 @@ def create_app(
     wait for its own to end (``Settings.http_tenant_threads``).
     """
     ctx = ApiContext(
-        service=service,
+        auth=service.auth,
+        metrics=service.metrics,
         run=Run(CapacityLimiter(threads), per_caller=caller_threads),
         metrics_digest=metrics_digest(metrics_key),
         metrics_public=metrics_public,
@@ -76,7 +79,7 @@ def create_app(
     v1 = Router(
         path="/v1",
         guards=[authenticated],
-        dependencies={"call": Provide(caller, sync_to_thread=False)},
+        dependencies={"call": Provide(caller, sync_to_thread=False), **use_cases(service)},
         route_handlers=[
             TopologyController,
             PoolsController,

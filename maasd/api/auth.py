@@ -11,9 +11,10 @@ answered 401 or 403 without its body being read and without any service call.
 One guard per route rather than one per role: litestar copies the route
 handler for every guard it calls, on every request.
 
-A /v1 handler's one dependency is :class:`Call` (the service, the thread runner
-and the caller): one dependency is resolved inline, while several are resolved
-concurrently in a task group of their own, on every request.
+A /v1 handler's one per-request dependency is :class:`Call` (the thread runner and
+the caller): one dependency is resolved inline, while several are resolved
+concurrently in a task group of their own, on every request. The use-case objects
+it calls are provided once per app (:mod:`maasd.api.dependencies`).
 
 ``GET /metrics`` has a guard of its own, :func:`may_read_metrics`: the admin
 key, the metrics key (good for nothing else), or anyone when the operator made
@@ -34,8 +35,9 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Healthz
-from maasd.core import Service
+from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.errors import Forbidden
+from maasd.metrics import Metrics
 from maasd.models import Principal
 
 __all__ = [
@@ -126,7 +128,8 @@ class CallerRun:
 class ApiContext:
     """What the guards and handlers of one app share."""
 
-    service: Service
+    auth: Auth  # the keys (maasd.core.auth)
+    metrics: Metrics  # what GET /metrics renders
     run: Run
     metrics_digest: bytes | None  # SHA-256 of the metrics key
     metrics_public: bool
@@ -140,9 +143,9 @@ class ApiContext:
 
     async def principal(self, token: str | None) -> Principal:
         """The principal of ``token``; Unauthorized (401) for none, an unknown or revoked key."""
-        who = self.service.known_principal(token)  # the admin, or a remembered key: no I/O
+        who = self.auth.known_principal(token)  # the admin, or a remembered key: no I/O
         if who is None:
-            who = await self.run(self.service.authenticate, token)
+            who = await self.run(self.auth.authenticate, token)
         return who
 
 
@@ -169,9 +172,8 @@ def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """What a /v1 handler works with: ``await call.run(call.service.reserve, call.who, …)``."""
+    """What a /v1 handler works with: ``await call.run(buffers.reserve, call.who, …)``."""
 
-    service: Service
     run: CallerRun  # the caller's share of the threads
     who: Principal
 
@@ -180,7 +182,7 @@ def caller(request: ASGIConnection[Any, Any, Any, Any]) -> Call:
     """The ``call`` dependency of /v1 handlers, with the caller :func:`authenticated` found."""
     ctx = context(request)
     who: Principal = request.state.principal
-    return Call(ctx.service, ctx.run.of(who), who)
+    return Call(ctx.run.of(who), who)
 
 
 async def authenticated(
@@ -198,9 +200,9 @@ async def authenticated(
     who = await ctx.principal(token)
     role = handler.opt.get("role")
     if role == "admin":
-        Service.require_admin(who)  # a tenant key gets 403 before any service call
+        require_admin(who)  # a tenant key gets 403 before any service call
     elif role == "tenant":
-        Service.require_tenant(who)  # the admin key (which owns no buffers) gets 403
+        require_tenant(who)  # the admin key (which owns no buffers) gets 403
     connection.state.principal = who
 
 

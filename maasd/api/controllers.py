@@ -1,11 +1,12 @@
 """The routes of the REST API (docs/api.md), one controller per noun.
 
-Each handler is one service call in a worker thread (``call.run``) and a return.
+Each handler is one use-case call in a worker thread (``call.run``) and a return.
 Who may call is decided before that, by the /v1 guard on the event loop and the
 role in a route's ``opt`` (:mod:`maasd.api.auth`); a body arrives decoded
 strictly as its ``data`` type (:mod:`maasd.api.strict`). A /v1 handler's one
-dependency is ``call`` (:class:`~maasd.api.auth.Call`: the service, the runner
-and the caller); ``/healthz`` and ``/metrics`` get ``api`` (the app's
+per-request dependency is ``call`` (:class:`~maasd.api.auth.Call`: the runner and
+the caller); the use-case objects it calls are its other parameters, provided once
+per app (:mod:`maasd.api.dependencies`); ``/healthz`` and ``/metrics`` get ``api`` (the app's
 :class:`~maasd.api.auth.ApiContext`).
 """
 
@@ -22,6 +23,7 @@ from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from maasd.api import problems
 from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, Call, may_read_metrics
+from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Tenants, Tiers
 from maasd.api.schemas import (
     LookupBody,
     PinBody,
@@ -33,6 +35,7 @@ from maasd.api.schemas import (
     Unhealthy,
 )
 from maasd.core.stale import Maybe
+from maasd.errors import NotFound
 from maasd.metrics import CONTENT_TYPE
 from maasd.models import (
     BufferInfo,
@@ -96,7 +99,7 @@ class HealthController(Controller):
         responses=problems.responses(401, 403),
     )
     async def metrics(self, api: NamedDependency[ApiContext]) -> Response[bytes]:
-        return Response(await api.run(api.service.metrics.render), media_type=CONTENT_TYPE)
+        return Response(await api.run(api.metrics.render), media_type=CONTENT_TYPE)
 
 
 class TopologyController(Controller):
@@ -104,8 +107,10 @@ class TopologyController(Controller):
     tags = ["topology"]
 
     @get(summary="NUMA nodes, memory and huge pages", responses=problems.responses(*KEYED))
-    async def topology(self, call: NamedDependency[Call]) -> Topology:
-        return await call.run(call.service.refresh_topology)
+    async def topology(
+        self, call: NamedDependency[Call], pools: NamedDependency[Pools]
+    ) -> Topology:
+        return await call.run(pools.refresh_topology)
 
 
 #: The header of an answer read from memory while the ledger is down (docs/api.md).
@@ -129,8 +134,10 @@ class PoolsController(Controller):
         summary="List pools with usage: this host's (tenant key), every host's (admin key)",
         responses=problems.responses(*KEYED),
     )
-    async def list_pools(self, call: NamedDependency[Call]) -> Response[list[PoolInfo]]:
-        read = partial(call.service.last_known.pools, call.who.is_admin)
+    async def list_pools(
+        self, call: NamedDependency[Call], last_known: NamedDependency[LastKnownReads]
+    ) -> Response[list[PoolInfo]]:
+        read = partial(last_known.pools, call.who.is_admin)
         return _maybe_stale(await call.run(read))
 
     @get(
@@ -138,8 +145,10 @@ class PoolsController(Controller):
         summary="One pool: a name is this host's pool; the admin may name any host's by id",
         responses=problems.responses(*KEYED + (404,)),
     )
-    async def get_pool(self, call: NamedDependency[Call], pool_id: FromPath[str]) -> PoolInfo:
-        return await call.run(partial(call.service.pool, any_host=call.who.is_admin), pool_id)
+    async def get_pool(
+        self, call: NamedDependency[Call], pools: NamedDependency[Pools], pool_id: FromPath[str]
+    ) -> PoolInfo:
+        return await call.run(partial(pools.info, any_host=call.who.is_admin), pool_id)
 
     @post(
         summary="Create a pool (admin)",
@@ -147,8 +156,10 @@ class PoolsController(Controller):
         opt=ADMIN_ONLY,
         responses=problems.responses(*ADMIN + BODY + (409, 422)),
     )
-    async def create_pool(self, call: NamedDependency[Call], data: JSONBody[PoolSpec]) -> PoolInfo:
-        return await call.run(call.service.create_pool, data)
+    async def create_pool(
+        self, call: NamedDependency[Call], tiers: NamedDependency[Tiers], data: JSONBody[PoolSpec]
+    ) -> PoolInfo:
+        return await call.run(tiers.create_pool, data)
 
     @delete(
         "/{pool_id:str}",
@@ -160,10 +171,11 @@ class PoolsController(Controller):
     async def delete_pool(
         self,
         call: NamedDependency[Call],
+        tiers: NamedDependency[Tiers],
         pool_id: FromPath[str],
         drain: FromQuery[bool] = False,
     ) -> None:
-        await call.run(partial(call.service.delete_pool, drain=drain), pool_id)
+        await call.run(partial(tiers.delete_pool, drain=drain), pool_id)
 
 
 class TenantsController(Controller):
@@ -181,23 +193,29 @@ class TenantsController(Controller):
     async def create_tenant(
         self,
         call: NamedDependency[Call],
+        tenants: NamedDependency[Tenants],
         data: JSONBody[TenantBody],
     ) -> NewTenant:
-        return await call.run(
-            call.service.create_tenant, data.name, data.quota_bytes, data.disk_quota()
-        )
+        return await call.run(tenants.create, data.name, data.quota_bytes, data.disk_quota())
 
     @get("/tenants", summary="List tenants (admin)", responses=problems.responses(*ADMIN))
-    async def list_tenants(self, call: NamedDependency[Call]) -> list[TenantInfo]:
-        return await call.run(call.service.tenants)
+    async def list_tenants(
+        self, call: NamedDependency[Call], tenants: NamedDependency[Tenants]
+    ) -> list[TenantInfo]:
+        return await call.run(tenants.infos)
 
     @get(
         "/tenants/{tenant_id:str}",
         summary="One tenant (admin)",
         responses=problems.responses(*ADMIN + (404,)),
     )
-    async def get_tenant(self, call: NamedDependency[Call], tenant_id: FromPath[str]) -> TenantInfo:
-        return await call.run(call.service.tenant, tenant_id)
+    async def get_tenant(
+        self,
+        call: NamedDependency[Call],
+        tenants: NamedDependency[Tenants],
+        tenant_id: FromPath[str],
+    ) -> TenantInfo:
+        return await call.run(tenants.info, tenant_id)
 
     @patch(
         "/tenants/{tenant_id:str}",
@@ -207,13 +225,12 @@ class TenantsController(Controller):
     async def update_tenant(
         self,
         call: NamedDependency[Call],
+        tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
         data: JSONBody[TenantPatchBody],
     ) -> TenantInfo:
         quota, cap, disk = data.given()
-        change = partial(
-            call.service.update_tenant, quota_bytes=quota, max_buffers=cap, disk_quota_bytes=disk
-        )
+        change = partial(tenants.update, quota_bytes=quota, max_buffers=cap, disk_quota_bytes=disk)
         return await call.run(change, tenant_id)
 
     @delete(
@@ -222,8 +239,10 @@ class TenantsController(Controller):
         summary="Delete a tenant: release (scrub) its buffers, revoke its keys (admin)",
         responses=problems.responses(*ADMIN + (404,)),
     )
-    async def delete_tenant(self, call: NamedDependency[Call], tenant_id: FromPath[str]) -> None:
-        await call.run(call.service.delete_tenant, tenant_id)
+    async def delete_tenant(
+        self, call: NamedDependency[Call], tiers: NamedDependency[Tiers], tenant_id: FromPath[str]
+    ) -> None:
+        await call.run(tiers.delete_tenant, tenant_id)
 
     @post(
         "/tenants/{tenant_id:str}/keys",
@@ -231,8 +250,13 @@ class TenantsController(Controller):
         summary="Issue an API key (admin); shown only here",
         responses=problems.responses(*ADMIN + (404,)),
     )
-    async def issue_key(self, call: NamedDependency[Call], tenant_id: FromPath[str]) -> KeyInfo:
-        return await call.run(call.service.issue_key, tenant_id)
+    async def issue_key(
+        self,
+        call: NamedDependency[Call],
+        tenants: NamedDependency[Tenants],
+        tenant_id: FromPath[str],
+    ) -> KeyInfo:
+        return await call.run(tenants.issue_key, tenant_id)
 
     @delete(
         "/tenants/{tenant_id:str}/keys/{key_id:str}",
@@ -243,10 +267,11 @@ class TenantsController(Controller):
     async def revoke_key(
         self,
         call: NamedDependency[Call],
+        tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
         key_id: FromPath[str],
     ) -> None:
-        await call.run(call.service.revoke_key, tenant_id, key_id)
+        await call.run(tenants.revoke_key, tenant_id, key_id)
 
     @get(
         "/events",
@@ -256,11 +281,12 @@ class TenantsController(Controller):
     async def events(
         self,
         call: NamedDependency[Call],
+        tenants: NamedDependency[Tenants],
         limit: FromQuery[Annotated[int, Parameter(ge=1, le=1000)]] = 100,
         tenant_id: FromQuery[str | None] = None,
         before: FromQuery[Annotated[int | None, Parameter(ge=1, le=2**63 - 1)]] = None,
     ) -> list[Event]:
-        return await call.run(call.service.events, limit, tenant_id, before)
+        return await call.run(tenants.events, limit, tenant_id, before)
 
 
 class BuffersController(Controller):
@@ -277,8 +303,9 @@ class BuffersController(Controller):
     async def usage(
         self,
         call: NamedDependency[Call],
+        last_known: NamedDependency[LastKnownReads],
     ) -> Response[Usage]:
-        return _maybe_stale(await call.run(call.service.last_known.usage, call.who))
+        return _maybe_stale(await call.run(last_known.usage, call.who))
 
     @post(
         "/pools/{pool_id:str}/reserve",
@@ -290,10 +317,11 @@ class BuffersController(Controller):
     async def reserve_in(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         pool_id: FromPath[str],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
-        return await call.run(call.service.reserve, call.who, data.to_spec(pool_id))
+        return await call.run(buffers.reserve, call.who, data.to_spec(pool_id))
 
     @post(
         "/reserve",
@@ -305,9 +333,10 @@ class BuffersController(Controller):
     async def reserve(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
-        return await call.run(call.service.reserve, call.who, data.to_spec())
+        return await call.run(buffers.reserve, call.who, data.to_spec())
 
     @get(
         "/buffers",
@@ -317,10 +346,11 @@ class BuffersController(Controller):
     async def list_buffers(
         self,
         call: NamedDependency[Call],
+        last_known: NamedDependency[LastKnownReads],
         tenant_id: FromQuery[str | None] = None,
         held: FromQuery[bool] = False,
     ) -> Response[list[BufferInfo]]:
-        read = call.service.last_known.buffers
+        read = last_known.buffers
         return _maybe_stale(await call.run(read, call.who, tenant_id, held))
 
     @get(
@@ -331,9 +361,10 @@ class BuffersController(Controller):
     async def get_buffer(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
     ) -> BufferInfo:
-        return await call.run(call.service.buffer, call.who, buffer_id)
+        return await call.run(buffers.buffer, call.who, buffer_id)
 
     @patch(
         "/buffers/{buffer_id:str}/pin",
@@ -344,10 +375,11 @@ class BuffersController(Controller):
     async def pin(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
         data: JSONBody[PinBody],
     ) -> BufferInfo:
-        return await call.run(call.service.pin, call.who, buffer_id, data.numa_node)
+        return await call.run(buffers.pin, call.who, buffer_id, data.numa_node)
 
     @post(
         "/buffers/{buffer_id:str}/renew",
@@ -359,10 +391,11 @@ class BuffersController(Controller):
     async def renew(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
         data: JSONBody[RenewBody],
     ) -> BufferInfo:
-        return await call.run(call.service.renew, call.who, buffer_id, data.ttl_s)
+        return await call.run(buffers.renew, call.who, buffer_id, data.ttl_s)
 
     @post(
         "/buffers/{buffer_id:str}/checkpoint",
@@ -374,9 +407,10 @@ class BuffersController(Controller):
     async def checkpoint(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
     ) -> Checkpoint:
-        return await call.run(call.service.checkpoint, call.who, buffer_id)
+        return await call.run(buffers.checkpoint, call.who, buffer_id)
 
     @delete(
         "/buffers/{buffer_id:str}",
@@ -387,9 +421,10 @@ class BuffersController(Controller):
     async def release(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
     ) -> None:
-        await call.run(call.service.release, call.who, buffer_id)
+        await call.run(buffers.release, call.who, buffer_id)
 
     @post(
         "/buffers/lookup",
@@ -401,6 +436,10 @@ class BuffersController(Controller):
     async def lookup(
         self,
         call: NamedDependency[Call],
+        buffers: NamedDependency[Buffers],
         data: JSONBody[LookupBody],
     ) -> LookupHit:
-        return await call.run(call.service.lookup, call.who, list(data.keys))
+        hit = await call.run(buffers.lookup, call.who, list(data.keys))
+        if hit is None:
+            raise NotFound("no live buffer carries any of these keys")
+        return hit

@@ -14,6 +14,7 @@ from litestar.params import FromPath
 from maasd.api import problems
 from maasd.api.auth import ADMIN_ONLY, Call
 from maasd.api.controllers import ADMIN
+from maasd.api.dependencies import Hosts
 from maasd.models import HostInfo
 
 __all__ = ["HostsController"]
@@ -25,8 +26,10 @@ class HostsController(Controller):
     opt = ADMIN_ONLY
 
     @get(summary="The hosts sharing the ledger (admin)", responses=problems.responses(*ADMIN))
-    async def list_hosts(self, call: NamedDependency[Call]) -> list[HostInfo]:
-        return await call.run(call.service.hosts)
+    async def list_hosts(
+        self, call: NamedDependency[Call], hosts: NamedDependency[Hosts]
+    ) -> list[HostInfo]:
+        return await call.run(hosts.infos)
 
     @delete(
         "/{name:str}",
@@ -35,5 +38,7 @@ class HostsController(Controller):
         "(admin)",
         responses=problems.responses(*ADMIN + (404, 409)),
     )
-    async def forget_host(self, call: NamedDependency[Call], name: FromPath[str]) -> None:
-        await call.run(call.service.forget_host, name)
+    async def forget_host(
+        self, call: NamedDependency[Call], hosts: NamedDependency[Hosts], name: FromPath[str]
+    ) -> None:
+        await call.run(hosts.forget, name)

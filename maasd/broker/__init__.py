@@ -26,18 +26,18 @@ Life of a connection::
       │     a length prefix over 64 KiB → error 400 + close
       │     a reply not read within send_timeout_s → close
       │
-      └─ close (EOF, crash, stop()) → drop_handle for every attachment still held
+      └─ close (EOF, crash, stop()) → a handle dropped for every attachment still held
 
 Example::
 
-    broker = Broker(service, "/var/lib/maasd/maasd.sock")
+    broker = Broker(svc.socket_use_cases(), "/var/lib/maasd/maasd.sock")
     broker.start()
     ...
     broker.stop()
 """
 
-from .dispatch import OPS, HandleService, Op, Outcome
+from .dispatch import OPS, Op, Outcome, UseCases
 from .limits import Limits
-from .server import Broker, BrokerService
+from .server import Broker
 
-__all__ = ["OPS", "Broker", "BrokerService", "HandleService", "Limits", "Op", "Outcome"]
+__all__ = ["OPS", "Broker", "UseCases", "Limits", "Op", "Outcome"]

@@ -1,4 +1,4 @@
-"""Frame dispatch: one frame body → one service call → one :class:`Outcome` (ops: :mod:`maasd.protocol`).
+"""Frame dispatch: one frame body → one use-case call → one :class:`Outcome` (ops: :mod:`maasd.protocol`).
 
 No sockets here: the event loop (:mod:`maasd.broker.loop`) hands in frame
 bodies and sends what comes back. The table :data:`OPS` is the one place that
@@ -9,7 +9,7 @@ says how each request is served::
 
 Adding an op is: its request and reply structs in :mod:`maasd.protocol`, a
 handler here (``(Call, request) -> Outcome``), and one row in :data:`OPS`.
-A handler only calls the service and describes the result; what the connection
+A handler only calls the core and describes the result; what the connection
 now holds (``attached`` / ``detached``) is applied by the loop, on its thread,
 after the handler returns — so a slow handler never races the connection's
 own close.
@@ -23,9 +23,10 @@ auth generation with the service's (an int compare; it moves on every key
 revocation) and checks the key again only when it moved — on the slow pool, as
 that may read the ledger: a revoked key gets 401 and the connection closes.
 
-The entry ops: ``lookup`` is inline (the service answers it from memory) — but a local
-miss that the shared tier (L2) is to be asked about is deferred (``Outcome.defer``) and
-runs again on the slow pool, since that waits for the network; ``put``
+The entry ops: ``lookup`` is inline (the core answers it from memory) — but a local
+miss that the disk tier or the shared tier (L2) is to be asked about answers ``LATER``
+(:mod:`maasd.core.tiers`), is deferred (``Outcome.defer``) and runs again on the slow
+pool, since that waits for the disk or the network; ``put``
 (a reserve: eviction, prefault), ``commit`` (a copy) and ``abort`` (a scrub) are
 slow. A ``put`` leaves the connection holding a *staged* entry (``Outcome.staged``)
 until its ``commit`` or ``abort`` settles it; the connection's close abandons the
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 from collections.abc import Callable, Container, Mapping, Set
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import msgspec
 
 from maasd import errors
+from maasd.core.tiers import LATER, Later
 from maasd.models import BufferInfo, Principal
 from maasd.problems import problem_of
 from maasd.protocol import (
@@ -68,7 +69,7 @@ from maasd.protocol import (
 
 from .pacing import Fields, LogLimiter
 
-__all__ = ["OPS", "Call", "Dispatcher", "HandleService", "Op", "Outcome", "Session"]
+__all__ = ["OPS", "Call", "Dispatcher", "UseCases", "Op", "Outcome", "Session"]
 
 logger = logging.getLogger("maasd.broker")
 
@@ -97,22 +98,32 @@ class StagedHandle(Handle, Protocol):
     def buffer_id(self) -> str: ...
 
 
-class HandleService(Protocol):
-    """The part of :class:`maasd.core.Service` the broker calls."""
+class KeyChecks(Protocol):
+    """:class:`maasd.core.auth.Auth`, as the broker uses it."""
 
     @property
-    def auth_generation(self) -> int: ...
+    def generation(self) -> int: ...
     def authenticate(self, token: str, /) -> Principal: ...
-    def open_handle(self, principal: Principal, buffer_id: str, /) -> Handle: ...
-    def drop_handle(self, principal: Principal, buffer_id: str, /) -> None: ...
+    def watch_revocations(self, callback: Callable[[], None], /) -> None: ...
+
+
+class HandleDesk(Protocol):
+    """:class:`maasd.core.handles.Handles`: a buffer's handle, given and given back."""
+
+    def open(self, principal: Principal, buffer_id: str, /) -> Handle: ...
+    def drop(self, principal: Principal, buffer_id: str, /) -> None: ...
+
+
+class Leases(Protocol):
+    """:class:`maasd.core.buffers.Buffers`, for a socket ``renew``."""
+
     def renew(self, principal: Principal, buffer_id: str, ttl_s: int, /) -> BufferInfo | None: ...
-    def lookup_entry(
-        self, principal: Principal, keys: list[str], attached: Container[str], /
-    ) -> EntryHit: ...
-    def l2_ready(self) -> bool: ...
-    def fill_ready(self, principal: Principal, keys: list[str], /) -> bool: ...
-    def fill_entry(self, principal: Principal, keys: list[str], /) -> EntryHit: ...
-    def put_entry(
+
+
+class EntryDesk(Protocol):
+    """:class:`maasd.core.entries.Entries`: a writer's put, commit and abort."""
+
+    def put(
         self,
         principal: Principal,
         key: str,
@@ -121,10 +132,42 @@ class HandleService(Protocol):
         ttl_s: int | None = None,
         /,
     ) -> StagedHandle: ...
-    def commit_entry(self, principal: Principal, buffer_id: str, /, *, owned: bool) -> None: ...
-    def abort_entry(self, principal: Principal, buffer_id: str, /, *, owned: bool) -> None: ...
-    def abandon_entry(self, principal: Principal, buffer_id: str, /) -> None: ...
-    def entry_staged(self, buffer_id: str, /) -> bool: ...
+    def commit(self, principal: Principal, buffer_id: str, /, *, owned: bool) -> None: ...
+    def abort(self, principal: Principal, buffer_id: str, /, *, owned: bool) -> None: ...
+    def abandon(self, principal: Principal, buffer_id: str, /) -> None: ...
+    def staged(self, buffer_id: str, /) -> bool: ...
+    def watch_releases(self, callback: Callable[[str], None], /) -> None: ...
+
+
+class EntryLookups(Protocol):
+    """:class:`maasd.core.tiers.Tiers`: the lookup order through the tiers, the one place.
+    Without ``may_wait``, a miss a slower tier is to be asked about answers ``LATER``."""
+
+    def find(
+        self,
+        principal: Principal,
+        keys: list[str],
+        attached: Container[str] = (),
+        /,
+        *,
+        may_wait: bool = True,
+    ) -> EntryHit | Later | None: ...
+
+
+class UseCases(Protocol):
+    """The core's use-case objects the broker is built with
+    (:meth:`maasd.core.Service.socket_use_cases`)."""
+
+    @property
+    def auth(self) -> KeyChecks: ...
+    @property
+    def handles(self) -> HandleDesk: ...
+    @property
+    def buffers(self) -> Leases: ...
+    @property
+    def entries(self) -> EntryDesk: ...
+    @property
+    def lookups(self) -> EntryLookups: ...
 
 
 @dataclass(slots=True)
@@ -158,7 +201,7 @@ class Outcome:
 class Call:
     """What a handler gets: the service, who asks, and what the connection holds."""
 
-    service: HandleService
+    service: UseCases
     principal: Principal
     #: buffer_id -> attachments of this connection; read only (the loop applies changes)
     held: Mapping[str, int]
@@ -185,7 +228,7 @@ class Op:
 
 
 def _attach(call: Call, req: Attach) -> Outcome:
-    handle = call.service.open_handle(call.principal, req.buffer_id)
+    handle = call.service.handles.open(call.principal, req.buffer_id)
     reply = Attached(
         buffer_id=req.buffer_id, size_bytes=handle.size_bytes, numa_node=handle.numa_node
     )
@@ -199,7 +242,7 @@ def _detach(call: Call, req: Detach) -> Outcome:
 
 
 def _renew(call: Call, req: Renew) -> Outcome:
-    call.service.renew(call.principal, req.buffer_id, req.ttl_s)
+    call.service.buffers.renew(call.principal, req.buffer_id, req.ttl_s)
     return Outcome(Ok())
 
 
@@ -208,24 +251,15 @@ def _lookup(call: Call, req: Lookup) -> Outcome:
     # unmaps it: a hit on an entry the connection holds already (a worker's mapping
     # cache) is not counted again. Telling the service which ones it holds saves a count
     # and its drop on every cache hit (two lock rounds and a gauge update, ~5 µs).
-    service, held = call.service, call.held
-    try:
-        hit = service.lookup_entry(call.principal, req.keys, held)
-    except errors.NotFound:
-        # A DRAM miss goes on to the disk tier when it holds one of the keys, and to the
-        # shared tier (L2) when there is one and its breaker lets calls through — on the
-        # slow pool, as it waits for the disk or the network.
-        if not service.fill_ready(call.principal, req.keys):
-            raise
-        if call.inline:
-            return Outcome(None, defer=True)
-        hit = service.fill_entry(call.principal, req.keys)
-        if hit.buffer_id in held:  # counted by the fill: give that one back
-            try:
-                service.drop_handle(call.principal, hit.buffer_id)
-            except BaseException:
-                os.close(hit.fd)
-                raise
+    # A DRAM miss that the disk tier or L2 is to be asked about waits for the disk or the
+    # network: on the event loop it answers LATER, and runs again on the slow pool
+    # (maasd.core.tiers, the one place that says the order).
+    held = call.held
+    hit = call.service.lookups.find(call.principal, req.keys, held, may_wait=not call.inline)
+    if hit is LATER:
+        return Outcome(None, defer=True)
+    if hit is None:
+        raise errors.NotFound("no committed entry carries any of these keys")
     reply = Found(
         key=hit.key, buffer_id=hit.buffer_id, size_bytes=hit.size_bytes, numa_node=hit.numa_node
     )
@@ -235,7 +269,7 @@ def _lookup(call: Call, req: Lookup) -> Outcome:
 
 
 def _put(call: Call, req: Put) -> Outcome:
-    h = call.service.put_entry(call.principal, req.key, req.size_bytes, req.pool, req.ttl_s)
+    h = call.service.entries.put(call.principal, req.key, req.size_bytes, req.pool, req.ttl_s)
     reply = Reserved(buffer_id=h.buffer_id, size_bytes=h.size_bytes, numa_node=h.numa_node)
     return Outcome(reply, fds=(h.fd,), staged=h.buffer_id)
 
@@ -243,16 +277,17 @@ def _put(call: Call, req: Put) -> Outcome:
 def _commit(call: Call, req: Commit) -> Outcome:
     owned = req.buffer_id in call.staged
     try:
-        call.service.commit_entry(call.principal, req.buffer_id, owned=owned)
+        call.service.entries.commit(call.principal, req.buffer_id, owned=owned)
     except Exception:
         if owned:  # whatever went wrong, nothing of it may stay behind
-            call.service.abandon_entry(call.principal, req.buffer_id)
+            call.service.entries.abandon(call.principal, req.buffer_id)
         raise
     return Outcome(Ok())
 
 
 def _abort(call: Call, req: Abort) -> Outcome:
-    call.service.abort_entry(call.principal, req.buffer_id, owned=req.buffer_id in call.staged)
+    owned = req.buffer_id in call.staged
+    call.service.entries.abort(call.principal, req.buffer_id, owned=owned)
     return Outcome(Ok())
 
 
@@ -276,7 +311,7 @@ def tenant_of(principal: Principal) -> str:
 class Dispatcher:
     """Turns frame bodies into outcomes by calling ``service``; never raises."""
 
-    def __init__(self, service: HandleService, log: LogLimiter) -> None:
+    def __init__(self, service: UseCases, log: LogLimiter) -> None:
         self.service = service
         self.log = log
 
@@ -308,8 +343,8 @@ class Dispatcher:
             err = errors.InvalidRequest(f"the first frame must be hello, got {op}")
             return self.error(err, fields, close=True), None, None
         try:
-            generation = self.service.auth_generation  # before the check: a revocation
-            principal = self.service.authenticate(req.api_key)  # racing it moves it on
+            generation = self.service.auth.generation  # before the check: a revocation
+            principal = self.service.auth.authenticate(req.api_key)  # racing it moves it on
         except errors.Unauthorized as exc:
             self.log.log(logging.INFO, "hello-refused", "hello refused", fields)
             return self.error(exc, fields, close=True), None, None
@@ -348,16 +383,16 @@ class Dispatcher:
 
     def current(self, generation: int) -> bool:
         """Whether a key checked at ``generation`` needs no new check (no revocation since)."""
-        return generation == self.service.auth_generation
+        return generation == self.service.auth.generation
 
     def recheck(self, session: Session, fields: Fields) -> Outcome:
         """Check an idle connection's key again after a revocation (off the loop: it may read
         the ledger). Revoked: a 401 frame and a close, without waiting for the worker's next
         request. Still valid: nothing to send. The ledger unreachable: nothing now — the
         next request checks again."""
-        authed = self.service.auth_generation
+        authed = self.service.auth.generation
         try:
-            self.service.authenticate(session.api_key)
+            self.service.auth.authenticate(session.api_key)
         except errors.Unauthorized as exc:
             self.log.log(logging.INFO, "key-revoked", "key revoked, closing", fields)
             return self.error(exc, fields)
@@ -375,8 +410,8 @@ class Dispatcher:
         principal, authed = session.principal, None
         try:
             if not self.current(session.generation):
-                authed = self.service.auth_generation
-                principal = self.service.authenticate(session.api_key)
+                authed = self.service.auth.generation
+                principal = self.service.auth.authenticate(session.api_key)
         except errors.Unauthorized as exc:
             self.log.log(logging.INFO, "key-revoked", "key no longer valid, closing", fields)
             return self.error(exc, fields)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 
 from .connection import Connection
-from .dispatch import HandleService, Outcome
+from .dispatch import Outcome, UseCases
 from .pacing import LogLimiter
 
 __all__ = ["GiveBack"]
@@ -22,7 +22,7 @@ __all__ = ["GiveBack"]
 class GiveBack:
     """Gives back what an outcome or a connection holds; never raises."""
 
-    service: HandleService
+    service: UseCases
     log: LogLimiter
     #: releases an entry a connection put and never committed (off the loop), or None
     abandon: Callable[[Connection, str], None] | None
@@ -62,7 +62,7 @@ class GiveBack:
     def _drop(self, conn: Connection, buffer_id: str) -> None:
         assert conn.principal is not None
         try:
-            self.service.drop_handle(conn.principal, buffer_id)
+            self.service.handles.drop(conn.principal, buffer_id)
         except Exception as exc:
             fields = conn.fields(buffer_id=buffer_id)
             self.log.log(logging.ERROR, "drop", "drop_handle failed", fields, exc_info=exc)
@@ -71,5 +71,5 @@ class GiveBack:
         """Forget the entries ``conn`` put that were released without its commit or abort
         (a lease ended, a DELETE): they are no longer its to commit or abandon. Done at
         each put, so what a connection remembers is bounded by what it holds."""
-        gone = [b for b in conn.staged if not self.service.entry_staged(b)]
+        gone = [b for b in conn.staged if not self.service.entries.staged(b)]
         conn.staged.difference_update(gone)

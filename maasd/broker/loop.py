@@ -38,7 +38,7 @@ from maasd.store import hotpath
 
 from .acceptor import Acceptor
 from .connection import Connection
-from .dispatch import Dispatcher, HandleService, Op, Outcome, Session
+from .dispatch import Dispatcher, Op, Outcome, Session, UseCases
 from .hellos import Hellos
 from .limits import Limits
 from .pacing import Fields, LogLimiter
@@ -67,7 +67,7 @@ class EventLoop:
     def __init__(
         self,
         listener: socket.socket,
-        service: HandleService,
+        service: UseCases,
         limits: Limits,
         pool: SlowPool,
         log: LogLimiter,
@@ -281,7 +281,7 @@ class EventLoop:
 
         def job() -> None:
             try:
-                self.service.abandon_entry(principal, buffer_id)
+                self.service.entries.abandon(principal, buffer_id)
             except Exception as exc:
                 fields = conn.fields(buffer_id=buffer_id)
                 self.log.log(

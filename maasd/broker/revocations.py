@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .connection import Connection
-from .dispatch import Dispatcher, HandleService, Outcome, Session
+from .dispatch import Dispatcher, Outcome, Session, UseCases
 from .slowpool import SlowPool
 from .table import ConnectionTable
 
@@ -25,7 +25,7 @@ class Revocations:
 
     def __init__(
         self,
-        service: HandleService,
+        service: UseCases,
         table: ConnectionTable,
         dispatcher: Dispatcher,
         pool: SlowPool,
@@ -38,17 +38,17 @@ class Revocations:
         self._post = post
         #: the auth generation of the last sweep, and the connections it found busy
         #: (re-checked once their reply is out)
-        self.swept = service.auth_generation
+        self.swept = service.auth.generation
         self.stale: set[Connection] = set()
 
     def due(self) -> bool:
         """Whether a sweep has work: a revocation since the last, or busy ones left."""
-        return bool(self.stale) or self._service.auth_generation != self.swept
+        return bool(self.stale) or self._service.auth.generation != self.swept
 
     def sweep(self) -> None:
         """Send every authenticated connection not checked since the last revocation to be
         checked again (the idle ones now, the busy ones when their reply is out)."""
-        generation = self._service.auth_generation
+        generation = self._service.auth.generation
         if generation != self.swept:
             self.swept = generation
             self.stale = {c for c in self._table.conns if c.principal is not None}

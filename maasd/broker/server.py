@@ -19,15 +19,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
 
-from .dispatch import HandleService
+from .dispatch import UseCases
 from .limits import Limits
 from .loop import EventLoop
 from .pacing import LogLimiter
 from .slowpool import SlowPool
 
-__all__ = ["Broker", "BrokerService"]
+__all__ = ["Broker"]
 
 logger = logging.getLogger("maasd.broker")
 
@@ -41,24 +40,11 @@ ACCEPT_FAILING_UNHEALTHY_S = 5.0
 LOG_INTERVAL_S = 10.0
 
 
-class BrokerService(HandleService, Protocol):
-    """What the :class:`Broker` needs of the daemon: the calls of :class:`HandleService`,
-    and the two things it subscribes to when it starts."""
-
-    def watch_revocations(self, callback: Callable[[], None], /) -> None:
-        """Call ``callback()`` right after every key revocation (any thread): the loop
-        wakes, so idle connections of the key are cut at once, not at its next turn."""
-
-    def watch_releases(self, callback: Callable[[str], None], /) -> None:
-        """Call ``callback(buffer_id)`` when an entry someone holds is released: its
-        holders are told to let go (its memory counts until they do)."""
-
-
 class Broker:
     """Serve worker handles on a Unix stream socket at ``path`` (:mod:`maasd.protocol`).
 
-    ``service`` is the daemon's service (or anything with the methods of
-    :class:`BrokerService`). ``mode`` (and ``group``, a
+    ``service`` is the core's use-case objects the broker calls
+    (:class:`maasd.broker.dispatch.UseCases`: ``Service.socket_use_cases()``). ``mode`` (and ``group``, a
     gid, when given) is applied to the socket file before it accepts
     connections. ``limits`` bounds connections, deadlines and slow work
     (defaults: :class:`Limits`). ``events`` (for metrics) is told ``shed``,
@@ -67,7 +53,8 @@ class Broker:
 
     Example::
 
-        broker = Broker(service, "/var/lib/maasd/maasd.sock", limits=Limits.from_settings(s))
+        broker = Broker(svc.socket_use_cases(), "/var/lib/maasd/maasd.sock",
+                        limits=Limits.from_settings(s))
         broker.start()
         ok, why = broker.healthy()
         broker.stop()
@@ -75,7 +62,7 @@ class Broker:
 
     def __init__(
         self,
-        service: BrokerService,
+        service: UseCases,
         path: str,
         mode: int = 0o660,
         group: int | None = None,
@@ -109,9 +96,9 @@ class Broker:
             # A revocation made on another thread (REST, or another daemon's, heard by the
             # ledger listener) wakes the loop, so idle connections of the key are cut at
             # once instead of at the loop's next turn (up to a second later).
-            self.service.watch_revocations(loop.wake)
+            self.service.auth.watch_revocations(loop.wake)
             # A released entry's holders are told to let go (its memory counts until then).
-            self.service.watch_releases(loop.pushes.released)
+            self.service.entries.watch_releases(loop.pushes.released)
             thread = threading.Thread(target=loop.run, name="maasd-broker", daemon=True)
             thread.start()
         except BaseException:

@@ -29,7 +29,7 @@ from maasd.protocol import FrameTooLarge, encode_frame
 
 from .connection import Connection, FdsRefused
 from .deadlines import Deadlines
-from .dispatch import Dispatcher, HandleService, Outcome, tenant_of
+from .dispatch import Dispatcher, Outcome, UseCases, tenant_of
 from .giveback import GiveBack
 from .inflight import REFUSED_DETAIL, InFlight, oldest_waiting, peer_ended
 from .limits import ConnectionCounts, Limits
@@ -52,7 +52,7 @@ class ConnectionTable(GiveBack):
     def __init__(
         self,
         sel: selectors.BaseSelector,
-        service: HandleService,
+        service: UseCases,
         dispatcher: Dispatcher,
         limits: Limits,
         log: LogLimiter,

@@ -280,16 +280,16 @@ def _startup(settings: Settings) -> _Running:
     except MaasdError as e:  # a ConfigError (database URL, admin key file) above all
         raise click.ClickException(f"cannot start: {e.detail}") from e
     _log_limits(service, settings)
-    if service.admin_key_generated:
+    if service.auth.admin_key_generated:
         # Printed once, on first start; afterwards it is only in DATA_DIR/admin.key (0600).
         click.echo(
             f"admin key (saved to {settings.admin_key_path}, mode 0600): "
-            f"{service.admin_key_generated}",
+            f"{service.auth.admin_key_generated}",
             err=True,
         )
     try:
         broker = Broker(
-            service,
+            service.socket_use_cases(),
             settings.socket_path,
             group=group_id(settings.socket_group),
             limits=Limits.from_settings(settings),
@@ -324,7 +324,7 @@ def _log_serving(settings: Settings, service: Service) -> None:
             "url": f"http://{settings.host}:{settings.port}",
             "socket": settings.socket_path,
             "db": _redact(settings.database_url),
-            "pools": ",".join(p.name for p in service.pools()),
+            "pools": ",".join(p.name for p in service.pools.infos()),
             # the L2 address stays out of info lines: whoever reads the log gets no route
             "l2": "on" if settings.l2_url else "off",
         },

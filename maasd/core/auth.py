@@ -117,7 +117,7 @@ class Auth:
     def __init__(self, settings: Settings, store: Store) -> None:
         self._settings = settings
         self._store = store
-        self._lock = threading.Lock()  # a leaf lock (maasd.core.runtime)
+        self._lock = threading.Lock()  # a leaf lock (maasd.core.regions)
         self._cache: dict[bytes, Principal] = {}
         # Keys checked against the ledger since the last revocation this daemon heard of:
         # taken while the ledger cannot be read (see the module docstring).

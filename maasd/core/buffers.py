@@ -20,13 +20,16 @@ import msgspec
 
 from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.core import placement, room
+from maasd.core.attachments import Attachments
 from maasd.core.auth import require_admin, require_tenant
 from maasd.core.checkpoints import Checkpoints
-from maasd.core.holders import holder_pids
+from maasd.core.holders import Holders, holder_pids
 from maasd.core.limits import RegionBudget, kernel_refusal
+from maasd.core.livepools import LivePool, LivePools
 from maasd.core.pools import Pools
+from maasd.core.regions import Held, Regions
 from maasd.core.release import Releaser
-from maasd.core.runtime import Held, LivePool, Runtime
+from maasd.core.uses import UseBatch
 from maasd.errors import BackingError, NotFound, PoolExhausted, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import (
@@ -66,10 +69,10 @@ def buffer_info(row: BufferRow, placed: dict[int, int] | None = None) -> BufferI
     )
 
 
-def held_infos(store: Store, runtime: Runtime, tenant_id: str | None) -> list[BufferInfo]:
+def held_infos(store: Store, holders: Holders, tenant_id: str | None) -> list[BufferInfo]:
     """Released entries some process still holds (of ``tenant_id``, or all), each with the
     pids that hold it (a scan of /proc: the admin's question, not a request path's)."""
-    held = [h for h in runtime.holders.held_by() if tenant_id in (None, h.tenant_id)]
+    held = [h for h in holders.held_by() if tenant_id in (None, h.tenant_id)]
     pids = holder_pids(h.inode for h in held)
     infos = []
     for h in held:
@@ -86,7 +89,11 @@ class Buffers:
         self,
         settings: Settings,
         store: Store,
-        runtime: Runtime,
+        regions: Regions,
+        live: LivePools,
+        uses: UseBatch,
+        attachments: Attachments,
+        holders: Holders,
         pools: Pools,
         releaser: Releaser,
         checkpoints: Checkpoints,
@@ -97,7 +104,11 @@ class Buffers:
         self._budget = budget
         self._host = settings.node_name
         self._store = store
-        self._runtime = runtime
+        self._regions = regions
+        self._live = live
+        self._uses = uses  # a reserve's admission writes the batch (room.admit)
+        self._attachments = attachments
+        self._holders = holders
         self._pools = pools
         self._releaser = releaser
         self._checkpoints = checkpoints
@@ -135,7 +146,7 @@ class Buffers:
         # Eviction picks by last use: the admitting transaction writes the latest
         # attaches and lookup hits first (saving a commit of their own); unwritten,
         # they are kept.
-        uses, extended = self._runtime.take_uses()
+        uses, extended = self._uses.take()
         last_error: Exception | None = None
         for live in candidates:
             row = BufferRow(
@@ -159,21 +170,27 @@ class Buffers:
                 # The daemon's own budget of fds and mappings first (507 resource-limit),
                 # before the ledger is asked: a region is one of each; the tenant's
                 # fair share of it too.
-                with self._budget.admit(tenant_id, self._runtime.tenant_regions(tenant_id)):
+                with self._budget.admit(tenant_id, self._regions.tenant_regions(tenant_id)):
                     # victims released; only bytes that really came free make room
                     row = room.admit(
-                        self._store, self._runtime, self._releaser, row, uses=uses, leases=extended
+                        self._store,
+                        self._attachments,
+                        self._holders,
+                        self._releaser,
+                        row,
+                        uses=uses,
+                        leases=extended,
                     )  # uses and leases: written by the admitting transaction
                     region = self._create(row, live, frozen=frozen)
             except PoolExhausted as e:  # this pool is full now: try the next one
                 last_error = e
                 continue
             except BaseException:
-                self._runtime.untake_uses(uses, extended)  # unwritten: kept for later
+                self._uses.untake(uses, extended)  # unwritten: kept for later
                 raise
             self._check_placement(row, live, region)
             return self._go_live(row, region)
-        self._runtime.untake_uses(uses, extended)
+        self._uses.untake(uses, extended)
         assert last_error is not None
         raise last_error
 
@@ -208,11 +225,11 @@ class Buffers:
         """The live pools that could hold the request, most free space first; a pool being
         deleted takes no reserve (named: 409; otherwise it is not a candidate)."""
         if req.pool is not None:
-            live = [self._runtime.find_pool(req.pool)]
+            live = [self._live.find(req.pool)]
             if live[0].row.deleting_at is not None:
                 raise StateConflict(f"pool {live[0].row.name!r} is being deleted")
         else:
-            live = [p for p in self._runtime.pools() if p.row.deleting_at is None]
+            live = [p for p in self._live.all() if p.row.deleting_at is None]
         rows = placement.candidates([p.row for p in live], req, self._pools.topology.node_ids)
         if len(rows) > 1:
             usage = self._store.usage_by_pool(self._host)
@@ -244,7 +261,7 @@ class Buffers:
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
         # The region is held before the row goes live (or is checked staged), so that
         # whoever releases the row from then on finds its memory.
-        self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
+        self._regions.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
         if state == "staged":
             try:
                 self._check_staged(row.id)
@@ -264,7 +281,7 @@ class Buffers:
                 f"buffer {row.id} was released while it was being reserved "
                 "(its tenant or its pool is being deleted)"
             )
-        self._runtime.set_live(row.id)
+        self._regions.set_live(row.id)
         return buffer_info(msgspec.structs.replace(row, state=state))
 
     def _check_staged(self, buffer_id: str) -> None:
@@ -273,20 +290,6 @@ class Buffers:
         row = self._store.buffer(buffer_id)
         if row is None or row.state != "staged":
             raise NotFound(f"entry {buffer_id} was released while it was put")
-
-    def flush_uses(self) -> None:
-        """Write the attach and lookup-hit times gathered since the last flush (the LRU
-        order), and the leases those hits extended, to the ledger: batched, since a commit
-        on a worker's hot path cost more than the rest of it. Written by the reaper every
-        interval and by every reserve's admission (without a commit of its own on SQLite).
-        """
-        uses, leases = self._runtime.take_uses()
-        if uses or leases:
-            try:
-                self._store.touch_many(uses, leases)
-            except BaseException:  # the ledger is down: kept, written when it is back
-                self._runtime.untake_uses(uses, leases)
-                raise
 
     # -- the others -------------------------------------------------------------------------
 
@@ -305,14 +308,14 @@ class Buffers:
                 raise NotFound(f"no tenant {tenant_id!r}")
             tenant_id = row.id
         if held:
-            return held_infos(self._store, self._runtime, tenant_id)
+            return held_infos(self._store, self._holders, tenant_id)
         return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
         """One buffer, with its ``placement`` as the kernel reports it now (pages per node)."""
         row = self._own_row(who, buffer_id, hide_releasing=True)
-        with self._runtime.buffer_lock(row.id):
-            region = self._runtime.region(row.id)
+        with self._regions.buffer_lock(row.id):
+            region = self._regions.region(row.id)
             if region is None or region.closed:
                 return buffer_info(row)
             return buffer_info(row, region.placement())
@@ -321,8 +324,8 @@ class Buffers:
         """Bind and migrate the buffer's pages to ``numa_node``; return it with its measured placement."""
         require_tenant(who)
         row = _committed(self._held_here(self._own_row(who, buffer_id)), "pinned")
-        with self._runtime.buffer_lock(row.id):
-            placed = self._runtime.live_region(row.id).pin(numa_node, self._pools.topology.node_ids)
+        with self._regions.buffer_lock(row.id):
+            placed = self._regions.live_region(row.id).pin(numa_node, self._pools.topology.node_ids)
         self._store.set_numa_node(row.id, numa_node)
         return buffer_info(msgspec.structs.replace(row, numa_node=numa_node), placed)
 
@@ -351,12 +354,13 @@ class Buffers:
         )
         self._releaser.release_row(row, reason="release", marked=True)
 
-    def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:
-        """The longest of ``lookup_keys`` (ordered short → long) with a live buffer here."""
+    def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit | None:
+        """The longest of ``lookup_keys`` (ordered short → long) with a live buffer here;
+        ``None`` for a miss (the REST edge answers it 404)."""
         tenant_id = require_tenant(who)
         hit = self._store.lookup(tenant_id, lookup_keys, host=self._host)
         if hit is None:
-            raise NotFound("no live buffer carries any of these keys")
+            return None
         return LookupHit(key=hit[0], buffer=buffer_info(hit[1]))
 
     def _held_here(self, row: BufferRow) -> BufferRow:

@@ -22,8 +22,9 @@ import msgspec
 
 from maasd import allocator
 from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
+from maasd.core.livepools import LivePool, LivePools
+from maasd.core.regions import Regions
 from maasd.core.release import remove_checkpoint
-from maasd.core.runtime import LivePool, Runtime
 from maasd.errors import BackingError, NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import Checkpoint
@@ -37,9 +38,10 @@ logger = logging.getLogger(__name__)
 class Checkpoints:
     """Writes a live persistent buffer to its spill dir; restores one at start."""
 
-    def __init__(self, store: Store, runtime: Runtime, metrics: Metrics) -> None:
+    def __init__(self, store: Store, regions: Regions, live: LivePools, metrics: Metrics) -> None:
         self._store = store
-        self._runtime = runtime
+        self._regions = regions
+        self._live = live
         self._metrics = metrics
         #: buffers with a checkpoint being written (a leaf lock: nothing taken under it)
         self._writing: set[str] = set()
@@ -53,12 +55,12 @@ class Checkpoints:
         rather than a wait for the buffer's lock: the one in progress saves the same bytes,
         and callers queued behind it would each hold a thread for nothing.
         """
-        live = self._runtime.pool(row.pool_id)
+        live = self._live.get(row.pool_id)
         if live is None or live.row.spill_dir is None:
             raise StateConflict(f"buffer {row.id} has no spill directory to checkpoint to")
         path = os.path.join(live.row.spill_dir, f"{row.id}.{time.time_ns():x}.ckpt")
-        with self._alone(row.id), self._runtime.buffer_lock(row.id):
-            checksum = allocator.checkpoint(self._runtime.live_region(row.id), path)
+        with self._alone(row.id), self._regions.buffer_lock(row.id):
+            checksum = allocator.checkpoint(self._regions.live_region(row.id), path)
             previous = self._store.buffer(row.id, None)
             try:
                 self._store.set_checkpoint(row.id, path, checksum, time.time())
@@ -98,13 +100,13 @@ class Checkpoints:
         written: list[tuple[BufferRow, str, str]] = []
         spill_dirs: set[str] = set()
         for row in rows:
-            live = self._runtime.pool(row.pool_id)
+            live = self._live.get(row.pool_id)
             if live is None or live.row.spill_dir is None:
                 continue
             path = os.path.join(live.row.spill_dir, f"{row.id}.{time.time_ns():x}.ckpt")
             try:
-                with self._runtime.buffer_lock(row.id):
-                    region = self._runtime.live_region(row.id)
+                with self._regions.buffer_lock(row.id):
+                    region = self._regions.live_region(row.id)
                     checksum = allocator.checkpoint(region, path, sync=False)
             except Exception:
                 logger.exception(

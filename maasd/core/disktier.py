@@ -13,7 +13,7 @@ tier")::
               (a DELETE, a lease, a tenant's deletion) erases the key's copy on disk.
     lookup    a socket lookup that misses DRAM and names a key on disk goes to the slow
               pool (fill_ready), where promote() reads the file straight into a fresh
-              sealed memfd of the tier's pool — Entries.materialise, the L2 fill's seam:
+              sealed memfd of the tier's pool — Restores.materialise, the L2 fill's seam:
               quota, max_buffers, capacity and eviction as for any put — and answers
               it from memory. The copy on disk stays (a later eviction writes nothing).
     hit       a DRAM hit counts a use of its key for the admission filter.
@@ -32,26 +32,27 @@ Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 
 from maasd.core.entries import Entries, Found
+from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
+from maasd.core.regions import Regions
 from maasd.core.release import Releaser
-from maasd.core.runtime import Runtime
+from maasd.core.restore import Restores
 from maasd.core.tenants import disk_quota
 from maasd.disk.metrics import DiskMetrics
 from maasd.disk.policy import Admission, S3Fifo
 from maasd.disk.store import DiskDir, Sealed, Unreadable
 from maasd.disk.writer import Writer
-from maasd.errors import DuplicateKey, MaasdError, NotFound
+from maasd.errors import DuplicateKey, MaasdError
 from maasd.metrics import Metrics
 from maasd.models import DiskTierInfo, Principal
 from maasd.settings import Settings
@@ -110,13 +111,13 @@ class DiskTiers:
     """Every pool's disk tier on this host (a pool without ``disk_dir``/``disk_bytes`` has none)."""
 
     def __init__(
-        self, settings: Settings, store: Store, runtime: Runtime, entries: Entries,
-        releaser: Releaser, pools: Pools, metrics: Metrics,
+        self, settings: Settings, store: Store, regions: Regions, live: LivePools,
+        entries: Entries, restores: Restores, releaser: Releaser, pools: Pools, metrics: Metrics,
     ) -> None:  # fmt: skip
-        """Wired in: every entry's end (``releaser``), the pools' listing (``pools``)."""
         self._factor = settings.disk_quota_factor
-        self.store, self.runtime = store, runtime  # a tenant's quota; the regions read
+        self.store, self._regions, self._live = store, regions, live
         self._entries = entries
+        self._restores = restores
         self.metrics = DiskMetrics(metrics.registry)
         self.metrics.attach(self.stats)
         releaser.on_entry_end = self.ended
@@ -130,7 +131,7 @@ class DiskTiers:
     # -- the tiers -------------------------------------------------------------------------
 
     def start(self) -> None:
-        for live in self.runtime.pools():
+        for live in self._live.all():
             self.add(live.row)
         self._writer.start()
 
@@ -200,10 +201,10 @@ class DiskTiers:
 
     def ended(self, row: BufferRow, reason: str) -> None:
         """An entry's region is about to be dropped (see the module docstring). Its row
-        no longer carries its key (a release gives it up): the runtime still does."""
+        no longer carries its key (a release gives it up): the regions still do."""
         if row.kind != "entry":
             return
-        held = self.runtime.held(row.id)
+        held = self._regions.held(row.id)
         key = row.key if held is None else held.key
         if key is None or (held is not None and not held.committed):
             return  # a staged entry (an abort, a failed commit or promotion): not its copy
@@ -277,8 +278,8 @@ class DiskTiers:
     def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:
         """The entry's bytes encrypted, read under its lock (a release waits)."""
         assert row.key is not None
-        with self.runtime.buffer_lock(row.id):
-            held = self.runtime.held(row.id)
+        with self._regions.buffer_lock(row.id):
+            held = self._regions.held(row.id)
             if held is None or not held.committed or held.region.closed:
                 return None
             view = held.region.view()
@@ -358,9 +359,12 @@ class DiskTiers:
                 (e := self._index.get((tenant_id, k))) is not None and e.written for k in keys
             )
 
-    def promote(self, who: Principal, tenant_id: str, keys: list[str]) -> Found | None:
+    def promote(
+        self, who: Principal, tenant_id: str, keys: list[str], attached: Container[str] = ()
+    ) -> Found | None:
         """The longest of ``keys`` found on disk, restored as a committed entry and looked
-        up (a hit); None if none is on disk or it could not be restored (a miss)."""
+        up (a hit, counted as an attachment unless one of ``attached``); None if none is
+        on disk or it could not be restored (a miss)."""
         with self._lock:
             found = next(
                 (
@@ -376,7 +380,7 @@ class DiskTiers:
         if found is None or tier is None:
             return None
         try:
-            found.promoted_as = self._entries.materialise_with(
+            found.promoted_as = self._restores.materialise_with(
                 who, found.key, found.sealed.size, self._reader(tier, found), pool=found.pool_id
             )
         except DuplicateKey:
@@ -396,9 +400,7 @@ class DiskTiers:
             return None
         else:
             self.metrics.promoted(tier.pool)
-        with contextlib.suppress(NotFound):
-            return self._entries.lookup(who, keys, count_miss=False)
-        return None
+        return self._entries.lookup(who, keys, count_miss=False, attached=attached)
 
     def _reader(self, tier: _Tier, entry: _OnDisk) -> Callable[[memoryview], None]:
         def fill(out: memoryview) -> None:

@@ -20,7 +20,7 @@ its bytes are immutable, enforced by the kernel, and every handle to it is read-
               never read again (Pool.retire)
     abort   a staged entry released (scrubbed); also when its writer's connection
             closes before the commit
-    lookup  from memory: the runtime's index of this host's committed entries; a hit
+    lookup  from memory: the index (maasd.core.regions) of this host's committed entries; a hit
             is a use (LRU) and extends the lease, batched like attach times
 
 No worker ever held the fresh region writable, and after the seal no one can get a
@@ -35,6 +35,7 @@ A commit that cannot be honoured leaves nothing behind: the entry is released.
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import time
@@ -47,8 +48,11 @@ from maasd.allocator.region import copy_region
 from maasd.core.auth import require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.handles import Handle
+from maasd.core.holders import Holders
+from maasd.core.livepools import LivePool, LivePools
+from maasd.core.regions import Held, Regions
 from maasd.core.release import Releaser
-from maasd.core.runtime import Held, LivePool, Runtime
+from maasd.core.uses import UseBatch
 from maasd.errors import (
     BackingError,
     MaasdError,
@@ -73,6 +77,13 @@ _NO_MEMORY = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EFAULT, errno.EAGAIN})
 _AT_LIMIT = frozenset({errno.EMFILE, errno.ENFILE})
 
 
+class Settle(enum.Enum):
+    """How a writer settles its staged entry (what its check and its answers say)."""
+
+    COMMIT = "committed"
+    ABORT = "aborted"
+
+
 @dataclass(frozen=True)
 class Found:
     """A lookup hit: ``fd`` is a new read-only descriptor the receiver closes."""
@@ -90,13 +101,19 @@ class Entries:
     def __init__(
         self,
         store: Store,
-        runtime: Runtime,
+        regions: Regions,
+        live: LivePools,
+        holders: Holders,
+        uses: UseBatch,
         buffers: Buffers,
         releaser: Releaser,
         metrics: Metrics,
     ) -> None:
         self._store = store
-        self._runtime = runtime
+        self._regions = regions
+        self._live = live
+        self._holders = holders
+        self._uses = uses  # a hit is a use, written in a batch
         self._buffers = buffers
         self._releaser = releaser
         self._metrics = metrics
@@ -142,7 +159,7 @@ class Entries:
         )
 
     def _writable_fd(self, buffer_id: str) -> int:
-        fd = self._runtime.dup_fd(buffer_id)
+        fd = self._regions.dup_fd(buffer_id)
         if fd is None:  # its tenant or pool was deleted meanwhile
             raise StateConflict(f"entry {buffer_id} was released before it was handed out")
         return fd
@@ -173,31 +190,31 @@ class Entries:
 
     def _commit(self, tenant_id: str, buffer_id: str, owned: bool) -> tuple[str | None, int]:
         """The commit; returns the entry's key and size."""
-        self._check_own_staged(tenant_id, buffer_id, owned, "committed")
+        self._check_own_staged(tenant_id, buffer_id, owned, Settle.COMMIT)
         failure: Exception
-        with self._runtime.buffer_lock(buffer_id):
-            held = self._runtime.held(buffer_id)
-            live = None if held is None else self._runtime.pool(held.pool_id)
+        with self._regions.buffer_lock(buffer_id):
+            held = self._regions.held(buffer_id)
+            live = None if held is None else self._live.get(held.pool_id)
             if held is None or held.live or live is None:
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             try:
-                fresh = _copy(held, live, buffer_id, self._runtime)
+                fresh = _copy(held, live, buffer_id, self._holders)
             except (OSError, MaasdError) as e:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
                 if self._store.commit(buffer_id, time.time(), durable=durable) is None:
                     live.pool.release(fresh, give_back=False)
-                    self._runtime.holders.forget(buffer_id)
+                    self._holders.forget(buffer_id)
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
-                staging = self._runtime.commit(buffer_id, fresh)
+                staging = self._regions.commit(buffer_id, fresh)
                 assert staging is not None  # held under its lock: a release waits for it
                 # The copy took over its bytes; its scrub (the punch that frees it) comes
                 # after the answer: saves ~0.5 ms of memset per 9 MiB commit.
                 live.pool.retire(staging)
                 return held.key, fresh.size
         # The copy failed: nothing may stay behind (the row is still staged).
-        self._release_staged(tenant_id, buffer_id, "commit_failed")
+        self.release_staged(tenant_id, buffer_id, "commit_failed")
         answer = _storage_error(buffer_id, failure)
         if answer is failure:
             raise failure
@@ -208,39 +225,50 @@ class Entries:
     def abort(self, who: Principal, buffer_id: str, *, owned: bool) -> None:
         """Release a staged entry (scrubbed). One released meanwhile is fine: it is gone."""
         tenant_id = require_tenant(who)
-        if self._check_own_staged(tenant_id, buffer_id, owned, "aborted") is not None:
-            self._release_staged(tenant_id, buffer_id, "abort")
+        if self._check_own_staged(tenant_id, buffer_id, owned, Settle.ABORT) is not None:
+            self.release_staged(tenant_id, buffer_id, "abort")
 
     def abandon(self, who: Principal, buffer_id: str) -> None:
         """The writer's connection closed: release the entry if it is still staged."""
         if who.tenant_id is not None:
-            self._release_staged(who.tenant_id, buffer_id, "disconnect")
+            self.release_staged(who.tenant_id, buffer_id, "disconnect")
+
+    def staged(self, buffer_id: str) -> bool:
+        """Whether ``buffer_id`` is still an entry awaiting its commit here (from memory);
+        False once it is committed or released (its lease ended, a DELETE)."""
+        held = self._regions.held(buffer_id)
+        return held is not None and not held.live
+
+    def watch_releases(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(buffer_id)`` when an entry someone holds is released (broker)."""
+        self._holders.listen(callback)
 
     def _check_own_staged(
-        self, tenant_id: str, buffer_id: str, owned: bool, what: str
+        self, tenant_id: str, buffer_id: str, owned: bool, what: Settle
     ) -> Held | None:
         """The entry if it is staged and the caller's connection put it; ``None`` if the
-        caller put it and it was released meanwhile. NotFound/StateConflict otherwise."""
-        held = self._runtime.held(buffer_id)
+        caller put it and it was released meanwhile (fine for an abort: it is gone).
+        NotFound/StateConflict otherwise."""
+        held = self._regions.held(buffer_id)
         if held is None or held.tenant_id != tenant_id:
             if owned:
-                if what == "aborted":
+                if what is Settle.ABORT:
                     return None
                 raise StateConflict(f"entry {buffer_id} was released before its commit")
             raise NotFound(f"no entry {buffer_id!r}")
         if not owned:
             raise StateConflict(
-                f"entry {buffer_id} can only be {what} by the connection that put it"
+                f"entry {buffer_id} can only be {what.value} by the connection that put it"
             )
         if held.live:
             raise StateConflict(f"entry {buffer_id} is committed already")
         return held
 
-    def _release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
+    def release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
-        held = self._runtime.held(buffer_id)
+        held = self._regions.held(buffer_id)
         row: BufferRow | None = self._store.mark_staged_releasing(
-            buffer_id, tenant_id, durable=held is None or self._durable(held)
+            buffer_id, tenant_id, durable=held is None or self.durable(held)
         )
         if row is None:
             return  # committed, or someone else releases it
@@ -256,8 +284,9 @@ class Entries:
         *,
         count_miss: bool = True,
         attached: Container[str] = (),
-    ) -> Found:
-        """The committed entry of the longest of ``keys`` (short → long), read-only.
+    ) -> Found | None:
+        """The committed entry of the longest of ``keys`` (short → long), read-only; ``None``
+        for a miss (a value, not an error: the edge that must answer 404 raises it).
 
         Answered from memory. A hit counts as an attachment of the caller — unless the
         entry is one of ``attached``, which the caller holds already — as a use and
@@ -266,14 +295,14 @@ class Entries:
         lookup's outcome is counted once that answered).
         """
         tenant_id = require_tenant(who)
-        opened = self._runtime.lookup(tenant_id, keys, attached)
+        opened = self._regions.lookup(tenant_id, keys, attached)
         series = self._metrics.tenant(tenant_id)
         if opened is None:
             if count_miss:
                 series.misses.inc()
-            raise NotFound("no committed entry carries any of these keys")
+            return None
         now = time.time()
-        self._runtime.touch(opened.buffer_id, now, now + opened.ttl_s)
+        self._uses.touch(opened.buffer_id, now, now + opened.ttl_s)
         series.hits.inc()
         series.restored.inc(opened.size_bytes)
         if opened.tenant_attached is not None:
@@ -281,87 +310,9 @@ class Entries:
         assert opened.key is not None
         return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
 
-    # -- the L2 tier's side: an entry read back, an entry's bytes read out ---------------------
-
-    def materialise(self, who: Principal, key: str, data: memoryview) -> str:
-        """A committed entry of ``key`` holding ``data`` (read back from L2); its id.
-
-        The reserve of a put (quota, ``max_buffers``, capacity and eviction as for any
-        entry), into a region sealed ``F_SEAL_FUTURE_WRITE`` from the start: no worker
-        ever holds it writable, so the daemon writes ``data`` through its own mapping and
-        commits the region in place, without a copy. Raises what a put raises
-        (DuplicateKey when the key is here already, QuotaExceeded, PoolExhausted …).
-        """
-
-        def fill(view: memoryview) -> None:
-            view[: len(data)] = data
-
-        return self.materialise_with(who, key, len(data), fill)
-
-    def materialise_with(
-        self,
-        who: Principal,
-        key: str,
-        size: int,
-        fill: Callable[[memoryview], None],
-        *,
-        pool: str | None = None,
-    ) -> str:
-        """:meth:`materialise`, with ``fill`` writing the bytes into the region's mapping
-        (the disk tier decrypts straight into it), in ``pool`` if given. What ``fill``
-        raises releases the entry (scrubbed) and is raised."""
-        tenant_id = require_tenant(who)
-        spec = ReserveSpec(
-            size_bytes=size, pool=pool, ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True
-        )
-        info = self._buffers.reserve(who, spec, kind="entry", frozen=True)
-        try:
-            self._publish(info.id, fill)
-        except Exception:
-            self._release_staged(tenant_id, info.id, "commit_failed")
-            raise
-        return info.id
-
-    def _publish(self, buffer_id: str, fill: Callable[[memoryview], None]) -> None:
-        with self._runtime.buffer_lock(buffer_id):
-            held = self._runtime.held(buffer_id)
-            if held is None or held.live:
-                raise StateConflict(f"entry {buffer_id} was released before its commit")
-            region = held.region
-            view = region.view()
-            try:
-                fill(view)
-            finally:
-                view.release()
-            self._runtime.holders.watch(
-                buffer_id, region.fd, region.size, held.tenant_id, held.pool_id
-            )
-            if self._store.commit(buffer_id, time.time(), durable=self._durable(held)) is None:
-                self._runtime.holders.forget(buffer_id)
-                raise StateConflict(f"entry {buffer_id} was released before its commit")
-            self._runtime.commit(buffer_id, region)
-
-    def read(self, buffer_id: str, tenant_id: str, key: str, head: int) -> bytearray | None:
-        """``head`` free bytes, then the bytes of the committed entry ``buffer_id`` of this
-        tenant and key; None if it is not (or no longer) that. Read under the entry's lock,
-        so a release cannot scrub it halfway through (L2 would get a mix of it and zeros)."""
-        with self._runtime.buffer_lock(buffer_id):
-            held = self._runtime.held(buffer_id)
-            if (
-                held is None
-                or not held.committed
-                or held.tenant_id != tenant_id
-                or held.key != key
-                or held.region.closed
-            ):
-                return None
-            buf = bytearray(head + held.region.size)
-            held.region.read_into(memoryview(buf)[head:])
-            return buf
-
-    def _durable(self, held: Held) -> bool:
+    def durable(self, held: Held) -> bool:
         """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""
-        live = self._runtime.pool(held.pool_id)
+        live = self._live.get(held.pool_id)
         return live is None or must_last(live.row.persistence)
 
     @staticmethod
@@ -370,7 +321,7 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> Region:
+def _copy(held: Held, live: LivePool, buffer_id: str, holders: Holders) -> Region:
     """The staged bytes in a fresh, frozen region of the pool, watched from now on
     (who holds its memfd: :mod:`maasd.core.holders`)."""
     staging = held.region
@@ -385,7 +336,7 @@ def _copy(held: Held, live: LivePool, buffer_id: str, runtime: Runtime) -> Regio
         if live.row.prefault and not fresh.placed:  # a stocked region's was measured
             fresh.verify_node(sample=16)
         _read_all(staging, fresh)
-        runtime.holders.watch(buffer_id, fresh.fd, fresh.size, held.tenant_id, held.pool_id)
+        holders.watch(buffer_id, fresh.fd, fresh.size, held.tenant_id, held.pool_id)
     except BaseException:
         live.pool.release(fresh, give_back=False)
         raise

@@ -1,10 +1,10 @@
 """Handles for the socket broker: a buffer's memfd for a worker, and the attachment count.
 
 An attach is on a worker's hot path, and the broker answers it on its event loop:
-it is answered from the runtime's memory — which regions this daemon holds, whose
+it is answered from memory (:mod:`maasd.core.regions`) — which regions this daemon holds, whose
 they are, whether they are live — and reads or writes nothing in the ledger. The
-use (the LRU order eviction follows) is remembered in the runtime and written in a
-batch later (:meth:`maasd.core.buffers.Buffers.flush_uses`).
+use (the LRU order eviction follows) is remembered (:mod:`maasd.core.uses`) and written in a
+batch later (:meth:`maasd.core.uses.UseBatch.flush`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from maasd.core.attachments import Attachments
 from maasd.core.auth import require_tenant
-from maasd.core.runtime import Runtime
+from maasd.core.regions import Regions
+from maasd.core.uses import UseBatch
 from maasd.errors import NotFound
 from maasd.metrics import Metrics
 from maasd.models import Principal
@@ -34,20 +36,24 @@ class Handle:
 class Handles:
     """Opens and drops handles; counts attachments per tenant (a gauge) and per buffer."""
 
-    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
-        self._runtime = runtime
+    def __init__(
+        self, regions: Regions, attachments: Attachments, uses: UseBatch, metrics: Metrics
+    ) -> None:
+        self._regions = regions
+        self._attachments = attachments
+        self._uses = uses
         self._metrics = metrics
 
     def open(self, who: Principal, buffer_id: str) -> Handle:
         """A dup of the buffer's sealed memfd for a worker; NotFound for foreign/unknown ids
         and for entries not yet committed. A committed entry's handle is read-only."""
         tenant_id = require_tenant(who)
-        opened = self._runtime.open_handle(tenant_id, buffer_id)
+        opened = self._regions.open_handle(tenant_id, buffer_id)
         if opened is None:
             raise NotFound(f"no buffer {buffer_id!r}")
         if opened.tenant_attached is not None:  # always: an attach is counted
             self._metrics.tenant(tenant_id).attached.set(opened.tenant_attached)
-        self._runtime.touch(buffer_id, time.time())
+        self._uses.touch(buffer_id, time.time())
         return Handle(
             fd=opened.fd,
             buffer_id=buffer_id,
@@ -60,5 +66,5 @@ class Handles:
         tenant_id = who.tenant_id
         if tenant_id is None:
             return
-        count = self._runtime.detach(tenant_id, buffer_id)
+        count = self._attachments.detach(tenant_id, buffer_id)
         self._metrics.tenant(tenant_id).attached.set(count)

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 
-from maasd.core.runtime import Runtime
+from maasd.core.regions import Regions
 from maasd.errors import ConfigError, StateConflict
 from maasd.models import HostInfo, rfc3339
 from maasd.settings import Settings
@@ -64,10 +64,10 @@ def host_info(h: HostUsage, local: str, stale_s: float) -> HostInfo:
 class Hosts:
     """This daemon's claim on its host name, its heartbeat, and the admin's host use-cases."""
 
-    def __init__(self, settings: Settings, store: Store, runtime: Runtime) -> None:
+    def __init__(self, settings: Settings, store: Store, regions: Regions) -> None:
         self._settings = settings
         self._store = store
-        self._runtime = runtime
+        self._regions = regions
         self.name = settings.node_name
         #: This process's claim: a new one per start (and per rejoin after a fence).
         self.incarnation = keys.new_id()
@@ -128,22 +128,21 @@ class Hosts:
         self._store.stop_host(self.name, self.incarnation)
 
     def fence(self) -> int:
-        """Scrub and drop every region this process holds, and its pools; returns how many.
+        """Scrub and drop every region this process holds; returns how many (its pools are
+        dropped by their owner: :meth:`maasd.core.pools.Pools.unload`).
 
         For a process whose claim is gone: the ledger no longer has (or no longer
         gives this process) the rows of what it holds.
         """
         dropped = 0
-        for buffer_id in self._runtime.buffer_ids():
-            region = self._runtime.take_region(buffer_id)
+        for buffer_id in self._regions.buffer_ids():
+            region = self._regions.take_region(buffer_id)
             if region is not None:
                 # punch: zeroes every mapping of the file without writing through the
                 # daemon's own (which a worker's holes in hugetlb memory could fault)
                 region.scrub("punch")
                 region.close()
                 dropped += 1
-        for live in self._runtime.pools():
-            self._runtime.remove_pool(live.row.id)
         self.incarnation = keys.new_id()
         return dropped
 

@@ -5,7 +5,7 @@ and one mapping (the daemon's writable one: ``F_SEAL_FUTURE_WRITE`` forbids
 every later writable mapping, and the scrub at release writes through it):
 staged or committed, live, released and waiting to be reclaimed, in a pool's
 warm stock, or filled from the L2 tier. A committed entry keeps no second fd
-(a lookup re-opens its memfd read-only for the reply: :mod:`maasd.core.runtime`);
+(a lookup re-opens its memfd read-only for the reply: :mod:`maasd.core.regions`);
 the fd a reply carries, a checkpoint file being written or read, the fresh copy
 of a commit are transient, bounded by the connections and threads, and kept in
 the headroom below, as are the read-only fds kept for the hottest entries
@@ -468,7 +468,7 @@ def kernel_refusal(
         return ResourceLimit(
             f"the system-wide open files limit (fs.file-max) is reached ({e.detail})"
         )
-    if e.errno == errno.ENOMEM and e.detail.startswith("mmap") and not hugetlb:
+    if e.errno == errno.ENOMEM and e.op == "mmap" and not hugetlb:
         return ResourceLimit(
             f"the kernel refused a mapping ({e.detail}): vm.max_map_count "
             f"{budget.limits.max_map_count} or the address space is exhausted; "

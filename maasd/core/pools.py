@@ -3,7 +3,8 @@
 A pool exists twice: as a ledger row (the authority, shared with other hosts
 through PostgreSQL) and as an in-process :class:`~maasd.allocator.Pool` (the
 allocator that accounts its capacity), held together as a
-:class:`~maasd.core.runtime.LivePool`. Persistent pools also own a spill
+:class:`~maasd.core.livepools.LivePool`; :class:`Pools` owns the
+:class:`~maasd.core.livepools.LivePools` (the only part that adds or removes one). Persistent pools also own a spill
 directory for their checkpoints, and pools with a warm budget keep a stock of
 prefaulted regions that the lifecycle's :class:`~maasd.allocator.Warmer` refills.
 
@@ -25,8 +26,9 @@ from maasd.allocator import Pool, Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
+from maasd.core.holders import Holders
+from maasd.core.livepools import LivePool, LivePools
 from maasd.core.release import Releaser
-from maasd.core.runtime import LivePool, Runtime
 from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
 from maasd.models import DiskTierInfo, PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
@@ -99,15 +101,33 @@ def disk_dir_of(spec: PoolSpec, data_dir: str, pools: Iterable[LivePool]) -> str
     return disk_dir
 
 
-def follow_disk(spec: PoolSpec, store: Store, runtime: Runtime, data_dir: str) -> None:
+def spill_dir_of(spec: PoolSpec, data_dir: str) -> str | None:
+    """The directory a persistent pool checkpoints to, made and checked; ``None`` otherwise."""
+    if spec.persistence != "persistent":
+        if spec.spill_dir is not None:
+            raise InvalidRequest("spill_dir only applies to persistent pools")
+        return None
+    if spec.spill_dir is not None and not os.path.isabs(spec.spill_dir):
+        raise InvalidRequest(f"spill_dir must be an absolute path, got {spec.spill_dir!r}")
+    spill_dir = spec.spill_dir or os.path.join(data_dir, "spill", spec.name)
+    try:
+        os.makedirs(spill_dir, mode=0o700, exist_ok=True)
+        if not os.access(spill_dir, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        raise InvalidRequest(f"spill_dir {spill_dir!r} cannot be used: {e.strerror or e}") from e
+    return spill_dir
+
+
+def follow_disk(spec: PoolSpec, store: Store, live_pools: LivePools, data_dir: str) -> None:
     """Give a pool the disk tier its configuration asks for now. It binds no buffer (the
     tier is emptied at every start), so a change applies at this start."""
-    live = runtime.find_pool(spec.name)
+    live = live_pools.find(spec.name)
     if (live.row.disk_dir, live.row.disk_bytes) == (spec.disk_dir, spec.disk_bytes):
         return
     if spec.disk_bytes == live.row.disk_bytes and spec.disk_dir is None and live.row.disk_dir:
         return  # the default directory, as made when the pool was
-    others = [p for p in runtime.pools() if p is not live]
+    others = [p for p in live_pools.all() if p is not live]
     disk_dir = disk_dir_of(spec, data_dir, others)
     store.set_pool_disk(live.row.id, disk_dir, spec.disk_bytes)
     live.row = msgspec.structs.replace(live.row, disk_dir=disk_dir, disk_bytes=spec.disk_bytes)
@@ -121,7 +141,8 @@ class Pools:
         self,
         settings: Settings,
         store: Store,
-        runtime: Runtime,
+        live: LivePools,
+        holders: Holders,
         releaser: Releaser,
         reclaimer: Reclaimer,
         warmer: Warmer,
@@ -130,7 +151,8 @@ class Pools:
         self._settings = settings
         self._host = settings.node_name
         self._store = store
-        self._runtime = runtime
+        self._live = live  # this module adds and removes them; others only read them
+        self._holders = holders
         self._releaser = releaser
         self._reclaimer = reclaimer
         self._warmer = warmer
@@ -149,7 +171,7 @@ class Pools:
     def load(self) -> None:
         """Make the ledger's pools of this host live (before recovery adopts their buffers)."""
         for row in self._store.pools(self._host):
-            self._runtime.add_pool(LivePool(row, self._make_pool(row)))
+            self._live.add(LivePool(row, self._make_pool(row)))
 
     def provision(self) -> None:
         """Create the configured pools (or the default ones) that the ledger lacks.
@@ -164,7 +186,7 @@ class Pools:
         wanted = self._settings.pools or default_pools(
             self.topology, self._settings.default_pool_bytes, self._settings.default_warm_bytes
         )
-        existing = {live.row.name: live.row for live in self._runtime.pools()}
+        existing = {live.row.name: live.row for live in self._live.all()}
         if not self._settings.pools:
             missing = [spec.name for spec in wanted if spec.name not in existing]
             deleted = self._store.deleted_pools(self._host, missing)
@@ -181,7 +203,7 @@ class Pools:
                 self.create(spec)
                 continue
             self._follow_warm(spec)
-            follow_disk(spec, self._store, self._runtime, self._settings.data_dir)
+            follow_disk(spec, self._store, self._live, self._settings.data_dir)
             if (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
                 spec.numa_node,
                 spec.backing,
@@ -201,7 +223,7 @@ class Pools:
         Unlike the other properties, the budget binds no buffer: a changed
         ``warm_bytes`` (or ``MAASD_DEFAULT_WARM_BYTES``) applies at the next start.
         """
-        live = self._runtime.find_pool(spec.name)
+        live = self._live.find(spec.name)
         if live.row.warm_bytes == spec.warm_bytes or not live.row.prefault:
             return
         live.pool.set_warm_bytes(min(spec.warm_bytes, live.row.capacity_bytes))
@@ -233,8 +255,8 @@ class Pools:
         if all_hosts:
             usage = self._store.usage_by_pool(None)
             rows = self._store.all_pools()
-            warm = {live.row.id: live.pool.warm for live in self._runtime.pools()}
-            held = self._runtime.holders.held_bytes_by("pool_id")
+            warm = {live.row.id: live.pool.warm for live in self._live.all()}
+            held = self._holders.held_bytes_by("pool_id")
             return [
                 pool_info(
                     row,
@@ -246,7 +268,7 @@ class Pools:
                 for row in rows
             ]
         usage = self._store.usage_by_pool(self._host)
-        held = self._runtime.holders.held_bytes_by("pool_id")
+        held = self._holders.held_bytes_by("pool_id")
         return sorted(
             (
                 pool_info(
@@ -256,7 +278,7 @@ class Pools:
                     held.get(live.row.id, 0),
                     self.disk_usage(live.row.id),
                 )
-                for live in self._runtime.pools()
+                for live in self._live.all()
             ),
             key=lambda p: p.name,
         )
@@ -265,14 +287,14 @@ class Pools:
         """One pool of this host (id or name) with its usage; ``any_host``: else another
         host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
         try:
-            live = self._runtime.find_pool(id_or_name)
+            live = self._live.find(id_or_name)
         except NotFound:
             other = self._store.pool_row(id_or_name) if any_host else None
             if other is None:
                 raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
-        held = self._runtime.holders.held_bytes_by("pool_id").get(live.row.id, 0)
+        held = self._holders.held_bytes_by("pool_id").get(live.row.id, 0)
         return pool_info(live.row, used, live.pool.warm, held, self.disk_usage(live.row.id))
 
     def create(self, spec: PoolSpec) -> PoolInfo:
@@ -310,10 +332,10 @@ class Pools:
             page_bytes=page,
             prefault=spec.prefault,
             scrub=spec.scrub,
-            spill_dir=self._spill_dir(spec),
+            spill_dir=spill_dir_of(spec, self._settings.data_dir),
             created_at=time.time(),
             warm_bytes=warm,
-            disk_dir=disk_dir_of(spec, self._settings.data_dir, self._runtime.pools()),
+            disk_dir=disk_dir_of(spec, self._settings.data_dir, self._live.all()),
             disk_bytes=spec.disk_bytes,
         )
         pool = self._make_pool(row)
@@ -322,7 +344,7 @@ class Pools:
         except BaseException:
             pool.close()  # it registered with the warmer: take it back out
             raise
-        self._runtime.add_pool(LivePool(row, pool))
+        self._live.add(LivePool(row, pool))
         logger.info(
             "pool %s created: node %d, %d bytes, %s/%s",
             row.name,
@@ -332,25 +354,6 @@ class Pools:
             row.persistence,
         )
         return pool_info(row, (0, 0))
-
-    def _spill_dir(self, spec: PoolSpec) -> str | None:
-        """The directory a persistent pool checkpoints to, made and checked; ``None`` otherwise."""
-        if spec.persistence != "persistent":
-            if spec.spill_dir is not None:
-                raise InvalidRequest("spill_dir only applies to persistent pools")
-            return None
-        if spec.spill_dir is not None and not os.path.isabs(spec.spill_dir):
-            raise InvalidRequest(f"spill_dir must be an absolute path, got {spec.spill_dir!r}")
-        spill_dir = spec.spill_dir or os.path.join(self._settings.data_dir, "spill", spec.name)
-        try:
-            os.makedirs(spill_dir, mode=0o700, exist_ok=True)
-            if not os.access(spill_dir, os.W_OK | os.X_OK):
-                raise PermissionError(13, "not writable")
-        except OSError as e:
-            raise InvalidRequest(
-                f"spill_dir {spill_dir!r} cannot be used: {e.strerror or e}"
-            ) from e
-        return spill_dir
 
     def delete(self, id_or_name: str, *, drain: bool = False) -> None:
         """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
@@ -367,7 +370,7 @@ class Pools:
         again.
         """
         try:
-            live = self._runtime.find_pool(id_or_name)
+            live = self._live.find(id_or_name)
         except NotFound:
             other = self._store.pool_row(id_or_name)
             if other is None:
@@ -385,16 +388,21 @@ class Pools:
                     f"pool {live.row.name} holds {n} buffer(s); "
                     "release them or delete with drain=true"
                 ) from None
-            self._runtime.remove_pool(live.row.id)
+            self._live.remove(live.row.id)
             live.pool.close()  # its warm stock goes with it
             return
         at = self._store.mark_pool_deleting(live.row.id)
         live.row = msgspec.structs.replace(live.row, deleting_at=at)
         self._finish_delete(live)
 
+    def unload(self) -> None:
+        """Forget every live pool (a fence: this host's claim is gone; :meth:`load` again)."""
+        for live in self._live.all():
+            self._live.remove(live.row.id)
+
     def finish_deletes(self) -> int:
         """Finish the drains of this host's pools that a previous run began (at start)."""
-        draining = [live for live in self._runtime.pools() if live.row.deleting_at is not None]
+        draining = [live for live in self._live.all() if live.row.deleting_at is not None]
         for live in draining:
             logger.info("finishing the drain of pool %s", live.row.name)
             self._finish_delete(live)
@@ -410,5 +418,5 @@ class Pools:
             reason="pool_drain",
             what=f"pool {live.row.name}",
         )
-        self._runtime.remove_pool(pool_id)
+        self._live.remove(pool_id)
         logger.info("pool %s deleted", live.row.name)

@@ -29,7 +29,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from maasd.core.runtime import Runtime
+from maasd.core.attachments import Attachments
+from maasd.core.holders import Holders
+from maasd.core.livepools import LivePools
+from maasd.core.regions import Regions
 from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
@@ -74,9 +77,20 @@ def remove_checkpoint(row: BufferRow) -> None:
 class Releaser:
     """Ends buffers: their ledger rows, their memory, their checkpoint files."""
 
-    def __init__(self, store: Store, runtime: Runtime, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        store: Store,
+        regions: Regions,
+        attachments: Attachments,
+        live: LivePools,
+        holders: Holders,
+        metrics: Metrics,
+    ) -> None:
         self._store = store
-        self._runtime = runtime
+        self._regions = regions
+        self._attachments = attachments
+        self._live = live
+        self._holders = holders
         self._metrics = metrics
         #: Called with every entry's row and reason before its region is dropped (the
         #: disk tier: an eviction may be demoted, any other end erases its copy on disk).
@@ -125,7 +139,7 @@ class Releaser:
         for _ in range(DELETE_PASSES):
             held = []
             for row in rows():
-                if self._runtime.holders.released_held(row.id):
+                if self._holders.released_held(row.id):
                     held.append(row)  # its row ends when the last holder lets go
                     continue
                 with contextlib.suppress(NotFound):  # its own release finished meanwhile
@@ -135,10 +149,10 @@ class Releaser:
             except NotFound:
                 return
             except StateConflict:
-                if held and all(self._runtime.holders.released_held(r.id) for r in rows()):
+                if held and all(self._holders.released_held(r.id) for r in rows()):
                     if waited or grace <= 0:
                         raise HeldOpen(_held_open(what, held)) from None
-                    self._runtime.holders.wait_freed([r.id for r in held], grace)
+                    self._holders.wait_freed([r.id for r in held], grace)
                     waited = True
                     continue
                 time.sleep(0.01)
@@ -166,9 +180,9 @@ class Releaser:
             if latest is not None and latest.checkpoint_path != row.checkpoint_path:
                 remove_checkpoint(latest)
             remove_checkpoint(row)
-        self._runtime.note_released(row.id, row.tenant_id, row.kind, row.size_bytes)
+        self._attachments.note_released(row.id, row.tenant_id, row.kind, row.size_bytes)
         if held:  # the connections that hold it are told to let go (maasd.core.holders)
-            self._runtime.holders.announce(row.id)
+            self._holders.announce(row.id)
         self._metrics.release_total.labels(reason=reason).inc()
         self._metrics.release_seconds.observe(time.perf_counter() - started)
         if not held and finish is not None:
@@ -184,10 +198,10 @@ class Releaser:
         and ``finish`` is not called here, both are done when the last holder lets go
         (:mod:`maasd.core.holders`).
         """
-        region = self._runtime.take_region(row.id)
+        region = self._regions.take_region(row.id)
         if region is None:
             return False
-        live = self._runtime.pool(row.pool_id)
+        live = self._live.get(row.pool_id)
         mode = live.row.scrub if live is not None else "zero"
         started = time.perf_counter()
         if live is not None:
@@ -205,7 +219,7 @@ class Releaser:
             if finish is not None:
                 self._finish_or_later(finish)
 
-        if self._runtime.holders.settle(row.id, freed):
+        if self._holders.settle(row.id, freed):
             give_back(size)
             return False
         return True

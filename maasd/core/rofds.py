@@ -9,7 +9,7 @@ lookup — so the last :data:`HOT_READ_ONLY_FDS` entries looked up keep theirs
 (least recently used dropped first), and a hit on one of them costs a ``dup``.
 Those fds are counted in the region budget's headroom (:mod:`maasd.core.limits`).
 
-Not thread-safe: :class:`~maasd.core.runtime.Runtime` calls it under its regions lock.
+Not thread-safe: :class:`~maasd.core.regions.Regions` calls it under its regions lock.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ import time
 
 import msgspec
 
+from maasd.core.attachments import Attachments
+from maasd.core.holders import Holders
 from maasd.core.release import Releaser
-from maasd.core.runtime import Runtime
 from maasd.errors import PoolExhausted, QuotaExceeded
 from maasd.store import BufferRow, Store, must_last
 from maasd.tenancy import keys
@@ -59,7 +60,8 @@ EVICT_ROUNDS_UNTOLD = 64
 
 def admit(
     store: Store,
-    runtime: Runtime,
+    attachments: Attachments,
+    holders: Holders,
     releaser: Releaser,
     row: BufferRow,
     *,
@@ -78,7 +80,7 @@ def admit(
     waited = untold = 0
     deadline = time.monotonic() + EVICT_WAIT_S  # all rounds' waits together
     while waited < EVICT_ROUNDS and untold < EVICT_ROUNDS_UNTOLD:
-        attached = runtime.attached_ids()
+        attached = attachments.attached_ids()
         try:
             victims = store.begin_reserve(
                 row,
@@ -96,10 +98,10 @@ def admit(
         for victim in victims:
             releaser.evict(victim)
         entries = [v.id for v in victims if v.kind == "entry"]
-        still = runtime.holders.wait_freed(entries, 0) if entries else set()
+        still = holders.wait_freed(entries, 0) if entries else set()
         left = deadline - time.monotonic()
         if still & attached and left > 0:  # a connection was told to let go: a moment
-            still = runtime.holders.wait_freed(still, left)
+            still = holders.wait_freed(still, left)
             waited += 1
         else:
             untold += 1

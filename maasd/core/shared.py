@@ -3,26 +3,28 @@
 Two hooks, both off the worker's hot path::
 
     commit        the entry's key and id go to the L2 tier's write-behind queue (never
-                  waits; the writer thread reads the bytes later with Entries.read)
-    lookup miss   the broker's event loop answers a local miss at once when there is no
-                  tier or its breaker is open; otherwise it hands the lookup to its slow
-                  pool, which calls fill(): one L2 round trip for all the keys, the
-                  value's checks, then the entry materialised here like any put (quota,
-                  max_buffers, eviction) and the lookup answered from memory
+                  waits; the writer thread reads the bytes later with Restores.read)
+    lookup miss   the order of the tiers is maasd.core.tiers' (the one place): a local
+                  miss while L2 is ready goes to fill(), off the event loop: one L2
+                  round trip for all the keys, the value's checks, then the entry
+                  materialised here like any put (quota, max_buffers, eviction) and the
+                  lookup answered from memory
 
 A hit restored from L2 is a local entry from then on: the next lookup on this host
 finds it in memory. Nothing here ever fails a lookup for L2's sake: an error, a timeout,
-a refused value or no room here for the entry all answer as a miss (404).
+a refused value or no room here for the entry all answer as a miss (``None``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from maasd.core.auth import require_tenant
 from maasd.core.entries import Entries, Found
-from maasd.errors import ConfigError, DuplicateKey, MaasdError, NotFound
+from maasd.core.restore import Restores
+from maasd.errors import ConfigError, DuplicateKey, MaasdError
 from maasd.l2 import open_tier
 from maasd.metrics import Metrics
 from maasd.models import Principal
@@ -41,9 +43,15 @@ class Shared:
     """The L2 tier as the core uses it; inert (``enabled`` False) without ``l2_url``."""
 
     def __init__(
-        self, settings: Settings, store: Store, entries: Entries, metrics: Metrics
+        self,
+        settings: Settings,
+        store: Store,
+        entries: Entries,
+        restores: Restores,
+        metrics: Metrics,
     ) -> None:
         self._entries = entries
+        self._restores = restores
         self._circuit = store.circuit
         self._tier: L2Tier | None = None
         if settings.l2_url is None:
@@ -53,7 +61,7 @@ class Shared:
                 "--l2-url needs the shared PostgreSQL ledger: L2 keys are namespaced by "
                 f"tenant id, and tenant ids are global only there (this ledger is {store.dialect})"
             )
-        self._tier = open_tier(settings, metrics.registry, entries.read)
+        self._tier = open_tier(settings, metrics.registry, restores.read)
         entries.on_commit(self._tier.write_behind)
 
     @property
@@ -86,18 +94,18 @@ class Shared:
         if self._tier is not None:
             self._tier.close()
 
-    def fill(self, who: Principal, keys: list[str]) -> Found:
-        """A local lookup that missed, asked again after L2 (see the module docstring)."""
+    def fill(self, who: Principal, keys: list[str], attached: Container[str] = ()) -> Found | None:
+        """A local lookup that missed, asked again after L2 (see the module docstring); a
+        hit is counted as an attachment unless one of ``attached``; ``None``: a miss."""
         tenant_id = require_tenant(who)
-        try:  # another lookup may have restored it meanwhile
-            return self._entries.lookup(who, keys, count_miss=False)
-        except NotFound:
-            pass
+        again = self._entries.lookup(who, keys, count_miss=False, attached=attached)
+        if again is not None:  # another lookup restored it meanwhile
+            return again
         tier = self._tier
         fetched = None if tier is None else tier.fetch(tenant_id, keys)
         if tier is not None and fetched is not None:
             try:
-                self._entries.materialise(who, fetched.key, fetched.data)
+                self._restores.materialise(who, fetched.key, fetched.data)
             except DuplicateKey:
                 pass  # restored (or being put) by another caller: the lookup finds it, or not
             except MaasdError as exc:  # no room here (quota, max_buffers, pool full …)
@@ -111,4 +119,4 @@ class Shared:
                 logger.exception("restoring an entry found in L2 failed")
             else:
                 tier.counted("hit")
-        return self._entries.lookup(who, keys)
+        return self._entries.lookup(who, keys, attached=attached)

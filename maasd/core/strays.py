@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 
-from maasd.core.runtime import Runtime
+from maasd.core.livepools import LivePools
+from maasd.core.regions import Regions
 from maasd.errors import BackingError
 
 __all__ = ["MAX_REGIONS", "PAGES_PER_REGION", "stray_pages"]
@@ -25,13 +26,16 @@ MAX_REGIONS = 512
 
 
 def stray_pages(
-    runtime: Runtime, per_region: int = PAGES_PER_REGION, max_regions: int = MAX_REGIONS
+    live: LivePools,
+    regions: Regions,
+    per_region: int = PAGES_PER_REGION,
+    max_regions: int = MAX_REGIONS,
 ) -> list[tuple[str, int, int, int]]:
     """``(pool name, pool node, pages sampled, pages off their node)`` for each live pool."""
-    pools = {live.row.id: live.row for live in runtime.pools()}
+    pools = {live.row.id: live.row for live in live.all()}
     counts = {pool_id: [0, 0] for pool_id in pools}
-    for buffer_id in itertools.islice(runtime.buffer_ids(), max_regions):
-        held = runtime.held(buffer_id)
+    for buffer_id in itertools.islice(regions.buffer_ids(), max_regions):
+        held = regions.held(buffer_id)
         if held is None or held.pool_id not in counts or held.region.closed:
             continue
         region = held.region

@@ -1,30 +1,50 @@
-"""The order a socket lookup goes through the tiers: DRAM → local disk → L2 → miss.
+"""The order a lookup goes through the tiers: DRAM → local disk → L2 → miss — the one place.
 
-    DRAM   the runtime's index, on the broker's event loop (Entries.lookup); a hit is a
-           use of its key for the disk tier's admission filter
-    disk   a miss that names a key on this pool's disk tier (or L2 is ready) is handed to
-           the slow pool: the disk tier promotes it into a fresh sealed memfd
+    DRAM   the index of committed entries (Entries.lookup), answered from memory; a hit
+           is a use of its key for the disk tier's admission filter
+    disk   a miss that names a key on this pool's disk tier (or L2 is ready) must wait:
+           the disk tier promotes it into a fresh sealed memfd (DiskTiers.promote)
     L2     then the shared tier, if configured and its breaker lets calls in (Shared.fill)
-    miss   counted once, by whichever step answered it
+    miss   counted once, by whichever step answered it; ``None``, a value, not an error
+
+Both edges call :meth:`Tiers.find`: the broker first on its event loop with
+``may_wait=False`` — a miss that a later tier is to be asked about answers
+:data:`LATER`, and the broker asks again on its slow pool with ``may_wait=True``
+— and any caller that may wait (tests, a thread) once, with ``may_wait=True``.
 
 A DRAM hit on a shorter key is answered at once, even if a longer one is on disk or in
 L2: the event loop never waits, and the worker asks again for what it computes next.
+A hit on one of ``attached`` (entries the caller holds already) is not counted as a new
+attachment, in whichever tier it was found.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Container
+from typing import Final, Literal
 
 from maasd.core.auth import require_tenant
 from maasd.core.disktier import DiskTiers
 from maasd.core.entries import Entries, Found
+from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
 from maasd.core.shared import Shared
 from maasd.core.tenants import Tenants
-from maasd.errors import NotFound
 from maasd.models import PoolInfo, PoolSpec, Principal
+from maasd.store import Store
 
-__all__ = ["Tiers"]
+__all__ = ["LATER", "Later", "Tiers"]
+
+
+class Later(enum.Enum):
+    """A local miss that a slower tier is to be asked about: ask again where it may wait."""
+
+    LATER = "later"
+
+
+#: :meth:`Tiers.find`'s answer for a miss that must wait for the disk or L2.
+LATER: Final = Later.LATER
 
 
 class Tiers:
@@ -32,14 +52,16 @@ class Tiers:
 
     def __init__(
         self,
+        store: Store,
+        live: LivePools,
         entries: Entries,
         disk: DiskTiers,
         shared: Shared,
         pools: Pools,
         tenants: Tenants,
     ) -> None:
-        self._store = disk.store
-        self._runtime = disk.runtime
+        self._store = store
+        self._live = live
         self._entries = entries
         self._disk = disk
         self._shared = shared
@@ -48,18 +70,15 @@ class Tiers:
 
     def create_pool(self, spec: PoolSpec) -> PoolInfo:
         info = self._pools.create(spec)
-        self._disk.add(self._runtime.find_pool(info.id).row)
+        self._disk.add(self._live.find(info.id).row)
         return info
 
-    def delete_pool(self, id_or_name: str, *, drain: bool) -> None:
+    def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
         """The pool deleted (Pools.delete), then every entry of its disk tier erased."""
-        try:
-            pool_id: str | None = self._runtime.find_pool(id_or_name).row.id
-        except NotFound:
-            pool_id = None  # another host's, or none: Pools.delete answers it
+        live = self._live.named(id_or_name)  # None: another host's, or none (Pools.delete)
         self._pools.delete(id_or_name, drain=drain)
-        if pool_id is not None:
-            self._disk.remove(pool_id)
+        if live is not None:
+            self._disk.remove(live.row.id)
 
     def delete_tenant(self, id_or_name: str) -> None:
         """The tenant deleted (Tenants.delete), then every entry of it on disk erased."""
@@ -68,30 +87,40 @@ class Tiers:
         if row is not None:
             self._disk.drop_tenant(row.id)
 
-    def lookup(self, who: Principal, keys: list[str], attached: Container[str] = ()) -> Found:
-        """DRAM only; a miss that a later tier will be asked about is not counted here."""
+    def find(
+        self,
+        who: Principal,
+        keys: list[str],
+        attached: Container[str] = (),
+        *,
+        may_wait: bool = True,
+    ) -> Found | Literal[Later.LATER] | None:
+        """The committed entry of the longest of ``keys`` held here, from whichever tier has
+        it (see the module docstring); ``None``: a miss. Without ``may_wait``, a DRAM miss
+        that the disk tier or L2 is to be asked about answers :data:`LATER` (uncounted)."""
         tenant_id = require_tenant(who)
         l2 = self._shared.ready()
         ready = l2 or self._disk.fill_ready(tenant_id, keys)
-        try:
-            found = self._entries.lookup(who, keys, count_miss=not ready, attached=attached)
-        except NotFound:
-            if not l2:
-                self._shared.skipped()
-            raise
-        self._disk.hit(tenant_id, found.key)
-        return found
+        found = self._entries.lookup(who, keys, count_miss=not ready, attached=attached)
+        if found is not None:
+            self._disk.hit(tenant_id, found.key)
+            return found
+        if not l2:
+            self._shared.skipped()
+        if not ready:
+            return None
+        if not may_wait:
+            return LATER
+        return self._fill(who, tenant_id, keys, attached)
 
-    def fill_ready(self, who: Principal, keys: list[str]) -> bool:
-        """Whether a DRAM miss goes on to :meth:`fill` (cheap: asked on the event loop)."""
-        return self._disk.fill_ready(require_tenant(who), keys) or self._shared.ready()
-
-    def fill(self, who: Principal, keys: list[str]) -> Found:
+    def _fill(
+        self, who: Principal, tenant_id: str, keys: list[str], attached: Container[str]
+    ) -> Found | None:
         """A DRAM miss asked of the disk tiers, then of L2; may wait for either (never on
-        an event loop). NotFound when neither has it."""
-        found = self._disk.promote(who, require_tenant(who), keys)
+        an event loop)."""
+        found = self._disk.promote(who, tenant_id, keys, attached)
         if found is not None:
             return found
         if self._shared.ready():
-            return self._shared.fill(who, keys)
-        return self._entries.lookup(who, keys)
+            return self._shared.fill(who, keys, attached)
+        return self._entries.lookup(who, keys, attached=attached)  # the miss, counted

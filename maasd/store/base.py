@@ -44,7 +44,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy import BigInteger, Connection, cast, func
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Repository",
+    "Violation",
     "is_outage",
     "is_write_outage",
     "ledger_errors",
@@ -177,22 +179,56 @@ def used(column: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
     return cast(func.coalesce(func.sum(column), 0), BigInteger)
 
 
-def violation(exc: sa.exc.IntegrityError) -> tuple[str, str]:
-    """Classify an integrity error: ``("unique" | "foreign_key" | "other", what)``.
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """An integrity error, classified by the driver's codes rather than its message.
 
-    ``what`` names the constraint on PostgreSQL (``uq_buffers_tenant_id_host_key``)
-    and the columns on SQLite (``buffers.tenant_id, buffers.host, buffers.key``).
+    ``kind``: from PostgreSQL's SQLSTATE (psycopg's ``sqlstate``) or SQLite's extended
+    result code (``sqlite_errorname``). ``constraint``: its name on PostgreSQL
+    (``diag.constraint_name``: ``uq_buffers_tenant_id_host_key``), or the index SQLite
+    names; ``columns``: the ``table.column`` list SQLite reports for a column
+    constraint (the only place it says which; PostgreSQL names the constraint).
     """
+
+    kind: Literal["unique", "foreign_key", "other"]
+    constraint: str | None
+    columns: tuple[str, ...]
+    message: str
+
+    def of(self, constraint: str, column: str) -> bool:
+        """Whether it is ``constraint`` (PostgreSQL, an index SQLite names) or on ``column``."""
+        return self.constraint == constraint or column in self.columns
+
+
+_SQLITE_KINDS: dict[str, Literal["unique", "foreign_key"]] = {
+    "SQLITE_CONSTRAINT_UNIQUE": "unique",
+    "SQLITE_CONSTRAINT_PRIMARYKEY": "unique",
+    "SQLITE_CONSTRAINT_FOREIGNKEY": "foreign_key",
+}
+
+
+def violation(exc: sa.exc.IntegrityError) -> Violation:
+    """Classify an integrity error (see :class:`Violation`)."""
     orig = exc.orig
     message = str(orig)
     sqlstate = getattr(orig, "sqlstate", None)  # psycopg
     diag = getattr(orig, "diag", None)
-    what = (getattr(diag, "constraint_name", None) or message) if diag is not None else message
-    if sqlstate == "23505" or "UNIQUE constraint failed" in message:
-        return "unique", what
-    if sqlstate == "23503" or "FOREIGN KEY constraint failed" in message:
-        return "foreign_key", what
-    return "other", what
+    constraint = getattr(diag, "constraint_name", None) if diag is not None else None
+    columns: tuple[str, ...] = ()
+    sqlite_code = getattr(orig, "sqlite_errorname", None)  # sqlite3 (Python 3.11+)
+    kind: Literal["unique", "foreign_key", "other"] = "other"
+    if sqlstate == "23505":
+        kind = "unique"
+    elif sqlstate == "23503":
+        kind = "foreign_key"
+    elif sqlite_code is not None:
+        kind = _SQLITE_KINDS.get(sqlite_code, "other")
+        _, _, named = message.partition(" constraint failed: ")
+        if named.startswith("index "):
+            constraint = named.removeprefix("index ").strip("'")
+        elif named:
+            columns = tuple(c.strip() for c in named.split(","))
+    return Violation(kind, constraint, columns, message)
 
 
 class Repository:

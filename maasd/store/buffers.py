@@ -173,10 +173,8 @@ _sel_lookup = select(_B).where(
     _B.c.key.in_(bindparam("keys", expanding=True)),
 )
 _sel_lookup_host = _sel_lookup.where(_on_host)
-
-
-def _is_key_clash(what: str) -> bool:
-    return "uq_buffers_tenant_id_host_key" in what or "buffers.key" in what
+#: the one key per tenant and host (maasd.store.schema)
+_KEY_CONSTRAINT = "uq_buffers_tenant_id_host_key"
 
 
 def _check_state(state: str) -> None:
@@ -282,12 +280,12 @@ class ReserveRepo(Repository):
                 events.append(buffer_event("reserve", row.created_at, row))
                 conn.execute(ins_event, events)
         except sa.exc.IntegrityError as exc:
-            kind, message = violation(exc)
-            if kind == "unique" and _is_key_clash(message):
+            v = violation(exc)
+            if v.kind == "unique" and v.of(_KEY_CONSTRAINT, "buffers.key"):
                 raise DuplicateKey(f"a buffer with key {row.key!r} already exists") from exc
-            if kind == "foreign_key":
+            if v.kind == "foreign_key":
                 raise NotFound("tenant or pool not found") from exc
-            raise StateConflict(f"buffer {row.id} conflicts with the ledger: {message}") from exc
+            raise StateConflict(f"buffer {row.id} conflicts with the ledger: {v.message}") from exc
         return victims
 
     def _admit(

@@ -242,10 +242,10 @@ class TenantRepo(Repository):
                 )
                 conn.execute(ins_event, event("key_issue", now, tenant_id=tenant_id, detail=id))
         except sa.exc.IntegrityError as exc:
-            kind, message = violation(exc)
-            if kind == "foreign_key":
+            v = violation(exc)
+            if v.kind == "foreign_key":
                 raise NotFound(f"tenant {tenant_id} not found") from exc
-            raise StateConflict(f"key already exists: {message}") from exc
+            raise StateConflict(f"key already exists: {v.message}") from exc
         return row
 
     def key_by_digest(self, digest: bytes) -> KeyRow | None:

@@ -178,19 +178,19 @@ def bench_service(size: int, reps: int) -> tuple[float, float]:
         svc = Service(settings)
         svc.start(reaper=False)
         try:
-            who = svc.authenticate(svc.create_tenant("bench", 4 * size).api_key)
-            warm_pool = svc.runtime.find_pool("warm").pool
+            who = svc.auth.authenticate(svc.tenants.create("bench", 4 * size).api_key)
+            warm_pool = svc.live.find("warm").pool
             held: list[str] = []
 
             def release(stocked: bool) -> None:
                 while held:
-                    svc.release(who, held.pop())
+                    svc.buffers.release(who, held.pop())
                 svc.reclaimer.drain()
                 while stocked and warm_pool.warm < size:
                     time.sleep(0.01)
 
             def reserve(pool: str) -> None:
-                held.append(svc.reserve(who, ReserveSpec(size_bytes=size, pool=pool)).id)
+                held.append(svc.buffers.reserve(who, ReserveSpec(size_bytes=size, pool=pool)).id)
 
             reserve("warm")  # the demand the stock follows
             cold = median_time(lambda: reserve("cold"), reps, setup=lambda: release(False))

@@ -58,58 +58,58 @@ class _Handle:
 
 
 class MemService:
-    """The service methods the broker calls, answered from memory (entries: lookup only)."""
+    """The use-case objects the broker calls, answered from memory (entries: lookup only):
+    ``auth``, ``handles``, ``buffers``, ``lookups`` and ``entries`` are all this object."""
 
-    auth_generation = 0
+    generation = 0
 
     def __init__(self) -> None:
         self.memfd = os.memfd_create("bench", os.MFD_CLOEXEC)
         os.ftruncate(self.memfd, MiB)
         self.principal = Principal(is_admin=False, tenant_id="bench", key_id="k")
+        self.auth = self.handles = self.buffers = self.entries = self.lookups = self
 
     def authenticate(self, _token: str) -> Principal:
         return self.principal
 
     def watch_revocations(self, _callback: object) -> None:
-        return None  # no key is ever revoked here
+        return None  # nothing is ever revoked here
 
     def watch_releases(self, _callback: object) -> None:
-        return None  # no entry is ever released here
+        return None  # nothing is ever released here
 
-    def open_handle(self, _principal: Principal, _buffer_id: str) -> _Handle:
+    def open(self, _principal: Principal, _buffer_id: str) -> _Handle:
         return _Handle(os.dup(self.memfd), MiB, 0)
 
-    def drop_handle(self, _principal: Principal, _buffer_id: str) -> None:
+    def drop(self, _principal: Principal, _buffer_id: str) -> None:
         return None
 
     def renew(self, _principal: Principal, _buffer_id: str, _ttl_s: int) -> None:
         return None
 
-    def lookup_entry(self, _principal: Principal, keys: list[str], _held: object = ()) -> _Handle:
+    def find(
+        self,
+        _principal: Principal,
+        keys: list[str],
+        _held: object = (),
+        *,
+        may_wait: bool = True,  # noqa: ARG002
+    ) -> _Handle:
         return _Handle(os.dup(self.memfd), MiB, 0, key=keys[-1])
 
-    def l2_ready(self) -> bool:
-        return False
-
-    def fill_ready(self, _principal: Principal, _keys: list[str]) -> bool:
-        return self.l2_ready()
-
-    def fill_entry(self, _principal: Principal, _keys: list[str]) -> _Handle:
-        raise InvalidRequest("the bench service has no shared tier")
-
-    def put_entry(self, *_args: object) -> _Handle:
+    def put(self, *_args: object) -> _Handle:
         raise InvalidRequest("the bench service serves no put")
 
-    def commit_entry(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
+    def commit(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
         raise InvalidRequest("the bench service serves no commit")
 
-    def abort_entry(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
+    def abort(self, _p: Principal, _b: str, *, owned: bool) -> None:  # noqa: ARG002
         raise InvalidRequest("the bench service serves no abort")
 
-    def entry_staged(self, _b: str) -> bool:
+    def staged(self, _b: str) -> bool:
         return False  # it serves no put
 
-    def abandon_entry(self, _p: Principal, _b: str) -> None:
+    def abandon(self, _p: Principal, _b: str) -> None:
         return None
 
 

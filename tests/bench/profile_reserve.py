@@ -107,7 +107,7 @@ def build(data_dir: Path, prefault: bool) -> tuple[Service, str]:
         )
     )
     svc.start(reaper=False)
-    return svc, svc.create_tenant("profile", 1 << 40).api_key
+    return svc, svc.tenants.create("profile", 1 << 40).api_key
 
 
 async def request(
@@ -150,10 +150,10 @@ async def request(
 def instrument(svc: Service, clock: Clock) -> list[Any]:
     """Wrap the parts of a reserve; returns the patches to enter."""
     store = svc.store
-    buffers = svc._buffers
-    pool = svc.runtime.find_pool("node0").pool
+    buffers = svc.buffers
+    pool = svc.live.find("node0").pool
     return [
-        patched(svc, "reserve", clock.wrap("service", svc.reserve)),
+        patched(buffers, "reserve", clock.wrap("service", buffers.reserve)),
         patched(
             api_auth.ApiContext,
             "principal",

@@ -534,7 +534,7 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path):
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(path)
     stale.close()  # file left behind, nobody listening
-    svc = FakeService()
+    svc = FakeService().use_cases()
     with Broker(svc, path) as b:
         assert os.path.exists(path)
         with pytest.raises(FileExistsError):
@@ -707,12 +707,12 @@ def test_a_renew_with_an_absurd_ttl_is_refused_and_changes_nothing(daemon, ttl_s
 
 def test_the_broker_is_wired_by_its_constructor_and_its_service_protocol(tmp_path):
     """``events`` reaches the connection table through the constructors, and the broker
-    subscribes to revocations and releases through :class:`BrokerService`'s two methods:
+    subscribes to revocations and releases through its use cases (``auth``, ``entries``):
     a revocation wakes the loop, which cuts the key's idle connection with a 401."""
     svc = FakeService()
     events: list[str] = []
     path = str(tmp_path / "s.sock")
-    with Broker(svc, path, limits=Limits(max_per_uid=1), events=events.append):
+    with Broker(svc.use_cases(), path, limits=Limits(max_per_uid=1), events=events.append):
         assert len(svc.revocation_watchers) == 1
         assert len(svc.release_watchers) == 1
         key = svc.add_key("t1")

@@ -251,13 +251,13 @@ def test_shutdown_gives_the_stock_back(tmp_path: Path) -> None:
     svc = Service(settings)
     svc.start(reaper=False)
     try:
-        who = svc.authenticate(svc.create_tenant("t", 64 * MiB).api_key)
+        who = svc.auth.authenticate(svc.tenants.create("t", 64 * MiB).api_key)
         for _ in range(3):
-            svc.release(who, svc.reserve(who, ReserveSpec(size_bytes=2 * MiB)).id)
-        wait_until(lambda: svc.pool("w").warm_bytes == 6 * MiB, message="stock filled")
+            svc.buffers.release(who, svc.buffers.reserve(who, ReserveSpec(size_bytes=2 * MiB)).id)
+        wait_until(lambda: svc.pools.info("w").warm_bytes == 6 * MiB, message="stock filled")
         svc.reclaimer.drain()  # a released buffer made from stock carries the name too
         assert warm_memfds() == before + 3
-        live: Pool = svc.runtime.find_pool("w").pool
+        live: Pool = svc.live.find("w").pool
     finally:
         svc.close()
     assert warm_memfds() == before

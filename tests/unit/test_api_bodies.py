@@ -67,7 +67,7 @@ def api(svc: Service) -> Iterator[TestClient[Litestar]]:
 @pytest.fixture(scope="module")
 def victim(svc: Service, api: TestClient[Litestar]) -> dict[str, str]:
     """A tenant with one keyed buffer: the target of every bad body."""
-    new = svc.create_tenant("victim", 16 * MiB)
+    new = svc.tenants.create("victim", 16 * MiB)
     r = api.post("/v1/reserve", json={"size_bytes": MiB, "key": "held"}, headers=auth(new.api_key))
     assert r.status_code == 201, r.text
     return {"tid": new.id, "key": new.api_key, "bid": r.json()["id"]}

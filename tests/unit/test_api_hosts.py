@@ -41,12 +41,12 @@ def test_the_daemon_is_the_one_live_host(api: TestClient[Litestar], svc: Service
     r = api.delete("/v1/hosts/api-unit", headers=auth(ADMIN_KEY))
     assert r.status_code == 409, r.text
     assert api.delete("/v1/hosts/elsewhere", headers=auth(ADMIN_KEY)).status_code == 404
-    key = svc.create_tenant("hosts", MiB).api_key
+    key = svc.tenants.create("hosts", MiB).api_key
     assert api.get("/v1/hosts", headers=auth(key)).status_code == 403
 
 
 def test_pools_name_their_host(api: TestClient[Litestar], svc: Service) -> None:
-    key = svc.create_tenant("pools", MiB).api_key
+    key = svc.tenants.create("pools", MiB).api_key
     for who in (ADMIN_KEY, key):
         pools = api.get("/v1/pools", headers=auth(who)).json()
         assert [(p["host"], p["name"]) for p in pools] == [("api-unit", "node0")]

@@ -13,6 +13,7 @@ import pytest
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from hits import hit
 from maasd.core import Service
 from maasd.disk.store import NONCE
 from maasd.models import PoolSpec, Principal
@@ -48,22 +49,22 @@ def svc(tmp_path: Path) -> Iterator[Service]:
 
 
 def put(svc: Service, who: Principal, key: str, pool: str, fill: int) -> str:
-    h = svc.put_entry(who, key, MiB, pool=pool)
+    h = svc.entries.put(who, key, MiB, pool=pool)
     with mmap.mmap(h.fd, MiB) as m:
         m[:] = bytes([fill]) * MiB
     os.close(h.fd)
-    svc.commit_entry(who, h.buffer_id, owned=True)
+    svc.entries.commit(who, h.buffer_id, owned=True)
     return h.buffer_id
 
 
 def used_once(svc: Service, who: Principal, key: str) -> None:
-    found = svc.lookup_entry(who, [key])
+    found = hit(svc.tiers.find(who, [key]))
     os.close(found.fd)
-    svc.drop_handle(who, found.buffer_id)
+    svc.handles.drop(who, found.buffer_id)
 
 
 def test_after_a_release_no_key_in_memory_opens_the_file(svc: Service, tmp_path: Path) -> None:
-    who = svc.authenticate(svc.create_tenant("t", 64 * MiB).api_key)
+    who = svc.auth.authenticate(svc.tenants.create("t", 64 * MiB).api_key)
     put(svc, who, "hot", "tiered", 7)
     used_once(svc, who, "hot")
     put(svc, who, "warm", "tiered", 8)
@@ -71,15 +72,15 @@ def test_after_a_release_no_key_in_memory_opens_the_file(svc: Service, tmp_path:
     for i in range(4):  # the pool holds 4: "hot" and "warm" are evicted, and demoted
         put(svc, who, f"f{i}", "tiered", i)
     disk = tmp_path / "disk"
-    tiers = svc._disk  # the keys this daemon holds
+    tiers = svc.disk  # the keys this daemon holds
     wait_until(lambda: len([p for p in disk.iterdir() if p.suffix == ".ent"]) == 2)
     wait_until(lambda: tiers.fill_ready(who.tenant_id or "", ["hot"]))  # written: promotable
     path = disk / tiers._index[(who.tenant_id or "", "hot")].sealed.name
     raw = path.read_bytes()
-    found = svc.fill_entry(who, ["hot"])  # promoted; then released by its owner
+    found = hit(svc.tiers.find(who, ["hot"]))  # promoted; then released by its owner
     os.close(found.fd)
-    svc.drop_handle(who, found.buffer_id)
-    svc.release(who, found.buffer_id)
+    svc.handles.drop(who, found.buffer_id)
+    svc.buffers.release(who, found.buffer_id)
     assert not path.exists()
     assert list(k for _t, k in tiers._index) == ["warm"]
     for sealed in [e.sealed for t in tiers._tiers.values() for e in t.entries.values()]:
@@ -88,17 +89,17 @@ def test_after_a_release_no_key_in_memory_opens_the_file(svc: Service, tmp_path:
 
 
 def test_pools_without_a_tier_remember_no_uses(svc: Service) -> None:
-    who = svc.authenticate(svc.create_tenant("u", 64 * MiB).api_key)
+    who = svc.auth.authenticate(svc.tenants.create("u", 64 * MiB).api_key)
     for i in range(12):  # every one used, then evicted or released
         buffer_id = put(svc, who, f"k{i}", "plain", i)
         used_once(svc, who, f"k{i}")
-    svc.release(who, buffer_id)
-    held = [k for k in svc._disk._admission._uses if isinstance(k, tuple)]
+    svc.buffers.release(who, buffer_id)
+    held = [k for k in svc.disk._admission._uses if isinstance(k, tuple)]
     assert len(held) <= 3  # only the entries still in DRAM
 
 
 def test_a_key_put_again_replaces_its_copy_on_disk(svc: Service, tmp_path: Path) -> None:
-    who = svc.authenticate(svc.create_tenant("r", 64 * MiB).api_key)
+    who = svc.auth.authenticate(svc.tenants.create("r", 64 * MiB).api_key)
     disk = tmp_path / "disk"
 
     def evict_all(round_: int) -> None:
@@ -119,11 +120,11 @@ def test_a_key_put_again_replaces_its_copy_on_disk(svc: Service, tmp_path: Path)
     wait_until(lambda: len(files()) == 1 and files()[0] != first)
     tenant_id = who.tenant_id
     assert tenant_id is not None
-    wait_until(lambda: svc._disk.fill_ready(tenant_id, ["k"]))  # written: promotable
-    found = svc.fill_entry(who, ["k"])  # promoted: the second bytes
+    wait_until(lambda: svc.disk.fill_ready(tenant_id, ["k"]))  # written: promotable
+    found = hit(svc.tiers.find(who, ["k"]))  # promoted: the second bytes
     with mmap.mmap(found.fd, MiB, prot=mmap.PROT_READ) as m:
         assert m[:] == bytes([2]) * MiB
     os.close(found.fd)
-    svc.drop_handle(who, found.buffer_id)
+    svc.handles.drop(who, found.buffer_id)
     evict_all(2)  # its promoted entry evicted: its copy is on disk, nothing written
-    assert svc._disk.usage(svc.pool("tiered").id).demotions == 2  # type: ignore[union-attr]
+    assert svc.disk.usage(svc.pools.info("tiered").id).demotions == 2  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 
 import msgspec
@@ -144,3 +145,13 @@ def test_reserve_body_sizes() -> None:
 def test_reserve_body_is_strict(body: bytes) -> None:
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(body, type=ReserveBody)
+
+
+def test_a_refused_syscall_is_named_in_the_error() -> None:
+    """The allocator's syscall wrappers say which call the kernel refused (``op``)."""
+    from maasd.allocator import _sys
+
+    with pytest.raises(errors.BackingError) as info:
+        _sys.mmap_shared(-1, 4096)  # not an fd: EBADF
+    assert info.value.op == "mmap"
+    assert info.value.errno == errno.EBADF

@@ -118,10 +118,22 @@ def test_kernel_refusals_on_the_reserve_path_name_the_limit(
     err: int, what: str, expected: type[Exception], says: str
 ) -> None:
     budget = RegionBudget(ProcessLimits(open_files=1024, max_map_count=65530), held=lambda: 0)
-    got = kernel_refusal(BackingError(f"{what}: [x] y", err), budget, "4096 bytes on node 0")
+    op = what.split("(")[0]  # the syscall, as maasd.allocator._sys names it
+    refused = BackingError(f"{what}: [x] y", err, op=op)
+    got = kernel_refusal(refused, budget, "4096 bytes on node 0")
     assert type(got) is expected
     assert got is not None
     assert says in got.detail
+
+
+def test_a_refusal_is_told_apart_by_its_syscall_not_its_text() -> None:
+    """An ENOMEM from mmap is the mapping limit; one from madvise whose text happens to
+    start with "mmap" is memory the kernel does not have."""
+    budget = RegionBudget(ProcessLimits(open_files=1024, max_map_count=65530), held=lambda: 0)
+    disguised = BackingError("mmap-looking detail: [ENOMEM]", errno.ENOMEM, op="madvise")
+    assert type(kernel_refusal(disguised, budget, "x")) is PoolExhausted
+    from_mmap = BackingError("a mapping: [ENOMEM]", errno.ENOMEM, op="mmap")
+    assert type(kernel_refusal(from_mmap, budget, "x")) is ResourceLimit
 
 
 def test_other_kernel_refusals_are_not_limits() -> None:

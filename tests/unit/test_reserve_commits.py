@@ -74,44 +74,44 @@ class Commits:
 
 
 def tenant(svc: Service, quota: int) -> Principal:
-    return svc.authenticate(svc.create_tenant("t", quota).api_key)
+    return svc.auth.authenticate(svc.tenants.create("t", quota).api_key)
 
 
 def attach(svc: Service, who: Principal, buffer_id: str) -> None:
-    handle = svc.open_handle(who, buffer_id)  # remembers the use, writes nothing
+    handle = svc.handles.open(who, buffer_id)  # remembers the use, writes nothing
     os.close(handle.fd)
-    svc.drop_handle(who, buffer_id)
+    svc.handles.drop(who, buffer_id)
 
 
 def test_a_reserve_commits_twice_with_attaches_pending(sqlite_svc: Service) -> None:
     svc = sqlite_svc
     who = tenant(svc, 64 * MiB)
-    held = svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    held = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     commits = Commits(svc)
-    svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert commits.n == 2  # admission (reserving), then live
     attach(svc, who, held.id)
-    assert held.id in svc.runtime.pending_uses()
+    assert held.id in svc.uses.pending_uses()
     before = svc.store.buffer(held.id)
     assert before is not None
     commits.n = 0
-    svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert commits.n == 2  # the attach was written by the admission, no commit of its own
     after = svc.store.buffer(held.id)
     assert after is not None
     assert after.last_used_at > before.last_used_at
-    assert svc.runtime.pending_uses() == {}
+    assert svc.uses.pending_uses() == {}
 
 
 def test_a_refused_reserve_keeps_the_attaches_for_the_next_writer(svc: Service) -> None:
     who = tenant(svc, 2 * MiB)
-    held = svc.reserve(who, ReserveSpec(size_bytes=2 * MiB, pool="p"))
+    held = svc.buffers.reserve(who, ReserveSpec(size_bytes=2 * MiB, pool="p"))
     attach(svc, who, held.id)
-    pending = svc.runtime.pending_uses()
+    pending = svc.uses.pending_uses()
     with pytest.raises(errors.QuotaExceeded):
-        svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
-    assert svc.runtime.pending_uses() == pending  # rolled back with the admission: kept
-    svc.flush_uses()
+        svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    assert svc.uses.pending_uses() == pending  # rolled back with the admission: kept
+    svc.uses.flush()
     row = svc.store.buffer(held.id)
     assert row is not None
     assert row.last_used_at == pending[held.id]
@@ -121,10 +121,10 @@ def test_eviction_in_the_admission_follows_the_attaches_it_writes(svc: Service) 
     """Two evictable buffers fill the quota; the older one is attached, so the reserve
     that needs room evicts the other (least recently used as of that attach)."""
     who = tenant(svc, 2 * MiB)
-    older = svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
-    newer = svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
+    older = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
+    newer = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
     attach(svc, who, older.id)
-    svc.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
-    live = {b.id for b in svc.buffers(who)}
+    svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    live = {b.id for b in svc.buffers.buffers(who)}
     assert older.id in live
     assert newer.id not in live

@@ -25,7 +25,7 @@ from maasd import errors
 from maasd.allocator import Region
 from maasd.bounds import bytes_of_gib
 from maasd.core import Service, limits
-from maasd.core.runtime import LivePool
+from maasd.core.livepools import LivePool
 from maasd.models import BufferState, Checkpoint, PoolInfo, PoolSpec, Principal, ReserveSpec
 from maasd.settings import Settings
 from maasd.store import BufferRow, KeyRow
@@ -65,7 +65,7 @@ def svc(tmp_path: Path) -> Iterator[Service]:
 
 
 def tenant(svc: Service, quota: int = 256 * MiB, name: str = "t") -> Principal:
-    return svc.authenticate(svc.create_tenant(name, quota).api_key)
+    return svc.auth.authenticate(svc.tenants.create(name, quota).api_key)
 
 
 def req(size: int, **kw: Any) -> ReserveSpec:
@@ -73,7 +73,7 @@ def req(size: int, **kw: Any) -> ReserveSpec:
 
 
 def pool_named(svc: Service, name: str) -> PoolInfo:
-    return next(p for p in svc.pools() if p.name == name)
+    return next(p for p in svc.pools.infos() if p.name == name)
 
 
 def sample(svc: Service, name: str, **labels: str) -> float:
@@ -87,7 +87,7 @@ def ledger_row(svc: Service, buffer_id: str) -> BufferRow:
 
 
 def region_of(svc: Service, buffer_id: str) -> Region:
-    region = svc.runtime.region(buffer_id)
+    region = svc.regions.region(buffer_id)
     assert region is not None, f"buffer {buffer_id} has no region here"
     return region
 
@@ -97,7 +97,7 @@ def view(svc: Service, buffer_id: str) -> np.ndarray:
 
 
 def live_pool(svc: Service, pool_id: str) -> LivePool:
-    live = svc.runtime.pool(pool_id)
+    live = svc.live.get(pool_id)
     assert live is not None, f"pool {pool_id} is not live"
     return live
 
@@ -119,58 +119,61 @@ def spill_dir(svc: Service, pool_id: str) -> Path:
 def test_reserve_picks_the_pool_with_most_free_space_that_meets_the_qos(svc: Service) -> None:
     who = tenant(svc)
     slow, fast = pool_named(svc, "slow"), pool_named(svc, "fast")
-    assert svc.reserve(who, req(MiB)).pool_id == slow.id  # most free, no QoS asked
-    assert svc.reserve(who, req(MiB, latency_us=5)).pool_id == fast.id  # only fast is ≤ 5 µs
-    assert svc.reserve(who, req(MiB, latency_us=10)).pool_id == slow.id
+    assert svc.buffers.reserve(who, req(MiB)).pool_id == slow.id  # most free, no QoS asked
     assert (
-        svc.reserve(who, req(MiB, persistence="persistent")).pool_id == pool_named(svc, "pers").id
+        svc.buffers.reserve(who, req(MiB, latency_us=5)).pool_id == fast.id
+    )  # only fast is ≤ 5 µs
+    assert svc.buffers.reserve(who, req(MiB, latency_us=10)).pool_id == slow.id
+    assert (
+        svc.buffers.reserve(who, req(MiB, persistence="persistent")).pool_id
+        == pool_named(svc, "pers").id
     )
     # Fill slow until fast has more room: the choice follows the free space.
-    svc.reserve(who, req(40 * MiB, persistence="volatile"))
+    svc.buffers.reserve(who, req(40 * MiB, persistence="volatile"))
     assert pool_named(svc, "slow").free_bytes < pool_named(svc, "fast").free_bytes
-    assert svc.reserve(who, req(MiB, persistence="volatile")).pool_id == fast.id
+    assert svc.buffers.reserve(who, req(MiB, persistence="volatile")).pool_id == fast.id
 
 
 def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
     who = tenant(svc)
     with pytest.raises(errors.QosUnmet):
-        svc.reserve(who, req(MiB, latency_us=0))
+        svc.buffers.reserve(who, req(MiB, latency_us=0))
     with pytest.raises(errors.QosUnmet):
-        svc.reserve(who, req(MiB, persistence="persistent", pool="fast"))
+        svc.buffers.reserve(who, req(MiB, persistence="persistent", pool="fast"))
     with pytest.raises(errors.PlacementError):
-        svc.reserve(who, req(MiB, numa_node=999))
+        svc.buffers.reserve(who, req(MiB, numa_node=999))
     with pytest.raises(errors.TooLarge):
-        svc.reserve(who, req(65 * MiB))  # larger than any pool
+        svc.buffers.reserve(who, req(65 * MiB))  # larger than any pool
     with pytest.raises(errors.TooLarge):
-        svc.reserve(who, req(33 * MiB, pool="fast"))  # larger than this pool
+        svc.buffers.reserve(who, req(33 * MiB, pool="fast"))  # larger than this pool
     with pytest.raises(errors.NotFound):
-        svc.reserve(who, req(MiB, pool="nope"))
+        svc.buffers.reserve(who, req(MiB, pool="nope"))
     for huge in ((1 << 63) - 1, (1 << 63) - 4096):  # one class of answer, rounding or not
         with pytest.raises(errors.TooLarge):
-            svc.reserve(who, req(huge))
+            svc.buffers.reserve(who, req(huge))
     with pytest.raises(errors.Forbidden):
-        svc.reserve(svc.authenticate("admin-key-for-tests"), req(MiB))
+        svc.buffers.reserve(svc.auth.authenticate("admin-key-for-tests"), req(MiB))
     assert svc.store.buffers(states=None) == []  # nothing was admitted
     assert sample(svc, "maasd_reserve_total", outcome="granted") == 0
 
 
 def test_sizes_are_rounded_to_pages_and_counted_rounded(svc: Service) -> None:
     who = tenant(svc, quota=8192)
-    buf = svc.reserve(who, req(4097, pool="fast"))
+    buf = svc.buffers.reserve(who, req(4097, pool="fast"))
     assert buf.size_bytes == 8192
-    assert svc.usage(who).used_bytes == 8192
+    assert svc.tenants.usage(who).used_bytes == 8192
     with pytest.raises(errors.QuotaExceeded):
-        svc.reserve(who, req(1, pool="fast"))
-    gb = svc.reserve(tenant(svc, name="g"), req(bytes_of_gib(0.001), pool="fast"))
+        svc.buffers.reserve(who, req(1, pool="fast"))
+    gb = svc.buffers.reserve(tenant(svc, name="g"), req(bytes_of_gib(0.001), pool="fast"))
     assert gb.size_bytes == -(-int(0.001 * (1 << 30) + 1) // 4096) * 4096
 
 
 def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    svc.reserve(a, req(30 * MiB, pool="fast"))
+    svc.buffers.reserve(a, req(30 * MiB, pool="fast"))
     with pytest.raises(errors.PoolExhausted):
-        svc.reserve(b, req(3 * MiB, pool="fast"))
-    assert svc.usage(b).used_bytes == 0
+        svc.buffers.reserve(b, req(3 * MiB, pool="fast"))
+    assert svc.tenants.usage(b).used_bytes == 0
     assert pool_named(svc, "fast").used_bytes == 30 * MiB
 
 
@@ -179,14 +182,14 @@ def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
 
 def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(2 * MiB, pool="fast"))
-    handle = svc.open_handle(who, buf.id)
+    buf = svc.buffers.reserve(who, req(2 * MiB, pool="fast"))
+    handle = svc.handles.open(who, buf.id)
     try:
         import mmap
 
         m = mmap.mmap(handle.fd, handle.size_bytes)
         m[:] = b"\x5a" * handle.size_bytes
-        svc.release(who, buf.id)
+        svc.buffers.release(who, buf.id)
         assert m[:] == bytes(handle.size_bytes)  # the worker's stale mapping reads zeros
         m.close()
     finally:
@@ -194,38 +197,38 @@ def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) 
     assert pool_named(svc, "fast").used_bytes == 0
     assert allocated(svc, "fast") == 0
     with pytest.raises(errors.NotFound):
-        svc.release(who, buf.id)
+        svc.buffers.release(who, buf.id)
     assert sample(svc, "maasd_release_total", reason="release") == 1
     assert sample(svc, "maasd_scrub_bytes_total", mode="zero") == 2 * MiB
 
 
 def test_foreign_buffers_are_not_found(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    buf = svc.reserve(a, req(MiB))
+    buf = svc.buffers.reserve(a, req(MiB))
     for call in (
-        lambda: svc.buffer(b, buf.id),
-        lambda: svc.release(b, buf.id),
-        lambda: svc.renew(b, buf.id, 60),
-        lambda: svc.open_handle(b, buf.id),
-        lambda: svc.checkpoint(b, buf.id),
-        lambda: svc.pin(b, buf.id, 0),
+        lambda: svc.buffers.buffer(b, buf.id),
+        lambda: svc.buffers.release(b, buf.id),
+        lambda: svc.buffers.renew(b, buf.id, 60),
+        lambda: svc.handles.open(b, buf.id),
+        lambda: svc.buffers.checkpoint(b, buf.id),
+        lambda: svc.buffers.pin(b, buf.id, 0),
     ):
         with pytest.raises(errors.NotFound):
             call()
-    assert svc.buffer(a, buf.id).id == buf.id
+    assert svc.buffers.buffer(a, buf.id).id == buf.id
 
 
 def test_reap_releases_expired_leases_only(svc: Service) -> None:
     who = tenant(svc)
-    short = svc.reserve(who, req(MiB, ttl_s=1))
-    long = svc.reserve(who, req(MiB, ttl_s=600))
-    assert svc.reap(now=time.time()) == 0
-    assert svc.reap(now=time.time() + 5) == 1
-    assert [b.id for b in svc.buffers(who)] == [long.id]
+    short = svc.buffers.reserve(who, req(MiB, ttl_s=1))
+    long = svc.buffers.reserve(who, req(MiB, ttl_s=600))
+    assert svc.reaper.reap(now=time.time()) == 0
+    assert svc.reaper.reap(now=time.time() + 5) == 1
+    assert [b.id for b in svc.buffers.buffers(who)] == [long.id]
     assert sample(svc, "maasd_leases_reaped_total") == 1
-    renewed = svc.renew(who, long.id, 3600)
+    renewed = svc.buffers.renew(who, long.id, 3600)
     assert renewed.expires_at > long.expires_at
-    assert svc.reap(now=time.time() + 700) == 0
+    assert svc.reaper.reap(now=time.time() + 700) == 0
     assert svc.store.buffer(short.id) is None
 
 
@@ -243,7 +246,7 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
     def claimed_meanwhile(
         buffer_id: str, from_state: BufferState, to_state: BufferState, *, durable: bool = True
     ) -> bool:
-        region = svc.runtime.region(buffer_id)
+        region = svc.regions.region(buffer_id)
         assert region is not None  # the region is findable before the row can go live
         seen.append(region)
         view(svc, buffer_id)[:] = 7
@@ -255,8 +258,8 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
 
     monkeypatch.setattr(svc.store, "advance", claimed_meanwhile)
     with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
-        svc.reserve(who, req(MiB, pool="fast"))
-    assert svc.runtime.buffer_ids() == []
+        svc.buffers.reserve(who, req(MiB, pool="fast"))
+    assert svc.regions.buffer_ids() == []
     assert allocated(svc, "fast") == 0
     assert svc.store.buffers(states=None) == []
     assert seen[0].released
@@ -267,24 +270,24 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
 
 def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
     who = tenant(svc, quota=8 * MiB)
-    bufs = [svc.reserve(who, req(2 * MiB, evictable=True, pool="fast")) for _ in range(4)]
+    bufs = [svc.buffers.reserve(who, req(2 * MiB, evictable=True, pool="fast")) for _ in range(4)]
     for i, b in enumerate(bufs):
         view(svc, b.id)[:] = i + 1
     for i in (2, 0, 3, 1):  # attach order: 2 is now least recently used, then 0
-        os.close(svc.open_handle(who, bufs[i].id).fd)
-        svc.drop_handle(who, bufs[i].id)
+        os.close(svc.handles.open(who, bufs[i].id).fd)
+        svc.handles.drop(who, bufs[i].id)
         time.sleep(0.002)
     regions = {b.id: region_of(svc, b.id) for b in bufs}
-    new = svc.reserve(who, req(3 * MiB, pool="fast"))
-    left = {b.id for b in svc.buffers(who)}
+    new = svc.buffers.reserve(who, req(3 * MiB, pool="fast"))
+    left = {b.id for b in svc.buffers.buffers(who)}
     assert left == {bufs[3].id, bufs[1].id, new.id}
-    assert svc.runtime.region(bufs[2].id) is None
+    assert svc.regions.region(bufs[2].id) is None
     svc.reclaimer.drain()  # "zero" pools close the memfd in the background, after the scrub
     assert regions[bufs[2].id].closed
     assert regions[bufs[0].id].closed
     assert sample(svc, "maasd_evictions_total") == 2
     assert sample(svc, "maasd_release_total", reason="evict") == 2
-    assert svc.usage(who).used_bytes == 7 * MiB
+    assert svc.tenants.usage(who).used_bytes == 7 * MiB
     # The reserve and, in the same transaction, one "evict" per victim naming it as the
     # cause — and no other "evict" event when the victim's row goes.
     events = svc.store.events(100)
@@ -295,11 +298,11 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
 
 def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, quota=4 * MiB, name="b")
-    theirs = svc.reserve(a, req(4 * MiB, evictable=True, pool="fast"))
-    mine = svc.reserve(b, req(4 * MiB, pool="fast"))
+    theirs = svc.buffers.reserve(a, req(4 * MiB, evictable=True, pool="fast"))
+    mine = svc.buffers.reserve(b, req(4 * MiB, pool="fast"))
     with pytest.raises(errors.QuotaExceeded):
-        svc.reserve(b, req(MiB, pool="fast"))
-    assert {x.id for x in svc.buffers(svc.authenticate("admin-key-for-tests"))} == {
+        svc.buffers.reserve(b, req(MiB, pool="fast"))
+    assert {x.id for x in svc.buffers.buffers(svc.auth.authenticate("admin-key-for-tests"))} == {
         theirs.id,
         mine.id,
     }
@@ -308,16 +311,16 @@ def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Servic
 
 def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    elsewhere = svc.reserve(a, req(MiB, evictable=True, pool="slow"))
-    cache = [svc.reserve(a, req(8 * MiB, evictable=True, pool="fast")) for _ in range(3)]
-    keep = svc.reserve(b, req(8 * MiB, pool="fast"))
-    got = svc.reserve(b, req(12 * MiB, pool="fast"))  # 12 MiB short: two 8 MiB victims
+    elsewhere = svc.buffers.reserve(a, req(MiB, evictable=True, pool="slow"))
+    cache = [svc.buffers.reserve(a, req(8 * MiB, evictable=True, pool="fast")) for _ in range(3)]
+    keep = svc.buffers.reserve(b, req(8 * MiB, pool="fast"))
+    got = svc.buffers.reserve(b, req(12 * MiB, pool="fast"))  # 12 MiB short: two 8 MiB victims
     alive = {x.id for x in svc.store.buffers()}
     assert alive == {elsewhere.id, cache[2].id, keep.id, got.id}
     assert pool_named(svc, "fast").used_bytes == 28 * MiB
     assert allocated(svc, "fast") == 28 * MiB
     with pytest.raises(errors.PoolExhausted):
-        svc.reserve(b, req(13 * MiB, pool="fast"))  # 9 MiB short, 8 evictable: nothing goes
+        svc.buffers.reserve(b, req(13 * MiB, pool="fast"))  # 9 MiB short, 8 evictable: nothing goes
     assert cache[2].id in {x.id for x in svc.store.buffers()}
 
 
@@ -326,12 +329,12 @@ def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc:
 
 def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(MiB, persistence="persistent"))
+    buf = svc.buffers.reserve(who, req(MiB, persistence="persistent"))
     spill = spill_dir(svc, buf.pool_id)
     paths = []
     for v in (1, 2):
         view(svc, buf.id)[:] = v
-        ck = svc.checkpoint(who, buf.id)
+        ck = svc.buffers.checkpoint(who, buf.id)
         assert ck.checksum == hashlib.sha256(bytes([v]) * MiB).hexdigest()
         row = svc.store.buffer(buf.id)
         assert row is not None
@@ -340,7 +343,7 @@ def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> No
     assert paths[0] != paths[1]
     assert [str(p) for p in spill.iterdir()] == [paths[1]]
     with pytest.raises(errors.StateConflict):
-        svc.checkpoint(who, svc.reserve(who, req(MiB, pool="fast")).id)
+        svc.buffers.checkpoint(who, svc.buffers.reserve(who, req(MiB, pool="fast")).id)
 
 
 def checkpointing(
@@ -351,7 +354,7 @@ def checkpointing(
 
     def checkpoint() -> None:
         try:
-            outcome.append(svc.checkpoint(who, buffer_id))
+            outcome.append(svc.buffers.checkpoint(who, buffer_id))
         except errors.MaasdError as e:
             outcome.append(e)
 
@@ -364,10 +367,10 @@ def test_a_checkpoint_while_another_of_the_buffer_is_written_is_409_at_once(
     """Of two checkpoints of one buffer, the second does not wait for the first (each
     would hold a REST thread for nothing): it is refused at once."""
     who = tenant(svc)
-    buf = svc.reserve(who, req(MiB, persistence="persistent"))
+    buf = svc.buffers.reserve(who, req(MiB, persistence="persistent"))
     view(svc, buf.id)[:] = 5
     threads, outcome = checkpointing(svc, who, buf.id, 2)
-    with svc.runtime.buffer_lock(buf.id):  # the first checkpoint cannot finish yet
+    with svc.regions.buffer_lock(buf.id):  # the first checkpoint cannot finish yet
         for t in threads:
             t.start()
         # One of the two claimed the buffer and waits for its lock; the other is refused
@@ -381,17 +384,17 @@ def test_a_checkpoint_while_another_of_the_buffer_is_written_is_409_at_once(
     written = outcome[1]
     assert isinstance(written, Checkpoint), written
     assert written.checksum == hashlib.sha256(bytes([5]) * MiB).hexdigest()
-    assert isinstance(svc.checkpoint(who, buf.id), Checkpoint)  # and again, once it ended
+    assert isinstance(svc.buffers.checkpoint(who, buf.id), Checkpoint)  # and again, once it ended
 
 
 def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(16 * MiB, persistence="persistent"))
+    buf = svc.buffers.reserve(who, req(16 * MiB, persistence="persistent"))
     view(svc, buf.id)[:] = 3
     threads, outcome = checkpointing(svc, who, buf.id, 3)
     for t in threads:
         t.start()
-    svc.release(who, buf.id)  # must not unmap under a checkpoint that is reading
+    svc.buffers.release(who, buf.id)  # must not unmap under a checkpoint that is reading
     for t in threads:
         t.join()
     assert len(outcome) == 3
@@ -410,8 +413,8 @@ def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> N
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    pers = s.reserve(who, req(MiB, persistence="persistent"))
-    vol = s.reserve(who, req(MiB, pool="fast"))
+    pers = s.buffers.reserve(who, req(MiB, persistence="persistent"))
+    vol = s.buffers.reserve(who, req(MiB, pool="fast"))
     view(s, pers.id)[:] = 77
     s.close()
 
@@ -432,8 +435,8 @@ def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> N
 def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
     s = Service(settings(tmp_path))
     s.start(reaper=False)
-    t = s.create_tenant("crashed", 256 * MiB)
-    pools = {p.name: p for p in s.pools()}
+    t = s.tenants.create("crashed", 256 * MiB)
+    pools = {p.name: p for p in s.pools.infos()}
     spill = spill_dir(s, pools["pers"].id)
     now = time.time()
 
@@ -491,14 +494,14 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
         assert rows[0].state == "live"
         assert bytes(view(s2, restored.id)) == good
         assert live_pool(s2, pools["pers"].id).pool.used == MiB
-        for p in s2.pools():
+        for p in s2.pools.infos():
             assert p.used_bytes == (MiB if p.name == "pers" else 0)
         assert sorted(os.listdir(spill)) == [f"{restored.id}.1.ckpt"]
-        assert s2.tenant(t.id).used_bytes == MiB
+        assert s2.tenants.info(t.id).used_bytes == MiB
         kinds = [e.kind for e in s2.store.events(50)]
         assert kinds.count("recover") == len(lost)
         # Recovery is idempotent: a second pass has nothing to do.
-        assert s2.recover() == {}
+        assert s2.recovery.recover() == {}
     finally:
         s2.close()
 
@@ -508,82 +511,82 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
 
 def test_attach_times_are_batched_and_reach_the_ledger_before_a_reserve(svc: Service) -> None:
     who = tenant(svc)
-    old = svc.reserve(who, req(MiB, evictable=True))
-    new = svc.reserve(who, req(MiB, evictable=True))
+    old = svc.buffers.reserve(who, req(MiB, evictable=True))
+    new = svc.buffers.reserve(who, req(MiB, evictable=True))
     before = ledger_row(svc, old.id).last_used_at
-    handle = svc.open_handle(who, old.id)  # no ledger write on the attach path
+    handle = svc.handles.open(who, old.id)  # no ledger write on the attach path
     os.close(handle.fd)
     assert ledger_row(svc, old.id).last_used_at == before
-    assert old.id in svc.runtime.pending_uses()
-    svc.reserve(who, req(MiB))  # a reserve flushes first: LRU sees the attach
+    assert old.id in svc.uses.pending_uses()
+    svc.buffers.reserve(who, req(MiB))  # a reserve flushes first: LRU sees the attach
     assert ledger_row(svc, old.id).last_used_at > ledger_row(svc, new.id).last_used_at
-    assert svc.runtime.pending_uses() == {}
+    assert svc.uses.pending_uses() == {}
 
 
 def test_reap_leaves_a_lease_renewed_after_the_query(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(MiB, ttl_s=1))
+    buf = svc.buffers.reserve(who, req(MiB, ttl_s=1))
     expired = svc.store.expired
 
     def expired_then_renewed(now: float, host: str) -> list[BufferRow]:
         rows = expired(now, host)
-        svc.renew(who, buf.id, 600)  # the tenant renews in between
+        svc.buffers.renew(who, buf.id, 600)  # the tenant renews in between
         return rows
 
     monkeypatch.setattr(svc.store, "expired", expired_then_renewed)
-    assert svc.reap(time.time() + 5) == 0
-    assert svc.buffer(who, buf.id).state == "live"
+    assert svc.reaper.reap(time.time() + 5) == 0
+    assert svc.buffers.buffer(who, buf.id).state == "live"
 
 
 def test_a_second_release_of_the_same_buffer_is_not_found(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(MiB))
-    svc.release(who, buf.id)
+    buf = svc.buffers.reserve(who, req(MiB))
+    svc.buffers.release(who, buf.id)
     with pytest.raises(errors.NotFound):
-        svc.release(who, buf.id)
+        svc.buffers.release(who, buf.id)
 
 
 def test_a_revoked_key_is_refused_at_once_even_after_it_was_cached(svc: Service) -> None:
-    new = svc.create_tenant("cached", MiB)
-    assert svc.authenticate(new.api_key).tenant_id == new.id  # checked: now remembered
-    assert svc.authenticate(new.api_key).tenant_id == new.id
-    svc.revoke_key(new.id, new.key_id)
+    new = svc.tenants.create("cached", MiB)
+    assert svc.auth.authenticate(new.api_key).tenant_id == new.id  # checked: now remembered
+    assert svc.auth.authenticate(new.api_key).tenant_id == new.id
+    svc.tenants.revoke_key(new.id, new.key_id)
     with pytest.raises(errors.Unauthorized):
-        svc.authenticate(new.api_key)
-    other = svc.create_tenant("deleted", MiB)
-    svc.authenticate(other.api_key)
-    svc.delete_tenant(other.id)
+        svc.auth.authenticate(new.api_key)
+    other = svc.tenants.create("deleted", MiB)
+    svc.auth.authenticate(other.api_key)
+    svc.tiers.delete_tenant(other.id)
     with pytest.raises(errors.Unauthorized):
-        svc.authenticate(other.api_key)
+        svc.auth.authenticate(other.api_key)
 
 
 def test_a_revocation_racing_a_first_check_is_not_cached(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    new = svc.create_tenant("racing", MiB)
+    new = svc.tenants.create("racing", MiB)
     read = svc.store.key_by_digest
 
     def read_then_revoke(digest: bytes) -> KeyRow | None:
         row = read(digest)  # the check saw the key valid …
-        svc.revoke_key(new.id, new.key_id)  # … and the admin revoked it right after
+        svc.tenants.revoke_key(new.id, new.key_id)  # … and the admin revoked it right after
         return row
 
     monkeypatch.setattr(svc.store, "key_by_digest", read_then_revoke)
-    svc.authenticate(new.api_key)  # in flight before the revocation: allowed once
+    svc.auth.authenticate(new.api_key)  # in flight before the revocation: allowed once
     monkeypatch.setattr(svc.store, "key_by_digest", read)
     with pytest.raises(errors.Unauthorized):
-        svc.authenticate(new.api_key)  # but never remembered
+        svc.auth.authenticate(new.api_key)  # but never remembered
 
 
 def test_a_buffer_reports_its_measured_placement(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(3 * MiB))  # reserve itself checks a sample of pages
+    buf = svc.buffers.reserve(who, req(3 * MiB))  # reserve itself checks a sample of pages
     assert buf.placement is None  # … but reports no full count (costly per GiB)
-    got = svc.buffer(who, buf.id)
+    got = svc.buffers.buffer(who, buf.id)
     assert got.placement == {"0": buf.size_bytes // os.sysconf("SC_PAGE_SIZE")}
-    assert [b.placement for b in svc.buffers(who)] == [None]  # lists stay cheap
+    assert [b.placement for b in svc.buffers.buffers(who)] == [None]  # lists stay cheap
 
 
 def test_reserve_refuses_pages_that_landed_off_node(
@@ -599,35 +602,39 @@ def test_reserve_refuses_pages_that_landed_off_node(
     before = pool_named(svc, "slow").used_bytes
     monkeypatch.setattr(Region, "placement", elsewhere)
     with pytest.raises(errors.PlacementError):
-        svc.reserve(who, req(MiB))
+        svc.buffers.reserve(who, req(MiB))
     monkeypatch.undo()
     assert pool_named(svc, "slow").used_bytes == before
-    assert svc.buffers(who) == []
+    assert svc.buffers.buffers(who) == []
 
 
 def test_attachments_are_counted_per_buffer_and_per_tenant(svc: Service) -> None:
     who, other = tenant(svc, name="a"), tenant(svc, name="b")
-    a, b = svc.reserve(who, req(MiB)), svc.reserve(who, req(MiB))
-    theirs = svc.reserve(other, req(MiB))
-    handles = [svc.open_handle(who, a.id), svc.open_handle(who, a.id), svc.open_handle(who, b.id)]
-    handles.append(svc.open_handle(other, theirs.id))
+    a, b = svc.buffers.reserve(who, req(MiB)), svc.buffers.reserve(who, req(MiB))
+    theirs = svc.buffers.reserve(other, req(MiB))
+    handles = [
+        svc.handles.open(who, a.id),
+        svc.handles.open(who, a.id),
+        svc.handles.open(who, b.id),
+    ]
+    handles.append(svc.handles.open(other, theirs.id))
     for h in handles:
         os.close(h.fd)
     assert who.tenant_id is not None
-    assert (svc.runtime.attached(a.id), svc.runtime.attached(b.id)) == (2, 1)
-    assert svc.runtime.tenant_attached(who.tenant_id) == 3
+    assert (svc.attachments.attached(a.id), svc.attachments.attached(b.id)) == (2, 1)
+    assert svc.attachments.tenant_attached(who.tenant_id) == 3
     assert sample(svc, "maasd_attached_handles", tenant=who.tenant_id) == 3
-    svc.drop_handle(who, a.id)
-    assert (svc.runtime.attached(a.id), svc.runtime.attached(b.id)) == (1, 1)
-    svc.drop_handle(who, a.id)
-    svc.drop_handle(who, a.id)  # one more than was attached: nothing goes below zero
-    assert (svc.runtime.attached(a.id), svc.runtime.attached(b.id)) == (0, 1)
-    assert svc.runtime.tenant_attached(who.tenant_id) == 1
+    svc.handles.drop(who, a.id)
+    assert (svc.attachments.attached(a.id), svc.attachments.attached(b.id)) == (1, 1)
+    svc.handles.drop(who, a.id)
+    svc.handles.drop(who, a.id)  # one more than was attached: nothing goes below zero
+    assert (svc.attachments.attached(a.id), svc.attachments.attached(b.id)) == (0, 1)
+    assert svc.attachments.tenant_attached(who.tenant_id) == 1
     assert sample(svc, "maasd_attached_handles", tenant=who.tenant_id) == 1
-    assert svc.runtime.attached(theirs.id) == 1  # another tenant's are its own
+    assert svc.attachments.attached(theirs.id) == 1  # another tenant's are its own
     with pytest.raises(errors.NotFound):
-        svc.open_handle(other, a.id)  # and a foreign buffer is never attached
-    assert svc.runtime.attached(a.id) == 0
+        svc.handles.open(other, a.id)  # and a foreign buffer is never attached
+    assert svc.attachments.attached(a.id) == 0
 
 
 def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -> None:
@@ -636,12 +643,12 @@ def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -
     s.start(reaper=False)
     assert s.reclaimer.running
     who = tenant(s)
-    buf = s.reserve(who, req(MiB, pool="fast"))  # a "zero" pool: closed in the background
+    buf = s.buffers.reserve(who, req(MiB, pool="fast"))  # a "zero" pool: closed in the background
     region = region_of(s, buf.id)
-    s.release(who, buf.id)
+    s.buffers.release(who, buf.id)
     s.reclaimer.drain()
     assert region.closed
-    kept = s.reserve(who, req(MiB, pool="slow"))
+    kept = s.buffers.reserve(who, req(MiB, pool="slow"))
     left = region_of(s, kept.id)
     s.close()  # releases the volatile buffer, then drains and stops the reclaimer
     assert not s.reclaimer.running
@@ -653,21 +660,21 @@ def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -
 
 def test_the_buffer_cap_applies_to_reserves_and_patch_changes_it(svc: Service) -> None:
     who = tenant(svc)
-    t = svc.update_tenant(who.tenant_id or "", max_buffers=2)
+    t = svc.tenants.update(who.tenant_id or "", max_buffers=2)
     assert t.max_buffers == 2
-    assert svc.usage(who).max_buffers == 2
-    a = svc.reserve(who, req(4096, pool="fast"))
-    svc.reserve(who, req(4096, pool="fast", evictable=True))
-    svc.reserve(who, req(4096, pool="fast"))  # evicts the evictable one, LRU
+    assert svc.tenants.usage(who).max_buffers == 2
+    a = svc.buffers.reserve(who, req(4096, pool="fast"))
+    svc.buffers.reserve(who, req(4096, pool="fast", evictable=True))
+    svc.buffers.reserve(who, req(4096, pool="fast"))  # evicts the evictable one, LRU
     assert sample(svc, "maasd_evictions_total") == 1
     with pytest.raises(errors.BufferCountExceeded, match="max_buffers is 2"):
-        svc.reserve(who, req(4096, pool="fast"))
-    svc.release(who, a.id)
-    svc.reserve(who, req(4096, pool="fast"))
-    both = svc.update_tenant(who.tenant_id or "", quota_bytes=MiB, max_buffers=5)
+        svc.buffers.reserve(who, req(4096, pool="fast"))
+    svc.buffers.release(who, a.id)
+    svc.buffers.reserve(who, req(4096, pool="fast"))
+    both = svc.tenants.update(who.tenant_id or "", quota_bytes=MiB, max_buffers=5)
     assert (both.quota_bytes, both.max_buffers) == (MiB, 5)
     with pytest.raises(errors.InvalidRequest):
-        svc.update_tenant(who.tenant_id or "")
+        svc.tenants.update(who.tenant_id or "")
 
 
 def test_the_default_cap_is_the_settings(tmp_path: Path) -> None:
@@ -675,10 +682,10 @@ def test_the_default_cap_is_the_settings(tmp_path: Path) -> None:
     s.start(reaper=False)
     try:
         who = tenant(s)
-        assert s.tenant(who.tenant_id or "").max_buffers == 1
-        s.reserve(who, req(4096, pool="fast"))
+        assert s.tenants.info(who.tenant_id or "").max_buffers == 1
+        s.buffers.reserve(who, req(4096, pool="fast"))
         with pytest.raises(errors.BufferCountExceeded):
-            s.reserve(who, req(4096, pool="fast"))
+            s.buffers.reserve(who, req(4096, pool="fast"))
     finally:
         s.close()
 
@@ -688,10 +695,10 @@ def test_at_the_region_budget_a_reserve_is_a_507_and_the_ledger_is_untouched(
 ) -> None:
     who = tenant(svc)
     svc.budget.budget = svc.budget.held() + 1  # one region more, then the budget is full
-    svc.reserve(who, req(4096, pool="fast"))
+    svc.buffers.reserve(who, req(4096, pool="fast"))
     before = svc.store.buffers(states=None)
     with pytest.raises(errors.ResourceLimit, match="open files"):
-        svc.reserve(who, req(4096, pool="fast"))
+        svc.buffers.reserve(who, req(4096, pool="fast"))
     assert svc.store.buffers(states=None) == before
     assert sample(svc, "maasd_reserve_total", outcome="resource-limit") == 1
 
@@ -704,11 +711,11 @@ def test_a_kernel_out_of_files_on_reserve_is_a_507_naming_the_limit(
     who = tenant(svc)
 
     def emfile(name: str, flags: int) -> int:
-        raise _sys._fail(f"memfd_create({name!r}, flags={flags:#x})", errno.EMFILE)
+        raise _sys._fail("memfd_create", f"memfd_create({name!r}, flags={flags:#x})", errno.EMFILE)
 
     monkeypatch.setattr(_sys, "memfd_create", emfile)
     with pytest.raises(errors.ResourceLimit, match="RLIMIT_NOFILE"):
-        svc.reserve(who, req(4096, pool="fast"))
+        svc.buffers.reserve(who, req(4096, pool="fast"))
     assert svc.store.buffers(states=None) == []
     assert allocated(svc, "fast") == 0
 
@@ -727,15 +734,15 @@ def test_health_checks_say_whether_files_remain(svc: Service, monkeypatch) -> No
 
 def test_a_buffer_released_while_attached_shows_in_the_metrics(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.reserve(who, req(MiB, pool="fast"))
-    handle = svc.open_handle(who, buf.id)
+    buf = svc.buffers.reserve(who, req(MiB, pool="fast"))
+    handle = svc.handles.open(who, buf.id)
     try:
-        svc.release(who, buf.id)
+        svc.buffers.release(who, buf.id)
         labels = {"tenant": who.tenant_id or "", "kind": "buffer"}
         assert sample(svc, "maasd_released_attached_buffers", **labels) == 1
         assert sample(svc, "maasd_released_attached_bytes", **labels) == MiB
         assert sample(svc, "maasd_released_attached_handles", **labels) == 1
-        svc.drop_handle(who, buf.id)
+        svc.handles.drop(who, buf.id)
         assert sample(svc, "maasd_released_attached_buffers", **labels) == 0
     finally:
         os.close(handle.fd)
@@ -752,7 +759,7 @@ def burst(svc: Service, who: Principal, pool: str, stop: threading.Event) -> lis
     def run() -> None:
         while not stop.is_set():
             try:
-                out.append(svc.reserve(who, req(4096, pool=pool)))
+                out.append(svc.buffers.reserve(who, req(4096, pool=pool)))
             except Exception as e:
                 out.append(e)
 
@@ -773,7 +780,7 @@ def test_a_tenant_delete_during_a_reserve_burst_finishes(svc: Service, trial: in
     runner = threading.Thread(target=lambda: results.extend(burst(svc, who, "fast", stop)))
     runner.start()
     time.sleep(0.05 + 0.02 * trial)
-    svc.delete_tenant(who.tenant_id or "")  # never a half-done StateConflict
+    svc.tiers.delete_tenant(who.tenant_id or "")  # never a half-done StateConflict
     stop.set()
     runner.join(30)
     assert any(not isinstance(r, Exception) for r in results)
@@ -782,28 +789,28 @@ def test_a_tenant_delete_during_a_reserve_burst_finishes(svc: Service, trial: in
     assert svc.store.buffers(tenant_id=who.tenant_id, states=None) == []
     assert svc.store.tenant(who.tenant_id or "") is None
     svc.reclaimer.drain()
-    assert svc.runtime.buffer_ids() == []
+    assert svc.regions.buffer_ids() == []
     assert allocated(svc, "fast") == 0
 
 
 def test_a_pool_drain_during_a_reserve_burst_finishes(svc: Service) -> None:
     who = tenant(svc)
-    extra = svc.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
+    extra = svc.tiers.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
     stop = threading.Event()
     results: list[Any] = []
     runner = threading.Thread(target=lambda: results.extend(burst(svc, who, "tmp", stop)))
     runner.start()
     time.sleep(0.1)
-    svc.delete_pool("tmp", drain=True)
+    svc.tiers.delete_pool("tmp", drain=True)
     stop.set()
     runner.join(30)
     failed = {type(r) for r in results if isinstance(r, Exception)}
     assert failed <= {errors.StateConflict, errors.NotFound, errors.PoolExhausted}, failed
     assert svc.store.buffers(pool_id=extra.id, states=None) == []
-    assert svc.runtime.pool(extra.id) is None
-    assert svc.runtime.buffer_ids() == []
+    assert svc.live.get(extra.id) is None
+    assert svc.regions.buffer_ids() == []
     with pytest.raises(errors.NotFound):
-        svc.reserve(who, req(4096, pool="tmp"))
+        svc.buffers.reserve(who, req(4096, pool="tmp"))
 
 
 def test_a_pool_being_drained_takes_no_reserve_and_is_no_candidate(svc: Service) -> None:
@@ -813,8 +820,8 @@ def test_a_pool_being_drained_takes_no_reserve_and_is_no_candidate(svc: Service)
     live = live_pool(svc, fast.id)
     live.row = msgspec.structs.replace(live.row, deleting_at=at)
     with pytest.raises(errors.StateConflict, match="being deleted"):
-        svc.reserve(who, req(4096, pool="fast"))
-    auto = svc.reserve(who, req(4096, latency_us=100))
+        svc.buffers.reserve(who, req(4096, pool="fast"))
+    auto = svc.buffers.reserve(who, req(4096, latency_us=100))
     assert auto.pool_id != fast.id
 
 
@@ -822,11 +829,11 @@ def test_a_delete_cut_short_by_a_crash_finishes_at_the_next_start(tmp_path: Path
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    s.reserve(who, req(MiB, pool="fast"))
-    s.reserve(who, req(MiB, pool="slow"))
-    extra = s.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
+    s.buffers.reserve(who, req(MiB, pool="fast"))
+    s.buffers.reserve(who, req(MiB, pool="slow"))
+    extra = s.tiers.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
     other = tenant(s, name="other")
-    s.reserve(other, req(MiB, pool="tmp"))
+    s.buffers.reserve(other, req(MiB, pool="tmp"))
     # what a SIGKILL right after the marks leaves: both marked, nothing released yet
     s.store.mark_tenant_deleting(who.tenant_id or "")
     s.store.mark_pool_deleting(extra.id)
@@ -837,9 +844,9 @@ def test_a_delete_cut_short_by_a_crash_finishes_at_the_next_start(tmp_path: Path
     try:
         assert s2.store.tenant(who.tenant_id or "") is None
         assert s2.store.deleting_tenants() == []
-        assert "tmp" not in {p.name for p in s2.pools()}
+        assert "tmp" not in {p.name for p in s2.pools.infos()}
         assert s2.store.buffers(states=None) == []
-        assert {e.kind for e in s2.events(50)} >= {"tenant_delete", "pool_delete"}
+        assert {e.kind for e in s2.tenants.events(50)} >= {"tenant_delete", "pool_delete"}
     finally:
         s2.close()
 
@@ -851,11 +858,11 @@ def test_close_releases_volatile_buffers_in_one_statement(tmp_path: Path, monkey
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    bufs = [s.reserve(who, req(4096, pool="fast")) for _ in range(50)]
+    bufs = [s.buffers.reserve(who, req(4096, pool="fast")) for _ in range(50)]
     regions = [region_of(s, b.id) for b in bufs]
     for r in regions[:3]:
         np.frombuffer(r.view(), dtype=np.uint8)[:] = 9
-    handles = [s.open_handle(who, b.id) for b in bufs[:3]]
+    handles = [s.handles.open(who, b.id) for b in bufs[:3]]
     singles: list[str] = []
     monkeypatch.setattr(s.store, "mark_releasing", lambda *_a, **_k: singles.append("mark"))
     monkeypatch.setattr(s.store, "finish_release", lambda *_a, **_k: singles.append("finish"))
@@ -881,10 +888,10 @@ def test_close_checkpoints_persistent_buffers_together(tmp_path: Path, monkeypat
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    bufs = [s.reserve(who, req(4096, persistence="persistent")) for _ in range(20)]
+    bufs = [s.buffers.reserve(who, req(4096, persistence="persistent")) for _ in range(20)]
     for i, b in enumerate(bufs):
         view(s, b.id)[:] = i + 1
-    first = s.checkpoint(who, bufs[0].id)  # an older checkpoint, replaced at close
+    first = s.buffers.checkpoint(who, bufs[0].id)  # an older checkpoint, replaced at close
     old_path = ledger_row(s, bufs[0].id).checkpoint_path
     view(s, bufs[0].id)[:] = 99
 
@@ -928,8 +935,8 @@ def test_the_admin_key_from_a_file_or_a_credential(tmp_path: Path, monkeypatch) 
             s = Service(key_settings(tmp_path))
         s.start(reaper=False)
         try:
-            assert s.authenticate("from-a-file-0123456789").is_admin, source
-            assert s.admin_key_generated is None
+            assert s.auth.authenticate("from-a-file-0123456789").is_admin, source
+            assert s.auth.admin_key_generated is None
             assert not (tmp_path / "data" / "admin.key").exists()
         finally:
             s.close()
@@ -962,20 +969,20 @@ def test_an_unusable_admin_key_file_stops_the_start(
 
 def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Service) -> None:
     who = tenant(svc)
-    svc.update_tenant(who.tenant_id or "", max_buffers=2)
-    a = svc.put_entry(who, "k1", 4096, pool="fast")
+    svc.tenants.update(who.tenant_id or "", max_buffers=2)
+    a = svc.entries.put(who, "k1", 4096, pool="fast")
     os.close(a.fd)
-    svc.reserve(who, req(4096, pool="fast"))
+    svc.buffers.reserve(who, req(4096, pool="fast"))
     with pytest.raises(errors.BufferCountExceeded):  # staged entries count too
-        svc.put_entry(who, "k2", 4096, pool="fast")
-    svc.commit_entry(who, a.buffer_id, owned=True)
-    b = svc.put_entry(who, "k3", 4096, pool="fast")  # the committed entry k1 is evicted
+        svc.entries.put(who, "k2", 4096, pool="fast")
+    svc.entries.commit(who, a.buffer_id, owned=True)
+    b = svc.entries.put(who, "k3", 4096, pool="fast")  # the committed entry k1 is evicted
     os.close(b.fd)
     assert {r.key for r in svc.store.buffers(tenant_id=who.tenant_id, states=None)} == {
         None,
         "k3",
     }
-    svc.update_tenant(who.tenant_id or "", max_buffers=10)
+    svc.tenants.update(who.tenant_id or "", max_buffers=10)
     svc.budget.budget = svc.budget.held()  # the daemon's own budget is full
     with pytest.raises(errors.ResourceLimit):
-        svc.put_entry(who, "k4", 4096, pool="fast")
+        svc.entries.put(who, "k4", 4096, pool="fast")

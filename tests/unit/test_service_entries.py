@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from hits import hit
 from maasd import errors
 from maasd.allocator import Pool
 from maasd.core import Service
@@ -45,19 +46,19 @@ def svc(tmp_path: Path) -> Iterator[Service]:
 
 
 def tenant(svc: Service, quota: int = 64 * MiB, name: str = "t") -> Principal:
-    return svc.authenticate(svc.create_tenant(name, quota).api_key)
+    return svc.auth.authenticate(svc.tenants.create(name, quota).api_key)
 
 
 def pool(svc: Service) -> Pool:
-    (live,) = svc.runtime.pools()
+    (live,) = svc.live.all()
     return live.pool
 
 
 def put_committed(svc: Service, who: Principal, key: str, size: int) -> str:
-    h = svc.put_entry(who, key, size)
+    h = svc.entries.put(who, key, size)
     os.pwrite(h.fd, b"entry:" + key.encode(), 0)
     os.close(h.fd)
-    svc.commit_entry(who, h.buffer_id, owned=True)
+    svc.entries.commit(who, h.buffer_id, owned=True)
     return h.buffer_id
 
 
@@ -65,8 +66,8 @@ def test_a_full_pool_commits_and_counts_the_entry_once(svc: Service) -> None:
     who = tenant(svc)
     bid = put_committed(svc, who, "whole-pool", 8 * MiB)  # the pool holds nothing else
     assert pool(svc).used == 8 * MiB
-    assert svc.usage(who).used_bytes == 8 * MiB
-    found = svc.lookup_entry(who, ["whole-pool"])
+    assert svc.tenants.usage(who).used_bytes == 8 * MiB
+    found = hit(svc.tiers.find(who, ["whole-pool"]))
     try:
         assert found.buffer_id == bid
         assert os.pread(found.fd, 16, 0) == b"entry:whole-pool"
@@ -74,23 +75,23 @@ def test_a_full_pool_commits_and_counts_the_entry_once(svc: Service) -> None:
         assert fcntl.fcntl(found.fd, fcntl.F_GET_SEALS) & F_SEAL_FUTURE_WRITE
     finally:
         os.close(found.fd)
-        svc.drop_handle(who, bid)
-    region = svc.runtime.region(bid)
+        svc.handles.drop(who, bid)
+    region = svc.regions.region(bid)
     assert region is not None
     assert region.frozen
-    svc.release(who, bid)
+    svc.buffers.release(who, bid)
     assert pool(svc).used == 0
-    assert svc.usage(who).used_bytes == 0
+    assert svc.tenants.usage(who).used_bytes == 0
 
 
 def test_the_staging_region_is_scrubbed_and_freed_after_the_commit(svc: Service) -> None:
     who = tenant(svc)
-    h = svc.put_entry(who, "scrubbed-later", MiB)
-    staging = svc.runtime.region(h.buffer_id)
+    h = svc.entries.put(who, "scrubbed-later", MiB)
+    staging = svc.regions.region(h.buffer_id)
     assert staging is not None
     try:
         os.pwrite(h.fd, b"\xa5" * MiB, 0)
-        svc.commit_entry(who, h.buffer_id, owned=True)
+        svc.entries.commit(who, h.buffer_id, owned=True)
         assert pool(svc).used == MiB  # counted once, as the committed entry
         svc.reclaimer.drain()  # its punch runs after the commit's answer
         assert staging.closed
@@ -98,19 +99,19 @@ def test_the_staging_region_is_scrubbed_and_freed_after_the_commit(svc: Service)
         assert os.fstat(h.fd).st_blocks == 0
     finally:
         os.close(h.fd)
-    found = svc.lookup_entry(who, ["scrubbed-later"])
+    found = hit(svc.tiers.find(who, ["scrubbed-later"]))
     try:
         assert os.pread(found.fd, MiB, 0) == b"\xa5" * MiB
     finally:
         os.close(found.fd)
-        svc.drop_handle(who, found.buffer_id)
+        svc.handles.drop(who, found.buffer_id)
 
 
 def test_a_commit_without_memory_is_507_and_leaves_nothing(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     who = tenant(svc)
-    h = svc.put_entry(who, "no-room", MiB)
+    h = svc.entries.put(who, "no-room", MiB)
     os.close(h.fd)
     reserve = Pool.reserve
 
@@ -121,12 +122,11 @@ def test_a_commit_without_memory_is_507_and_leaves_nothing(
 
     monkeypatch.setattr(Pool, "reserve", no_memory)
     with pytest.raises(errors.PoolExhausted, match="no memory to commit"):
-        svc.commit_entry(who, h.buffer_id, owned=True)
-    assert svc.runtime.region(h.buffer_id) is None
-    assert svc.usage(who).used_bytes == 0
+        svc.entries.commit(who, h.buffer_id, owned=True)
+    assert svc.regions.region(h.buffer_id) is None
+    assert svc.tenants.usage(who).used_bytes == 0
     assert pool(svc).used == 0
-    with pytest.raises(errors.NotFound):
-        svc.lookup_entry(who, ["no-room"])
+    assert svc.tiers.find(who, ["no-room"]) is None
     assert svc.metrics.registry.get_sample_value(
         "maasd_entry_aborts_total", {"tenant": str(who.tenant_id), "reason": "commit_failed"}
     )
@@ -134,67 +134,66 @@ def test_a_commit_without_memory_is_507_and_leaves_nothing(
 
 def test_commit_and_abort_rules(svc: Service) -> None:
     who, other = tenant(svc, name="a"), tenant(svc, name="b")
-    h = svc.put_entry(who, "k", 4096)
+    h = svc.entries.put(who, "k", 4096)
     os.close(h.fd)
+    assert svc.tiers.find(who, ["k"]) is None  # staged: invisible
     with pytest.raises(errors.NotFound):
-        svc.lookup_entry(who, ["k"])  # staged: invisible
+        svc.handles.open(who, h.buffer_id)  # not even attachable
     with pytest.raises(errors.NotFound):
-        svc.open_handle(who, h.buffer_id)  # not even attachable
-    with pytest.raises(errors.NotFound):
-        svc.commit_entry(other, h.buffer_id, owned=False)  # foreign
+        svc.entries.commit(other, h.buffer_id, owned=False)  # foreign
     with pytest.raises(errors.StateConflict):
-        svc.commit_entry(who, h.buffer_id, owned=False)  # another connection's
+        svc.entries.commit(who, h.buffer_id, owned=False)  # another connection's
     with pytest.raises(errors.DuplicateKey):
-        svc.put_entry(who, "k", 4096)
-    svc.commit_entry(who, h.buffer_id, owned=True)
+        svc.entries.put(who, "k", 4096)
+    svc.entries.commit(who, h.buffer_id, owned=True)
     with pytest.raises(errors.StateConflict):
-        svc.commit_entry(who, h.buffer_id, owned=True)
+        svc.entries.commit(who, h.buffer_id, owned=True)
     with pytest.raises(errors.StateConflict):
-        svc.abort_entry(who, h.buffer_id, owned=True)  # committed: DELETE releases it
-    svc.abandon_entry(who, h.buffer_id)  # a connection closing: leaves a committed one alone
-    assert svc.runtime.region(h.buffer_id) is not None
-    g = svc.put_entry(who, "g", 4096)
+        svc.entries.abort(who, h.buffer_id, owned=True)  # committed: DELETE releases it
+    svc.entries.abandon(who, h.buffer_id)  # a connection closing: leaves a committed one alone
+    assert svc.regions.region(h.buffer_id) is not None
+    g = svc.entries.put(who, "g", 4096)
     os.close(g.fd)
-    svc.abort_entry(who, g.buffer_id, owned=True)
-    svc.abort_entry(who, g.buffer_id, owned=True)  # gone already: nothing left to do
-    assert svc.usage(who).used_bytes == 4096
+    svc.entries.abort(who, g.buffer_id, owned=True)
+    svc.entries.abort(who, g.buffer_id, owned=True)  # gone already: nothing left to do
+    assert svc.tenants.usage(who).used_bytes == 4096
 
 
 def test_lookup_takes_the_longest_key_and_extends_the_lease_in_memory(svc: Service) -> None:
     who = tenant(svc)
     short = put_committed(svc, who, "a", 4096)
     long_ = put_committed(svc, who, "ab", 4096)
-    before = svc.buffer(who, long_).expires_at
+    before = svc.buffers.buffer(who, long_).expires_at
     time.sleep(0.01)
-    found = svc.lookup_entry(who, ["a", "ab", "abc"])
+    found = hit(svc.tiers.find(who, ["a", "ab", "abc"]))
     os.close(found.fd)
     assert (found.key, found.buffer_id) == ("ab", long_)
-    assert long_ in svc.runtime.pending_uses()
-    assert svc.runtime.pending_lease(long_) is not None
-    assert svc.buffer(who, long_).expires_at == before  # nothing written yet
-    svc.flush_uses()
-    assert svc.buffer(who, long_).expires_at > before
-    svc.release(who, long_)
-    found = svc.lookup_entry(who, ["a", "ab"])
+    assert long_ in svc.uses.pending_uses()
+    assert svc.uses.pending_lease(long_) is not None
+    assert svc.buffers.buffer(who, long_).expires_at == before  # nothing written yet
+    svc.uses.flush()
+    assert svc.buffers.buffer(who, long_).expires_at > before
+    svc.buffers.release(who, long_)
+    found = hit(svc.tiers.find(who, ["a", "ab"]))
     os.close(found.fd)
     assert found.buffer_id == short
-    assert svc.runtime.attached(short) == 1
+    assert svc.attachments.attached(short) == 1
 
 
 def test_the_reaper_spares_an_entry_hit_after_its_lease_ended_in_the_ledger(
     svc: Service,
 ) -> None:
     who = tenant(svc)
-    h = svc.put_entry(who, "hot", 4096, None, 1)
+    h = svc.entries.put(who, "hot", 4096, None, 1)
     os.close(h.fd)
-    svc.commit_entry(who, h.buffer_id, owned=True)
+    svc.entries.commit(who, h.buffer_id, owned=True)
     later = time.time() + 5  # the ledger's lease (1 s) has ended by then
-    found = svc.lookup_entry(who, ["hot"])
+    found = hit(svc.tiers.find(who, ["hot"]))
     os.close(found.fd)
-    svc.runtime.touch(h.buffer_id, later, later + 1)  # a hit "at" that time
-    assert svc.reap(now=later) == 0  # flushed first: the lease moved past `later`
-    assert svc.runtime.region(h.buffer_id) is not None
-    assert svc.reap(now=later + 10) == 1
+    svc.uses.touch(h.buffer_id, later, later + 1)  # a hit "at" that time
+    assert svc.reaper.reap(now=later) == 0  # flushed first: the lease moved past `later`
+    assert svc.regions.region(h.buffer_id) is not None
+    assert svc.reaper.reap(now=later + 10) == 1
 
 
 def test_a_released_entry_held_open_counts_until_its_last_description_goes(svc: Service) -> None:
@@ -202,41 +201,41 @@ def test_a_released_entry_held_open_counts_until_its_last_description_goes(svc: 
     size = 64 * 1024
     bid = put_committed(svc, who, "r", size)
     taken = pool(svc).used
-    found = svc.lookup_entry(who, ["r"])
-    attach = svc.open_handle(who, bid)  # a dup of the same read-only description
-    assert svc.runtime.released_entry_bytes() == 0
-    svc.release(who, bid)
+    found = hit(svc.tiers.find(who, ["r"]))
+    attach = svc.handles.open(who, bid)  # a dup of the same read-only description
+    assert svc.holders.held_bytes() == 0
+    svc.buffers.release(who, bid)
     assert os.pread(found.fd, 8, 0) == bytes(8)  # scrubbed under the reader
-    assert svc.runtime.released_entry_bytes() == size
+    assert svc.holders.held_bytes() == size
     # Its row stays releasing: counted in the quota and the pool until it is free.
     row = svc.store.buffer(bid)
     assert row is not None
     assert row.state == "releasing"
-    assert svc.usage(who).used_bytes == size
+    assert svc.tenants.usage(who).used_bytes == size
     assert pool(svc).used == taken
-    svc.drop_handle(who, bid)
-    svc.drop_handle(who, bid)  # detaching changes nothing: the kernel says who holds it
+    svc.handles.drop(who, bid)
+    svc.handles.drop(who, bid)  # detaching changes nothing: the kernel says who holds it
     os.close(found.fd)
-    assert svc.runtime.released_entry_bytes() == size  # one fd of it left
+    assert svc.holders.held_bytes() == size  # one fd of it left
     assert svc.store.buffer(bid) is not None
     os.close(attach.fd)
     wait_until(lambda: svc.store.buffer(bid) is None, message="the row ends with its last fd")
-    assert svc.runtime.released_entry_bytes() == 0
-    assert svc.usage(who).used_bytes == 0
+    assert svc.holders.held_bytes() == 0
+    assert svc.tenants.usage(who).used_bytes == 0
     assert pool(svc).used == taken - size
-    assert [(e.kind, e.buffer_id) for e in svc.events(limit=1)] == [("release", bid)]
-    assert svc.runtime.entry_stats() == {}
+    assert [(e.kind, e.buffer_id) for e in svc.tenants.events(limit=1)] == [("release", bid)]
+    assert svc.regions.entry_stats() == {}
 
 
 def test_a_released_entry_no_one_holds_ends_at_once(svc: Service) -> None:
     who = tenant(svc)
     bid = put_committed(svc, who, "r", 64 * 1024)
-    found = svc.lookup_entry(who, ["r"])
+    found = hit(svc.tiers.find(who, ["r"]))
     os.close(found.fd)
-    svc.release(who, bid)
+    svc.buffers.release(who, bid)
     assert svc.store.buffer(bid) is None
-    assert svc.usage(who).used_bytes == 0
-    assert svc.runtime.released_entry_bytes() == 0
+    assert svc.tenants.usage(who).used_bytes == 0
+    assert svc.holders.held_bytes() == 0
 
 
 def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
@@ -253,10 +252,10 @@ def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
 
     monkeypatch.setattr(Pool, "reserve", released_meanwhile)
     with pytest.raises(errors.NotFound, match="released while it was put"):
-        svc.put_entry(who, "gone", MiB)
-    assert svc.runtime.buffer_ids() == []
+        svc.entries.put(who, "gone", MiB)
+    assert svc.regions.buffer_ids() == []
     assert pool(svc).used == 0
-    assert svc.usage(who).used_bytes == 0
+    assert svc.tenants.usage(who).used_bytes == 0
 
 
 def test_a_hit_on_an_entry_the_caller_holds_is_not_counted_again(svc: Service) -> None:
@@ -264,15 +263,15 @@ def test_a_hit_on_an_entry_the_caller_holds_is_not_counted_again(svc: Service) -
     answered (a new fd, a use, the lease) without a second attachment to give back."""
     who = tenant(svc)
     bid = put_committed(svc, who, "held", 4096)
-    first = svc.lookup_entry(who, ["held"])
-    assert svc.runtime.attached(bid) == 1
-    again = svc.lookup_entry(who, ["held"], {bid: 1})
+    first = hit(svc.tiers.find(who, ["held"]))
+    assert svc.attachments.attached(bid) == 1
+    again = hit(svc.tiers.find(who, ["held"], {bid: 1}))
     assert again.buffer_id == bid
-    assert svc.runtime.attached(bid) == 1  # still the first one only
-    other = svc.lookup_entry(who, ["held"], {"another-buffer": 1})
-    assert svc.runtime.attached(bid) == 2  # a connection that does not hold it: counted
+    assert svc.attachments.attached(bid) == 1  # still the first one only
+    other = hit(svc.tiers.find(who, ["held"], {"another-buffer": 1}))
+    assert svc.attachments.attached(bid) == 2  # a connection that does not hold it: counted
     for found in (first, again, other):
         os.close(found.fd)
-    svc.drop_handle(who, bid)
-    svc.drop_handle(who, bid)
-    assert svc.runtime.attached(bid) == 0
+    svc.handles.drop(who, bid)
+    svc.handles.drop(who, bid)
+    assert svc.attachments.attached(bid) == 0

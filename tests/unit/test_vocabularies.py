@@ -37,7 +37,7 @@ CALLS: dict[str, tuple[Any, int | None, str]] = {
     "finish_release_many": (bounds.ReleaseReason, 1, "kind"),
     "release_row": (bounds.ReleaseReason, None, "reason"),
     "release_memory": (bounds.ReleaseReason, None, "reason"),
-    "_release_staged": (bounds.EntryAbortReason, 2, "reason"),
+    "release_staged": (bounds.EntryAbortReason, 2, "reason"),
 }
 
 

@@ -1,0 +1,156 @@
+"""Recovery: settle the ledger with what exists after a (possibly unclean) stop.
+
+Every change that touches memory records its intent in the ledger first
+(:mod:`maasd.core.buffers`, :mod:`maasd.core.release`), so a crash at any point
+leaves rows that :meth:`Recovery.recover` can settle: ``reserving``, ``staged`` and
+``releasing`` rows and volatile ``live`` rows of a previous run are released (their
+memory died with the process); persistent ``live`` rows are reloaded from their last
+checkpoint, and held here again (:mod:`maasd.core.regions`). Run at start, and again
+when a fenced host joins again (:mod:`maasd.core.reaper`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+from maasd.allocator import Region
+from maasd.core.checkpoints import Checkpoints
+from maasd.core.holders import Holders
+from maasd.core.limits import RegionBudget, open_files_needed
+from maasd.core.livepools import LivePools
+from maasd.core.regions import Held, Regions
+from maasd.core.release import remove_checkpoint
+from maasd.errors import ConfigError, ResourceLimit
+from maasd.store import BufferRow, Store, must_last
+
+__all__ = ["Recovery"]
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Settles this host's ledger rows with the regions this process holds."""
+
+    def __init__(
+        self,
+        host: str,
+        store: Store,
+        regions: Regions,
+        live: LivePools,
+        holders: Holders,
+        checkpoints: Checkpoints,
+        budget: RegionBudget | None = None,
+    ) -> None:
+        self._host = host
+        self._store = store
+        self._regions = regions
+        self._live = live
+        self._holders = holders
+        self._checkpoints = checkpoints
+        self._budget = budget
+
+    def recover(self) -> dict[str, int]:
+        """Settle the ledger with what exists after a (possibly unclean) stop.
+
+        ``reserving``/``staged``/``releasing`` rows and volatile ``live`` rows lost
+        their memory with the old process: released. Persistent ``live`` rows are
+        reloaded from their checkpoint (checksum verified); without a usable
+        checkpoint they are released too. Checkpoint files no row refers to are
+        removed. Meant for :meth:`start`, before serving; buffers this process
+        already holds are left alone.
+        """
+        counts: Counter[str] = Counter()
+        keep: set[str] = set()
+        rows = self._store.buffers_on_host(self._host)
+        self._check_room(rows)
+        for row in rows:
+            outcome = self._recover_row(row)
+            if outcome != "released":
+                keep.add(os.path.realpath(row.checkpoint_path or ""))
+            if outcome != "ours":
+                counts[outcome] += 1
+        counts["orphans"] += self._remove_orphans(keep)
+        found = {k: v for k, v in counts.items() if v}
+        if found:
+            logger.info("recovered ledger: %s", found)
+        return found
+
+    def _check_room(self, rows: list[BufferRow]) -> None:
+        """Every persistent buffer to restore fits the region budget, or a ConfigError
+        naming the limit that would hold them (nothing is released: start again with it)."""
+        if self._budget is None:
+            return
+        todo = sum(
+            1
+            for r in rows
+            if r.state == "live"
+            and r.persistence == "persistent"
+            and self._live.get(r.pool_id) is not None
+            and self._regions.region(r.id) is None
+        )
+        budget = self._budget
+        room = budget.budget - budget.held()
+        if todo > room:
+            need = open_files_needed(budget.limits, budget.held() + todo)
+            raise ConfigError(
+                f"the ledger holds {todo} persistent buffers and entries to restore, and the "
+                f"region budget has room for {room} (from {budget.limits.binding}): raise "
+                + (f"LimitNOFILE to at least {need}" if need else "vm.max_map_count")
+                + "; nothing was released"
+            )
+
+    def _recover_row(self, row: BufferRow) -> str:
+        """Settle one row: ``"ours"`` (already held), ``"restored"`` or ``"released"``."""
+        live = self._live.get(row.pool_id)
+        if row.state == "live" and self._regions.region(row.id) is not None:
+            return "ours"  # a second pass
+        if row.state == "live" and row.persistence == "persistent" and live is not None:
+            region = self._checkpoints.restore(row, live)
+            if region is not None:
+                live.pool.adopt(region.size)
+                try:
+                    held = self._held(row, region)
+                except ResourceLimit as e:  # no inotify watch left for a committed entry
+                    logger.warning("buffer %s not restored: %s", row.id, e.detail)
+                    live.pool.release(region)
+                else:
+                    self._regions.hold(row.id, held)
+                    return "restored"
+        # A volatile row's release need not wait for the disk: rolled back by a power
+        # loss, the row is released again at the next start.
+        self._store.finish_release(row.id, kind="recover", durable=must_last(row.persistence))
+        remove_checkpoint(row)
+        return "released"
+
+    def _held(self, row: BufferRow, region: Region) -> Held:
+        """A restored buffer as the runtime holds it; a committed entry watched (who holds
+        its memfd: maasd.core.holders) and published under its key."""
+        committed = row.committed_at is not None
+        if committed:
+            self._holders.watch(row.id, region.fd, region.size, row.tenant_id, row.pool_id)
+        return Held(
+            region,
+            row.tenant_id,
+            row.pool_id,
+            row.key,
+            live=True,
+            committed=committed,
+            ttl_s=max(1, round(row.expires_at - row.created_at)),
+        )
+
+    def _remove_orphans(self, keep: set[str]) -> int:
+        """Remove checkpoint files (and half-written ones) of spill dirs that no row names."""
+        removed = 0
+        for live in self._live.all():
+            spill = live.row.spill_dir
+            if spill and os.path.isdir(spill):
+                for entry in os.scandir(spill):
+                    if (
+                        entry.name.endswith((".ckpt", ".ckpt.tmp"))
+                        and os.path.realpath(entry.path) not in keep
+                    ):
+                        os.unlink(entry.path)
+                        removed += 1
+        return removed
