@@ -214,6 +214,8 @@ def serve(**flags: Any) -> None:
       maasd serve --data-dir /var/lib/maasd --port 7878
     """
     settings = _settings(**flags)
+    if settings.latency_probe is None:  # on under serve (docs/allocator.md, "Latency classes")
+        settings.latency_probe = True
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     setup_logging(settings.log_level)

@@ -214,7 +214,8 @@ class Buffers:
                 raise StateConflict(f"pool {live[0].row.name!r} is being deleted")
         else:
             live = [p for p in self._runtime.pools() if p.row.deleting_at is None]
-        rows = placement.candidates([p.row for p in live], req, self._pools.topology.node_ids)
+        node_ids, measured = self._pools.topology.node_ids, self._pools.measured.classes()
+        rows = placement.candidates([p.row for p in live], req, node_ids, measured)
         if len(rows) > 1:
             usage = self._store.usage_by_pool(self._host)
             rows = placement.by_free_space(rows, {k: v[0] for k, v in usage.items()})
