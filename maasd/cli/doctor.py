@@ -664,6 +664,7 @@ def run_checks(
     reported as skipped. ``open_files``/``max_map_count``: size the region budget for
     these limits instead of this host's."""
     from maasd.cli.doctor_kernel import check_bandwidth, check_kernel
+    from maasd.cli.doctor_latency import check_latency
 
     topology = discover(sysfs_root)
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
@@ -673,6 +674,7 @@ def run_checks(
         ("huge pages", lambda: check_hugepages(topology, settings)),
         ("NUMA placement", lambda: check_numa(topology)),
         ("memory bandwidth", lambda: check_bandwidth(topology)),
+        ("latency classes", lambda: check_latency(topology, settings)),
         (
             "limits",
             lambda: [
@@ -707,6 +709,7 @@ CHECKS = (
     "huge pages",
     "NUMA placement",
     "memory bandwidth",
+    "latency classes",
     "limits",
     "socket directory",
     "ledger",
