@@ -132,7 +132,7 @@ def test_the_cycle_visits_every_line_once(lines: int, seed: int) -> None:
 def test_chase_follows_the_cycle() -> None:
     words = np.zeros(64 * 8, dtype=np.int64)
     start = write_cycle(words, np.random.default_rng(7))
-    m = memoryview(words).cast("B").cast("q")
+    m = words.data.cast("B").cast("q")
     i = start
     for _ in range(16):
         i = int(words[i])
