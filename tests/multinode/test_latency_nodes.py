@@ -61,6 +61,7 @@ def test_every_pair_is_measured_remote_ones_included(probed: Daemon) -> None:
         for f in by_cpu.values():  # remote: from the other node's cpus
             assert f["latency_us"] > 0
             assert f["gib_per_s"] > 0
+    print(*(line for line in probed.log().splitlines() if "latency probe" in line), sep="\n")
     print(
         "measured (µs, GiB/s by cpu node):",
         {
