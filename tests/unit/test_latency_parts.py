@@ -271,3 +271,15 @@ def test_a_source_without_a_ceiling_is_refused() -> None:
     body = msgspec.json.decode(b'{"size_bytes":1,"latency_source":"measured"}', type=ReserveBody)
     with pytest.raises(InvalidRequest, match="latency_source needs latency_us"):
         body.to_spec()
+
+
+@pytest.mark.parametrize(
+    "module", ["maasd.probe", "maasd.core.placement", "maasd.cli.doctor_latency"]
+)
+def test_the_docstring_examples_hold(module: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0
+    assert result.failed == 0
