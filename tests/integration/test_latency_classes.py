@@ -52,6 +52,11 @@ def test_pools_report_declared_and_measured_side_by_side(probed: Daemon) -> None
         one = probed.admin.get(f"/v1/pools/{p['id']}").json()
         assert one["measured_latency_us"] == p["measured_latency_us"]
     assert "latency probe: node 0 " in probed.log()
+    node0 = next(p for p in pools if p["name"] == "node0")
+    declared = probed.metric("maasd_pool_latency_seconds", pool="node0", source="declared")
+    measured = probed.metric("maasd_pool_latency_seconds", pool="node0", source="measured")
+    assert declared == pytest.approx(1e-6)
+    assert measured == pytest.approx(node0["measured_latency_us"] / 1e6)
 
 
 def test_a_reserve_held_to_the_measured_class(probed: Daemon) -> None:
@@ -111,6 +116,7 @@ def test_with_the_probe_off_classes_are_null_and_a_measured_reserve_says_so(
     daemon: Daemon,
 ) -> None:
     pools = daemon.admin.get("/v1/pools").json()
+    assert daemon.metric("maasd_pool_latency_seconds", pool="node0", source="measured") == 0.0
     assert pools
     assert all(p["measured_latency_us"] is None and p["measured"] is None for p in pools)
     _, key = daemon.tenant("off")
