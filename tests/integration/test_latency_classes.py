@@ -34,7 +34,8 @@ def measured_pools(d: Daemon, timeout: float = 120.0) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def probed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("probed"), env={"MAASD_LATENCY_PROBE": "true"})
+    # Unset (conftest turns it off for every other daemon): the default of `maasd serve`, on.
+    d = Daemon(tmp_path_factory.mktemp("probed"), env={"MAASD_LATENCY_PROBE": ""})
     d.start()
     yield d
     d.close()

@@ -283,3 +283,17 @@ def test_the_docstring_examples_hold(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_the_probe_settings() -> None:
+    from maasd.errors import ConfigError
+    from maasd.settings import load
+
+    base = {"MAASD_DATA_DIR": "/nonexistent"}
+    assert load(env=base).latency_probe is None  # on under `maasd serve`, off embedded
+    assert load(env={**base, "MAASD_LATENCY_PROBE": "false"}).latency_probe is False
+    assert load(env={**base, "MAASD_LATENCY_PROBE_TIMEOUT_S": "30"}).latency_probe_timeout_s == 30
+    with pytest.raises(ConfigError, match="latency_probe"):
+        load(env={**base, "MAASD_LATENCY_PROBE": "sometimes"})
+    with pytest.raises(ConfigError, match="latency_probe_timeout_s must be > 0"):
+        load(env={**base, "MAASD_LATENCY_PROBE_TIMEOUT_S": "0"})
