@@ -128,6 +128,9 @@ def test_with_the_probe_off_classes_are_null_and_a_measured_reserve_says_so(
         )
         assert r.status_code == 422
         assert "no node measured yet" in r.json()["detail"]
+        no_ceiling = c.post("/v1/reserve", json={"size_bytes": MiB, "latency_source": "measured"})
+        assert no_ceiling.status_code == 400
+        assert "latency_source needs latency_us" in no_ceiling.json()["detail"]
         assert c.get("/v1/usage").json() == before
         assert c.post("/v1/reserve", json={"size_bytes": MiB, "latency_us": 1}).status_code == 201
     assert daemon.healthy()
