@@ -58,6 +58,8 @@ __all__ = [
     "EventLimit",
     "Id",
     "Label",
+    "LatencyCeilingUs",
+    "LatencySource",
     "LatencyUs",
     "MaxBuffers",
     "Name",
@@ -143,6 +145,8 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=MAX_BYTES)]
 PositiveBytes = Annotated[int, msgspec.Meta(gt=0, le=MAX_BYTES)]
 SizeGiB = Annotated[float, msgspec.Meta(gt=0, lt=MAX_SIZE_GIB)]
 LatencyUs = Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
+#: A reserve's latency ceiling: whole µs, or fractional ones (measured classes are).
+LatencyCeilingUs = Annotated[float, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
 #: A lease length as asked for; the daemon's ``max_ttl_s`` is a rule, checked below.
 TtlS = Annotated[int, msgspec.Meta(ge=1, le=MAX_WIRE_INT)]
 Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
@@ -164,6 +168,9 @@ SpillDir = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PATH, patter
 Backing = Literal["memfd", "hugetlb"]
 #: Whether a pool's buffers survive a restart (checkpointed to its spill dir) or not.
 Persistence = Literal["volatile", "persistent"]
+#: Which latency a reserve's ``latency_us`` is held against: the pool's declared class,
+#: or the one the daemon measured of its node (docs/allocator.md, "Latency classes").
+LatencySource = Literal["declared", "measured"]
 #: How a released buffer is made to read zero: overwritten, or its pages punched out.
 ScrubMode = Literal["zero", "punch"]
 #: A buffer's state in the ledger: ``reserving`` (admitted, its region being made),

@@ -60,12 +60,20 @@ class LedgerCollector(Collector):
         warm_target = GaugeMetricFamily(
             "maasd_pool_warm_target_bytes", "The pool's warm stock budget", labels=["pool", "node"]
         )
+        latency = GaugeMetricFamily(
+            "maasd_pool_latency_seconds",
+            "The pool's latency class: declared, and measured of its node once probed",
+            labels=["pool", "node", "source"],
+        )
         try:
             pools, tenants = list(self._pools()), list(self._tenants())
         except LedgerUnavailable:  # its gauges are left out; the rest of /metrics answers
             pools, tenants = [], []
         for p in pools:
             labels = [p.name, str(p.numa_node)]
+            latency.add_metric([*labels, "declared"], p.latency_us / 1e6)
+            if p.measured_latency_us is not None:
+                latency.add_metric([*labels, "measured"], p.measured_latency_us / 1e6)
             cap.add_metric(labels, p.capacity_bytes)
             used.add_metric(labels, p.used_bytes)
             nbuf.add_metric(labels, p.buffers)
@@ -82,7 +90,7 @@ class LedgerCollector(Collector):
         for t in tenants:
             tused.add_metric([t.id, t.name], t.used_bytes)
             tquota.add_metric([t.id, t.name], t.quota_bytes)
-        yield from (cap, used, nbuf, warm, warm_target, tused, tquota)
+        yield from (cap, used, nbuf, warm, warm_target, latency, tused, tquota)
 
 
 class RuntimeCollector(Collector):

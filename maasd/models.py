@@ -37,6 +37,8 @@ __all__ = [
     "HostInfo",
     "KeyInfo",
     "LookupHit",
+    "Measured",
+    "MeasuredFrom",
     "NewTenant",
     "Persistence",
     "PoolInfo",
@@ -102,7 +104,9 @@ class ReserveSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     size_bytes: int
     pool: str | None = None
-    latency_us: int | None = None
+    latency_us: float | None = None
+    #: ``latency_us`` against the pools' declared class, or the measured one.
+    latency_source: bounds.LatencySource = "declared"
     persistence: Persistence | None = None
     numa_node: int | None = None
     ttl_s: int = DEFAULT_TTL_S
@@ -121,6 +125,27 @@ class DiskTierInfo(msgspec.Struct, frozen=True, kw_only=True):
     drops: dict[str, int] = msgspec.field(default_factory=dict)  # by reason
     read_bytes: int = 0
     write_bytes: int = 0
+
+
+class MeasuredFrom(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool's node as measured from one CPU node's cpus (``None``: not measured)."""
+
+    cpu_node: int
+    latency_us: float | None = None
+    gib_per_s: float | None = None
+
+
+class Measured(msgspec.Struct, frozen=True, kw_only=True):
+    """What the daemon's probe measured of a pool's node (docs/allocator.md, "Latency
+    classes"): the class is the load-to-use latency from the nearest CPU node's cpus."""
+
+    latency_us: float
+    #: The CPU node the class is measured from: the pool's own, or the nearest with cpus.
+    cpu_node: int
+    gib_per_s: float | None = None
+    #: Every CPU node's figures, remote ones included.
+    by_cpu_node: list[MeasuredFrom] = msgspec.field(default_factory=list)
+    measured_at: str = ""
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -151,6 +176,10 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     disk_bytes: int = 0
     #: What the disk tier holds and did (None without one, or for another host's pool).
     disk: DiskTierInfo | None = None
+    #: The measured class beside the declared ``latency_us`` (None: not measured, or
+    #: another host's pool); ``measured`` has the figures per CPU node.
+    measured_latency_us: float | None = None
+    measured: Measured | None = None
 
 
 class HostInfo(msgspec.Struct, frozen=True, kw_only=True):

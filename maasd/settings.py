@@ -142,6 +142,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the demotion writer, at most (past it an eviction drops rather than waits).
     disk_quota_factor: int = 4
     disk_inflight_bytes: int = 64 << 20
+    # The background latency probe (docs/allocator.md, "Latency classes"): None = on under
+    # `maasd serve`, off for a Service embedded elsewhere; the child is killed past the timeout.
+    latency_probe: bool | None = None
+    latency_probe_timeout_s: float = 120.0
     pools: list[PoolSpec] = msgspec.field(default_factory=list)
 
     @property
@@ -224,6 +228,8 @@ ENV = {
     **{f"MAASD_{name.upper()}": name for name in L2_BOUNDS},
     "MAASD_DISK_QUOTA_FACTOR": "disk_quota_factor",
     "MAASD_DISK_INFLIGHT_BYTES": "disk_inflight_bytes",
+    "MAASD_LATENCY_PROBE": "latency_probe",
+    "MAASD_LATENCY_PROBE_TIMEOUT_S": "latency_probe_timeout_s",
 }
 
 
@@ -278,7 +284,13 @@ def _check(settings: Settings) -> None:
         raise ConfigError(
             f"settings: tenant_region_share must be in (0, 1], got {settings.tenant_region_share}"
         )
-    for name in (*SOCKET_BOUNDS, *HTTP_BOUNDS, *L2_BOUNDS, "disk_quota_factor"):
+    for name in (
+        *SOCKET_BOUNDS,
+        *HTTP_BOUNDS,
+        *L2_BOUNDS,
+        "disk_quota_factor",
+        "latency_probe_timeout_s",
+    ):
         if not getattr(settings, name) > 0:
             raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
     if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:

@@ -69,6 +69,8 @@ class Daemon:
             "MAASD_REAPER_INTERVAL_S": "0.2",
             # A warm stock costs CPU at start (its refill): only the tests that want one.
             "MAASD_DEFAULT_WARM_BYTES": "0",
+            # The latency probe too (a child measuring each node): only the tests that want it.
+            "MAASD_LATENCY_PROBE": "false",
             "MAASD_LOG_LEVEL": "info",
             **(env or {}),
         }

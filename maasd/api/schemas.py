@@ -23,7 +23,8 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     size_bytes: bounds.PositiveBytes | None = None
     size_gb: bounds.SizeGiB | None = None
-    latency_us: bounds.LatencyUs | None = None
+    latency_us: bounds.LatencyCeilingUs | None = None
+    latency_source: bounds.LatencySource = "declared"
     persistence: Persistence | None = None
     ttl_s: bounds.TtlS = bounds.DEFAULT_TTL_S
     label: bounds.Label | None = None
@@ -35,6 +36,8 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """The service's input; ``size_gb`` (GiB) becomes bytes. Exactly one size is given."""
         if (self.size_bytes is None) == (self.size_gb is None):
             raise InvalidRequest("give exactly one of size_bytes and size_gb")
+        if self.latency_source != "declared" and self.latency_us is None:
+            raise InvalidRequest("latency_source needs latency_us (the ceiling it is held to)")
         size = self.size_bytes
         if size is None:
             assert self.size_gb is not None
@@ -43,6 +46,7 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             size_bytes=size,
             pool=pool,
             latency_us=self.latency_us,
+            latency_source=self.latency_source,
             persistence=self.persistence,
             numa_node=self.numa_node,
             ttl_s=self.ttl_s,

@@ -214,6 +214,8 @@ def serve(**flags: Any) -> None:
       maasd serve --data-dir /var/lib/maasd --port 7878
     """
     settings = _settings(**flags)
+    if settings.latency_probe is None:  # on under serve (docs/allocator.md, "Latency classes")
+        settings.latency_probe = True
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     setup_logging(settings.log_level)
@@ -419,7 +421,8 @@ def migrate(**flags: Any) -> None:
 @click.option(
     "--probe",
     is_flag=True,
-    help="Also measure copy bandwidth per CPU node × memory node (64 MiB each, seconds).",
+    help="Also measure load-to-use latency and copy bandwidth per CPU node × memory node "
+    "(a pointer chase over 4 × the last-level cache, 64 MiB copies: seconds).",
 )
 def info(as_json: bool, probe: bool, **flags: Any) -> None:
     """Print the NUMA topology this host shows and the pools the daemon would create.
@@ -431,7 +434,7 @@ def info(as_json: bool, probe: bool, **flags: Any) -> None:
     """
     import msgspec
 
-    from maasd.probe import probe_bandwidth
+    from maasd.probe import Probe, probe_bandwidth, probe_latency
     from maasd.settings import default_pools
     from maasd.topology import discover, libnuma_view
 
@@ -440,11 +443,14 @@ def info(as_json: bool, probe: bool, **flags: Any) -> None:
     pools = settings.pools or default_pools(
         topo, settings.default_pool_bytes, settings.default_warm_bytes
     )
-    measured = probe_bandwidth(topo) if probe else None
+    measured = (
+        Probe(latency=probe_latency(topo), bandwidth=probe_bandwidth(topo)) if probe else None
+    )
     if as_json:
         view: dict[str, Any] = {"topology": topo, "libnuma": libnuma_view(), "pools": pools}
         if measured is not None:
-            view["bandwidth"] = measured
+            view["latency"], view["bandwidth"] = measured.latency, measured.bandwidth
+            view["measured"] = _pool_classes(topo, measured, pools)
         click.echo(msgspec.json.encode(view).decode())
         return
     click.echo(
@@ -467,22 +473,43 @@ def info(as_json: bool, probe: bool, **flags: Any) -> None:
             f"warm {p.warm_bytes / 2**20:.0f} MiB"
         )
     if measured is not None:
-        _print_probe(measured, pools)
+        _print_probe(topo, measured, pools)
 
 
-def _print_probe(measured: list[Any], pools: list[Any]) -> None:
-    """The bandwidth matrix, then each pool's declared class beside what its node measured."""
+def _pool_classes(topo: Any, measured: Any, pools: list[Any]) -> dict[str, Any]:
+    """Each pool's measured class (``None``: its node not measured), by pool name."""
+    from maasd.core.latency import node_classes
+
+    classes = node_classes(topo, measured, time.time())
+    return {p.name: classes.get(p.numa_node) for p in pools}
+
+
+def _print_probe(topo: Any, measured: Any, pools: list[Any]) -> None:
+    """The latency and bandwidth matrices, then each pool's declared class beside the
+    measured one (from the nearest CPU node) and the farthest other node's figures."""
+    click.echo("load-to-use latency, ns (CPU node → memory node):")
+    for x in measured.latency:
+        click.echo(f"  cpu {x.cpu_node} → mem {x.mem_node}: {x.ns:.0f}")
     click.echo("copy bandwidth, GiB/s (CPU node → memory node):")
-    for b in measured:
+    for b in measured.bandwidth:
         click.echo(f"  cpu {b.cpu_node} → mem {b.mem_node}: {b.gib_per_s:.2f}")
-    for p in pools:
-        on = [b for b in measured if b.mem_node == p.numa_node]
-        local = next((b.gib_per_s for b in on if b.cpu_node == p.numa_node), None)
-        remote = min((b.gib_per_s for b in on if b.cpu_node != p.numa_node), default=None)
+    for name, m in _pool_classes(topo, measured, pools).items():
+        declared = next(p.latency_us for p in pools if p.name == name)
+        if m is None:
+            click.echo(f"  {name}: declared latency_us={declared}; not measured")
+            continue
+        remote = [f for f in m.by_cpu_node if f.cpu_node != m.cpu_node]
+        far = max(remote, key=lambda f: f.latency_us or 0.0, default=None)
         click.echo(
-            f"  {p.name}: declared latency_us={p.latency_us}; measured "
-            + (f"{local:.2f} GiB/s local" if local is not None else "no local cpus")
-            + (f", {remote:.2f} GiB/s from the slowest other node" if remote is not None else "")
+            f"  {name}: declared latency_us={declared}; measured {m.latency_us:.3f} µs"
+            + (f", {m.gib_per_s:.2f} GiB/s" if m.gib_per_s is not None else "")
+            + f" from cpu node {m.cpu_node}"
+            + (
+                f"; {far.latency_us or 0:.3f} µs, {far.gib_per_s or 0:.2f} GiB/s "
+                f"from cpu node {far.cpu_node}"
+                if far is not None
+                else ""
+            )
         )
 
 

@@ -43,6 +43,7 @@ import msgspec
 from maasd.cli.doctor_check import Check, Status
 from maasd.cli.doctor_host import check_socket_dir
 from maasd.cli.doctor_kernel import check_bandwidth, check_kernel
+from maasd.cli.doctor_latency import check_latency
 from maasd.cli.doctor_ledger import check_ledger
 from maasd.cli.doctor_limits import (
     Needs,
@@ -99,6 +100,7 @@ def run_checks(
         ("huge pages", lambda: check_hugepages(topology, settings)),
         ("NUMA placement", lambda: check_numa(topology)),
         ("memory bandwidth", lambda: check_bandwidth(topology)),
+        ("latency classes", lambda: check_latency(topology, settings)),
         (
             "limits",
             lambda: [
@@ -133,6 +135,7 @@ CHECKS = (
     "huge pages",
     "NUMA placement",
     "memory bandwidth",
+    "latency classes",
     "limits",
     "socket directory",
     "ledger",

@@ -22,7 +22,7 @@ import contextlib
 import json as jsonlib
 import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -278,7 +278,8 @@ class Client(_Http):
         size_gb: float | None = None,
         pool: str | None = None,
         persistence: Persistence | None = None,
-        latency_us: int | None = None,
+        latency_us: float | None = None,
+        latency_source: Literal["declared", "measured"] | None = None,
         ttl_s: int = DEFAULT_TTL_S,
         label: str | None = None,
         key: str | None = None,
@@ -288,7 +289,8 @@ class Client(_Http):
         """Reserve a buffer: in ``pool`` (id or name) if given, else wherever the QoS fits.
 
         Give exactly one of ``size_bytes`` and ``size_gb`` (the daemon checks).
-        ``numa_node`` only applies without ``pool``.
+        ``numa_node`` only applies without ``pool``. ``latency_source="measured"`` holds
+        ``latency_us`` to the pools' measured class instead of the declared one.
 
         >>> buf = c.reserve(size_bytes=64 << 20, latency_us=5, key="m:prefix")  # doctest: +SKIP
         """
@@ -298,6 +300,7 @@ class Client(_Http):
             ("size_gb", size_gb),
             ("persistence", persistence),
             ("latency_us", latency_us),
+            ("latency_source", latency_source),
             ("label", label),
             ("key", key),
         ):

@@ -66,6 +66,24 @@ class DiskTier(msgspec.Struct, frozen=True, kw_only=True):
     write_bytes: int = 0
 
 
+class MeasuredFrom(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool's node as measured from one CPU node's cpus."""
+
+    cpu_node: int
+    latency_us: float | None = None
+    gib_per_s: float | None = None
+
+
+class Measured(msgspec.Struct, frozen=True, kw_only=True):
+    """What the daemon measured of a pool's node (docs/allocator.md, "Latency classes")."""
+
+    latency_us: float
+    cpu_node: int
+    gib_per_s: float | None = None
+    by_cpu_node: list[MeasuredFrom] = msgspec.field(default_factory=list)
+    measured_at: str = ""
+
+
 class Pool(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     name: str
@@ -88,6 +106,9 @@ class Pool(msgspec.Struct, frozen=True, kw_only=True):
     disk_dir: str | None = None  # the disk tier (docs/operations.md, "The disk tier")
     disk_bytes: int = 0
     disk: DiskTier | None = None
+    #: The measured latency class beside the declared ``latency_us`` (None: not measured).
+    measured_latency_us: float | None = None
+    measured: Measured | None = None
 
 
 class Host(msgspec.Struct, frozen=True, kw_only=True):

@@ -114,8 +114,6 @@ class Buffers:
         self._checkpoints = checkpoints
         self._metrics = metrics
 
-    # -- reserve ----------------------------------------------------------------------------
-
     def reserve(
         self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer", frozen: bool = False
     ) -> BufferInfo:
@@ -230,7 +228,8 @@ class Buffers:
                 raise StateConflict(f"pool {live[0].row.name!r} is being deleted")
         else:
             live = [p for p in self._live.all() if p.row.deleting_at is None]
-        rows = placement.candidates([p.row for p in live], req, self._pools.topology.node_ids)
+        node_ids, measured = self._pools.topology.node_ids, self._pools.measured.classes()
+        rows = placement.candidates([p.row for p in live], req, node_ids, measured)
         if len(rows) > 1:
             usage = self._store.usage_by_pool(self._host)
             rows = placement.by_free_space(rows, {k: v[0] for k, v in usage.items()})

@@ -27,6 +27,7 @@ from maasd.allocator.reclaim import Reclaimer
 from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
 from maasd.core.holders import Holders
+from maasd.core.latency import Measurements
 from maasd.core.livepools import LivePool, LivePools
 from maasd.core.release import Releaser
 from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
@@ -134,6 +135,21 @@ def follow_disk(spec: PoolSpec, store: Store, live_pools: LivePools, data_dir: s
     logger.info("pool %s: disk tier %s, %d bytes", spec.name, disk_dir, spec.disk_bytes)
 
 
+def follow_warm(spec: PoolSpec, store: Store, live_pools: LivePools) -> None:
+    """Give a pool the warm budget its configuration asks for now.
+
+    Unlike the other properties, the budget binds no buffer: a changed
+    ``warm_bytes`` (or ``MAASD_DEFAULT_WARM_BYTES``) applies at the next start.
+    """
+    live = live_pools.find(spec.name)
+    if live.row.warm_bytes == spec.warm_bytes or not live.row.prefault:
+        return
+    live.pool.set_warm_bytes(min(spec.warm_bytes, live.row.capacity_bytes))
+    store.set_pool_warm(live.row.id, live.pool.warm_bytes)
+    live.row = msgspec.structs.replace(live.row, warm_bytes=live.pool.warm_bytes)
+    logger.info("pool %s: warm stock budget %d bytes", spec.name, live.pool.warm_bytes)
+
+
 class Pools:
     """The pools of this host (``settings.node_name``) and the host's topology."""
 
@@ -160,6 +176,8 @@ class Pools:
         self.topology = topology
         #: A pool's disk tier now, by pool id (set by the disk tiers).
         self.disk_usage: Callable[[str], DiskTierInfo | None] = lambda _pool_id: None
+        #: Each node's measured latency class, once the probe (started by provision) answers.
+        self.measured = Measurements(bool(settings.latency_probe), settings.latency_probe_timeout_s)
 
     def refresh_topology(self) -> Topology:
         """Discover the topology again (free memory changes) and keep it."""
@@ -202,7 +220,7 @@ class Pools:
             if have is None:
                 self.create(spec)
                 continue
-            self._follow_warm(spec)
+            follow_warm(spec, self._store, self._live)
             follow_disk(spec, self._store, self._live, self._settings.data_dir)
             if (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
                 spec.numa_node,
@@ -216,20 +234,7 @@ class Pools:
                     "the ledger's (delete the pool with drain to recreate it)",
                     spec.name,
                 )
-
-    def _follow_warm(self, spec: PoolSpec) -> None:
-        """Give a pool the warm budget its configuration asks for now.
-
-        Unlike the other properties, the budget binds no buffer: a changed
-        ``warm_bytes`` (or ``MAASD_DEFAULT_WARM_BYTES``) applies at the next start.
-        """
-        live = self._live.find(spec.name)
-        if live.row.warm_bytes == spec.warm_bytes or not live.row.prefault:
-            return
-        live.pool.set_warm_bytes(min(spec.warm_bytes, live.row.capacity_bytes))
-        self._store.set_pool_warm(live.row.id, live.pool.warm_bytes)
-        live.row = msgspec.structs.replace(live.row, warm_bytes=live.pool.warm_bytes)
-        logger.info("pool %s: warm stock budget %d bytes", spec.name, live.pool.warm_bytes)
+        self.measured.start(self.topology)
 
     def _make_pool(self, row: PoolRow) -> Pool:
         return Pool(
@@ -251,7 +256,10 @@ class Pools:
 
     def infos(self, *, all_hosts: bool = False) -> list[PoolInfo]:
         """Every pool of this host with its usage, by name; ``all_hosts``: every host's
-        (from the ledger), by host then name."""
+        (from the ledger), by host then name. This host's show their measured class."""
+        return self.measured.annotate(self._infos(all_hosts), self._host)
+
+    def _infos(self, all_hosts: bool) -> list[PoolInfo]:
         if all_hosts:
             usage = self._store.usage_by_pool(None)
             rows = self._store.all_pools()
@@ -295,7 +303,8 @@ class Pools:
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
         held = self._holders.held_bytes_by("pool_id").get(live.row.id, 0)
-        return pool_info(live.row, used, live.pool.warm, held, self.disk_usage(live.row.id))
+        info = pool_info(live.row, used, live.pool.warm, held, self.disk_usage(live.row.id))
+        return self.measured.annotate([info], self._host)[0]
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
@@ -353,7 +362,7 @@ class Pools:
             row.backing,
             row.persistence,
         )
-        return pool_info(row, (0, 0))
+        return self.measured.annotate([pool_info(row, (0, 0))], self._host)[0]
 
     def delete(self, id_or_name: str, *, drain: bool = False) -> None:
         """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.

@@ -48,3 +48,57 @@ def test_info_probe_side_by_side(tmp_path) -> None:
         run[:-1] + ["--json"], env=env, capture_output=True, text=True, timeout=120, check=True
     )
     assert "bandwidth" not in json.loads(plain.stdout)  # measured only when asked
+
+
+def test_latency_one_figure_per_pair_and_affinity_given_back() -> None:
+    from maasd.probe import probe_latency
+
+    topo = discover()
+    before = os.sched_getaffinity(0)
+    measured = probe_latency(topo, size=64 << 20, rounds=4)
+    assert os.sched_getaffinity(0) == before
+    pairs = {(n.id, m.id) for n in topo.nodes if n.cpus for m in topo.nodes}
+    assert {(x.cpu_node, x.mem_node) for x in measured} == pairs
+    assert all(x.ns > 0 and x.rounds == 4 and x.chase_bytes == 64 << 20 for x in measured)
+
+
+def test_latency_past_the_deadline_measures_nothing_more() -> None:
+    import time
+
+    from maasd.probe import probe_latency
+
+    assert probe_latency(discover(), deadline=time.monotonic() - 1) == []
+
+
+def test_doctor_latency_check_holds_each_pool_to_its_node(tmp_path) -> None:
+    from maasd.cli.doctor_latency import check_latency
+    from maasd.models import PoolSpec
+    from maasd.settings import Settings
+
+    pools = [
+        PoolSpec(name="roomy", numa_node=0, capacity_bytes=1 << 20, latency_us=5),
+        PoolSpec(name="zero", numa_node=0, capacity_bytes=1 << 20, latency_us=0),
+    ]
+    c = check_latency(discover(), Settings(data_dir=str(tmp_path), pools=pools))
+    assert c.name == "latency classes"
+    assert "roomy: declared 5 µs, measured " in c.detail
+    # No memory answers in 0 µs: the pool declaring it is flagged, with the fix.
+    assert c.status == "warn", c
+    assert "zero measures " in c.detail
+    assert "> its declared 0" in c.detail
+    assert "latency_source" in c.fix
+
+
+def test_info_probe_prints_the_latency_matrix(tmp_path) -> None:
+    env = {**os.environ, "MAASD_DATA_DIR": str(tmp_path)}
+    run = [sys.executable, "-m", "maasd.cli.daemon", "info", "--probe"]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert "load-to-use latency, ns (CPU node → memory node):" in out.stdout
+    assert " µs, " in out.stdout  # the pool's measured class beside its declared one
+    js = json.loads(
+        subprocess.run(
+            [*run, "--json"], env=env, capture_output=True, text=True, timeout=120, check=True
+        ).stdout
+    )
+    assert js["latency"][0]["ns"] > 0
+    assert js["measured"]["node0"]["latency_us"] > 0

@@ -1,4 +1,4 @@
-"""``maasctl buffers``: list, show and release buffers.
+"""``maasctl buffers``: reserve, list, show and release buffers.
 
 Labels and keys are the tenant's own free text: they are shown as text (never
 markup) with control characters escaped, and cut to 24 characters in the list
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import click
 from rich.table import Table
@@ -34,7 +35,7 @@ from maasd.cli.maasctl.formatting import (
     table,
     text,
 )
-from maasd.cli.maasctl.units import format_size
+from maasd.cli.maasctl.units import SizeType, format_size
 from maasd.client import Buffer, Client, MaasdClientError
 
 __all__ = ["buffer_detail", "buffers", "buffers_table"]
@@ -123,7 +124,7 @@ def _owner_names(client: Client, b: Buffer) -> tuple[str | None, str | None]:
 
 @click.group()
 def buffers() -> None:
-    """List, show and release buffers.
+    """Reserve, list, show and release buffers.
 
     \b
     Example:
@@ -182,6 +183,59 @@ def buffers_show(c: Ctx, buffer_id: str) -> None:
             b = client.buffer(buffer_id)
         tn, pn = (None, None) if c.as_json else _owner_names(client, b)
     c.emit(raw(seen), lambda: buffer_detail(b, tenant_name=tn, pool_name=pn))
+
+
+@buffers.command("reserve")
+@click.argument("size", type=SizeType())
+@click.option("--pool", metavar="NAME|ID", shell_complete=complete("pool"), help="In this pool.")
+@click.option(
+    "--latency-us",
+    type=click.FloatRange(min=0),
+    help="A pool whose latency class is at most this (µs; fractions with --measured).",
+)
+@click.option(
+    "--measured",
+    "latency_source",
+    flag_value="measured",
+    default=None,
+    help="Hold --latency-us to the measured class of the pools' nodes, not the declared one.",
+)
+@click.option("--persistence", type=click.Choice(["volatile", "persistent"]))
+@click.option("--node", "numa_node", type=click.IntRange(min=0), help="On this NUMA node.")
+@click.option("--ttl", "ttl_s", type=click.IntRange(min=1), default=600, show_default=True)
+@click.option("--label", help="Free text shown in listings.")
+@pass_ctx
+def buffers_reserve(
+    c: Ctx,
+    size: int,
+    pool: str | None,
+    latency_us: float | None,
+    latency_source: Literal["measured"] | None,
+    persistence: Literal["volatile", "persistent"] | None,
+    numa_node: int | None,
+    ttl_s: int,
+    label: str | None,
+) -> None:
+    """Reserve a buffer (a tenant key): where the QoS fits, or in --pool. It lives until
+    released or its lease (--ttl) ends; no process maps it.
+
+    \b
+    Examples:
+      maasctl buffers reserve 64MiB --latency-us 1
+      maasctl buffers reserve 64MiB --latency-us 0.2 --measured
+    """
+    with c.client("tenant") as client, client.responses() as seen:
+        b = client.reserve(
+            size,
+            pool=pool,
+            latency_us=latency_us,
+            latency_source=latency_source,
+            persistence=persistence,
+            numa_node=numa_node,
+            ttl_s=ttl_s,
+            label=label,
+        )
+    c.emit(raw(seen), lambda: buffer_detail(b))
 
 
 @buffers.command("release")

@@ -36,6 +36,7 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
     t.add_column("BACKING")
     t.add_column("PERSISTENCE")
     t.add_column("LAT µs", justify="right")
+    t.add_column("MEASURED µs", justify="right")
     t.add_column("CAPACITY", justify="right")
     t.add_column("USED", justify="right")
     t.add_column("FREE", justify="right")
@@ -54,6 +55,7 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
             p.backing,
             p.persistence,
             p.latency_us,
+            measured(p),
             size(p.capacity_bytes),
             size(p.used_bytes),
             size(p.free_bytes),
@@ -62,6 +64,31 @@ def pools_table(items: Iterable[Pool], *, title: str | None = None) -> Table:
             p.scrub,
             warm(p),
             disk(p),
+        )
+    return t
+
+
+def measured(p: Pool) -> Text:
+    """The measured latency class (µs, from the nearest CPU node); ``-`` until measured."""
+    if p.measured_latency_us is None:
+        return Text("-", justify="right")
+    return Text(f"{p.measured_latency_us:.3f}", justify="right")
+
+
+def measured_table(p: Pool) -> Table | None:
+    """A pool's node as measured from each CPU node (``pools show``); None until measured."""
+    if p.measured is None:
+        return None
+    t = table(f"{p.name}: node {p.numa_node} measured {p.measured.measured_at}")
+    t.add_column("FROM CPU NODE", justify="right")
+    t.add_column("LATENCY µs", justify="right")
+    t.add_column("COPY GiB/s", justify="right")
+    for m in p.measured.by_cpu_node:
+        add_row(
+            t,
+            f"{m.cpu_node}{' (class)' if m.cpu_node == p.measured.cpu_node else ''}",
+            "-" if m.latency_us is None else f"{m.latency_us:.3f}",
+            "-" if m.gib_per_s is None else f"{m.gib_per_s:.1f}",
         )
     return t
 
@@ -109,7 +136,7 @@ def pools_list(c: Ctx) -> None:
 @click.argument("pool", metavar="NAME|ID", shell_complete=complete("pool"))
 @pass_ctx
 def pools_show(c: Ctx, pool: str) -> None:
-    """One pool.
+    """One pool, and its node's measured latency and bandwidth from each CPU node.
 
     \b
     Example:
@@ -117,7 +144,7 @@ def pools_show(c: Ctx, pool: str) -> None:
     """
     with c.client("any") as client, client.responses() as seen:
         p = resolve_pool(client, pool)
-    c.emit(raw(seen), lambda: pools_table([p]))
+    c.emit(raw(seen), lambda: Group(pools_table([p]), *filter(None, [measured_table(p)])))
 
 
 @pools.command("create")
