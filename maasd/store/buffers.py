@@ -29,7 +29,6 @@ from sqlalchemy import (
     bindparam,
     delete,
     exists,
-    func,
     insert,
     or_,
     select,
@@ -50,12 +49,10 @@ from maasd.errors import (
 )
 from maasd.models import BufferState, ReleaseReason
 from maasd.store import schema
-from maasd.store.base import Connections, used, violation
+from maasd.store.base import Connections, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Choice, choose_victims
-from maasd.store.pools import lock_pool
 from maasd.store.records import BufferRow
-from maasd.store.tenants import lock_tenant
 
 __all__ = ["BufferRepo", "ReserveRepo"]
 
@@ -63,20 +60,34 @@ _B = schema.buffers
 
 # ------------------------------------------------------------- reserve
 _ins_buffer = insert(_B)
-# Inside the reserve transaction, after the locks: both usages, the tenant's buffer
-# count and the key check in one statement (one round trip).
-_reserve_facts = select(
-    select(used(_B.c.size_bytes)).where(_B.c.tenant_id == bindparam("p_tenant")).scalar_subquery(),
-    select(used(_B.c.size_bytes)).where(_B.c.pool_id == bindparam("p_pool")).scalar_subquery(),
-    select(func.count())
-    .select_from(_B)
-    .where(_B.c.tenant_id == bindparam("p_tenant"))
-    .scalar_subquery(),
-    exists().where(
-        _B.c.tenant_id == bindparam("p_tenant"),
-        _B.c.host == bindparam("p_host"),
-        _B.c.key == bindparam("p_key"),
-    ),
+_T, _P = schema.tenants, schema.pools
+# The reserve's two locks, each reading what it decides by from the row it locks: the
+# running totals (maasd.store.totals) are columns of those rows, and every change to
+# them is an UPDATE of them (the triggers on buffers), so each read is exact across
+# hosts. Lock order is always tenant, then pool: no deadlock between reserves.
+_lock_tenant_totals = (
+    select(_T.c.quota_bytes, _T.c.max_buffers, _T.c.deleting_at, _T.c.used_bytes, _T.c.buffers)
+    .where(_T.c.id == bindparam("p_tenant"))
+    .with_for_update()
+)
+# The key check rides on the second lock: its snapshot is taken once the tenant's lock
+# is held, so it sees every key the lock's previous holders committed.
+_lock_pool_totals = (
+    select(
+        _P.c.capacity_bytes,
+        _P.c.name,
+        _P.c.deleting_at,
+        _P.c.used_bytes,
+        exists()
+        .where(
+            _B.c.tenant_id == bindparam("p_tenant"),
+            _B.c.host == bindparam("p_host"),
+            _B.c.key == bindparam("p_key"),
+        )
+        .label("dup"),
+    )
+    .where(_P.c.id == bindparam("p_pool"))
+    .with_for_update(of=_P)
 )
 _evictable = and_(_B.c.evictable == true(), _B.c.state == "live")
 _lru = (_B.c.last_used_at, _B.c.id)
@@ -236,9 +247,9 @@ class ReserveRepo(Connections):
         In one write transaction: lock the tenant and pool rows; refuse a
         tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
         pool being deleted (:class:`StateConflict`); refuse a key the tenant
-        already uses on this host (:class:`DuplicateKey`); sum the tenant's and
-        the pool's usage and count the tenant's buffers (every state, entries
-        too); if ``row`` does not fit the quota (unless ``quota_check`` is
+        already uses on this host (:class:`DuplicateKey`); read the tenant's and
+        the pool's bytes and the tenant's buffer count (every state, entries
+        too: :mod:`maasd.store.totals`, O(1)) from the rows it locked; if ``row`` does not fit the quota (unless ``quota_check`` is
         false), the tenant's ``max_buffers`` (NULL: :attr:`default_max_buffers`)
         or the pool's capacity, choose victims
         (:func:`~maasd.store.eviction.choose_victims`): **evictable live**
@@ -295,14 +306,20 @@ class ReserveRepo(Connections):
         self, conn: Connection, row: BufferRow, quota_check: bool, prefer_not: Collection[str]
     ) -> list[BufferRow]:
         """Inside the reserve transaction: lock, check, and mark the victims if it must."""
-        # Lock order is always tenant, then pool: no deadlock between reserves.
-        t: Any = conn.execute(lock_tenant, {"p_id": row.tenant_id}).first()
+        params = {
+            "p_tenant": row.tenant_id,
+            "p_pool": row.pool_id,
+            "p_host": row.host,
+            "p_key": row.key,
+        }
+        t: Any = conn.execute(_lock_tenant_totals, params).first()
         if t is None:
             raise NotFound(f"tenant {row.tenant_id} not found")
-        p: Any = conn.execute(lock_pool, {"p_id": row.pool_id}).first()
+        p: Any = conn.execute(_lock_pool_totals, params).first()
         if p is None:
             raise NotFound(f"pool {row.pool_id} not found")
-        (quota, cap, tenant_deleting), (capacity, pool_name, pool_deleting) = t, p
+        quota, cap, tenant_deleting, tenant_used, count = t
+        capacity, pool_name, pool_deleting, pool_used, dup = p
         if tenant_deleting is not None:
             raise Unauthorized("the tenant is being deleted; its keys are revoked")
         if pool_deleting is not None:
@@ -314,13 +331,6 @@ class ReserveRepo(Connections):
             raise TooLarge(
                 f"{size} bytes exceed pool {pool_name!r}'s whole capacity of {capacity} bytes"
             )
-        params = {
-            "p_tenant": row.tenant_id,
-            "p_pool": row.pool_id,
-            "p_host": row.host,
-            "p_key": row.key,
-        }
-        tenant_used, pool_used, count, dup = conn.execute(_reserve_facts, params).one()
         if dup:
             raise DuplicateKey(f"a buffer with key {row.key!r} already exists")
         need_t = tenant_used + size - quota if quota_check else 0

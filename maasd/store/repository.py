@@ -8,6 +8,7 @@ The SQL lives with its aggregate, one repository mixin each:
   whose victims the pure :mod:`maasd.store.eviction` chooses;
 * :mod:`maasd.store.events` — the audit trail;
 * :mod:`maasd.store.hosts` — the daemon hosts sharing the ledger, their heartbeats;
+* :mod:`maasd.store.totals` — the running usage totals, checked against their rows;
 
 and the transaction rules all of them follow are in :mod:`maasd.store.base`.
 :mod:`maasd.store.notify` listens for what other daemons announce (PostgreSQL).
@@ -36,6 +37,7 @@ from maasd.store.hosts import HostRepo
 from maasd.store.notify import Listener
 from maasd.store.pools import PoolRepo
 from maasd.store.tenants import TenantRepo
+from maasd.store.totals import TotalsRepo
 
 __all__ = ["Store"]
 
@@ -46,7 +48,7 @@ MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 _PROBE = sa.text("SELECT 1 FROM alembic_version")
 
 
-class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
+class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo, TotalsRepo):
     """The ledger: pools, tenants, keys, buffers and events in one database.
 
     Thread-safe; one instance per daemon. ``url`` is ``sqlite:///PATH`` (the
@@ -120,6 +122,8 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         Runs inside one write transaction: ``BEGIN IMMEDIATE`` on SQLite, an
         advisory transaction lock on PostgreSQL, so that daemons starting
         together migrate one after the other (the second finds nothing to do).
+        Then the usage totals are checked against their rows, and mended if they
+        drifted (:meth:`~maasd.store.totals.TotalsRepo.mend_totals`: O(buffers)).
         """
         from alembic import command
 
@@ -131,6 +135,8 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
                     sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID}
                 )
             command.upgrade(alembic_config(connection=conn), revision)
+        if revision == "head":
+            self.mend_totals()
 
     def listener(
         self,
