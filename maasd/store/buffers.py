@@ -18,7 +18,7 @@ needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -33,6 +33,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    tuple_,
     update,
 )
 
@@ -91,22 +92,50 @@ _lock_pool_totals = (
 )
 _evictable = and_(_B.c.evictable == true(), _B.c.state == "live")
 _lru = (_B.c.last_used_at, _B.c.id)
-_cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes)
+_cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes, *_lru)
 # A quota shortfall evicts only the tenant's buffers on the reserving host: only the
 # daemon holding a buffer's memory can scrub it (docs/scale-out.md).
 _tenant_here = and_(_B.c.tenant_id == bindparam("p_tenant"), _B.c.host == bindparam("p_host"))
-_sel_cand_tenant = select(*_cand_cols).where(_evictable, _tenant_here).order_by(*_lru)
-_sel_cand_pool = (
-    select(*_cand_cols).where(_evictable, _B.c.pool_id == bindparam("p_pool")).order_by(*_lru)
-)
-_sel_cand_both = (
-    select(*_cand_cols)
-    .where(
-        _evictable,
-        or_(_tenant_here, _B.c.pool_id == bindparam("p_pool")),
-    )
-    .order_by(*_lru)
-)
+# Candidates come a page at a time, after the last one seen in LRU order (keyset
+# paging): a reserve reads as many as its victims need, not every evictable row.
+_after = tuple_(*_lru) > tuple_(bindparam("after_t"), bindparam("after_id"))
+_PAGE = 32
+
+
+def _paged(where: Any) -> Any:
+    return select(*_cand_cols).where(_evictable, where, _after).order_by(*_lru).limit(_PAGE)
+
+
+_sel_cand_tenant = _paged(_tenant_here)
+_sel_cand_pool = _paged(_B.c.pool_id == bindparam("p_pool"))
+_sel_cand_both = _paged(or_(_tenant_here, _B.c.pool_id == bindparam("p_pool")))
+
+
+def _candidates(conn: Connection, stmt: Any, params: dict[str, Any]) -> Iterator[Candidate]:
+    """The evictable candidates of ``stmt``, least recently used first, read a page at
+    a time as the caller takes them: O(taken), not O(candidates)."""
+    after: tuple[float, str] = (float("-inf"), "")
+    while True:
+        page = conn.execute(stmt, {**params, "after_t": after[0], "after_id": after[1]}).all()
+        for r in page:
+            yield Candidate(r[0], r[1], r[2], r[3])
+        if len(page) < _PAGE:
+            return
+        after = (page[-1][4], page[-1][5])
+
+
+def _deferring(candidates: Iterable[Candidate], later: Collection[str]) -> Iterator[Candidate]:
+    """``candidates`` in their order, but those in ``later`` after all the others (in
+    their order too): a stable sort on "in ``later``" that reads no more than it must."""
+    held = []
+    for c in candidates:
+        if c.id in later:
+            held.append(c)
+        else:
+            yield c
+    yield from held
+
+
 # Releasing clears the key: it is unique among reserving/live buffers only, so a
 # tenant may store the same key again while the old buffer is being scrubbed.
 _mark_victims = (
@@ -345,9 +374,9 @@ class ReserveRepo(Connections):
             stmt = _sel_cand_tenant
         else:
             stmt = _sel_cand_pool
-        candidates = [Candidate(*c) for c in conn.execute(stmt, params)]
+        candidates = _candidates(conn, stmt, params)
         if prefer_not:  # least recently used first still, but held ones last
-            candidates.sort(key=lambda c: c.id in prefer_not)
+            candidates = _deferring(candidates, prefer_not)
         choice = choose_victims(
             candidates,
             tenant_id=row.tenant_id,
