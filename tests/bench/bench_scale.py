@@ -17,6 +17,9 @@ their ratio to the same at the first step (flat: ≈ 1):
 * put + commit (``Worker.entry``: put, write 8 bytes, commit);
 * lookup (raw: the ``lookup`` frame, recvmsg, close the fd) of entries spread over
   the whole set;
+* each of those two also back to back with the same on a second daemon that holds
+  the first step's entries (the floor): their ratio (× floor) is free of the load's
+  drift between steps, which the ratio to the first step (× 1st) is not;
 * a put that evicts the tenant's least recently used entry (its ``max_buffers``
   lowered to its count), and one that evicts 16 (its quota lowered to its use, the
   put 16 entries large): the eviction scan costs O(victims) — the same at every
@@ -44,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +132,45 @@ class Run:
     first: dict[str, Cell] = field(default_factory=dict)
 
 
+@dataclass
+class Floor:
+    """A second daemon holding the first step's entries, measured back to back with the
+    big one: the ratio to it is free of the load's drift between steps."""
+
+    w: Worker
+    raw: Raw
+    keys: list[str]
+
+
+def paired(big: Callable[[int], float], floor: Callable[[int], float], n: int):
+    """``big(i)`` and ``floor(i)`` (each returns its time, or -1: not counted) back to back
+    ``n`` times; their times."""
+    a: list[float] = []
+    b: list[float] = []
+    for i in range(n):
+        for fn, out in ((big, a), (floor, b)):
+            t = fn(i)
+            if t >= 0:
+                out.append(t)
+    return a, b
+
+
+def put_one(w: Worker, key: str, size: int = SIZE) -> float:
+    t0 = time.perf_counter()
+    with w.entry(key, size, pool="scale") as m:
+        m.array[:8] = 1
+    return time.perf_counter() - t0
+
+
+def lookup_one(raw: Raw, key: str) -> float:
+    """One lookup's time; -1 for a miss."""
+    t0 = time.perf_counter()
+    reply, fds = raw.call(Lookup(keys=[key]))
+    for fd in fds:
+        os.close(fd)
+    return time.perf_counter() - t0 if isinstance(reply, Found) else -1.0
+
+
 def puts(w: Worker, prefix: str, n: int, size: int = SIZE, made: list[str] | None = None):
     """Times of ``n`` put + commit (the ids of the entries go to ``made``)."""
     times = []
@@ -191,17 +233,27 @@ def evictions(d: Daemon) -> int:
     return int(d.metric("maasd_evictions_total"))
 
 
-def measure(run: Run, w: Worker, raw: Raw, admin: Client, step: int, ops: int) -> dict[str, Cell]:
+def measure(
+    run: Run, w: Worker, raw: Raw, admin: Client, step: int, ops: int, floor: Floor
+) -> dict[str, Cell]:
     """The cells of one step (the tenant at ``run.live`` entries)."""
-    cells = {"put": Cell.of(puts(w, f"p{step}-", ops))}
+    big, low = paired(
+        lambda i: put_one(w, f"p{step}-{i}"), lambda i: put_one(floor.w, f"p{step}-{i}"), ops
+    )
+    cells = {"put": Cell.of(big), "put floor": Cell.of(low)}
     run.live += ops
     # spread over the e-keys still live: the evictions took the oldest, skipping at most
     # the ones looked up (which a use made younger)
     lo = min(run.evicted + run.looked_up + 512, run.made - ops)
     keys = [f"e{lo + (i * 7919) % (run.made - lo)}" for i in range(ops)]
-    times, missed = lookups(raw, keys)
+    big, low = paired(
+        lambda i: lookup_one(raw, keys[i]),
+        lambda i: lookup_one(floor.raw, floor.keys[(i * 7919) % len(floor.keys)]),
+        ops,
+    )
+    missed = ops - len(big)
     run.looked_up += ops
-    cells["lookup"] = Cell.of(times)
+    cells["lookup"], cells["lookup floor"] = Cell.of(big), Cell.of(low)
     before = evictions(run.d)
     admin.set_max_buffers(run.tenant_id, run.live)
     cells["evict 1"] = Cell.of(puts(w, f"v{step}-", ops))  # each evicts 1
@@ -230,38 +282,57 @@ def measure(run: Run, w: Worker, raw: Raw, admin: Client, step: int, ops: int) -
 HEAD = ("put", "lookup", "evict 1", f"evict {MANY}")
 
 
+#: The cells measured back to back with the floor daemon.
+PAIRED = ("put", "lookup")
+
+
 def row(step: int, cells: dict[str, Cell], first: dict[str, Cell], per: list[float]) -> str:
     parts = [f"| {step:,} "]
     for k in HEAD:
         c, f = cells[k], first[k]
         parts.append(f"| {c.p50:.3f} / {c.p99:.3f} | {c.p50 / f.p50:.2f} / {c.p99 / f.p99:.2f} ")
+        if k in PAIRED:
+            low = cells[f"{k} floor"]
+            parts.append(f"| {c.p50 / low.p50:.2f} / {c.p99 / low.p99:.2f} ")
     parts.append(f"| {per[0]:.3f} | {per[1]:.3f} | {per[2] / 1000:.2f} KB |")
     return "".join(parts)
 
 
-def table(run: Run, steps: list[int], ops: int, workers: int) -> None:
-    """Fill to each step and print its row."""
-    names = " | ".join(f"{k} p50 / p99 ms | ×" for k in HEAD)
+def connect(run: Run, stack: contextlib.ExitStack) -> tuple[Worker, Raw]:
+    w = stack.enter_context(
+        Worker(run.d.socket_path, run.key, renew_interval_s=0, ttl_s=TTL_S, timeout=600)
+    )
+    raw = Raw(run.d.socket_path, timeout=600)
+    stack.callback(raw.close)
+    raw.hello(run.key)
+    return w, raw
+
+
+def table(run: Run, low: Run, steps: list[int], ops: int, workers: int) -> None:
+    """Fill to each step and print its row (``low``: the floor daemon's, filled to the
+    first step)."""
+    names = " | ".join(
+        f"{k} p50 / p99 ms | × 1st" + (" | × floor" if k in PAIRED else "") for k in HEAD
+    )
     print(f"| entries | {names} | fd / entry | map / entry | RSS / entry |")
-    print("|---:" * (2 + 2 * len(HEAD) + 2) + "|")
+    print("|---:" * (1 + 2 * len(HEAD) + len(PAIRED) + 3) + "|")
     assert run.d.proc is not None
     pid = run.d.proc.pid
     base = proc_counts(pid)
-    with (
-        Client(run.d.url, run.d.admin_key, timeout=600) as admin,
-        Worker(run.d.socket_path, run.key, renew_interval_s=0, ttl_s=TTL_S, timeout=600) as w,
-    ):
-        raw = Raw(run.d.socket_path, timeout=600)
-        raw.hello(run.key)
+    fill(low, steps[0], workers)
+    with contextlib.ExitStack() as stack:
+        admin = stack.enter_context(Client(run.d.url, run.d.admin_key, timeout=600))
+        w, raw = connect(run, stack)
+        fw, fraw = connect(low, stack)
+        floor = Floor(fw, fraw, [f"e{i}" for i in range(steps[0])])
         for step in steps:
             filled_s = fill(run, step, workers)
             now = proc_counts(pid)
             per = [(a - b) / run.live for a, b in zip(now, base, strict=True)]
             print(f"  step {step}: filled in {filled_s:.1f} s", flush=True)
-            cells = measure(run, w, raw, admin, step, ops)
+            cells = measure(run, w, raw, admin, step, ops, floor)
             run.first = run.first or cells
             print(row(step, cells, run.first, per), flush=True)
-        raw.close()
 
 
 def restart(run: Run) -> None:
@@ -288,39 +359,52 @@ def restart(run: Run) -> None:
     )
 
 
-def run_bench(steps: list[int], ops: int, workers: int, raise_limits: bool) -> None:
+def start_daemon(data: Path, top: int, wrapper: list[str], stack: contextlib.ExitStack) -> Run:
+    """A daemon with a persistent pool and one tenant allowed ``top`` entries."""
+    d = Daemon(
+        data,
+        env={
+            "MAASD_TENANT_REGION_SHARE": "1.0",
+            "MAASD_MAX_BUFFERS_PER_TENANT": str(top + 1000),
+            "MAASD_LOG_LEVEL": "warning",
+            "MAASD_REAPER_INTERVAL_S": "1",
+        },
+        wrapper=wrapper,
+    )
+    d.start(timeout=3600)
+    stack.callback(d.close)
+    d.pool("scale", 3 * top * SIZE + 64 * MiB, persistence="persistent")
+    with Client(d.url, d.admin_key) as admin:
+        tenant = admin.create_tenant("scale", 4 * top * SIZE + GiB)
+    return Run(d, tenant.id, tenant.api_key, top)
+
+
+def run_bench(
+    steps: list[int], ops: int, workers: int, raise_limits: bool, nofile: int, map_count: int
+) -> None:
     top = steps[-1] + 4 * ops * len(steps) + 64
     settings = Settings(tenant_region_share=1.0)
-    files = open_files_needed(settings_limits(settings, 0, None, postgres=False), top) or 0
+    need = open_files_needed(settings_limits(settings, 0, None, postgres=False), top) or 0
+    files = max(nofile, need)
     wrapper = ["prlimit", f"--nofile={files}:{files}", "--"] if raise_limits else []
     with contextlib.ExitStack() as stack:
         if raise_limits:
             stack.enter_context(sysctl_at_least(NR_OPEN, files))
-            stack.enter_context(sysctl_at_least(MAP_COUNT, maps_needed(top)))
+            stack.enter_context(sysctl_at_least(MAP_COUNT, max(map_count, maps_needed(top))))
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="maasd-scale-")))
-        d = Daemon(
-            tmp / "d",
-            env={
-                "MAASD_TENANT_REGION_SHARE": "1.0",
-                "MAASD_MAX_BUFFERS_PER_TENANT": str(top + 1000),
-                "MAASD_LOG_LEVEL": "warning",
-                "MAASD_REAPER_INTERVAL_S": "1",
-            },
-            wrapper=wrapper,
-        )
-        d.start(timeout=3600)
-        stack.callback(d.close)
-        d.pool("scale", 3 * top * SIZE + 64 * MiB, persistence="persistent")
-        with Client(d.url, d.admin_key) as admin:
-            tenant = admin.create_tenant("scale", 4 * top * SIZE + GiB)
+        run = start_daemon(tmp / "d", top, wrapper, stack)
+        low = start_daemon(tmp / "floor", steps[0] + 4 * ops * len(steps) + 64, [], stack)
+        d = run.d
+        budget = int(d.metric("maasd_buffer_region_budget"))
         print(
             f"LimitNOFILE {files if raise_limits else 'as inherited'}, vm.max_map_count "
-            f"{Path(MAP_COUNT).read_text().strip()}, {os.cpu_count()} CPUs; {SIZE} B entries; "
-            f"{ops} ops per cell; filled by {workers} connections",
+            f"{Path(MAP_COUNT).read_text().strip()}: the daemon's region budget {budget:,}; "
+            f"{os.cpu_count()} CPUs; {SIZE} B entries; {ops} ops per cell; filled by "
+            f"{workers} connections",
             flush=True,
         )
-        run = Run(d, tenant.id, tenant.api_key, top)
-        table(run, steps, ops, workers)
+        table(run, low, steps, ops, workers)
+        low.d.close()
         restart(run)
         r = httpx.get(f"{d.url}/healthz", timeout=60)
         assert r.status_code == 200, r.text
@@ -337,9 +421,15 @@ def main() -> None:
         action="store_true",
         help="root: run the daemon under the LimitNOFILE and vm.max_map_count it needs",
     )
+    ap.add_argument("--nofile", type=int, default=0, help="with --raise-limits: at least this")
+    ap.add_argument(
+        "--max-map-count", type=int, default=0, help="with --raise-limits: at least this"
+    )
     args = ap.parse_args()
     steps = sorted(int(s) for s in args.steps.split(","))
-    run_bench(steps, args.ops, args.fill_workers, args.raise_limits)
+    run_bench(
+        steps, args.ops, args.fill_workers, args.raise_limits, args.nofile, args.max_map_count
+    )
 
 
 if __name__ == "__main__":
