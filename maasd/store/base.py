@@ -12,9 +12,10 @@ why). Three kinds of connection, chosen per method:
 * **write transactions** (reserve, deletes, anything that reads then writes)
   — ``BEGIN IMMEDIATE`` on SQLite, which serialises all writers; on
   PostgreSQL (READ COMMITTED) the rows that guard the decision — the tenant,
-  then the pool — are locked with ``SELECT … FOR UPDATE`` first, and usage is
-  summed by a *later* statement, whose fresh snapshot therefore includes
-  everything committed by the previous holder of those locks.
+  then the pool — are locked with ``SELECT … FOR UPDATE`` first, reading the
+  usage totals kept on those very rows; anything else the decision reads is read
+  by a *later* statement, whose fresh snapshot therefore includes everything
+  committed by the previous holder of those locks.
 
 Durability, per transaction. Every write waits for the disk (an fsync per
 commit) unless its method is told ``durable=False``; the core says so only for
@@ -27,10 +28,12 @@ Tenants, keys, quotas, pools, hosts and a persistent buffer's rows are always
 durable, and so is every PostgreSQL write: that server fails on its own, and a
 commit it lost would leave a running daemon's memory unrecorded.
 
-Usage is never stored: it is ``SUM(size_bytes)`` over a tenant's (or pool's)
-buffers in every state (:data:`~maasd.store.schema.ACCOUNTED_STATES`) —
-memory being set up or scrubbed is memory in use — computed inside the
-transaction that decides.
+Usage is ``SUM(size_bytes)`` over a tenant's (or pool's) buffers in every state
+(:data:`~maasd.store.schema.ACCOUNTED_STATES`) — memory being set up or scrubbed
+is memory in use — kept as a running total on the tenant's (pool's) row by the
+database, in the transaction that inserts or deletes a buffer
+(:mod:`maasd.store.totals`), and read under that row's lock by the transaction
+that decides.
 
 Statements are built once at import time, in the module of the aggregate they
 belong to, with bind parameters, so SQLAlchemy's compiled cache serves each

@@ -18,7 +18,7 @@ needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -29,11 +29,11 @@ from sqlalchemy import (
     bindparam,
     delete,
     exists,
-    func,
     insert,
     or_,
     select,
     true,
+    tuple_,
     update,
 )
 
@@ -50,12 +50,10 @@ from maasd.errors import (
 from maasd.models import BufferState, ReleaseReason
 from maasd.sizes import check_fits, check_size
 from maasd.store import schema
-from maasd.store.base import Repository, used, violation
+from maasd.store.base import Repository, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Choice, choose_victims
-from maasd.store.pools import lock_pool
 from maasd.store.records import BufferRow
-from maasd.store.tenants import lock_tenant
 
 __all__ = ["BufferRepo", "ReserveRepo"]
 
@@ -63,39 +61,81 @@ _B = schema.buffers
 
 # ------------------------------------------------------------- reserve
 _ins_buffer = insert(_B)
-# Inside the reserve transaction, after the locks: both usages, the tenant's buffer
-# count and the key check in one statement (one round trip).
-_reserve_facts = select(
-    select(used(_B.c.size_bytes)).where(_B.c.tenant_id == bindparam("p_tenant")).scalar_subquery(),
-    select(used(_B.c.size_bytes)).where(_B.c.pool_id == bindparam("p_pool")).scalar_subquery(),
-    select(func.count())
-    .select_from(_B)
-    .where(_B.c.tenant_id == bindparam("p_tenant"))
-    .scalar_subquery(),
-    exists().where(
-        _B.c.tenant_id == bindparam("p_tenant"),
-        _B.c.host == bindparam("p_host"),
-        _B.c.key == bindparam("p_key"),
-    ),
+_T, _P = schema.tenants, schema.pools
+# The reserve's two locks, each reading what it decides by from the row it locks: the
+# running totals (maasd.store.totals) are columns of those rows, and every change to
+# them is an UPDATE of them (the triggers on buffers), so each read is exact across
+# hosts. Lock order is always tenant, then pool: no deadlock between reserves.
+_lock_tenant_totals = (
+    select(_T.c.quota_bytes, _T.c.max_buffers, _T.c.deleting_at, _T.c.used_bytes, _T.c.buffers)
+    .where(_T.c.id == bindparam("p_tenant"))
+    .with_for_update()
+)
+# The key check rides on the second lock: its snapshot is taken once the tenant's lock
+# is held, so it sees every key the lock's previous holders committed.
+_lock_pool_totals = (
+    select(
+        _P.c.capacity_bytes,
+        _P.c.name,
+        _P.c.deleting_at,
+        _P.c.used_bytes,
+        exists()
+        .where(
+            _B.c.tenant_id == bindparam("p_tenant"),
+            _B.c.host == bindparam("p_host"),
+            _B.c.key == bindparam("p_key"),
+        )
+        .label("dup"),
+    )
+    .where(_P.c.id == bindparam("p_pool"))
+    .with_for_update(of=_P)
 )
 _evictable = and_(_B.c.evictable == true(), _B.c.state == "live")
 _lru = (_B.c.last_used_at, _B.c.id)
-_cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes)
+_cand_cols = (_B.c.id, _B.c.tenant_id, _B.c.pool_id, _B.c.size_bytes, *_lru)
 # A quota shortfall evicts only the tenant's buffers on the reserving host: only the
 # daemon holding a buffer's memory can scrub it (docs/scale-out.md).
 _tenant_here = and_(_B.c.tenant_id == bindparam("p_tenant"), _B.c.host == bindparam("p_host"))
-_sel_cand_tenant = select(*_cand_cols).where(_evictable, _tenant_here).order_by(*_lru)
-_sel_cand_pool = (
-    select(*_cand_cols).where(_evictable, _B.c.pool_id == bindparam("p_pool")).order_by(*_lru)
-)
-_sel_cand_both = (
-    select(*_cand_cols)
-    .where(
-        _evictable,
-        or_(_tenant_here, _B.c.pool_id == bindparam("p_pool")),
-    )
-    .order_by(*_lru)
-)
+# Candidates come a page at a time, after the last one seen in LRU order (keyset
+# paging): a reserve reads as many as its victims need, not every evictable row.
+_after = tuple_(*_lru) > tuple_(bindparam("after_t"), bindparam("after_id"))
+_PAGE = 32
+
+
+def _paged(where: Any) -> Any:
+    return select(*_cand_cols).where(_evictable, where, _after).order_by(*_lru).limit(_PAGE)
+
+
+_sel_cand_tenant = _paged(_tenant_here)
+_sel_cand_pool = _paged(_B.c.pool_id == bindparam("p_pool"))
+_sel_cand_both = _paged(or_(_tenant_here, _B.c.pool_id == bindparam("p_pool")))
+
+
+def _candidates(conn: Connection, stmt: Any, params: dict[str, Any]) -> Iterator[Candidate]:
+    """The evictable candidates of ``stmt``, least recently used first, read a page at
+    a time as the caller takes them: O(taken), not O(candidates)."""
+    after: tuple[float, str] = (float("-inf"), "")
+    while True:
+        page = conn.execute(stmt, {**params, "after_t": after[0], "after_id": after[1]}).all()
+        for r in page:
+            yield Candidate(r[0], r[1], r[2], r[3])
+        if len(page) < _PAGE:
+            return
+        after = (page[-1][4], page[-1][5])
+
+
+def _deferring(candidates: Iterable[Candidate], later: Collection[str]) -> Iterator[Candidate]:
+    """``candidates`` in their order, but those in ``later`` after all the others (in
+    their order too): a stable sort on "in ``later``" that reads no more than it must."""
+    held = []
+    for c in candidates:
+        if c.id in later:
+            held.append(c)
+        else:
+            yield c
+    yield from held
+
+
 # Releasing clears the key: it is unique among reserving/live buffers only, so a
 # tenant may store the same key again while the old buffer is being scrubbed.
 _mark_victims = (
@@ -234,9 +274,9 @@ class ReserveRepo(Repository):
         In one write transaction: lock the tenant and pool rows; refuse a
         tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
         pool being deleted (:class:`StateConflict`); refuse a key the tenant
-        already uses on this host (:class:`DuplicateKey`); sum the tenant's and
-        the pool's usage and count the tenant's buffers (every state, entries
-        too); if ``row`` does not fit the quota (unless ``quota_check`` is
+        already uses on this host (:class:`DuplicateKey`); read the tenant's and
+        the pool's bytes and the tenant's buffer count (every state, entries
+        too: :mod:`maasd.store.totals`, O(1)) from the rows it locked; if ``row`` does not fit the quota (unless ``quota_check`` is
         false), the tenant's ``max_buffers`` (NULL: :attr:`default_max_buffers`)
         or the pool's capacity, choose victims
         (:func:`~maasd.store.eviction.choose_victims`): **evictable live**
@@ -292,14 +332,20 @@ class ReserveRepo(Repository):
         self, conn: Connection, row: BufferRow, quota_check: bool, prefer_not: Collection[str]
     ) -> list[BufferRow]:
         """Inside the reserve transaction: lock, check, and mark the victims if it must."""
-        # Lock order is always tenant, then pool: no deadlock between reserves.
-        t: Any = conn.execute(lock_tenant, {"p_id": row.tenant_id}).first()
+        params = {
+            "p_tenant": row.tenant_id,
+            "p_pool": row.pool_id,
+            "p_host": row.host,
+            "p_key": row.key,
+        }
+        t: Any = conn.execute(_lock_tenant_totals, params).first()
         if t is None:
             raise NotFound(f"tenant {row.tenant_id} not found")
-        p: Any = conn.execute(lock_pool, {"p_id": row.pool_id}).first()
+        p: Any = conn.execute(_lock_pool_totals, params).first()
         if p is None:
             raise NotFound(f"pool {row.pool_id} not found")
-        (quota, cap, tenant_deleting), (capacity, pool_name, pool_deleting) = t, p
+        quota, cap, tenant_deleting, tenant_used, count = t
+        capacity, pool_name, pool_deleting, pool_used, dup = p
         if tenant_deleting is not None:
             raise Unauthorized("the tenant is being deleted; its keys are revoked")
         if pool_deleting is not None:
@@ -308,13 +354,6 @@ class ReserveRepo(Repository):
             cap = self.default_max_buffers
         size = row.size_bytes
         check_fits(size, capacity, f"pool {pool_name!r}")
-        params = {
-            "p_tenant": row.tenant_id,
-            "p_pool": row.pool_id,
-            "p_host": row.host,
-            "p_key": row.key,
-        }
-        tenant_used, pool_used, count, dup = conn.execute(_reserve_facts, params).one()
         if dup:
             raise DuplicateKey(f"a buffer with key {row.key!r} already exists")
         need_t = tenant_used + size - quota if quota_check else 0
@@ -329,9 +368,9 @@ class ReserveRepo(Repository):
             stmt = _sel_cand_tenant
         else:
             stmt = _sel_cand_pool
-        candidates = [Candidate(*c) for c in conn.execute(stmt, params)]
+        candidates = _candidates(conn, stmt, params)
         if prefer_not:  # least recently used first still, but held ones last
-            candidates.sort(key=lambda c: c.id in prefer_not)
+            candidates = _deferring(candidates, prefer_not)
         choice = choose_victims(
             candidates,
             tenant_id=row.tenant_id,

@@ -1,4 +1,4 @@
-"""Pools in the ledger: each belongs to one host, with its usage summed at read time.
+"""Pools in the ledger: each belongs to one host, with its usage (running totals on its row).
 
 A pool's name is unique per host (``node0`` exists on every host); its id is
 unique in the ledger.
@@ -15,7 +15,7 @@ from sqlalchemy import bindparam, delete, func, insert, select, update
 
 from maasd.errors import NotFound, StateConflict
 from maasd.store import schema
-from maasd.store.base import Repository, used
+from maasd.store.base import Repository
 from maasd.store.events import event, ins_event
 from maasd.store.records import PoolRow
 
@@ -24,14 +24,13 @@ __all__ = ["PoolRepo", "lock_pool"]
 _P = schema.pools
 _B = schema.buffers
 
-_sel_pools = select(_P).where(_P.c.host == bindparam("host")).order_by(_P.c.name)
-_sel_all_pools = select(_P).order_by(_P.c.host, _P.c.name)
-_sel_pool = select(_P).where(_P.c.id == bindparam("p_id"))
-_sel_all_usage = (
-    select(_P.c.id, used(_B.c.size_bytes), func.count(_B.c.id))
-    .select_from(_P.outerjoin(_B, _B.c.pool_id == _P.c.id))
-    .group_by(_P.c.id)
-)
+#: A pool's fixed properties (PoolRow's fields): every column but its running totals.
+_row_cols = [c for c in _P.c if c.name not in schema.TOTALS]
+_sel_pools = select(*_row_cols).where(_P.c.host == bindparam("host")).order_by(_P.c.name)
+_sel_all_pools = select(*_row_cols).order_by(_P.c.host, _P.c.name)
+_sel_pool = select(*_row_cols).where(_P.c.id == bindparam("p_id"))
+# The running totals the ledger keeps on each pool's row (maasd.store.totals).
+_sel_all_usage = select(_P.c.id, _P.c.used_bytes, _P.c.buffers)
 _sel_pool_usage = _sel_all_usage.where(_P.c.host == bindparam("host"))
 #: Lock a pool's row (PostgreSQL) and read what a reserve decides by: its capacity, its
 #: name (for messages) and whether it is being deleted.

@@ -41,7 +41,7 @@ class PoolRow(msgspec.Struct, frozen=True):
 
 
 class TenantRow(msgspec.Struct, frozen=True):
-    """A tenant, with its usage computed at read time.
+    """A tenant, with its usage: the running totals the ledger keeps on its row.
 
     ``used_bytes`` and ``buffers`` count the buffers in every state
     (:data:`~maasd.store.schema.ACCOUNTED_STATES`) — exactly what quota checks count.
@@ -131,7 +131,7 @@ def _check(record: type[msgspec.Struct], table_columns: tuple[str, ...]) -> None
         raise RuntimeError(f"{record.__name__} fields {fields} != columns {table_columns}")
 
 
-_check(PoolRow, tuple(schema.pools.c.keys()))
+_check(PoolRow, tuple(c.name for c in schema.pools.c if c.name not in schema.TOTALS))
 _check(TenantRow, tuple(schema.tenants.c.keys()))
 _check(KeyRow, tuple(schema.api_keys.c.keys()))
 _check(BufferRow, tuple(schema.buffers.c.keys()))

@@ -10,6 +10,8 @@ handed the database it shares with the others, and no other state):
   release) and :class:`BufferRepo` (states, leases, lookups);
 * :mod:`maasd.store.events` — :class:`EventRepo`: the audit trail;
 * :mod:`maasd.store.hosts` — :class:`HostRepo`: the daemon hosts sharing the ledger;
+* :mod:`maasd.store.totals` — :class:`TotalsRepo`: the running usage totals, checked
+  against their rows;
 
 :mod:`maasd.store.database` holds the engines and connections they share, and the
 transaction rules all of them follow are in :mod:`maasd.store.base`.
@@ -40,6 +42,7 @@ from maasd.store.hosts import HostRepo
 from maasd.store.notify import Listener
 from maasd.store.pools import PoolRepo
 from maasd.store.tenants import TenantRepo
+from maasd.store.totals import TotalsRepo
 from maasd.store.watchdog import unwatched
 
 __all__ = ["Store"]
@@ -48,7 +51,7 @@ __all__ = ["Store"]
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 
 
-class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
+class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo, TotalsRepo):
     """The ledger: pools, tenants, keys, buffers and events in one database.
 
     Thread-safe; one instance per daemon. ``url`` is ``sqlite:///PATH`` (the
@@ -107,6 +110,8 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
         Runs inside one write transaction: ``BEGIN IMMEDIATE`` on SQLite, an
         advisory transaction lock on PostgreSQL, so that daemons starting
         together migrate one after the other (the second finds nothing to do).
+        Then the usage totals are checked against their rows, and mended if they
+        drifted (:meth:`~maasd.store.totals.TotalsRepo.mend_totals`: O(buffers)).
         """
         from alembic import command
 
@@ -119,6 +124,8 @@ class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo):
                     sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID}
                 )
             command.upgrade(alembic_config(connection=conn), revision)
+        if revision == "head":
+            self.mend_totals()
 
     def listener(
         self,

@@ -6,9 +6,12 @@ is only ever created and changed by the Alembic migrations in the top-level
 the two agree.
 
 Conventions: ids are random 32-character hex strings (``String(32)``); times are
-epoch seconds (``Float``); sizes are bytes (``BigInteger``). Usage is never a
-stored counter — it is always the sum of the sizes of a tenant's (or pool's)
-buffers, computed inside the write transaction that needs it.
+epoch seconds (``Float``); sizes are bytes (``BigInteger``). Usage is a running
+total on the tenant's and the pool's row (``used_bytes``, ``buffers``: the sum of
+the sizes and the count of its buffers in every state), kept by the database
+itself: triggers on ``buffers`` (migration 0007, :mod:`maasd.store.totals`) change
+it in the statement, and so the transaction, that inserts or deletes a row. A
+reserve reads it from the row it locks: O(1), not O(buffers).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sqlalchemy import (
 
 __all__ = [
     "ACCOUNTED_STATES",
+    "TOTALS",
     "BUFFER_KINDS",
     "BUFFER_STATES",
     "NAMING_CONVENTION",
@@ -64,6 +68,19 @@ ACCOUNTED_STATES = BUFFER_STATES
 #: What a buffer row is: ``buffer`` (a REST reserve) or ``entry`` (a socket
 #: put/commit).
 BUFFER_KINDS = ("buffer", "entry")
+#: The running totals on ``tenants`` and ``pools`` (their last two columns): bytes and
+#: count of the buffers in :data:`ACCOUNTED_STATES`. A pool's are not in its
+#: :class:`~maasd.store.records.PoolRow` (a pool's record is its fixed properties).
+TOTALS = ("used_bytes", "buffers")
+
+
+def _totals() -> tuple[Column[int], Column[int]]:
+    """The two total columns, kept by the triggers on ``buffers`` (never written by code)."""
+    return (
+        Column("used_bytes", BigInteger, nullable=False, server_default="0"),
+        Column("buffers", BigInteger, nullable=False, server_default="0"),
+    )
+
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
@@ -98,6 +115,8 @@ pools = Table(
     # NULL / 0 = none. What is on disk is not in the ledger (its keys are in memory only).
     Column("disk_dir", Text, nullable=True),
     Column("disk_bytes", BigInteger, nullable=False, server_default="0"),
+    # Its buffers' bytes and count, every state (TOTALS; migration 0007).
+    *_totals(),
     UniqueConstraint("host", "name"),
 )
 
@@ -118,6 +137,8 @@ tenants = Table(
     # The bytes it may hold on this host's disk tiers (docs/operations.md, "The disk
     # tier"); NULL = the default, disk_quota_factor × quota_bytes.
     Column("disk_quota_bytes", BigInteger, nullable=True),
+    # Its buffers' bytes and count, every state, on every host (TOTALS; migration 0007).
+    *_totals(),
 )
 
 api_keys = Table(
@@ -161,8 +182,7 @@ buffers = Table(
     Column("checksum", String(128), nullable=True),
     Column("checkpointed_at", Float, nullable=True),
     # Equality columns, then the eviction order (least recently used first), then the
-    # size: an eviction scan reads victims in order from the index, and the reserve's
-    # sums of a tenant's or a pool's bytes read the index alone (migration 0004).
+    # size: an eviction scan reads victims in order from the index (migration 0004).
     Index(None, "tenant_id", "state", "last_used_at", "id", "size_bytes"),
     Index(None, "pool_id", "state", "last_used_at", "id", "size_bytes"),
     Index(None, "expires_at"),

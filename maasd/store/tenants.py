@@ -9,7 +9,7 @@ from sqlalchemy import bindparam, delete, func, insert, or_, select, update
 
 from maasd.errors import InvalidRequest, NotFound, StateConflict
 from maasd.store import schema
-from maasd.store.base import Repository, used, violation
+from maasd.store.base import Repository, violation
 from maasd.store.events import event, ins_event
 from maasd.store.records import KeyRow, TenantRow
 
@@ -19,14 +19,10 @@ _T = schema.tenants
 _K = schema.api_keys
 _B = schema.buffers
 
-# Tenants
-_tenant_with_usage = select(_T, used(_B.c.size_bytes), func.count(_B.c.id)).select_from(
-    _T.outerjoin(_B, _B.c.tenant_id == _T.c.id)
-)
-_sel_tenant = _tenant_with_usage.where(
-    or_(_T.c.id == bindparam("ref"), _T.c.name == bindparam("ref"))
-).group_by(_T.c.id)
-_sel_tenants = _tenant_with_usage.group_by(_T.c.id).order_by(_T.c.name)
+# Tenants: each row carries its usage (the running totals, maasd.store.totals), in the
+# field order of TenantRow.
+_sel_tenant = select(_T).where(or_(_T.c.id == bindparam("ref"), _T.c.name == bindparam("ref")))
+_sel_tenants = select(_T).order_by(_T.c.name)
 #: Lock a tenant's row (PostgreSQL) and read what a reserve decides by: its quota, its
 #: buffer cap (``None``: the daemon's default) and whether it is being deleted.
 lock_tenant = (
