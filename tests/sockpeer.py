@@ -349,6 +349,9 @@ class _FakeAuth:
     def authenticate(self, token: str) -> Principal:
         return self.svc.authenticate(token)
 
+    def known_principal(self, token: str | None) -> Principal | None:
+        return self.svc.keys.get(token or "")  # all in memory: nothing needs the slow pool
+
     def watch_revocations(self, callback: Callable[[], None]) -> None:
         self.svc.revocation_watchers.append(callback)
 

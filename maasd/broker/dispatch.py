@@ -104,6 +104,7 @@ class KeyChecks(Protocol):
     @property
     def generation(self) -> int: ...
     def authenticate(self, token: str, /) -> Principal: ...
+    def known_principal(self, token: str | None, /) -> Principal | None: ...
     def watch_revocations(self, callback: Callable[[], None], /) -> None: ...
 
 
@@ -358,12 +359,12 @@ class Dispatcher:
         memory (the admin, a remembered key), or it is refused without a check. Otherwise
         checking it reads the ledger, which the loop must never wait on (a slow or frozen
         database would stall every worker of the host): it goes to the slow pool."""
-        known = getattr(self.service, "known_principal", None)
-        if known is None:
-            return True
         try:
             req = decode_request(body)
-            return not isinstance(req, Hello) or known(req.api_key) is not None
+            return (
+                not isinstance(req, Hello)
+                or self.service.auth.known_principal(req.api_key) is not None
+            )
         except Exception:  # undecodable, or no key: refused at once
             return True
 

@@ -72,6 +72,9 @@ class MemService:
     def authenticate(self, _token: str) -> Principal:
         return self.principal
 
+    def known_principal(self, _token: str | None) -> Principal | None:
+        return self.principal
+
     def watch_revocations(self, _callback: object) -> None:
         return None  # nothing is ever revoked here
 

@@ -80,6 +80,8 @@ def test_an_internal_error_is_a_server_error() -> None:
 PAIRS: list[tuple[type[msgspec.Struct], type[msgspec.Struct]]] = [
     (models.PoolInfo, client_types.Pool),
     (models.DiskTierInfo, client_types.DiskTier),
+    (models.Measured, client_types.Measured),
+    (models.MeasuredFrom, client_types.MeasuredFrom),
     (models.HostInfo, client_types.Host),
     (models.TenantInfo, client_types.Tenant),
     (models.NewTenant, client_types.NewTenant),
