@@ -66,6 +66,24 @@ class RouterMetrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.tokenize_seconds = Histogram(
+            "maasd_router_tokenize_seconds",
+            "A prompt's tokens from a backend (/apply-template and /tokenize)",
+            buckets=STATE_BUCKETS,
+            registry=r,
+        )
+        self.slot_wait_seconds = Histogram(
+            "maasd_router_slot_wait_seconds",
+            "A request waiting for an idle slot",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.lead_wait_seconds = Histogram(
+            "maasd_router_lead_wait_seconds",
+            "A request waiting for another's publish of the prefix they share",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.slots_busy = Gauge("maasd_router_slots_busy", "Slots in use", b, registry=r)
         self.slots = Gauge("maasd_router_slots", "Slots of the backend", b, registry=r)
         self.backend_up = Gauge(

@@ -12,7 +12,19 @@ a restore is ~10 ms, a 64-token prefill of a small model about as much):
   prompt, a shared document — is the one the next user will send too, and the prompt's
   own prefix cannot serve them (its key covers this user's question).
 
-A prefix published (or found a duplicate) recently is not saved again.
+A prefix published (or found a duplicate) recently is not saved again, and one being
+published is waited for, not computed twice.
+
+**A shared prefix is published before the request that found it is answered**
+(:meth:`Publisher.before`): when a prompt arrives sharing a prefix of at least
+``min_tokens`` with a prompt seen before (a system prompt, a document: the first users of
+a fleet send it at once) that maasd does not hold yet, this request *leads*: its slot
+prefills that prefix alone, saves and publishes it, then goes on with the rest of the
+prompt; the requests that arrive meanwhile with the same prefix wait for it (at most
+``wait_s``) and then restore it, on any backend, instead of each prefilling it again at
+once on the same few cores. A prefix being published *after* an answer (the previous
+turn of a conversation) is not waited for: its slot is busy saving, and what it adds to
+the prefix maasd has already is a few dozen tokens, cheaper to prefill than to wait for.
 
 How (:meth:`Publisher.after`), per length ``n``, longest first while the request's slot
 is still held: a prefix-only prefill (``/completion`` with the ``n`` tokens,
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 
@@ -51,12 +64,17 @@ class Publisher:
         *,
         min_tokens: int = 128,
         recent: int = 64,
+        wait_s: float = 60.0,
     ) -> None:
         self.sharing = sharing
         self.metrics = metrics
         self.min_tokens = max(min_tokens, sharing.chunk)
+        self.wait_s = wait_s
         self._recent: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
+        self._arrived: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._pending: dict[str, asyncio.Event] = {}  # keys being published now
+        self._leads: set[str] = set()  # … of them, those published before an answer
 
     def _boundary(self, n: int) -> int:
         return n - n % self.sharing.chunk
@@ -73,9 +91,47 @@ class Publisher:
         out: list[int] = []
         for n in (self._boundary(len(tokens)), self._boundary(shared)):
             fresh = n >= self.min_tokens and n > restored and n not in out
-            if fresh and self._key(tokens, n) not in self._done:
+            key = self._key(tokens, n) if fresh else ""
+            if fresh and key not in self._done and key not in self._pending:
                 out.append(n)
+                self._pending[key] = asyncio.Event()
         return sorted(out, reverse=True)
+
+    async def before(self, tokens: npt.NDArray[np.int32]) -> int:
+        """On arrival: the length of a shared prefix this request publishes before it is
+        answered (0: none; the caller settles it then: :meth:`settle`). Waits first, if another
+        request is publishing the prefix this one shares."""
+        shared = max((common_prefix(r, tokens) for r in self._arrived), default=0)
+        self._arrived.append(tokens)
+        n = self._boundary(shared)
+        if n < self.min_tokens or not self.sharing.up:
+            return 0
+        key = self._key(tokens, n)
+        if key in self._done:
+            return 0
+        pending = self._pending.get(key)
+        if pending is not None and key not in self._leads:
+            # published after an answer (this conversation's previous turn): its slot is
+            # busy saving it; restoring the shorter prefix maasd has and prefilling the
+            # rest elsewhere costs less than waiting for that save
+            return 0
+        if pending is not None:
+            t0 = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pending.wait(), self.wait_s)
+            self.metrics.lead_wait_seconds.observe(time.monotonic() - t0)
+            return 0
+        self._pending[key] = asyncio.Event()
+        self._leads.add(key)
+        return n
+
+    def settle(self, tokens: npt.NDArray[np.int32], n: int) -> None:
+        """The publish of ``tokens[:n]`` is over (done or failed): its waiters go on."""
+        key = self._key(tokens, n)
+        self._leads.discard(key)
+        ev = self._pending.pop(key, None)
+        if ev is not None:
+            ev.set()
 
     def _remember(self, key: str) -> None:
         self._done[key] = None
@@ -87,28 +143,40 @@ class Publisher:
     ) -> npt.NDArray[np.int32] | None:
         """Publish the prefixes of ``plan`` from ``slot`` → what the slot holds after."""
         held: npt.NDArray[np.int32] | None = tokens
-        for n in plan:
-            t0 = time.monotonic()
-            held = None  # until the prefill says otherwise
-            r = await backend.http.post(
-                "/completion",
-                json={
-                    "prompt": tokens[:n].tolist(),
-                    "n_predict": 0,
-                    "id_slot": slot.index,
-                    "cache_prompt": True,
-                },
-            )
-            if r.status_code != 200:
-                self.metrics.errors.labels(str(backend.index), "save").inc()
-                return None
-            held = tokens[:n]
-            ok = await self._save(slot, backend, tokens, n)
-            if ok is not None:
-                self._remember(self._key(tokens, n))
-            if ok:
-                self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
+        try:
+            for n in plan:
+                held = await self._one(slot, backend, tokens, n)
+                self.settle(tokens, n)
+                if held is None:
+                    return None
+        finally:
+            for n in plan:
+                self.settle(tokens, n)
         return held
+
+    async def _one(
+        self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
+    ) -> npt.NDArray[np.int32] | None:
+        """Prefill ``tokens[:n]`` alone in ``slot``, save and publish it → what it holds."""
+        t0 = time.monotonic()
+        r = await backend.http.post(
+            "/completion",
+            json={
+                "prompt": tokens[:n].tolist(),
+                "n_predict": 0,
+                "id_slot": slot.index,
+                "cache_prompt": True,
+            },
+        )
+        if r.status_code != 200:
+            self.metrics.errors.labels(str(backend.index), "save").inc()
+            return None
+        ok = await self._save(slot, backend, tokens, n)
+        if ok is not None:
+            self._remember(self._key(tokens, n))
+        if ok:
+            self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
+        return tokens[:n]
 
     async def _save(
         self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
