@@ -175,7 +175,7 @@ class Proxy:
         assert self.publisher is not None
         if common_prefix(turn.slot.held, turn.tokens) >= n:
             return
-        held = await self.publisher.after(turn.slot, turn.backend, turn.tokens, [n])
+        held = await self.publisher.lead(turn.slot, turn.backend, turn.tokens, n)
         if held is None:
             turn.slot.forget()
         else:

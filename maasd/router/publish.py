@@ -23,15 +23,18 @@ prefills that prefix alone, saves and publishes it, then goes on with the rest o
 prompt; the requests that arrive meanwhile with the same prefix wait for it (at most
 ``wait_s``) and then restore it, on any backend, instead of each prefilling it again at
 once on the same few cores. A prefix being published *after* an answer (the previous
-turn of a conversation) is not waited for: its slot is busy saving, and what it adds to
-the prefix maasd has already is a few dozen tokens, cheaper to prefill than to wait for.
+turn of a conversation, whose next turn comes at once) is waited for the same way: the
+slot that saves it holds the whole conversation, and the next turn goes on there.
 
-How (:meth:`Publisher.after`), per length ``n``, longest first while the request's slot
-is still held: a prefix-only prefill (``/completion`` with the ``n`` tokens,
-``n_predict: 0``) so the slot holds exactly them — for a sliding-window model the only
-state that can be continued, for any model the one the key describes; the server's
-save into an unsealed memfd of the router; then a copy into a ``put`` entry and a
-``commit`` (:meth:`Sharing.publish`).
+How, after an answer (:meth:`Publisher.after`), while the request's slot is still held:
+one save of the slot as it is — the prompt and the answer, nothing prefilled again,
+nothing the next turn needs cut off (with ``--swa-full`` a sliding-window model continues
+such a state: measured, 3 of 110 tokens evaluated) — into an unsealed memfd of the
+router, then for each length a copy into a ``put`` entry under the key of that prefix
+(all the saved tokens in its header: a restore trims to what a prompt shares) and a
+``commit`` (:meth:`Sharing.publish`). Before an answer (:meth:`Publisher.lead`): a
+prefix-only prefill (``/completion`` with the ``n`` tokens, ``n_predict: 0``) so the slot
+holds exactly the shared prefix, then the same save and publish.
 """
 
 from __future__ import annotations
@@ -74,7 +77,6 @@ class Publisher:
         self._arrived: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, asyncio.Event] = {}  # keys being published now
-        self._leads: set[str] = set()  # … of them, those published before an answer
 
     def _boundary(self, n: int) -> int:
         return n - n % self.sharing.chunk
@@ -110,11 +112,6 @@ class Publisher:
         if key in self._done:
             return 0
         pending = self._pending.get(key)
-        if pending is not None and key not in self._leads:
-            # published after an answer (this conversation's previous turn): its slot is
-            # busy saving it; restoring the shorter prefix maasd has and prefilling the
-            # rest elsewhere costs less than waiting for that save
-            return 0
         if pending is not None:
             t0 = time.monotonic()
             with contextlib.suppress(TimeoutError):
@@ -122,14 +119,11 @@ class Publisher:
             self.metrics.lead_wait_seconds.observe(time.monotonic() - t0)
             return 0
         self._pending[key] = asyncio.Event()
-        self._leads.add(key)
         return n
 
     def settle(self, tokens: npt.NDArray[np.int32], n: int) -> None:
         """The publish of ``tokens[:n]`` is over (done or failed): its waiters go on."""
-        key = self._key(tokens, n)
-        self._leads.discard(key)
-        ev = self._pending.pop(key, None)
+        ev = self._pending.pop(self._key(tokens, n), None)
         if ev is not None:
             ev.set()
 
@@ -141,47 +135,60 @@ class Publisher:
     async def after(
         self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], plan: list[int]
     ) -> npt.NDArray[np.int32] | None:
-        """Publish the prefixes of ``plan`` from ``slot`` → what the slot holds after."""
-        held: npt.NDArray[np.int32] | None = tokens
+        """After the answer: save ``slot`` as it is (the prompt and the answer: nothing is
+        prefilled again, nothing the next turn needs is cut off) and publish it under the
+        key of each prefix in ``plan`` → what the slot holds after (None: unknown)."""
+        t0 = time.monotonic()
         try:
-            for n in plan:
-                held = await self._one(slot, backend, tokens, n)
-                self.settle(tokens, n)
-                if held is None:
-                    return None
+            done = await self._save(slot, backend, tokens, plan)
         finally:
             for n in plan:
                 self.settle(tokens, n)
-        return held
+        if done is None:
+            return tokens  # the save failed; the slot holds what it held
+        for n, ok in zip(plan, done, strict=True):
+            if ok is not None:
+                self._remember(self._key(tokens, n))
+        if any(done):
+            self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
+        return tokens
 
-    async def _one(
+    async def lead(
         self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
     ) -> npt.NDArray[np.int32] | None:
-        """Prefill ``tokens[:n]`` alone in ``slot``, save and publish it → what it holds."""
+        """Before the answer: prefill ``tokens[:n]`` alone in ``slot``, save and publish it
+        → what the slot holds (None: unknown)."""
         t0 = time.monotonic()
-        r = await backend.http.post(
-            "/completion",
-            json={
-                "prompt": tokens[:n].tolist(),
-                "n_predict": 0,
-                "id_slot": slot.index,
-                "cache_prompt": True,
-            },
-        )
-        if r.status_code != 200:
-            self.metrics.errors.labels(str(backend.index), "save").inc()
-            return None
-        ok = await self._save(slot, backend, tokens, n)
-        if ok is not None:
+        try:
+            r = await backend.http.post(
+                "/completion",
+                json={
+                    "prompt": tokens[:n].tolist(),
+                    "n_predict": 0,
+                    "id_slot": slot.index,
+                    "cache_prompt": True,
+                },
+            )
+            if r.status_code != 200:
+                self.metrics.errors.labels(str(backend.index), "save").inc()
+                return None
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                evaluated = int(r.json()["timings"]["prompt_n"])
+                self.metrics.prompt_tokens.labels(str(backend.index), "publish").inc(evaluated)
+            done = await self._save(slot, backend, tokens, [n])
+        finally:
+            self.settle(tokens, n)
+        if done is not None and done[0] is not None:
             self._remember(self._key(tokens, n))
-        if ok:
+        if done and done[0]:
             self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
         return tokens[:n]
 
     async def _save(
-        self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
-    ) -> bool | None:
-        """Save the slot and publish it → True: published, False: a duplicate, None: failed."""
+        self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], lengths: list[int]
+    ) -> list[bool | None] | None:
+        """Save the slot once and publish it under the key of each prefix length → for
+        each, True: published, False: a duplicate, None: refused; None: the save failed."""
         with LinkedFile(backend.slot_dir, "save", copy=self.sharing.copy_files) as f:
             try:
                 r = await backend.slot_action(slot.index, "save", f.name)
@@ -189,8 +196,12 @@ class Publisher:
                 logger.warning("save of %s slot %d failed: %s", backend.url, slot.index, exc)
                 self.metrics.errors.labels(str(backend.index), "save").inc()
                 return None
-            if int(r.get("n_saved", -1)) != n:
+            if int(r.get("n_saved", -1)) < max(lengths):
                 self.metrics.errors.labels(str(backend.index), "save").inc()
                 return None
             written = int(r.get("n_written", 0))
-            return await asyncio.to_thread(self.sharing.publish, f, written, tokens, n)
+
+            def publish_all() -> list[bool | None]:
+                return [self.sharing.publish(f, written, tokens, n) for n in lengths]
+
+            return await asyncio.to_thread(publish_all)

@@ -95,20 +95,26 @@ def wait_http(url: str, path: str = "/health", timeout: float = 300) -> None:
 
 async def one_turn(
     http: httpx.AsyncClient, url: str, messages: list[dict[str, str]], max_tokens: int
-) -> tuple[float, str, int]:
+) -> tuple[float, str, int, int]:
+    """→ TTFT, the answer, its tokens, and the prompt tokens the server evaluated (its
+    last event's ``timings``)."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
-    ttft, text, n = 0.0, "", 0
+    ttft, text, n, evaluated = 0.0, "", 0, 0
     async with http.stream("POST", url + "/v1/chat/completions", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
             if not ttft:
                 ttft = time.perf_counter() - t0
-            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content") or ""
+            event = json.loads(line[6:])
+            evaluated = int(event.get("timings", {}).get("prompt_n", evaluated))
+            if not event.get("choices"):
+                continue
+            delta = event["choices"][0].get("delta", {}).get("content") or ""
             text += delta
             n += 1 if delta else 0
-    return ttft, text, n
+    return ttft, text, n, evaluated
 
 
 async def warm_up(http: httpx.AsyncClient, urls: list[str], system: str, max_tokens: int) -> None:
@@ -130,17 +136,18 @@ async def warm_up(http: httpx.AsyncClient, urls: list[str], system: str, max_tok
 async def replay(urls: list[str], a: argparse.Namespace, system: str) -> dict[str, Any]:
     ttfts: list[float] = []
     by_turn: dict[int, list[float]] = {}
-    tokens = 0
+    tokens = evaluated = 0
     rr = iter(range(10**9))
 
     async def user(u: int, http: httpx.AsyncClient) -> None:
-        nonlocal tokens
+        nonlocal tokens, evaluated
         msgs = [{"role": "system", "content": system}]
         for turn, q in enumerate(asks(u, a.turns)):
             msgs.append({"role": "user", "content": q})
             url = urls[next(rr) % len(urls)]
-            ttft, text, n = await one_turn(http, url, msgs, a.max_tokens)
+            ttft, text, n, ev = await one_turn(http, url, msgs, a.max_tokens)
             ttfts.append(ttft)
+            evaluated += ev
             by_turn.setdefault(turn, []).append(ttft)
             tokens += n
             msgs.append({"role": "assistant", "content": text})
@@ -159,6 +166,7 @@ async def replay(urls: list[str], a: argparse.Namespace, system: str) -> dict[st
         "p50": statistics.median(ttfts),
         "p95": ttfts[min(len(ttfts) - 1, int(0.95 * len(ttfts)))],
         "tok_s": tokens / wall,
+        "evaluated": evaluated,
         "turn_means": [round(statistics.mean(by_turn[t]), 3) for t in sorted(by_turn)],
     }
 
@@ -311,6 +319,7 @@ def main() -> None:
         "--router-arg", action="append", default=[], help="one more router option (repeatable)"
     )
     ap.add_argument("--rows", default=",".join(ROWS), help=f"of {','.join(ROWS)}")
+    ap.add_argument("--keep", default=None, help="keep every process's log under this dir")
     ap.add_argument(
         "--hearth", default=str(Path.home() / ".cache/maasd/hearth/bin/hearth"),
         help="the hearth-llm 0.1.1 executable (a venv of its own)",
@@ -333,6 +342,9 @@ def main() -> None:
     }
     rows: dict[str, Any] = {}
     for name in wanted:
+        if a.keep:  # the logs of every process of the row, kept
+            rows[name] = runs[name](Path(tempfile.mkdtemp(prefix=f"{name}-", dir=a.keep)))
+            continue
         with tempfile.TemporaryDirectory(prefix=f"bench-router-{name}-") as t:
             rows[name] = runs[name](Path(t))
         print(name, rows[name], file=sys.stderr, flush=True)
@@ -343,13 +355,13 @@ def main() -> None:
         f"{'warm (one earlier turn per front), ' if a.warm else 'cold, '}"
         f"router: {a.router_slots} slot(s) per backend {' '.join(a.router_arg)}"
     )
-    print("| configuration | mean | p50 | p95 | tok/s | mean / router |")
-    print("|---|---|---|---|---|---|")
+    print("| configuration | mean | p50 | p95 | tok/s | mean / router | prompt tokens evaluated |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():
         ratio = f"{r['mean'] / base:.2f}" if base else "-"
         print(
             f"| {ROWS[name]} | {r['mean']:.3f} | {r['p50']:.3f} | {r['p95']:.3f} "
-            f"| {r['tok_s']:.1f} | {ratio} |"
+            f"| {r['tok_s']:.1f} | {ratio} | {r['evaluated']} |"
         )
     print("\nmean TTFT by turn:", {ROWS[n]: r["turn_means"] for n, r in rows.items()})
     for name, r in rows.items():
