@@ -16,10 +16,13 @@ same ``llama-server`` build (``scripts/llama-server``), model and threads:
 4. ``np2``    — one llama-server with ``-np 2 --cache-ram``.
 
 Every server runs the same build (``scripts/llama-server``), model, threads and
-``-fa off --swa-full``. Reported, never asserted: TTFT mean, p50 and p95 (client side, to
-the first streamed event), and generated tokens per second over the run, with the
+``-fa off --swa-full``. ``--warm`` first sends one earlier user's turn to every front
+(each server of the round-robin): each has seen the shared system prompt once. Reported,
+never asserted: TTFT mean, p50 and p95 (client side, to the first streamed event), the
+mean by turn, generated tokens per second over the run and the prompt tokens the servers
+evaluated (their own ``timings``: what the machine's load does not change), with the
 ratio of each row's mean TTFT to the router's, measured in the same run; for the router,
-where its time went (its own /metrics).
+where its time went (its own /metrics), for hearth-llm its ``/hearth/stats``.
 
 ::
 
