@@ -55,10 +55,11 @@ _OPTIONS = [
     click.option("--model", default=None, help="The GGUF model the backends run."),
     click.option(
         "--slots",
-        default=1,
+        default=4,
         show_default=True,
         type=int,
-        help="Slots (-np) of each backend the router starts.",
+        help="Slots (-np) of each backend the router starts: one per conversation it "
+        "serves at once (one unified KV cache: -c is shared by all of them).",
     ),
     click.option(
         "--backend",

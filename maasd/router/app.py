@@ -51,6 +51,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.fleet = Fleet(config.fleet, self.metrics)
         self.link: Link | None = None
+        self.publish_link: Link | None = None
         self.sharing: Sharing | None = None
         self.proxy = Proxy(self.fleet, None, self.metrics, None)
         self._rest: Client | None = None
@@ -60,6 +61,7 @@ class Router:
         cfg = self.config
         if cfg.socket_path and cfg.key:
             self.link = Link(cfg.socket_path, cfg.key, on_change=self._sharing_changed)
+            self.publish_link = Link(cfg.socket_path, cfg.key)  # publishes: off the request path
             if cfg.maasd_url:
                 self._rest = Client(cfg.maasd_url, cfg.key)
             self.sharing = Sharing(
@@ -71,6 +73,7 @@ class Router:
                 drop=self._drop,
                 count=self.metrics.count_entry,
                 copy_files=cfg.copy_slot_files,
+                publish_link=self.publish_link,
             )
             self.link.get()  # connect now, so the log says at once whether sharing is on
             publisher = Publisher(self.sharing, self.metrics, min_tokens=cfg.min_save_tokens)
@@ -102,8 +105,9 @@ class Router:
     async def stop(self) -> None:
         await self.proxy.drain()
         await self.fleet.close()
-        if self.link is not None:
-            self.link.close()
+        for link in (self.link, self.publish_link):
+            if link is not None:
+                link.close()
         if self._rest is not None:
             self._rest.close()
 

@@ -41,7 +41,8 @@ class RouterMetrics:
         self.prompt_tokens = Counter(
             "maasd_router_prompt_tokens",
             "Prompt tokens by how the backend got them: restored (from maasd), held (in the "
-            "slot already) or evaluated",
+            "slot already) or evaluated; and those evaluated for a publish's prefix-only "
+            "prefill (publish)",
             [*b, "kind"],
             registry=r,
         )
@@ -63,6 +64,22 @@ class RouterMetrics:
             "maasd_router_ttft_seconds",
             "Request arrival to the backend's first response byte",
             b,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tokenize_seconds = Histogram(
+            "maasd_router_tokenize_seconds",
+            "A prompt's tokens from a backend (/apply-template and /tokenize)",
+            buckets=STATE_BUCKETS,
+            registry=r,
+        )
+        self.slot_wait_seconds = Histogram(
+            "maasd_router_slot_wait_seconds", "A request waiting for an idle slot",
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lead_wait_seconds = Histogram(
+            "maasd_router_lead_wait_seconds",
+            "A request waiting for another's publish of the prefix they share",
             buckets=TTFT_BUCKETS,
             registry=r,
         )

@@ -115,15 +115,41 @@ class Proxy:
             return Answer(exc.response.status_code, "application/json", {}, exc.response.content)
         except httpx.TransportError:  # that backend just went away: route by load alone
             tokens = np.empty(0, np.int32)
+        self.metrics.tokenize_seconds.observe(time.monotonic() - t0)
         sharing = False
         if self.sharing is not None and len(tokens) > 0:
             sharing = await asyncio.to_thread(self.sharing.available)
+        lead = 0
+        if sharing and self.publisher is not None:
+            lead = await self.publisher.before(tokens)
+        try:
+            return await self._route(path, body, tokens, sharing, lead, t0)
+        finally:
+            if lead and self.publisher is not None:
+                self.publisher.settle(tokens, lead)
+
+    async def _route(
+        self,
+        path: str,
+        body: dict[str, Any],
+        tokens: npt.NDArray[np.int32],
+        sharing: bool,
+        lead: int,
+        t0: float,
+    ) -> Answer:
+        """A slot, a restore (and a lead's publish), then the request; once more on a
+        transport error before anything reached the client."""
         for attempt in range(2):
+            t_wait = time.monotonic()
             choice = await self.fleet.acquire(tokens, sharing=sharing)
+            self.metrics.slot_wait_seconds.observe(time.monotonic() - t_wait)
             turn = Turn(choice.slot, self.fleet.backend_of(choice.slot), tokens, t0=t0)
             try:
                 if choice.restore:
                     await self._restore(turn, choice.held)
+                if lead:
+                    await self._lead(turn, lead)
+                    lead = 0
                 body["id_slot"] = turn.slot.index
                 body["cache_prompt"] = True
                 data = json.dumps(body).encode()
@@ -142,6 +168,18 @@ class Proxy:
                 raise
         err = {"error": {"message": "the backend went away", "type": "server_error"}}
         return Answer(502, "application/json", {}, json.dumps(err).encode())
+
+    async def _lead(self, turn: Turn, n: int) -> None:
+        """Publish the shared prefix ``tokens[:n]`` from this request's slot before the
+        request goes on (others wait for it), unless the slot holds it already."""
+        assert self.publisher is not None
+        if common_prefix(turn.slot.held, turn.tokens) >= n:
+            return
+        held = await self.publisher.lead(turn.slot, turn.backend, turn.tokens, n)
+        if held is None:
+            turn.slot.forget()
+        else:
+            turn.slot.held = held.copy()
 
     async def _restore(self, turn: Turn, held: int) -> None:
         assert self.sharing is not None

@@ -12,20 +12,36 @@ a restore is ~10 ms, a 64-token prefill of a small model about as much):
   prompt, a shared document — is the one the next user will send too, and the prompt's
   own prefix cannot serve them (its key covers this user's question).
 
-A prefix published (or found a duplicate) recently is not saved again.
+A prefix published (or found a duplicate) recently is not saved again, and one being
+published is waited for, not computed twice.
 
-How (:meth:`Publisher.after`), per length ``n``, longest first while the request's slot
-is still held: a prefix-only prefill (``/completion`` with the ``n`` tokens,
-``n_predict: 0``) so the slot holds exactly them — for a sliding-window model the only
-state that can be continued, for any model the one the key describes; the server's
-save into an unsealed memfd of the router; then a copy into a ``put`` entry and a
-``commit`` (:meth:`Sharing.publish`).
+**A shared prefix is published before the request that found it is answered**
+(:meth:`Publisher.before`): when a prompt arrives sharing a prefix of at least
+``min_tokens`` with a prompt seen before (a system prompt, a document: the first users of
+a fleet send it at once) that maasd does not hold yet, this request *leads*: its slot
+prefills that prefix alone, saves and publishes it, then goes on with the rest of the
+prompt; the requests that arrive meanwhile with the same prefix wait for it (at most
+``wait_s``) and then restore it, on any backend, instead of each prefilling it again at
+once on the same few cores. A prefix being published *after* an answer (the previous
+turn of a conversation, whose next turn comes at once) is waited for the same way: the
+slot that saves it holds the whole conversation, and the next turn goes on there.
+
+How, after an answer (:meth:`Publisher.after`), while the request's slot is still held:
+one save of the slot as it is — the prompt and the answer, nothing prefilled again,
+nothing the next turn needs cut off (with ``--swa-full`` a sliding-window model continues
+such a state: measured, 3 of 110 tokens evaluated) — into an unsealed memfd of the
+router, then for each length a copy into a ``put`` entry under the key of that prefix
+(all the saved tokens in its header: a restore trims to what a prompt shares) and a
+``commit`` (:meth:`Sharing.publish`). Before an answer (:meth:`Publisher.lead`): a
+prefix-only prefill (``/completion`` with the ``n`` tokens, ``n_predict: 0``) so the slot
+holds exactly the shared prefix, then the same save and publish.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 
@@ -51,12 +67,16 @@ class Publisher:
         *,
         min_tokens: int = 128,
         recent: int = 64,
+        wait_s: float = 60.0,
     ) -> None:
         self.sharing = sharing
         self.metrics = metrics
         self.min_tokens = max(min_tokens, sharing.chunk)
+        self.wait_s = wait_s
         self._recent: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
+        self._arrived: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._pending: dict[str, asyncio.Event] = {}  # keys being published now
 
     def _boundary(self, n: int) -> int:
         return n - n % self.sharing.chunk
@@ -73,9 +93,39 @@ class Publisher:
         out: list[int] = []
         for n in (self._boundary(len(tokens)), self._boundary(shared)):
             fresh = n >= self.min_tokens and n > restored and n not in out
-            if fresh and self._key(tokens, n) not in self._done:
+            key = self._key(tokens, n) if fresh else ""
+            if fresh and key not in self._done and key not in self._pending:
                 out.append(n)
+                self._pending[key] = asyncio.Event()
         return sorted(out, reverse=True)
+
+    async def before(self, tokens: npt.NDArray[np.int32]) -> int:
+        """On arrival: the length of a shared prefix this request publishes before it is
+        answered (0: none; the caller settles it then: :meth:`settle`). Waits first, if another
+        request is publishing the prefix this one shares."""
+        shared = max((common_prefix(r, tokens) for r in self._arrived), default=0)
+        self._arrived.append(tokens)
+        n = self._boundary(shared)
+        if n < self.min_tokens or not self.sharing.up:
+            return 0
+        key = self._key(tokens, n)
+        if key in self._done:
+            return 0
+        pending = self._pending.get(key)
+        if pending is not None:
+            t0 = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pending.wait(), self.wait_s)
+            self.metrics.lead_wait_seconds.observe(time.monotonic() - t0)
+            return 0
+        self._pending[key] = asyncio.Event()
+        return n
+
+    def settle(self, tokens: npt.NDArray[np.int32], n: int) -> None:
+        """The publish of ``tokens[:n]`` is over (done or failed): its waiters go on."""
+        ev = self._pending.pop(self._key(tokens, n), None)
+        if ev is not None:
+            ev.set()
 
     def _remember(self, key: str) -> None:
         self._done[key] = None
@@ -85,11 +135,31 @@ class Publisher:
     async def after(
         self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], plan: list[int]
     ) -> npt.NDArray[np.int32] | None:
-        """Publish the prefixes of ``plan`` from ``slot`` → what the slot holds after."""
-        held: npt.NDArray[np.int32] | None = tokens
-        for n in plan:
-            t0 = time.monotonic()
-            held = None  # until the prefill says otherwise
+        """After the answer: save ``slot`` as it is (the prompt and the answer: nothing is
+        prefilled again, nothing the next turn needs is cut off) and publish it under the
+        key of each prefix in ``plan`` → what the slot holds after (None: unknown)."""
+        t0 = time.monotonic()
+        try:
+            done = await self._save(slot, backend, tokens, plan)
+        finally:
+            for n in plan:
+                self.settle(tokens, n)
+        if done is None:
+            return tokens  # the save failed; the slot holds what it held
+        for n, ok in zip(plan, done, strict=True):
+            if ok is not None:
+                self._remember(self._key(tokens, n))
+        if any(done):
+            self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
+        return tokens
+
+    async def lead(
+        self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
+    ) -> npt.NDArray[np.int32] | None:
+        """Before the answer: prefill ``tokens[:n]`` alone in ``slot``, save and publish it
+        → what the slot holds (None: unknown)."""
+        t0 = time.monotonic()
+        try:
             r = await backend.http.post(
                 "/completion",
                 json={
@@ -102,18 +172,23 @@ class Publisher:
             if r.status_code != 200:
                 self.metrics.errors.labels(str(backend.index), "save").inc()
                 return None
-            held = tokens[:n]
-            ok = await self._save(slot, backend, tokens, n)
-            if ok is not None:
-                self._remember(self._key(tokens, n))
-            if ok:
-                self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
-        return held
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                evaluated = int(r.json()["timings"]["prompt_n"])
+                self.metrics.prompt_tokens.labels(str(backend.index), "publish").inc(evaluated)
+            done = await self._save(slot, backend, tokens, [n])
+        finally:
+            self.settle(tokens, n)
+        if done is not None and done[0] is not None:
+            self._remember(self._key(tokens, n))
+        if done and done[0]:
+            self.metrics.save_seconds.labels(str(backend.index)).observe(time.monotonic() - t0)
+        return tokens[:n]
 
     async def _save(
-        self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], n: int
-    ) -> bool | None:
-        """Save the slot and publish it → True: published, False: a duplicate, None: failed."""
+        self, slot: Slot, backend: Backend, tokens: npt.NDArray[np.int32], lengths: list[int]
+    ) -> list[bool | None] | None:
+        """Save the slot once and publish it under the key of each prefix length → for
+        each, True: published, False: a duplicate, None: refused; None: the save failed."""
         with LinkedFile(backend.slot_dir, "save", copy=self.sharing.copy_files) as f:
             try:
                 r = await backend.slot_action(slot.index, "save", f.name)
@@ -121,8 +196,12 @@ class Publisher:
                 logger.warning("save of %s slot %d failed: %s", backend.url, slot.index, exc)
                 self.metrics.errors.labels(str(backend.index), "save").inc()
                 return None
-            if int(r.get("n_saved", -1)) != n:
+            if int(r.get("n_saved", -1)) < max(lengths):
                 self.metrics.errors.labels(str(backend.index), "save").inc()
                 return None
             written = int(r.get("n_written", 0))
-            return await asyncio.to_thread(self.sharing.publish, f, written, tokens, n)
+
+            def publish_all() -> list[bool | None]:
+                return [self.sharing.publish(f, written, tokens, n) for n in lengths]
+
+            return await asyncio.to_thread(publish_all)

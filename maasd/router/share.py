@@ -1,7 +1,9 @@
 """The router's side of maasd: find a prefix and stage it for a restore; publish a saved slot.
 
 Blocking (the worker socket is), so the router calls these from a thread, one at a
-time (:class:`Sharing` holds a lock). While maasd is unreachable every call is a miss
+time per connection: lookups (on a request's path) and publishes (after an answer, in
+the background) each have a connection and a lock of their own, so a restore never
+queues behind a publish's copy and commit. While maasd is unreachable every call is a miss
 and the router is a plain balancer (:class:`~maasd.llama.link.Link` says so, once, in
 the log; ``maasd_router_sharing`` in ``/metrics``).
 """
@@ -61,8 +63,10 @@ class Sharing:
         drop: Callable[[str], None] | None = None,
         count: Callable[[str, str], None] | None = None,
         copy_files: bool = False,
+        publish_link: Link | None = None,
     ) -> None:
         self.link = link
+        self.publish_link = publish_link or link
         self.fingerprint = fingerprint
         self.chunk = check_chunk(chunk)
         self.pool = pool
@@ -70,6 +74,7 @@ class Sharing:
         self._drop = drop  # releases an entry that failed validation (REST), best effort
         self._count = count or (lambda _what, _kind: None)
         self._lock = threading.Lock()
+        self._publish_lock = self._lock if self.publish_link is link else threading.Lock()
         self.copy_files = copy_files  # real files in the slot dir, not /proc links
 
     @property
@@ -141,14 +146,15 @@ class Sharing:
     # -- publish
 
     def publish(self, saved: LinkedFile, n_written: int, tokens: Any, key_len: int) -> bool:
-        """Copy a slot file the server saved (holding ``tokens[:key_len]``) into a new
-        entry under the key of that prefix and commit it → whether it was published."""
+        """Copy a slot file the server saved (holding ``tokens[:key_len]`` and perhaps
+        more: an answer) into a new entry under the key of that prefix, all of the saved
+        tokens in its header, and commit it → whether it was published."""
         key = next(k for n, k in self.keys(np.asarray(tokens)[:key_len]) if n == key_len)
         mm, src = saved.map(n_written, write=False)
         try:
             form = check_file_form(src, n_written)
-            if len(form.tokens) != key_len or not np.array_equal(
-                form.tokens, np.asarray(tokens, dtype=np.int32)[:key_len]
+            if len(form.tokens) < key_len or not np.array_equal(
+                form.tokens[:key_len], np.asarray(tokens, dtype=np.int32)[:key_len]
             ):
                 raise StateError(f"the slot saved {len(form.tokens)} other tokens")
             return self._put(key, form, src)
@@ -160,8 +166,9 @@ class Sharing:
         from maasd.router.state import entry_size
 
         size = entry_size(len(form.tokens), form.state_len)
-        with self._lock:
-            worker = self.link.get()
+        link = self.publish_link
+        with self._publish_lock:
+            worker = link.get()
             if worker is None:
                 return False
             try:
@@ -170,7 +177,7 @@ class Sharing:
                 self._count("publish", "duplicate")
                 return False
             except (ce.MaasdClientError, OSError) as exc:
-                self.link.failed(exc)
+                link.failed(exc)
                 self._count("publish", "refused")
                 logger.info("publish of %s refused: %s", key, exc)
                 return False
@@ -183,7 +190,7 @@ class Sharing:
             try:
                 worker.commit(m)
             except (ce.MaasdClientError, OSError) as exc:
-                self.link.failed(exc)
+                link.failed(exc)
                 self._count("publish", "refused")
                 return False
         self._count("publish", "ok")

@@ -276,3 +276,50 @@ def test_sharing_refuses_a_chunk_that_is_not_positive_at_once(chunk: int) -> Non
     link = Link("/nowhere", "key", open_worker=lambda _s, _k: _Open())
     with pytest.raises(ValueError, match="chunk must be > 0"):
         Sharing(link, FP, chunk=chunk)
+
+
+def test_a_shared_prefix_is_published_by_one_request_and_waited_for_by_the_others() -> None:
+    import asyncio
+
+    async def main() -> None:
+        p = publisher()
+        system = list(range(100, 113))  # 13 tokens
+        a = held(*system, 1, 2, 3)
+        assert await p.before(a) == 0  # nothing seen before: nothing shared
+        b = held(*system, 4, 5, 6)
+        assert await p.before(b) == 12  # shares 13 with a: b publishes its 12 first
+        c = held(*system, 7, 8, 9)
+        waiter = asyncio.create_task(p.before(c))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()  # c waits for b's publish …
+        p.settle(b, 12)
+        assert await waiter == 0  # … then goes on, to restore it
+        assert await p.before(held(*system, 5, 5, 5)) == 12  # b failed: the next one leads
+        p._remember(p._key(b, 12))
+        p.settle(b, 12)
+        assert await p.before(held(*system, 6, 6, 6)) == 0  # published: nobody leads again
+        # a prefix being published after an answer is waited for the same way
+        d = held(*range(300, 320))
+        assert await p.before(d) == 0  # every request arrives first
+        assert p.plan(d, restored=0) == [20]
+        again = asyncio.create_task(p.before(held(*range(300, 320), 1)))
+        await asyncio.sleep(0.05)
+        assert not again.done()
+        p.settle(d, 20)
+        assert await again == 0
+
+    asyncio.run(main())
+
+
+def test_a_waiter_gives_up_after_wait_s() -> None:
+    import asyncio
+
+    async def main() -> None:
+        p = publisher()
+        p.wait_s = 0.05
+        system = list(range(100, 113))
+        await p.before(held(*system, 1))
+        assert await p.before(held(*system, 2)) == 12  # leads, and never settles
+        assert await asyncio.wait_for(p.before(held(*system, 3)), 5) == 0  # not stuck
+
+    asyncio.run(main())
