@@ -80,6 +80,18 @@ def held_infos(store: Store, runtime: Runtime, tenant_id: str | None) -> list[Bu
     return infos
 
 
+def held_durable(runtime: Runtime, who: Principal, buffer_id: str) -> bool | None:
+    """Whether releasing a buffer this process holds for ``who`` waits for the disk (its
+    pool's persistence), without a ledger read: a region held here is a row of this host,
+    and the release's compare-and-set checks the rest (the tenant, a live or staged row).
+    ``None`` when it is not held here for ``who``."""
+    held = runtime.held(buffer_id)
+    if held is None or (not who.is_admin and held.tenant_id != who.tenant_id):
+        return None
+    live = runtime.pool(held.pool_id)
+    return None if live is None else must_last(live.row.persistence)
+
+
 class Buffers:
     """The buffer use-cases of one daemon."""
 
@@ -346,22 +358,11 @@ class Buffers:
         """Scrub and free a buffer (a staged entry too: its commit then answers 409); every
         byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
-        durable = self._held_durable(who, buffer_id)
+        durable = held_durable(self._runtime, who, buffer_id)
         if durable is None:  # not held here for the caller: the ledger says what it is
             durable = must_last(self._held_here(self._own_row(who, buffer_id)).persistence)
         row = self._store.mark_releasing(buffer_id, tenant_id, only_leased=True, durable=durable)
         self._releaser.release_row(row, reason="release", marked=True)
-
-    def _held_durable(self, who: Principal, buffer_id: str) -> bool | None:
-        """Whether releasing a buffer this process holds for ``who`` waits for the disk
-        (its pool's persistence), without a ledger read: a region held here is a row of
-        this host, and the release's compare-and-set checks the rest (the tenant, a live
-        or staged row). ``None`` when it is not held here for ``who``."""
-        held = self._runtime.held(buffer_id)
-        if held is None or (not who.is_admin and held.tenant_id != who.tenant_id):
-            return None
-        live = self._runtime.pool(held.pool_id)
-        return None if live is None else must_last(live.row.persistence)
 
     def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit:
         """The longest of ``lookup_keys`` (ordered short → long) with a live buffer here."""
