@@ -8,8 +8,9 @@ A reserve records its intent in the ledger before it touches memory::
 
 so that a crash at any point leaves rows that recovery can settle. An entry's put
 is admitted ``staged`` (it stays so until its commit) and goes without the last
-write: once its region is held, a read checks that the row was not released
-meanwhile.
+write: a release of the row before its region is held finds no region and leaves a
+note in the runtime (:mod:`maasd.core.inflight`), which the put reads once it holds the
+region, instead of reading the row again.
 """
 
 from __future__ import annotations
@@ -168,24 +169,31 @@ class Buffers:
                 last_used_at=now,
                 kind=kind,
             )
-            try:
-                # The daemon's own budget of fds and mappings first (507 resource-limit),
-                # before the ledger is asked: a region is one of each; the tenant's
-                # fair share of it too.
-                with self._budget.admit(tenant_id, self._runtime.tenant_regions(tenant_id)):
-                    # victims released; only bytes that really came free make room
-                    row = room.admit(
-                        self._store, self._runtime, self._releaser, row, uses=uses, leases=extended
-                    )  # uses and leases: written by the admitting transaction
-                    region = self._create(row, live, frozen=frozen)
-            except PoolExhausted as e:  # this pool is full now: try the next one
-                last_error = e
-                continue
-            except BaseException:
-                self._runtime.untake_uses(uses, extended)  # unwritten: kept for later
-                raise
-            self._check_placement(row, live, region)
-            return self._go_live(row, region)
+            # a put's row released before its region is held: noted (maasd.core.inflight)
+            with self._runtime.puts.admitting(row.id, kind == "entry"):
+                try:
+                    # The daemon's own budget of fds and mappings first (507 resource-limit),
+                    # before the ledger is asked: a region is one of each; the tenant's
+                    # fair share of it too.
+                    with self._budget.admit(tenant_id, self._runtime.tenant_regions(tenant_id)):
+                        # victims released; only bytes that really came free make room
+                        row = room.admit(
+                            self._store,
+                            self._runtime,
+                            self._releaser,
+                            row,
+                            uses=uses,
+                            leases=extended,
+                        )  # uses and leases: written by the admitting transaction
+                        region = self._create(row, live, frozen=frozen)
+                except PoolExhausted as e:  # this pool is full now: try the next one
+                    last_error = e
+                    continue
+                except BaseException:
+                    self._runtime.untake_uses(uses, extended)  # unwritten: kept for later
+                    raise
+                self._check_placement(row, live, region)
+                return self._go_live(row, region)
         self._runtime.untake_uses(uses, extended)
         assert last_error is not None
         raise last_error
@@ -255,15 +263,13 @@ class Buffers:
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
         state: BufferState = "staged" if row.kind == "entry" else "live"
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
-        # The region is held before the row goes live (or is checked staged), so that
+        # The region is held before the row goes live (or its put reads its note), so that
         # whoever releases the row from then on finds its memory.
         self._runtime.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
-        if state == "staged":
-            try:
-                self._check_staged(row.id)
-            except NotFound:
+        if state == "staged":  # a release that found no region yet left a note: no read
+            if self._runtime.puts.settle(row.id):
                 self._releaser.drop_region(row)
-                raise
+                raise NotFound(f"entry {row.id} was released while it was put")
             return buffer_info(msgspec.structs.replace(row, state=state))
         # A volatile buffer's ledger writes do not wait for the disk (store/base.py).
         if not self._store.advance(row.id, "reserving", "live", durable=must_last(row.persistence)):
@@ -279,13 +285,6 @@ class Buffers:
             )
         self._runtime.set_live(row.id)
         return buffer_info(msgspec.structs.replace(row, state=state))
-
-    def _check_staged(self, buffer_id: str) -> None:
-        """NotFound unless the entry's row is still staged (a read, not a write): a release
-        that took the row before the region was held found nothing to drop (one after does)."""
-        row = self._store.buffer(buffer_id)
-        if row is None or row.state != "staged":
-            raise NotFound(f"entry {buffer_id} was released while it was put")
 
     def flush_uses(self) -> None:
         """Write the attach and lookup-hit times gathered since the last flush (the LRU

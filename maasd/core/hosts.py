@@ -144,6 +144,7 @@ class Hosts:
                 dropped += 1
         for live in self._runtime.pools():
             self._runtime.remove_pool(live.row.id)
+        self._runtime.puts.forsake()  # puts in flight: their rows went too
         self.incarnation = keys.new_id()
         return dropped
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from maasd.allocator import Pool, Region
 from maasd.core.holders import Holders
+from maasd.core.inflight import PutsInFlight
 from maasd.core.rofds import ReadOnlyFds
 from maasd.errors import NotFound, StateConflict
 from maasd.models import BufferKind
@@ -104,6 +105,7 @@ class Runtime:
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
         self._by_tenant: Counter[str] = Counter()  # held regions per tenant
+        self.puts = PutsInFlight(self._regions_lock)  # admitted, not held yet
         self._ro = ReadOnlyFds()  # the hottest committed entries' read-only fds
         self._attach_lock = threading.Lock()
         self._attached_by_tenant: Counter[str] = Counter()
@@ -215,6 +217,7 @@ class Runtime:
             self._busy.pop(buffer_id, None)
             held = self._held.pop(buffer_id, None)
             if held is None:
+                self.puts.missing_locked(buffer_id)  # a put's, not held yet: it drops it
                 return None
             self._by_tenant[held.tenant_id] -= 1
             self._ro.drop(buffer_id)
@@ -358,8 +361,7 @@ class Runtime:
     # -- uses (the LRU order) and lease extensions, batched --------------------------------
 
     def touch(self, buffer_id: str, when: float, expires_at: float | None = None) -> None:
-        """Remember a use of the buffer (and a lease extension to ``expires_at``); written
-        to the ledger by :meth:`take_uses`' caller."""
+        """Remember a use (and a lease extension to ``expires_at``), for :meth:`take_uses`."""
         with self._uses_lock:
             self._uses[buffer_id] = when
             if expires_at is not None and expires_at > self._leases.get(buffer_id, 0.0):
@@ -376,8 +378,7 @@ class Runtime:
             return self._leases.get(buffer_id)
 
     def take_uses(self) -> tuple[dict[str, float], dict[str, float]]:
-        """The uses and lease extensions remembered so far, forgotten here (the caller
-        writes them)."""
+        """The uses and lease extensions remembered so far, forgotten here (for the writer)."""
         with self._uses_lock:
             uses, self._uses = self._uses, {}
             leases, self._leases = self._leases, {}
