@@ -149,6 +149,9 @@ class Outcome:
     authed: int | None = None
     #: nothing to send yet: run the op again on the slow pool (an inline op that must wait)
     defer: bool = False
+    #: the reply was sent from the slow pool's thread, but for a rest queued on the
+    #: connection (``reply`` and ``fds`` are cleared once sent): the loop watches for writing
+    queued: bool = False
 
 
 @dataclass(frozen=True, slots=True)

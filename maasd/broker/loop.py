@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 
 from maasd import errors
-from maasd.protocol import ProtocolError, Request
+from maasd.protocol import ProtocolError, Request, encode_frame
 
 from .acceptor import Acceptor
 from .connection import Connection
@@ -263,7 +263,9 @@ class EventLoop:
         """On a slow-pool thread: serve, then hand the outcome back to the loop."""
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
-        self.post(conn, self.dispatcher.run(op, req, session, fields))
+        outcome = self.dispatcher.run(op, req, session, fields)
+        _answer_now(conn, outcome)
+        self.post(conn, outcome)
 
     def _abandon(self, conn: Connection, buffer_id: str) -> None:
         """``conn`` went away holding a staged entry: release it on the slow pool (a scrub).
@@ -305,6 +307,8 @@ class EventLoop:
 
     def _deliver_and_go_on(self, conn: Connection, outcome: Outcome) -> None:
         self.table.deliver(conn, outcome)
+        if outcome.queued and not conn.closed:  # the rest of a reply sent by a slow thread
+            self.table.waiting(conn)
         self._process(conn)
 
     def _resume(self, conn: Connection) -> None:
@@ -353,3 +357,20 @@ class EventLoop:
             for fd in (self.wake_r, self.wake_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _answer_now(conn: Connection, outcome: Outcome) -> None:
+    """(a slow-pool thread) Send ``outcome``'s reply to the peer now, if the connection
+    can take it without the loop (:meth:`Connection.try_send`): the peer has its answer
+    without waiting for the loop thread to wake. The loop still applies the rest of the
+    outcome (what the connection holds, ``busy``) before it reads the peer's next frame.
+    A reply that closes the connection, or that does not encode, is the loop's to send."""
+    if outcome.reply is None or outcome.close or outcome.defer:
+        return
+    try:
+        frame = encode_frame(outcome.reply)
+    except ProtocolError:  # FrameTooLarge: the loop answers 500 in its place
+        return
+    sent = conn.try_send(frame, outcome.fds)
+    if sent is not None:
+        outcome.reply, outcome.fds, outcome.queued = None, (), not sent
