@@ -152,6 +152,8 @@ class Outcome:
     #: the reply was sent from the slow pool's thread, but for a rest queued on the
     #: connection (``reply`` and ``fds`` are cleared once sent): the loop watches for writing
     queued: bool = False
+    #: fds went with a reply sent from the slow pool's thread (the kernel took them again)
+    passed_fds: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -263,9 +263,7 @@ class EventLoop:
         """On a slow-pool thread: serve, then hand the outcome back to the loop."""
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
-        outcome = self.dispatcher.run(op, req, session, fields)
-        _answer_now(conn, outcome)
-        self.post(conn, outcome)
+        self.post(conn, _answer_now(conn, self.dispatcher.run(op, req, session, fields)))
 
     def _abandon(self, conn: Connection, buffer_id: str) -> None:
         """``conn`` went away holding a staged entry: release it on the slow pool (a scrub).
@@ -309,6 +307,8 @@ class EventLoop:
         self.table.deliver(conn, outcome)
         if outcome.queued and not conn.closed:  # the rest of a reply sent by a slow thread
             self.table.waiting(conn)
+        if outcome.passed_fds:  # as a reply with fds the loop sends: fds pass again
+            self.table.inflight.refused_at = None
         self._process(conn)
 
     def _resume(self, conn: Connection) -> None:
@@ -359,18 +359,21 @@ class EventLoop:
                     os.close(fd)
 
 
-def _answer_now(conn: Connection, outcome: Outcome) -> None:
+def _answer_now(conn: Connection, outcome: Outcome) -> Outcome:
     """(a slow-pool thread) Send ``outcome``'s reply to the peer now, if the connection
     can take it without the loop (:meth:`Connection.try_send`): the peer has its answer
     without waiting for the loop thread to wake. The loop still applies the rest of the
     outcome (what the connection holds, ``busy``) before it reads the peer's next frame.
-    A reply that closes the connection, or that does not encode, is the loop's to send."""
+    A reply that closes the connection, or that does not encode, is the loop's to send.
+    Returns ``outcome``."""
     if outcome.reply is None or outcome.close or outcome.defer:
-        return
+        return outcome
     try:
         frame = encode_frame(outcome.reply)
     except ProtocolError:  # FrameTooLarge: the loop answers 500 in its place
-        return
+        return outcome
     sent = conn.try_send(frame, outcome.fds)
     if sent is not None:
+        outcome.passed_fds = bool(outcome.fds)
         outcome.reply, outcome.fds, outcome.queued = None, (), not sent
+    return outcome
