@@ -415,7 +415,7 @@ class Region:
         with self._lock:
             self._check_open()
             if mode == "zero" and self.backing == "memfd":
-                _sys.memset(self._addr, 0, self.size)
+                _zero_present(self)
                 if punch:
                     _punch(self, zeroed=True)
             else:
@@ -542,6 +542,59 @@ def _punch(region: Region, *, zeroed: bool) -> None:
         logger.warning(
             "punching %r failed (%s); its bytes were zeroed through the mapping", region, e.detail
         )
+
+
+#: Data ranges of a memfd that :func:`_zero_present` zeroes one by one; past this many
+#: it zeroes the rest of the region in one memset.
+ZERO_RANGES = 64
+
+
+def _zero_present(region: Region) -> None:
+    """Zero a ``memfd`` region's bytes through the daemon's mapping, skipping its holes.
+
+    A hole (a page never written, or punched) reads zero through every mapping already,
+    and a memset over it would first fault a page in to zero it: 0.6 ms for an untouched
+    MiB here against 0.01 ms for a populated one (a REST buffer of a pool without
+    prefault, released unused). ``st_blocks`` (shmem: the pages allocated, swapped out
+    included) answers the two common cases, none and all, with one ``fstat``; otherwise
+    ``SEEK_DATA``/``SEEK_HOLE`` name the ranges that may hold bytes (a page allocated
+    but never written is a hole, and reads zero). What a worker writes after this call
+    is not zeroed here, as with a whole memset; the reclaimer's punch follows.
+    """
+    fd, addr, size = region.fd, region.address, region.size
+    try:
+        allocated = os.fstat(fd).st_blocks * 512
+    except OSError:
+        allocated = size
+    if allocated == 0:
+        return
+    off = 0 if allocated >= size else _zero_data_ranges(fd, addr, size)
+    if off < size:
+        _sys.memset(addr + off, 0, size - off)
+
+
+def _zero_data_ranges(fd: int, addr: int, size: int) -> int:
+    """Zero the first :data:`ZERO_RANGES` data ranges of the memfd ``fd`` mapped at
+    ``addr``; the offset from which the rest is still to be zeroed (``size``: none)."""
+    off = 0
+    try:
+        for _ in range(ZERO_RANGES):
+            try:
+                start = os.lseek(fd, off, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data from ``off`` on
+                    return size
+                raise
+            if start >= size:
+                return size
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            _sys.memset(addr + start, 0, end - start)
+            off = end
+            if off >= size:
+                return size
+    except OSError as e:  # never on Linux shmem: zero the rest whole
+        logger.debug("lseek(SEEK_DATA) on memfd %d failed (%s): zeroing from %d on", fd, e, off)
+    return off
 
 
 def _zero_mapped(region: Region) -> None:

@@ -1,8 +1,13 @@
 """One accepted peer: its credentials, its input and output buffers, what it holds.
 
 All methods are non-blocking and run on the broker's event loop thread, which
-is the only thread that touches a :class:`Connection` (slow operations hand
-their result back to the loop instead of writing here).
+is the only thread that touches a :class:`Connection` — except :meth:`Connection.
+try_send`: a slow operation's thread sends its reply itself when nothing is queued
+(one thread hand-over less before the peer has its answer), and hands the outcome
+back to the loop all the same. Everything that writes to the socket, closes it or
+changes the output queue holds the connection's send lock, so that a reply sent
+from another thread never meets a closed (or reused) fd, nor interleaves with a
+frame the loop sends.
 
 Output is a queue of ``[bytes-left, fds]`` messages. The broker reads no
 further frame from a connection while its queue is non-empty or an operation
@@ -29,6 +34,7 @@ import os
 import socket
 import struct
 import termios
+import threading
 
 from maasd.models import Principal
 from maasd.protocol import FrameReader
@@ -84,6 +90,7 @@ class Connection:
         "pid",
         "principal",
         "reader",
+        "send_lock",
         "sock",
         "staged",
         "uid",
@@ -117,6 +124,8 @@ class Connection:
         #: closed for the broker, but its peer has not read fds sent to it yet
         self.draining = False
         self.events = 0  # selector events registered now (0: not registered)
+        #: held to write to the socket, close it, or change ``out`` (see the module docstring)
+        self.send_lock = threading.Lock()
 
     @property
     def tenant(self) -> str | None:
@@ -150,22 +159,47 @@ class Connection:
         fds. The fds are owned from here on: closed once sent, or by :meth:`close`.
         ``about`` (the reply's outcome) is kept with a queued reply.
         """
-        if self.out:
-            self.out.append(_Outgoing(memoryview(frame), fds, about))
-            return self.flush()
-        self.awaiting_peer = False
-        try:
-            sent = self._send_once(frame, fds)
-        except FdsRefused:
-            self.out.append(_Outgoing(memoryview(frame), fds, about))
-            raise
-        except OSError:
-            _close_all(fds)  # never queued: nobody else will close them
-            raise
-        if sent == len(frame):
+        with self.send_lock:
+            if self.out:
+                self.out.append(_Outgoing(memoryview(frame), fds, about))
+                return self._flush()
+            self.awaiting_peer = False
+            try:
+                sent = self._send_once(frame, fds)
+            except FdsRefused:
+                self.out.append(_Outgoing(memoryview(frame), fds, about))
+                raise
+            except OSError:
+                _close_all(fds)  # never queued: nobody else will close them
+                raise
+            if sent == len(frame):
+                return True
+            self.out.append(_Outgoing(memoryview(frame)[sent:], () if sent else fds, about))
+            return False
+
+    def try_send(self, frame: bytes, fds: tuple[int, ...] = ()) -> bool | None:
+        """From a slow operation's thread: send a reply now if that is simple — the
+        connection open, nothing queued, the peer not owing a read of earlier fds.
+
+        ``None``: nothing was sent, the fds are still the caller's (the loop sends the
+        reply as usual). ``True``: all of it went; ``False``: the rest is queued for
+        :meth:`flush` (the loop must watch for writing). Either way the fds are sent
+        and closed here. A failure leaves the socket to the loop (its own send fails
+        the same way and closes it).
+        """
+        with self.send_lock:
+            if self.closed or self.out or (fds and self.fds_sent and self.unread()):
+                return None
+            try:
+                sent = self._send_once(frame, fds)
+            except (FdsRefused, OSError):
+                return None
+            if sent == 0:
+                return None
+            if sent < len(frame):
+                self.out.append(_Outgoing(memoryview(frame)[sent:], ()))
+                return False
             return True
-        self.out.append(_Outgoing(memoryview(frame)[sent:], () if sent else fds, about))
-        return False
 
     def flush(self) -> bool:
         """Send what is queued as far as the kernel takes it; True when the queue is empty.
@@ -173,6 +207,11 @@ class Connection:
         Raises ``OSError`` when the peer is gone (EPIPE, ECONNRESET, …), and
         :class:`FdsRefused` as :meth:`send` does.
         """
+        with self.send_lock:
+            return self._flush()
+
+    def _flush(self) -> bool:
+        """(the send lock held) :meth:`flush`."""
         self.awaiting_peer = False
         while self.out:
             msg = self.out[0]
@@ -188,7 +227,8 @@ class Connection:
     def take_refused(self) -> object:
         """Drop the queued reply :class:`FdsRefused` was raised for (closing its fds);
         returns its ``about``."""
-        msg = self.out.popleft()
+        with self.send_lock:
+            msg = self.out.popleft()
         _close_all(msg.fds)
         return msg.about
 
@@ -225,22 +265,24 @@ class Connection:
     def shut(self) -> None:
         """Closed for the broker, socket kept: drop unsent replies (closing their fds) and
         shut the write side, so that the peer reads what it was sent, then EOF."""
-        self.closed = self.draining = True
-        for msg in self.out:
-            _close_all(msg.fds)
-        self.out.clear()
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
+        with self.send_lock:
+            self.closed = self.draining = True
+            for msg in self.out:
+                _close_all(msg.fds)
+            self.out.clear()
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
         """Close the socket and every fd of a reply that was never sent."""
-        self.closed = True
-        self.draining = False
-        for msg in self.out:
-            _close_all(msg.fds)
-        self.out.clear()
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        with self.send_lock:
+            self.closed = True
+            self.draining = False
+            for msg in self.out:
+                _close_all(msg.fds)
+            self.out.clear()
+            with contextlib.suppress(OSError):
+                self.sock.close()
 
 
 class _Outgoing:

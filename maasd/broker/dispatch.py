@@ -196,6 +196,11 @@ class Outcome:
     #: a hello checked on the slow pool: ``(principal or None if refused, api_key)``, for
     #: the loop to apply (:meth:`maasd.broker.table.ConnectionTable.welcome`)
     hello: tuple[Principal | None, str | None] | None = None
+    #: the reply was sent from the slow pool's thread, but for a rest queued on the
+    #: connection (``reply`` and ``fds`` are cleared once sent): the loop watches for writing
+    queued: bool = False
+    #: fds went with a reply sent from the slow pool's thread (the kernel took them again)
+    passed_fds: bool = False
 
 
 @dataclass(frozen=True, slots=True)

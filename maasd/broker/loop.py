@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 
 from maasd import errors
-from maasd.protocol import ProtocolError, Request
+from maasd.protocol import ProtocolError, Request, encode_frame
 from maasd.store import hotpath
 
 from .acceptor import Acceptor
@@ -262,13 +262,11 @@ class EventLoop:
         job = functools.partial(self._slow, conn, op, req, session, fields)
         self.pool.submit(conn.tenant, job)
 
-    def _slow(
-        self, conn: Connection, op: Op, req: Request, session: Session, fields: Fields
-    ) -> None:
+    def _slow(self, conn: Connection, op: Op, req: Request, session: Session, f: Fields) -> None:
         """On a slow-pool thread: serve, then hand the outcome back to the loop."""
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
-        self.post(conn, self.dispatcher.run(op, req, session, fields))
+        self.post(conn, _answer_now(conn, self.dispatcher.run(op, req, session, f)))
 
     def _abandon(self, conn: Connection, buffer_id: str) -> None:
         """``conn`` went away holding a staged entry: release it on the slow pool (a scrub).
@@ -310,6 +308,10 @@ class EventLoop:
 
     def _deliver_and_go_on(self, conn: Connection, outcome: Outcome) -> None:
         self.table.deliver(conn, outcome)
+        if outcome.queued and not conn.closed:  # the rest of a reply sent by a slow thread
+            self.table.waiting(conn)
+        if outcome.passed_fds:  # as a reply with fds the loop sends: fds pass again
+            self.table.inflight.refused_at = None
         self._process(conn)
 
     def _resume(self, conn: Connection) -> None:
@@ -358,3 +360,23 @@ class EventLoop:
             for fd in (self.wake_r, self.wake_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+
+def _answer_now(conn: Connection, outcome: Outcome) -> Outcome:
+    """(a slow-pool thread) Send ``outcome``'s reply to the peer now, if the connection
+    can take it without the loop (:meth:`Connection.try_send`): the peer has its answer
+    without waiting for the loop thread to wake. The loop still applies the rest of the
+    outcome (what the connection holds, ``busy``) before it reads the peer's next frame.
+    A reply that closes the connection, or that does not encode, is the loop's to send.
+    Returns ``outcome``."""
+    if outcome.reply is None or outcome.close or outcome.defer:
+        return outcome
+    try:
+        frame = encode_frame(outcome.reply)
+    except ProtocolError:  # FrameTooLarge: the loop answers 500 in its place
+        return outcome
+    sent = conn.try_send(frame, outcome.fds)
+    if sent is not None:
+        outcome.passed_fds = bool(outcome.fds)
+        outcome.reply, outcome.fds, outcome.queued = None, (), not sent
+    return outcome

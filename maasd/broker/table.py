@@ -194,7 +194,7 @@ class ConnectionTable(GiveBack):
             self.close(conn, f"send failed: {exc}")
             return False
         if not done:
-            self._waiting(conn)
+            self.waiting(conn)
         elif outcome.fds and self.inflight.refused_at is not None:
             self.inflight.refused_at = None  # fds pass again
         return True
@@ -212,10 +212,10 @@ class ConnectionTable(GiveBack):
         if done:
             self.send_due.cancel(conn)
         else:
-            self._waiting(conn)
+            self.waiting(conn)
         return done
 
-    def _waiting(self, conn: Connection) -> None:
+    def waiting(self, conn: Connection) -> None:
         """A reply of ``conn`` is queued: for the kernel's buffer (watch for writing) or,
         with fds, for the peer to read the one before (retry on a timer)."""
         now = time.monotonic()

@@ -8,8 +8,9 @@ A reserve records its intent in the ledger before it touches memory::
 
 so that a crash at any point leaves rows that recovery can settle. An entry's put
 is admitted ``staged`` (it stays so until its commit) and goes without the last
-write: once its region is held, a read checks that the row was not released
-meanwhile.
+write: a release of the row before its region is held finds no region and leaves a
+note in the runtime (:mod:`maasd.core.inflight`), which the put reads once it holds the
+region, instead of reading the row again.
 """
 
 from __future__ import annotations
@@ -80,6 +81,18 @@ def held_infos(store: Store, holders: Holders, tenant_id: str | None) -> list[Bu
         if row is not None:
             infos.append(msgspec.structs.replace(buffer_info(row), holder_pids=pids.get(h.inode)))
     return infos
+
+
+def held_durable(regions: Regions, live: LivePools, who: Principal, buffer_id: str) -> bool | None:
+    """Whether releasing a buffer this process holds for ``who`` waits for the disk (its
+    pool's persistence), without a ledger read: a region held here is a row of this host,
+    and the release's compare-and-set checks the rest (the tenant, a live or staged row).
+    ``None`` when it is not held here for ``who``."""
+    held = regions.held(buffer_id)
+    if held is None or (not who.is_admin and held.tenant_id != who.tenant_id):
+        return None
+    pool = live.get(held.pool_id)
+    return None if pool is None else must_last(pool.row.persistence)
 
 
 class Buffers:
@@ -164,30 +177,32 @@ class Buffers:
                 last_used_at=now,
                 kind=kind,
             )
-            try:
-                # The daemon's own budget of fds and mappings first (507 resource-limit),
-                # before the ledger is asked: a region is one of each; the tenant's
-                # fair share of it too.
-                with self._budget.admit(tenant_id, self._regions.tenant_regions(tenant_id)):
-                    # victims released; only bytes that really came free make room
-                    row = room.admit(
-                        self._store,
-                        self._attachments,
-                        self._holders,
-                        self._releaser,
-                        row,
-                        uses=uses,
-                        leases=extended,
-                    )  # uses and leases: written by the admitting transaction
-                    region = self._create(row, live, frozen=frozen)
-            except PoolExhausted as e:  # this pool is full now: try the next one
-                last_error = e
-                continue
-            except BaseException:
-                self._uses.untake(uses, extended)  # unwritten: kept for later
-                raise
-            self._check_placement(row, live, region)
-            return self._go_live(row, region)
+            # a put's row released before its region is held: noted (maasd.core.inflight)
+            with self._regions.puts.admitting(row.id, kind == "entry"):
+                try:
+                    # The daemon's own budget of fds and mappings first (507 resource-limit),
+                    # before the ledger is asked: a region is one of each; the tenant's
+                    # fair share of it too.
+                    with self._budget.admit(tenant_id, self._regions.tenant_regions(tenant_id)):
+                        # victims released; only bytes that really came free make room
+                        row = room.admit(
+                            self._store,
+                            self._attachments,
+                            self._holders,
+                            self._releaser,
+                            row,
+                            uses=uses,
+                            leases=extended,
+                        )  # uses and leases: written by the admitting transaction
+                        region = self._create(row, live, frozen=frozen)
+                except PoolExhausted as e:  # this pool is full now: try the next one
+                    last_error = e
+                    continue
+                except BaseException:
+                    self._uses.untake(uses, extended)  # unwritten: kept for later
+                    raise
+                self._check_placement(row, live, region)
+                return self._go_live(row, region)
         self._uses.untake(uses, extended)
         assert last_error is not None
         raise last_error
@@ -258,15 +273,13 @@ class Buffers:
     def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
         state: BufferState = "staged" if row.kind == "entry" else "live"
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
-        # The region is held before the row goes live (or is checked staged), so that
+        # The region is held before the row goes live (or its put reads its note), so that
         # whoever releases the row from then on finds its memory.
         self._regions.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
-        if state == "staged":
-            try:
-                self._check_staged(row.id)
-            except NotFound:
+        if state == "staged":  # a release that found no region yet left a note: no read
+            if self._regions.puts.settle(row.id):
                 self._releaser.drop_region(row)
-                raise
+                raise NotFound(f"entry {row.id} was released while it was put")
             return buffer_info(msgspec.structs.replace(row, state=state))
         # A volatile buffer's ledger writes do not wait for the disk (store/base.py).
         if not self._store.advance(row.id, "reserving", "live", durable=must_last(row.persistence)):
@@ -282,13 +295,6 @@ class Buffers:
             )
         self._regions.set_live(row.id)
         return buffer_info(msgspec.structs.replace(row, state=state))
-
-    def _check_staged(self, buffer_id: str) -> None:
-        """NotFound unless the entry's row is still staged (a read, not a write): a release
-        that took the row before the region was held found nothing to drop (one after does)."""
-        row = self._store.buffer(buffer_id)
-        if row is None or row.state != "staged":
-            raise NotFound(f"entry {buffer_id} was released while it was put")
 
     # -- the others -------------------------------------------------------------------------
 
@@ -347,10 +353,10 @@ class Buffers:
         """Scrub and free a buffer (a staged entry too: its commit then answers 409); every
         byte is zero before this returns."""
         tenant_id = None if who.is_admin else who.tenant_id
-        row = self._held_here(self._own_row(who, buffer_id))
-        row = self._store.mark_releasing(
-            buffer_id, tenant_id, only_leased=True, durable=must_last(row.persistence)
-        )
+        durable = held_durable(self._regions, self._live, who, buffer_id)
+        if durable is None:  # not held here for the caller: the ledger says what it is
+            durable = must_last(self._held_here(self._own_row(who, buffer_id)).persistence)
+        row = self._store.mark_releasing(buffer_id, tenant_id, only_leased=True, durable=durable)
         self._releaser.release_row(row, reason="release", marked=True)
 
     def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit | None:

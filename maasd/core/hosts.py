@@ -143,6 +143,7 @@ class Hosts:
                 region.scrub("punch")
                 region.close()
                 dropped += 1
+        self._regions.puts.forsake()  # puts in flight: their rows went too
         self.incarnation = keys.new_id()
         return dropped
 

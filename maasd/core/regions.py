@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from maasd.allocator import Region
 from maasd.core.attachments import Attachments
+from maasd.core.inflight import PutsInFlight
 from maasd.core.rofds import ReadOnlyFds
 from maasd.errors import StateConflict
 
@@ -99,6 +100,7 @@ class Regions:
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
         self._by_tenant: Counter[str] = Counter()  # held regions per tenant
+        self.puts = PutsInFlight(self._lock)  # admitted, not held yet
         self._ro = ReadOnlyFds()  # the hottest committed entries' read-only fds
         self._attachments = attachments
 
@@ -169,6 +171,7 @@ class Regions:
             self._busy.pop(buffer_id, None)
             held = self._held.pop(buffer_id, None)
             if held is None:
+                self.puts.missing_locked(buffer_id)  # a put's, not held yet: it drops it
                 return None
             self._by_tenant[held.tenant_id] -= 1
             self._ro.drop(buffer_id)

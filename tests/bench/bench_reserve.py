@@ -7,16 +7,18 @@ Not run by CI (no assertion on timings). Run it from the project root::
 
 It starts a ``maasd serve`` of its own (temp data dir, SQLite, one pool
 ``node0`` with ``prefault`` as asked) and, as the floor, a bare litestar app
-served by uvicorn in a subprocess the same way (one POST that decodes a small
-msgspec body). Each client is a thread with its own ``httpx.Client`` doing
-reserve → release in a loop; the floor's clients POST in a loop. Both are
-measured in the same run on the same machine, and the table prints the ratios
-(absolute times on shared machines drift). It also prints the CPU each server
+served by uvicorn in a subprocess the same way (a POST that decodes a small
+msgspec body, then a DELETE of the id it answered). Each client is a thread with
+its own ``httpx.Client`` doing reserve → release in a loop; the floor's clients
+POST + DELETE in a loop. Both are measured in the same run on the same machine,
+and the table prints the ratios (absolute times on shared machines drift): the
+reserve's p50/p99 against the floor's POST, and the whole pair's p50 (``pair x``:
+reserve + release against POST + DELETE). It also prints the CPU each server
 process used per request (from ``/proc/PID/stat``; for maasd per reserve +
-release pair), which other load on the machine disturbs much less than
-latency.
+release pair), which other load on the machine disturbs much less than latency.
 
-Target (not asserted): reserve p50 within 3x the floor, p99 within 10x, at 64 clients.
+Goal (issue 21, not asserted): the pair's p50 within 2x the floor's at 1, 16 and 64
+clients.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ MiB = 1 << 20
 
 FLOOR_APP = textwrap.dedent("""
     import msgspec, uvicorn, sys
-    from litestar import Litestar, post
+    from litestar import Litestar, delete, post
 
     class Body(msgspec.Struct, forbid_unknown_fields=True):
         size_bytes: int
@@ -56,7 +58,11 @@ FLOOR_APP = textwrap.dedent("""
     async def floor(data: Body) -> Reply:
         return Reply(id="0" * 32, size_bytes=data.size_bytes)
 
-    app = Litestar([floor], logging_config=None, debug=False)
+    @delete("/floor/{item_id:str}", status_code=204)
+    async def floor_delete(item_id: str) -> None:
+        return None
+
+    app = Litestar([floor, floor_delete], logging_config=None, debug=False)
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_config=None,
                 access_log=False, lifespan="off", server_header=False)
 """)
@@ -122,7 +128,8 @@ def cpu_s(pid: int) -> float:
 HEAD = (
     f"{'clients':>7} | {'floor p50':>9} {'p99':>8} {'req/s':>7} {'cpu/req':>7} | "
     f"{'reserve p50':>11} {'p99':>8} | {'release p50':>11} {'p99':>8} {'pairs/s':>7} "
-    f"{'cpu/pair':>8} | {'p50 x':>6} {'p99 x':>6} {'cpu x':>6}"
+    f"{'cpu/pair':>8} | {'p50 x':>6} {'p99 x':>6} {'cpu x':>6} | {'pair p50':>8} {'floor':>7} "
+    f"{'pair x':>6}"
 )
 
 
@@ -133,14 +140,44 @@ def row(
     fl, rs, rl = f["floor"], m.get("reserve", []), m.get("release", [])
     f50, f99 = percentile(fl, 0.5), percentile(fl, 0.99)
     r50, r99 = percentile(rs, 0.5), percentile(rs, 0.99)
+    p50, fp50 = percentile(m.get("pair", []), 0.5), percentile(f["floor_pair"], 0.5)
     return (
         f"{n:>7} | {f50 * 1e3:>7.2f}ms {f99 * 1e3:>6.2f}ms "
         f"{len(fl) / f['_elapsed'][0]:>7.0f} {f_cpu * 1e3:>5.2f}ms | "
         f"{r50 * 1e3:>9.2f}ms {r99 * 1e3:>6.2f}ms | "
         f"{percentile(rl, 0.5) * 1e3:>9.2f}ms {percentile(rl, 0.99) * 1e3:>6.2f}ms "
         f"{len(rs) / m['_elapsed'][0]:>7.0f} {m_cpu * 1e3:>6.2f}ms | "
-        f"{r50 / f50:>6.1f} {r99 / f99:>6.1f} {m_cpu / f_cpu:>6.1f}"
+        f"{r50 / f50:>6.1f} {r99 / f99:>6.1f} {m_cpu / f_cpu:>6.1f} | "
+        f"{p50 * 1e3:>6.2f}ms {fp50 * 1e3:>5.2f}ms {p50 / fp50:>6.1f}"
     )
+
+
+def steps(body: dict[str, int]) -> tuple[Step, Step]:
+    """The floor's step (POST + DELETE) and maasd's (reserve + release), timed."""
+
+    def floor_step(c: httpx.Client, out: dict[str, list[float]]) -> None:
+        t = time.perf_counter()
+        r = c.post("/floor", json=body)
+        t1 = time.perf_counter()
+        assert r.status_code == 201, r.text
+        r = c.delete(f"/floor/{r.json()['id']}")
+        t2 = time.perf_counter()
+        assert r.status_code == 204, r.text
+        out.setdefault("floor", []).append(t1 - t)
+        out.setdefault("floor_pair", []).append(t2 - t)
+
+    def maasd_step(c: httpx.Client, out: dict[str, list[float]]) -> None:
+        t = time.perf_counter()
+        r = c.post("/v1/pools/node0/reserve", json=body)
+        t1 = time.perf_counter()
+        assert r.status_code == 201, r.text
+        c.delete(f"/v1/buffers/{r.json()['id']}")
+        t2 = time.perf_counter()
+        out.setdefault("reserve", []).append(t1 - t)
+        out.setdefault("release", []).append(t2 - t1)
+        out.setdefault("pair", []).append(t2 - t)
+
+    return floor_step, maasd_step
 
 
 def main() -> None:
@@ -178,23 +215,7 @@ def main() -> None:
                 break
             except httpx.TransportError:
                 time.sleep(0.05)
-        body = {"size_bytes": args.size}
-
-        def floor_step(c: httpx.Client, out: dict[str, list[float]]) -> None:
-            t = time.perf_counter()
-            r = c.post("/floor", json=body)
-            out.setdefault("floor", []).append(time.perf_counter() - t)
-            assert r.status_code == 201, r.text
-
-        def maasd_step(c: httpx.Client, out: dict[str, list[float]]) -> None:
-            t = time.perf_counter()
-            r = c.post("/v1/pools/node0/reserve", json=body)
-            t1 = time.perf_counter()
-            assert r.status_code == 201, r.text
-            c.delete(f"/v1/buffers/{r.json()['id']}")
-            t2 = time.perf_counter()
-            out.setdefault("reserve", []).append(t1 - t)
-            out.setdefault("release", []).append(t2 - t1)
+        floor_step, maasd_step = steps({"size_bytes": args.size})
 
         print(
             f"maasd bench: {args.size} B buffers, prefault {args.prefault}, "
@@ -210,7 +231,7 @@ def main() -> None:
             m = drive(d.url, {"Authorization": f"Bearer {key}"}, n, args.seconds, maasd_step)
             c2 = cpu_s(d.proc.pid)
             # (the warm-up requests of each client are in the CPU too: a few per client)
-            f_cpu = (cpu_s(floor.pid) - c0) / max(1, len(f["floor"]) + n)
+            f_cpu = (cpu_s(floor.pid) - c0) / max(1, 2 * (len(f["floor"]) + n))
             m_cpu = (c2 - c1) / max(1, len(m.get("reserve", [])) + n)
             print(row(n, f, m, f_cpu, m_cpu))
         mean = d.metric("maasd_reserve_seconds_sum") / max(

@@ -25,7 +25,7 @@ import pytest
 import hugepages
 from maasd.allocator import _sys
 from maasd.allocator.persist import checkpoint, file_checksum, restore
-from maasd.allocator.region import POPULATE_CHUNK, SEALS, Region, copy_region
+from maasd.allocator.region import POPULATE_CHUNK, SEALS, ZERO_RANGES, Region, copy_region
 from maasd.bounds import ScrubMode
 from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
 from maasd.topology import discover
@@ -443,6 +443,43 @@ class TestScrub:
         assert not as_array(region).any()
         as_array(region)[:] = 3  # still usable until closed
         assert (as_array(region) == 3).all()
+
+    @pytest.mark.parametrize(
+        "pattern",
+        ["untouched", "one_page", "few_ranges", "more_ranges_than_zeroed_alone", "all", "punched"],
+    )
+    def test_zero_skips_holes_and_zeroes_every_written_byte(self, pattern):
+        """The memset covers what holds bytes, not the holes (which it would fault in)."""
+        pages = 4 * ZERO_RANGES
+        r = Region.create(pages * PAGE, node=0, prefault=False)
+        fd = r.dup_fd()
+        stale = mmap.mmap(fd, r.size)  # a worker's mapping, kept past the scrub
+        os.close(fd)
+        try:
+            arr = np.frombuffer(stale, dtype=np.uint8)
+            if pattern == "one_page":
+                arr[5 * PAGE + 17] = 1
+            elif pattern == "few_ranges":
+                for p in (0, 7, 8, 9, pages - 1):
+                    arr[p * PAGE : p * PAGE + 3] = 0xA5
+            elif pattern == "more_ranges_than_zeroed_alone":
+                for p in range(0, pages, 2):  # every other page: 2x ZERO_RANGES ranges
+                    arr[p * PAGE + PAGE - 1] = 0x5A
+            elif pattern in ("all", "punched"):
+                arr[:] = 0x33
+                if pattern == "punched":  # the worker punched some pages out again
+                    _sys.fallocate(r.fd, PUNCH, 3 * PAGE, 10 * PAGE)
+            written = os.fstat(r.fd).st_blocks
+            r.scrub("zero", punch=False)
+            if pattern != "more_ranges_than_zeroed_alone":  # (past those: one memset)
+                assert os.fstat(r.fd).st_blocks == written  # no hole faulted in to be zeroed
+            assert os.pread(r.fd, r.size, 0) == bytes(r.size)
+            assert not arr.any()  # the stale mapping reads zeros
+            assert not as_array(r).any()
+            del arr
+        finally:
+            stale.close()
+            r.close()
 
     def test_punch_gives_pages_back(self):
         r = Region.create(256 * PAGE, node=0)

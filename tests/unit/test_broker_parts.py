@@ -284,3 +284,34 @@ def test_a_reply_with_fds_waits_until_the_peer_has_read_the_one_before() -> None
     finally:
         conn.close()
         theirs.close()
+
+
+def test_a_slow_thread_sends_only_what_the_loop_would_send_at_once() -> None:
+    """``try_send`` (a slow operation answering from its own thread) sends when nothing is
+    queued and the peer owes no read of earlier fds; otherwise it leaves the reply, fds
+    included, to the loop — and never touches a closed connection."""
+    ours, theirs = socket.socketpair()
+    conn = Connection(ours, "1")
+    try:
+        devnull = os.open("/dev/null", os.O_RDONLY)
+        assert conn.try_send(b"a") is True  # idle: sent from this thread
+        assert theirs.recv(8) == b"a"
+        assert conn.try_send(b"b", (devnull,)) is True  # an fd goes too, and is closed here
+        with pytest.raises(OSError, match="Bad file descriptor"):
+            os.fstat(devnull)
+        assert conn.unread() > 0
+        second = os.open("/dev/null", os.O_RDONLY)
+        assert conn.try_send(b"c", (second,)) is None  # the peer has not read "b"'s fd yet
+        os.fstat(second)  # still the caller's
+        assert not conn.send(b"c", (second,))  # the loop's way: held for the peer
+        assert conn.try_send(b"d") is None  # something is queued: behind it, by the loop
+        data, anc, _, _ = theirs.recvmsg(64, socket.CMSG_SPACE(4))
+        for _, _, payload in anc:
+            for n in array.array("i", payload):
+                os.close(n)
+        assert data == b"b"
+        conn.close()
+        assert conn.try_send(b"e") is None  # closed: nothing is sent, from any thread
+    finally:
+        conn.close()
+        theirs.close()
