@@ -23,7 +23,7 @@ from test_maasctl import maasctl, ok_json
 from conftest import Daemon
 from maasd.client import Worker
 from maasd.llama.views import MAX_LAYERS, StateError, view_state
-from maasd.protocol import Error, Hello, Ok, Renew, Welcome
+from maasd.protocol import Error, Hello, Lookup, Ok, Renew, Welcome
 from pgdb import PG_URL, fresh_pg_database
 from sockpeer import Raw
 from waiting import wait_until
@@ -217,3 +217,44 @@ def test_maasctl_entries_show_of_a_crafted_entry_says_not_a_state(daemon: Daemon
     assert j["state"]["llama"] is False, str(j)[:300]
     assert "layers" in j["state"]["why"]
     assert daemon.healthy()
+
+
+def test_a_key_revoked_while_its_hello_is_checked_serves_nothing(pg_daemon):
+    """A hello's key is checked on the slow pool, the check waits on the ledger (the
+    tenants table locked), and the key is revoked meanwhile: whichever the check read,
+    the connection gets no entry — its hello is refused, or its first op is a 401."""
+    d, url = pg_daemon
+    tid, owner_key = d.tenant("revoked", 8 * MiB)
+    w = Worker(d.socket_path, owner_key, renew_interval_s=0)
+    try:
+        w.commit(w.put("secret", 4096))
+    finally:
+        w.close()
+    info = d.admin.post(f"/v1/tenants/{tid}/keys").json()
+    peer = Raw(d.socket_path, timeout=10)
+    revoked: list[int] = []
+    revoker = threading.Thread(
+        target=lambda: revoked.append(
+            d.admin.delete(f"/v1/tenants/{tid}/keys/{info['id']}").status_code
+        )
+    )
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn, conn.begin():
+            conn.exec_driver_sql("LOCK TABLE tenants IN ACCESS EXCLUSIVE MODE")
+            peer.send(Hello(api_key=info["api_key"]))
+            time.sleep(0.2)  # the check waits for the lock
+            revoker.start()
+            time.sleep(0.2)  # so does the revocation, behind it
+        revoker.join(10)
+        assert revoked == [204]
+        reply, _ = peer.recv()
+        if isinstance(reply, Welcome):  # the check read the key before its revocation
+            reply, fds = peer.call_racing_close(Lookup(keys=["secret"]))
+            assert fds == []
+        assert isinstance(reply, Error), reply
+        assert reply.status == 401, reply
+    finally:
+        peer.close()
+        engine.dispose()
+    assert d.healthy()
