@@ -8,6 +8,7 @@ changes, the daemon stays healthy).
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import struct
 import threading
@@ -23,7 +24,7 @@ from test_maasctl import maasctl, ok_json
 from conftest import Daemon
 from maasd.client import Worker
 from maasd.llama.views import MAX_LAYERS, StateError, view_state
-from maasd.protocol import Error, Hello, Lookup, Ok, Renew, Welcome
+from maasd.protocol import Error, Found, Hello, Lookup, Ok, Renew, Welcome, encode_frame
 from pgdb import PG_URL, fresh_pg_database
 from sockpeer import Raw
 from waiting import wait_until
@@ -258,3 +259,36 @@ def test_a_key_revoked_while_its_hello_is_checked_serves_nothing(pg_daemon):
         peer.close()
         engine.dispose()
     assert d.healthy()
+
+
+def test_frames_sent_behind_a_hello_checked_off_the_loop_wait_for_its_outcome(daemon: Daemon):
+    """A peer sends its hello and a lookup in one write, so that both are read before the
+    hello's check (on the slow pool) answers. With a key the daemon has not seen, the
+    lookup is served only after the welcome; with an unknown key, never (401, closed)."""
+    tid, key = daemon.tenant("pipeliner", 8 * MiB)
+    w = Worker(daemon.socket_path, key, renew_interval_s=0)
+    try:
+        w.commit(w.put("piped", 4096))
+    finally:
+        w.close()
+    fresh = daemon.admin.post(f"/v1/tenants/{tid}/keys").json()["api_key"]  # not yet seen
+    for api_key, welcomed in ((fresh, True), ("maasd_" + secrets.token_urlsafe(24), False)):
+        peer = Raw(daemon.socket_path, timeout=10)
+        try:
+            peer.send_raw(
+                encode_frame(Hello(api_key=api_key)) + encode_frame(Lookup(keys=["piped"]))
+            )
+            reply, _ = peer.recv()
+            if welcomed:
+                assert isinstance(reply, Welcome), reply
+                reply, fds = peer.recv()
+                assert isinstance(reply, Found), reply
+                for fd in fds:
+                    os.close(fd)
+            else:
+                assert isinstance(reply, Error), reply
+                assert reply.status == 401, reply
+                assert peer.closed_by_peer()
+        finally:
+            peer.close()
+    assert daemon.healthy()
