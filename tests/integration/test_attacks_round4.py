@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import sqlite3
 import struct
 import threading
 import time
@@ -24,9 +25,21 @@ from test_maasctl import maasctl, ok_json
 from conftest import Daemon
 from maasd.client import Worker
 from maasd.llama.views import MAX_LAYERS, StateError, view_state
-from maasd.protocol import Error, Found, Hello, Lookup, Ok, Renew, Welcome, encode_frame
+from maasd.protocol import (
+    Commit,
+    Error,
+    Found,
+    Hello,
+    Lookup,
+    Ok,
+    Put,
+    Renew,
+    Reserved,
+    Welcome,
+    encode_frame,
+)
 from pgdb import PG_URL, fresh_pg_database
-from sockpeer import Raw
+from sockpeer import Raw, miss
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -292,3 +305,73 @@ def test_frames_sent_behind_a_hello_checked_off_the_loop_wait_for_its_outcome(da
         finally:
             peer.close()
     assert daemon.healthy()
+
+
+def _memfds(d: Daemon, name: str) -> int:
+    """How many of the daemon's open fds are memfds called ``name``."""
+    assert d.proc is not None
+    fds = Path(f"/proc/{d.proc.pid}/fd")
+    count = 0
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd).startswith(f"/memfd:{name}")
+    return count
+
+
+def test_a_commit_refused_while_the_sqlite_ledger_is_locked_changes_nothing(
+    fresh_daemon: Daemon,
+):
+    """A tenant puts an entry, then the ledger file's write lock is held by another
+    process (the circuit opens for writes only). Its commit is a 507 and changes
+    nothing: no lookup finds the entry, its usage is what the put made it, the commit's
+    copy (a prefaulted memfd of the entry's size, which no pool counts) is not left open
+    in the daemon, and once the file is writable again the same connection's retried
+    commit works (the entry is still its own to commit) and the entry is found."""
+    d = fresh_daemon
+    d.start()
+    _, key = d.tenant("committer", 8 * MiB)
+    peer = Raw(d.socket_path, timeout=60)
+    other = sqlite3.connect(d.data_dir / "maasd.db", isolation_level=None, timeout=30)
+    try:
+        peer.hello(key)
+        reply, fds = peer.call(Put(key="locked", size_bytes=4096))
+        assert isinstance(reply, Reserved), reply
+        staged = reply.buffer_id
+        os.pwrite(fds[0], b"\x5a" * 4096, 0)
+        os.close(fds[0])
+        usage = d.client(key).get("/v1/usage").json()
+        other.execute("BEGIN EXCLUSIVE")
+        try:
+            reply, _ = peer.call(Commit(buffer_id=staged))  # waits out the busy timeout
+            assert isinstance(reply, Error), reply
+            assert reply.status == 507, reply
+            assert "ledger" in reply.type, reply
+            probe = Raw(d.socket_path, timeout=10)
+            try:
+                probe.hello(key)
+                miss(probe, ["locked"])
+            finally:
+                probe.close()
+            assert d.client(key).get("/v1/usage").json() == usage
+            assert _memfds(d, f"maasd-e-{staged[:8]}") == 0
+            h = d.admin.get("/healthz")
+            assert h.status_code == 200, h.text
+            assert h.json()["status"] == "degraded"
+        finally:
+            other.execute("ROLLBACK")
+        wait_until(
+            lambda: d.admin.get("/healthz").json()["status"] == "ok",
+            timeout=30,
+            message="the circuit closed once the file is writable",
+        )
+        reply, _ = peer.call(Commit(buffer_id=staged))
+        assert isinstance(reply, Ok), reply
+        found, fds = peer.call(Lookup(keys=["locked"]))
+        assert isinstance(found, Found), found
+        assert os.pread(fds[0], 4, 0) == b"\x5a" * 4
+        for fd in fds:
+            os.close(fd)
+    finally:
+        other.close()
+        peer.close()
+    assert d.healthy()
