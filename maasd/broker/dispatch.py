@@ -229,7 +229,8 @@ class Op:
     #: which every other connection waits for — only operations that answer from memory.
     slow: bool = False
     #: True: once its handler ran, the request's ``buffer_id`` is no longer staged on the
-    #: connection, whatever the outcome (a commit or abort settles the entry either way)
+    #: connection unless the entry is still staged (a commit or abort settles it, but for
+    #: a refusal that changed nothing: a 507 leaves it to retry)
     settles_staged: bool = False
 
 
@@ -429,7 +430,12 @@ class Dispatcher:
         except Exception as exc:
             outcome = self.error(exc, fields)
         if op.settles_staged:
-            outcome.unstaged = getattr(req, "buffer_id", None)
+            buffer_id = getattr(req, "buffer_id", None)
+            # Settled unless it is still staged: a commit refused with nothing changed
+            # (507, the ledger cannot be written) leaves the entry this connection's, to
+            # retry or abort — and its close to abandon.
+            if buffer_id is not None and not self.service.entry_staged(buffer_id):
+                outcome.unstaged = buffer_id
         outcome.authed = authed
         return outcome
 

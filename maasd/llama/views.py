@@ -69,6 +69,10 @@ __all__ = [
 Form = Literal["entry", "get_data", "file"]
 
 MAX_STREAMS = 256  # LLAMA_MAX_SEQ: a cache has at most one stream per sequence
+#: Layers of one state, all its caches and streams together (each costs the parse an
+#: object and two views: a bound per stream would let 8 caches × 256 streams × 4096
+#: layers of 26 bytes make ~50 times their size in memory). Models have at most a few
+#: hundred; a sequence's cells live in one stream.
 MAX_LAYERS = 4096
 MAX_CACHES = 8  # iSWA writes 2; hybrid-idx models a few more
 MAX_TYPE = 64  # ggml type ids are below this (GGML_TYPE_COUNT is ~40)
@@ -217,6 +221,13 @@ class _Reader:
 
     def __init__(self, view: memoryview, pos: int, end: int) -> None:
         self.view, self.pos, self.end = view, pos, end
+        self.layers = 0  # claimed so far, against MAX_LAYERS
+
+    def claim_layers(self, n: int, where: str) -> None:
+        """Count ``n`` more layers; :class:`StateError` past :data:`MAX_LAYERS` in all."""
+        if not 0 < n <= MAX_LAYERS - self.layers or n > self.left // 12:
+            raise StateError(f"{where}: {n} layers ({self.layers} before; {MAX_LAYERS} at most)")
+        self.layers += n
 
     @property
     def left(self) -> int:
@@ -278,8 +289,7 @@ def _layers(r: _Reader, n: int, has_v: bool, where: str) -> tuple[bool, tuple[La
     n_layer = r.u32(f"{where} n_layer")
     if v_trans > 1:
         raise StateError(f"{where}: v_trans {v_trans}")
-    if not 0 < n_layer <= MAX_LAYERS or n_layer > r.left // 12:
-        raise StateError(f"{where}: {n_layer} layers")
+    r.claim_layers(n_layer, where)
     ks = _k_layers(r, n_layer, n, where)
     out = []
     for il, (kt, krow, k) in enumerate(ks):
