@@ -41,6 +41,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: The tests' clients drop an idle connection after 1 s, well before the daemon's server
+#: closes it (uvicorn's keep-alive, 5 s): with both at 5 s, a request sent on a connection
+#: the server is closing at that moment fails with "Server disconnected" (seen in the slow
+#: TCG guest).
+IDLE_SHORTER_THAN_THE_SERVER = httpx.Limits(keepalive_expiry=1.0)
+
+
 class Daemon:
     """A ``maasd serve`` subprocess and what a test needs to talk to it."""
 
@@ -78,7 +85,10 @@ class Daemon:
             self.env["MAASD_CONFIG"] = str(config)
         self.proc: subprocess.Popen[bytes] | None = None
         self.admin = httpx.Client(
-            base_url=self.url, timeout=30.0, headers={"Authorization": f"Bearer {self.admin_key}"}
+            base_url=self.url,
+            timeout=30.0,
+            headers={"Authorization": f"Bearer {self.admin_key}"},
+            limits=IDLE_SHORTER_THAN_THE_SERVER,
         )
 
     # -- process --------------------------------------------------------------------------
@@ -159,7 +169,10 @@ class Daemon:
     def client(self, api_key: str) -> httpx.Client:
         """A raw httpx client with this key (for tests that check HTTP itself)."""
         return httpx.Client(
-            base_url=self.url, timeout=30.0, headers={"Authorization": f"Bearer {api_key}"}
+            base_url=self.url,
+            timeout=30.0,
+            headers={"Authorization": f"Bearer {api_key}"},
+            limits=IDLE_SHORTER_THAN_THE_SERVER,
         )
 
     def metric(self, name: str, **labels: str) -> float:

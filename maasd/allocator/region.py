@@ -471,7 +471,7 @@ class Region:
 
 
 #: Rounds of ``mbind(MPOL_MF_MOVE_ALL)`` a pin makes while pages stay behind.
-MIGRATE_ROUNDS = 8
+MIGRATE_ROUNDS = 11  # backoff 2, 4 … 1024 ms between them: ~2 s at most, for a busy writer
 
 
 def _migrate(region: Region, node: int) -> dict[int, int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from litestar.di import Provide
+from litestar.di import NamedDependency, Provide
 
 from maasd.core import Service
 from maasd.core.buffers import Buffers
@@ -47,7 +47,7 @@ def use_cases(core: Service) -> dict[str, Provide]:
 
 
 def _after_call(value: object) -> Callable[[Any], object]:
-    def provide(call: Any) -> object:  # noqa: ARG001 (resolved after it: see the module)
+    def provide(call: NamedDependency[Any]) -> object:  # noqa: ARG001 (resolved after it)
         return value
 
     return provide

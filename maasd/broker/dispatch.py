@@ -434,7 +434,7 @@ class Dispatcher:
             # Settled unless it is still staged: a commit refused with nothing changed
             # (507, the ledger cannot be written) leaves the entry this connection's, to
             # retry or abort — and its close to abandon.
-            if buffer_id is not None and not self.service.entry_staged(buffer_id):
+            if buffer_id is not None and not self.service.entries.staged(buffer_id):
                 outcome.unstaged = buffer_id
         outcome.authed = authed
         return outcome

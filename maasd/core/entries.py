@@ -42,9 +42,9 @@ import time
 from collections.abc import Callable, Container
 from dataclasses import dataclass
 
-from maasd.allocator import Region
-from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
+from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.allocator.region import copy_region
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.core.auth import require_tenant
 from maasd.core.buffers import Buffers
 from maasd.core.handles import Handle
@@ -70,7 +70,7 @@ __all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found"]
 logger = logging.getLogger(__name__)
 
 #: An entry's lease when its put names none (the REST reserve's default too).
-DEFAULT_ENTRY_TTL_S = 600
+DEFAULT_ENTRY_TTL_S = DEFAULT_TTL_S
 #: errnos of a copy that found no memory for the fresh region (answered 507).
 _NO_MEMORY = frozenset({errno.ENOMEM, errno.ENOSPC, errno.EFAULT, errno.EAGAIN})
 #: errnos of the daemon at a limit of its own (open files).
@@ -203,9 +203,16 @@ class Entries:
                 failure = e
             else:
                 durable = must_last(live.row.persistence)
-                if self._store.commit(buffer_id, time.time(), durable=durable) is None:
-                    live.pool.release(fresh, give_back=False)
-                    self._holders.forget(buffer_id)
+                try:
+                    committed = self._store.commit(buffer_id, time.time(), durable=durable)
+                except BaseException:  # the ledger cannot answer (507): the copy goes now
+                    committed = None
+                    raise
+                finally:
+                    if committed is None:
+                        live.pool.release(fresh, give_back=False)
+                        self._holders.forget(buffer_id)
+                if committed is None:
                     raise StateConflict(f"entry {buffer_id} was released before its commit")
                 staging = self._regions.commit(buffer_id, fresh)
                 assert staging is not None  # held under its lock: a release waits for it
