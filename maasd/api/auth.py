@@ -11,7 +11,7 @@ answered 401 or 403 without its body being read and without any service call.
 One guard per route rather than one per role: litestar copies the route
 handler for every guard it calls, on every request.
 
-A /v1 handler's one per-request dependency is :class:`Call` (the thread runner and
+A /v1 handler's one per-request dependency is :class:`RestCall` (the thread runner and
 the caller): one dependency is resolved inline, while several are resolved
 concurrently in a task group of their own, on every request. The use-case objects
 it calls are provided once per app (:mod:`maasd.api.dependencies`).
@@ -45,7 +45,7 @@ __all__ = [
     "STATE_KEY",
     "TENANT_ONLY",
     "ApiContext",
-    "Call",
+    "RestCall",
     "CallerRun",
     "Run",
     "authenticated",
@@ -171,18 +171,18 @@ def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Call:
+class RestCall:
     """What a /v1 handler works with: ``await call.run(buffers.reserve, call.who, …)``."""
 
     run: CallerRun  # the caller's share of the threads
     who: Principal
 
 
-def caller(request: ASGIConnection[Any, Any, Any, Any]) -> Call:
+def caller(request: ASGIConnection[Any, Any, Any, Any]) -> RestCall:
     """The ``call`` dependency of /v1 handlers, with the caller :func:`authenticated` found."""
     ctx = context(request)
     who: Principal = request.state.principal
-    return Call(ctx.run.of(who), who)
+    return RestCall(ctx.run.of(who), who)
 
 
 async def authenticated(

@@ -4,7 +4,7 @@ Each handler is one use-case call in a worker thread (``call.run``) and a return
 Who may call is decided before that, by the /v1 guard on the event loop and the
 role in a route's ``opt`` (:mod:`maasd.api.auth`); a body arrives decoded
 strictly as its ``data`` type (:mod:`maasd.api.strict`). A /v1 handler's one
-per-request dependency is ``call`` (:class:`~maasd.api.auth.Call`: the runner and
+per-request dependency is ``call`` (:class:`~maasd.api.auth.RestCall`: the runner and
 the caller); the use-case objects it calls are its other parameters, provided once
 per app (:mod:`maasd.api.dependencies`); ``/healthz`` and ``/metrics`` get ``api`` (the app's
 :class:`~maasd.api.auth.ApiContext`).
@@ -22,7 +22,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from maasd.api import problems
-from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, Call, may_read_metrics
+from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, RestCall, may_read_metrics
 from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Tenants, Tiers
 from maasd.api.schemas import (
     LookupBody,
@@ -108,7 +108,7 @@ class TopologyController(Controller):
 
     @get(summary="NUMA nodes, memory and huge pages", responses=problems.responses(*KEYED))
     async def topology(
-        self, call: NamedDependency[Call], pools: NamedDependency[Pools]
+        self, call: NamedDependency[RestCall], pools: NamedDependency[Pools]
     ) -> Topology:
         return await call.run(pools.refresh_topology)
 
@@ -135,7 +135,7 @@ class PoolsController(Controller):
         responses=problems.responses(*KEYED),
     )
     async def list_pools(
-        self, call: NamedDependency[Call], last_known: NamedDependency[LastKnownReads]
+        self, call: NamedDependency[RestCall], last_known: NamedDependency[LastKnownReads]
     ) -> Response[list[PoolInfo]]:
         read = partial(last_known.pools, call.who.is_admin)
         return _maybe_stale(await call.run(read))
@@ -146,7 +146,7 @@ class PoolsController(Controller):
         responses=problems.responses(*KEYED + (404,)),
     )
     async def get_pool(
-        self, call: NamedDependency[Call], pools: NamedDependency[Pools], pool_id: FromPath[str]
+        self, call: NamedDependency[RestCall], pools: NamedDependency[Pools], pool_id: FromPath[str]
     ) -> PoolInfo:
         return await call.run(partial(pools.info, any_host=call.who.is_admin), pool_id)
 
@@ -157,7 +157,10 @@ class PoolsController(Controller):
         responses=problems.responses(*ADMIN + BODY + (409, 422)),
     )
     async def create_pool(
-        self, call: NamedDependency[Call], tiers: NamedDependency[Tiers], data: JSONBody[PoolSpec]
+        self,
+        call: NamedDependency[RestCall],
+        tiers: NamedDependency[Tiers],
+        data: JSONBody[PoolSpec],
     ) -> PoolInfo:
         return await call.run(tiers.create_pool, data)
 
@@ -170,7 +173,7 @@ class PoolsController(Controller):
     )
     async def delete_pool(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tiers: NamedDependency[Tiers],
         pool_id: FromPath[str],
         drain: FromQuery[bool] = False,
@@ -192,7 +195,7 @@ class TenantsController(Controller):
     )
     async def create_tenant(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         data: JSONBody[TenantBody],
     ) -> NewTenant:
@@ -200,7 +203,7 @@ class TenantsController(Controller):
 
     @get("/tenants", summary="List tenants (admin)", responses=problems.responses(*ADMIN))
     async def list_tenants(
-        self, call: NamedDependency[Call], tenants: NamedDependency[Tenants]
+        self, call: NamedDependency[RestCall], tenants: NamedDependency[Tenants]
     ) -> list[TenantInfo]:
         return await call.run(tenants.infos)
 
@@ -211,7 +214,7 @@ class TenantsController(Controller):
     )
     async def get_tenant(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
     ) -> TenantInfo:
@@ -224,7 +227,7 @@ class TenantsController(Controller):
     )
     async def update_tenant(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
         data: JSONBody[TenantPatchBody],
@@ -240,7 +243,10 @@ class TenantsController(Controller):
         responses=problems.responses(*ADMIN + (404,)),
     )
     async def delete_tenant(
-        self, call: NamedDependency[Call], tiers: NamedDependency[Tiers], tenant_id: FromPath[str]
+        self,
+        call: NamedDependency[RestCall],
+        tiers: NamedDependency[Tiers],
+        tenant_id: FromPath[str],
     ) -> None:
         await call.run(tiers.delete_tenant, tenant_id)
 
@@ -252,7 +258,7 @@ class TenantsController(Controller):
     )
     async def issue_key(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
     ) -> KeyInfo:
@@ -266,7 +272,7 @@ class TenantsController(Controller):
     )
     async def revoke_key(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
         key_id: FromPath[str],
@@ -280,7 +286,7 @@ class TenantsController(Controller):
     )
     async def events(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         limit: FromQuery[Annotated[int, Parameter(ge=1, le=1000)]] = 100,
         tenant_id: FromQuery[str | None] = None,
@@ -302,7 +308,7 @@ class BuffersController(Controller):
     )
     async def usage(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         last_known: NamedDependency[LastKnownReads],
     ) -> Response[Usage]:
         return _maybe_stale(await call.run(last_known.usage, call.who))
@@ -316,7 +322,7 @@ class BuffersController(Controller):
     )
     async def reserve_in(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         pool_id: FromPath[str],
         data: JSONBody[ReserveBody],
@@ -332,7 +338,7 @@ class BuffersController(Controller):
     )
     async def reserve(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
@@ -345,7 +351,7 @@ class BuffersController(Controller):
     )
     async def list_buffers(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         last_known: NamedDependency[LastKnownReads],
         tenant_id: FromQuery[str | None] = None,
         held: FromQuery[bool] = False,
@@ -360,7 +366,7 @@ class BuffersController(Controller):
     )
     async def get_buffer(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
     ) -> BufferInfo:
@@ -374,7 +380,7 @@ class BuffersController(Controller):
     )
     async def pin(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
         data: JSONBody[PinBody],
@@ -390,7 +396,7 @@ class BuffersController(Controller):
     )
     async def renew(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
         data: JSONBody[RenewBody],
@@ -406,7 +412,7 @@ class BuffersController(Controller):
     )
     async def checkpoint(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
     ) -> Checkpoint:
@@ -420,7 +426,7 @@ class BuffersController(Controller):
     )
     async def release(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
     ) -> None:
@@ -435,7 +441,7 @@ class BuffersController(Controller):
     )
     async def lookup(
         self,
-        call: NamedDependency[Call],
+        call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         data: JSONBody[LookupBody],
     ) -> LookupHit:

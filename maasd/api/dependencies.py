@@ -6,7 +6,7 @@ core objects it calls as handler parameters (``buffers: NamedDependency[Buffers]
 (:class:`maasd.core.Service`), the same object for every request (``use_cache``).
 
 Each depends on ``call`` (the caller and its share of the threads:
-:class:`maasd.api.auth.Call`), though it does not use it: litestar resolves the
+:class:`maasd.api.auth.RestCall`), though it does not use it: litestar resolves the
 dependencies of a request in batches, a batch of one inline and a larger one in a task
 group of its own (~60 µs here), so ``call`` first, then the use-case object, each
 alone in its batch (~25 µs for the second, measured with litestar's TestClient).

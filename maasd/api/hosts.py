@@ -12,7 +12,7 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from maasd.api import problems
-from maasd.api.auth import ADMIN_ONLY, Call
+from maasd.api.auth import ADMIN_ONLY, RestCall
 from maasd.api.controllers import ADMIN
 from maasd.api.dependencies import Hosts
 from maasd.models import HostInfo
@@ -27,7 +27,7 @@ class HostsController(Controller):
 
     @get(summary="The hosts sharing the ledger (admin)", responses=problems.responses(*ADMIN))
     async def list_hosts(
-        self, call: NamedDependency[Call], hosts: NamedDependency[Hosts]
+        self, call: NamedDependency[RestCall], hosts: NamedDependency[Hosts]
     ) -> list[HostInfo]:
         return await call.run(hosts.infos)
 
@@ -39,6 +39,6 @@ class HostsController(Controller):
         responses=problems.responses(*ADMIN + (404, 409)),
     )
     async def forget_host(
-        self, call: NamedDependency[Call], hosts: NamedDependency[Hosts], name: FromPath[str]
+        self, call: NamedDependency[RestCall], hosts: NamedDependency[Hosts], name: FromPath[str]
     ) -> None:
         await call.run(hosts.forget, name)

@@ -40,7 +40,7 @@ that changes it; the others ask it:
 from __future__ import annotations
 
 from maasd.core.app import Service, SocketUseCases
-from maasd.core.entries import Found
-from maasd.core.handles import Handle
+from maasd.core.entries import EntryHandle
+from maasd.core.handles import BufferHandle
 
-__all__ = ["Found", "Handle", "Service", "SocketUseCases"]
+__all__ = ["EntryHandle", "BufferHandle", "Service", "SocketUseCases"]

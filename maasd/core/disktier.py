@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from maasd.core.entries import Entries, Found
+from maasd.core.entries import Entries, EntryHandle
 from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
 from maasd.core.regions import Regions
@@ -361,7 +361,7 @@ class DiskTiers:
 
     def promote(
         self, who: Principal, tenant_id: str, keys: list[str], attached: Container[str] = ()
-    ) -> Found | None:
+    ) -> EntryHandle | None:
         """The longest of ``keys`` found on disk, restored as a committed entry and looked
         up (a hit, counted as an attachment unless one of ``attached``); None if none is
         on disk or it could not be restored (a miss)."""

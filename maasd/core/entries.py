@@ -47,7 +47,7 @@ from maasd.allocator.region import copy_region
 from maasd.bounds import DEFAULT_TTL_S
 from maasd.core.auth import require_tenant
 from maasd.core.buffers import Buffers
-from maasd.core.handles import Handle
+from maasd.core.handles import BufferHandle
 from maasd.core.holders import Holders
 from maasd.core.livepools import LivePool, LivePools
 from maasd.core.regions import Held, Regions
@@ -65,7 +65,7 @@ from maasd.metrics import Metrics
 from maasd.models import EntryAbortReason, Principal, ReserveSpec
 from maasd.store import BufferRow, Store, must_last
 
-__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "Found"]
+__all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "EntryHandle"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Settle(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Found:
+class EntryHandle:
     """A lookup hit: ``fd`` is a new read-only descriptor the receiver closes."""
 
     fd: int
@@ -133,7 +133,7 @@ class Entries:
         size_bytes: int,
         pool: str | None = None,
         ttl_s: int | None = None,
-    ) -> Handle:
+    ) -> BufferHandle:
         """Reserve a staged entry under ``key``; a writable handle of it for its writer.
 
         Raises what a REST reserve of an evictable keyed buffer raises (QuotaExceeded,
@@ -154,7 +154,7 @@ class Entries:
             self._count(self._metrics.entry_puts, tenant_id, e)
             raise
         self._metrics.entry_puts.labels(tenant=tenant_id, outcome="ok").inc()
-        return Handle(
+        return BufferHandle(
             fd=fd, buffer_id=info.id, size_bytes=info.size_bytes, numa_node=info.numa_node
         )
 
@@ -291,7 +291,7 @@ class Entries:
         *,
         count_miss: bool = True,
         attached: Container[str] = (),
-    ) -> Found | None:
+    ) -> EntryHandle | None:
         """The committed entry of the longest of ``keys`` (short → long), read-only; ``None``
         for a miss (a value, not an error: the edge that must answer 404 raises it).
 
@@ -315,7 +315,9 @@ class Entries:
         if opened.tenant_attached is not None:
             series.attached.set(opened.tenant_attached)
         assert opened.key is not None
-        return Found(opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node)
+        return EntryHandle(
+            opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node
+        )
 
     def durable(self, held: Held) -> bool:
         """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""

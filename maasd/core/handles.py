@@ -20,11 +20,11 @@ from maasd.errors import NotFound
 from maasd.metrics import Metrics
 from maasd.models import Principal
 
-__all__ = ["Handle", "Handles"]
+__all__ = ["BufferHandle", "Handles"]
 
 
 @dataclass(frozen=True)
-class Handle:
+class BufferHandle:
     """A buffer as handed to a worker: ``fd`` is a dup the receiver of this object closes."""
 
     fd: int
@@ -44,7 +44,7 @@ class Handles:
         self._uses = uses
         self._metrics = metrics
 
-    def open(self, who: Principal, buffer_id: str) -> Handle:
+    def open(self, who: Principal, buffer_id: str) -> BufferHandle:
         """A dup of the buffer's sealed memfd for a worker; NotFound for foreign/unknown ids
         and for entries not yet committed. A committed entry's handle is read-only."""
         tenant_id = require_tenant(who)
@@ -54,7 +54,7 @@ class Handles:
         if opened.tenant_attached is not None:  # always: an attach is counted
             self._metrics.tenant(tenant_id).attached.set(opened.tenant_attached)
         self._uses.touch(buffer_id, time.time())
-        return Handle(
+        return BufferHandle(
             fd=opened.fd,
             buffer_id=buffer_id,
             size_bytes=opened.size_bytes,

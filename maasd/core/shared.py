@@ -22,7 +22,7 @@ from collections.abc import Container
 from typing import TYPE_CHECKING
 
 from maasd.core.auth import require_tenant
-from maasd.core.entries import Entries, Found
+from maasd.core.entries import Entries, EntryHandle
 from maasd.core.restore import Restores
 from maasd.errors import ConfigError, DuplicateKey, MaasdError
 from maasd.l2 import open_tier
@@ -94,7 +94,9 @@ class Shared:
         if self._tier is not None:
             self._tier.close()
 
-    def fill(self, who: Principal, keys: list[str], attached: Container[str] = ()) -> Found | None:
+    def fill(
+        self, who: Principal, keys: list[str], attached: Container[str] = ()
+    ) -> EntryHandle | None:
         """A local lookup that missed, asked again after L2 (see the module docstring); a
         hit is counted as an attachment unless one of ``attached``; ``None``: a miss."""
         tenant_id = require_tenant(who)

@@ -26,7 +26,7 @@ from typing import Final, Literal
 
 from maasd.core.auth import require_tenant
 from maasd.core.disktier import DiskTiers
-from maasd.core.entries import Entries, Found
+from maasd.core.entries import Entries, EntryHandle
 from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
 from maasd.core.shared import Shared
@@ -94,7 +94,7 @@ class Tiers:
         attached: Container[str] = (),
         *,
         may_wait: bool = True,
-    ) -> Found | Literal[Later.LATER] | None:
+    ) -> EntryHandle | Literal[Later.LATER] | None:
         """The committed entry of the longest of ``keys`` held here, from whichever tier has
         it (see the module docstring); ``None``: a miss. Without ``may_wait``, a DRAM miss
         that the disk tier or L2 is to be asked about answers :data:`LATER` (uncounted)."""
@@ -115,7 +115,7 @@ class Tiers:
 
     def _fill(
         self, who: Principal, tenant_id: str, keys: list[str], attached: Container[str]
-    ) -> Found | None:
+    ) -> EntryHandle | None:
         """A DRAM miss asked of the disk tiers, then of L2; may wait for either (never on
         an event loop)."""
         found = self._disk.promote(who, tenant_id, keys, attached)
