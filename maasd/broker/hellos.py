@@ -39,7 +39,9 @@ class Hellos:
             self._table.welcome(conn, *self._dispatcher.hello(body, conn.pid, conn.fields()))
             return
         conn.busy = True
-        self._pool.submit("-", functools.partial(self._check, conn, body))
+        # one queue per peer uid: a flood of unknown keys from one uid waits behind its
+        # own hellos, not in front of another uid's (the pool is fair between queues)
+        self._pool.submit(f"hello:uid={conn.uid}", functools.partial(self._check, conn, body))
 
     def _check(self, conn: Connection, body: bytes) -> None:
         """On a slow-pool thread."""

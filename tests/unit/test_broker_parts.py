@@ -315,3 +315,22 @@ def test_a_slow_thread_sends_only_what_the_loop_would_send_at_once() -> None:
     finally:
         conn.close()
         theirs.close()
+
+
+def test_hellos_that_need_the_ledger_queue_per_peer_uid() -> None:
+    """A flood of unknown keys from one uid waits in its own queue of the slow pool (fair
+    between queues), not in front of another uid's first hello."""
+    from types import SimpleNamespace
+
+    from maasd.broker.hellos import Hellos
+
+    submitted: list[str] = []
+    pool = SimpleNamespace(submit=lambda key, _job: submitted.append(key))
+    dispatcher = SimpleNamespace(hello_inline=lambda _body: False)
+    hellos = Hellos(table=None, dispatcher=dispatcher, pool=pool, post=None)  # type: ignore[arg-type]
+    flooder = [SimpleNamespace(uid=1000, busy=False) for _ in range(3)]
+    tenant = SimpleNamespace(uid=0, busy=False)
+    for conn in [*flooder, tenant]:
+        hellos.hello(conn, b"{}")  # type: ignore[arg-type]
+    assert submitted == ["hello:uid=1000"] * 3 + ["hello:uid=0"]
+    assert all(c.busy for c in [*flooder, tenant])  # each reads nothing more meanwhile
