@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json as jsonlib
 import threading
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Literal, Self, TypeVar
 from urllib.parse import quote
 
@@ -204,6 +204,28 @@ class _Http:
             ) from exc
 
 
+@contextlib.contextmanager
+def _pool_not_found(pools: Callable[[], list[Pool]], pool: str) -> Iterator[None]:
+    """Turn a 404 for ``pool`` into one that lists the known pools (``no pool 'x';
+    pools: node0, fast``), so a typo is fixed without another command."""
+    try:
+        yield
+    except NotFound as exc:
+        try:
+            known_pools = pools()
+        except MaasdClientError:  # the listing is a courtesy; the 404 is the answer
+            raise exc from None
+        if any(pool in (p.id, p.name) for p in known_pools):
+            raise  # it exists (again): this 404 was about something else, or a race
+        names = sorted({p.name for p in known_pools})  # the admin sees each host's node0
+        known = ", ".join(names[:_POOL_NAMES_SHOWN]) if names else "(none)"
+        if len(names) > _POOL_NAMES_SHOWN:
+            known += f" … and {len(names) - _POOL_NAMES_SHOWN} more"
+        detail = f"no pool {pool!r}; pools: {known}"
+        problem = {**exc.problem, "detail": detail}
+        raise NotFound(exc.status, exc.title, detail, exc.type, problem) from None
+
+
 class Client(_Http):
     """Synchronous REST client; one instance per key, usable from several threads.
 
@@ -241,33 +263,12 @@ class Client(_Http):
 
     def pool(self, pool: str) -> Pool:
         """One pool by id or name; :class:`NotFound` names the pools there are."""
-        with self._pool_not_found(pool):
+        with _pool_not_found(self.pools, pool):
             return self._call("GET", f"/v1/pools/{_seg(pool)}", Pool)
 
     def pool_id(self, pool: str) -> str:
         """The id of the pool with this id or name (one ``GET /v1/pools/{pool}``)."""
         return self.pool(pool).id
-
-    @contextlib.contextmanager
-    def _pool_not_found(self, pool: str) -> Iterator[None]:
-        """Turn a 404 for ``pool`` into one that lists the known pools (``no pool 'x';
-        pools: node0, fast``), so a typo is fixed without another command."""
-        try:
-            yield
-        except NotFound as exc:
-            try:
-                pools = self.pools()
-            except MaasdClientError:  # the listing is a courtesy; the 404 is the answer
-                raise exc from None
-            if any(pool in (p.id, p.name) for p in pools):
-                raise  # it exists (again): this 404 was about something else, or a race
-            names = sorted({p.name for p in pools})  # the admin sees each host's node0
-            known = ", ".join(names[:_POOL_NAMES_SHOWN]) if names else "(none)"
-            if len(names) > _POOL_NAMES_SHOWN:
-                known += f" … and {len(names) - _POOL_NAMES_SHOWN} more"
-            detail = f"no pool {pool!r}; pools: {known}"
-            problem = {**exc.problem, "detail": detail}
-            raise NotFound(exc.status, exc.title, detail, exc.type, problem) from None
 
     # --- tenant ----------------------------------------------------------------
 
@@ -312,7 +313,7 @@ class Client(_Http):
             return self._call("POST", "/v1/reserve", Buffer, json=body)
         if numa_node is not None:
             raise ValueError("numa_node applies only without pool (the pool fixes the node)")
-        with self._pool_not_found(pool):
+        with _pool_not_found(self.pools, pool):
             return self._call("POST", f"/v1/pools/{_seg(pool)}/reserve", Buffer, json=body)
 
     def buffer(self, buffer_id: str) -> Buffer:
@@ -456,5 +457,5 @@ class Client(_Http):
     def delete_pool(self, pool: str, drain: bool = False) -> None:
         """Delete an empty pool (id or name); ``drain`` releases (scrubs) its buffers first."""
         params = {"drain": "true"} if drain else None
-        with self._pool_not_found(pool):
+        with _pool_not_found(self.pools, pool):
             self.request("DELETE", f"/v1/pools/{_seg(pool)}", params=params)

@@ -35,7 +35,7 @@ from maasd.models import DiskTierInfo, PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
 from maasd.store import ACCOUNTED_STATES, PoolRow, Store
 from maasd.tenancy import keys
-from maasd.topology import Topology, discover
+from maasd.topology import Node, Topology, discover
 
 __all__ = ["Pools", "pool_info"]
 
@@ -148,6 +148,60 @@ def follow_warm(spec: PoolSpec, store: Store, live_pools: LivePools) -> None:
     store.set_pool_warm(live.row.id, live.pool.warm_bytes)
     live.row = msgspec.structs.replace(live.row, warm_bytes=live.pool.warm_bytes)
     logger.info("pool %s: warm stock budget %d bytes", spec.name, live.pool.warm_bytes)
+
+
+def new_pool_row(
+    spec: PoolSpec,
+    topology: Topology,
+    fresh_node: Callable[[int], Node | None],
+    *,
+    host: str,
+    data_dir: str,
+    live: Iterable[LivePool],
+) -> PoolRow:
+    """The ledger row ``spec`` makes on this host, checked: the node exists (in
+    ``topology``), the capacity rounded up to whole pages stays below 2^63 and, for
+    memfd, within the node's memory as ``fresh_node`` reads it now; its spill and disk
+    directories are made (:func:`spill_dir_of`, :func:`disk_dir_of`)."""
+    if spec.numa_node not in topology.node_ids:
+        raise PlacementError(
+            f"NUMA node {spec.numa_node} does not exist on this host "
+            f"(nodes: {sorted(topology.node_ids)})"
+        )
+    page = topology.page_bytes_of(spec.backing)
+    if spec.capacity_bytes > MAX_BYTES - page:  # it must stay below 2^63 rounded up
+        raise InvalidRequest("capacity_bytes rounded up to whole pages must stay below 2^63")
+    capacity = -(-spec.capacity_bytes // page) * page
+    warm = warm_budget(spec.warm_bytes, capacity, page, spec.prefault)
+    node = fresh_node(spec.numa_node)
+    if (
+        spec.backing == "memfd"
+        and node is not None
+        and node.mem_total_bytes
+        and capacity > node.mem_total_bytes
+    ):
+        raise TooLarge(
+            f"capacity {capacity} bytes exceeds node {spec.numa_node}'s memory "
+            f"({node.mem_total_bytes} bytes)"
+        )
+    return PoolRow(
+        id=keys.new_id(),
+        host=host,
+        name=spec.name,
+        numa_node=spec.numa_node,
+        backing=spec.backing,
+        persistence=spec.persistence,
+        latency_us=spec.latency_us,
+        capacity_bytes=capacity,
+        page_bytes=page,
+        prefault=spec.prefault,
+        scrub=spec.scrub,
+        spill_dir=spill_dir_of(spec, data_dir),
+        created_at=time.time(),
+        warm_bytes=warm,
+        disk_dir=disk_dir_of(spec, data_dir, live),
+        disk_bytes=spec.disk_bytes,
+    )
 
 
 class Pools:
@@ -308,44 +362,13 @@ class Pools:
 
     def create(self, spec: PoolSpec) -> PoolInfo:
         """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
-        if spec.numa_node not in self.topology.node_ids:
-            raise PlacementError(
-                f"NUMA node {spec.numa_node} does not exist on this host "
-                f"(nodes: {sorted(self.topology.node_ids)})"
-            )
-        page = self.topology.page_bytes_of(spec.backing)
-        if spec.capacity_bytes > MAX_BYTES - page:  # it must stay below 2^63 rounded up
-            raise InvalidRequest("capacity_bytes rounded up to whole pages must stay below 2^63")
-        capacity = -(-spec.capacity_bytes // page) * page
-        warm = warm_budget(spec.warm_bytes, capacity, page, spec.prefault)
-        node = self.refresh_topology().node(spec.numa_node)
-        if (
-            spec.backing == "memfd"
-            and node is not None
-            and node.mem_total_bytes
-            and capacity > node.mem_total_bytes
-        ):
-            raise TooLarge(
-                f"capacity {capacity} bytes exceeds node {spec.numa_node}'s memory "
-                f"({node.mem_total_bytes} bytes)"
-            )
-        row = PoolRow(
-            id=keys.new_id(),
+        row = new_pool_row(
+            spec,
+            self.topology,
+            lambda n: self.refresh_topology().node(n),
             host=self._host,
-            name=spec.name,
-            numa_node=spec.numa_node,
-            backing=spec.backing,
-            persistence=spec.persistence,
-            latency_us=spec.latency_us,
-            capacity_bytes=capacity,
-            page_bytes=page,
-            prefault=spec.prefault,
-            scrub=spec.scrub,
-            spill_dir=spill_dir_of(spec, self._settings.data_dir),
-            created_at=time.time(),
-            warm_bytes=warm,
-            disk_dir=disk_dir_of(spec, self._settings.data_dir, self._live.all()),
-            disk_bytes=spec.disk_bytes,
+            data_dir=self._settings.data_dir,
+            live=self._live.all(),
         )
         pool = self._make_pool(row)
         try:
@@ -358,7 +381,7 @@ class Pools:
             "pool %s created: node %d, %d bytes, %s/%s",
             row.name,
             row.numa_node,
-            capacity,
+            row.capacity_bytes,
             row.backing,
             row.persistence,
         )
