@@ -29,9 +29,13 @@ worker data plane outlives the ledger (docs/scale-out.md, "Failure modes"). What
 holds: a key revoked before the outage stays revoked (its revocation emptied
 ``_known``, and an unknown key is never taken without the ledger); a key revoked
 during the outage cannot reach this host's ledger, nor its notification this
-daemon, until the ledger is back — and then ``on_up`` empties ``_known`` and moves
-the generation, so every connection checks its key against the ledger again (401
-and a close for the revoked one).
+daemon, until the ledger is back — and then the listener's ``on_up`` moves the
+generation, so every connection checks its key against the ledger again (401 and a
+close for the revoked one). ``_known`` is not emptied then: the listener's connection
+can be back before the pool's (the circuit still open, or a pooled connection the
+outage killed), and a key taken through the outage must not be refused for that. Each
+check reads the ledger first; only a check that cannot read it takes ``_known``, and a
+key the ledger no longer has leaves ``_known`` at that check.
 
 Why notifications and not a revocation counter polled with the reaper: a
 notification reaches every daemon within milliseconds of the commit, and
@@ -156,14 +160,13 @@ class Auth:
 
     def _set_trusted(self, trusted: bool) -> None:
         # Either way the cache starts empty: while nobody listened, a revocation may
-        # have been missed; from now on, none can be. Back up, the keys known through
-        # the outage are forgotten too: each is checked against the ledger again.
+        # have been missed; from now on, none can be. The generation moves, so every
+        # connection checks its key against the ledger again. ``_known`` stays: it
+        # answers only a check that cannot read the ledger (see the module docstring).
         with self._lock:
             self._trusted = trusted
             self._generation += 1
             self._cache.clear()
-            if trusted:
-                self._known.clear()
 
     def load_admin_key(self) -> None:
         """Read (or generate once) the admin key. :class:`ConfigError` for an unsafe key file."""

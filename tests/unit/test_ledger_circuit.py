@@ -169,10 +169,30 @@ def test_keys_through_an_outage(store: Store, tmp_path: Path) -> None:
     with pytest.raises(LedgerUnavailable):
         auth.authenticate("maasd_nope")  # unknown or revoked: only the ledger can say
 
+    # Revoked during the outage, through another daemon on the ledger: this one cannot
+    # hear of it until the ledger is back.
+    other = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        revoked = other.key_by_digest(keys.digest(tokens[2]))
+        assert revoked is not None
+        assert other.revoke_key(tenant, revoked.id)
+    finally:
+        other.dispose()
+    generation = auth.generation
+    auth._set_trusted(True)  # the listener back before the pool: the circuit is still open
+    assert auth.generation > generation  # every connection checks its key again
+    assert auth.authenticate(tokens[2]).tenant_id == tenant  # still unreadable: taken
+
     probe.up.set()
     wait_until(lambda: store.circuit.down_since is None)
-    auth._set_trusted(True)  # the listener back: every key is checked against the ledger
-    assert auth._known == {}
+    with pytest.raises(Unauthorized):
+        auth.authenticate(tokens[2])  # the ledger read again: revoked, and forgotten here
+    probe.up.clear()
+    store.circuit.trip("the database cannot be reached")
+    with pytest.raises(LedgerUnavailable):
+        auth.authenticate(tokens[2])  # not taken from memory after the ledger said no
+    probe.up.set()
+    wait_until(lambda: store.circuit.down_since is None)
     assert auth.authenticate(tokens[0]) == checked
     with pytest.raises(Unauthorized):
         auth.authenticate("maasd_nope")
