@@ -470,7 +470,7 @@ def _spawn_top(daemon: Any, *args: str) -> Any:
         cwd=str(REPO),
         dimensions=(50, 160),
         encoding="utf-8",
-        timeout=20,
+        timeout=60,  # a loaded CI machine starts a Python with rich and httpx slowly
     )
 
 
