@@ -21,6 +21,10 @@ turn, and the probe is ``write_probe`` (a harmless committed write with a short 
 
     closed ──an outage error──► open (every call: 507 at once) ──probe succeeds──► closed
     closed ──locked/full/read-only──► open for writes (reads go on) ──write probe──► closed
+
+An outage of reads seen while the circuit is open for writes widens it; when the read
+probe then succeeds, the circuit narrows back to writes only (the writes were never
+shown to work again) and closes on the write probe's first success.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class LedgerCircuit:
         self._probe = probe
         self._write_probe = write_probe or probe
         self._writes_only = False
+        # writes were seen failing during this outage: only the write probe closes it
+        self._writes_out = False
         self._max_backoff_s = max_backoff_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -100,9 +106,10 @@ class LedgerCircuit:
             if self._down_since is not None:
                 if self._writes_only and not writes_only:
                     self._writes_only, self._why = False, why
+                self._writes_out |= writes_only
                 return
             self._down_since, self._why = self._clock(), why
-            self._writes_only = writes_only
+            self._writes_only = self._writes_out = writes_only
             self.opened += 1
             self._thread = threading.Thread(
                 target=self._run, name="maasd-ledger-probe", daemon=True
@@ -120,18 +127,33 @@ class LedgerCircuit:
     def _run(self) -> None:
         delay = _FIRST_BACKOFF_S
         while not self._stop.wait(delay):
+            writes = self._writes_only
             try:
-                (self._write_probe if self._writes_only else self._probe)()
+                (self._write_probe if writes else self._probe)()
             except Exception as exc:
                 logger.debug("ledger probe failed: %s", exc)
                 delay = min(delay * 2, self._max_backoff_s)
                 continue
+            if not writes and self._narrowed():
+                delay = _FIRST_BACKOFF_S
+                continue
             self._closed()
             return
+
+    def _narrowed(self) -> bool:
+        """After a read probe's success: back to writes only if writes failed during this
+        outage (and a write probe of their own exists); whether it did."""
+        with self._lock:
+            if not self._writes_out or self._write_probe is self._probe:
+                return False
+            self._writes_only = True
+        logger.warning("ledger readable again; writes still probed (%s)", self._why)
+        return True
 
     def _closed(self) -> None:
         with self._lock:
             since, self._down_since = self._down_since, None
+            self._writes_only = self._writes_out = False
             callbacks = list(self._on_up)
         if since is not None:
             logger.warning("ledger reachable again after %.1f s", self._clock() - since)

@@ -94,7 +94,17 @@ def test_a_file_that_cannot_be_written_opens_the_circuit_for_writes_only(words: 
         with pytest.raises(LedgerUnavailable):
             circuit.check(write=False)
         reads.up.set()
-        wait_until(lambda: circuit.down_since is None, message="closed by the read probe")
+        # Readable again, but the writes were never shown to work: back to writes only.
+        wait_until(lambda: circuit.writes_only, message="narrowed by the read probe")
+        circuit.check(write=False)
+        with pytest.raises(LedgerUnavailable):
+            circuit.check()
+        calls = writes.calls
+        wait_until(lambda: writes.calls > calls, message="the write probe runs again")
+        assert circuit.down_since is not None
+        writes.up.set()
+        wait_until(lambda: circuit.down_since is None, message="closed by the write probe")
+        circuit.check()
     finally:
         circuit.close()
 
