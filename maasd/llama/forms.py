@@ -78,7 +78,7 @@ def _unpack_tokens(raw: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
         raise StateError("packed token count exceeds the record")
     if int(raw[3 + n]) != 0:
         raise StateError("the slot holds media chunks (not shareable)")
-    if any(raw[4 + n :]):
+    if np.any(raw[4 + n :]):  # numpy: the trailer can be as long as the record
         raise StateError("trailing data in the packed token record")
     return raw[3 : 3 + n]
 
