@@ -28,7 +28,7 @@ from maasd.core.release import remove_checkpoint
 from maasd.errors import BackingError, NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import Checkpoint
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRepo, BufferRow
 
 __all__ = ["Checkpoints"]
 
@@ -38,7 +38,9 @@ logger = logging.getLogger(__name__)
 class Checkpoints:
     """Writes a live persistent buffer to its spill dir; restores one at start."""
 
-    def __init__(self, store: Store, regions: Regions, live: LivePools, metrics: Metrics) -> None:
+    def __init__(
+        self, store: BufferRepo, regions: Regions, live: LivePools, metrics: Metrics
+    ) -> None:
         self._store = store
         self._regions = regions
         self._live = live

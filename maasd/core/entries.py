@@ -63,7 +63,7 @@ from maasd.errors import (
 )
 from maasd.metrics import Metrics
 from maasd.models import EntryAbortReason, Principal, ReserveSpec
-from maasd.store import BufferRow, Store, must_last
+from maasd.store import BufferRepo, BufferRow, must_last
 
 __all__ = ["DEFAULT_ENTRY_TTL_S", "Entries", "EntryHandle"]
 
@@ -100,7 +100,7 @@ class Entries:
 
     def __init__(
         self,
-        store: Store,
+        store: BufferRepo,
         regions: Regions,
         live: LivePools,
         holders: Holders,

@@ -35,7 +35,7 @@ from maasd.core.regions import Regions
 from maasd.errors import ConfigError, StateConflict
 from maasd.models import HostInfo, rfc3339
 from maasd.settings import Settings
-from maasd.store import HostRow, HostUsage, Store, is_live
+from maasd.store import HostRepo, HostRow, HostUsage, is_live
 from maasd.tenancy import keys
 
 __all__ = ["Hosts"]
@@ -64,7 +64,7 @@ def host_info(h: HostUsage, local: str, stale_s: float) -> HostInfo:
 class Hosts:
     """This daemon's claim on its host name, its heartbeat, and the admin's host use-cases."""
 
-    def __init__(self, settings: Settings, store: Store, regions: Regions) -> None:
+    def __init__(self, settings: Settings, store: HostRepo, regions: Regions) -> None:
         self._settings = settings
         self._store = store
         self._regions = regions

@@ -36,7 +36,7 @@ from maasd.core.regions import Regions
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.metrics import Metrics
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store
+from maasd.store import BufferLedger, BufferRow
 
 __all__ = ["Shutdown"]
 
@@ -49,7 +49,7 @@ class Shutdown:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: BufferLedger,
         regions: Regions,
         checkpoints: Checkpoints,
         releaser: Releaser,

@@ -19,7 +19,7 @@ from maasd.core.uses import UseBatch
 from maasd.errors import ConfigError, LedgerUnavailable
 from maasd.metrics import Metrics
 from maasd.settings import Settings
-from maasd.store import Store, must_last
+from maasd.store import BufferRepo, must_last
 
 __all__ = ["Reaper"]
 
@@ -32,7 +32,7 @@ class Reaper:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: BufferRepo,
         hosts: Hosts,
         pools: Pools,
         tenants: Tenants,

@@ -23,7 +23,7 @@ from maasd.core.livepools import LivePools
 from maasd.core.regions import Held, Regions
 from maasd.core.release import remove_checkpoint
 from maasd.errors import ConfigError, ResourceLimit
-from maasd.store import BufferRow, Store, must_last
+from maasd.store import BufferLedger, BufferRow, must_last
 
 __all__ = ["Recovery"]
 
@@ -36,7 +36,7 @@ class Recovery:
     def __init__(
         self,
         host: str,
-        store: Store,
+        store: BufferLedger,
         regions: Regions,
         live: LivePools,
         holders: Holders,

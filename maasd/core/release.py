@@ -36,7 +36,7 @@ from maasd.core.regions import Regions
 from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
-from maasd.store import BufferRow, Store, must_last
+from maasd.store import BufferLedger, BufferRow, must_last
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Releaser:
 
     def __init__(
         self,
-        store: Store,
+        store: BufferLedger,
         regions: Regions,
         attachments: Attachments,
         live: LivePools,

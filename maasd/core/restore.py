@@ -22,7 +22,7 @@ from maasd.core.holders import Holders
 from maasd.core.regions import Regions
 from maasd.errors import StateConflict
 from maasd.models import Principal, ReserveSpec
-from maasd.store import Store
+from maasd.store import BufferRepo
 
 __all__ = ["Restores"]
 
@@ -31,7 +31,12 @@ class Restores:
     """Committed entries made here from bytes a tier holds, and an entry's bytes read out."""
 
     def __init__(
-        self, store: Store, regions: Regions, holders: Holders, buffers: Buffers, entries: Entries
+        self,
+        store: BufferRepo,
+        regions: Regions,
+        holders: Holders,
+        buffers: Buffers,
+        entries: Entries,
     ) -> None:
         self._store = store
         self._regions = regions

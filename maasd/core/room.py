@@ -44,7 +44,7 @@ from maasd.core.attachments import Attachments
 from maasd.core.holders import Holders
 from maasd.core.release import Releaser
 from maasd.errors import PoolExhausted, QuotaExceeded
-from maasd.store import BufferRow, Store, must_last
+from maasd.store import BufferRow, ReserveRepo, must_last
 from maasd.tenancy import keys
 
 __all__ = ["EVICT_ROUNDS", "EVICT_ROUNDS_UNTOLD", "EVICT_WAIT_S", "admit"]
@@ -59,7 +59,7 @@ EVICT_ROUNDS_UNTOLD = 64
 
 
 def admit(
-    store: Store,
+    store: ReserveRepo,
     attachments: Attachments,
     holders: Holders,
     releaser: Releaser,

@@ -29,7 +29,7 @@ from maasd.l2 import open_tier
 from maasd.metrics import Metrics
 from maasd.models import Principal
 from maasd.settings import Settings
-from maasd.store import Store
+from maasd.store import Repository
 
 if TYPE_CHECKING:
     from maasd.l2.tier import L2Tier
@@ -45,7 +45,7 @@ class Shared:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: Repository,
         entries: Entries,
         restores: Restores,
         metrics: Metrics,
@@ -59,7 +59,7 @@ class Shared:
         if not store.is_postgres:
             raise ConfigError(
                 "--l2-url needs the shared PostgreSQL ledger: L2 keys are namespaced by "
-                f"tenant id, and tenant ids are global only there (this ledger is {store.dialect})"
+                f"tenant id, and tenant ids are global only there (this ledger is {store.db.dialect})"
             )
         self._tier = open_tier(settings, metrics.registry, restores.read)
         entries.on_commit(self._tier.write_behind)

@@ -32,7 +32,7 @@ from maasd.core.pools import Pools
 from maasd.core.shared import Shared
 from maasd.core.tenants import Tenants
 from maasd.models import PoolInfo, PoolSpec, Principal
-from maasd.store import Store
+from maasd.store import TenantRepo
 
 __all__ = ["LATER", "Later", "Tiers"]
 
@@ -52,7 +52,7 @@ class Tiers:
 
     def __init__(
         self,
-        store: Store,
+        store: TenantRepo,
         live: LivePools,
         entries: Entries,
         disk: DiskTiers,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from maasd.store import Store
+from maasd.store import BufferRepo
 
 __all__ = ["UseBatch"]
 
@@ -21,7 +21,7 @@ __all__ = ["UseBatch"]
 class UseBatch:
     """Uses and lease extensions remembered in memory until :meth:`take` hands them on."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: BufferRepo) -> None:
         self._store = store
         self._lock = threading.Lock()
         self._uses: dict[str, float] = {}

@@ -11,28 +11,41 @@ top-level ``migrations/`` directory (:meth:`Store.upgrade`).
 from __future__ import annotations
 
 from maasd.store.base import Repository, must_last
+from maasd.store.buffers import BufferRepo, ReserveRepo
 from maasd.store.database import Database
 from maasd.store.engine import alembic_config, create_engine, migrations_dir, normalize_url
-from maasd.store.hosts import HostUsage, is_live
+from maasd.store.events import EventRepo
+from maasd.store.hosts import HostRepo, HostUsage, is_live
 from maasd.store.notify import KEYS_CHANNEL
+from maasd.store.pools import PoolRepo
 from maasd.store.records import BufferRow, EventRow, HostRow, KeyRow, PoolRow, TenantRow
-from maasd.store.repository import Store
+from maasd.store.repository import BufferLedger, Store
 from maasd.store.schema import ACCOUNTED_STATES, BUFFER_STATES, metadata
+from maasd.store.tenants import TenantRepo
+from maasd.store.totals import TotalsRepo
 
 __all__ = [
     "ACCOUNTED_STATES",
     "BUFFER_STATES",
+    "BufferLedger",
+    "BufferRepo",
     "BufferRow",
     "Database",
     "KEYS_CHANNEL",
+    "EventRepo",
     "EventRow",
+    "HostRepo",
     "HostRow",
     "HostUsage",
     "KeyRow",
+    "PoolRepo",
     "PoolRow",
     "Repository",
+    "ReserveRepo",
     "Store",
+    "TenantRepo",
     "TenantRow",
+    "TotalsRepo",
     "alembic_config",
     "create_engine",
     "is_live",

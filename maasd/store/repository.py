@@ -19,6 +19,9 @@ transaction rules all of them follow are in :mod:`maasd.store.base`.
 
 A module that needs one aggregate can be handed its repository alone (``TenantRepo(db)``);
 :class:`Store` is all of them over one database, for the callers that use the whole ledger.
+The core's modules are typed with the repository they use (``store: BufferRepo``,
+``store: HostRepo``, :class:`BufferLedger` for both halves of the buffers aggregate), so
+that mypy holds each to its aggregate while the composition root hands them one store.
 
 Example::
 
@@ -45,13 +48,19 @@ from maasd.store.tenants import TenantRepo
 from maasd.store.totals import TotalsRepo
 from maasd.store.watchdog import unwatched
 
-__all__ = ["Store"]
+__all__ = ["BufferLedger", "Store"]
 
 #: Arbitrary, fixed: the PostgreSQL advisory lock that serialises migrations.
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 
 
-class Store(TenantRepo, PoolRepo, ReserveRepo, BufferRepo, EventRepo, HostRepo, TotalsRepo):
+class BufferLedger(ReserveRepo, BufferRepo):
+    """The buffers-and-entries aggregate whole: its reserve and release transactions
+    (:class:`ReserveRepo`) with its states, leases and lookups (:class:`BufferRepo`), for
+    the core modules that both release and read buffers (release, recovery, the lifecycle)."""
+
+
+class Store(TenantRepo, PoolRepo, BufferLedger, EventRepo, HostRepo, TotalsRepo):
     """The ledger: pools, tenants, keys, buffers and events in one database.
 
     Thread-safe; one instance per daemon. ``url`` is ``sqlite:///PATH`` (the
