@@ -10,8 +10,9 @@ under, it is dropped and counted. Any other end (a DELETE, a lease, a tenant's d
 erases the key's copy on disk. Nothing here fails a DRAM operation: a full or failing
 disk or no room is a drop, counted in ``maasd_disk_drops``.
 
-No lock of its own: the books' changes are :class:`DiskTiers`' (its lock a leaf), the
-bytes are read under the buffer's lock, taken before and released before the books'.
+No lock of its own: the books' changes are :class:`DiskTiers`' (its lock a leaf, inside
+which only the writer's queue is taken), and the bytes are read under the buffer's lock,
+never held together with the books'.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ coldest entries go first, on the tier demoted to, then on the others), so a quot
 lowered below use holds from the tenant's next demotion on. Keys live in this object
 only, so the tiers are emptied at start and at close.
 
-Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the ledger).
+Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the ledger;
+only the demotion writer's queue is taken inside it, to queue a write in admission order).
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class OnDisk:
-    """An entry in a tier's books (its fields change under the tiers' lock only)."""
+    """An entry in a tier's books (``written`` and ``gone`` change under the tiers' lock;
+    ``promoted_as`` is set by the promotion that made it)."""
 
     sealed: Sealed
     tenant_id: str
