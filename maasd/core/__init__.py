@@ -27,7 +27,9 @@ that changes it; the others ask it:
 :mod:`.entries`          the socket's put / commit / abort / lookup of immutable entries
 :mod:`.restore`          entries made here from a tier's bytes (disk, L2); bytes read out
 :mod:`.tiers`            the lookup order DRAM → disk → L2 → miss, the one place
-:mod:`.disktier`         each pool's disk tier: demotion, promotion
+:mod:`.disktier`         each pool's disk tier: what it holds, its quotas, its filter
+:mod:`.demotion`         an entry's end on the disk tier: evictions written down
+:mod:`.promotion`        a DRAM miss read back from a disk tier
 :mod:`.shared`           the shared prefix tier (L2): commits written behind, a local
                          lookup miss filled from it
 :mod:`.lifecycle`        the order of start and close; what close does with buffers

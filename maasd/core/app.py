@@ -1,7 +1,7 @@
 """The composition root: every part of one daemon's core, built once, and its life.
 
 :class:`Service` builds each part with the parts it needs (constructors only: nothing
-is patched in afterwards but the two hooks the disk tier sets), names the start and
+is patched in afterwards, not even the disk tier's hooks), names the start and
 close sequences once (:mod:`maasd.core.lifecycle` explains their order), and hands
 the parts out as attributes. It forwards nothing: the REST controllers get the
 per-noun objects through litestar's ``Provide`` (:mod:`maasd.api.dependencies`), the
@@ -27,6 +27,7 @@ from maasd.core.attachments import Attachments
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
 from maasd.core.checkpoints import Checkpoints
+from maasd.core.demotion import Demotions
 from maasd.core.disktier import DiskTiers
 from maasd.core.entries import Entries
 from maasd.core.handles import Handles
@@ -42,6 +43,7 @@ from maasd.core.limits import (
 )
 from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
+from maasd.core.promotion import Promotions
 from maasd.core.reaper import Reaper
 from maasd.core.recovery import Recovery
 from maasd.core.regions import Regions
@@ -91,7 +93,8 @@ class Service:
     ``pools``), ``uses`` (:mod:`.uses`: the use/lease batch), ``holders``
     (:mod:`.holders`). The use-cases, by noun: ``auth``, ``hosts``, ``pools``,
     ``tenants``, ``buffers``, ``handles``, ``entries``, ``tiers`` (the lookup order,
-    and the deletes that reach the disk tiers), ``disk``, ``shared`` (L2); the
+    and the deletes that reach the disk tiers), ``disk`` (what the disk tiers hold),
+    ``demotions`` and ``promotions`` (writing to them, reading back), ``shared`` (L2); the
     daemon's own: ``recovery``, ``reaper``, ``reclaimer`` (``drain()`` waits for it),
     ``warmer`` (``run_once()`` refills the warm stock in the caller's thread),
     ``budget`` (the regions the process may hold, from its open-files and mapping
@@ -134,16 +137,22 @@ class Service:
         )  # fmt: skip
         self.auth = Auth(settings, store)
         self.hosts = Hosts(settings, store, regions)
-        releaser = Releaser(store, regions, self.attachments, live, holders, metrics)
+        self.disk = DiskTiers(live, metrics)
+        self.demotions = Demotions(settings, store, regions, self.disk)
+        releaser = Releaser(
+            store, regions, self.attachments, live, holders, metrics,
+            on_entry_end=self.demotions.ended,
+        )  # fmt: skip
         checkpoints = Checkpoints(store, regions, live, metrics)
         self.pools = Pools(
-            settings, store, live, holders, releaser, self.reclaimer, self.warmer, topology
-        )
+            settings, store, live, holders, releaser, self.reclaimer, self.warmer, topology,
+            disk_usage=self.disk.usage,
+        )  # fmt: skip
         self.tenants = Tenants(
             store, self.auth, releaser, settings.max_buffers_per_tenant,
             held=functools.partial(holders.held_bytes_by, "tenant_id"),
             host=settings.node_name, remote_wait_s=3 * settings.reaper_interval_s,
-            disk_factor=settings.disk_quota_factor, disk_used=lambda: self.disk.tenant_usage(),
+            disk_factor=settings.disk_quota_factor, disk_used=self.disk.tenant_usage,
         )  # fmt: skip
         self.buffers = Buffers(
             settings, store, regions, live, self.uses, self.attachments, holders, self.pools,
@@ -155,12 +164,11 @@ class Service:
         )
         restores = Restores(store, regions, holders, self.buffers, self.entries)
         self.shared = Shared(settings, store, self.entries, restores, metrics)
-        self.disk = DiskTiers(
-            settings, store, regions, live, self.entries, restores, releaser, self.pools, metrics
-        )
+        self.promotions = Promotions(self.disk, restores, self.entries)
         self.tiers = Tiers(
-            store, live, self.entries, self.disk, self.shared, self.pools, self.tenants
-        )
+            store, live, self.entries, self.disk, self.promotions, self.shared, self.pools,
+            self.tenants,
+        )  # fmt: skip
         self.recovery = Recovery(self.host, store, regions, live, holders, checkpoints, self.budget)
         self.reaper = Reaper(
             settings, store, self.hosts, self.pools, self.tenants, self.uses, releaser,
@@ -195,13 +203,15 @@ class Service:
         if reaper:
             self.reaper.start()
         self.disk.start()
+        self.demotions.start()
         self.shared.start()
 
     def close(self) -> None:
         """Stop the tiers and the reaper; checkpoint persistent buffers, release volatile
         ones; close the store."""
         self.shared.close()  # the writer stops before the entries it reads are released
-        self.disk.close()  # its writer stopped, every tier erased (keys die with us)
+        self.demotions.close()  # the writer stopped, then every tier erased (keys die with us)
+        self.disk.close()
         self.reaper.stop()
         self.warmer.stop()
         for live in self.live.all():

@@ -1,70 +1,54 @@
-"""The pools' disk tiers: entries eviction would drop, demoted encrypted, promoted on a hit.
+"""The pools' disk tiers and what each holds: the one owner of the books of the disk.
 
-Three seams, none of which rewrites the path it hangs on (docs/operations.md, "The disk
-tier")::
+Three parts, one module each (docs/operations.md, "The disk tier")::
 
-    release   Releaser calls ended(row, reason) for every entry before its region is
-              dropped. An eviction (reason "evict") is offered for demotion: the policy
-              (maasd.disk.policy.Admission) keeps it if it was looked up again or came
-              back after a drop; its bytes are encrypted from the region's mapping in the
-              caller's thread (no plaintext copy) and the ciphertext queued for the
-              writer thread, within ``disk_inflight_bytes`` — past that, or at a limit
-              the tier cannot make room under, it is dropped and counted. Any other end
-              (a DELETE, a lease, a tenant's deletion) erases the key's copy on disk.
-    lookup    a socket lookup that misses DRAM and names a key on disk goes to the slow
-              pool (fill_ready), where promote() reads the file straight into a fresh
-              sealed memfd of the tier's pool — Restores.materialise, the L2 fill's seam:
-              quota, max_buffers, capacity and eviction as for any put — and answers
-              it from memory. The copy on disk stays (a later eviction writes nothing).
-    hit       a DRAM hit counts a use of its key for the admission filter.
+    disktier   (here) every pool's tier, the index of entries on disk by (tenant, key)
+               with each entry's AES-GCM key (memory only), the room on disk — each tier
+               evicts by S3-FIFO within its ``disk_bytes``, a tenant's bytes on all the
+               host's tiers stay within its disk quota — and the admission filter
+               (maasd.disk.policy.Admission: a DRAM hit counts a use of its key)
+    demotion   what an entry's end means for the tier (Releaser's ``on_entry_end``): an
+               eviction worth keeping encrypted and written by the writer thread, any
+               other end erasing the key's copy (maasd.core.demotion.Demotions)
+    promotion  a DRAM miss read back from disk into a fresh sealed memfd
+               (maasd.core.promotion.Promotions)
 
-Each tier evicts by S3-FIFO within its ``disk_bytes``; a tenant's bytes on all the
-host's tiers stay within its disk quota (``tenants.disk_quota_bytes``, by default
-``disk_quota_factor`` times its quota): its own coldest entries go first, on the tier
-demoted to, then on the others, same rules. A quota lowered below use holds from the
-tenant's next demotion on.
-Nothing here fails a DRAM operation: a full or failing disk, a corrupt file or no room
-is a drop or a miss, counted in ``maasd_disk_drops``. Keys live in this object only, so
-the tiers are emptied at start and at close.
+Demotions and promotions change the books only through the methods below, each one
+step under ``_lock``. A tenant's quota is enforced at each of its demotions (its own
+coldest entries go first, on the tier demoted to, then on the others), so a quota
+lowered below use holds from the tenant's next demotion on. Keys live in this object
+only, so the tiers are emptied at start and at close.
 
-Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the ledger).
+Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the ledger;
+only the demotion writer's queue is taken inside it, to queue a write in admission order).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-import msgspec
-
-from maasd.core.entries import Entries, EntryHandle
 from maasd.core.livepools import LivePools
-from maasd.core.pools import Pools
-from maasd.core.regions import Regions
-from maasd.core.release import Releaser
-from maasd.core.restore import Restores
-from maasd.core.tenants import disk_quota
 from maasd.disk.metrics import DiskMetrics
 from maasd.disk.policy import Admission, S3Fifo
-from maasd.disk.store import DiskDir, Sealed, Unreadable
-from maasd.disk.writer import Writer
-from maasd.errors import DuplicateKey, MaasdError
+from maasd.disk.store import DiskDir, Sealed
 from maasd.metrics import Metrics
-from maasd.models import DiskTierInfo, Principal
-from maasd.settings import Settings
-from maasd.store import BufferRow, PoolRow, Store
+from maasd.models import DiskTierInfo
+from maasd.store import BufferRow, PoolRow
 
-__all__ = ["DiskTiers"]
+__all__ = ["DiskTiers", "OnDisk", "Tier"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _OnDisk:
+class OnDisk:
+    """An entry in a tier's books (``written`` and ``gone`` change under the tiers' lock;
+    ``promoted_as`` is set by the promotion that made it)."""
+
     sealed: Sealed
     tenant_id: str
     key: str
@@ -74,19 +58,26 @@ class _OnDisk:
     promoted_as: str | None = None  # the DRAM entry last promoted from it (its bytes)
     gone: bool = False  # erased (a pending write skips it, and removes what it wrote)
 
+    def erase_file(self) -> None:
+        """Its file removed, if it was written (a pending write skips or removes its own)."""
+        if self.written:
+            self.disk.erase(self.sealed)
+
 
 @dataclass
-class _Tier:
+class Tier:
+    """One pool's tier: its directory and policy, and the entries it holds."""
+
     pool: str  # the pool's name, for metrics
     disk: DiskDir
     policy: S3Fifo
-    entries: dict[str, _OnDisk] = field(default_factory=dict)  # by file name
+    entries: dict[str, OnDisk] = field(default_factory=dict)  # by file name
     tenant_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def _tenant_victims(
-    tier: _Tier, tiers: Iterable[_Tier], tenant: str, size: int, quota: int
-) -> Iterator[tuple[_Tier, _OnDisk]]:
+    tier: Tier, tiers: Iterable[Tier], tenant: str, size: int, quota: int
+) -> Iterator[tuple[Tier, OnDisk]]:
     """The tenant's coldest entries on disk, taken out of their tier's policy, until
     ``size`` more bytes fit in its ``quota`` over all of ``tiers``: on ``tier`` (the one
     demoted to) first, then on the others. Its caller forgets each before the next (their
@@ -99,41 +90,29 @@ def _tenant_victims(
         yield at, at.entries[victim.key]  # type: ignore[index]
 
 
-def _erase(doomed: list[_OnDisk]) -> None:
-    """The files of entries taken out of the books (those written: a pending write skips
-    or removes its own)."""
+def _erase(doomed: Iterable[OnDisk]) -> None:
     for entry in doomed:
-        if entry.written:
-            entry.disk.erase(entry.sealed)
+        entry.erase_file()
 
 
 class DiskTiers:
     """Every pool's disk tier on this host (a pool without ``disk_dir``/``disk_bytes`` has none)."""
 
-    def __init__(
-        self, settings: Settings, store: Store, regions: Regions, live: LivePools,
-        entries: Entries, restores: Restores, releaser: Releaser, pools: Pools, metrics: Metrics,
-    ) -> None:  # fmt: skip
-        self._factor = settings.disk_quota_factor
-        self.store, self._regions, self._live = store, regions, live
-        self._entries = entries
-        self._restores = restores
+    def __init__(self, live: LivePools, metrics: Metrics) -> None:
+        self._live = live
+        #: The tiers' series; the demotions and promotions count theirs here too.
         self.metrics = DiskMetrics(metrics.registry)
         self.metrics.attach(self.stats)
-        releaser.on_entry_end = self.ended
-        pools.disk_usage = self.usage
         self._lock = threading.Lock()
-        self._tiers: dict[str, _Tier] = {}
-        self._index: dict[tuple[str, str], _OnDisk] = {}
+        self._tiers: dict[str, Tier] = {}
+        self._index: dict[tuple[str, str], OnDisk] = {}
         self._admission = Admission()
-        self._writer = Writer(settings.disk_inflight_bytes)
 
     # -- the tiers -------------------------------------------------------------------------
 
     def start(self) -> None:
         for live in self._live.all():
             self.add(live.row)
-        self._writer.start()
 
     def add(self, row: PoolRow) -> None:
         """The pool's tier, emptied of what an earlier run left (its keys are gone)."""
@@ -148,7 +127,7 @@ class DiskTiers:
         if removed:
             logger.info("pool %s: disk tier emptied (%d files of a past run)", row.name, removed)
         with self._lock:
-            self._tiers[row.id] = _Tier(row.name, disk, S3Fifo(row.disk_bytes))
+            self._tiers[row.id] = Tier(row.name, disk, S3Fifo(row.disk_bytes))
 
     def remove(self, pool_id: str) -> None:
         """The pool is gone: every entry of its tier erased."""
@@ -160,9 +139,12 @@ class DiskTiers:
         _erase(doomed)
 
     def close(self) -> None:
-        self._writer.close()
+        """Every tier erased (after the demotions' writer stopped: nothing is pending)."""
         for pool_id in list(self._tiers):
             self.remove(pool_id)
+
+    def tier(self, pool_id: str) -> Tier | None:
+        return self._tiers.get(pool_id)
 
     def usage(self, pool_id: str) -> DiskTierInfo | None:
         """What the pool's tier holds now (pending writes included) and has done."""
@@ -191,35 +173,21 @@ class DiskTiers:
         with self._lock:
             return [(t.pool, t.policy.used, len(t.entries)) for t in self._tiers.values()]
 
-    # -- hooks -----------------------------------------------------------------------------
+    # -- uses and ends of keys -------------------------------------------------------------
 
     def hit(self, tenant_id: str, key: str) -> None:
+        """A DRAM hit: a use of the key, for the admission filter."""
         if not self._tiers:  # no pool has a tier: nothing to remember
             return
         with self._lock:
             self._admission.hit((tenant_id, key))
 
-    def ended(self, row: BufferRow, reason: str) -> None:
-        """An entry's region is about to be dropped (see the module docstring). Its row
-        no longer carries its key (a release gives it up): the regions still do."""
-        if row.kind != "entry":
-            return
-        held = self._regions.held(row.id)
-        key = row.key if held is None else held.key
-        if key is None or (held is not None and not held.committed):
-            return  # a staged entry (an abort, a failed commit or promotion): not its copy
-        row = msgspec.structs.replace(row, key=key)
-        if reason == "evict":
-            try:
-                self._demote(row)
-            except Exception:  # never fails the eviction: the entry is just dropped
-                tier = self._tiers.get(row.pool_id)
-                self.metrics.dropped("" if tier is None else tier.pool, "error")
-                logger.exception("demoting entry %s failed", row.id)
-            return
+    def ended(self, tenant_id: str, key: str) -> None:
+        """The key's entry ended otherwise than by an eviction: its uses forgotten, its
+        copy on disk erased."""
         with self._lock:
-            self._admission.forget((row.tenant_id, key))
-        self.erase_key(row.tenant_id, key)
+            self._admission.forget((tenant_id, key))
+        self.erase_key(tenant_id, key)
 
     def erase_key(self, tenant_id: str, key: str) -> None:
         with self._lock:
@@ -235,84 +203,79 @@ class DiskTiers:
         for _, key in keys:
             self.erase_key(tenant_id, key)
 
-    # -- demotion --------------------------------------------------------------------------
+    # -- what demotions write --------------------------------------------------------------
 
-    def _demote(self, row: BufferRow) -> None:
+    def worth_writing(self, row: BufferRow) -> Tier | None:
+        """The tier an evicted entry (``row``, with its key) is to be written to, or None:
+        its pool has no tier, its copy is on disk still (it was promoted from it) or the
+        admission filter finds it cold (counted). Another entry's bytes under its key
+        (a put of it since) are erased."""
         assert row.key is not None
         ident = (row.tenant_id, row.key)
         with self._lock:
             tier = self._tiers.get(row.pool_id)
             if tier is None:
                 self._admission.forget(ident)
-                return
+                return None
             existing = self._index.get(ident)
             if existing is not None and existing.promoted_as == row.id:
                 self._admission.forget(ident)  # its copy is on disk still: nothing to write
-                return
-            # Another entry's bytes under this key (a put of it since): they go.
+                return None
             stale = [] if existing is None else [self._forget(existing, tier)]
             cold = not self._admission.evicted(ident)
             if cold:
                 self.metrics.dropped(tier.pool, "cold")
         _erase(stale)
-        if cold:
-            return
-        if not self._writer.reserve(row.size_bytes):
-            self.metrics.dropped(tier.pool, "busy")
-            return
-        tenant = self.store.tenant(row.tenant_id)
-        if tenant is not None and tenant.deleting_at is not None:
-            tenant = None  # being deleted: nothing of it may stay behind on disk
-        sealed_blob = None if tenant is None else self._seal(row)
-        if tenant is not None and sealed_blob is not None:
-            sealed, blob = sealed_blob
-            with self._lock:
-                doomed = self._admit(tier, row, sealed, disk_quota(tenant, self._factor))
-                entry = self._index.get(ident)
-                if doomed is not None and entry is not None:  # queued in admission order
-                    write = functools.partial(self._write, tier, entry, blob, doomed)
-                    self._writer.submit(row.size_bytes, write)
-                    return
-        self._writer.cancel(row.size_bytes)
+        return None if cold else tier
 
-    def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:
-        """The entry's bytes encrypted, read under its lock (a release waits)."""
-        assert row.key is not None
-        with self._regions.buffer_lock(row.id):
-            held = self._regions.held(row.id)
-            if held is None or not held.committed or held.region.closed:
-                return None
-            view = held.region.view()
-            try:
-                return DiskDir.seal(row.tenant_id, row.key, view)
-            finally:
-                view.release()
-
-    def _admit(
-        self, tier: _Tier, row: BufferRow, sealed: Sealed, quota: int
-    ) -> list[_OnDisk] | None:
-        """Make room (pool, then tenant) and index the entry; the victims to erase, or
-        None if it cannot be kept (larger than a limit). Under ``_lock``."""
+    def admit(
+        self,
+        tier: Tier,
+        row: BufferRow,
+        sealed: Sealed,
+        quota: int,
+        queue: Callable[[OnDisk, list[OnDisk]], None],
+    ) -> bool:
+        """Make room (pool, then the tenant's ``quota``) and index the entry, then
+        ``queue(entry, victims)`` its write, still under the lock: the writes run in
+        admission order, so that the victims' files are gone before a later admission's
+        bytes are written. False if it cannot be kept (larger than a limit, or demoted
+        meanwhile by another eviction)."""
         size, tenant = sealed.size, row.tenant_id
-        if (tenant, row.key) in self._index:  # demoted meanwhile by another eviction
-            return None
-        if size > quota or size > tier.policy.capacity:
-            self.metrics.dropped(tier.pool, "quota" if size > quota else "full")
-            return None
-        doomed = [
-            self._forget(victim, at, evicted=True)
-            for at, victim in _tenant_victims(tier, self._tiers.values(), tenant, size, quota)
-        ]
-        for victim in tier.policy.insert(sealed.name, size):
-            doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
-        entry = _OnDisk(sealed, tenant, row.key or "", row.pool_id, tier.disk)
-        tier.entries[sealed.name] = entry
-        tier.tenant_bytes[tenant] = tier.tenant_bytes.get(tenant, 0) + size
-        self._index[(tenant, entry.key)] = entry
-        self.metrics.demoted(tier.pool)
-        return doomed
+        with self._lock:
+            if (tenant, row.key) in self._index:  # demoted meanwhile by another eviction
+                return False
+            if size > quota or size > tier.policy.capacity:
+                self.metrics.dropped(tier.pool, "quota" if size > quota else "full")
+                return False
+            doomed = [
+                self._forget(victim, at, evicted=True)
+                for at, victim in _tenant_victims(tier, self._tiers.values(), tenant, size, quota)
+            ]
+            for victim in tier.policy.insert(sealed.name, size):
+                doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
+            entry = OnDisk(sealed, tenant, row.key or "", row.pool_id, tier.disk)
+            tier.entries[sealed.name] = entry
+            tier.tenant_bytes[tenant] = tier.tenant_bytes.get(tenant, 0) + size
+            self._index[(tenant, entry.key)] = entry
+            self.metrics.demoted(tier.pool)
+            queue(entry, doomed)
+            return True
 
-    def _forget(self, entry: _OnDisk, tier: _Tier, *, evicted: bool = False) -> _OnDisk:
+    def written(self, entry: OnDisk) -> None:
+        """Its file is whole and in place: promotable from now on (unless erased)."""
+        with self._lock:
+            entry.written = not entry.gone
+
+    def discard(self, tier: Tier, entry: OnDisk) -> bool:
+        """Take ``entry`` out of the books (a failed write, a corrupt file); whether it was
+        still in them (not erased meanwhile). Its file is the caller's to remove."""
+        with self._lock:
+            kept = not entry.gone
+            self._forget(entry, tier)
+        return kept
+
+    def _forget(self, entry: OnDisk, tier: Tier, *, evicted: bool = False) -> OnDisk:
         """Take ``entry`` out of the books (its key dropped with it). Under ``_lock``."""
         entry.gone = True
         if tier.entries.pop(entry.sealed.name, None) is not None:
@@ -329,28 +292,7 @@ class DiskTiers:
             del self._index[(entry.tenant_id, entry.key)]
         return entry
 
-    def _write(self, tier: _Tier, entry: _OnDisk, blob: bytes, doomed: list[_OnDisk]) -> None:
-        """(writer thread) The victims the admission chose erased first — the bytes on disk
-        never pass a limit, not even for a moment —, then the entry written."""
-        _erase(doomed)
-        if entry.gone:  # erased before its turn
-            return
-        try:
-            tier.disk.write(entry.sealed, blob)
-        except OSError as e:
-            reason = "full" if e.errno in (28, 122) else "io_error"  # ENOSPC, EDQUOT
-            with self._lock:
-                self._forget(entry, tier)
-                self.metrics.dropped(tier.pool, reason)
-            logger.info("pool %s: a demotion was dropped: %s", tier.pool, e)
-            return
-        with self._lock:
-            entry.written = not entry.gone  # promotable from now on
-        self.metrics.written(tier.pool, len(blob))  # (after: a metric seen is promotable)
-        if entry.gone:  # erased while it was being written
-            tier.disk.erase(entry.sealed)
-
-    # -- promotion -------------------------------------------------------------------------
+    # -- what promotions read --------------------------------------------------------------
 
     def fill_ready(self, tenant_id: str, keys: list[str]) -> bool:
         """Whether one of ``keys`` is on disk, written (cheap: the event loop asks it)."""
@@ -359,12 +301,9 @@ class DiskTiers:
                 (e := self._index.get((tenant_id, k))) is not None and e.written for k in keys
             )
 
-    def promote(
-        self, who: Principal, tenant_id: str, keys: list[str], attached: Container[str] = ()
-    ) -> EntryHandle | None:
-        """The longest of ``keys`` found on disk, restored as a committed entry and looked
-        up (a hit, counted as an attachment unless one of ``attached``); None if none is
-        on disk or it could not be restored (a miss)."""
+    def longest_written(self, tenant_id: str, keys: list[str]) -> tuple[Tier, OnDisk] | None:
+        """The longest of ``keys`` on disk and written, and its tier, counted a hit by the
+        tier's policy; None if none is."""
         with self._lock:
             found = next(
                 (
@@ -375,35 +314,7 @@ class DiskTiers:
                 None,
             )
             tier = None if found is None else self._tiers.get(found.pool_id)
-            if found is not None and tier is not None:
-                tier.policy.hit(found.sealed.name)
-        if found is None or tier is None:
-            return None
-        try:
-            found.promoted_as = self._restores.materialise_with(
-                who, found.key, found.sealed.size, self._reader(tier, found), pool=found.pool_id
-            )
-        except DuplicateKey:
-            pass  # restored (or being put) by another caller meanwhile
-        except Unreadable as e:
-            with self._lock:
-                raced = found.gone  # erased meanwhile (a release): no corruption
-                self._forget(found, tier)
-            if not raced:
-                logger.warning("pool %s: an entry on disk is lost: %s", tier.pool, e)
-                self.metrics.dropped(tier.pool, "corrupt")
-            tier.disk.erase(found.sealed)
-            return None
-        except MaasdError as e:  # no room in DRAM (quota, max_buffers, pool full …)
-            logger.info("an entry on disk could not be promoted: %s", e.code)
-            self.metrics.dropped(tier.pool, "unplaced")
-            return None
-        else:
-            self.metrics.promoted(tier.pool)
-        return self._entries.lookup(who, keys, count_miss=False, attached=attached)
-
-    def _reader(self, tier: _Tier, entry: _OnDisk) -> Callable[[memoryview], None]:
-        def fill(out: memoryview) -> None:
-            self.metrics.read(tier.pool, tier.disk.read_into(entry.sealed, out))
-
-        return fill
+            if found is None or tier is None:
+                return None
+            tier.policy.hit(found.sealed.name)
+            return tier, found

@@ -217,6 +217,8 @@ class Pools:
         reclaimer: Reclaimer,
         warmer: Warmer,
         topology: Topology,
+        *,
+        disk_usage: Callable[[str], DiskTierInfo | None] = lambda _pool_id: None,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
@@ -228,8 +230,8 @@ class Pools:
         self._warmer = warmer
         #: The NUMA topology as last discovered.
         self.topology = topology
-        #: A pool's disk tier now, by pool id (set by the disk tiers).
-        self.disk_usage: Callable[[str], DiskTierInfo | None] = lambda _pool_id: None
+        #: A pool's disk tier now, by pool id (the disk tiers' ``usage``).
+        self._disk_usage = disk_usage
         #: Each node's measured latency class, once the probe (started by provision) answers.
         self.measured = Measurements(bool(settings.latency_probe), settings.latency_probe_timeout_s)
 
@@ -325,7 +327,7 @@ class Pools:
                     usage.get(row.id, (0, 0)),
                     warm.get(row.id, 0),
                     held.get(row.id, 0),
-                    self.disk_usage(row.id),
+                    self._disk_usage(row.id),
                 )
                 for row in rows
             ]
@@ -338,7 +340,7 @@ class Pools:
                     usage.get(live.row.id, (0, 0)),
                     live.pool.warm,
                     held.get(live.row.id, 0),
-                    self.disk_usage(live.row.id),
+                    self._disk_usage(live.row.id),
                 )
                 for live in self._live.all()
             ),
@@ -357,7 +359,7 @@ class Pools:
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
         held = self._holders.held_bytes_by("pool_id").get(live.row.id, 0)
-        info = pool_info(live.row, used, live.pool.warm, held, self.disk_usage(live.row.id))
+        info = pool_info(live.row, used, live.pool.warm, held, self._disk_usage(live.row.id))
         return self.measured.annotate([info], self._host)[0]
 
     def create(self, spec: PoolSpec) -> PoolInfo:

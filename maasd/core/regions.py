@@ -33,8 +33,8 @@ Locks, and the order they are taken in
 3. **Leaf locks**, each guarding one thing and never held while taking another:
    the live pools' lock (:mod:`maasd.core.livepools`), the attachments lock
    (:mod:`maasd.core.attachments`), the use batch's lock (:mod:`maasd.core.uses`),
-   the holders' lock (:mod:`maasd.core.holders`, whose callbacks run outside it) —
-   and the key cache's lock (:mod:`maasd.core.auth`), each allocator pool's lock,
+   the holders' lock (:mod:`maasd.core.holders`, whose callbacks run outside it), the
+   disk tiers' books (:mod:`maasd.core.disktier`) — and the key cache's lock (:mod:`maasd.core.auth`), each allocator pool's lock,
    and the store's SQLite writer queue.
 
 So a thread may go 1 → 2 → the attachments lock, 1 → a leaf, 2 → nothing else;

@@ -85,6 +85,8 @@ class Releaser:
         live: LivePools,
         holders: Holders,
         metrics: Metrics,
+        *,
+        on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None,
     ) -> None:
         self._store = store
         self._regions = regions
@@ -95,7 +97,7 @@ class Releaser:
         #: Called with every entry's row and reason before its region is dropped (the
         #: disk tier: an eviction may be demoted, any other end erases its copy on disk).
         #: It must not raise, and reads the region under the buffer's lock if at all.
-        self.on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None
+        self._on_entry_end = on_entry_end
         #: Ends of held entries' rows that the ledger refused when their last holder let
         #: go (an outage): tried again at each reaper pass (:meth:`finish_unfinished`).
         self._unfinished: list[Finish] = []
@@ -170,8 +172,8 @@ class Releaser:
         ``finish()`` (the row's end) — later, if others still hold the memory of this
         committed entry (see :meth:`drop_region`)."""
         started = time.perf_counter()
-        if self.on_entry_end is not None and row.kind == "entry":
-            self.on_entry_end(row, reason)  # before the region goes: a demotion reads it
+        if self._on_entry_end is not None and row.kind == "entry":
+            self._on_entry_end(row, reason)  # before the region goes: a demotion reads it
         held = self.drop_region(row, finish)
         if row.persistence == "persistent":
             # A checkpoint that finished while drop_region waited for it may have

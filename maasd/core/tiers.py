@@ -3,7 +3,7 @@
     DRAM   the index of committed entries (Entries.lookup), answered from memory; a hit
            is a use of its key for the disk tier's admission filter
     disk   a miss that names a key on this pool's disk tier (or L2 is ready) must wait:
-           the disk tier promotes it into a fresh sealed memfd (DiskTiers.promote)
+           the disk tier promotes it into a fresh sealed memfd (Promotions.promote)
     L2     then the shared tier, if configured and its breaker lets calls in (Shared.fill)
     miss   counted once, by whichever step answered it; ``None``, a value, not an error
 
@@ -29,6 +29,7 @@ from maasd.core.disktier import DiskTiers
 from maasd.core.entries import Entries, EntryHandle
 from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
+from maasd.core.promotion import Promotions
 from maasd.core.shared import Shared
 from maasd.core.tenants import Tenants
 from maasd.models import PoolInfo, PoolSpec, Principal
@@ -56,6 +57,7 @@ class Tiers:
         live: LivePools,
         entries: Entries,
         disk: DiskTiers,
+        promotions: Promotions,
         shared: Shared,
         pools: Pools,
         tenants: Tenants,
@@ -64,6 +66,7 @@ class Tiers:
         self._live = live
         self._entries = entries
         self._disk = disk
+        self._promotions = promotions
         self._shared = shared
         self._pools = pools
         self._tenants = tenants
@@ -118,7 +121,7 @@ class Tiers:
     ) -> EntryHandle | None:
         """A DRAM miss asked of the disk tiers, then of L2; may wait for either (never on
         an event loop)."""
-        found = self._disk.promote(who, tenant_id, keys, attached)
+        found = self._promotions.promote(who, tenant_id, keys, attached)
         if found is not None:
             return found
         if self._shared.ready():
