@@ -29,7 +29,7 @@ from maasd.disk.store import DiskDir, Sealed
 from maasd.disk.writer import Writer
 from maasd.models import ReleaseReason
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store
+from maasd.store import BufferRow, TenantRepo
 
 __all__ = ["Demotions"]
 
@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 class Demotions:
     """Evicted entries written down to their pool's disk tier, in the background."""
 
-    def __init__(self, settings: Settings, store: Store, regions: Regions, disk: DiskTiers) -> None:
+    def __init__(
+        self, settings: Settings, store: TenantRepo, regions: Regions, disk: DiskTiers
+    ) -> None:
         self._factor = settings.disk_quota_factor
         self._store, self._regions, self._disk = store, regions, disk
         self._metrics = disk.metrics

@@ -19,7 +19,6 @@ WHOLE_LEDGER = {
     "app.py": "the composition root: it builds the store",
     "auth.py": "keys (TenantRepo) and the revocation listener (Store.listener)",
     "buffers.py": "reserves across tenants, pools and buffers",
-    "disktier.py": "demotions read pools and buffers and charge tenants",
     "pools.py": "a pool's rows and the buffers in it",
     "tenants.py": "a tenant's delete ends its buffers and records its events",
 }
