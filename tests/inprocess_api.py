@@ -30,7 +30,7 @@ ADMIN = Principal(is_admin=True)
 
 #: The use-case objects the app's handlers are given (maasd.api.dependencies); the keys
 #: (authentication, the role checks) are the guards' own, not counted.
-HANDED_TO_HANDLERS = ("pools", "tiers", "tenants", "buffers", "hosts", "last_known")
+HANDED_TO_HANDLERS = ("pools", "tiers", "tenants", "reserves", "buffers", "hosts", "last_known")
 
 
 def service(data_dir: Path) -> Service:
@@ -65,7 +65,7 @@ def snapshot(svc: Service) -> tuple[Any, ...]:
 
 class ServiceCalls:
     """Counts the calls of every public method of the use-case objects the handlers are
-    given (``"buffers.reserve"``), wrapping the real ones on the instances.
+    given (``"reserves.reserve"``), wrapping the real ones on the instances.
 
     The app is given those very objects (handlers receive them by dependency
     injection), so a handler that runs shows up here; a guard that refuses

@@ -172,7 +172,7 @@ def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class RestCall:
-    """What a /v1 handler works with: ``await call.run(buffers.reserve, call.who, …)``."""
+    """What a /v1 handler works with: ``await call.run(reserves.reserve, call.who, …)``."""
 
     run: CallerRun  # the caller's share of the threads
     who: Principal

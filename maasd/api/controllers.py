@@ -23,7 +23,7 @@ from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from maasd.api import problems
 from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, RestCall, may_read_metrics
-from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Tenants, Tiers
+from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Reserves, Tenants, Tiers
 from maasd.api.schemas import (
     LookupBody,
     PinBody,
@@ -323,11 +323,11 @@ class BuffersController(Controller):
     async def reserve_in(
         self,
         call: NamedDependency[RestCall],
-        buffers: NamedDependency[Buffers],
+        reserves: NamedDependency[Reserves],
         pool_id: FromPath[str],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
-        return await call.run(buffers.reserve, call.who, data.to_spec(pool_id))
+        return await call.run(reserves.reserve, call.who, data.to_spec(pool_id))
 
     @post(
         "/reserve",
@@ -339,10 +339,10 @@ class BuffersController(Controller):
     async def reserve(
         self,
         call: NamedDependency[RestCall],
-        buffers: NamedDependency[Buffers],
+        reserves: NamedDependency[Reserves],
         data: JSONBody[ReserveBody],
     ) -> BufferInfo:
-        return await call.run(buffers.reserve, call.who, data.to_spec())
+        return await call.run(reserves.reserve, call.who, data.to_spec())
 
     @get(
         "/buffers",

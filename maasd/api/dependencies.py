@@ -23,11 +23,21 @@ from maasd.core import Service
 from maasd.core.buffers import Buffers
 from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
+from maasd.core.reserve import Reserves
 from maasd.core.stale import LastKnownReads
 from maasd.core.tenants import Tenants
 from maasd.core.tiers import Tiers
 
-__all__ = ["Buffers", "Hosts", "LastKnownReads", "Pools", "Tenants", "Tiers", "use_cases"]
+__all__ = [
+    "Buffers",
+    "Hosts",
+    "LastKnownReads",
+    "Pools",
+    "Reserves",
+    "Tenants",
+    "Tiers",
+    "use_cases",
+]
 
 
 def use_cases(core: Service) -> dict[str, Provide]:
@@ -36,7 +46,8 @@ def use_cases(core: Service) -> dict[str, Provide]:
         "pools": core.pools,  # topology, listing and reading pools
         "tiers": core.tiers,  # creating and deleting pools and tenants (their disk tiers too)
         "tenants": core.tenants,
-        "buffers": core.buffers,
+        "reserves": core.reserves,  # reserving a buffer
+        "buffers": core.buffers,  # a buffer once reserved
         "hosts": core.hosts,
         "last_known": core.last_known,  # the reads answered as last known in an outage
     }

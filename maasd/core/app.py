@@ -9,7 +9,7 @@ broker gets :meth:`socket_use_cases` through its constructor, tests call the par
 
 >>> svc = Service(settings); svc.start()                             # doctest: +SKIP
 >>> who = svc.auth.authenticate(api_key)                              # doctest: +SKIP
->>> buf = svc.buffers.reserve(who, ReserveSpec(size_bytes=1 << 20))   # doctest: +SKIP
+>>> buf = svc.reserves.reserve(who, ReserveSpec(size_bytes=1 << 20))  # doctest: +SKIP
 >>> svc.buffers.release(who, buf.id); svc.close()                     # doctest: +SKIP
 """
 
@@ -48,6 +48,7 @@ from maasd.core.reaper import Reaper
 from maasd.core.recovery import Recovery
 from maasd.core.regions import Regions
 from maasd.core.release import Releaser
+from maasd.core.reserve import Reserves
 from maasd.core.restore import Restores
 from maasd.core.shared import Shared
 from maasd.core.stale import LastKnownReads, degraded_checks
@@ -92,9 +93,10 @@ class Service:
     ``attachments`` (:mod:`.attachments`), ``live`` (:mod:`.livepools`, owned by
     ``pools``), ``uses`` (:mod:`.uses`: the use/lease batch), ``holders``
     (:mod:`.holders`). The use-cases, by noun: ``auth``, ``hosts``, ``pools``,
-    ``tenants``, ``buffers``, ``handles``, ``entries``, ``tiers`` (the lookup order,
-    and the deletes that reach the disk tiers), ``disk`` (what the disk tiers hold),
-    ``demotions`` and ``promotions`` (writing to them, reading back), ``shared`` (L2); the
+    ``tenants``, ``reserves`` (reserving a buffer), ``buffers`` (a buffer's life once
+    reserved), ``handles``, ``entries``, ``tiers`` (the lookup order, and the deletes
+    that reach the disk tiers), ``disk`` (what the disk tiers hold), ``demotions`` and
+    ``promotions`` (writing to them, reading back), ``shared`` (L2); the
     daemon's own: ``recovery``, ``reaper``, ``reclaimer`` (``drain()`` waits for it),
     ``warmer`` (``run_once()`` refills the warm stock in the caller's thread),
     ``budget`` (the regions the process may hold, from its open-files and mapping
@@ -154,15 +156,18 @@ class Service:
             host=settings.node_name, remote_wait_s=3 * settings.reaper_interval_s,
             disk_factor=settings.disk_quota_factor, disk_used=self.disk.tenant_usage,
         )  # fmt: skip
-        self.buffers = Buffers(
+        self.reserves = Reserves(
             settings, store, regions, live, self.uses, self.attachments, holders, self.pools,
-            releaser, checkpoints, metrics, self.budget,
+            releaser, metrics, self.budget,
         )  # fmt: skip
+        self.buffers = Buffers(
+            settings, store, regions, live, holders, self.pools, releaser, checkpoints
+        )
         self.handles = Handles(regions, self.attachments, self.uses, metrics)
         self.entries = Entries(
-            store, regions, live, holders, self.uses, self.buffers, releaser, metrics
+            store, regions, live, holders, self.uses, self.reserves, releaser, metrics
         )
-        restores = Restores(store, regions, holders, self.buffers, self.entries)
+        restores = Restores(store, regions, holders, self.reserves, self.entries)
         self.shared = Shared(settings, store, self.entries, restores, metrics)
         self.promotions = Promotions(self.disk, restores, self.entries)
         self.tiers = Tiers(

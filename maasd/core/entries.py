@@ -3,7 +3,7 @@
 An entry is a keyed, evictable buffer that its writer fills once; from its commit on
 its bytes are immutable, enforced by the kernel, and every handle to it is read-only::
 
-    put     the reserve of an evictable keyed buffer (Buffers.reserve, kind "entry"):
+    put     the reserve of an evictable keyed buffer (Reserves.reserve, kind "entry"):
             quota, capacity, eviction and pool choice as for REST; the row ends
             ``staged``, the writer gets a writable dup of the staging region
     commit  under the buffer's lock —
@@ -46,12 +46,12 @@ from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.allocator.region import copy_region
 from maasd.bounds import DEFAULT_TTL_S
 from maasd.core.auth import require_tenant
-from maasd.core.buffers import Buffers
 from maasd.core.handles import BufferHandle
 from maasd.core.holders import Holders
 from maasd.core.livepools import LivePool, LivePools
 from maasd.core.regions import Held, Regions
 from maasd.core.release import Releaser
+from maasd.core.reserve import Reserves
 from maasd.core.uses import UseBatch
 from maasd.errors import (
     BackingError,
@@ -105,7 +105,7 @@ class Entries:
         live: LivePools,
         holders: Holders,
         uses: UseBatch,
-        buffers: Buffers,
+        reserves: Reserves,
         releaser: Releaser,
         metrics: Metrics,
     ) -> None:
@@ -114,7 +114,7 @@ class Entries:
         self._live = live
         self._holders = holders
         self._uses = uses  # a hit is a use, written in a batch
-        self._buffers = buffers
+        self._reserves = reserves
         self._releaser = releaser
         self._metrics = metrics
         self._on_commit: Callable[[str, str, str, int], None] | None = None
@@ -148,7 +148,7 @@ class Entries:
             evictable=True,
         )
         try:
-            info = self._buffers.reserve(who, spec, kind="entry")
+            info = self._reserves.reserve(who, spec, kind="entry")
             fd = self._writable_fd(info.id)
         except Exception as e:
             self._count(self._metrics.entry_puts, tenant_id, e)

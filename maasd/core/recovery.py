@@ -1,7 +1,7 @@
 """Recovery: settle the ledger with what exists after a (possibly unclean) stop.
 
 Every change that touches memory records its intent in the ledger first
-(:mod:`maasd.core.buffers`, :mod:`maasd.core.release`), so a crash at any point
+(:mod:`maasd.core.reserve`, :mod:`maasd.core.release`), so a crash at any point
 leaves rows that :meth:`Recovery.recover` can settle: ``reserving``, ``staged`` and
 ``releasing`` rows and volatile ``live`` rows of a previous run are released (their
 memory died with the process); persistent ``live`` rows are reloaded from their last

@@ -8,7 +8,7 @@ here, without the ledger. Every part of :mod:`maasd.core` reaches a region only
 through these methods; none keeps a reference to the dicts behind them.
 
 Who owns which state: the regions, their locks and the entry index here (changed
-by :mod:`.buffers` — hold, go live —, :mod:`.entries` — commit —, :mod:`.release`
+by :mod:`.reserve` — hold, go live —, :mod:`.entries` — commit —, :mod:`.release`
 — take out —, and at start and close by :mod:`.recovery` and :mod:`.lifecycle`);
 the live pools :class:`~maasd.core.livepools.LivePools` (changed by :mod:`.pools`);
 the attachment counts :class:`~maasd.core.attachments.Attachments` (changed by

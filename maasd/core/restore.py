@@ -1,7 +1,7 @@
 """Entries read back from a slower tier into a committed entry here, and an entry's bytes
 read out for one: the seam the disk tier's promotion and the L2 tier share.
 
-    materialise   the reserve of a put (Buffers.reserve, kind "entry": quota,
+    materialise   the reserve of a put (Reserves.reserve, kind "entry": quota,
                   ``max_buffers``, capacity and eviction as for any entry), into a region
                   sealed F_SEAL_FUTURE_WRITE from the start: no worker ever holds it
                   writable, so the daemon writes the bytes through its own mapping
@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 
 from maasd.core.auth import require_tenant
-from maasd.core.buffers import Buffers
 from maasd.core.entries import DEFAULT_ENTRY_TTL_S, Entries
 from maasd.core.holders import Holders
 from maasd.core.regions import Regions
+from maasd.core.reserve import Reserves
 from maasd.errors import StateConflict
 from maasd.models import Principal, ReserveSpec
 from maasd.store import BufferRepo
@@ -35,13 +35,13 @@ class Restores:
         store: BufferRepo,
         regions: Regions,
         holders: Holders,
-        buffers: Buffers,
+        reserves: Reserves,
         entries: Entries,
     ) -> None:
         self._store = store
         self._regions = regions
         self._holders = holders
-        self._buffers = buffers
+        self._reserves = reserves
         self._entries = entries
 
     def materialise(self, who: Principal, key: str, data: memoryview) -> str:
@@ -75,7 +75,7 @@ class Restores:
         spec = ReserveSpec(
             size_bytes=size, pool=pool, ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True
         )
-        info = self._buffers.reserve(who, spec, kind="entry", frozen=True)
+        info = self._reserves.reserve(who, spec, kind="entry", frozen=True)
         try:
             self._publish(info.id, fill)
         except Exception:

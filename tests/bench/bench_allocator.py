@@ -190,7 +190,7 @@ def bench_service(size: int, reps: int) -> tuple[float, float]:
                     time.sleep(0.01)
 
             def reserve(pool: str) -> None:
-                held.append(svc.buffers.reserve(who, ReserveSpec(size_bytes=size, pool=pool)).id)
+                held.append(svc.reserves.reserve(who, ReserveSpec(size_bytes=size, pool=pool)).id)
 
             reserve("warm")  # the demand the stock follows
             cold = median_time(lambda: reserve("cold"), reps, setup=lambda: release(False))

@@ -150,10 +150,10 @@ async def request(
 def instrument(svc: Service, clock: Clock) -> list[Any]:
     """Wrap the parts of a reserve; returns the patches to enter."""
     store = svc.store
-    buffers = svc.buffers
+    reserves = svc.reserves
     pool = svc.live.find("node0").pool
     return [
-        patched(buffers, "reserve", clock.wrap("service", buffers.reserve)),
+        patched(reserves, "reserve", clock.wrap("service", reserves.reserve)),
         patched(
             api_auth.ApiContext,
             "principal",
@@ -166,9 +166,9 @@ def instrument(svc: Service, clock: Clock) -> list[Any]:
         patched(store, "set_state", clock.wrap("ledger: go live", store.set_state)),
         patched(pool, "reserve", clock.wrap("region: create (+ prefault)", pool.reserve)),
         patched(
-            buffers,
+            reserves,
             "_check_placement",
-            clock.wrap("region: placement check", buffers._check_placement),
+            clock.wrap("region: placement check", reserves._check_placement),
         ),
         patched(
             litestar.response.base.Response,

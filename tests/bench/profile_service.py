@@ -70,7 +70,7 @@ def pairs(n: int) -> dict[str, list[float]]:
         spec = ReserveSpec(size_bytes=MiB, pool="node0", ttl_s=600)
         out: dict[str, list[float]] = {}
         for i in range(WARM_UP + n):
-            info = timed(out, "reserve", lambda: svc.buffers.reserve(who, spec))
+            info = timed(out, "reserve", lambda: svc.reserves.reserve(who, spec))
             timed(out, "release", lambda: svc.buffers.release(who, info.id))  # noqa: B023
             if i == WARM_UP - 1:
                 out.clear()

@@ -253,7 +253,7 @@ def test_shutdown_gives_the_stock_back(tmp_path: Path) -> None:
     try:
         who = svc.auth.authenticate(svc.tenants.create("t", 64 * MiB).api_key)
         for _ in range(3):
-            svc.buffers.release(who, svc.buffers.reserve(who, ReserveSpec(size_bytes=2 * MiB)).id)
+            svc.buffers.release(who, svc.reserves.reserve(who, ReserveSpec(size_bytes=2 * MiB)).id)
         wait_until(lambda: svc.pools.info("w").warm_bytes == 6 * MiB, message="stock filled")
         svc.reclaimer.drain()  # a released buffer made from stock carries the name too
         assert warm_memfds() == before + 3

@@ -18,7 +18,8 @@ CORE = Path(__file__).resolve().parents[2] / "maasd" / "core"
 WHOLE_LEDGER = {
     "app.py": "the composition root: it builds the store",
     "auth.py": "keys (TenantRepo) and the revocation listener (Store.listener)",
-    "buffers.py": "reserves across tenants, pools and buffers",
+    "buffers.py": "a buffer's rows, and a tenant's (by id or name) for the admin's list",
+    "reserve.py": "a reserve admits against its pools' usage and writes the buffer's rows",
     "pools.py": "a pool's rows and the buffers in it",
     "tenants.py": "a tenant's delete ends its buffers and records its events",
 }

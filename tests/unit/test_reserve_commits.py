@@ -86,16 +86,16 @@ def attach(svc: Service, who: Principal, buffer_id: str) -> None:
 def test_a_reserve_commits_twice_with_attaches_pending(sqlite_svc: Service) -> None:
     svc = sqlite_svc
     who = tenant(svc, 64 * MiB)
-    held = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    held = svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     commits = Commits(svc)
-    svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert commits.n == 2  # admission (reserving), then live
     attach(svc, who, held.id)
     assert held.id in svc.uses.pending_uses()
     before = svc.store.buffer(held.id)
     assert before is not None
     commits.n = 0
-    svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert commits.n == 2  # the attach was written by the admission, no commit of its own
     after = svc.store.buffer(held.id)
     assert after is not None
@@ -105,11 +105,11 @@ def test_a_reserve_commits_twice_with_attaches_pending(sqlite_svc: Service) -> N
 
 def test_a_refused_reserve_keeps_the_attaches_for_the_next_writer(svc: Service) -> None:
     who = tenant(svc, 2 * MiB)
-    held = svc.buffers.reserve(who, ReserveSpec(size_bytes=2 * MiB, pool="p"))
+    held = svc.reserves.reserve(who, ReserveSpec(size_bytes=2 * MiB, pool="p"))
     attach(svc, who, held.id)
     pending = svc.uses.pending_uses()
     with pytest.raises(errors.QuotaExceeded):
-        svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+        svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert svc.uses.pending_uses() == pending  # rolled back with the admission: kept
     svc.uses.flush()
     row = svc.store.buffer(held.id)
@@ -121,10 +121,10 @@ def test_eviction_in_the_admission_follows_the_attaches_it_writes(svc: Service) 
     """Two evictable buffers fill the quota; the older one is attached, so the reserve
     that needs room evicts the other (least recently used as of that attach)."""
     who = tenant(svc, 2 * MiB)
-    older = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
-    newer = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
+    older = svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
+    newer = svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
     attach(svc, who, older.id)
-    svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     live = {b.id for b in svc.buffers.buffers(who)}
     assert older.id in live
     assert newer.id not in live
@@ -150,7 +150,7 @@ def test_a_release_of_a_buffer_held_here_reads_nothing_first(svc: Service) -> No
     compare-and-set and its end, without a read before them (the read was ~0.2 ms)."""
     who = tenant(svc, 64 * MiB)
     other = svc.auth.authenticate(svc.tenants.create("u", 64 * MiB).api_key)
-    mine = svc.buffers.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    mine = svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     sql = Statements(svc)
     with pytest.raises(errors.NotFound):  # another tenant's id: the ledger is asked, and says no
         svc.buffers.release(other, mine.id)

@@ -119,60 +119,60 @@ def spill_dir(svc: Service, pool_id: str) -> Path:
 def test_reserve_picks_the_pool_with_most_free_space_that_meets_the_qos(svc: Service) -> None:
     who = tenant(svc)
     slow, fast = pool_named(svc, "slow"), pool_named(svc, "fast")
-    assert svc.buffers.reserve(who, req(MiB)).pool_id == slow.id  # most free, no QoS asked
+    assert svc.reserves.reserve(who, req(MiB)).pool_id == slow.id  # most free, no QoS asked
     assert (
-        svc.buffers.reserve(who, req(MiB, latency_us=5)).pool_id == fast.id
+        svc.reserves.reserve(who, req(MiB, latency_us=5)).pool_id == fast.id
     )  # only fast is ≤ 5 µs
-    assert svc.buffers.reserve(who, req(MiB, latency_us=10)).pool_id == slow.id
+    assert svc.reserves.reserve(who, req(MiB, latency_us=10)).pool_id == slow.id
     assert (
-        svc.buffers.reserve(who, req(MiB, persistence="persistent")).pool_id
+        svc.reserves.reserve(who, req(MiB, persistence="persistent")).pool_id
         == pool_named(svc, "pers").id
     )
     # Fill slow until fast has more room: the choice follows the free space.
-    svc.buffers.reserve(who, req(40 * MiB, persistence="volatile"))
+    svc.reserves.reserve(who, req(40 * MiB, persistence="volatile"))
     assert pool_named(svc, "slow").free_bytes < pool_named(svc, "fast").free_bytes
-    assert svc.buffers.reserve(who, req(MiB, persistence="volatile")).pool_id == fast.id
+    assert svc.reserves.reserve(who, req(MiB, persistence="volatile")).pool_id == fast.id
 
 
 def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
     who = tenant(svc)
     with pytest.raises(errors.QosUnmet):
-        svc.buffers.reserve(who, req(MiB, latency_us=0))
+        svc.reserves.reserve(who, req(MiB, latency_us=0))
     with pytest.raises(errors.QosUnmet):
-        svc.buffers.reserve(who, req(MiB, persistence="persistent", pool="fast"))
+        svc.reserves.reserve(who, req(MiB, persistence="persistent", pool="fast"))
     with pytest.raises(errors.PlacementError):
-        svc.buffers.reserve(who, req(MiB, numa_node=999))
+        svc.reserves.reserve(who, req(MiB, numa_node=999))
     with pytest.raises(errors.TooLarge):
-        svc.buffers.reserve(who, req(65 * MiB))  # larger than any pool
+        svc.reserves.reserve(who, req(65 * MiB))  # larger than any pool
     with pytest.raises(errors.TooLarge):
-        svc.buffers.reserve(who, req(33 * MiB, pool="fast"))  # larger than this pool
+        svc.reserves.reserve(who, req(33 * MiB, pool="fast"))  # larger than this pool
     with pytest.raises(errors.NotFound):
-        svc.buffers.reserve(who, req(MiB, pool="nope"))
+        svc.reserves.reserve(who, req(MiB, pool="nope"))
     for huge in ((1 << 63) - 1, (1 << 63) - 4096):  # one class of answer, rounding or not
         with pytest.raises(errors.TooLarge):
-            svc.buffers.reserve(who, req(huge))
+            svc.reserves.reserve(who, req(huge))
     with pytest.raises(errors.Forbidden):
-        svc.buffers.reserve(svc.auth.authenticate("admin-key-for-tests"), req(MiB))
+        svc.reserves.reserve(svc.auth.authenticate("admin-key-for-tests"), req(MiB))
     assert svc.store.buffers(states=None) == []  # nothing was admitted
     assert sample(svc, "maasd_reserve_total", outcome="granted") == 0
 
 
 def test_sizes_are_rounded_to_pages_and_counted_rounded(svc: Service) -> None:
     who = tenant(svc, quota=8192)
-    buf = svc.buffers.reserve(who, req(4097, pool="fast"))
+    buf = svc.reserves.reserve(who, req(4097, pool="fast"))
     assert buf.size_bytes == 8192
     assert svc.tenants.usage(who).used_bytes == 8192
     with pytest.raises(errors.QuotaExceeded):
-        svc.buffers.reserve(who, req(1, pool="fast"))
-    gb = svc.buffers.reserve(tenant(svc, name="g"), req(bytes_of_gib(0.001), pool="fast"))
+        svc.reserves.reserve(who, req(1, pool="fast"))
+    gb = svc.reserves.reserve(tenant(svc, name="g"), req(bytes_of_gib(0.001), pool="fast"))
     assert gb.size_bytes == -(-int(0.001 * (1 << 30) + 1) // 4096) * 4096
 
 
 def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    svc.buffers.reserve(a, req(30 * MiB, pool="fast"))
+    svc.reserves.reserve(a, req(30 * MiB, pool="fast"))
     with pytest.raises(errors.PoolExhausted):
-        svc.buffers.reserve(b, req(3 * MiB, pool="fast"))
+        svc.reserves.reserve(b, req(3 * MiB, pool="fast"))
     assert svc.tenants.usage(b).used_bytes == 0
     assert pool_named(svc, "fast").used_bytes == 30 * MiB
 
@@ -182,7 +182,7 @@ def test_pool_full_is_507_and_changes_nothing(svc: Service) -> None:
 
 def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(2 * MiB, pool="fast"))
+    buf = svc.reserves.reserve(who, req(2 * MiB, pool="fast"))
     handle = svc.handles.open(who, buf.id)
     try:
         import mmap
@@ -204,7 +204,7 @@ def test_release_scrubs_before_returning_and_gives_the_bytes_back(svc: Service) 
 
 def test_foreign_buffers_are_not_found(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    buf = svc.buffers.reserve(a, req(MiB))
+    buf = svc.reserves.reserve(a, req(MiB))
     for call in (
         lambda: svc.buffers.buffer(b, buf.id),
         lambda: svc.buffers.release(b, buf.id),
@@ -220,8 +220,8 @@ def test_foreign_buffers_are_not_found(svc: Service) -> None:
 
 def test_reap_releases_expired_leases_only(svc: Service) -> None:
     who = tenant(svc)
-    short = svc.buffers.reserve(who, req(MiB, ttl_s=1))
-    long = svc.buffers.reserve(who, req(MiB, ttl_s=600))
+    short = svc.reserves.reserve(who, req(MiB, ttl_s=1))
+    long = svc.reserves.reserve(who, req(MiB, ttl_s=600))
     assert svc.reaper.reap(now=time.time()) == 0
     assert svc.reaper.reap(now=time.time() + 5) == 1
     assert [b.id for b in svc.buffers.buffers(who)] == [long.id]
@@ -258,7 +258,7 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
 
     monkeypatch.setattr(svc.store, "advance", claimed_meanwhile)
     with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
-        svc.buffers.reserve(who, req(MiB, pool="fast"))
+        svc.reserves.reserve(who, req(MiB, pool="fast"))
     assert svc.regions.buffer_ids() == []
     assert allocated(svc, "fast") == 0
     assert svc.store.buffers(states=None) == []
@@ -270,7 +270,7 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
 
 def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
     who = tenant(svc, quota=8 * MiB)
-    bufs = [svc.buffers.reserve(who, req(2 * MiB, evictable=True, pool="fast")) for _ in range(4)]
+    bufs = [svc.reserves.reserve(who, req(2 * MiB, evictable=True, pool="fast")) for _ in range(4)]
     for i, b in enumerate(bufs):
         view(svc, b.id)[:] = i + 1
     for i in (2, 0, 3, 1):  # attach order: 2 is now least recently used, then 0
@@ -278,7 +278,7 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
         svc.handles.drop(who, bufs[i].id)
         time.sleep(0.002)
     regions = {b.id: region_of(svc, b.id) for b in bufs}
-    new = svc.buffers.reserve(who, req(3 * MiB, pool="fast"))
+    new = svc.reserves.reserve(who, req(3 * MiB, pool="fast"))
     left = {b.id for b in svc.buffers.buffers(who)}
     assert left == {bufs[3].id, bufs[1].id, new.id}
     assert svc.regions.region(bufs[2].id) is None
@@ -298,10 +298,10 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
 
 def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, quota=4 * MiB, name="b")
-    theirs = svc.buffers.reserve(a, req(4 * MiB, evictable=True, pool="fast"))
-    mine = svc.buffers.reserve(b, req(4 * MiB, pool="fast"))
+    theirs = svc.reserves.reserve(a, req(4 * MiB, evictable=True, pool="fast"))
+    mine = svc.reserves.reserve(b, req(4 * MiB, pool="fast"))
     with pytest.raises(errors.QuotaExceeded):
-        svc.buffers.reserve(b, req(MiB, pool="fast"))
+        svc.reserves.reserve(b, req(MiB, pool="fast"))
     assert {x.id for x in svc.buffers.buffers(svc.auth.authenticate("admin-key-for-tests"))} == {
         theirs.id,
         mine.id,
@@ -311,16 +311,18 @@ def test_quota_eviction_never_touches_other_tenants_or_non_evictable(svc: Servic
 
 def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc: Service) -> None:
     a, b = tenant(svc, name="a"), tenant(svc, name="b")
-    elsewhere = svc.buffers.reserve(a, req(MiB, evictable=True, pool="slow"))
-    cache = [svc.buffers.reserve(a, req(8 * MiB, evictable=True, pool="fast")) for _ in range(3)]
-    keep = svc.buffers.reserve(b, req(8 * MiB, pool="fast"))
-    got = svc.buffers.reserve(b, req(12 * MiB, pool="fast"))  # 12 MiB short: two 8 MiB victims
+    elsewhere = svc.reserves.reserve(a, req(MiB, evictable=True, pool="slow"))
+    cache = [svc.reserves.reserve(a, req(8 * MiB, evictable=True, pool="fast")) for _ in range(3)]
+    keep = svc.reserves.reserve(b, req(8 * MiB, pool="fast"))
+    got = svc.reserves.reserve(b, req(12 * MiB, pool="fast"))  # 12 MiB short: two 8 MiB victims
     alive = {x.id for x in svc.store.buffers()}
     assert alive == {elsewhere.id, cache[2].id, keep.id, got.id}
     assert pool_named(svc, "fast").used_bytes == 28 * MiB
     assert allocated(svc, "fast") == 28 * MiB
     with pytest.raises(errors.PoolExhausted):
-        svc.buffers.reserve(b, req(13 * MiB, pool="fast"))  # 9 MiB short, 8 evictable: nothing goes
+        svc.reserves.reserve(
+            b, req(13 * MiB, pool="fast")
+        )  # 9 MiB short, 8 evictable: nothing goes
     assert cache[2].id in {x.id for x in svc.store.buffers()}
 
 
@@ -329,7 +331,7 @@ def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc:
 
 def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(MiB, persistence="persistent"))
+    buf = svc.reserves.reserve(who, req(MiB, persistence="persistent"))
     spill = spill_dir(svc, buf.pool_id)
     paths = []
     for v in (1, 2):
@@ -343,7 +345,7 @@ def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> No
     assert paths[0] != paths[1]
     assert [str(p) for p in spill.iterdir()] == [paths[1]]
     with pytest.raises(errors.StateConflict):
-        svc.buffers.checkpoint(who, svc.buffers.reserve(who, req(MiB, pool="fast")).id)
+        svc.buffers.checkpoint(who, svc.reserves.reserve(who, req(MiB, pool="fast")).id)
 
 
 def checkpointing(
@@ -367,7 +369,7 @@ def test_a_checkpoint_while_another_of_the_buffer_is_written_is_409_at_once(
     """Of two checkpoints of one buffer, the second does not wait for the first (each
     would hold a REST thread for nothing): it is refused at once."""
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(MiB, persistence="persistent"))
+    buf = svc.reserves.reserve(who, req(MiB, persistence="persistent"))
     view(svc, buf.id)[:] = 5
     threads, outcome = checkpointing(svc, who, buf.id, 2)
     with svc.regions.buffer_lock(buf.id):  # the first checkpoint cannot finish yet
@@ -389,7 +391,7 @@ def test_a_checkpoint_while_another_of_the_buffer_is_written_is_409_at_once(
 
 def test_release_during_a_checkpoint_waits_for_it(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(16 * MiB, persistence="persistent"))
+    buf = svc.reserves.reserve(who, req(16 * MiB, persistence="persistent"))
     view(svc, buf.id)[:] = 3
     threads, outcome = checkpointing(svc, who, buf.id, 3)
     for t in threads:
@@ -413,8 +415,8 @@ def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> N
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    pers = s.buffers.reserve(who, req(MiB, persistence="persistent"))
-    vol = s.buffers.reserve(who, req(MiB, pool="fast"))
+    pers = s.reserves.reserve(who, req(MiB, persistence="persistent"))
+    vol = s.reserves.reserve(who, req(MiB, pool="fast"))
     view(s, pers.id)[:] = 77
     s.close()
 
@@ -511,14 +513,14 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
 
 def test_attach_times_are_batched_and_reach_the_ledger_before_a_reserve(svc: Service) -> None:
     who = tenant(svc)
-    old = svc.buffers.reserve(who, req(MiB, evictable=True))
-    new = svc.buffers.reserve(who, req(MiB, evictable=True))
+    old = svc.reserves.reserve(who, req(MiB, evictable=True))
+    new = svc.reserves.reserve(who, req(MiB, evictable=True))
     before = ledger_row(svc, old.id).last_used_at
     handle = svc.handles.open(who, old.id)  # no ledger write on the attach path
     os.close(handle.fd)
     assert ledger_row(svc, old.id).last_used_at == before
     assert old.id in svc.uses.pending_uses()
-    svc.buffers.reserve(who, req(MiB))  # a reserve flushes first: LRU sees the attach
+    svc.reserves.reserve(who, req(MiB))  # a reserve flushes first: LRU sees the attach
     assert ledger_row(svc, old.id).last_used_at > ledger_row(svc, new.id).last_used_at
     assert svc.uses.pending_uses() == {}
 
@@ -527,7 +529,7 @@ def test_reap_leaves_a_lease_renewed_after_the_query(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(MiB, ttl_s=1))
+    buf = svc.reserves.reserve(who, req(MiB, ttl_s=1))
     expired = svc.store.expired
 
     def expired_then_renewed(now: float, host: str) -> list[BufferRow]:
@@ -542,7 +544,7 @@ def test_reap_leaves_a_lease_renewed_after_the_query(
 
 def test_a_second_release_of_the_same_buffer_is_not_found(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(MiB))
+    buf = svc.reserves.reserve(who, req(MiB))
     svc.buffers.release(who, buf.id)
     with pytest.raises(errors.NotFound):
         svc.buffers.release(who, buf.id)
@@ -582,7 +584,7 @@ def test_a_revocation_racing_a_first_check_is_not_cached(
 
 def test_a_buffer_reports_its_measured_placement(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(3 * MiB))  # reserve itself checks a sample of pages
+    buf = svc.reserves.reserve(who, req(3 * MiB))  # reserve itself checks a sample of pages
     assert buf.placement is None  # … but reports no full count (costly per GiB)
     got = svc.buffers.buffer(who, buf.id)
     assert got.placement == {"0": buf.size_bytes // os.sysconf("SC_PAGE_SIZE")}
@@ -602,7 +604,7 @@ def test_reserve_refuses_pages_that_landed_off_node(
     before = pool_named(svc, "slow").used_bytes
     monkeypatch.setattr(Region, "placement", elsewhere)
     with pytest.raises(errors.PlacementError):
-        svc.buffers.reserve(who, req(MiB))
+        svc.reserves.reserve(who, req(MiB))
     monkeypatch.undo()
     assert pool_named(svc, "slow").used_bytes == before
     assert svc.buffers.buffers(who) == []
@@ -610,8 +612,8 @@ def test_reserve_refuses_pages_that_landed_off_node(
 
 def test_attachments_are_counted_per_buffer_and_per_tenant(svc: Service) -> None:
     who, other = tenant(svc, name="a"), tenant(svc, name="b")
-    a, b = svc.buffers.reserve(who, req(MiB)), svc.buffers.reserve(who, req(MiB))
-    theirs = svc.buffers.reserve(other, req(MiB))
+    a, b = svc.reserves.reserve(who, req(MiB)), svc.reserves.reserve(who, req(MiB))
+    theirs = svc.reserves.reserve(other, req(MiB))
     handles = [
         svc.handles.open(who, a.id),
         svc.handles.open(who, a.id),
@@ -643,12 +645,12 @@ def test_the_reclaimer_runs_with_the_service_and_stops_with_it(tmp_path: Path) -
     s.start(reaper=False)
     assert s.reclaimer.running
     who = tenant(s)
-    buf = s.buffers.reserve(who, req(MiB, pool="fast"))  # a "zero" pool: closed in the background
+    buf = s.reserves.reserve(who, req(MiB, pool="fast"))  # a "zero" pool: closed in the background
     region = region_of(s, buf.id)
     s.buffers.release(who, buf.id)
     s.reclaimer.drain()
     assert region.closed
-    kept = s.buffers.reserve(who, req(MiB, pool="slow"))
+    kept = s.reserves.reserve(who, req(MiB, pool="slow"))
     left = region_of(s, kept.id)
     s.close()  # releases the volatile buffer, then drains and stops the reclaimer
     assert not s.reclaimer.running
@@ -663,14 +665,14 @@ def test_the_buffer_cap_applies_to_reserves_and_patch_changes_it(svc: Service) -
     t = svc.tenants.update(who.tenant_id or "", max_buffers=2)
     assert t.max_buffers == 2
     assert svc.tenants.usage(who).max_buffers == 2
-    a = svc.buffers.reserve(who, req(4096, pool="fast"))
-    svc.buffers.reserve(who, req(4096, pool="fast", evictable=True))
-    svc.buffers.reserve(who, req(4096, pool="fast"))  # evicts the evictable one, LRU
+    a = svc.reserves.reserve(who, req(4096, pool="fast"))
+    svc.reserves.reserve(who, req(4096, pool="fast", evictable=True))
+    svc.reserves.reserve(who, req(4096, pool="fast"))  # evicts the evictable one, LRU
     assert sample(svc, "maasd_evictions_total") == 1
     with pytest.raises(errors.BufferCountExceeded, match="max_buffers is 2"):
-        svc.buffers.reserve(who, req(4096, pool="fast"))
+        svc.reserves.reserve(who, req(4096, pool="fast"))
     svc.buffers.release(who, a.id)
-    svc.buffers.reserve(who, req(4096, pool="fast"))
+    svc.reserves.reserve(who, req(4096, pool="fast"))
     both = svc.tenants.update(who.tenant_id or "", quota_bytes=MiB, max_buffers=5)
     assert (both.quota_bytes, both.max_buffers) == (MiB, 5)
     with pytest.raises(errors.InvalidRequest):
@@ -683,9 +685,9 @@ def test_the_default_cap_is_the_settings(tmp_path: Path) -> None:
     try:
         who = tenant(s)
         assert s.tenants.info(who.tenant_id or "").max_buffers == 1
-        s.buffers.reserve(who, req(4096, pool="fast"))
+        s.reserves.reserve(who, req(4096, pool="fast"))
         with pytest.raises(errors.BufferCountExceeded):
-            s.buffers.reserve(who, req(4096, pool="fast"))
+            s.reserves.reserve(who, req(4096, pool="fast"))
     finally:
         s.close()
 
@@ -695,10 +697,10 @@ def test_at_the_region_budget_a_reserve_is_a_507_and_the_ledger_is_untouched(
 ) -> None:
     who = tenant(svc)
     svc.budget.budget = svc.budget.held() + 1  # one region more, then the budget is full
-    svc.buffers.reserve(who, req(4096, pool="fast"))
+    svc.reserves.reserve(who, req(4096, pool="fast"))
     before = svc.store.buffers(states=None)
     with pytest.raises(errors.ResourceLimit, match="open files"):
-        svc.buffers.reserve(who, req(4096, pool="fast"))
+        svc.reserves.reserve(who, req(4096, pool="fast"))
     assert svc.store.buffers(states=None) == before
     assert sample(svc, "maasd_reserve_total", outcome="resource-limit") == 1
 
@@ -715,7 +717,7 @@ def test_a_kernel_out_of_files_on_reserve_is_a_507_naming_the_limit(
 
     monkeypatch.setattr(_sys, "memfd_create", emfile)
     with pytest.raises(errors.ResourceLimit, match="RLIMIT_NOFILE"):
-        svc.buffers.reserve(who, req(4096, pool="fast"))
+        svc.reserves.reserve(who, req(4096, pool="fast"))
     assert svc.store.buffers(states=None) == []
     assert allocated(svc, "fast") == 0
 
@@ -734,7 +736,7 @@ def test_health_checks_say_whether_files_remain(svc: Service, monkeypatch) -> No
 
 def test_a_buffer_released_while_attached_shows_in_the_metrics(svc: Service) -> None:
     who = tenant(svc)
-    buf = svc.buffers.reserve(who, req(MiB, pool="fast"))
+    buf = svc.reserves.reserve(who, req(MiB, pool="fast"))
     handle = svc.handles.open(who, buf.id)
     try:
         svc.buffers.release(who, buf.id)
@@ -759,7 +761,7 @@ def burst(svc: Service, who: Principal, pool: str, stop: threading.Event) -> lis
     def run() -> None:
         while not stop.is_set():
             try:
-                out.append(svc.buffers.reserve(who, req(4096, pool=pool)))
+                out.append(svc.reserves.reserve(who, req(4096, pool=pool)))
             except Exception as e:
                 out.append(e)
 
@@ -810,7 +812,7 @@ def test_a_pool_drain_during_a_reserve_burst_finishes(svc: Service) -> None:
     assert svc.live.get(extra.id) is None
     assert svc.regions.buffer_ids() == []
     with pytest.raises(errors.NotFound):
-        svc.buffers.reserve(who, req(4096, pool="tmp"))
+        svc.reserves.reserve(who, req(4096, pool="tmp"))
 
 
 def test_a_pool_being_drained_takes_no_reserve_and_is_no_candidate(svc: Service) -> None:
@@ -820,8 +822,8 @@ def test_a_pool_being_drained_takes_no_reserve_and_is_no_candidate(svc: Service)
     live = live_pool(svc, fast.id)
     live.row = msgspec.structs.replace(live.row, deleting_at=at)
     with pytest.raises(errors.StateConflict, match="being deleted"):
-        svc.buffers.reserve(who, req(4096, pool="fast"))
-    auto = svc.buffers.reserve(who, req(4096, latency_us=100))
+        svc.reserves.reserve(who, req(4096, pool="fast"))
+    auto = svc.reserves.reserve(who, req(4096, latency_us=100))
     assert auto.pool_id != fast.id
 
 
@@ -829,11 +831,11 @@ def test_a_delete_cut_short_by_a_crash_finishes_at_the_next_start(tmp_path: Path
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    s.buffers.reserve(who, req(MiB, pool="fast"))
-    s.buffers.reserve(who, req(MiB, pool="slow"))
+    s.reserves.reserve(who, req(MiB, pool="fast"))
+    s.reserves.reserve(who, req(MiB, pool="slow"))
     extra = s.tiers.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
     other = tenant(s, name="other")
-    s.buffers.reserve(other, req(MiB, pool="tmp"))
+    s.reserves.reserve(other, req(MiB, pool="tmp"))
     # what a SIGKILL right after the marks leaves: both marked, nothing released yet
     s.store.mark_tenant_deleting(who.tenant_id or "")
     s.store.mark_pool_deleting(extra.id)
@@ -858,7 +860,7 @@ def test_close_releases_volatile_buffers_in_one_statement(tmp_path: Path, monkey
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    bufs = [s.buffers.reserve(who, req(4096, pool="fast")) for _ in range(50)]
+    bufs = [s.reserves.reserve(who, req(4096, pool="fast")) for _ in range(50)]
     regions = [region_of(s, b.id) for b in bufs]
     for r in regions[:3]:
         np.frombuffer(r.view(), dtype=np.uint8)[:] = 9
@@ -888,7 +890,7 @@ def test_close_checkpoints_persistent_buffers_together(tmp_path: Path, monkeypat
     s = Service(settings(tmp_path))
     s.start(reaper=False)
     who = tenant(s)
-    bufs = [s.buffers.reserve(who, req(4096, persistence="persistent")) for _ in range(20)]
+    bufs = [s.reserves.reserve(who, req(4096, persistence="persistent")) for _ in range(20)]
     for i, b in enumerate(bufs):
         view(s, b.id)[:] = i + 1
     first = s.buffers.checkpoint(who, bufs[0].id)  # an older checkpoint, replaced at close
@@ -972,7 +974,7 @@ def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Serv
     svc.tenants.update(who.tenant_id or "", max_buffers=2)
     a = svc.entries.put(who, "k1", 4096, pool="fast")
     os.close(a.fd)
-    svc.buffers.reserve(who, req(4096, pool="fast"))
+    svc.reserves.reserve(who, req(4096, pool="fast"))
     with pytest.raises(errors.BufferCountExceeded):  # staged entries count too
         svc.entries.put(who, "k2", 4096, pool="fast")
     svc.entries.commit(who, a.buffer_id, owned=True)
