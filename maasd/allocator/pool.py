@@ -26,12 +26,8 @@ from typing import Any, get_args
 from maasd.allocator.arith import check_size, round_up
 from maasd.allocator.reclaim import Reclaimer, reclaim
 from maasd.allocator.refill import WarmStock
-from maasd.allocator.region import (
-    SCRUB_MODES,
-    Region,
-    check_backing,
-    page_bytes_of,
-)
+from maasd.allocator.region import Region, check_backing, page_bytes_of
+from maasd.allocator.scrub import SCRUB_MODES
 from maasd.allocator.stock import warm_budget
 from maasd.allocator.warm import Warmer
 from maasd.bounds import Backing, Persistence, ScrubMode
