@@ -97,7 +97,7 @@ def _huge_flag(page_bytes: int) -> int:
 def check_backing(backing: object) -> Backing:
     """``backing`` if it is one of :data:`BACKINGS`, else :class:`InvalidRequest`.
 
-    Checked where a backing comes in: a :class:`~maasd.allocator.pool.Pool`'s construction,
+    Checked where a backing comes in: a :class:`~maasd.allocator.pool.MemoryPool`'s construction,
     :meth:`Region.create` and :func:`default_page_bytes`; what they hand on is trusted."""
     if backing not in BACKINGS:
         raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
