@@ -3,14 +3,15 @@
 
 A ``memfd`` region's pages are bound (``MPOL_BIND``) and never land on another node,
 so a populate first asks whether the node can hold them (:func:`check_node_room`).
-Where they are, the kernel's answer decides, never the syscall's success (SPEC §2: placement is
-verified with ``move_pages``). ``move_pages`` sees only pages mapped in the calling
-process, which is why the daemon keeps its own mapping of every region
+Where they are, the kernel's answer decides, never the syscall's success (SPEC §2:
+placement is verified with ``move_pages``). ``move_pages`` sees only pages mapped in the
+calling process, which is why the daemon keeps its own mapping of every region
 (:mod:`maasd.allocator.region`); a count never populates a ``hugetlb`` region, where a
 hole would take a huge page from everyone else, or fail when a worker took them all.
 
 These functions work on a region's mapping (a :class:`Placed`:
-:class:`~maasd.allocator.region.Region` is one), which its caller has checked is open.
+:class:`~maasd.allocator.region.Region` is one, whose ``address`` refuses a closed
+region), which the region's own methods call.
 """
 
 from __future__ import annotations
