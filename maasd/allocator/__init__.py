@@ -4,7 +4,7 @@ persistent pools."""
 
 from maasd.allocator.arith import Ledger, check_size, round_up
 from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
-from maasd.allocator.pool import Pool
+from maasd.allocator.pool import MemoryPool
 from maasd.allocator.region import (
     F_SEAL_FUTURE_WRITE,
     SEALS,
@@ -19,7 +19,7 @@ __all__ = [
     "F_SEAL_FUTURE_WRITE",
     "SEALS",
     "Ledger",
-    "Pool",
+    "MemoryPool",
     "Region",
     "Warmer",
     "add_seals",

@@ -33,7 +33,7 @@ def round_up(size: int, page: int) -> int:
 class Ledger:
     """Capacity accounting of one pool: ``used + free == capacity`` always.
 
-    Not thread-safe by itself; :class:`maasd.allocator.pool.Pool` holds a lock
+    Not thread-safe by itself; :class:`maasd.allocator.pool.MemoryPool` holds a lock
     around it.
     """
 

@@ -1,4 +1,5 @@
-"""A pool: a named budget of memory with fixed QoS properties, handing out regions.
+"""A pool's memory (:class:`MemoryPool`): a named budget with fixed QoS properties,
+handing out regions. (The client's :class:`maasd.client.Pool` is a pool's REST view.)
 
 The pool is the in-process guard of capacity (the database ledger is the
 authoritative one across restarts and daemons): whatever the caller does, a
@@ -26,12 +27,8 @@ from typing import Any, get_args
 from maasd.allocator.arith import check_size, round_up
 from maasd.allocator.reclaim import Reclaimer, reclaim
 from maasd.allocator.refill import WarmStock
-from maasd.allocator.region import (
-    SCRUB_MODES,
-    Region,
-    check_backing,
-    page_bytes_of,
-)
+from maasd.allocator.region import Region, check_backing, page_bytes_of
+from maasd.allocator.scrub import SCRUB_MODES
 from maasd.allocator.stock import warm_budget
 from maasd.allocator.warm import Warmer
 from maasd.bounds import Backing, Persistence, ScrubMode
@@ -43,8 +40,8 @@ PERSISTENCES: tuple[Persistence, ...] = get_args(Persistence)
 
 
 @dataclass
-class Pool:
-    """Capacity accounting, region creation and a warm stock for one pool. Thread-safe.
+class MemoryPool:
+    """One pool's memory: capacity accounting, region creation and a warm stock. Thread-safe.
 
     ``reclaimer`` gives the pages of released ``zero``-scrubbed regions back in the
     background (see :meth:`release`); without one, that happens in the releasing call.

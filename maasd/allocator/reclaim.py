@@ -5,7 +5,7 @@ punching the pages out and closing the memfd (~250 ms per GiB) can happen
 after the answer. A :class:`Reclaimer` is one background thread that does that
 last part, in order. A region handed to it is already scrubbed, so nothing it
 does (or fails to do) can expose data; it only returns memory sooner or later —
-except a region :meth:`Pool.retire` hands over (an entry's staging region after
+except a region :meth:`MemoryPool.retire` hands over (an entry's staging region after
 its commit, which no one reads again): for that one the punch is the scrub.
 
 Pages waiting here are resident and no buffer's: a reserve first *helps* (:meth:`~Reclaimer.
@@ -19,7 +19,7 @@ submitted while it is not running is reclaimed at once, in the caller's thread:
 nothing is ever left behind.
 
 >>> reclaimer = Reclaimer(); reclaimer.start()     # doctest: +SKIP
->>> pool = Pool("node0", numa_node=0, capacity=1 << 30, reclaimer=reclaimer)  # doctest: +SKIP
+>>> pool = MemoryPool("node0", numa_node=0, capacity=1 << 30, reclaimer=reclaimer)  # doctest: +SKIP
 >>> reclaimer.stop()                                 # doctest: +SKIP
 """
 

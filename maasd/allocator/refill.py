@@ -1,12 +1,12 @@
 """A pool's capacity and the warm stock inside it: taking, refilling, shedding.
 
-:class:`WarmStock` is a part of :class:`~maasd.allocator.pool.Pool`, made by it and
+:class:`WarmStock` is a part of :class:`~maasd.allocator.pool.MemoryPool`, made by it and
 reached by no one else. It owns the pool's capacity :class:`~maasd.allocator.arith.Ledger`
 and its :class:`~maasd.allocator.stock.Stock` under one lock, because the stock counts
 against the capacity: a reserve that would not fit otherwise gives stocked regions back
 (and stops a refill in flight), and a refill takes only capacity left free. The pool
 decides what to reserve and release and asks this part for the bytes; it passes the
-stock's budget (``Pool.warm_bytes``) with each call that needs it.
+stock's budget (``MemoryPool.warm_bytes``) with each call that needs it.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ class and prefaulted in the background; :meth:`Region.seal_at` truncates it to
 the buffer's exact size and seals it when a reserve takes it. An unsealed
 region never leaves the daemon (:meth:`Region.dup_fd` refuses).
 
+The region owns its file, its mapping and its seals; how its pages land on, are counted
+on and move between NUMA nodes is :mod:`maasd.allocator.numa`'s, and how its bytes are
+made zero on release :mod:`maasd.allocator.scrub`'s — functions that work on the
+region's fd and mapping, which the region calls.
+
 The daemon keeps its own mapping for the region's whole life: ``move_pages``
 only reports pages mapped in the calling process, and scrubbing through an
 existing mapping avoids a map/unmap per release.
@@ -44,22 +49,16 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import get_args
 
-import numpy as np
-
-from maasd.allocator import _sys
+from maasd.allocator import _sys, numa
 from maasd.allocator.arith import round_up
+from maasd.allocator.scrub import SCRUB_MODES, punch_out, scrub_region
 from maasd.bounds import Backing, ScrubMode
-from maasd.errors import BackingError, InvalidRequest, PlacementError, PoolExhausted
-from maasd.topology import node_room
-
-logger = logging.getLogger(__name__)
+from maasd.errors import BackingError, InvalidRequest, PlacementError
 
 #: The seals every region carries before its fd leaves: its size is fixed, for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -69,9 +68,6 @@ SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 F_SEAL_FUTURE_WRITE = _sys.F_SEAL_FUTURE_WRITE
 
 BACKINGS: tuple[Backing, ...] = get_args(Backing)
-SCRUB_MODES: tuple[ScrubMode, ...] = get_args(ScrubMode)
-#: Bytes populated per step when a populate may be cut short (the warm stock's refills).
-POPULATE_CHUNK = 16 << 20
 
 
 _open_lock = threading.Lock()
@@ -94,22 +90,6 @@ def _count_open(delta: int) -> None:
         _open += delta
 
 
-def _check_node_room(node: int, size: int) -> None:
-    """Refuse (507) a ``memfd`` region its node cannot hold now (:func:`~maasd.topology.node_room`).
-
-    Its pages are bound (``MPOL_BIND``): they never land on another node, and populating
-    past the node's free memory makes the kernel OOM-kill a process — the daemon, in a
-    two-node guest. Huge pages need no such check: a node without enough of them makes
-    the populate fail with an errno.
-    """
-    room = node_room(node)
-    if room is not None and size > room:
-        raise PoolExhausted(
-            f"NUMA node {node} has {room} bytes to spare, fewer than the {size} bytes asked "
-            f"(its pages are never placed on another node)"
-        )
-
-
 def _huge_flag(page_bytes: int) -> int:
     return _sys.MFD_HUGETLB | ((page_bytes.bit_length() - 1) << _sys.MFD_HUGE_SHIFT)
 
@@ -117,7 +97,7 @@ def _huge_flag(page_bytes: int) -> int:
 def check_backing(backing: object) -> Backing:
     """``backing`` if it is one of :data:`BACKINGS`, else :class:`InvalidRequest`.
 
-    Checked where a backing comes in: a :class:`~maasd.allocator.pool.Pool`'s construction,
+    Checked where a backing comes in: a :class:`~maasd.allocator.pool.MemoryPool`'s construction,
     :meth:`Region.create` and :func:`default_page_bytes`; what they hand on is trusted."""
     if backing not in BACKINGS:
         raise InvalidRequest(f"backing must be one of {BACKINGS}, got {backing!r}")
@@ -260,31 +240,11 @@ class Region:
     # -- memory ---------------------------------------------------------------------------
 
     def populate(self, abort: Callable[[], bool] | None = None) -> bool:
-        """Fault every page in now (on the bound node), so first use costs nothing.
-
-        ``MADV_POPULATE_WRITE`` through the bound mapping allocates the pages *and*
-        the daemon's page-table entries (``fallocate`` alone is twice as fast, but
-        then the release-time memset faults every page in: 0.4 instead of 0.015 ms
-        per MiB here). A refusal is a :class:`BackingError` (huge pages: ``ENOMEM``, or
-        ``EFAULT`` if too few on the node), never a signal; more than a ``memfd`` region's
-        node can spare, :class:`PoolExhausted` (:func:`_check_node_room`). ``abort``: go
-        :data:`POPULATE_CHUNK` bytes at a time, ask it before each; ``False`` if it said stop.
-        """
-        if self.backing == "memfd":
-            _check_node_room(self.node, self.size)
-        step = self.size if abort is None else max(POPULATE_CHUNK, self.page_bytes)
-        for off in range(0, self.size, step):
-            if abort is not None and abort():
-                return False
-            length = min(step, self.size - off)
-            try:
-                _sys.madvise(self._addr + off, length, _sys.MADV_POPULATE_WRITE)
-            except BackingError as e:
-                if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                    raise
-                # Kernels before 5.14 lack MADV_POPULATE_*: allocate through the file instead.
-                _sys.fallocate(self.fd, 0, off, length)
-        return True
+        """Fault every page in now, on the bound node, so first use costs nothing
+        (:func:`~maasd.allocator.numa.populate`): a refusal is a :class:`BackingError`,
+        never a signal; more than a ``memfd`` region's node can spare, :class:`PoolExhausted`.
+        ``abort``: go a step at a time, ask it before each; ``False`` if it said stop."""
+        return numa.populate(self, abort)
 
     def seal_at(self, size: int, extra_seals: int = 0) -> None:
         """Truncate an unsealed (stocked) region down to ``size`` bytes, then seal it.
@@ -343,26 +303,11 @@ class Region:
         return self._addr
 
     def placement(self, sample: int | None = None) -> dict[int, int]:
-        """Pages per NUMA node, as the kernel reports them (``move_pages``, query only).
-
-        ``move_pages`` sees only pages mapped in the daemon. For a full count of a
-        ``memfd`` region, missing pages are first faulted in for reading
-        (``MADV_POPULATE_READ``: a shmem read fault can always allocate or OOM, and a
-        failure comes back as an errno, which is logged, not raised). A ``hugetlb``
-        region is never populated here — a hole would take a huge page from everyone
-        else, or fail when a worker took them all — so its holes count as not present
-        (``-2``). ``sample`` asks about that many evenly spread pages only, without
-        populating: a constant-cost check (a full count costs ~0.12 s per GiB here).
-        """
-        self._check_open()
-        if sample is None and self.backing == "memfd":
-            try:
-                _sys.madvise(self._addr, self.size, _sys.MADV_POPULATE_READ)
-            except BackingError as e:
-                if e.errno not in (errno.EINVAL, errno.ENOSYS):
-                    logger.warning("placement of %r counts the pages present: %s", self, e.detail)
-        status = _sys.move_pages_query(self._addr, self.size, self.page_bytes, sample)
-        return _count_by_node(status)
+        """Pages per NUMA node, as the kernel reports them (``move_pages``, query only):
+        :func:`~maasd.allocator.numa.pages_by_node`. A full count faults a ``memfd``
+        region's missing pages in for reading, never a ``hugetlb`` one's (its holes count
+        as not present, ``-2``); ``sample`` asks about that many evenly spread pages."""
+        return numa.pages_by_node(self, sample)
 
     def verify_node(self, sample: int = 64) -> None:
         """Check (by a sample of pages) that the region's pages are on its node.
@@ -377,17 +322,15 @@ class Region:
         self.placed = all(n >= 0 for n in placed)  # every page asked about was present
 
     def pin(self, node: int, known_nodes: set[int] | frozenset[int]) -> dict[int, int]:
-        """Rebind to ``node``, migrate every page there, and return the measured placement.
+        """Rebind to ``node``, migrate every page there (:func:`~maasd.allocator.numa.migrate`,
+        in rounds), and return the measured placement.
 
         Raises :class:`PlacementError` for a node not in ``known_nodes``, or when the
         kernel could not move every page (the measurement, not the syscall, decides).
         """
         self._check_open()
-        if isinstance(node, bool) or not isinstance(node, int) or node not in known_nodes:
-            raise PlacementError(
-                f"NUMA node {node!r} does not exist on this host (nodes: {sorted(known_nodes)})"
-            )
-        placed = _migrate(self, node)
+        numa.check_known(node, known_nodes)
+        placed = numa.migrate(self, node)
         self.node = node
         stray = {n: c for n, c in placed.items() if n != node}
         if stray:
@@ -395,37 +338,24 @@ class Region:
         return placed
 
     def scrub(self, mode: ScrubMode = "zero", *, punch: bool = True) -> None:
-        """Make every byte read zero — through this mapping and any other process's.
+        """Make every byte read zero — through this mapping and any other process's
+        (:func:`~maasd.allocator.scrub.scrub_region` says how, per backing and mode).
 
-        ``memfd``: ``zero`` overwrites through the daemon's mapping (memset), then
-        punches the pages out to give them back (unless ``punch=False``: the caller
-        gives them back later, off the request path, with :meth:`punch_hole`); a page
-        a worker punched is faulted in fresh by the memset (shmem allocates or OOMs,
-        it never signals). ``punch`` only punches. ``hugetlb``: both modes punch —
-        the punch zeroes the file for every mapping, costs ~0.4 ms per GiB, and never
-        touches a page, where a memset over a worker's hole would need a free huge
-        page or die of SIGBUS. After a punch the pages are gone from every mapping of
-        the file, so a stale worker mapping faults in fresh zero pages.
-
-        The bytes are zero whenever this returns: a punch the kernel refuses falls
-        back to zeroing through the mapping where that cannot fault (:func:`_zero_mapped`).
+        ``memfd``'s ``zero`` memsets the pages that hold bytes, then punches them out
+        (``punch=False``: the caller does, later, with :meth:`punch_hole`); every other
+        scrub punches, which never touches a page. The bytes are zero whenever this returns.
         """
         if mode not in SCRUB_MODES:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {mode!r}")
         with self._lock:
             self._check_open()
-            if mode == "zero" and self.backing == "memfd":
-                _zero_present(self)
-                if punch:
-                    _punch(self, zeroed=True)
-            else:
-                _punch(self, zeroed=False)
+            scrub_region(self, mode, punch=punch)
 
     def punch_hole(self) -> None:
         """Give the pages back to the kernel (the bytes read zero afterwards)."""
         with self._lock:
             self._check_open()
-            _punch(self, zeroed=False)
+            punch_out(self, zeroed=False)
 
     def close(self) -> bool:
         """Unmap and close the daemon's fd. Idempotent. Does not scrub: call :meth:`scrub` first.
@@ -470,34 +400,6 @@ class Region:
                 self.close()
 
 
-#: Rounds of ``mbind(MPOL_MF_MOVE_ALL)`` a pin makes while pages stay behind.
-MIGRATE_ROUNDS = 11  # backoff 2, 4 … 1024 ms between them: ~2 s at most, for a busy writer
-
-
-def _migrate(region: Region, node: int) -> dict[int, int]:
-    """Rebind ``region`` to ``node`` and move its pages there; returns the measured placement.
-
-    The kernel skips a page it cannot move now (one a worker is faulting or writing
-    through its own mapping: the migration finds it referenced and gives up on it after
-    its own retries) and still reports success, so the pages are counted after each
-    round and the ones left behind are moved again, up to :data:`MIGRATE_ROUNDS` rounds
-    (measured in the two-node guest: a worker writing to every page of 16 MiB left 5
-    pages behind after one round).
-    """
-    placed: dict[int, int] = {}
-    for attempt in range(MIGRATE_ROUNDS):
-        if attempt:
-            time.sleep(0.001 * 2**attempt)  # let the writer's fault finish
-        try:
-            _sys.mbind(region.address, region.size, node, _sys.MPOL_MF_MOVE | _sys.MPOL_MF_MOVE_ALL)
-        except BackingError as e:
-            raise PlacementError(f"could not move pages to node {node}: {e.detail}") from e
-        placed = region.placement()
-        if all(n == node for n in placed):
-            break
-    return placed
-
-
 def copy_region(src: Region, dst: Region) -> int:
     """Copy every byte of ``src`` into ``dst`` (as long, or longer) through ``dst``'s
     mapping, which must be populated; returns the bytes copied (``src.size``, or less if
@@ -520,104 +422,3 @@ def copy_region(src: Region, dst: Region) -> int:
         raise InvalidRequest(f"cannot copy {src.size} bytes into a {dst.size}-byte region")
     ctypes.memmove(dst.address, src.address, src.size)
     return src.size
-
-
-def _punch(region: Region, *, zeroed: bool) -> None:
-    """Punch the whole file (the region's lock held); if refused, zero it unless ``zeroed``.
-
-    A frozen region (a committed entry) is never punched — the kernel refuses it, as
-    expected: it is zeroed through the mapping instead, without a warning.
-    """
-    if region.frozen:
-        if not zeroed:
-            _zero_mapped(region)
-        return
-    try:
-        _sys.fallocate(
-            region.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, region.size
-        )
-    except BackingError as e:
-        if not zeroed:
-            _zero_mapped(region)
-        logger.warning(
-            "punching %r failed (%s); its bytes were zeroed through the mapping", region, e.detail
-        )
-
-
-#: Data ranges of a memfd that :func:`_zero_present` zeroes one by one; past this many
-#: it zeroes the rest of the region in one memset.
-ZERO_RANGES = 64
-
-
-def _zero_present(region: Region) -> None:
-    """Zero a ``memfd`` region's bytes through the daemon's mapping, skipping its holes.
-
-    A hole (a page never written, or punched) reads zero through every mapping already,
-    and a memset over it would first fault a page in to zero it: 0.6 ms for an untouched
-    MiB here against 0.01 ms for a populated one (a REST buffer of a pool without
-    prefault, released unused). ``st_blocks`` (shmem: the pages allocated, swapped out
-    included) answers the two common cases, none and all, with one ``fstat``; otherwise
-    ``SEEK_DATA``/``SEEK_HOLE`` name the ranges that may hold bytes (a page allocated
-    but never written is a hole, and reads zero). What a worker writes after this call
-    is not zeroed here, as with a whole memset; the reclaimer's punch follows.
-    """
-    fd, addr, size = region.fd, region.address, region.size
-    try:
-        allocated = os.fstat(fd).st_blocks * 512
-    except OSError:
-        allocated = size
-    if allocated == 0:
-        return
-    off = 0 if allocated >= size else _zero_data_ranges(fd, addr, size)
-    if off < size:
-        _sys.memset(addr + off, 0, size - off)
-
-
-def _zero_data_ranges(fd: int, addr: int, size: int) -> int:
-    """Zero the first :data:`ZERO_RANGES` data ranges of the memfd ``fd`` mapped at
-    ``addr``; the offset from which the rest is still to be zeroed (``size``: none)."""
-    off = 0
-    try:
-        for _ in range(ZERO_RANGES):
-            try:
-                start = os.lseek(fd, off, os.SEEK_DATA)
-            except OSError as e:
-                if e.errno == errno.ENXIO:  # no data from ``off`` on
-                    return size
-                raise
-            if start >= size:
-                return size
-            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
-            _sys.memset(addr + start, 0, end - start)
-            off = end
-            if off >= size:
-                return size
-    except OSError as e:  # never on Linux shmem: zero the rest whole
-        logger.debug("lseek(SEEK_DATA) on memfd %d failed (%s): zeroing from %d on", fd, e, off)
-    return off
-
-
-def _zero_mapped(region: Region) -> None:
-    """Zero the bytes with memset, where that cannot fault (a refused punch's fallback).
-
-    ``memfd``: memset everything. ``hugetlb``: only the pages ``MADV_POPULATE_WRITE``
-    makes present (it fails with an errno, not a signal, for a hole no huge page can
-    fill — and a hole reads zero already). No worker can punch a page between the two
-    calls: the kernel refused the daemon's punch, and a worker's fd may do no more.
-    """
-    addr, page = region.address, region.page_bytes
-    if region.backing == "memfd":
-        _sys.memset(addr, 0, region.size)
-        return
-    for off in range(0, region.size, page):
-        try:
-            _sys.madvise(addr + off, page, _sys.MADV_POPULATE_WRITE)
-        except BackingError:
-            continue
-        _sys.memset(addr + off, 0, page)
-
-
-def _count_by_node(status: np.ndarray) -> dict[int, int]:
-    """Pages per node from ``move_pages`` status; negative keys are errnos (-2: not present)."""
-    values, counts = np.unique(status, return_counts=True)
-    return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}

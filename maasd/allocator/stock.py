@@ -3,7 +3,7 @@
 The pure part — size classes, the record of recent demand, and the plan of
 what to stock within a byte budget — touches no kernel and is tested on its own
 (``tests/unit/test_stock.py``). :class:`Stock` only holds regions by class;
-:class:`~maasd.allocator.pool.Pool` guards it with its lock.
+:class:`~maasd.allocator.pool.MemoryPool` guards it with its lock.
 
 **Size classes.** A buffer's memfd is exactly its page-rounded size (no more),
 so a stocked region is truncated down to the exact size when it is taken, and a

@@ -2,7 +2,7 @@
 
 A :class:`Warmer` is one background thread for all of a daemon's pools. Woken by
 every reserve of a pool with a warm budget (and once a second regardless), it
-takes :meth:`~maasd.allocator.pool.Pool.refill_step` after step over the pools
+takes :meth:`~maasd.allocator.pool.MemoryPool.refill_step` after step over the pools
 — one region per pool per round, so no pool waits for another's big region —
 until none has anything left to do.
 
@@ -15,8 +15,8 @@ the kernel has free huge pages (a refused one is logged and retried on the next
 round), and a reserve that finds none gives the other pools' ``hugetlb`` stock
 back first (:meth:`Warmer.shed`).
 
-Its owner starts it and stops it; a pool registers itself (``Pool(warmer=...)``)
-and leaves at :meth:`~maasd.allocator.pool.Pool.close`. ``may_grow`` (the daemon's
+Its owner starts it and stops it; a pool registers itself (``MemoryPool(warmer=...)``)
+and leaves at :meth:`~maasd.allocator.pool.MemoryPool.close`. ``may_grow`` (the daemon's
 region budget, :mod:`maasd.core.limits`) says whether one more region may be made:
 every region holds an open file and a mapping of the daemon, stocked or not.
 """
@@ -37,7 +37,7 @@ __all__ = ["Stocked", "Warmer", "default_min_available", "mem_available"]
 
 
 class Stocked(Protocol):
-    """What the warmer asks of a pool (:class:`~maasd.allocator.pool.Pool` is one)."""
+    """What the warmer asks of a pool (:class:`~maasd.allocator.pool.MemoryPool` is one)."""
 
     @property
     def backing(self) -> Backing: ...

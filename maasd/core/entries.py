@@ -17,7 +17,7 @@ its bytes are immutable, enforced by the kernel, and every handle to it is read-
               ledger: staged → live + committed_at (compare-and-set, one statement)
               the regions swapped, the key published; the staging region scrubbed
               (punched) after the answer: only its writer ever held it, and it is
-              never read again (Pool.retire)
+              never read again (MemoryPool.retire)
     abort   a staged entry released (scrubbed); also when its writer's connection
             closes before the commit
     lookup  from memory: the index (maasd.core.regions) of this host's committed entries; a hit

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from maasd.allocator import Pool
+from maasd.allocator import MemoryPool
 from maasd.errors import NotFound
 from maasd.store import PoolRow
 
@@ -22,7 +22,7 @@ class LivePool:
     """A pool of this host: its ledger row and its in-process allocator."""
 
     row: PoolRow
-    pool: Pool
+    pool: MemoryPool
 
 
 class LivePools:

@@ -1,7 +1,7 @@
 """Pools of this host: loading them, provisioning the configured ones, creating, deleting.
 
 A pool exists twice: as a ledger row (the authority, shared with other hosts
-through PostgreSQL) and as an in-process :class:`~maasd.allocator.Pool` (the
+through PostgreSQL) and as an in-process :class:`~maasd.allocator.MemoryPool` (the
 allocator that accounts its capacity), held together as a
 :class:`~maasd.core.livepools.LivePool`; :class:`Pools` owns the
 :class:`~maasd.core.livepools.LivePools` (the only part that adds or removes one). Persistent pools also own a spill
@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from maasd.allocator import Pool, Warmer
+from maasd.allocator import MemoryPool, Warmer
 from maasd.allocator.reclaim import Reclaimer
 from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
@@ -292,8 +292,8 @@ class Pools:
                 )
         self.measured.start(self.topology)
 
-    def _make_pool(self, row: PoolRow) -> Pool:
-        return Pool(
+    def _make_pool(self, row: PoolRow) -> MemoryPool:
+        return MemoryPool(
             row.name,
             numa_node=row.numa_node,
             capacity=row.capacity_bytes,

@@ -13,8 +13,8 @@ For each backing (``memfd`` with 4 KiB pages, ``hugetlb`` with 2 MiB pages) and 
 
 - **prefault**: ``Region.create(prefault=True)`` (memfd, map, seal, mbind,
   ``MADV_POPULATE_WRITE``) — what a cold reserve pays for its pages;
-- **reserve cold**: ``Pool.reserve`` with no warm stock (that same work);
-- **reserve warm (same size)**: ``Pool.reserve`` of a size the stock holds exactly
+- **reserve cold**: ``MemoryPool.reserve`` with no warm stock (that same work);
+- **reserve warm (same size)**: ``MemoryPool.reserve`` of a size the stock holds exactly
   (a size asked for before: the stocked region is sealed as it is), and **warm,
   +1 page, cut**: of one page more than the size, taken from a stocked region at the
   top of that size's class (the next one up), so it is truncated by the longest tail
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from maasd.allocator import Pool, _sys
+from maasd.allocator import MemoryPool, _sys
 from maasd.allocator.region import Region
 from maasd.allocator.stock import size_class
 from maasd.bounds import Backing, ScrubMode
@@ -116,7 +116,7 @@ def bench_prefault(size: int, backing: Backing, reps: int) -> float:
 
 
 def bench_cold(size: int, backing: Backing, reps: int) -> float:
-    pool = Pool("cold", numa_node=0, capacity=size, backing=backing)
+    pool = MemoryPool("cold", numa_node=0, capacity=size, backing=backing)
     held: list[Region] = []
 
     def release() -> None:
@@ -133,7 +133,7 @@ def bench_warm(size: int, backing: Backing, reps: int, stocked: int | None = Non
     """A reserve of ``size`` from a stock holding a region of ``stocked`` bytes (default:
     ``size``; a larger size of the same class is cut down to ``size``), refilled untimed."""
     stocked = stocked or size
-    pool = Pool("warm", numa_node=0, capacity=stocked, backing=backing, warm_bytes=stocked)
+    pool = MemoryPool("warm", numa_node=0, capacity=stocked, backing=backing, warm_bytes=stocked)
     held: list[Region] = []
 
     def refill() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import hugepages
-from maasd.allocator import SEALS, Pool, Region, Warmer, default_page_bytes
+from maasd.allocator import SEALS, MemoryPool, Region, Warmer, default_page_bytes
 from maasd.allocator._sys import F_SEAL_FUTURE_WRITE
 from maasd.allocator.reclaim import Reclaimer
 from maasd.allocator.stock import size_class
@@ -45,8 +45,8 @@ def reclaimer() -> Iterator[Reclaimer]:
 
 
 @pytest.fixture
-def pool(reclaimer: Reclaimer) -> Pool:
-    return Pool("tiny", numa_node=0, capacity=CAPACITY, reclaimer=reclaimer)
+def pool(reclaimer: Reclaimer) -> MemoryPool:
+    return MemoryPool("tiny", numa_node=0, capacity=CAPACITY, reclaimer=reclaimer)
 
 
 def open_fds() -> int:
@@ -65,7 +65,7 @@ class TestConstruction:
         assert (pool.used, pool.free) == (0, CAPACITY)
 
     def test_hugetlb_pool_page(self):
-        p = Pool("h", numa_node=0, capacity=8 << 20, backing="hugetlb")
+        p = MemoryPool("h", numa_node=0, capacity=8 << 20, backing="hugetlb")
         assert p.page_bytes == 2 << 20
         assert p.rounded(1) == 2 << 20
 
@@ -85,11 +85,11 @@ class TestConstruction:
     def test_bad_pool(self, kwargs, word):
         args = {"name": "p", "numa_node": 0, "capacity": CAPACITY, **kwargs}
         with pytest.raises(InvalidRequest, match=word):
-            Pool(**args)
+            MemoryPool(**args)
 
     def test_hugetlb_capacity_must_be_whole_huge_pages(self):
         with pytest.raises(InvalidRequest, match="multiple"):
-            Pool("h", numa_node=0, capacity=3 << 20, backing="hugetlb")
+            MemoryPool("h", numa_node=0, capacity=3 << 20, backing="hugetlb")
 
     def test_unknown_backing_for_page_size(self):
         with pytest.raises(InvalidRequest, match="backing"):
@@ -108,7 +108,7 @@ class TestAccounting:
         assert r.closed
 
     def test_without_a_reclaimer_release_closes_at_once(self):
-        p = Pool("inline", numa_node=0, capacity=CAPACITY)
+        p = MemoryPool("inline", numa_node=0, capacity=CAPACITY)
         r = p.reserve(PAGE)
         p.release(r)
         assert r.closed
@@ -136,7 +136,7 @@ class TestAccounting:
 
     def test_release_scrubs_what_a_stale_mapping_sees(self):
         for mode in ("zero", "punch"):
-            p = Pool(f"p-{mode}", numa_node=0, capacity=CAPACITY, scrub=mode)
+            p = MemoryPool(f"p-{mode}", numa_node=0, capacity=CAPACITY, scrub=mode)
             r = p.reserve(8 * PAGE)
             worker_fd = r.dup_fd()  # what a worker would hold
             m = mmap.mmap(worker_fd, r.size)
@@ -155,9 +155,9 @@ class TestAccounting:
     def test_a_retired_region_is_zero_and_freed_once_punched(self, reclaimer, with_reclaimer):
         """An entry's staging region at its commit: the copy took its accounting over, and
         its scrub (the punch) may follow the answer — never its memory's reuse."""
-        p = Pool("retire", numa_node=0, capacity=CAPACITY, reclaimer=reclaimer)
+        p = MemoryPool("retire", numa_node=0, capacity=CAPACITY, reclaimer=reclaimer)
         if not with_reclaimer:
-            p = Pool("retire-inline", numa_node=0, capacity=CAPACITY)
+            p = MemoryPool("retire-inline", numa_node=0, capacity=CAPACITY)
         staging = p.reserve(8 * PAGE)
         fresh = p.reserve(8 * PAGE, accounted=False)
         worker_fd = staging.dup_fd()  # its writer's
@@ -208,7 +208,7 @@ class TestAccounting:
         assert pool.used == 3 * PAGE
 
     def test_backing_failure_gives_capacity_back(self):
-        p = Pool("nowhere", numa_node=63, capacity=CAPACITY)
+        p = MemoryPool("nowhere", numa_node=63, capacity=CAPACITY)
         fds = open_fds()
         with pytest.raises(BackingError) as exc:
             p.reserve(PAGE)
@@ -360,7 +360,7 @@ class TestReclaimer:
         r = Reclaimer()
         r.start()
         size, capacity = 16 * PAGE, 256 * PAGE
-        p = Pool("churn", numa_node=0, capacity=capacity, reclaimer=r, prefault=False)
+        p = MemoryPool("churn", numa_node=0, capacity=capacity, reclaimer=r, prefault=False)
         peak = 0
         stop = time.monotonic() + 2.0
         lock = threading.Lock()
@@ -400,7 +400,7 @@ def minor_faults() -> int:
     return usage.ru_minflt + usage.ru_majflt
 
 
-def fill_stock(pool: Pool) -> None:
+def fill_stock(pool: MemoryPool) -> None:
     """Refill in this thread until the plan is met (what the warmer thread does)."""
     while pool.refill_step():
         pass
@@ -416,8 +416,10 @@ class TestWarmStock:
     """A pool's stock of fresh, prefaulted regions: taken by reserves without a fault."""
 
     @pytest.fixture
-    def warm_pool(self, reclaimer: Reclaimer) -> Iterator[Pool]:
-        p = Pool("warm", numa_node=0, capacity=64 * MiB, warm_bytes=32 * MiB, reclaimer=reclaimer)
+    def warm_pool(self, reclaimer: Reclaimer) -> Iterator[MemoryPool]:
+        p = MemoryPool(
+            "warm", numa_node=0, capacity=64 * MiB, warm_bytes=32 * MiB, reclaimer=reclaimer
+        )
         yield p
         p.close()
 
@@ -508,7 +510,7 @@ class TestWarmStock:
         warm_pool.release(big)
 
     def test_a_reserve_stops_a_refill_in_flight(self, reclaimer):
-        pool = Pool(
+        pool = MemoryPool(
             "race", numa_node=0, capacity=64 * MiB, warm_bytes=64 * MiB, reclaimer=reclaimer
         )
         try:
@@ -527,7 +529,9 @@ class TestWarmStock:
 
     def test_close_gives_the_stock_back(self, reclaimer):
         fds = open_fds()
-        pool = Pool("gone", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, reclaimer=reclaimer)
+        pool = MemoryPool(
+            "gone", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, reclaimer=reclaimer
+        )
         for _ in range(3):
             pool.release(pool.reserve(MiB))
         reclaimer.drain()
@@ -554,16 +558,18 @@ class TestWarmStock:
     )
     def test_bad_budget(self, kwargs, word):
         with pytest.raises(InvalidRequest, match=word):
-            Pool("p", numa_node=0, capacity=CAPACITY, **kwargs)
+            MemoryPool("p", numa_node=0, capacity=CAPACITY, **kwargs)
 
     def test_budget_is_rounded_down_to_pages(self):
-        assert Pool("p", numa_node=0, capacity=CAPACITY, warm_bytes=PAGE + 1).warm_bytes == PAGE
+        assert (
+            MemoryPool("p", numa_node=0, capacity=CAPACITY, warm_bytes=PAGE + 1).warm_bytes == PAGE
+        )
 
 
 class TestWarmer:
     def test_the_thread_refills_and_stops(self):
         warmer = Warmer(min_available=0, interval_s=0.05)
-        pool = Pool("t", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)
+        pool = MemoryPool("t", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)
         warmer.start()
         try:
             assert [t for t in threading.enumerate() if t.name == "maasd-warm"]
@@ -613,7 +619,7 @@ class TestWarmer:
 
     def test_shed_frees_the_stock_of_one_backing_at_once(self):
         warmer = Warmer(min_available=0)
-        pool = Pool("p", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)
+        pool = MemoryPool("p", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, warmer=warmer)
         try:
             pool.release(pool.reserve(MiB))
             fill_stock(pool)
@@ -631,7 +637,7 @@ class TestHugetlbStock:
         with hugepages.configured(4):
             warmer = Warmer(min_available=0)
             pages = hugepages.available()
-            hoarder = Pool(
+            hoarder = MemoryPool(
                 "hoarder",
                 numa_node=0,
                 capacity=pages * HUGE,
@@ -639,7 +645,9 @@ class TestHugetlbStock:
                 warm_bytes=pages * HUGE,
                 warmer=warmer,
             )
-            other = Pool("other", numa_node=0, capacity=4 * HUGE, backing="hugetlb", warmer=warmer)
+            other = MemoryPool(
+                "other", numa_node=0, capacity=4 * HUGE, backing="hugetlb", warmer=warmer
+            )
             try:
                 for _ in range(pages):
                     hoarder.release(hoarder.reserve(HUGE))
@@ -654,10 +662,10 @@ class TestHugetlbStock:
                 other.close()
 
 
-def _stocked(warmer: Warmer, reclaimer: Reclaimer) -> Pool:
+def _stocked(warmer: Warmer, reclaimer: Reclaimer) -> MemoryPool:
     """An 8 MiB pool with a 4 MiB warm stock, a MiB reserved and released, and the
     warmer run until it has nothing more to do."""
-    pool = Pool(
+    pool = MemoryPool(
         "p", numa_node=0, capacity=8 * MiB, warm_bytes=4 * MiB, reclaimer=reclaimer, warmer=warmer
     )
     pool.release(pool.reserve(MiB))

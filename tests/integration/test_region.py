@@ -24,8 +24,10 @@ import pytest
 
 import hugepages
 from maasd.allocator import _sys
+from maasd.allocator.numa import POPULATE_CHUNK
 from maasd.allocator.persist import checkpoint, file_checksum, restore
-from maasd.allocator.region import POPULATE_CHUNK, SEALS, ZERO_RANGES, Region, copy_region
+from maasd.allocator.region import SEALS, Region, copy_region
+from maasd.allocator.scrub import ZERO_RANGES
 from maasd.bounds import ScrubMode
 from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
 from maasd.topology import discover

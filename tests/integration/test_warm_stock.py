@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from conftest import Daemon
-from maasd.allocator import SEALS, Pool
+from maasd.allocator import SEALS, MemoryPool
 from maasd.cli.maasctl.units import format_size
 from maasd.client import Worker
 from maasd.core import Service
@@ -257,7 +257,7 @@ def test_shutdown_gives_the_stock_back(tmp_path: Path) -> None:
         wait_until(lambda: svc.pools.info("w").warm_bytes == 6 * MiB, message="stock filled")
         svc.reclaimer.drain()  # a released buffer made from stock carries the name too
         assert warm_memfds() == before + 3
-        live: Pool = svc.live.find("w").pool
+        live: MemoryPool = svc.live.find("w").pool
     finally:
         svc.close()
     assert warm_memfds() == before

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from maasd.allocator import Pool, Region
+from maasd.allocator import MemoryPool, Region
 from maasd.errors import BackingError, PlacementError, PoolExhausted
 from maasd.topology import SYSFS_NODES, discover, node_room
 from placement import HUGE, NODES, PAGE, MiB, all_on, pages_by_node
@@ -84,7 +84,7 @@ def test_pin_while_another_mapping_writes() -> None:
 
 
 def test_warm_stock_of_a_pool_on_the_far_node() -> None:
-    pool = Pool(name="far", numa_node=FAR, capacity=64 * MiB, warm_bytes=32 * MiB)
+    pool = MemoryPool(name="far", numa_node=FAR, capacity=64 * MiB, warm_bytes=32 * MiB)
     size = 4 * MiB
     pool.release(pool.reserve(size))  # the demand the stock follows
     while pool.refill_step():

@@ -1,4 +1,4 @@
-"""A Hypothesis state machine over a real :class:`Pool` of 64 base pages.
+"""A Hypothesis state machine over a real :class:`MemoryPool` of 64 base pages.
 
 Random sequences of reserve / release / double release / bad requests / warm
 stock refills and sheds must keep ``used + free == capacity`` and ``used ==``
@@ -29,7 +29,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from maasd.allocator import SEALS, Pool, Region
+from maasd.allocator import SEALS, MemoryPool, Region
 from maasd.allocator.reclaim import Reclaimer
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
 from strategies import bad_sizes, request_sizes
@@ -43,13 +43,13 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool: Pool | None = None
+        self.pool: MemoryPool | None = None
         self.live: dict[int, int] = {}  # id(region) -> size reserved for it
         self.live_regions: dict[int, Region] = {}
         self.released: list[Region] = []
 
     @property
-    def made_pool(self) -> Pool:
+    def made_pool(self) -> MemoryPool:
         """The pool; the rules that reach it run only after ``make_pool``."""
         assert self.pool is not None
         return self.pool
@@ -63,7 +63,7 @@ class PoolMachine(RuleBasedStateMachine):
     def make_pool(self, scrub, prefault, warm_pages):
         reclaimer = Reclaimer()
         reclaimer.start()
-        self.pool = Pool(
+        self.pool = MemoryPool(
             "machine",
             numa_node=0,
             capacity=PAGES * PAGE,

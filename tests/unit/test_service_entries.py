@@ -22,7 +22,7 @@ from sqlalchemy import event
 
 from hits import hit
 from maasd import errors
-from maasd.allocator import Pool
+from maasd.allocator import MemoryPool
 from maasd.core import Service
 from maasd.models import PoolSpec, Principal
 from maasd.settings import Settings
@@ -51,7 +51,7 @@ def tenant(svc: Service, quota: int = 64 * MiB, name: str = "t") -> Principal:
     return svc.auth.authenticate(svc.tenants.create(name, quota).api_key)
 
 
-def pool(svc: Service) -> Pool:
+def pool(svc: Service) -> MemoryPool:
     (live,) = svc.live.all()
     return live.pool
 
@@ -115,14 +115,14 @@ def test_a_commit_without_memory_is_507_and_leaves_nothing(
     who = tenant(svc)
     h = svc.entries.put(who, "no-room", MiB)
     os.close(h.fd)
-    reserve = Pool.reserve
+    reserve = MemoryPool.reserve
 
-    def no_memory(self: Pool, size: int, *args: object, **kw: object) -> object:
+    def no_memory(self: MemoryPool, size: int, *args: object, **kw: object) -> object:
         if kw.get("accounted") is False:  # the commit's copy
             raise errors.BackingError("madvise(23): [ENOMEM] Cannot allocate memory", errno.ENOMEM)
         return reserve(self, size, *args, **kw)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Pool, "reserve", no_memory)
+    monkeypatch.setattr(MemoryPool, "reserve", no_memory)
     with pytest.raises(errors.PoolExhausted, match="no memory to commit"):
         svc.entries.commit(who, h.buffer_id, owned=True)
     assert svc.regions.region(h.buffer_id) is None
@@ -248,9 +248,9 @@ def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
     scrub; the put learns it from the runtime (no read of the row) and drops the region."""
     who = tenant(svc)
     admin = svc.auth.authenticate("admin-key-for-tests")
-    reserve = Pool.reserve
+    reserve = MemoryPool.reserve
 
-    def released_meanwhile(self: Pool, size: int, *args: object, **kw: object) -> object:
+    def released_meanwhile(self: MemoryPool, size: int, *args: object, **kw: object) -> object:
         region = reserve(self, size, *args, **kw)  # type: ignore[arg-type]
         (row,) = svc.store.buffers(tenant_id=who.tenant_id, states=None)
         if by == "admin_delete":
@@ -263,7 +263,7 @@ def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
         assert svc.store.buffer(row.id) is None
         return region
 
-    monkeypatch.setattr(Pool, "reserve", released_meanwhile)
+    monkeypatch.setattr(MemoryPool, "reserve", released_meanwhile)
     with pytest.raises(errors.NotFound, match="released while it was put"):
         svc.entries.put(who, "gone", MiB)
     assert svc.regions.buffer_ids() == []

@@ -22,7 +22,7 @@ import pytest
 
 from inprocess_api import service
 from maasd import bounds
-from maasd.allocator import pool, region
+from maasd.allocator import pool, region, scrub
 from maasd.api.app import create_app
 from maasd.core import Service
 from maasd.store import schema
@@ -113,7 +113,7 @@ def test_the_vocabularies_nest() -> None:
 def test_the_ledger_and_the_allocator_use_the_same_sets() -> None:
     assert tuple(schema.BUFFER_STATES) == get_args(bounds.BufferState)
     assert get_args(bounds.Backing) == region.BACKINGS
-    assert get_args(bounds.ScrubMode) == region.SCRUB_MODES
+    assert get_args(bounds.ScrubMode) == scrub.SCRUB_MODES
     assert get_args(bounds.Persistence) == pool.PERSISTENCES
 
 
