@@ -28,8 +28,9 @@ from processes import signal_and_wait
 # Helper modules with asserts of their own: rewritten like test modules, so a failing
 # assert in them says what it compared.
 pytest.register_assert_rewrite("ledger")
-# The placement suite's fixtures and its skip outside a multi-node host (tests/multinode).
-pytest_plugins = ("placement",)
+# The placement suite's fixtures and its skip outside a multi-node host (tests/multinode);
+# the L2 tests' Redis and ledger fixtures (two daemons on one ledger and one Redis).
+pytest_plugins = ("placement", "l2hosts")
 
 MiB = 1 << 20
 DEFAULT_POOL_BYTES = 256 * MiB

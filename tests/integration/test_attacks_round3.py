@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import test_ledger_outage
-from test_disk_tier import connect, demote_one, pattern, probe, tier_pool
 
 from conftest import Daemon
 from hardening import after_attack, ledger_ids
 from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
 from pgdb import PG_URL
+from rawentries import connect, demote_one, pattern, probe, tier_pool
 from sockpeer import Raw, miss
 from waiting import wait_until
 
@@ -35,6 +35,12 @@ def _usage(d: Daemon, key: str) -> dict[str, object]:
         r = c.get("/v1/usage")
         assert r.status_code == 200, r.text
         return dict(r.json())
+
+
+def _pool(d: Daemon, name: str) -> dict[str, object]:
+    r = d.admin.get(f"/v1/pools/{name}")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
 
 
 def _put_commit(w: Raw, key: str, size: int, pool: str) -> str:
@@ -54,6 +60,63 @@ def _hold_detached(w: Raw, key: str) -> int:
     return fd
 
 
+class _Kept:
+    """What an attack keeps open, its entries' fds and its connections: all closed when
+    the test is done with them, whatever happened."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.peers: list[Raw] = []
+
+    def tenant(self, d: Daemon, name: str, quota: int) -> tuple[str, str, Raw]:
+        """A new tenant and a connection of its own: (its id, its key, the connection)."""
+        tenant_id, key = d.tenant(name, quota)
+        peer = connect(d, key)
+        self.peers.append(peer)
+        return tenant_id, key, peer
+
+    def put_and_hold(self, w: Raw, n: int, size: int, pool: str, prefix: str = "kept") -> None:
+        """``n`` entries of ``size`` put in ``pool`` through ``w``, each one's fd kept after
+        a detach (:func:`_hold_detached`)."""
+        for i in range(n):
+            _put_commit(w, f"{prefix}-{i}", size, pool)
+            self.fds.append(_hold_detached(w, f"{prefix}-{i}"))
+
+    def __enter__(self) -> _Kept:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        for peer in self.peers:
+            peer.close()
+
+
+def _put_must_fit(b: Raw, pool: str, size: int, why: str) -> Reserved:
+    """B's next put, which must be answered a reservation (its fd closed): ``why``."""
+    reply, fds = b.call(Put(key="b-next", size_bytes=size, pool=pool))
+    for fd in fds:
+        os.close(fd)
+    assert isinstance(reply, Reserved), f"{why}: {reply}"
+    return reply
+
+
+def _hold_then_delete_tenant(d: Daemon, kept: _Kept, pool: str, n: int, size: int) -> str:
+    """A tenant that keeps ``n`` entries' fds (detached, in ``kept``), then is deleted:
+    its id."""
+    tenant_id, _, w = kept.tenant(d, "hostile-deleted", n * size)
+    kept.put_and_hold(w, n, size, pool)
+    w.close()
+    assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+    return tenant_id
+
+
+def _delete_tenants_then_check(d: Daemon, *tenant_ids: str) -> None:
+    for tenant_id in tenant_ids:
+        assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+    after_attack(d)
+
+
 def test_held_cold_entries_of_one_tenant_do_not_fail_anothers_put_in_a_shared_pool(
     daemon: Daemon,
 ):
@@ -65,36 +128,19 @@ def test_held_cold_entries_of_one_tenant_do_not_fail_anothers_put_in_a_shared_po
     wait for holders no one can tell to let go)."""
     size = MiB
     pool = daemon.pool(f"shared-{secrets.token_hex(3)}", 8 * size)["name"]
-    tenant_a, key_a = daemon.tenant("hostile-a", 8 * size)
-    tenant_b, key_b = daemon.tenant("victim-b", 8 * size)
-    a = Raw(daemon.socket_path, timeout=30)
-    a.hello(key_a)
-    b = Raw(daemon.socket_path, timeout=30)
-    b.hello(key_b)
-    kept: list[int] = []
-    try:
-        for i in range(5):  # A's, first: the pool's least recently used
-            _put_commit(a, f"cold-{i}", size, pool)
-            kept.append(_hold_detached(a, f"cold-{i}"))
+    with _Kept() as kept:
+        tenant_a, key_a, a = kept.tenant(daemon, "hostile-a", 8 * size)
+        tenant_b, _, b = kept.tenant(daemon, "victim-b", 8 * size)
+        kept.put_and_hold(a, 5, size, pool, "cold")  # A's, first: the least recently used
         for i in range(3):  # B's: the pool is full (8 MiB)
             _put_commit(b, f"b-{i}", size, pool)
-        reply, fds = b.call(Put(key="b-next", size_bytes=size, pool=pool))
-        for fd in fds:
-            os.close(fd)
-        assert isinstance(reply, Reserved), f"B's put was refused because of A: {reply}"
+        reply = _put_must_fit(b, pool, size, "B's put was refused because of A")
         assert isinstance(b.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
         # what A holds is still A's: counted in its quota, never more than it
         u = _usage(daemon, key_a)
         assert u["used_bytes"] == 5 * size, u
-    finally:
-        for fd in kept:
-            os.close(fd)
-        a.close()
-        b.close()
     wait_until(lambda: _usage(daemon, key_a)["used_bytes"] == 0, message="A's memory freed")
-    for tenant_id in (tenant_a, tenant_b):
-        assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
-    after_attack(daemon)
+    _delete_tenants_then_check(daemon, tenant_a, tenant_b)
 
 
 def test_held_attached_entries_of_a_peer_that_never_reads_do_not_fail_anothers_put(
@@ -106,43 +152,22 @@ def test_held_attached_entries_of_a_peer_that_never_reads_do_not_fail_anothers_p
     may cost B's put the one bounded wait, but not fail it."""
     size = MiB
     pool = daemon.pool(f"shared-{secrets.token_hex(3)}", 8 * size)["name"]
-    tenant_a, key_a = daemon.tenant("hostile-attached", 8 * size)
-    tenant_b, key_b = daemon.tenant("victim-attached", 8 * size)
-    a = Raw(daemon.socket_path, timeout=30)
-    a.hello(key_a)
-    b = Raw(daemon.socket_path, timeout=30)
-    b.hello(key_b)
-    kept: list[int] = []
-    try:
+    with _Kept() as kept:
+        tenant_a, key_a, a = kept.tenant(daemon, "hostile-attached", 8 * size)
+        tenant_b, _, b = kept.tenant(daemon, "victim-attached", 8 * size)
         for i in range(5):
             _put_commit(a, f"cold-{i}", size, pool)
             found, fds = a.call(Lookup(keys=[f"cold-{i}"]))
             assert isinstance(found, Found), found
-            kept.extend(fds)  # attached, never detached; pushes are never read
+            kept.fds.extend(fds)  # attached, never detached; pushes are never read
         for i in range(3):
             _put_commit(b, f"b-{i}", size, pool)
             found, fds = b.call(Lookup(keys=[f"b-{i}"]))
             assert isinstance(found, Found), found
             for fd in fds:  # an honest worker lets go when told; this one already has
                 os.close(fd)
-        reply, fds = b.call(Put(key="b-next", size_bytes=size, pool=pool))
-        for fd in fds:
-            os.close(fd)
-        assert isinstance(reply, Reserved), f"B's put was refused because of A: {reply}"
-    finally:
-        for fd in kept:
-            os.close(fd)
-        a.close()
-        b.close()
-    for tenant_id in (tenant_a, tenant_b):
-        assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
-    after_attack(daemon)
-
-
-def _pool(d: Daemon, name: str) -> dict[str, object]:
-    r = d.admin.get(f"/v1/pools/{name}")
-    assert r.status_code == 200, r.text
-    return dict(r.json())
+        _put_must_fit(b, pool, size, "B's put was refused because of A")
+    _delete_tenants_then_check(daemon, tenant_a, tenant_b)
 
 
 def test_held_entries_of_a_deleted_tenant_are_not_handed_out_again(daemon: Daemon):
@@ -152,17 +177,9 @@ def test_held_entries_of_a_deleted_tenant_are_not_handed_out_again(daemon: Daemo
     again until the holder lets go."""
     size = MiB
     pool = daemon.pool(f"deleted-{secrets.token_hex(3)}", 8 * size)["name"]
-    tenant_a, key_a = daemon.tenant("hostile-deleted", 4 * size)
     tenant_b, key_b = daemon.tenant("next-tenant", 8 * size)
-    a = Raw(daemon.socket_path, timeout=30)
-    a.hello(key_a)
-    kept: list[int] = []
-    try:
-        for i in range(4):
-            _put_commit(a, f"kept-{i}", size, pool)
-            kept.append(_hold_detached(a, f"kept-{i}"))
-        a.close()
-        assert daemon.admin.delete(f"/v1/tenants/{tenant_a}").status_code == 204
+    with _Kept() as kept:
+        _hold_then_delete_tenant(daemon, kept, pool, 4, size)
         info = _pool(daemon, pool)
         assert info["held_bytes"] == 4 * size, info
         with daemon.client(key_b) as c:
@@ -171,33 +188,12 @@ def test_held_entries_of_a_deleted_tenant_are_not_handed_out_again(daemon: Daemo
             r = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 4 * size})
             assert r.status_code == 201, r.text
             assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code == 204
-    finally:
-        for fd in kept:
-            os.close(fd)
-        a.close()
     wait_until(lambda: _pool(daemon, pool)["held_bytes"] == 0, message="held memory freed")
     with daemon.client(key_b) as c:
         r = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 8 * size})
         assert r.status_code == 201, r.text
         assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code == 204
-    assert daemon.admin.delete(f"/v1/tenants/{tenant_b}").status_code == 204
-    after_attack(daemon)
-
-
-def _hold_then_delete_tenant(d: Daemon, pool: str, n: int, size: int) -> tuple[str, list[int]]:
-    """A tenant that keeps ``n`` entries' fds (detached), then is deleted: the fds."""
-    tenant_id, key = d.tenant("hostile-deleted", n * size)
-    w = Raw(d.socket_path, timeout=30)
-    w.hello(key)
-    kept: list[int] = []
-    try:
-        for i in range(n):
-            _put_commit(w, f"kept-{i}", size, pool)
-            kept.append(_hold_detached(w, f"kept-{i}"))
-    finally:
-        w.close()
-    assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
-    return tenant_id, kept
+    _delete_tenants_then_check(daemon, tenant_b)
 
 
 def test_a_deleted_tenants_held_entries_stay_in_the_pools_ledger(daemon: Daemon):
@@ -207,33 +203,23 @@ def test_a_deleted_tenants_held_entries_stay_in_the_pools_ledger(daemon: Daemon)
     reaper's pass) once they are gone."""
     size = MiB
     pool = daemon.pool(f"deleted-{secrets.token_hex(3)}", 8 * size)["name"]
-    tenant_b, key_b = daemon.tenant("next-tenant", 8 * size)
-    tenant_a, kept = _hold_then_delete_tenant(daemon, pool, 4, size)
-    b = Raw(daemon.socket_path, timeout=30)
-    b.hello(key_b)
-    try:
+    with _Kept() as kept:
+        tenant_b, _, b = kept.tenant(daemon, "next-tenant", 8 * size)
+        tenant_a = _hold_then_delete_tenant(daemon, kept, pool, 4, size)
         info = _pool(daemon, pool)
         assert info["held_bytes"] == 4 * size, info
         for i in range(4):  # B's own evictable entries: what the rest of the pool holds
             _put_commit(b, f"b-{i}", size, pool)
         assert info["used_bytes"] == 4 * size, f"held memory not in its pool's use: {info}"
-        reply, fds = b.call(Put(key="b-next", size_bytes=size, pool=pool))
-        for fd in fds:
-            os.close(fd)
-        assert isinstance(reply, Reserved), f"B's own entries could make room: {reply}"
+        reply = _put_must_fit(b, pool, size, "B's own entries could make room")
         assert isinstance(b.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
         assert daemon.admin.get(f"/v1/tenants/{tenant_a}").status_code == 200  # deleting
-    finally:
-        for fd in kept:
-            os.close(fd)
-        b.close()
     wait_until(
         lambda: daemon.admin.get(f"/v1/tenants/{tenant_a}").status_code == 404,
         message="the deleted tenant gone once nothing of it is held",
     )
     assert _pool(daemon, pool)["held_bytes"] == 0
-    assert daemon.admin.delete(f"/v1/tenants/{tenant_b}").status_code == 204
-    after_attack(daemon)
+    _delete_tenants_then_check(daemon, tenant_b)
 
 
 def test_a_pool_drain_while_entries_are_held_keeps_counting_them(daemon: Daemon):
@@ -243,14 +229,9 @@ def test_a_pool_drain_while_entries_are_held_keeps_counting_them(daemon: Daemon)
     held, the pool takes nothing new, and a drain after the holder let go ends it."""
     size = MiB
     pool = daemon.pool(f"drain-{secrets.token_hex(3)}", 8 * size)
-    tenant_id, key = daemon.tenant("hostile-drain", 8 * size)
-    w = Raw(daemon.socket_path, timeout=30)
-    w.hello(key)
-    kept: list[int] = []
-    try:
-        for i in range(4):
-            _put_commit(w, f"kept-{i}", size, pool["name"])
-            kept.append(_hold_detached(w, f"kept-{i}"))
+    with _Kept() as kept:
+        tenant_id, key, w = kept.tenant(daemon, "hostile-drain", 8 * size)
+        kept.put_and_hold(w, 4, size, pool["name"])
         r = daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true")
         assert r.status_code == 409, r.text
         assert "held open" in r.json()["detail"], r.text
@@ -261,15 +242,10 @@ def test_a_pool_drain_while_entries_are_held_keeps_counting_them(daemon: Daemon)
             assert r.status_code == 409, r.text
             r = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": size})
             assert r.status_code == 409, r.text  # the pool is being deleted
-    finally:
-        for fd in kept:
-            os.close(fd)
-        w.close()
     wait_until(lambda: _usage(daemon, key)["used_bytes"] == 0, message="held memory freed")
     assert daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true").status_code == 204
     assert daemon.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
-    assert daemon.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
-    after_attack(daemon)
+    _delete_tenants_then_check(daemon, tenant_id)
 
 
 def test_a_disk_dir_cannot_be_another_pools_through_a_symlink(daemon: Daemon, tmp_path: Path):
@@ -324,13 +300,11 @@ def test_a_kill_while_deletes_wait_for_held_entries_leaks_nothing(fresh_daemon: 
     d = fresh_daemon.start()
     size = MiB
     pool = d.pool(f"kill-{secrets.token_hex(3)}", 8 * size)
-    tenant_id, kept = _hold_then_delete_tenant(d, pool["name"], 2, size)
-    other_id, key = d.tenant("drained", 8 * size)
-    w = Raw(d.socket_path, timeout=30)
-    w.hello(key)
-    try:
+    with _Kept() as kept:
+        tenant_id = _hold_then_delete_tenant(d, kept, pool["name"], 2, size)
+        other_id, key, w = kept.tenant(d, "drained", 8 * size)
         _put_commit(w, "kept", size, pool["name"])
-        kept.append(_hold_detached(w, "kept"))
+        kept.fds.append(_hold_detached(w, "kept"))
         w.close()
         assert d.admin.delete(f"/v1/pools/{pool['id']}?drain=true").status_code == 409
         assert d.admin.get(f"/v1/tenants/{tenant_id}").status_code == 200  # deleting
@@ -340,12 +314,7 @@ def test_a_kill_while_deletes_wait_for_held_entries_leaks_nothing(fresh_daemon: 
         assert d.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
         assert ledger_ids(d) == []
         assert _usage(d, key)["used_bytes"] == 0
-    finally:
-        for fd in kept:
-            os.close(fd)
-        w.close()
-    assert d.admin.delete(f"/v1/tenants/{other_id}").status_code == 204
-    after_attack(d)
+    _delete_tenants_then_check(d, other_id)
 
 
 @pytest.mark.postgres
@@ -357,8 +326,7 @@ def test_a_held_entry_let_go_during_a_ledger_outage_is_freed_when_it_is_back(out
     d, proxy = outage
     size = MiB
     _, key = d.tenant("held-outage", 4 * size)
-    w = Raw(d.socket_path, timeout=30)
-    w.hello(key)
+    w = connect(d, key)
     fd = -1
     try:
         buffer_id = _put_commit(w, "kept", size, "node0")

@@ -9,31 +9,29 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import secrets
-import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from test_disk_tier import (
-    SUFFIX,
-    connect,
-    disk_files,
-    entry_file_bytes,
-    maasctl,
-    pattern,
-    put_committed_in,
-    tier_pool,
-)
+from test_disk_tier import maasctl
 
 from conftest import Daemon
-from maasd.protocol import Detach, Found, Lookup, Ok
+from rawentries import (
+    FILE_OVERHEAD,
+    churn_concurrently,
+    connect,
+    entry_file_bytes,
+    entry_files,
+    pattern,
+    put_committed,
+    tier_pool,
+    use_once,
+)
 from waiting import wait_until
 
 MiB = 1 << 20
-OVERHEAD = 12 + 16  # nonce and tag per file
 
 
 @pytest.fixture
@@ -58,15 +56,6 @@ def demoted(d: Daemon, pool: str, n: int) -> bool:
     return d.metric("maasd_disk_demotions_total", pool=pool) >= n
 
 
-def use_and_let_go(r: Any, key: str) -> None:
-    """One lookup (a second use: worth a disk write at eviction), then detach."""
-    reply, fds = r.call(Lookup(keys=[key]))
-    for fd in fds:
-        os.close(fd)
-    if isinstance(reply, Found):  # evicted meanwhile: a miss
-        assert r.call(Detach(buffer_id=reply.buffer_id)) == (Ok(), [])
-
-
 def test_a_small_disk_quota_holds_under_concurrent_demotions(
     disk_daemon: Daemon, tmp_path: Path
 ) -> None:
@@ -76,38 +65,13 @@ def test_a_small_disk_quota_holds_under_concurrent_demotions(
     tenant_id, key = new_tenant(d, 64 * MiB, disk_quota_bytes=5 * MiB)
     assert record(d, tenant_id)["disk_quota_bytes"] == 5 * MiB
     seen: list[int] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
 
     def watch() -> None:
-        while not stop.is_set():
-            seen.append(entry_file_bytes(disk))
-            seen.append(record(d, tenant_id)["disk_used_bytes"])
+        seen.append(entry_file_bytes(disk))
+        seen.append(record(d, tenant_id)["disk_used_bytes"])
 
-    def churn(n: int) -> None:
-        try:
-            r = connect(d, key)
-            for i in range(12):
-                put_committed_in(r, f"w{n}-{i}", pattern(MiB, 100 * n + i), pool)
-                use_and_let_go(r, f"w{n}-{i}")
-            r.close()
-        except BaseException as e:
-            errors.append(e)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    threads = [threading.Thread(target=churn, args=(n,)) for n in range(3)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) >= 15)
-    finally:
-        stop.set()
-        watcher.join()
-    assert max(seen) <= 5 * (MiB + OVERHEAD)
+    churn_concurrently(d, key, pool, entries=12, demotions=15, sample=watch)
+    assert max(seen) <= 5 * (MiB + FILE_OVERHEAD)
     rec = record(d, tenant_id)
     assert 0 < rec["disk_used_bytes"] <= 5 * MiB
     assert int(d.metric("maasd_disk_bytes", pool=pool)) == rec["disk_used_bytes"]
@@ -127,8 +91,8 @@ def test_patch_lowers_the_disk_quota_from_the_next_demotion_on(
     assert record(d, tenant_id)["disk_quota_bytes"] == 4 * 16 * MiB  # the factor's default
     r = connect(d, key)
     for i in range(8):  # DRAM holds 4: the first ones are demoted as the others come
-        put_committed_in(r, f"a{i}", pattern(MiB, i), pool)
-        use_and_let_go(r, f"a{i}")
+        put_committed(r, f"a{i}", pattern(MiB, i), pool)
+        use_once(r, f"a{i}")
     wait_until(lambda: record(d, tenant_id)["disk_used_bytes"] >= 3 * MiB)
     used = record(d, tenant_id)["disk_used_bytes"]
     p = d.admin.patch(f"/v1/tenants/{tenant_id}", json={"disk_quota_bytes": MiB})
@@ -137,8 +101,8 @@ def test_patch_lowers_the_disk_quota_from_the_next_demotion_on(
     assert p.json()["quota_bytes"] == 16 * MiB  # left alone
     before = d.metric("maasd_disk_demotions_total", pool=pool)
     for i in range(8, 10):  # the next demotions make room under the new quota
-        put_committed_in(r, f"a{i}", pattern(MiB, i), pool)
-        use_and_let_go(r, f"a{i}")
+        put_committed(r, f"a{i}", pattern(MiB, i), pool)
+        use_once(r, f"a{i}")
     wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) > before)
     wait_until(lambda: record(d, tenant_id)["disk_used_bytes"] <= MiB)
     r.close()
@@ -200,14 +164,14 @@ def test_the_disk_quota_spans_the_hosts_tiers(disk_daemon: Daemon, tmp_path: Pat
     r = connect(d, key)
     for n, pool in enumerate(pools):  # two demoted to each tier, in turn
         for i in range(4):
-            put_committed_in(r, f"p{n}-{i}", pattern(MiB, 10 * n + i), pool)
-            use_and_let_go(r, f"p{n}-{i}")
+            put_committed(r, f"p{n}-{i}", pattern(MiB, 10 * n + i), pool)
+            use_once(r, f"p{n}-{i}")
         wait_until(functools.partial(demoted, d, pool, 2))
     r.close()
     # The first tier held 2 MiB, all the quota: the second tier's first demotion made
     # room by evicting one of them there; its second, by the policy on its own tier first.
-    wait_until(lambda: len([f for f in disk_files(one) if f.endswith(SUFFIX)]) == 1)
-    assert len([f for f in disk_files(two) if f.endswith(SUFFIX)]) == 1
+    wait_until(lambda: len(entry_files(one)) == 1)
+    assert len(entry_files(two)) == 1
     assert record(d, tenant_id)["disk_used_bytes"] == 2 * MiB
     assert d.metric("maasd_disk_drops_total", pool=pools[0], reason="evicted") == 1
     assert sum(int(d.metric("maasd_disk_bytes", pool=p)) for p in pools) == 2 * MiB

@@ -9,100 +9,34 @@ a SIGKILL leaves nothing restorable behind; a tenant's disk quota holds.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
-import mmap
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import Daemon
-from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
-from sockpeer import Raw, lookup, miss
+from rawentries import (
+    FILE_OVERHEAD,
+    churn_concurrently,
+    connect,
+    demote_one,
+    disk_files,
+    entry_file_bytes,
+    entry_files,
+    pattern,
+    probe,
+    put_committed,
+    tier_pool,
+)
+from sockpeer import lookup, miss
 from waiting import wait_until
 
 MiB = 1 << 20
-SUFFIX = ".ent"
 TESTS = Path(__file__).resolve().parents[1]
-
-
-def connect(d: Daemon, key: str) -> Raw:
-    r = Raw(d.socket_path, timeout=30)
-    r.hello(key)
-    return r
-
-
-def pattern(size: int, seed: int = 0) -> bytes:
-    return hashlib.shake_256(f"entry-{seed}".encode()).digest(size)
-
-
-def probe(d: Daemon, key: str, keys: list[str]) -> dict[str, Any]:
-    """Look ``keys`` up from another process (tests/entry_probe.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS)])}
-    args = {"socket": d.socket_path, "key": key, "keys": keys}
-    p = subprocess.run(
-        [sys.executable, str(TESTS / "entry_probe.py")],
-        input=json.dumps(args),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=True,
-    )
-    return dict(json.loads(p.stdout))
-
-
-def disk_files(path: Path) -> list[str]:
-    return sorted(p.name for p in path.iterdir()) if path.exists() else []
-
-
-def entry_file_bytes(disk: Path) -> int:
-    """The bytes of the tier's entry files now (a file erased meanwhile counts 0)."""
-    total = 0
-    for name in disk_files(disk):
-        if name.endswith(SUFFIX):
-            with contextlib.suppress(FileNotFoundError):
-                total += (disk / name).stat().st_size
-    return total
-
-
-def tier_pool(d: Daemon, disk: Path, capacity: int = 8 * MiB, disk_bytes: int = 64 * MiB) -> str:
-    name = f"dt{os.urandom(3).hex()}"
-    info = d.pool(name, capacity, disk_dir=str(disk), disk_bytes=disk_bytes, prefault=False)
-    assert info["disk_dir"] == str(disk)
-    assert info["disk_bytes"] == disk_bytes
-    return name
-
-
-def demote_one(d: Daemon, key: str, pool: str, data: bytes, fill: int) -> Raw:
-    """Put ``data`` under ``key``, look it up once (a second use: worth a write) and let it
-    go, then put ``fill`` more 1 MiB entries so that eviction takes it out of DRAM (an
-    entry a connection still holds is evicted last: it would free nothing)."""
-    r = connect(d, key)
-    put_committed_in(r, "hot", data, pool)
-    found, fd = lookup(r, ["hot"])
-    os.close(fd)
-    assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
-    for i in range(fill):
-        put_committed_in(r, f"filler-{i}", pattern(MiB, i), pool)
-    return r
-
-
-def put_committed_in(r: Raw, key: str, data: bytes, pool: str) -> str:
-    reply, fds = r.call(Put(key=key, size_bytes=len(data), pool=pool))
-    assert isinstance(reply, Reserved), reply
-    (fd,) = fds
-    with mmap.mmap(fd, len(data)) as mm:
-        mm[:] = data
-    os.close(fd)
-    assert r.call(Commit(buffer_id=reply.buffer_id)) == (Ok(), [])
-    return reply.buffer_id
 
 
 @pytest.fixture
@@ -118,9 +52,9 @@ def test_demote_then_promote_from_another_process(disk_daemon: Daemon, tmp_path:
     r = demote_one(d, key, pool, data, fill=9)
     wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) == 1, timeout=20)
     wait_written(d, pool)
-    assert len([f for f in disk_files(disk) if f.endswith(SUFFIX)]) == 1
+    assert len(entry_files(disk)) == 1
     assert d.metric("maasd_disk_drops_total", pool=pool, reason="cold") >= 1  # the fillers
-    (name,) = [f for f in disk_files(disk) if f.endswith(SUFFIX)]
+    (name,) = entry_files(disk)
     raw = (disk / name).read_bytes()
     assert data[:4096] not in raw  # ciphertext on disk
     hits = d.metric("maasd_entry_lookups_total", tenant=tenant_id, outcome="hit")
@@ -193,7 +127,7 @@ def test_a_corrupt_file_is_a_miss_and_is_dropped(disk_daemon: Daemon, tmp_path: 
     assert disk_files(disk) == []
     assert d.metric("maasd_disk_drops_total", pool=pool, reason="corrupt") == 1
     assert d.healthy()
-    put_committed_in(r, "after", pattern(MiB, 4), pool)  # DRAM still serves
+    put_committed(r, "after", pattern(MiB, 4), pool)  # DRAM still serves
     _, fd = lookup(r, ["after"])
     os.close(fd)
     r.close()
@@ -212,7 +146,7 @@ def test_a_full_disk_never_fails_a_dram_operation(disk_daemon: Daemon, tmp_path:
         _, key = d.tenant(quota_bytes=256 * MiB)
         r = connect(d, key)
         for i in range(24):  # each looked up once: every eviction is worth a write
-            put_committed_in(r, f"e{i}", pattern(MiB, i), pool)
+            put_committed(r, f"e{i}", pattern(MiB, i), pool)
             _, fd = lookup(r, [f"e{i}"])
             os.close(fd)
         wait_until(lambda: d.metric("maasd_disk_drops_total", pool=pool, reason="full") >= 1)
@@ -231,7 +165,7 @@ def test_sigkill_during_demotions_leaves_nothing_behind(
     _, key = d.tenant(quota_bytes=256 * MiB)
     r = connect(d, key)
     for i in range(40):
-        put_committed_in(r, f"e{i}", pattern(MiB, i), pool)
+        put_committed(r, f"e{i}", pattern(MiB, i), pool)
         _, fd = lookup(r, [f"e{i}"])
         os.close(fd)
     d.kill()  # writes in flight, files being renamed: whatever the moment
@@ -252,43 +186,10 @@ def test_disk_quota_holds_under_concurrent_demotions(disk_daemon: Daemon, tmp_pa
     # the three writers holds at most one staged MiB of its DRAM quota at a time).
     _, key = d.tenant(quota_bytes=6 * MiB)
     seen: list[int] = []
-    errors: list[BaseException] = []
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            seen.append(entry_file_bytes(disk))
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-
-    def churn(n: int) -> None:
-        try:
-            r = connect(d, key)
-            for i in range(16):
-                put_committed_in(r, f"w{n}-{i}", pattern(MiB, 100 * n + i), pool)
-                reply, fds = r.call(Lookup(keys=[f"w{n}-{i}"]))  # evicted meanwhile: a miss
-                for fd in fds:
-                    os.close(fd)
-                if isinstance(reply, Found):  # used, and let go: evictable like any other
-                    assert r.call(Detach(buffer_id=reply.buffer_id)) == (Ok(), [])
-            r.close()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=churn, args=(n,)) for n in range(3)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
-        wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) >= 25)
-    finally:
-        stop.set()
-        watcher.join()
-    overhead = 12 + 16  # nonce and tag per file
-    assert max(seen) <= 24 * (MiB + overhead)
+    churn_concurrently(
+        d, key, pool, entries=16, demotions=25, sample=lambda: seen.append(entry_file_bytes(disk))
+    )
+    assert max(seen) <= 24 * (MiB + FILE_OVERHEAD)
     assert int(d.metric("maasd_disk_bytes", pool=pool)) <= 24 * MiB
     assert d.metric("maasd_disk_drops_total", pool=pool, reason="evicted") >= 1
 

@@ -1,6 +1,6 @@
 """The lookup order across every tier: DRAM → local disk → L2 → miss (docs/operations.md).
 
-Two daemons sharing a PostgreSQL ledger and a Redis L2 (as tests/integration/test_l2.py);
+Two daemons sharing a PostgreSQL ledger and a Redis L2 (tests/l2hosts.py, as test_l2.py);
 host B's pool has a disk tier. A prefix held in B's DRAM, one on B's disk (and in L2 as
 well: the disk answers first), one only in L2 (committed on A), and one nowhere.
 """
@@ -11,58 +11,26 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import Daemon
+from l2hosts import SMALL_DB_POOL, commit, two_hosts
 from maasd.client import Worker
-from pgdb import PG_URL, fresh_pg_database
-from redisdb import REDIS_SERVER, RedisServer
+from redisdb import RedisServer
 from waiting import wait_until
 
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, Daemon, Path]]:
-    if REDIS_SERVER is None:
-        pytest.skip("no redis-server or valkey-server on PATH (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="needs the l2 extra (redis-py)")
-    if not PG_URL:
-        pytest.skip("MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
-    redis = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    with fresh_pg_database() as url:
-        daemons = [
-            Daemon(
-                tmp_path_factory.mktemp(name),
-                env={
-                    "MAASD_DB_URL": url,
-                    "MAASD_NODE_NAME": name,
-                    "MAASD_L2_URL": redis.url,
-                    "MAASD_DB_POOL_SIZE": "4",
-                    "MAASD_DB_MAX_OVERFLOW": "8",
-                },
-            )
-            for name in ("tier-a", "tier-b")
-        ]
-        try:
-            for d in daemons:
-                d.start()
-            disk = tmp_path_factory.mktemp("tier-b-disk")
-            daemons[1].pool(
-                "tiered", 8 * MiB, disk_dir=str(disk), disk_bytes=64 * MiB, prefault=False
-            )
-            yield daemons[0], daemons[1], disk
-        finally:
-            for d in daemons:
-                d.close()
-            redis.stop()
-
-
-def commit(w: Worker, key: str, data: bytes, pool: str | None = None) -> None:
-    m = w.put(key, len(data), pool=pool)
-    m.array[: len(data)] = np.frombuffer(data, np.uint8)
-    w.commit(m)
+def hosts(
+    tmp_path_factory: pytest.TempPathFactory, l2_ledger_url: str, redis_server: RedisServer
+) -> Iterator[tuple[Daemon, Daemon, Path]]:
+    names = ("tier-a", "tier-b")
+    with two_hosts(tmp_path_factory, names, l2_ledger_url, redis_server, SMALL_DB_POOL) as (a, b):
+        disk = tmp_path_factory.mktemp("tier-b-disk")
+        b.pool("tiered", 8 * MiB, disk_dir=str(disk), disk_bytes=64 * MiB, prefault=False)
+        yield a, b, disk
 
 
 def test_a_prefix_is_found_on_each_tier_in_order(hosts: tuple[Daemon, Daemon, Path]) -> None:

@@ -12,15 +12,11 @@ import contextlib
 import ctypes
 import fcntl
 import hashlib
-import json
 import mmap
 import os
 import secrets
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -41,69 +37,16 @@ from maasd.protocol import (
     Put,
     Reserved,
 )
-from sockpeer import Raw, lookup, miss
+from rawentries import commit, connect, pattern, probe, put, put_committed, write
+from sockpeer import lookup, miss
 from waiting import wait_until
 
-TESTS = Path(__file__).resolve().parents[1]
-REPO = TESTS.parent
 MiB = 1 << 20
 F_SEAL_FUTURE_WRITE = 0x10
 SEALED = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL | F_SEAL_FUTURE_WRITE
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def connect(daemon: Any, key: str) -> Raw:
-    r = Raw(daemon.socket_path, timeout=30)
-    r.hello(key)
-    return r
-
-
-def pattern(size: int, seed: int = 0) -> bytes:
-    return hashlib.shake_256(f"entry-{seed}".encode()).digest(size)
-
-
-def put(r: Raw, key: str, size: int, **kw: Any) -> tuple[Reserved, int]:
-    reply, fds = r.call(Put(key=key, size_bytes=size, **kw))
-    assert isinstance(reply, Reserved), reply
-    assert len(fds) == 1
-    return reply, fds[0]
-
-
-def commit(r: Raw, buffer_id: str) -> None:
-    assert r.call(Commit(buffer_id=buffer_id)) == (Ok(), [])
-
-
-def write(fd: int, data: bytes) -> None:
-    with mmap.mmap(fd, len(data)) as mm:
-        mm[:] = data
-
-
-def put_committed(r: Raw, key: str, data: bytes) -> str:
-    reply, fd = put(r, key, len(data))
-    write(fd, data)
-    os.close(fd)
-    commit(r, reply.buffer_id)
-    return reply.buffer_id
-
-
-def probe(daemon: Any, key: str, keys: list[str]) -> dict[str, Any]:
-    """Look ``keys`` up from another process and try to write what comes back."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
-    args = {"socket": daemon.socket_path, "key": key, "keys": keys}
-    p = subprocess.run(
-        [sys.executable, str(TESTS / "entry_probe.py")],
-        input=json.dumps(args),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        check=False,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    out: dict[str, Any] = json.loads(p.stdout)
-    return out
 
 
 def tenant_use(daemon: Any, tenant_id: str) -> tuple[int, int]:

@@ -37,10 +37,10 @@ import numpy as np
 import pytest
 
 from conftest import Daemon
+from l2hosts import SMALL_DB_POOL, commit, in_l2, l2_key, two_hosts
 from maasd.client import Client, Worker
 from maasd.l2 import codec
-from pgdb import PG_URL, fresh_pg_database
-from redisdb import REDIS_SERVER, RedisServer
+from redisdb import RedisServer
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -54,63 +54,16 @@ OUTAGE_BOUND_S = 1.0
 
 # ---------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("no redis-server or valkey-server on PATH (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="needs the l2 extra (redis-py)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def ledger_url() -> Iterator[str]:
-    if not PG_URL:
-        pytest.skip("MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
-    with fresh_pg_database() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
 def hosts(
-    tmp_path_factory: pytest.TempPathFactory, ledger_url: str, redis_server: RedisServer
+    tmp_path_factory: pytest.TempPathFactory, l2_ledger_url: str, redis_server: RedisServer
 ) -> Iterator[tuple[Daemon, Daemon]]:
-    daemons = [
-        Daemon(
-            tmp_path_factory.mktemp(name),
-            env={
-                "MAASD_DB_URL": ledger_url,
-                "MAASD_NODE_NAME": name,
-                "MAASD_L2_URL": redis_server.url,
-                "MAASD_L2_TIMEOUT_S": str(L2_TIMEOUT_S),
-                "MAASD_L2_BREAKER_BACKOFF_S": "0.5",
-                "MAASD_DB_POOL_SIZE": "4",
-                "MAASD_DB_MAX_OVERFLOW": "8",
-            },
-        )
-        for name in ("l2-a", "l2-b")
-    ]
-    try:
-        for d in daemons:
-            d.start()
-        yield daemons[0], daemons[1]
-    finally:
-        for d in daemons:
-            d.close()
-
-
-def l2_key(tenant_id: str, key: str) -> str:
-    return codec.Keys("maasd", tenant_id).entry(key)
-
-
-def commit(w: Worker, key: str, data: bytes) -> str:
-    m = w.put(key, len(data))
-    m.array[: len(data)] = np.frombuffer(data, np.uint8)
-    return w.commit(m).id
-
-
-def in_l2(redis_server: RedisServer, tenant_id: str, key: str) -> bool:
-    return bool(redis_server.client().exists(l2_key(tenant_id, key)))
+    env = {
+        "MAASD_L2_TIMEOUT_S": str(L2_TIMEOUT_S),
+        "MAASD_L2_BREAKER_BACKOFF_S": "0.5",
+        **SMALL_DB_POOL,
+    }
+    with two_hosts(tmp_path_factory, ("l2-a", "l2-b"), l2_ledger_url, redis_server, env) as pair:
+        yield pair
 
 
 def used(d: Daemon, tenant_id: str) -> int:

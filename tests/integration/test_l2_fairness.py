@@ -1,6 +1,6 @@
 """One tenant flooding L2 with 64 MiB entries slows only itself (docs/scale-out.md).
 
-Two real daemons on one PostgreSQL and one real Redis (the fixtures of test_l2.py).
+Two real daemons on one PostgreSQL and one real Redis (tests/l2hosts.py, as test_l2.py).
 Tenant ``small`` commits small entries on host A and looks each up on host B, once
 alone and once while tenant ``flood`` commits 64 MiB entries on host A as fast as it
 can. Its cross-host hit rate stays what it was alone; A's host-wide breaker never
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from test_l2 import commit, in_l2, ledger_url, redis_server  # noqa: F401 - fixtures
 
 from conftest import Daemon
+from l2hosts import SMALL_DB_POOL, commit, in_l2, two_hosts
 from maasd.client import Worker
 from redisdb import RedisServer
 from waiting import wait_until
@@ -31,34 +31,17 @@ ROUND = 12  # the small tenant's entries per measurement
 
 @pytest.fixture(scope="module")
 def pair(
-    tmp_path_factory: pytest.TempPathFactory,
-    ledger_url: str,  # noqa: F811
-    redis_server: RedisServer,  # noqa: F811
+    tmp_path_factory: pytest.TempPathFactory, l2_ledger_url: str, redis_server: RedisServer
 ) -> Iterator[tuple[Daemon, Daemon]]:
-    daemons = [
-        Daemon(
-            tmp_path_factory.mktemp(name),
-            env={
-                "MAASD_DB_URL": ledger_url,
-                "MAASD_NODE_NAME": name,
-                "MAASD_L2_URL": redis_server.url,
-                "MAASD_L2_TIMEOUT_S": "0.1",
-                "MAASD_L2_TENANT_BYTES": str(160 * MiB),
-                "MAASD_L2_MAX_VALUE_BYTES": str(100 * MiB),
-                "MAASD_DEFAULT_POOL_BYTES": str(448 * MiB),
-                "MAASD_DB_POOL_SIZE": "4",
-                "MAASD_DB_MAX_OVERFLOW": "8",
-            },
-        )
-        for name in ("fair-a", "fair-b")
-    ]
-    try:
-        for d in daemons:
-            d.start()
-        yield daemons[0], daemons[1]
-    finally:
-        for d in daemons:
-            d.close()
+    env = {
+        "MAASD_L2_TIMEOUT_S": "0.1",
+        "MAASD_L2_TENANT_BYTES": str(160 * MiB),
+        "MAASD_L2_MAX_VALUE_BYTES": str(100 * MiB),
+        "MAASD_DEFAULT_POOL_BYTES": str(448 * MiB),
+        **SMALL_DB_POOL,
+    }
+    with two_hosts(tmp_path_factory, ("fair-a", "fair-b"), l2_ledger_url, redis_server, env) as p:
+        yield p
 
 
 def cross_host_hits(a: Daemon, b: Daemon, key: str, server: RedisServer, tid: str, tag: str) -> int:
@@ -86,7 +69,7 @@ def cross_host_hits(a: Daemon, b: Daemon, key: str, server: RedisServer, tid: st
 
 def test_a_flooding_tenant_slows_only_itself(
     pair: tuple[Daemon, Daemon],
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     a, b = pair
     small_tid, small_key = a.tenant("small", quota_bytes=32 * MiB)
@@ -144,7 +127,7 @@ def test_a_flooding_tenant_slows_only_itself(
 
 def test_a_value_over_the_limit_is_skipped_and_counted(
     pair: tuple[Daemon, Daemon],
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     a, _ = pair
     tid, key = a.tenant("huge", quota_bytes=128 * MiB)
@@ -158,7 +141,7 @@ def test_a_value_over_the_limit_is_skipped_and_counted(
 
 
 def test_a_store_accounts_and_evicts_atomically_in_a_real_redis(
-    redis_server: RedisServer,  # noqa: F811
+    redis_server: RedisServer,
 ) -> None:
     """The SET and the accounting script in one MULTI/EXEC: a tenant's total is the sum
     of what it holds, a rewrite replaces its old size, the oldest go past the cap, and a

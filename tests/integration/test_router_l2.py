@@ -23,11 +23,10 @@ pytestmark = pytest.mark.llama
 pytest.importorskip("xxhash")
 
 from conftest import Daemon  # noqa: E402
+from l2hosts import in_l2, two_hosts  # noqa: E402
 from llama_model import GERMANY, SWEDEN  # noqa: E402
-from maasd.l2 import codec  # noqa: E402
 from maasd.llama.format import chunk_keys  # noqa: E402
-from pgdb import PG_URL, fresh_pg_database  # noqa: E402
-from redisdb import REDIS_SERVER, RedisServer  # noqa: E402
+from redisdb import RedisServer  # noqa: E402
 from router_fleet import RouterProc, llama_server_binary, text_of  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
@@ -36,42 +35,15 @@ MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    if REDIS_SERVER is None:
-        pytest.skip("no redis-server or valkey-server on PATH (apt-get install redis-server)")
-    pytest.importorskip("redis", reason="needs the l2 extra (redis-py)")
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def hosts(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+    tmp_path_factory: pytest.TempPathFactory, l2_ledger_url: str, redis_server: RedisServer
 ) -> Iterator[tuple[Daemon, Daemon]]:
-    if not PG_URL:
-        pytest.skip("MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
-    with fresh_pg_database() as ledger_url:
-        daemons = [
-            Daemon(
-                tmp_path_factory.mktemp(name),
-                env={
-                    "MAASD_DB_URL": ledger_url,
-                    "MAASD_NODE_NAME": name,
-                    "MAASD_L2_URL": redis_server.url,
-                    # a loaded 2-core machine: Redis answers a 7 MB value slower than 0.1 s
-                    "MAASD_L2_TIMEOUT_S": "2",
-                },
-            )
-            for name in ("router-a", "router-b")
-        ]
-        try:
-            for d in daemons:
-                d.start()
-            yield daemons[0], daemons[1]
-        finally:
-            for d in daemons:
-                d.close()
+    # a loaded 2-core machine: Redis answers a 7 MB value slower than 0.1 s
+    env = {"MAASD_L2_TIMEOUT_S": "2"}
+    with two_hosts(
+        tmp_path_factory, ("router-a", "router-b"), l2_ledger_url, redis_server, env
+    ) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
@@ -131,9 +103,8 @@ def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
     toks = tokens_of(a, prompt)
     n = len(toks) - len(toks) % CHUNK
     entry_key = chunk_keys(a.health()["fingerprint"], toks[:n], CHUNK)[-1][1]
-    redis_key = codec.Keys("maasd", tid).entry(entry_key)
     wait_until(
-        lambda: bool(redis_server.client().exists(redis_key)),
+        lambda: in_l2(redis_server, tid, entry_key),
         timeout=60,
         message="router A's entry written behind to Redis",
     )
