@@ -3,7 +3,9 @@ budget ``maasd serve`` would derive — each from the daemon's own budget
 (:mod:`maasd.core.limits`: :func:`~maasd.core.limits.settings_limits`,
 :func:`~maasd.core.limits.open_files_needed`, :func:`~maasd.core.limits.maps_needed`), the
 tenants' caps as the ledger holds them (:mod:`maasd.cli.doctor_ledger`) and the pools'
-pages as the daemon rounds them (:meth:`maasd.topology.Topology.page_bytes_of`).
+pages as the daemon rounds them (:meth:`maasd.topology.Topology.page_bytes_of`); the
+tasks from the daemon's thread pools (``REST_THREADS``, anyio's default pool as anyio
+sizes it, ``socket_slow_workers``) and its own threads (:data:`BASE_TASKS`).
 deploy/systemd/maasd.service sizes ``LimitNOFILE`` and ``TasksMax`` from :func:`needs`.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import resource
 from pathlib import Path
@@ -27,7 +30,9 @@ if TYPE_CHECKING:
     from maasd.core.limits import ProcessLimits
 
 __all__ = [
+    "BASE_TASKS",
     "Needs",
+    "anyio_threads",
     "check_limits",
     "check_region_budget",
     "check_regions",
@@ -53,10 +58,27 @@ def _wanted(caps: list[int], share: float, pool_regions: int | None = None) -> i
     return max(total, math.ceil(biggest / share))
 
 
-#: anyio's default thread pool (the health checks and other to_thread calls).
-ANYIO_THREADS = 40
-#: The event loop, the broker's loop, reaper, reclaimer, watchdog, … (OPENBLAS_NUM_THREADS=1:
-#: numpy would otherwise start a thread per CPU that the daemon never uses).
+@functools.cache
+def anyio_threads() -> int:
+    """The threads of anyio's default pool, asked of anyio as the daemon's event loop asks
+    it: the daemon leaves that pool at anyio's default (its health checks run there, as
+    does any ``to_thread`` call without a limiter of its own; the REST service calls have
+    theirs, ``REST_THREADS``). Starts a throw-away event loop: not for a caller in one."""
+    import anyio
+    import anyio.to_thread
+
+    async def ask() -> int:
+        return int(anyio.to_thread.current_default_thread_limiter().total_tokens)
+
+    return anyio.run(ask)
+
+
+#: The daemon's own threads, outside its pools (about: one more per pool with a warm
+#: stock): idle under SQLite, ``maasd serve`` runs 8 — its event loop (the main thread),
+#: the socket's loop, reaper, reclaimer, warm-stock refill, holders' reader, disk-tier
+#: writer, latency probe — and PostgreSQL, L2 and systemd add the ledger's listener,
+#: watchdog and probe, the L2 writer and the systemd watchdog. ``OPENBLAS_NUM_THREADS=1``
+#: (the unit's): numpy would otherwise start a thread per CPU that the daemon never uses.
 BASE_TASKS = 12
 
 
@@ -98,7 +120,8 @@ def needs(settings: Settings, *, regions: int | None = None, postgres: bool = Fa
     assert files is not None  # no mapping limit given: the files alone bind
     at = settings_limits(settings, files, None, postgres=postgres)
     slow = settings.socket_slow_workers
-    tasks = REST_THREADS + ANYIO_THREADS + slow + BASE_TASKS
+    pool = anyio_threads()
+    tasks = REST_THREADS + pool + slow + BASE_TASKS
     return Needs(
         files=files,
         tasks=tasks,
@@ -106,7 +129,7 @@ def needs(settings: Settings, *, regions: int | None = None, postgres: bool = Fa
         f"limit and {at.reserved}: the ledger {at.ledger_files}, REST {at.rest_connections}, "
         f"2 × {at.socket_connections} socket connections, 2 × {at.threads} threads' "
         f"transient files, {OWN_FILES + HOT_READ_ONLY_FDS} of the daemon's own)",
-        tasks_sum=f"{REST_THREADS} service + {ANYIO_THREADS} pool + {slow} socket slow-op "
+        tasks_sum=f"{REST_THREADS} service + {pool} pool + {slow} socket slow-op "
         f"threads + {BASE_TASKS}",
         regions=want,
         maps=maps_needed(want),

@@ -19,7 +19,9 @@ under the same key with another id (the key was published again). An entry relea
 between a lookup and its read fails the reader's header check, and
 ``Worker.forget(buffer_id)`` drops it.
 
-Only ``mmap``, ``numpy`` and the standard library are used here.
+The worker's side of it — what it does with the answers and the slots let go of — is
+:class:`~maasd.client.entry_maps.EntryMaps`. Only ``mmap``, ``numpy`` and the standard
+library are used here.
 """
 
 from __future__ import annotations

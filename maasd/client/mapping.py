@@ -1,7 +1,8 @@
 """A buffer's memfd mapped in the worker: :class:`BufferMapping` (``maasd.client.Mapping``).
 
-Made by :class:`~maasd.client.worker.Worker` (``attach``, ``put``, a lookup's first
-mapping of an entry) and held by the entry cache (:mod:`maasd.client.entries`); it
+Made by :class:`~maasd.client.worker.Worker` (``attach``, ``put``) and by its entry
+maps (:mod:`maasd.client.entry_maps`: a lookup's first mapping of an entry), which keep
+it in the mapping cache (:mod:`maasd.client.entries`); it
 knows its worker only as a :class:`MappingOwner`, told when the mapping closes.
 """
 
@@ -16,9 +17,18 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["BufferMapping", "Mapping", "MappingOwner"]
+from maasd.client.errors import ProtocolError
+
+__all__ = ["BufferMapping", "Mapping", "MappingOwner", "check_memfd_size"]
 
 logger = logging.getLogger("maasd.client.worker")
+
+
+def check_memfd_size(fd: int, size_bytes: int) -> None:
+    """Mapping past the end of the file would SIGBUS on first touch: refuse a short memfd."""
+    st_size = os.fstat(fd).st_size
+    if st_size < size_bytes:
+        raise ProtocolError(f"memfd is {st_size} bytes, daemon said {size_bytes}")
 
 
 class MappingOwner(Protocol):

@@ -21,6 +21,13 @@ Example::
 Every process that attaches the same buffer maps the same pages: a write by
 one is seen by all. One lock serialises request/response on the socket, so a
 ``Worker`` may be shared by threads (the renewal thread is one of them).
+
+The worker asks the daemon; each piece of its state has one owner it calls:
+
+    Channel       (client/channel.py)     the socket: one request at a time, pushed frames
+    Attachments   (client/attachments.py) attached buffers and staged puts, one lock
+    EntryMaps     (client/entry_maps.py)  looked-up entries' mappings (the MappingCache)
+    LeaseRenewer  (client/renewal.py)     the thread renewing what is attached
 """
 
 from __future__ import annotations
@@ -29,12 +36,11 @@ import contextlib
 import fcntl
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator
 
 from maasd import protocol
 from maasd.bounds import DEFAULT_TTL_S
+from maasd.client.attachments import Attachments
 from maasd.client.channel import Channel
 from maasd.client.channel import R as _R
 from maasd.client.entries import (
@@ -43,30 +49,15 @@ from maasd.client.entries import (
     Entry,
     EntryMapping,
     MappingCache,
-    Slot,
 )
-from maasd.client.errors import (
-    ConnectionFailed,
-    MaasdClientError,
-    NotFound,
-    ProtocolError,
-    Unauthorized,
-)
-from maasd.client.mapping import BufferMapping, Mapping
+from maasd.client.entry_maps import EntryMaps
+from maasd.client.errors import ConnectionFailed, MaasdClientError, NotFound
+from maasd.client.mapping import BufferMapping, Mapping, check_memfd_size
+from maasd.client.renewal import LeaseRenewer
 
 __all__ = ["BufferMapping", "Entry", "EntryMapping", "Mapping", "Worker"]
 
-#: Idle entry mappings are aged out at most this often (on lookups and renewals).
-SWEEP_INTERVAL_S = 1.0
-
 logger = logging.getLogger(__name__)
-
-
-def _check_memfd_size(fd: int, size_bytes: int) -> None:
-    """Mapping past the end of the file would SIGBUS on first touch: refuse a short memfd."""
-    st_size = os.fstat(fd).st_size
-    if st_size < size_bytes:
-        raise ProtocolError(f"memfd is {st_size} bytes, daemon said {size_bytes}")
 
 
 def _read_only_fd(fd: int) -> bool:
@@ -98,13 +89,10 @@ class Worker:
         self.ttl_s = ttl_s
         self.renew_interval_s = ttl_s / 3 if renew_interval_s is None else renew_interval_s
         self.cache = MappingCache(cache_bytes, cache_age_s)
-        self._maps_lock = threading.Lock()
-        self._mappings: dict[str, list[BufferMapping]] = {}
-        self._staged: dict[str, BufferMapping] = {}
-        self._swept = time.monotonic()
+        self._entries = EntryMaps(self.cache, self._detach_quietly)
+        self._maps = Attachments()
         self._closed = False
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
+        self._renewer: LeaseRenewer | None = None
         self._channel = Channel(self.socket_path, timeout)
         reply = self._channel.hello(api_key)
         self._channel.read_when_idle(self.cache.released)  # released: unmapped at once
@@ -112,8 +100,8 @@ class Worker:
         #: This process's pid as the daemon recorded it (SO_PEERCRED).
         self.peer_pid: int | None = reply.pid
         if self.renew_interval_s > 0:
-            self._renewer = threading.Thread(
-                target=self._renew_loop, name="maasd-worker-renew", daemon=True
+            self._renewer = LeaseRenewer(
+                self.renew_interval_s, self._maps.ids, self.renew, self._entries.sweep
             )
             self._renewer.start()
 
@@ -127,7 +115,7 @@ class Worker:
         """
         reply, fd = self._one_fd(protocol.Attach(buffer_id=buffer_id), protocol.Attached)
         try:
-            _check_memfd_size(fd, reply.size_bytes)
+            check_memfd_size(fd, reply.size_bytes)
             writable = not _read_only_fd(fd)
             m = BufferMapping(
                 self, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, writable=writable
@@ -136,8 +124,7 @@ class Worker:
             os.close(fd)
             self._detach_quietly(buffer_id, True)
             raise
-        with self._maps_lock:
-            self._mappings.setdefault(buffer_id, []).append(m)
+        self._maps.add(m)
         return m
 
     def detach(self, buffer_id: str) -> None:
@@ -145,8 +132,7 @@ class Worker:
 
         With no mapping of it here, the daemon answers 404 (``NotFound``).
         """
-        with self._maps_lock:
-            maps = self._mappings.pop(buffer_id, [])
+        maps = self._maps.take(buffer_id)
         for m in maps:
             m._close_local()
         for _ in range(max(len(maps), 1)):
@@ -160,8 +146,7 @@ class Worker:
     @property
     def attached(self) -> list[str]:
         """Ids of the buffers this worker currently maps."""
-        with self._maps_lock:
-            return [bid for bid, maps in self._mappings.items() if maps]
+        return self._maps.ids()
 
     # --- entries -----------------------------------------------------------------
 
@@ -172,37 +157,20 @@ class Worker:
         A second lookup of an entry still in the mapping cache reuses its mapping (the
         new fd is closed at once). Close the answer (or use ``with``) when done with it.
         """
-        self._sweep()
+        entries = self._entries
+        entries.sweep()
         wanted = list(keys)
         try:
             reply, fd = self._one_fd(protocol.Lookup(keys=wanted), protocol.Found)
         except NotFound:
-            if len(self.cache):  # what was cached under these keys is released
-                self._drop(self.cache.forget_keys(wanted))
+            entries.missed(wanted)
             return None
-        slot = self.cache.checkout(reply.buffer_id)
-        if slot is not None:
-            os.close(fd)
-            return EntryMapping(slot, self._give_back)
-        if len(self.cache):  # a new entry under this key: an older one is released
-            self._drop(self.cache.forget_keys([reply.key], keep=reply.buffer_id))
-        try:
-            _check_memfd_size(fd, reply.size_bytes)
-            m = BufferMapping(
-                None, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, writable=False
-            )
-        except BaseException:
-            os.close(fd)
-            self._detach_quietly(reply.buffer_id, True)
-            raise
-        slot = Slot(m, reply.key)
-        self._drop(self.cache.add(slot))
-        return EntryMapping(slot, self._give_back)
+        return entries.found(reply, fd)
 
     def forget(self, buffer_id: str) -> None:
         """Drop an entry from the mapping cache (unmapped once no one uses it): for an
         entry that reads as released (zeros), so the next lookup maps afresh."""
-        self._drop(self.cache.forget(buffer_id))
+        self._entries.forget(buffer_id)
 
     def put(
         self, key: str, size_bytes: int, *, pool: str | None = None, ttl_s: int | None = None
@@ -216,7 +184,7 @@ class Worker:
         put = protocol.Put(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
         reply, fd = self._one_fd(put, protocol.Reserved)
         try:
-            _check_memfd_size(fd, reply.size_bytes)
+            check_memfd_size(fd, reply.size_bytes)
             m = BufferMapping(
                 None, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, key=key, populate=True
             )
@@ -225,8 +193,7 @@ class Worker:
             with contextlib.suppress(MaasdClientError):
                 self._request(protocol.Abort(buffer_id=reply.buffer_id))
             raise
-        with self._maps_lock:
-            self._staged[m.buffer_id] = m
+        self._maps.stage(m)
         return m
 
     def commit(self, entry: str | BufferMapping) -> Entry:
@@ -267,19 +234,15 @@ class Worker:
         """
         if self._closed:
             return
+        renewer = self._renewer
+        if renewer is not None:
+            renewer.stop()
         self._closed = True
-        self._stop.set()
         # Wake a renewal blocked in recv, then wait for it to leave the lock.
         self._channel.shutdown()
-        if self._renewer is not None and self._renewer is not threading.current_thread():
-            self._renewer.join(5.0)
-        with self._maps_lock:
-            maps = [m for ms in self._mappings.values() for m in ms]
-            maps += self._staged.values()
-            self._mappings.clear()
-            self._staged.clear()
-        maps += [slot.mapping for slot in self.cache.clear()]
-        for m in maps:
+        if renewer is not None:
+            renewer.join(5.0)
+        for m in self._maps.clear() + self._entries.clear():
             m._close_local()
         self._channel.close()
 
@@ -309,8 +272,7 @@ class Worker:
         """Commit or abort a put entry: its id and its staged mapping (closed now, which
         ever way the request ends: the daemon scrubs what it mapped)."""
         buffer_id = entry if isinstance(entry, str) else entry.buffer_id
-        with self._maps_lock:
-            m = self._staged.pop(buffer_id, None)
+        m = self._maps.unstage(buffer_id)
         try:
             # Unmapped while the daemon copies: the unmap of a 9 MiB mapping (~0.2 ms)
             # overlaps the commit instead of following its answer.
@@ -329,47 +291,6 @@ class Worker:
             logger.debug("detach of %s failed: %s", buffer_id, exc)
 
     def _mapping_closed(self, m: BufferMapping) -> None:
-        with self._maps_lock:
-            maps = self._mappings.get(m.buffer_id)
-            if maps is None or m not in maps:
-                return
-            maps.remove(m)
-            if not maps:
-                del self._mappings[m.buffer_id]
-        self._detach_quietly(m.buffer_id, True)
-
-    def _give_back(self, slot: Slot) -> None:
-        self._drop(self.cache.checkin(slot))
-
-    def _drop(self, slots: list[Slot]) -> None:
-        """Unmap what the cache let go of; detach each unless the daemon released it."""
-        for slot in slots:
-            slot.mapping._close_local()
-            self._detach_quietly(slot.buffer_id, not slot.released)
-
-    def _sweep(self, force: bool = False) -> None:
-        """Age idle entry mappings out (at most every SWEEP_INTERVAL_S unless ``force``)."""
-        now = time.monotonic()
-        if force or now - self._swept >= SWEEP_INTERVAL_S:
-            self._swept = now
-            self._drop(self.cache.expire(now))
-
-    def _renew_loop(self) -> None:
-        gone: set[str] = set()
-        while not self._stop.wait(self.renew_interval_s):
-            self._sweep()
-            for buffer_id in self.attached:
-                if buffer_id in gone or self._stop.is_set():
-                    continue
-                try:
-                    self.renew(buffer_id)
-                except NotFound:
-                    # Released or expired: a stale mapping now reads zeros.
-                    logger.warning("lease renewal: buffer %s is gone", buffer_id)
-                    gone.add(buffer_id)
-                except (ConnectionFailed, Unauthorized) as exc:
-                    if not self._closed:
-                        logger.warning("lease renewal stopped: %s", exc)
-                    return
-                except MaasdClientError as exc:
-                    logger.warning("lease renewal of %s failed: %s", buffer_id, exc)
+        """A mapping of :meth:`attach` closed by its user: one attachment less."""
+        if self._maps.remove(m):
+            self._detach_quietly(m.buffer_id, True)

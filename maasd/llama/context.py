@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from maasd.bounds import DEFAULT_TTL_S
+from maasd.client import BufferMapping, EntryMapping, Worker
 from maasd.client import errors as ce
 from maasd.llama.adapter import LlamaContextAdapter, model_fingerprint
 from maasd.llama.format import (
@@ -183,7 +184,12 @@ class ContextStore:
             hit.close()  # back to the worker's mapping cache
 
     def _restore_from(
-        self, worker: Any, hit: Any, prompt: npt.NDArray[np.int32], have: int, matched: int
+        self,
+        worker: Worker,
+        hit: EntryMapping,
+        prompt: npt.NDArray[np.int32],
+        have: int,
+        matched: int,
     ) -> Restore:
         view = hit.array
         hdr = self._header(worker, hit, view)
@@ -209,7 +215,7 @@ class ContextStore:
         )
         return Restore("hit", matched, common, common, hdr.state_len, state)
 
-    def _header(self, worker: Any, hit: Any, view: npt.NDArray[np.uint8]) -> Any:
+    def _header(self, worker: Worker, hit: EntryMapping, view: npt.NDArray[np.uint8]) -> Any:
         try:
             return parse_header(view, hit.size)
         except HeaderError as exc:
@@ -217,7 +223,9 @@ class ContextStore:
                 worker.forget(hit.buffer_id)
             raise Refused(str(exc)) from exc
 
-    def _load(self, worker: Any, hit: Any, view: Any, hdr: Any, common: int, n_prompt: int) -> None:
+    def _load(
+        self, worker: Worker, hit: EntryMapping, view: Any, hdr: Any, common: int, n_prompt: int
+    ) -> None:
         """``llama_state_set_data`` from the mapping, then the checks a load needs."""
         read = self.ctx.context_state_set(view, hdr.header_len, hdr.state_len)
         if read != hdr.state_len:
@@ -273,7 +281,7 @@ class ContextStore:
 
     def _save_one(
         self,
-        worker: Any,
+        worker: Worker,
         tokens: npt.NDArray[np.int32],
         length: int,
         hlen: int,
@@ -307,7 +315,12 @@ class ContextStore:
         return "saved"
 
     def _write(
-        self, mapping: Any, tokens: npt.NDArray[np.int32], hlen: int, size: int, src: Any
+        self,
+        mapping: BufferMapping,
+        tokens: npt.NDArray[np.int32],
+        hlen: int,
+        size: int,
+        src: Any,
     ) -> None:
         view = mapping.array
         if src is None:  # straight from the context into the mapping

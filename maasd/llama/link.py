@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from maasd.client import errors as ce
+from maasd.client.worker import Worker
 
 __all__ = ["BREAKING", "Link"]
 
@@ -38,17 +38,11 @@ FIRST_RETRY_S = 0.5
 MAX_RETRY_S = 30.0
 
 
-def _open_worker(socket_path: str, api_key: str) -> Any:
-    from maasd.client import Worker
-
-    return Worker(socket_path, api_key)
-
-
 class Link:
     """One worker connection to maasd, opened lazily; thread-safe.
 
-    ``open_worker(socket_path, api_key)`` makes the connection (default: a
-    ``maasd.client.Worker``; tests pass another). ``on_change(up, why)`` is called
+    ``open_worker(socket_path, api_key)`` makes the connection (default:
+    :class:`maasd.client.Worker` itself). ``on_change(up, why)`` is called
     when the link goes up or down (not on every retry).
     """
 
@@ -57,7 +51,7 @@ class Link:
         socket_path: str,
         api_key: str,
         *,
-        open_worker: Callable[[str, str], Any] = _open_worker,
+        open_worker: Callable[[str, str], Worker] = Worker,
         on_change: Callable[[bool, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -67,7 +61,7 @@ class Link:
         self._on_change = on_change
         self._clock = clock
         self._lock = threading.Lock()
-        self._worker: Any = None
+        self._worker: Worker | None = None
         self._retry_at = 0.0
         self._backoff = FIRST_RETRY_S
         self._up: bool | None = None  # None: never tried
@@ -79,7 +73,7 @@ class Link:
         """Whether the last attempt (or use) found maasd there."""
         return bool(self._up)
 
-    def get(self) -> Any:
+    def get(self) -> Worker | None:
         """The open worker, or ``None`` while maasd is unreachable (within the back-off)."""
         with self._lock:
             if self._worker is not None and not self._worker.closed:

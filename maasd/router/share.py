@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from maasd.client import EntryMapping, Worker
 from maasd.client import errors as ce
 from maasd.llama.format import HeaderError, check_chunk, chunk_keys, parse_header
 from maasd.llama.link import Link
@@ -114,7 +115,12 @@ class Sharing:
                 hit.close()
 
     def _stage_hit(
-        self, worker: Any, hit: Any, by_key: dict[str, int], tokens: Any, slot_dir: str | Path
+        self,
+        worker: Worker,
+        hit: EntryMapping,
+        by_key: dict[str, int],
+        tokens: Any,
+        slot_dir: str | Path,
     ) -> Staged | None:
         matched = by_key.get(hit.key, 0)
         view = hit.array

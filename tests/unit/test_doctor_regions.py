@@ -4,8 +4,12 @@ runs it against real limits and a real ledger)."""
 
 from __future__ import annotations
 
+import anyio
+import anyio.to_thread
+
 from maasd.cli.doctor import check_region_budget, needs, region_need, regions_wanted
-from maasd.core.limits import ProcessLimits, settings_limits
+from maasd.cli.doctor_limits import BASE_TASKS
+from maasd.core.limits import REST_THREADS, ProcessLimits, settings_limits
 from maasd.settings import Settings
 
 #: The documented example (docs/operations.md, "ProcessLimits"): M = 20000, the default socket
@@ -48,6 +52,21 @@ def test_the_needs_are_the_daemons_own_budget() -> None:
     assert settings_limits(Settings(), n.files - 1, None, postgres=False).region_budget < n.regions
     assert ProcessLimits(open_files=0, max_map_count=n.maps).map_budget == n.regions
     assert regions_wanted(Settings(), [None, 100, 20000]) == 80000  # 20000 / 0.25
+
+
+def test_the_tasks_are_the_daemons_own_pools() -> None:
+    """The task sum counts the pools the daemon runs: its REST limiter (``REST_THREADS``,
+    what ``create_app`` bounds service calls with), anyio's default pool as anyio sizes
+    it in an event loop, and the socket's slow-op threads as configured."""
+
+    async def default_pool() -> int:
+        return int(anyio.to_thread.current_default_thread_limiter().total_tokens)
+
+    pool = anyio.run(default_pool)
+    n = needs(Settings(socket_slow_workers=7))
+    assert n.tasks == REST_THREADS + pool + 7 + BASE_TASKS
+    assert n.tasks_sum == f"{REST_THREADS} service + {pool} pool + 7 socket slow-op threads + 12"
+    assert needs(Settings()).tasks == n.tasks - 7 + Settings().socket_slow_workers
 
 
 def test_no_budget_fails() -> None:

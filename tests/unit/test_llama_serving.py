@@ -8,21 +8,28 @@ middleware) — none needs a daemon or a model.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
+from maasd.client import Worker
 from maasd.client import errors as ce
 from maasd.llama.link import FIRST_RETRY_S, Link
 
 
 class FakeWorker:
+    """A connection as far as ``Link`` uses one: ``closed`` and ``close``."""
+
     def __init__(self) -> None:
         self.closed = False
 
     def close(self) -> None:
         self.closed = True
+
+
+def fake_worker(*_: str) -> Worker:
+    return cast(Worker, FakeWorker())
 
 
 class Clock:
@@ -37,11 +44,11 @@ def test_link_opens_lazily_backs_off_and_reports_changes() -> None:
     clock, events, tries = Clock(), [], []
     failing = [ce.ConnectionFailed("refused")]
 
-    def open_worker(path: str, key: str) -> FakeWorker:
+    def open_worker(path: str, key: str) -> Worker:
         tries.append((path, key))
         if failing:
             raise failing.pop()
-        return FakeWorker()
+        return fake_worker()
 
     link = Link(
         "/s", "k", open_worker=open_worker, on_change=lambda up, _w: events.append(up), clock=clock
@@ -71,8 +78,9 @@ def test_link_opens_lazily_backs_off_and_reports_changes() -> None:
 
 
 def test_a_revoked_key_breaks_the_link() -> None:
-    link = Link("/s", "k", open_worker=lambda *_: FakeWorker())
+    link = Link("/s", "k", open_worker=fake_worker)
     w = link.get()
+    assert w is not None
     link.failed(ce.Unauthorized(401, "Unauthorized", "revoked"))
     assert w.closed
     assert not link.up

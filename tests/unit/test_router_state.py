@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pytest
@@ -221,8 +221,19 @@ def test_a_few_common_tokens_keep_no_slot_from_an_empty_one() -> None:
 # --------------------------------------------------------------------------- publish plan
 
 
+if TYPE_CHECKING:
+    from maasd.client import Worker
+
+
 class _Open:
+    """An open connection as far as ``Link`` asks (its ``closed``); these tests make no
+    request through it."""
+
     closed = False
+
+
+def _open(_socket: str, _key: str) -> Worker:
+    return cast("Worker", _Open())
 
 
 def publisher(chunk: int = 4, min_tokens: int = 8) -> Any:
@@ -231,7 +242,7 @@ def publisher(chunk: int = 4, min_tokens: int = 8) -> Any:
     from maasd.router.publish import Publisher
     from maasd.router.share import Sharing
 
-    link = Link("/nowhere", "key", open_worker=lambda _s, _k: _Open())
+    link = Link("/nowhere", "key", open_worker=_open)
     assert link.get() is not None  # up
     return Publisher(Sharing(link, FP, chunk=chunk), RouterMetrics(), min_tokens=min_tokens)
 
@@ -273,7 +284,7 @@ def test_sharing_refuses_a_chunk_that_is_not_positive_at_once(chunk: int) -> Non
     from maasd.llama.link import Link
     from maasd.router.share import Sharing
 
-    link = Link("/nowhere", "key", open_worker=lambda _s, _k: _Open())
+    link = Link("/nowhere", "key", open_worker=_open)
     with pytest.raises(ValueError, match="chunk must be > 0"):
         Sharing(link, FP, chunk=chunk)
 
