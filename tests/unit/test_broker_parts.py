@@ -327,7 +327,7 @@ def test_hellos_that_need_the_ledger_queue_per_peer_uid() -> None:
     submitted: list[str] = []
     pool = SimpleNamespace(submit=lambda key, _job: submitted.append(key))
     dispatcher = SimpleNamespace(hello_inline=lambda _body: False)
-    hellos = Hellos(table=None, dispatcher=dispatcher, pool=pool, post=None)  # type: ignore[arg-type]
+    hellos = Hellos(table=None, admission=None, dispatcher=dispatcher, pool=pool, post=None)  # type: ignore[arg-type]
     flooder = [SimpleNamespace(uid=1000, busy=False) for _ in range(3)]
     tenant = SimpleNamespace(uid=0, busy=False)
     for conn in [*flooder, tenant]:
