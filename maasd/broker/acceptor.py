@@ -29,6 +29,7 @@ from maasd.protocol import encode_frame
 from .connection import Connection
 from .deadlines import Deadlines
 from .dispatch import Dispatcher
+from .interest import Interest
 from .pacing import Backoff, LogLimiter
 
 __all__ = ["Acceptor"]
@@ -50,12 +51,14 @@ class Acceptor:
         self,
         listener: socket.socket,
         sel: selectors.BaseSelector,
+        interest: Interest,
         dispatcher: Dispatcher,
         log: LogLimiter,
         admit: Callable[[Connection], str | None],
     ) -> None:
         self.listener = listener
         self.sel = sel
+        self.interest = interest  # the refused sockets' registrations
         self.dispatcher = dispatcher
         self.log = log
         self.admit = admit  # returns None (taken) or the reason it is refused
@@ -147,8 +150,7 @@ class Acceptor:
             return
         conn.lingering = True
         self.lingering.start(conn, time.monotonic())
-        self.sel.register(conn.sock, selectors.EVENT_READ, conn)
-        conn.events = selectors.EVENT_READ
+        self.interest.read_only(conn)
 
     def linger_read(self, conn: Connection) -> None:
         """The refused peer sent something (or closed): it will read the 429 now; close."""
@@ -158,9 +160,7 @@ class Acceptor:
 
     def _close(self, conn: Connection) -> None:
         self.lingering.cancel(conn)
-        if conn.events:
-            self.sel.unregister(conn.sock)
-            conn.events = 0
+        self.interest.unwatch(conn)
         conn.close()
 
     def close(self) -> None:

@@ -287,7 +287,7 @@ class Connection:
 
 class _Outgoing:
     """A reply not yet (wholly) sent: the bytes left, fds still to go with the first, and
-    what it is about (the table's outcome: undone if the kernel refuses the fds)."""
+    what it is about (the reply's outcome: the outbox undoes it if the kernel refuses the fds)."""
 
     __slots__ = ("about", "fds", "view")
 

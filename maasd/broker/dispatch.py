@@ -1,6 +1,6 @@
 """Frame dispatch: one frame body → one use-case call → one :class:`Outcome` (ops: :mod:`maasd.protocol`).
 
-No sockets here: the event loop (:mod:`maasd.broker.loop`) hands in frame
+No sockets here: the event loop (:mod:`maasd.broker.frames`) hands in frame
 bodies and sends what comes back. The table :data:`OPS` is the one place that
 says how each request is served::
 
@@ -194,7 +194,7 @@ class Outcome:
     #: nothing to send yet: run the op again on the slow pool (an inline op that must wait)
     defer: bool = False
     #: a hello checked on the slow pool: ``(principal or None if refused, api_key)``, for
-    #: the loop to apply (:meth:`maasd.broker.table.ConnectionTable.welcome`)
+    #: the loop to apply (:meth:`maasd.broker.hellos.Hellos.checked`)
     hello: tuple[Principal | None, str | None] | None = None
     #: the reply was sent from the slow pool's thread, but for a rest queued on the
     #: connection (``reply`` and ``fds`` are cleared once sent): the loop watches for writing

@@ -94,8 +94,3 @@ def peer_ended(conn: Connection) -> bool:
         return False
     except OSError:
         return True
-
-
-def oldest_waiting(waiting: Deadlines[Connection], uid: int) -> Connection | None:
-    """The oldest connection of ``uid`` still waiting for hello."""
-    return next((conn for conn in waiting if conn.uid == uid), None)

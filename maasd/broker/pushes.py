@@ -20,6 +20,7 @@ from collections.abc import Callable
 from maasd.protocol import Released
 
 from .dispatch import Outcome
+from .holdings import Holdings
 from .table import ConnectionTable
 
 __all__ = ["Pushes"]
@@ -31,8 +32,11 @@ class Pushes:
     """Released entries to tell their connections about; :meth:`released` from any thread,
     :meth:`send` on the loop's."""
 
-    def __init__(self, table: ConnectionTable, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, table: ConnectionTable, holdings: Holdings, wake: Callable[[], None]
+    ) -> None:
         self._table = table
+        self._holdings = holdings
         self._wake = wake
         self._lock = threading.Lock()
         self._ids: collections.deque[str] = collections.deque()
@@ -56,11 +60,9 @@ class Pushes:
             if conn.closed or conn.principal is None:
                 continue
             for buffer_id in ids.intersection(conn.held):
-                count = conn.held.pop(buffer_id)
                 logger.info(
                     "released entry still held by a connection",
-                    extra=conn.fields(buffer_id=buffer_id, handles=count),
+                    extra=conn.fields(buffer_id=buffer_id, handles=conn.held[buffer_id]),
                 )
-                for _ in range(count):
-                    self._table._drop(conn, buffer_id)
+                self._holdings.released(conn, buffer_id)
                 self._table.deliver(conn, Outcome(reply=Released(buffer_id=buffer_id)))

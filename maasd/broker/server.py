@@ -169,7 +169,7 @@ class Broker:
                 f"the worker socket has not accepted a connection for {failing:.0f} s: "
                 f"{loop.acceptor.last_error}"
             )
-        refusal = loop.table.inflight.refusal(now)
+        refusal = loop.outbox.inflight.refusal(now)
         if refusal is not None:
             return False, refusal
         if pool.alive < pool.workers:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -327,10 +328,95 @@ def test_hellos_that_need_the_ledger_queue_per_peer_uid() -> None:
     submitted: list[str] = []
     pool = SimpleNamespace(submit=lambda key, _job: submitted.append(key))
     dispatcher = SimpleNamespace(hello_inline=lambda _body: False)
-    hellos = Hellos(table=None, dispatcher=dispatcher, pool=pool, post=None)  # type: ignore[arg-type]
+    hellos = Hellos(table=None, admission=None, dispatcher=dispatcher, pool=pool, post=None)  # type: ignore[arg-type]
     flooder = [SimpleNamespace(uid=1000, busy=False) for _ in range(3)]
     tenant = SimpleNamespace(uid=0, busy=False)
     for conn in [*flooder, tenant]:
         hellos.hello(conn, b"{}")  # type: ignore[arg-type]
     assert submitted == ["hello:uid=1000"] * 3 + ["hello:uid=0"]
     assert all(c.busy for c in [*flooder, tenant])  # each reads nothing more meanwhile
+
+
+# --- who owns a connection's state -----------------------------------------------------
+
+
+def _connections(n: int) -> tuple[list[Connection], list[socket.socket]]:
+    pairs = [socket.socketpair() for _ in range(n)]
+    return [Connection(ours, str(i)) for i, (ours, _) in enumerate(pairs)], [t for _, t in pairs]
+
+
+def test_admission_sheds_the_oldest_waiting_of_a_uid_and_times_out_hellos() -> None:
+    """The caps' counts and the hello deadline have one owner, tested without a loop."""
+    from maasd.broker.admission import Admission
+    from maasd.models import Principal
+
+    events: list[str] = []
+    limits = Limits(max_unauthenticated=4, hello_timeout_s=5.0)
+    admission = Admission(limits, LogLimiter(logging.getLogger("test.admission")), events.append)
+    (a, b, c), peers = _connections(3)
+    try:
+        assert admission.admit(a) is None
+        assert admission.admit(b) is None
+        shed = admission.shed_first(c.uid)  # the uid holds its share (2 of 4): its oldest goes
+        assert shed is not None
+        assert shed[0] is a
+        assert "socket_max_unauthenticated = 4" in shed[1].detail
+        admission.closing(a)
+        admission.leave(a)
+        assert admission.shed_first(c.uid) is None
+        assert admission.admit(c) is None
+        tenant = Principal(is_admin=False, tenant_id="t")
+        assert admission.welcome(b, tenant, "key", 3) is None
+        assert (b.principal, b.api_key, b.generation) == (tenant, "key", 3)
+        assert admission.counts.by_tenant["t"] == 1
+        late = admission.overdue(time.monotonic() + limits.hello_timeout_s + 1)
+        assert [conn for conn, _ in late] == [c]  # b said hello in time, a was shed
+        assert "no hello within 5 s" in late[0][1].detail
+        assert events == ["shed", "hello_timeout"]
+    finally:
+        for sock in [*(x.sock for x in (a, b, c)), *peers]:
+            sock.close()
+
+
+def test_what_a_connection_takes_is_given_back_once_whichever_way_it_ends() -> None:
+    """Holdings: an attachment or staged entry taken before its reply is sent is given back
+    exactly once — undone if the reply never went, dropped by a detach, or at close."""
+    from types import SimpleNamespace
+
+    from maasd.broker.dispatch import Outcome
+    from maasd.broker.holdings import Holdings
+    from maasd.models import Principal
+
+    dropped: list[str] = []
+    abandoned: list[str] = []
+    service = SimpleNamespace(
+        handles=SimpleNamespace(drop=lambda _who, buffer_id: dropped.append(buffer_id)),
+        entries=SimpleNamespace(
+            staged=lambda _buffer_id: True,
+            abandon=lambda _who, buffer_id: abandoned.append(buffer_id),
+        ),
+    )
+    pool = SimpleNamespace(submit=lambda _key, job: job())  # the scrub runs at once here
+    log = LogLimiter(logging.getLogger("test.holdings"))
+    holdings = Holdings(service, pool, log)  # type: ignore[arg-type]
+    (conn,), peers = _connections(1)
+    conn.principal = Principal(is_admin=False, tenant_id="t")
+    try:
+        holdings.take(conn, Outcome(None, attached="a"))
+        holdings.take(conn, Outcome(None, attached="a"))
+        holdings.take(conn, Outcome(None, staged="e"))
+        lost = Outcome(None, attached="b", staged="f")
+        holdings.take(conn, lost)
+        holdings.undo(conn, lost)  # its reply never reached the peer
+        assert (dropped, abandoned) == (["b"], ["f"])
+        holdings.take(conn, Outcome(None, detached="a"))  # the peer gave one back
+        holdings.take(conn, Outcome(None, detached="b"))  # not held (any more): nothing owed
+        assert dropped == ["b", "a"]
+        holdings.give_back(conn)  # closed
+        assert (dropped, abandoned) == (["b", "a", "a"], ["f", "e"])
+        assert not conn.held
+        assert not conn.staged
+    finally:
+        conn.sock.close()
+        for sock in peers:
+            sock.close()
