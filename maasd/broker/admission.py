@@ -31,12 +31,12 @@ from .dispatch import tenant_of
 from .limits import ConnectionCounts, Limits
 from .pacing import LogLimiter
 
-__all__ = ["Admission"]
+__all__ = ["ConnectionAdmission"]
 
 logger = logging.getLogger("maasd.broker")
 
 
-class Admission:
+class ConnectionAdmission:
     """The counts of open connections against the caps, and the hello deadline.
 
     ``count(event)`` is told each ``shed``, ``refused`` (at accept) and ``hello_timeout``

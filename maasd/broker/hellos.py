@@ -9,7 +9,7 @@ the loop hands the outcome back (:meth:`Hellos.checked`). A key told from memory
 admin, a remembered key), or a hello refused without a check, is answered inline as before.
 
 Either way :meth:`Hellos.welcome` applies the check: the connection is authenticated and
-counted against its tenant's cap (:meth:`maasd.broker.admission.Admission.welcome`), or
+counted against its tenant's cap (:meth:`maasd.broker.admission.ConnectionAdmission.welcome`), or
 refused and closed.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable
 from maasd import errors
 from maasd.models import Principal
 
-from .admission import Admission
+from .admission import ConnectionAdmission
 from .connection import Connection
 from .dispatch import Dispatcher, Outcome
 from .slowpool import SlowPool
@@ -36,7 +36,7 @@ class Hellos:
     def __init__(
         self,
         table: ConnectionTable,
-        admission: Admission,
+        admission: ConnectionAdmission,
         dispatcher: Dispatcher,
         pool: SlowPool,
         post: Callable[[Connection, Outcome], None],

@@ -15,7 +15,7 @@ Per turn::
 The loop owns the thread, the selector and the turn; what it serves has its owners,
 which it builds and wires here, once, by constructor::
 
-    Acceptor ─→ ConnectionTable ─→ Admission, Holdings, Outbox, Interest
+    Acceptor ─→ ConnectionTable ─→ ConnectionAdmission, Holdings, Outbox, Interest
     Frames ──→ Hellos, ConnectionTable, Inbox        (the one-frame-in-flight rule)
     Revocations, Pushes ─→ ConnectionTable
 
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from maasd.store import hotpath
 
 from .acceptor import Acceptor
-from .admission import Admission
+from .admission import ConnectionAdmission
 from .connection import Connection
 from .dispatch import Dispatcher, UseCases
 from .frames import Frames
@@ -88,7 +88,7 @@ class EventLoop:
         holdings = Holdings(service, pool, log)
         self.inbox = Inbox(self.sel, holdings.undeliverable)
         self.outbox = Outbox(interest, holdings, dispatcher, limits, log, count)
-        admission = Admission(limits, log, count)
+        admission = ConnectionAdmission(limits, log, count)
         self.table = ConnectionTable(interest, admission, holdings, self.outbox, dispatcher, log)
         self.acceptor = Acceptor(listener, self.sel, interest, dispatcher, log, self.table.admit)
         hellos = Hellos(self.table, admission, dispatcher, pool, self.inbox.post)

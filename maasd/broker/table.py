@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 
-from .admission import Admission
+from .admission import ConnectionAdmission
 from .connection import Connection
 from .dispatch import Dispatcher, Outcome
 from .holdings import Holdings
@@ -45,7 +45,7 @@ class ConnectionTable:
     def __init__(
         self,
         interest: Interest,
-        admission: Admission,
+        admission: ConnectionAdmission,
         holdings: Holdings,
         outbox: Outbox,
         dispatcher: Dispatcher,

@@ -25,7 +25,7 @@ one is seen by all. One lock serialises request/response on the socket, so a
 The worker asks the daemon; each piece of its state has one owner it calls:
 
     Channel       (client/channel.py)     the socket: one request at a time, pushed frames
-    Attachments   (client/attachments.py) attached buffers and staged puts, one lock
+    MappedBuffers   (client/mapped.py) attached buffers and staged puts, one lock
     EntryMaps     (client/entry_maps.py)  looked-up entries' mappings (the MappingCache)
     LeaseRenewer  (client/renewal.py)     the thread renewing what is attached
 """
@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable, Iterator
 
 from maasd import protocol
 from maasd.bounds import DEFAULT_TTL_S
-from maasd.client.attachments import Attachments
 from maasd.client.channel import Channel
 from maasd.client.channel import R as _R
 from maasd.client.entries import (
@@ -52,6 +51,7 @@ from maasd.client.entries import (
 )
 from maasd.client.entry_maps import EntryMaps
 from maasd.client.errors import ConnectionFailed, MaasdClientError, NotFound
+from maasd.client.mapped import MappedBuffers
 from maasd.client.mapping import BufferMapping, Mapping, check_memfd_size
 from maasd.client.renewal import LeaseRenewer
 
@@ -90,7 +90,7 @@ class Worker:
         self.renew_interval_s = ttl_s / 3 if renew_interval_s is None else renew_interval_s
         self.cache = MappingCache(cache_bytes, cache_age_s)
         self._entries = EntryMaps(self.cache, self._detach_quietly)
-        self._maps = Attachments()
+        self._maps = MappedBuffers()
         self._closed = False
         self._renewer: LeaseRenewer | None = None
         self._channel = Channel(self.socket_path, timeout)

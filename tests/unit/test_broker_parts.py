@@ -347,12 +347,14 @@ def _connections(n: int) -> tuple[list[Connection], list[socket.socket]]:
 
 def test_admission_sheds_the_oldest_waiting_of_a_uid_and_times_out_hellos() -> None:
     """The caps' counts and the hello deadline have one owner, tested without a loop."""
-    from maasd.broker.admission import Admission
+    from maasd.broker.admission import ConnectionAdmission
     from maasd.models import Principal
 
     events: list[str] = []
     limits = Limits(max_unauthenticated=4, hello_timeout_s=5.0)
-    admission = Admission(limits, LogLimiter(logging.getLogger("test.admission")), events.append)
+    admission = ConnectionAdmission(
+        limits, LogLimiter(logging.getLogger("test.admission")), events.append
+    )
     (a, b, c), peers = _connections(3)
     try:
         assert admission.admit(a) is None

@@ -13,10 +13,10 @@ import threading
 import pytest
 
 from maasd import protocol
-from maasd.client.attachments import Attachments
 from maasd.client.entries import MappingCache
 from maasd.client.entry_maps import EntryMaps
 from maasd.client.errors import ConnectionFailed, NotFound, ProtocolError, QuotaExceeded
+from maasd.client.mapped import MappedBuffers
 from maasd.client.mapping import BufferMapping
 from maasd.client.renewal import LeaseRenewer
 
@@ -241,7 +241,7 @@ def test_clear_hands_every_mapping_back_to_be_closed() -> None:
     m._close_local()
 
 
-# -------------------------------------------------------------------------- Attachments
+# -------------------------------------------------------------------------- MappedBuffers
 
 
 def mapping(buffer_id: str) -> BufferMapping:
@@ -249,7 +249,7 @@ def mapping(buffer_id: str) -> BufferMapping:
 
 
 def test_attachments_count_each_mapping_and_stage_puts() -> None:
-    a = Attachments()
+    a = MappedBuffers()
     one, two, other = mapping("b1"), mapping("b1"), mapping("b2")
     for m in (one, two, other):
         a.add(m)

@@ -1,4 +1,4 @@
-"""``Attachments``: the buffers a worker maps and the entries it is writing, under one lock.
+"""``MappedBuffers``: the buffers a worker maps and the entries it is writing, under one lock.
 
 A worker's mappings are used from the caller's threads and from its renewal thread
 (which renews what is attached), so the two tables and their lock live together here
@@ -14,10 +14,10 @@ import threading
 
 from maasd.client.mapping import BufferMapping
 
-__all__ = ["Attachments"]
+__all__ = ["MappedBuffers"]
 
 
-class Attachments:
+class MappedBuffers:
     """Mappings by buffer id: the attached (a list each) and the staged (one each)."""
 
     def __init__(self) -> None:
