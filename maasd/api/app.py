@@ -18,7 +18,6 @@ The routes live in :mod:`maasd.api.controllers`, one controller per noun.
 
 from __future__ import annotations
 
-from anyio import CapacityLimiter
 from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -70,7 +69,7 @@ def create_app(
     ctx = ApiContext(
         auth=service.auth,
         metrics=service.metrics,
-        run=Run(CapacityLimiter(threads), per_caller=caller_threads),
+        run=Run(threads, per_caller=caller_threads),
         metrics_digest=metrics_digest(metrics_key),
         metrics_public=metrics_public,
         health=Healthz(health, degraded),
