@@ -28,7 +28,7 @@ import contextlib
 import hashlib
 import hmac
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, TypeVarTuple, cast
 
@@ -88,7 +88,9 @@ class Run:
     much again: that was ~13 % of the event loop's time under load. What anyio
     gave is kept: a call whose request is cancelled while it runs is waited for
     (its thread and its share stay taken until it ends); one cancelled before it
-    started never runs.
+    started never runs, and neither does one refused at the thread limit (the pool
+    queues a call before it starts a thread for it: the thread that takes it later
+    skips it).
     """
 
     def __init__(self, threads: int, per_caller: int | None = None) -> None:
@@ -129,47 +131,80 @@ class Run:
     async def _in_thread(self, fn: Callable[..., R], args: tuple[Any, ...]) -> R:
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[R] = loop.create_future()
+        call = _Call()
 
         def work() -> None:  # in the pool's thread
+            if not call.take():
+                return  # dropped before it started: refused, or its request cancelled
             try:
                 result = fn(*args)
             except BaseException as e:  # handed to the awaiting task
-                loop.call_soon_threadsafe(_fail, answer, e)
+                loop.call_soon_threadsafe(_settle, call, answer, None, e)
             else:
-                loop.call_soon_threadsafe(_answer, answer, result)
+                loop.call_soon_threadsafe(_settle, call, answer, result, None)
 
-        job = self._pool.submit(work)  # RuntimeError at the thread limit (problems: 507)
+        try:
+            self._pool.submit(work)
+        except RuntimeError:  # no thread could start (the thread limit: problems' 507)
+            if call.take():  # queued, but no thread of the pool took it: it never runs
+                raise
+            # a thread of the pool took it meanwhile: it runs, its answer is awaited
         self.in_pool += 1
         try:
             return await answer
         except asyncio.CancelledError:
-            if not job.cancel():  # running (or done): it cannot be stopped; wait it out
-                await _waited_out(job)
+            if not call.ended and not call.take():  # running: it cannot be stopped
+                await call.waited_out(loop)
             raise
         finally:
             self.in_pool -= 1
 
 
-def _answer(answer: asyncio.Future[R], result: R) -> None:
-    if not answer.done():  # cancelled meanwhile: no one is waiting for it
+class _Call:
+    """One call handed to the pool: who runs it (a thread, or no one) and whether it ended.
+
+    ``claim`` holds one token: the pool's thread takes it to run the call, the event
+    loop takes it to drop a call no thread started (refused, or cancelled). ``list.pop``
+    is atomic, so exactly one of them gets it.
+    """
+
+    __slots__ = ("claim", "ended", "waiter")
+
+    def __init__(self) -> None:
+        self.claim: list[None] = [None]
+        self.ended = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def take(self) -> bool:
+        try:
+            self.claim.pop()
+        except IndexError:
+            return False
+        return True
+
+    async def waited_out(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until the running call ends, whatever cancels the waiting task meanwhile."""
+        self.waiter = ended = loop.create_future()
+        while not ended.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(ended)
+
+
+def _settle(call: _Call, answer: asyncio.Future[Any], result: Any, e: BaseException | None) -> None:
+    """On the event loop: the call ended; its answer goes to the task still awaiting it."""
+    call.ended = True
+    if call.waiter is not None:
+        call.waiter.set_result(None)
+    if answer.done():  # cancelled meanwhile: no one is waiting for it
+        return
+    if e is None:
         answer.set_result(result)
-
-
-def _fail(answer: asyncio.Future[Any], e: BaseException) -> None:
-    if isinstance(e, StopIteration):  # a future refuses it (as anyio does: wrapped)
+    elif isinstance(e, StopIteration):  # a future refuses it (as anyio does: wrapped)
         wrapped = RuntimeError("a service call raised StopIteration")
         wrapped.__cause__ = e
-        e = wrapped
-    if not answer.done():
+        answer.set_exception(wrapped)
+    else:
         answer.set_exception(e)
-
-
-async def _waited_out(job: Future[None]) -> None:
-    """Wait for ``job`` to end, whatever cancels the waiting task meanwhile."""
-    ended = asyncio.wrap_future(job)
-    while not ended.done():
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(ended)
 
 
 @dataclass(frozen=True, slots=True)

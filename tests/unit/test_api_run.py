@@ -132,3 +132,25 @@ def test_a_call_cancelled_while_it_runs_is_waited_for_and_one_not_started_never_
 
     anyio.run(main)
     assert ran == ["slow"]
+
+
+def test_a_call_refused_at_the_thread_limit_never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the thread limit the pool cannot start a thread: the call is refused (REST answers
+    507, maasd.api.problems) and, although the pool had queued it, no thread runs it later."""
+    run = Run(THREADS)
+    ran: list[str] = []
+
+    def refuse(_self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async def main() -> None:
+        with monkeypatch.context() as m:
+            m.setattr(threading.Thread, "start", refuse)
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                await run(lambda: ran.append("refused"))
+        assert run.in_pool == 0
+        # a thread starts now and goes through the queue: the refused call is skipped
+        assert await run(lambda: "next") == "next"
+
+    anyio.run(main)
+    assert ran == []
