@@ -29,7 +29,7 @@ ADMIN_KEY = "maasd_admin_key_for_the_api_tests"
 ADMIN = Principal(is_admin=True)
 
 #: The use-case objects the app's handlers are given (maasd.api.dependencies); the keys
-#: (authentication, the role checks) are the guards' own, not counted.
+#: (authentication, the role checks) are the /v1 hook's and the guards' own, not counted.
 HANDED_TO_HANDLERS = ("pools", "tiers", "tenants", "reserves", "buffers", "hosts", "last_known")
 
 
@@ -68,7 +68,7 @@ class ServiceCalls:
     given (``"reserves.reserve"``), wrapping the real ones on the instances.
 
     The app is given those very objects (handlers receive them by dependency
-    injection), so a handler that runs shows up here; a guard that refuses
+    injection), so a handler that runs shows up here; a hook or guard that refuses
     before the handler leaves :attr:`counts` empty.
     """
 

@@ -5,7 +5,7 @@ How a request goes through it::
     raw path       an empty, '.' or '..' segment, or an encoded '/' → 400 problem,
                    before routing (maasd.api.paths)
     routing        unknown path → 404 problem, wrong method → 405 problem
-    guard          /v1: authenticated — a valid key (401), the route's role (403),
+    before_request /v1: authenticated — a valid key (401), the route's role (403),
                    on the event loop, before the body is read (maasd.api.auth)
     body           read (≤ 64 KiB, else 413), decoded strictly once (400, 415)
                    into the handler's ``data`` type (maasd.api.strict)
@@ -18,7 +18,6 @@ The routes live in :mod:`maasd.api.controllers`, one controller per noun.
 
 from __future__ import annotations
 
-from anyio import CapacityLimiter
 from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -70,7 +69,7 @@ def create_app(
     ctx = ApiContext(
         auth=service.auth,
         metrics=service.metrics,
-        run=Run(CapacityLimiter(threads), per_caller=caller_threads),
+        run=Run(threads, per_caller=caller_threads),
         metrics_digest=metrics_digest(metrics_key),
         metrics_public=metrics_public,
         health=Healthz(health, degraded),
@@ -78,7 +77,7 @@ def create_app(
 
     v1 = Router(
         path="/v1",
-        guards=[authenticated],
+        before_request=authenticated,
         dependencies={"call": Provide(caller, sync_to_thread=False), **use_cases(service)},
         route_handlers=[
             TopologyController,

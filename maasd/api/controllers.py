@@ -1,7 +1,7 @@
 """The routes of the REST API (docs/api.md), one controller per noun.
 
 Each handler is one use-case call in a worker thread (``call.run``) and a return.
-Who may call is decided before that, by the /v1 guard on the event loop and the
+Who may call is decided before that, by the /v1 ``before_request`` hook on the event loop and the
 role in a route's ``opt`` (:mod:`maasd.api.auth`); a body arrives decoded
 strictly as its ``data`` type (:mod:`maasd.api.strict`). A /v1 handler's one
 per-request dependency is ``call`` (:class:`~maasd.api.auth.RestCall`: the runner and

@@ -92,8 +92,9 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, old)
 
 
-async def inline(_run: Any, fn: Callable[..., Any], *args: Any) -> Any:
-    """``Run.__call__`` for profiling: the service call on the event loop's own thread."""
+async def inline(_run: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``Run._in_thread`` for profiling: the service call on the event loop's own thread
+    (every call of the app, the callers' shared ones too, goes through it)."""
     return fn(*args)
 
 
@@ -163,7 +164,7 @@ def instrument(svc: Service, clock: Clock) -> list[Any]:
         patched(
             store, "begin_reserve", clock.wrap("ledger: admit (reserving)", store.begin_reserve)
         ),
-        patched(store, "set_state", clock.wrap("ledger: go live", store.set_state)),
+        patched(store, "advance", clock.wrap("ledger: go live", store.advance)),
         patched(pool, "reserve", clock.wrap("region: create (+ prefault)", pool.reserve)),
         patched(
             reserves,
@@ -218,7 +219,7 @@ async def profile(prefault: bool, n: int, size: int) -> dict[str, float]:
     try:
         for _ in range(50):
             await pair()
-        with _entered(instrument(svc, clock)), patched(api_auth.Run, "__call__", inline):
+        with _entered(instrument(svc, clock)), patched(api_auth.Run, "_in_thread", inline):
             for _ in range(n):
                 await pair()
         out = {part: spent / n * 1e6 for part, spent in clock.spent.items()}
@@ -288,7 +289,7 @@ def main() -> None:
     edge_parts = ["auth", "decode", "response encode"]
     derived: dict[str, Callable[[dict[str, float]], float]] = {
         "service: the rest": lambda r: r["service"] - sum(r.get(p, 0.0) for p in service_parts),
-        "framework: routing, guard, DI, response": lambda r: (
+        "framework: routing, hook, DI, response": lambda r: (
             r["total"] - r["service"] - sum(r.get(p, 0.0) for p in edge_parts)
         ),
         "total (app, service inline)": lambda r: r["total"],

@@ -22,6 +22,7 @@ from litestar.testing import TestClient
 
 from inprocess_api import ADMIN_KEY, ServiceCalls, auth, client, service, snapshot
 from maasd.api.app import create_app
+from maasd.api.auth import authenticated
 from maasd.core import Service
 from maasd.settings import load
 
@@ -147,22 +148,37 @@ def test_allowed_calls_reach_the_service(
     assert {"tenants.infos", "last_known.usage", "buffers.buffer"} <= calls.counts.keys()
 
 
-def test_guards_decide_on_the_event_loop(svc: Service) -> None:
-    """litestar runs a plain-function guard in a worker thread: every guard must be a coroutine."""
+def test_every_v1_route_is_authenticated_on_the_event_loop(svc: Service) -> None:
+    """Every /v1 route runs the ``authenticated`` hook (before the body and any dependency);
+    litestar runs a plain-function hook or guard in a worker thread: each is a coroutine."""
     app = create_app(svc)
-    handlers = [h for route in app.routes for h in getattr(route, "route_handlers", [])]
-    guarded = [h for h in handlers if h.resolve_guards()]
-    assert len([h for h in guarded if "OPTIONS" not in h.http_methods]) == 26  # /v1, /metrics
-    for handler in guarded:
+    routed = [
+        (route.path, h)
+        for route in app.routes
+        for h in getattr(route, "route_handlers", [])
+        if "OPTIONS" not in h.http_methods
+    ]
+    v1 = [h for path, h in routed if path.startswith("/v1/")]
+    assert len(v1) == 25
+    for handler in v1:
+        hook = handler.resolve_before_request()
+        assert getattr(hook, "__wrapped__", hook) is authenticated, handler
+        assert inspect.iscoroutinefunction(authenticated)
+    guarded = [(path, h) for path, h in routed if h.resolve_guards()]
+    assert [path for path, _ in guarded] == ["/metrics"]
+    for _, handler in guarded:
         for guard in handler.resolve_guards():
             assert inspect.iscoroutinefunction(guard), (handler, guard)
+    outside = [h for path, h in routed if not path.startswith("/v1/")]
+    assert all(h.resolve_before_request() is None for h in outside)
 
 
 def test_one_guard_and_no_dependency_task_group_per_route(svc: Service) -> None:
     """litestar copies a route's handler for each guard it runs, and resolves a batch of
-    several independent dependencies in a task group of its own, on every request: each
-    route has one guard (the role is in its ``opt``), and its dependencies resolve one
-    at a time (the use-case objects after ``call``: maasd.api.dependencies)."""
+    several independent dependencies in a task group of its own, on every request: a
+    route has at most one guard (/v1 routes none: their role is in their ``opt``, checked
+    by the hook), and its dependencies resolve one at a time (the use-case objects after
+    ``call``: maasd.api.dependencies)."""
     app = create_app(svc)
     handlers = [h for route in app.routes for h in getattr(route, "route_handlers", [])]
     roles = {h.opt.get("role") for h in handlers}

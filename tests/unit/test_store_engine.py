@@ -43,16 +43,28 @@ def test_sqlite_pragmas(tmp_path: Any) -> None:
 
 
 def test_sqlite_write_transactions_begin_immediate(tmp_path: Any) -> None:
-    """A write transaction holds the write lock from BEGIN on: a second writer waits."""
+    """A write transaction holds the write lock from BEGIN on, before any statement of its
+    own: a second writer waits (here: fails at once). A read sends no BEGIN at all."""
+    import sqlite3
+
     s = Store(f"sqlite:///{tmp_path / 'w.db'}")
     s.upgrade()
+    other = sqlite3.connect(tmp_path / "w.db", isolation_level=None, timeout=0)
     try:
+        for durable in (True, False):
+            with (
+                s.db.writing(durable=durable),
+                pytest.raises(sqlite3.OperationalError, match="locked"),
+            ):
+                other.execute("BEGIN IMMEDIATE")  # "database is locked"
+            other.execute("BEGIN IMMEDIATE")  # released at the commit
+            other.execute("ROLLBACK")
         statements: list[str] = []
         sa.event.listen(s.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
         make_tenant(s)
-        assert statements[0] == "BEGIN IMMEDIATE"
-        statements.clear()
         s.tenants()  # a read sends no BEGIN at all
         assert not any(x.startswith("BEGIN") for x in statements)
+        assert statements  # (the listener does see the ledger's statements)
     finally:
+        other.close()
         s.dispose()
