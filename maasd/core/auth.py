@@ -35,7 +35,10 @@ close for the revoked one). ``_known`` is not emptied then: the listener's conne
 can be back before the pool's (the circuit still open, or a pooled connection the
 outage killed), and a key taken through the outage must not be refused for that. Each
 check reads the ledger first; only a check that cannot read it takes ``_known``, and a
-key the ledger no longer has leaves ``_known`` at that check.
+key the ledger no longer has leaves ``_known`` at that check. So the ledger's circuit
+closing (the pool back) moves the generation too: a connection whose key was checked
+again from ``_known`` after the listener's return, while the circuit was still open,
+would otherwise keep a key revoked during the outage for good.
 
 Why notifications and not a revocation counter polled with the reaper: a
 notification reaches every daemon within milliseconds of the commit, and
@@ -134,6 +137,7 @@ class Auth:
         #: called (outside the lock, on the revoking thread) after the generation moves
         self._watchers: list[Callable[[], None]] = []
         self._admin_digest = b""
+        store.circuit.on_up(self._ledger_back)
         #: The admin key when this process generated it (print it once), else ``None``.
         self.admin_key_generated: str | None = None
 
@@ -167,6 +171,15 @@ class Auth:
             self._trusted = trusted
             self._generation += 1
             self._cache.clear()
+
+    def _ledger_back(self) -> None:
+        # On the circuit's probe thread, once the pool reads the ledger again: a key taken
+        # from ``_known`` meanwhile (the listener may have been back first, and moved the
+        # generation while only memory could answer) is checked against the ledger again.
+        with self._lock:
+            self._generation += 1
+            watchers = list(self._watchers)
+        self._tell(watchers)
 
     def load_admin_key(self) -> None:
         """Read (or generate once) the admin key. :class:`ConfigError` for an unsafe key file."""
@@ -243,7 +256,8 @@ class Auth:
     @property
     def generation(self) -> int:
         """Bumped by every revocation this process learns of (its own, or — with several
-        daemons on one ledger — another's). A holder of an authenticated principal (a socket
+        daemons on one ledger — another's), and when the ledger is back after an outage (a
+        key taken from memory meanwhile is checked against it again). A holder of an authenticated principal (a socket
         connection) re-checks its key only when this moved: an int compare per operation."""
         return self._generation
 
@@ -261,6 +275,10 @@ class Auth:
             self._cache.clear()
             self._known.clear()
             watchers = list(self._watchers)
+        self._tell(watchers)
+
+    @staticmethod
+    def _tell(watchers: list[Callable[[], None]]) -> None:
         for callback in watchers:
             try:
                 callback()

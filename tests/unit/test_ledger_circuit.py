@@ -139,9 +139,13 @@ def store(tmp_path: Path):
 
 
 def _down(store: Store) -> Probe:
-    """Open the store's circuit with a probe that fails until the test says."""
+    """Open the store's circuit with a probe that fails until the test says (a circuit
+    of the test's own, told the same callbacks as the store's: its Auth's, say)."""
     probe = Probe()
+    callbacks = list(store.circuit._on_up)
     store.db.circuit = LedgerCircuit(probe, max_backoff_s=0.2)
+    for callback in callbacks:
+        store.circuit.on_up(callback)
     store.circuit.trip("the database cannot be reached")
     return probe
 
@@ -193,8 +197,12 @@ def test_keys_through_an_outage(store: Store, tmp_path: Path) -> None:
     assert auth.generation > generation  # every connection checks its key again
     assert auth.authenticate(tokens[2]).tenant_id == tenant  # still unreadable: taken
 
+    generation = auth.generation
     probe.up.set()
-    wait_until(lambda: store.circuit.down_since is None)
+    # the pool back (its circuit's callbacks run once it closed): a connection that took
+    # the key from memory just now checks it again
+    wait_until(lambda: auth.generation > generation)
+    assert store.circuit.down_since is None
     with pytest.raises(Unauthorized):
         auth.authenticate(tokens[2])  # the ledger read again: revoked, and forgotten here
     probe.up.clear()
