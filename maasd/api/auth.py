@@ -43,6 +43,7 @@ from maasd.models import Principal
 
 __all__ = [
     "ADMIN_ONLY",
+    "KEY_CHECKS",
     "STATE_KEY",
     "TENANT_ONLY",
     "ApiContext",
@@ -67,6 +68,12 @@ STATE_KEY = "maasd"
 ADMIN_ONLY: dict[str, Any] = {"role": "admin"}
 #: The ``opt`` of a route or controller that only a tenant key may call.
 TENANT_ONLY: dict[str, Any] = {"role": "tenant"}
+
+
+#: The caller whose share of the threads the key checks that need the ledger take: the
+#: requests are not authenticated yet, so one client sending many keys never seen (each
+#: one a ledger read, a slow one while the ledger is) must not hold every thread.
+KEY_CHECKS = "key-check"
 
 
 class Run:
@@ -236,10 +243,11 @@ class ApiContext:
         return hmac.compare_digest(_digest(token), self.metrics_digest)
 
     async def principal(self, token: str | None) -> Principal:
-        """The principal of ``token``; Unauthorized (401) for none, an unknown or revoked key."""
+        """The principal of ``token``; Unauthorized (401) for none, an unknown or revoked key.
+        A check that needs the ledger runs in the :data:`KEY_CHECKS` share of the threads."""
         who = self.auth.known_principal(token)  # the admin, or a remembered key: no I/O
         if who is None:
-            who = await self.run(self.auth.authenticate, token)
+            who = await self.run.shared(KEY_CHECKS, self.auth.authenticate, token)
         return who
 
 

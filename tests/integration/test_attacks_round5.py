@@ -8,6 +8,8 @@ healthy, another tenant is still served).
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import socket
 import struct
 import threading
@@ -15,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import sqlalchemy as sa
 from test_ledger_outage import Proxy
@@ -178,3 +181,70 @@ def test_a_socket_connection_whose_key_was_revoked_in_an_outage_is_closed_once_t
     assert d.healthy()
     other_id, other = d.tenant(name="other", quota_bytes=16 * MiB)
     assert d.client(other).post("/v1/reserve", json={"size_bytes": MiB}).status_code == 201
+
+
+# --- 2. the REST hop: a flood of key checks must not take every thread ----------------
+
+
+@pytest.fixture
+def pg_daemon(tmp_path: Path) -> Iterator[tuple[Daemon, sa.Engine]]:
+    """A daemon on a PostgreSQL ledger of its own, and an engine straight to that database."""
+    if not PG_URL:
+        pytest.skip("MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
+    with fresh_pg_database() as url:
+        env = {"MAASD_DB_URL": url, "MAASD_DB_STATEMENT_TIMEOUT_S": "60"}
+        d = Daemon(tmp_path / "maasd", env=env)
+        direct = sa.create_engine(url)
+        try:
+            d.start()
+            yield d, direct
+        finally:
+            d.close()
+            direct.dispose()
+
+
+def _lock_waiters(direct: sa.Engine) -> int:
+    with direct.connect() as conn:
+        return int(
+            conn.exec_driver_sql(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND application_name = 'maasd'"
+            ).scalar_one()
+        )
+
+
+@pytest.mark.postgres
+def test_a_flood_of_unknown_keys_does_not_take_every_rest_thread(pg_daemon) -> None:
+    """An unauthenticated client sends many requests, each with a key never seen: each
+    needs the ledger to be refused, and the ledger is slow to say (here: its keys table
+    locked by another session). Those checks are one caller's: they wait in their own
+    share of the threads, and a tenant whose key is known is served meanwhile."""
+    d, direct = pg_daemon
+    _, key = d.tenant(quota_bytes=16 * MiB)
+    tenant = d.client(key)
+    assert tenant.get("/v1/usage").status_code == 200  # its key is remembered now
+    flood = 96  # more than the daemon's REST threads (64) and than one caller's share (16)
+    answers: list[int] = []
+
+    def unknown_key() -> None:
+        headers = {"Authorization": f"Bearer maasd_{secrets.token_hex(16)}"}
+        with contextlib.suppress(httpx.HTTPError):
+            answers.append(httpx.get(f"{d.url}/v1/usage", headers=headers, timeout=90).status_code)
+
+    threads = [threading.Thread(target=unknown_key) for _ in range(flood)]
+    with direct.connect() as conn, conn.begin():
+        conn.exec_driver_sql("LOCK TABLE api_keys IN ACCESS EXCLUSIVE MODE")
+        for t in threads:
+            t.start()
+        wait_until(lambda: _lock_waiters(direct) >= 16, timeout=30, message="checks wait")
+        time.sleep(1)  # the rest of the flood arrives (a thread each, before the fix)
+        # served while every key check still waits for the lock
+        r = tenant.get("/v1/usage", timeout=20)
+        assert r.status_code == 200, r.text
+        assert _lock_waiters(direct) >= 1
+    for t in threads:
+        t.join(timeout=90)
+    assert set(answers) == {401}, sorted(set(answers))
+    assert len(answers) == flood
+    assert d.healthy()
+    assert tenant.post("/v1/reserve", json={"size_bytes": MiB}).status_code == 201
