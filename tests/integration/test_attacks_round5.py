@@ -8,9 +8,11 @@ healthy, another tenant is still served).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import secrets
 import socket
+import sqlite3
 import struct
 import threading
 import time
@@ -23,6 +25,7 @@ import sqlalchemy as sa
 from test_ledger_outage import Proxy
 
 from conftest import Daemon
+from hardening import after_attack
 from maasd.protocol import Error, Lookup
 from pgdb import PG_URL, fresh_pg_database
 from sockpeer import Raw, miss
@@ -248,3 +251,212 @@ def test_a_flood_of_unknown_keys_does_not_take_every_rest_thread(pg_daemon) -> N
     assert len(answers) == flood
     assert d.healthy()
     assert tenant.post("/v1/reserve", json={"size_bytes": MiB}).status_code == 201
+
+
+# --- 1. /v1 authentication: every route, method and path trick, refused before the body --
+
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+#: path tricks on a route's path: routed as written, or refused before routing
+VARIANTS = (
+    lambda p: p,
+    lambda p: p + "/",
+    lambda p: "/" + p,
+    lambda p: p.replace("/v1/", "/v1//", 1),
+    lambda p: p.replace("/v1/", "/%76%31/", 1),
+    lambda p: p.replace("/v1/", "/V1/", 1),
+    lambda p: p + "%2F..%2F",
+    lambda p: p + ";x=1",
+)
+#: ``opt`` roles of the routes (maasd.api.controllers): the others take any valid key
+ADMIN_ONLY = (("POST", "/v1/pools"), ("DELETE", "/v1/pools/{pool_id}"))
+TENANT_ONLY = {
+    ("GET", "/v1/usage"),
+    ("POST", "/v1/pools/{pool_id}/reserve"),
+    ("POST", "/v1/reserve"),
+    ("PATCH", "/v1/buffers/{buffer_id}/pin"),
+    ("POST", "/v1/buffers/{buffer_id}/renew"),
+    ("POST", "/v1/buffers/{buffer_id}/checkpoint"),
+    ("POST", "/v1/buffers/lookup"),
+}
+
+
+def _admin_only(method: str, template: str) -> bool:
+    rest = template.removeprefix("/v1")
+    return (method, template) in ADMIN_ONLY or rest.startswith(("/tenants", "/events", "/hosts"))
+
+
+def _valid_body(template: str) -> dict[str, object]:
+    """A body the route would take: had the hook let the request through, it would act."""
+    if template == "/v1/tenants":
+        return {"name": f"evil-{secrets.token_hex(3)}", "quota_bytes": MiB}
+    if template == "/v1/tenants/{tenant_id}":
+        return {"quota_bytes": 2 * MiB}
+    if template == "/v1/pools":
+        return {"name": f"evil-{secrets.token_hex(3)}", "numa_node": 0, "capacity_bytes": MiB}
+    if template.endswith("/reserve"):
+        return {"size_bytes": MiB}
+    if template.endswith("/renew"):
+        return {"ttl_s": 60}
+    if template.endswith("/pin"):
+        return {"numa_node": 0}
+    if template.endswith("/lookup"):
+        return {"keys": ["k"]}
+    return {}
+
+
+def _ledger(d: Daemon) -> dict[str, list[tuple[object, ...]]]:
+    """What a request could change: every row of the ledger's own tables (not the hosts'
+    heartbeats nor the batched uses)."""
+    conn = sqlite3.connect(f"file:{d.data_dir / 'maasd.db'}?mode=ro", uri=True, timeout=30)
+    try:
+        tables = ("tenants", "api_keys", "buffers", "pools", "events")
+        return {t: sorted(conn.execute(f"SELECT * FROM {t}"), key=repr) for t in tables}
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def keyed(fresh_daemon: Daemon) -> tuple[Daemon, str, dict[str, str]]:
+    """A daemon with a metrics key, a tenant with a buffer and an entry-less key, and the
+    ids to put in the routes' paths."""
+    metrics_key = "maasd-metrics-" + secrets.token_hex(16)
+    fresh_daemon.env["MAASD_METRICS_KEY"] = metrics_key
+    d = fresh_daemon.start()
+    tenant_id, key = d.tenant(quota_bytes=16 * MiB)
+    pool = d.pool(f"p-{secrets.token_hex(3)}", 8 * MiB)
+    with d.client(key) as c:
+        buffer = c.post("/v1/reserve", json={"size_bytes": MiB}).json()
+    key_id = d.admin.post(f"/v1/tenants/{tenant_id}/keys").json()["id"]
+    hosts = d.admin.get("/v1/hosts").json()
+    ids = {
+        **{k: str(hosts[0].get(k, "")) for k in ("name", "host_id", "id")},
+        "tenant_id": tenant_id,
+        "pool_id": pool["id"],
+        "buffer_id": buffer["id"],
+        "key_id": key_id,
+        "metrics_key": metrics_key,
+        "key": key,
+    }
+    return d, key, ids
+
+
+def test_no_v1_route_is_reached_without_a_valid_key_or_with_the_wrong_role(keyed) -> None:
+    d, key, ids = keyed
+    openapi = d.admin.get("/schema/openapi.json").json()
+    templates = [p for p in openapi["paths"] if p.startswith("/v1")]
+    assert len(templates) >= 15, templates
+    admin_key = d.admin.headers["authorization"].split(" ", 1)[1]
+    bad = {
+        "none": None,
+        "empty": "Bearer",
+        "unknown": f"Bearer maasd_{secrets.token_hex(16)}",
+        "basic": f"Basic {admin_key}",
+        "no-scheme": admin_key,
+        "metrics": f"Bearer {ids['metrics_key']}",
+        "tab": f"Bearer\t{admin_key}",
+    }
+    before = _ledger(d)
+    refused: collections.Counter[int] = collections.Counter()
+    with httpx.Client(base_url=d.url, timeout=30) as c:
+        for template in templates:
+            path = template.format(**ids)
+            body = _valid_body(template)
+            for method in METHODS:
+                wrong = (
+                    ("admin", f"Bearer {admin_key}")
+                    if (method, template) in TENANT_ONLY
+                    else ("tenant", f"Bearer {key}")
+                    if _admin_only(method, template)
+                    else None
+                )
+                creds = [*bad.items(), *([wrong] if wrong else [])]
+                for variant in VARIANTS:
+                    for name, auth in creds:
+                        headers = {"Authorization": auth} if auth is not None else {}
+                        r = c.request(method, variant(path), headers=headers, json=body or None)
+                        what = (method, variant(path), name, r.status_code, r.text[:200])
+                        assert r.status_code in (400, 401, 403, 404, 405), what
+                        refused[r.status_code] += 1
+    assert refused[401], refused  # the hook did refuse (not only routing)
+    assert refused[403], refused
+    assert _ledger(d) == before  # no refused request changed anything
+    after_attack(d)
+
+
+def _raw(d: Daemon, head: bytes, body: bytes = b"") -> bytes:
+    """Send a request's head (and a start of its body), then read the answer's head."""
+    host, port = d.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(head + body)
+        answer = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while b"\r\n\r\n" not in answer:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "who"),
+    [
+        ("POST", "/v1/tenants", None),
+        ("POST", "/v1/tenants", "unknown"),
+        ("POST", "/v1/tenants", "tenant"),
+        ("POST", "/v1/pools", "metrics"),
+        ("POST", "/v1/reserve", None),
+        ("POST", "/v1/reserve", "admin"),
+        ("PATCH", "/v1/tenants/{tenant_id}", "tenant"),
+        ("POST", "/v1/buffers/lookup", "unknown"),
+    ],
+)
+def test_a_refused_request_never_reads_its_body(keyed, method: str, path: str, who) -> None:
+    """The body announced (100 MB, over the 64 KiB limit; ``Expect: 100-continue``) and
+    never sent, or sent in part: the answer is the refusal (401/403), not a 413, not a
+    ``100 Continue`` (the server asks for the body only when the app reads it), and not a
+    wait for bytes that never come."""
+    d, key, ids = keyed
+    admin_key = d.admin.headers["authorization"].split(" ", 1)[1]
+    token = {
+        None: None,
+        "unknown": f"maasd_{secrets.token_hex(16)}",
+        "tenant": key,
+        "admin": admin_key,
+        "metrics": ids["metrics_key"],
+    }[who]
+    want = b" 401 " if who in (None, "unknown") else b" 403 "
+    before = _ledger(d)
+    target = path.format(**ids).encode()
+    auth = b"" if token is None else b"Authorization: Bearer " + token.encode() + b"\r\n"
+    for expect, body in ((b"Expect: 100-continue\r\n", b""), (b"", b'{"name": "evil", "quo')):
+        head = (
+            method.encode() + b" " + target + b" HTTP/1.1\r\nHost: maasd\r\n" + auth + expect
+            + b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n"
+        )  # fmt: skip
+        answer = _raw(d, head, body)
+        status_line = answer.split(b"\r\n", 1)[0]
+        assert want in status_line, answer[:300]
+        assert b"100 Continue" not in answer
+    assert _ledger(d) == before
+    after_attack(d)
+
+
+def test_huge_or_many_headers_are_refused_and_the_daemon_stays_well(keyed) -> None:
+    d, key, _ = keyed
+    before = _ledger(d)
+    for head in (
+        b"GET /v1/tenants HTTP/1.1\r\nHost: m\r\nAuthorization: Bearer " + b"a" * (1 << 20),
+        b"GET /v1/tenants HTTP/1.1\r\nHost: m\r\nAuthorization: Bearer " + b"a" * 60000 + b"\r\n\r\n",
+        b"GET /v1/usage HTTP/1.1\r\nHost: m\r\n"
+        + b"".join(b"X-%d: y\r\n" % i for i in range(5000))
+        + b"Authorization: Bearer maasd_" + secrets.token_hex(16).encode() + b"\r\n\r\n",
+        b"GET /v1/tenants HTTP/1.1\r\nHost: m\r\nAuthorization: Bearer a\r\n"
+        + b"Authorization: Bearer " + key.encode() + b"\r\n\r\n",
+    ):  # fmt: skip
+        answer = _raw(d, head)
+        status = answer.split(b"\r\n", 1)[0]
+        # refused (a 4xx), or the connection closed without an answer; never served
+        assert answer == b"" or status.split(b" ")[1].startswith(b"4"), answer[:300]
+    assert _ledger(d) == before
+    after_attack(d)
