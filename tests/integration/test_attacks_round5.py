@@ -460,3 +460,68 @@ def test_huge_or_many_headers_are_refused_and_the_daemon_stays_well(keyed) -> No
         assert answer == b"" or status.split(b" ")[1].startswith(b"4"), answer[:300]
     assert _ledger(d) == before
     after_attack(d)
+
+
+# --- 2. the REST hop: clients that leave mid-call, a share flooded past the quota -------
+
+
+def test_clients_leaving_mid_call_leave_no_half_done_reservation_nor_a_held_share(
+    keyed,
+) -> None:
+    """A tenant sends reserves and releases past its share (16) and its quota and closes
+    each connection before the answer. Each call either happened whole or not at all:
+    the quota is never exceeded, the tenant's use is its buffers' sum, the ledger is the
+    live memfds; and its share of the threads is whole again (as many calls at once as
+    before)."""
+    d, key, ids = keyed
+    quota = d.admin.get(f"/v1/tenants/{ids['tenant_id']}").json()["quota_bytes"]
+    auth = f"Authorization: Bearer {key}\r\n".encode()
+    with d.client(key) as c:
+        held = [b["id"] for b in c.get("/v1/buffers").json()]
+
+    def leave(method: str, path: str, body: bytes) -> None:
+        head = (
+            (
+                f"{method} {path} HTTP/1.1\r\nHost: maasd\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n"
+            ).encode()
+            + auth
+            + b"\r\n"
+        )
+        host, port = d.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(head + body)  # and gone, before any answer
+
+    calls = [("POST", "/v1/reserve", b'{"size_bytes": 2097152}') for _ in range(40)]
+    calls += [("DELETE", f"/v1/buffers/{bid}", b"") for bid in held]
+    threads = [threading.Thread(target=leave, args=call) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    with d.client(key) as c:
+
+        def settled() -> bool:
+            usage = c.get("/v1/usage").json()
+            buffers = c.get("/v1/buffers").json()
+            return usage["used_bytes"] == sum(b["size_bytes"] for b in buffers)
+
+        wait_until(settled, timeout=30, message="the tenant's use is its buffers' sum")
+        usage = c.get("/v1/usage").json()
+        assert usage["used_bytes"] <= quota, usage
+        # the share is whole: 16 calls at once (and more, queued) are all answered
+        answers: list[int] = []
+        readers = [
+            threading.Thread(target=lambda: answers.append(c.get("/v1/usage").status_code))
+            for _ in range(24)
+        ]
+        for t in readers:
+            t.start()
+        for t in readers:
+            t.join(timeout=60)
+        assert answers == [200] * 24
+        for b in c.get("/v1/buffers").json():
+            assert c.delete(f"/v1/buffers/{b['id']}").status_code == 204
+        assert c.get("/v1/usage").json()["used_bytes"] == 0
+    after_attack(d)
