@@ -257,8 +257,9 @@ class Auth:
     def generation(self) -> int:
         """Bumped by every revocation this process learns of (its own, or — with several
         daemons on one ledger — another's), and when the ledger is back after an outage (a
-        key taken from memory meanwhile is checked against it again). A holder of an authenticated principal (a socket
-        connection) re-checks its key only when this moved: an int compare per operation."""
+        key taken from memory meanwhile is checked against it again). A holder of an
+        authenticated principal (a socket connection) re-checks its key only when this
+        moved: an int compare per operation."""
         return self._generation
 
     def watch_revocations(self, callback: Callable[[], None]) -> None:
