@@ -49,7 +49,7 @@ from maasd.core.auth import require_tenant
 from maasd.core.handles import BufferHandle
 from maasd.core.holders import Holders
 from maasd.core.livepools import LivePool, LivePools
-from maasd.core.regions import Held, Regions
+from maasd.core.regions import HeldRegion, Regions
 from maasd.core.release import Releaser
 from maasd.core.reserve import Reserves
 from maasd.core.uses import UseBatch
@@ -252,7 +252,7 @@ class Entries:
 
     def _check_own_staged(
         self, tenant_id: str, buffer_id: str, owned: bool, what: Settle
-    ) -> Held | None:
+    ) -> HeldRegion | None:
         """The entry if it is staged and the caller's connection put it; ``None`` if the
         caller put it and it was released meanwhile (fine for an abort: it is gone).
         NotFound/StateConflict otherwise."""
@@ -319,7 +319,7 @@ class Entries:
             opened.fd, opened.buffer_id, opened.key, opened.size_bytes, opened.numa_node
         )
 
-    def durable(self, held: Held) -> bool:
+    def durable(self, held: HeldRegion) -> bool:
         """Whether the entry's ledger writes wait for the disk: unless its pool is volatile."""
         live = self._live.get(held.pool_id)
         return live is None or must_last(live.row.persistence)
@@ -330,7 +330,7 @@ class Entries:
         counter.labels(tenant=tenant_id, outcome=outcome).inc()  # type: ignore[attr-defined]
 
 
-def _copy(held: Held, live: LivePool, buffer_id: str, holders: Holders) -> Region:
+def _copy(held: HeldRegion, live: LivePool, buffer_id: str, holders: Holders) -> Region:
     """The staged bytes in a fresh, frozen region of the pool, watched from now on
     (who holds its memfd: :mod:`maasd.core.holders`)."""
     staging = held.region

@@ -65,7 +65,7 @@ from typing import Literal, NamedTuple
 from maasd.allocator import Region
 from maasd.errors import ResourceLimit
 
-__all__ = ["Counts", "Held", "Holders", "holder_pids"]
+__all__ = ["Counts", "HeldAfterRelease", "Holders", "holder_pids"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class _Watch:
     on_free: OnFree | None = None
 
 
-class Held(NamedTuple):
+class HeldAfterRelease(NamedTuple):
     """A released entry whose memory some process still holds (resident, zeroed)."""
 
     buffer_id: str
@@ -222,10 +222,11 @@ class Counts:
         """``(buffer_id, size)`` of every released entry others still hold."""
         return [(w.buffer_id, w.size) for w in self._held_watches()]
 
-    def held_by(self) -> list[Held]:
+    def held_by(self) -> list[HeldAfterRelease]:
         """Every released entry others still hold, with its tenant and pool."""
         return [
-            Held(w.buffer_id, w.tenant_id, w.pool_id, w.size, w.inode) for w in self._held_watches()
+            HeldAfterRelease(w.buffer_id, w.tenant_id, w.pool_id, w.size, w.inode)
+            for w in self._held_watches()
         ]
 
     def _held_watches(self) -> list[_Watch]:
@@ -402,7 +403,7 @@ class Holders:
         with self._lock:
             return self._counts.held()
 
-    def held_by(self) -> list[Held]:
+    def held_by(self) -> list[HeldAfterRelease]:
         """Every released entry others still hold, with its tenant, pool and size."""
         with self._lock:
             return self._counts.held_by()

@@ -20,7 +20,7 @@ from maasd.core.checkpoints import Checkpoints
 from maasd.core.holders import Holders
 from maasd.core.limits import RegionBudget, open_files_needed
 from maasd.core.livepools import LivePools
-from maasd.core.regions import Held, Regions
+from maasd.core.regions import HeldRegion, Regions
 from maasd.core.release import remove_checkpoint
 from maasd.errors import ConfigError, ResourceLimit
 from maasd.store import BufferLedger, BufferRow, must_last
@@ -124,13 +124,13 @@ class Recovery:
         remove_checkpoint(row)
         return "released"
 
-    def _held(self, row: BufferRow, region: Region) -> Held:
+    def _held(self, row: BufferRow, region: Region) -> HeldRegion:
         """A restored buffer as the runtime holds it; a committed entry watched (who holds
         its memfd: maasd.core.holders) and published under its key."""
         committed = row.committed_at is not None
         if committed:
             self._holders.watch(row.id, region.fd, region.size, row.tenant_id, row.pool_id)
-        return Held(
+        return HeldRegion(
             region,
             row.tenant_id,
             row.pool_id,

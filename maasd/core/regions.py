@@ -55,11 +55,11 @@ from maasd.core.inflight import PutsInFlight
 from maasd.core.rofds import ReadOnlyFds
 from maasd.errors import StateConflict
 
-__all__ = ["Held", "Opened", "Regions"]
+__all__ = ["HeldRegion", "Opened", "Regions"]
 
 
 @dataclass(slots=True)
-class Held:
+class HeldRegion:
     """A buffer whose region this process holds, and what handing it out needs to know.
 
     ``live`` is False until the ledger says the buffer is live (a reserve finishing, an
@@ -96,7 +96,7 @@ class Regions:
 
     def __init__(self, attachments: Attachments) -> None:
         self._lock = threading.Lock()
-        self._held: dict[str, Held] = {}
+        self._held: dict[str, HeldRegion] = {}
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
         self._by_tenant: Counter[str] = Counter()  # held regions per tenant
@@ -110,7 +110,7 @@ class Regions:
             held = self._held.get(buffer_id)
             return None if held is None else held.region
 
-    def held(self, buffer_id: str) -> Held | None:
+    def held(self, buffer_id: str) -> HeldRegion | None:
         """What this process holds for a buffer (a snapshot), or ``None``."""
         with self._lock:
             held = self._held.get(buffer_id)
@@ -128,7 +128,7 @@ class Regions:
         with self._lock:
             return list(self._held)
 
-    def hold(self, buffer_id: str, held: Held) -> None:
+    def hold(self, buffer_id: str, held: HeldRegion) -> None:
         """Hold a buffer's region; a live committed entry is indexed under its key at once."""
         with self._lock:
             if buffer_id not in self._held:
@@ -220,7 +220,7 @@ class Regions:
                     return self._open(buffer_id, held, count=buffer_id not in attached)
             return None
 
-    def _open(self, buffer_id: str, held: Held, *, count: bool = True) -> Opened | None:
+    def _open(self, buffer_id: str, held: HeldRegion, *, count: bool = True) -> Opened | None:
         """(regions lock held) open the fd and count the attachment in one step."""
         region = held.region
         if not held.live or region.closed:
@@ -240,7 +240,7 @@ class Regions:
         return stats
 
 
-def _copy(held: Held) -> Held:
-    return Held(
+def _copy(held: HeldRegion) -> HeldRegion:
+    return HeldRegion(
         held.region, held.tenant_id, held.pool_id, held.key, held.live, held.committed, held.ttl_s
     )

@@ -35,7 +35,7 @@ from maasd.core.holders import Holders
 from maasd.core.limits import RegionBudget, kernel_refusal
 from maasd.core.livepools import LivePool, LivePools
 from maasd.core.pools import Pools
-from maasd.core.regions import Held, Regions
+from maasd.core.regions import HeldRegion, Regions
 from maasd.core.release import Releaser
 from maasd.core.uses import UseBatch
 from maasd.errors import BackingError, NotFound, PoolExhausted, StateConflict
@@ -226,7 +226,9 @@ class Reserves:
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
         # The region is held before the row goes live (or its put reads its note), so that
         # whoever releases the row from then on finds its memory.
-        self._regions.hold(row.id, Held(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s))
+        self._regions.hold(
+            row.id, HeldRegion(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s)
+        )
         if state == "staged":  # a release that found no region yet left a note: no read
             if self._regions.puts.settle(row.id):
                 self._releaser.drop_region(row)
