@@ -58,7 +58,7 @@ class Entry:
 
 
 @dataclass(eq=False)
-class Slot:
+class CachedMapping:
     """One cached mapping: the read-only :class:`BufferMapping` and who uses it now."""
 
     mapping: BufferMapping
@@ -75,7 +75,7 @@ class Slot:
 
 
 #: gives a slot back to the worker that handed it out
-_Release = Callable[[Slot], None]
+_Release = Callable[[CachedMapping], None]
 
 
 class EntryMapping:
@@ -88,8 +88,8 @@ class EntryMapping:
     cache keeps the mapping for the next lookup, or unmaps it.
     """
 
-    def __init__(self, slot: Slot, release: _Release) -> None:
-        self._slot: Slot | None = slot
+    def __init__(self, slot: CachedMapping, release: _Release) -> None:
+        self._slot: CachedMapping | None = slot
         self._release = release
         self.buffer_id = slot.buffer_id
         self.key = slot.key
@@ -140,7 +140,7 @@ class MappingCache:
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
-        self._slots: collections.OrderedDict[str, Slot] = collections.OrderedDict()
+        self._slots: collections.OrderedDict[str, CachedMapping] = collections.OrderedDict()
         #: released ids not cached when the daemon said so (a lookup's answer racing the
         #: frame): a slot added for one of them is dropped when given back
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -159,7 +159,7 @@ class MappingCache:
         with self._lock:
             return sum(s.mapping.size for s in self._slots.values())
 
-    def checkout(self, buffer_id: str) -> Slot | None:
+    def checkout(self, buffer_id: str) -> CachedMapping | None:
         """The slot of ``buffer_id``, one more user counted; ``None`` if not cached."""
         with self._lock:
             slot = self._slots.get(buffer_id)
@@ -170,7 +170,7 @@ class MappingCache:
             self._slots.move_to_end(buffer_id)
             return slot
 
-    def add(self, slot: Slot) -> list[Slot]:
+    def add(self, slot: CachedMapping) -> list[CachedMapping]:
         """Cache a new slot (with its first user); returns the slots evicted for room."""
         with self._lock:
             if self._gone.pop(slot.buffer_id, 0) is None:  # released before it was added
@@ -180,14 +180,14 @@ class MappingCache:
             self._slots[slot.buffer_id] = slot
             return self._trim()
 
-    def checkin(self, slot: Slot) -> list[Slot]:
+    def checkin(self, slot: CachedMapping) -> list[CachedMapping]:
         """One user less; returns the slots to drop now (over budget, forgotten)."""
         with self._lock:
             slot.users = max(0, slot.users - 1)
             slot.last_used = time.monotonic()
             return self._trim()
 
-    def forget(self, buffer_id: str) -> list[Slot]:
+    def forget(self, buffer_id: str) -> list[CachedMapping]:
         """Drop ``buffer_id`` (now if idle, else when its last user gives it back)."""
         with self._lock:
             slot = self._slots.get(buffer_id)
@@ -212,7 +212,7 @@ class MappingCache:
             del self._slots[buffer_id]
         slot.mapping._close_local()
 
-    def forget_keys(self, keys: list[str], keep: str | None = None) -> list[Slot]:
+    def forget_keys(self, keys: list[str], keep: str | None = None) -> list[CachedMapping]:
         """Drop the slots cached under any of ``keys`` (but ``keep``, a buffer id): the
         daemon found none of them, or another entry under that key."""
         wanted = set(keys)
@@ -222,20 +222,20 @@ class MappingCache:
                     slot.forgotten = True
             return self._trim()
 
-    def expire(self, now: float | None = None) -> list[Slot]:
+    def expire(self, now: float | None = None) -> list[CachedMapping]:
         """The idle slots older than ``max_age_s`` (and any beyond the budget), removed."""
         with self._lock:
             return self._trim(time.monotonic() if now is None else now)
 
-    def clear(self) -> list[Slot]:
+    def clear(self) -> list[CachedMapping]:
         """Every slot, removed (the worker is closing)."""
         with self._lock:
             slots = list(self._slots.values())
             self._slots.clear()
             return slots
 
-    def _trim(self, now: float | None = None) -> list[Slot]:
-        gone: list[Slot] = []
+    def _trim(self, now: float | None = None) -> list[CachedMapping]:
+        gone: list[CachedMapping] = []
         idle_bytes = sum(s.mapping.size for s in self._slots.values() if s.users == 0)
         for buffer_id, slot in list(self._slots.items()):  # least recently used first
             if slot.users:

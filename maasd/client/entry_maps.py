@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from maasd import protocol
-from maasd.client.entries import EntryMapping, MappingCache, Slot
+from maasd.client.entries import CachedMapping, EntryMapping, MappingCache
 from maasd.client.mapping import BufferMapping, check_memfd_size
 
 __all__ = ["SWEEP_INTERVAL_S", "EntryMaps"]
@@ -63,7 +63,7 @@ class EntryMaps:
             os.close(fd)
             self._detach(reply.buffer_id, True)
             raise
-        slot = Slot(m, reply.key)
+        slot = CachedMapping(m, reply.key)
         self._drop(cache.add(slot))
         return EntryMapping(slot, self.give_back)
 
@@ -76,7 +76,7 @@ class EntryMaps:
         """Drop one entry (unmapped once no one uses it)."""
         self._drop(self.cache.forget(buffer_id))
 
-    def give_back(self, slot: Slot) -> None:
+    def give_back(self, slot: CachedMapping) -> None:
         """An :class:`EntryMapping` closed: one user less; unmapped if the cache says so."""
         self._drop(self.cache.checkin(slot))
 
@@ -92,7 +92,7 @@ class EntryMaps:
         and the daemon drops the attachments with the connection)."""
         return [slot.mapping for slot in self.cache.clear()]
 
-    def _drop(self, slots: list[Slot]) -> None:
+    def _drop(self, slots: list[CachedMapping]) -> None:
         """Unmap what the cache let go of; detach each unless the daemon released it."""
         for slot in slots:
             slot.mapping._close_local()

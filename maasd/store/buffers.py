@@ -52,7 +52,7 @@ from maasd.sizes import check_fits, check_size
 from maasd.store import schema
 from maasd.store.base import Repository, violation
 from maasd.store.events import buffer_event, ins_event
-from maasd.store.eviction import Candidate, Choice, choose_victims
+from maasd.store.eviction import Candidate, Victims, choose_victims
 from maasd.store.records import BufferRow
 
 __all__ = ["BufferRepo", "ReserveRepo"]
@@ -398,7 +398,7 @@ class ReserveRepo(Repository):
         return self._mark_victims(conn, choice)
 
     @staticmethod
-    def _mark_victims(conn: Connection, choice: Choice) -> list[BufferRow]:
+    def _mark_victims(conn: Connection, choice: Victims) -> list[BufferRow]:
         order = {cid: i for i, cid in enumerate(choice.ids)}
         result: Any = conn.execute(_mark_victims, {"ids": list(choice.ids)})
         marked = [BufferRow(*r) for r in result]

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal, NamedTuple
 
-__all__ = ["Candidate", "Choice", "choose_victims"]
+__all__ = ["Candidate", "Victims", "choose_victims"]
 
 
 class Candidate(NamedTuple):
@@ -42,7 +42,7 @@ class Candidate(NamedTuple):
     size_bytes: int
 
 
-class Choice(NamedTuple):
+class Victims(NamedTuple):
     """The outcome: the victims in LRU order, what they free, or which shortfall stays open.
 
     ``freed_quota``/``freed_capacity`` count the bytes the chosen victims give
@@ -64,7 +64,7 @@ def choose_victims(
     quota_short: int,
     capacity_short: int,
     count_short: int = 0,
-) -> Choice:
+) -> Victims:
     """Choose victims among ``candidates`` (least recently used first) for every shortfall.
 
     ``quota_short``/``capacity_short`` are the bytes missing and ``count_short``
@@ -92,4 +92,4 @@ def choose_victims(
     unmet: Literal["quota", "count", "capacity"] | None = (
         "quota" if need_t > 0 else "count" if need_c > 0 else "capacity" if need_p > 0 else None
     )
-    return Choice(tuple(chosen), freed_t, freed_p, unmet)
+    return Victims(tuple(chosen), freed_t, freed_p, unmet)

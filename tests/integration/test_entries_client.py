@@ -24,7 +24,7 @@ from maasd.client import (
     Worker,
 )
 from maasd.client import worker as worker_module
-from maasd.client.entries import MappingCache, Slot
+from maasd.client.entries import CachedMapping, MappingCache
 from maasd.protocol import Error
 from waiting import wait_until
 
@@ -228,8 +228,8 @@ class _FakeMapping:
         return True
 
 
-def _slot(buffer_id: str, size: int = 100, key: str = "k") -> Slot:
-    return Slot(_FakeMapping(buffer_id, size), key)  # type: ignore[arg-type]
+def _slot(buffer_id: str, size: int = 100, key: str = "k") -> CachedMapping:
+    return CachedMapping(_FakeMapping(buffer_id, size), key)  # type: ignore[arg-type]
 
 
 def test_mapping_cache_rules() -> None:

@@ -12,13 +12,13 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from maasd.store.eviction import Candidate, Choice, choose_victims
+from maasd.store.eviction import Candidate, Victims, choose_victims
 from strategies import eviction_candidates, shortfalls
 
 
 def check(
     cands: list[Candidate], quota_short: int, capacity_short: int, count_short: int = 0
-) -> Choice:
+) -> Victims:
     got = choose_victims(
         cands,
         tenant_id="t",

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from maasd.store.eviction import Candidate, Choice, choose_victims
+from maasd.store.eviction import Candidate, Victims, choose_victims
 
 
-def choose(cands: list[Candidate], quota_short: int, capacity_short: int) -> Choice:
+def choose(cands: list[Candidate], quota_short: int, capacity_short: int) -> Victims:
     return choose_victims(
         cands, tenant_id="t", pool_id="p", quota_short=quota_short, capacity_short=capacity_short
     )
@@ -24,8 +24,8 @@ def c(id: str, tenant: str, pool: str, size: int) -> Candidate:
 
 def test_nothing_short_takes_nothing_even_with_candidates() -> None:
     cands = [c("a", "t", "p", 10)]
-    assert choose(cands, 0, 0) == Choice((), 0, 0, None)
-    assert choose(cands, -5, -1) == Choice((), 0, 0, None)
+    assert choose(cands, 0, 0) == Victims((), 0, 0, None)
+    assert choose(cands, -5, -1) == Victims((), 0, 0, None)
 
 
 def test_the_candidates_are_not_even_read_when_nothing_is_short() -> None:
@@ -35,37 +35,37 @@ def test_the_candidates_are_not_even_read_when_nothing_is_short() -> None:
 
     assert choose_victims(
         unread(), tenant_id="t", pool_id="p", quota_short=0, capacity_short=-1
-    ) == Choice((), 0, 0, None)
+    ) == Victims((), 0, 0, None)
 
 
 def test_quota_shortfall_takes_the_tenants_own_in_lru_order_and_stops() -> None:
     cands = [c("a", "t", "q", 3), c("b", "u", "p", 50), c("c", "t", "p", 4), c("d", "t", "p", 9)]
     got = choose(cands, 6, 0)
-    assert got == Choice(("a", "c"), 7, 4, None)  # "b" is another tenant's; "d" is not needed
+    assert got == Victims(("a", "c"), 7, 4, None)  # "b" is another tenant's; "d" is not needed
 
 
 def test_capacity_shortfall_takes_any_tenants_in_the_pool() -> None:
     cands = [c("a", "t", "q", 30), c("b", "u", "p", 5), c("c", "t", "p", 5), c("d", "u", "p", 5)]
     got = choose(cands, 0, 10)
-    assert got == Choice(("b", "c"), 5, 10, None)  # "a" is in another pool: it frees no room
+    assert got == Victims(("b", "c"), 5, 10, None)  # "a" is in another pool: it frees no room
 
 
 def test_both_shortfalls_each_candidate_taken_for_whichever_it_helps() -> None:
     cands = [c("a", "t", "q", 5), c("b", "u", "p", 5), c("c", "t", "p", 5), c("d", "u", "q", 99)]
-    assert choose(cands, 5, 5) == Choice(("a", "b"), 5, 5, None)
+    assert choose(cands, 5, 5) == Victims(("a", "b"), 5, 5, None)
     # A candidate of both (the tenant's, in this pool) closes both at once.
-    assert choose([c("x", "t", "p", 8), *cands], 5, 5) == Choice(("x",), 8, 8, None)
+    assert choose([c("x", "t", "p", 8), *cands], 5, 5) == Victims(("x",), 8, 8, None)
 
 
 def test_a_candidate_for_a_closed_shortfall_is_skipped() -> None:
     # Quota closes after "a"; "b" (the tenant's, another pool) would only help quota: skipped.
     cands = [c("a", "t", "q", 10), c("b", "t", "q", 10), c("c", "u", "p", 10)]
-    assert choose(cands, 5, 10) == Choice(("a", "c"), 10, 10, None)
+    assert choose(cands, 5, 10) == Victims(("a", "c"), 10, 10, None)
 
 
 def test_exactly_enough_is_enough() -> None:
     cands = [c("a", "t", "p", 4), c("b", "t", "p", 4)]
-    assert choose(cands, 8, 8) == Choice(("a", "b"), 8, 8, None)
+    assert choose(cands, 8, 8) == Victims(("a", "b"), 8, 8, None)
     assert choose(cands, 9, 0).unmet == "quota"
     assert choose(cands, 0, 9).unmet == "capacity"
 
@@ -89,8 +89,8 @@ def test_unmet_shortfalls_name_themselves_and_what_could_be_freed(
 
 
 def test_no_candidates_and_a_shortfall_is_unmet() -> None:
-    assert choose([], 1, 0) == Choice((), 0, 0, "quota")
-    assert choose([], 0, 1) == Choice((), 0, 0, "capacity")
+    assert choose([], 1, 0) == Victims((), 0, 0, "quota")
+    assert choose([], 0, 1) == Victims((), 0, 0, "capacity")
 
 
 def test_a_count_shortfall_takes_the_tenants_own_one_each() -> None:
@@ -98,7 +98,7 @@ def test_a_count_shortfall_takes_the_tenants_own_one_each() -> None:
     got = choose_victims(
         cands, tenant_id="t", pool_id="p", quota_short=0, capacity_short=0, count_short=2
     )
-    assert got == Choice(("b", "c"), 2, 1, None)  # "a" is another tenant's: it frees no count
+    assert got == Victims(("b", "c"), 2, 1, None)  # "a" is another tenant's: it frees no count
 
 
 def test_a_count_shortfall_that_cannot_close_is_named() -> None:
