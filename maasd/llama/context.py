@@ -123,7 +123,7 @@ class Restore:
     state: Any = None
 
 
-class Refused(Exception):
+class NotRestorable(Exception):
     """An entry this store will not restore (the reason is the message)."""
 
 
@@ -177,7 +177,7 @@ class ContextStore:
         matched = dict((k, n) for n, k in keys).get(hit.key, 0)
         try:
             return self._restore_from(worker, hit, prompt, have, matched)
-        except Refused as why:
+        except NotRestorable as why:
             logger.warning("prefix entry %s refused: %s", hit.buffer_id, why)
             return Restore("refused", matched)
         finally:
@@ -194,9 +194,9 @@ class ContextStore:
         view = hit.array
         hdr = self._header(worker, hit, view)
         if hdr.fingerprint != self.fingerprint:
-            raise Refused(f"saved by another model or state kind ({hdr.fingerprint})")
+            raise NotRestorable(f"saved by another model or state kind ({hdr.fingerprint})")
         if matched == 0 or hdr.n_tokens < matched or common_prefix(hdr.tokens, prompt) < matched:
-            raise Refused("its tokens do not match its key")
+            raise NotRestorable("its tokens do not match its key")
         common = common_prefix(hdr.tokens, prompt)
         if common <= have:
             return Restore("not_better", matched, common)
@@ -221,7 +221,7 @@ class ContextStore:
         except HeaderError as exc:
             if not view[: len(MAGIC)].any():  # all zeros: released, scrubbed by the daemon
                 worker.forget(hit.buffer_id)
-            raise Refused(str(exc)) from exc
+            raise NotRestorable(str(exc)) from exc
 
     def _load(
         self, worker: Worker, hit: EntryMapping, view: Any, hdr: Any, common: int, n_prompt: int
@@ -229,7 +229,7 @@ class ContextStore:
         """``llama_state_set_data`` from the mapping, then the checks a load needs."""
         read = self.ctx.context_state_set(view, hdr.header_len, hdr.state_len)
         if read != hdr.state_len:
-            raise Refused(f"llama.cpp read {read} of {hdr.state_len} bytes")
+            raise NotRestorable(f"llama.cpp read {read} of {hdr.state_len} bytes")
         # An entry the daemon evicted while llama.cpp read it was scrubbed from its first
         # page: its header no longer parses (see KVStore._restore_from).
         try:
@@ -238,18 +238,18 @@ class ContextStore:
             again = None
         if again is None or again.state_crc != hdr.state_crc:
             worker.forget(hit.buffer_id)
-            raise Refused("changed while it was read (evicted?)")
+            raise NotRestorable("changed while it was read (evicted?)")
         pmin, pmax = self.ctx.seq_pos_range(0)
         if pmax != hdr.n_tokens - 1:
-            raise Refused(f"restored positions end at {pmax}, its header says {hdr.n_tokens}")
+            raise NotRestorable(f"restored positions end at {pmax}, its header says {hdr.n_tokens}")
         # Llama continues at min(common, n_prompt - 1) (it re-evaluates the last prompt
         # token when the whole prompt was restored); a sliding-window cache must still
         # hold every position that token attends to.
         n_swa, at = self.ctx.n_swa(), min(common, n_prompt - 1)
         if n_swa > 0 and pmin > max(0, at - n_swa + 1):
-            raise Refused(f"its window cache starts at {pmin}, cannot continue at {at}")
+            raise NotRestorable(f"its window cache starts at {pmin}, cannot continue at {at}")
         if common < hdr.n_tokens and not self.ctx.seq_rm(0, common, -1):
-            raise Refused(f"llama.cpp cannot trim it to {common} tokens")
+            raise NotRestorable(f"llama.cpp cannot trim it to {common} tokens")
 
     def zero_row(self) -> npt.NDArray[np.float32]:
         if self._zero_row is None:
