@@ -149,9 +149,17 @@ class Entries:
         )
         try:
             info = self._reserves.reserve(who, spec, kind="entry")
-            fd = self._writable_fd(info.id)
         except Exception as e:
             self._count(self._metrics.entry_puts, tenant_id, e)
+            raise
+        try:
+            fd = self._writable_fd(info.id)
+        except Exception as e:
+            # Reserved, but its writer never gets it (no fd: EMFILE, or released
+            # meanwhile): nobody knows its id to commit or abandon it, so it goes now —
+            # a refused put leaves no row, no memfd and no usage behind.
+            self._count(self._metrics.entry_puts, tenant_id, e)
+            self.release_staged(tenant_id, info.id, "disconnect")
             raise
         self._metrics.entry_puts.labels(tenant=tenant_id, outcome="ok").inc()
         return BufferHandle(
