@@ -329,7 +329,7 @@ def test_disk_quota_across_two_tiers_with_concurrent_writers(
     assert _usage(d, key)["disk_quota_bytes"] == 24 * MiB
     seen: list[int] = []
     stop = threading.Event()
-    errors: list[BaseException] = []
+    errors: list[str] = []
 
     def watch() -> None:
         while not stop.is_set():
