@@ -70,6 +70,7 @@ class Demotions:
         try:
             self._demote(row)
         except Exception:  # never fails the eviction: the entry is just dropped
+            self._disk.abandon(row)
             tier = self._disk.tier(row.pool_id)
             self._metrics.dropped("" if tier is None else tier.pool, "error")
             logger.exception("demoting entry %s failed", row.id)
@@ -80,6 +81,7 @@ class Demotions:
             return
         if not self._writer.reserve(row.size_bytes):
             self._metrics.dropped(tier.pool, "busy")
+            self._disk.abandon(row)
             return
         tenant = self._store.tenant(row.tenant_id)
         if tenant is not None and tenant.deleting_at is not None:
@@ -94,6 +96,7 @@ class Demotions:
 
             if self._disk.admit(tier, row, sealed, disk_quota(tenant, self._factor), queue):
                 return
+        self._disk.abandon(row)
         self._writer.cancel(row.size_bytes)
 
     def _seal(self, row: BufferRow) -> tuple[Sealed, bytes] | None:

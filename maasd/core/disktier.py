@@ -107,6 +107,10 @@ class DiskTiers:
         self._tiers: dict[str, Tier] = {}
         self._index: dict[tuple[str, str], OnDisk] = {}
         self._admission = Admission()
+        # (tenant, key) → the id of the entry whose demotion is being sealed: between
+        # worth_writing and admit (a ledger read and an encryption) the key may be put
+        # again and end, or its tenant be deleted; admit keeps only the demotion still named.
+        self._pending: dict[tuple[str, str], str] = {}
 
     # -- the tiers -------------------------------------------------------------------------
 
@@ -187,6 +191,7 @@ class DiskTiers:
         copy on disk erased."""
         with self._lock:
             self._admission.forget((tenant_id, key))
+            self._pending.pop((tenant_id, key), None)  # an older demotion of it: stale now
         self.erase_key(tenant_id, key)
 
     def erase_key(self, tenant_id: str, key: str) -> None:
@@ -200,6 +205,8 @@ class DiskTiers:
         """The tenant is deleted: every entry of it on any tier erased."""
         with self._lock:
             keys = [k for k in self._index if k[0] == tenant_id]
+            for ident in [k for k in self._pending if k[0] == tenant_id]:
+                del self._pending[ident]  # a demotion being sealed: never admitted now
         for _, key in keys:
             self.erase_key(tenant_id, key)
 
@@ -213,6 +220,7 @@ class DiskTiers:
         assert row.key is not None
         ident = (row.tenant_id, row.key)
         with self._lock:
+            self._pending.pop(ident, None)  # a newer entry of the key ended: older bytes
             tier = self._tiers.get(row.pool_id)
             if tier is None:
                 self._admission.forget(ident)
@@ -225,8 +233,18 @@ class DiskTiers:
             cold = not self._admission.evicted(ident)
             if cold:
                 self.metrics.dropped(tier.pool, "cold")
+            else:
+                self._pending[ident] = row.id
         _erase(stale)
         return None if cold else tier
+
+    def abandon(self, row: BufferRow) -> None:
+        """The demotion of ``row`` that :meth:`worth_writing` allowed stops before
+        :meth:`admit` (the writer busy, the tenant being deleted, nothing to seal)."""
+        ident = (row.tenant_id, row.key or "")
+        with self._lock:
+            if self._pending.get(ident) == row.id:
+                del self._pending[ident]
 
     def admit(
         self,
@@ -239,10 +257,14 @@ class DiskTiers:
         """Make room (pool, then the tenant's ``quota``) and index the entry, then
         ``queue(entry, victims)`` its write, still under the lock: the writes run in
         admission order, so that the victims' files are gone before a later admission's
-        bytes are written. False if it cannot be kept (larger than a limit, or demoted
-        meanwhile by another eviction)."""
+        bytes are written. False if it cannot be kept (larger than a limit, demoted
+        meanwhile by another eviction, or overtaken since :meth:`worth_writing`: its key
+        put again and ended, or its tenant deleted)."""
         size, tenant = sealed.size, row.tenant_id
         with self._lock:
+            if self._pending.get((tenant, row.key or "")) != row.id:
+                return False  # its key put again and ended, or its tenant deleted, meanwhile
+            del self._pending[(tenant, row.key or "")]
             if (tenant, row.key) in self._index:  # demoted meanwhile by another eviction
                 return False
             if size > quota or size > tier.policy.capacity:

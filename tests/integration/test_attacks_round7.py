@@ -470,10 +470,6 @@ def _promotable(tiers: DiskTiers, tenant: str, key: str) -> bytes | None:
     return bytes(out)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: DiskTiers.admit does not know the key was put again or its tenant deleted since worth_writing",
-)
 @pytest.mark.parametrize("newer_ends_by", ["delete", "eviction"])
 def test_a_demotion_overtaken_by_a_newer_entry_of_its_key(
     tmp_path: Path, newer_ends_by: str
@@ -499,10 +495,6 @@ def test_a_demotion_overtaken_by_a_newer_entry_of_its_key(
     assert tiers.tenant_usage().get("t", 0) == MiB // 256 * len(entry_files(tmp_path / "disk"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: DiskTiers.admit does not know the key was put again or its tenant deleted since worth_writing",
-)
 def test_a_demotion_overtaken_by_its_tenants_deletion(tmp_path: Path) -> None:
     """The tenant is deleted while one of its evictions is being encrypted: nothing of
     it is admitted afterwards (no file, no bytes counted)."""
