@@ -25,7 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from maasd.allocator import _sys
-from maasd.bounds import Backing
+from maasd.allocator.mapped import Mapped
 from maasd.errors import BackingError, PlacementError, PoolExhausted
 from maasd.topology import node_room
 
@@ -37,19 +37,9 @@ POPULATE_CHUNK = 16 << 20
 MIGRATE_ROUNDS = 11  # backoff 2, 4 … 1024 ms between them: ~2 s at most, for a busy writer
 
 
-class Placed(Protocol):
-    """What this module reads of a region: its file, node and the daemon's mapping of it."""
+class Placed(Mapped, Protocol):
+    """What this module reads of a region: its mapping (:class:`Mapped`) and its node."""
 
-    @property
-    def fd(self) -> int: ...
-    @property
-    def address(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def backing(self) -> Backing: ...
-    @property
-    def page_bytes(self) -> int: ...
     @property
     def node(self) -> int: ...
     def placement(self, sample: int | None = None) -> dict[int, int]: ...

@@ -23,7 +23,8 @@ import os
 from typing import Protocol, get_args
 
 from maasd.allocator import _sys
-from maasd.bounds import Backing, ScrubMode
+from maasd.allocator.mapped import Mapped
+from maasd.bounds import ScrubMode
 from maasd.errors import BackingError
 
 logger = logging.getLogger(__name__)
@@ -35,19 +36,10 @@ SCRUB_MODES: tuple[ScrubMode, ...] = get_args(ScrubMode)
 ZERO_RANGES = 64
 
 
-class Scrubbed(Protocol):
-    """What a scrub reads of a region: its file, the daemon's mapping of it, its pages."""
+class Scrubbed(Mapped, Protocol):
+    """What a scrub reads of a region: its mapping (:class:`Mapped`), and whether it is
+    frozen (sealed against writes: a punch is refused then)."""
 
-    @property
-    def fd(self) -> int: ...
-    @property
-    def address(self) -> int: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def backing(self) -> Backing: ...
-    @property
-    def page_bytes(self) -> int: ...
     @property
     def frozen(self) -> bool: ...
 

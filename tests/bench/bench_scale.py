@@ -200,19 +200,16 @@ def lookups(raw: Raw, keys: list[str]) -> tuple[list[float], int]:
     return times, missed
 
 
-def fill(run: Run, want: int, workers: int) -> float:
-    """Committed entries up to ``want`` live ones, ``workers`` connections at once
-    (round robin over the keys, so that creation follows the key order); seconds."""
-    start, n = run.made, want - run.live
+def fill_keys(socket_path: str, key: str, names: list[str], workers: int) -> float:
+    """Commit an entry under each of ``names``, ``workers`` connections at once (round
+    robin over them, so that creation follows their order); seconds."""
     errors: list[BaseException] = []
 
     def work(w_no: int) -> None:
         try:
-            with Worker(
-                run.d.socket_path, run.key, renew_interval_s=0, ttl_s=TTL_S, timeout=600
-            ) as w:
-                for i in range(start + w_no, start + n, workers):
-                    with w.entry(f"e{i}", SIZE, pool="scale") as m:
+            with Worker(socket_path, key, renew_interval_s=0, ttl_s=TTL_S, timeout=600) as w:
+                for name in names[w_no::workers]:
+                    with w.entry(name, SIZE, pool="scale") as m:
                         m.array[:8] = 1
         except BaseException as exc:
             errors.append(exc)
@@ -225,8 +222,17 @@ def fill(run: Run, want: int, workers: int) -> float:
         t.join()
     if errors:
         raise errors[0]
-    run.made, run.live = start + n, want
     return time.perf_counter() - t0
+
+
+def fill(run: Run, want: int, workers: int) -> float:
+    """Committed entries up to ``want`` live ones (:func:`fill_keys`); seconds."""
+    start, n = run.made, want - run.live
+    took = fill_keys(
+        run.d.socket_path, run.key, [f"e{i}" for i in range(start, start + n)], workers
+    )
+    run.made, run.live = start + n, want
+    return took
 
 
 def evictions(d: Daemon) -> int:

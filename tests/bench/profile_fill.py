@@ -29,15 +29,14 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_scale import SIZE, TTL_S, start_daemon
+from bench_scale import SIZE, TTL_S, fill_keys, start_daemon
+from timing import median_ms
 
 from maasd.client import Worker
 from maasd.protocol import Lookup
@@ -48,15 +47,6 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def median_ms(fn: Callable[[], None], n: int) -> float:
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def python_loop() -> None:
@@ -113,27 +103,8 @@ def split(w: Worker, prefix: str, n: int) -> tuple[list[float], list[float]]:
 
 
 def fill(socket_path: str, key: str, prefix: str, n: int, workers: int) -> float:
-    """``n`` entries by ``workers`` connections at once (as bench_scale fills); seconds."""
-    errors: list[BaseException] = []
-
-    def work(w_no: int) -> None:
-        try:
-            with Worker(socket_path, key, renew_interval_s=0, ttl_s=TTL_S, timeout=600) as w:
-                for i in range(w_no, n, workers):
-                    with w.entry(f"{prefix}{i}", SIZE, pool="scale") as m:
-                        m.array[:8] = 1
-        except BaseException as exc:
-            errors.append(exc)
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - t0
+    """``n`` entries by ``workers`` connections at once (bench_scale's fill); seconds."""
+    return fill_keys(socket_path, key, [f"{prefix}{i}" for i in range(n)], workers)
 
 
 def main() -> None:
