@@ -40,7 +40,7 @@ import socket as _socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -100,6 +100,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # maasd.core.limits) one tenant may hold at once: a quarter, so that one tenant's
     # flood of small entries leaves the others theirs. 1.0 on a host of one tenant.
     tenant_region_share: float = 0.25
+    # "auto": an idle committed entry keeps no open file, only the daemon's mapping,
+    # where the kernel lets the daemon re-open its mappings (CAP_CHECKPOINT_RESTORE or
+    # CAP_SYS_ADMIN; maasd.allocator.parking); "keep": each keeps its memfd open.
+    entry_fds: Literal["auto", "keep"] = "auto"
     checkpoint_on_shutdown: bool = True
     log_level: str = "info"
     # Bounds of the worker socket (docs/operations.md, "Worker socket limits").
@@ -220,6 +224,7 @@ ENV = {
     "MAASD_DB_STATEMENT_TIMEOUT_S": "db_statement_timeout_s",
     "MAASD_MAX_BUFFERS_PER_TENANT": "max_buffers_per_tenant",
     "MAASD_TENANT_REGION_SHARE": "tenant_region_share",
+    "MAASD_ENTRY_FDS": "entry_fds",
     "MAASD_LOG_LEVEL": "log_level",
     **{f"MAASD_{name.upper()}": name for name in SOCKET_BOUNDS},
     **{f"MAASD_{name.upper()}": name for name in HTTP_BOUNDS},

@@ -3,6 +3,7 @@
 persistent pools."""
 
 from maasd.allocator.arith import Ledger, check_size, round_up
+from maasd.allocator import parking
 from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
 from maasd.allocator.pool import MemoryPool
 from maasd.allocator.region import (
@@ -28,6 +29,7 @@ __all__ = [
     "default_page_bytes",
     "file_checksum",
     "new_memfd",
+    "parking",
     "restore",
     "round_up",
     "sync_filesystem",

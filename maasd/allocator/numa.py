@@ -111,6 +111,25 @@ def pages_by_node(region: Placed, sample: int | None = None) -> dict[int, int]:
     return _count_by_node(status)
 
 
+def verify_node(region: Placed, sample: int) -> bool:
+    """Check (by ``sample`` pages) that the region's pages are on its node; whether every
+    page asked about was present. Raises :class:`PlacementError` naming where the strays
+    are. Pages not present (never faulted, e.g. without prefault) are not strays."""
+    placed = region.placement(sample=sample)
+    stray = {n: c for n, c in placed.items() if n >= 0 and n != region.node}
+    if stray:
+        raise PlacementError(f"pages of a region bound to node {region.node} are on {stray}")
+    return all(n >= 0 for n in placed)
+
+
+def check_all_on(placed: dict[int, int], node: int) -> None:
+    """After a pin to ``node``: :class:`PlacementError` if the kernel could not move every
+    page (the measurement, not the syscall, decides)."""
+    stray = {n: c for n, c in placed.items() if n != node}
+    if stray:
+        raise PlacementError(f"after pinning to node {node}, pages remain elsewhere: {stray}")
+
+
 def check_known(node: object, known_nodes: set[int] | frozenset[int]) -> None:
     """:class:`PlacementError` unless ``node`` is one of this host's ``known_nodes``."""
     if isinstance(node, bool) or not isinstance(node, int) or node not in known_nodes:

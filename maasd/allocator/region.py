@@ -54,9 +54,9 @@ import threading
 from collections.abc import Callable
 from typing import get_args
 
-from maasd.allocator import _sys, numa
+from maasd.allocator import _sys, numa, parking
 from maasd.allocator.arith import round_up
-from maasd.allocator.scrub import SCRUB_MODES, punch_out, scrub_region
+from maasd.allocator.scrub import SCRUB_MODES, punch_out, scrub_region, zero_mapped
 from maasd.bounds import Backing, ScrubMode
 from maasd.errors import BackingError, InvalidRequest, PlacementError
 
@@ -72,10 +72,11 @@ BACKINGS: tuple[Backing, ...] = get_args(Backing)
 
 _open_lock = threading.Lock()
 _open = 0
+_open_fds = 0
 
 
 def open_regions() -> int:
-    """Regions of this process not yet closed: each holds one fd and one mapping.
+    """Regions of this process not yet closed: each holds one mapping.
 
     The daemon's budget of open files and mappings (:mod:`maasd.core.limits`)
     counts these, whoever holds them (live buffers, regions waiting to be
@@ -84,10 +85,17 @@ def open_regions() -> int:
     return _open
 
 
-def _count_open(delta: int) -> None:
-    global _open
+def open_region_fds() -> int:
+    """Regions of this process not yet closed that hold an fd: all but the parked ones
+    (:meth:`Region.park`)."""
+    return _open_fds
+
+
+def _count_open(regions: int, fds: int) -> None:
+    global _open, _open_fds
     with _open_lock:
-        _open += delta
+        _open += regions
+        _open_fds += fds
 
 
 def _huge_flag(page_bytes: int) -> int:
@@ -154,6 +162,34 @@ def _mapped_file(name: str, size: int, backing: Backing, page_bytes: int) -> tup
         raise
 
 
+def _mapped_region(
+    cls: type[Region], size: int, node: int, backing: Backing, page_bytes: int, name: str
+) -> Region:
+    """A :class:`Region` over a new memfd of ``size`` bytes and the daemon's mapping of it."""
+    fd, addr = _mapped_file(name, size, backing, page_bytes)
+    try:
+        return cls(fd, addr, size, node, backing, page_bytes, name)
+    except BaseException:
+        _sys.munmap(addr, size)
+        os.close(fd)
+        raise
+
+
+def _set_up(region: Region, seal: bool, extra_seals: int, prefault: bool) -> None:
+    """Seal, bind and (optionally) populate a region just made; closed if that fails."""
+    try:
+        region.sealed = False
+        if seal:
+            add_seals(region.fd, extra_seals)
+            region.sealed = True
+        _sys.mbind(region.address, region.size, region.node)
+        if prefault:
+            region.populate()
+    except BaseException:
+        region.close()  # once: its __del__ must not close the fd number again
+        raise
+
+
 class Region:
     """One buffer's memory. Create with :meth:`create` (``Region.create(5000, node=0)``: 8192
     bytes on node 0); thread-safe to scrub/close once."""
@@ -161,9 +197,10 @@ class Region:
     __slots__ = (
         "_addr",
         "_closed",
+        "_fd",
+        "_ino",
         "_lock",
         "backing",
-        "fd",
         "name",
         "node",
         "page_bytes",
@@ -176,7 +213,8 @@ class Region:
     def __init__(
         self, fd: int, addr: int, size: int, node: int, backing: Backing, page_bytes: int, name: str
     ) -> None:
-        self.fd = fd
+        self._fd = fd
+        self._ino = os.fstat(fd).st_ino
         self._addr = addr
         self.size = size
         self.node = node
@@ -191,7 +229,7 @@ class Region:
         self.sealed = True
         #: a sample of its pages was found on its node (:meth:`verify_node`), where they stay
         self.placed = False
-        _count_open(1)
+        _count_open(1, 1)
 
     @classmethod
     def create(
@@ -215,29 +253,10 @@ class Region:
         bad size or backing and :class:`BackingError` when the kernel refuses.
         """
         check_backing(backing)
-        if page_bytes is None:
-            page_bytes = page_bytes_of(backing)
-        size = round_up(size, page_bytes)
-        fd, addr = _mapped_file(name, size, backing, page_bytes)
-        region: Region | None = None
-        try:
-            region = cls(fd, addr, size, node, backing, page_bytes, name)
-            region.sealed = False
-            if seal:
-                region._seal(extra_seals)
-            _sys.mbind(addr, size, node)
-            if prefault:
-                region.populate()
-        except BaseException:
-            if region is not None:
-                region.close()  # once: its __del__ must not close the fd number again
-            else:
-                _sys.munmap(addr, size)
-                os.close(fd)
-            raise
+        page_bytes = page_bytes_of(backing) if page_bytes is None else page_bytes
+        region = _mapped_region(cls, round_up(size, page_bytes), node, backing, page_bytes, name)
+        _set_up(region, seal, extra_seals, prefault)
         return region
-
-    # -- memory ---------------------------------------------------------------------------
 
     def populate(self, abort: Callable[[], bool] | None = None) -> bool:
         """Fault every page in now, on the bound node, so first use costs nothing
@@ -247,12 +266,9 @@ class Region:
         return numa.populate(self, abort)
 
     def seal_at(self, size: int, extra_seals: int = 0) -> None:
-        """Truncate an unsealed (stocked) region down to ``size`` bytes, then seal it.
-
-        The tail is unmapped from the daemon and its pages freed by the truncation
-        (~6 ms per populated 64 MiB here), so the file is exactly ``size`` bytes —
-        a worker's fd covers its buffer and nothing more — before the seals of :data:`SEALS` (plus ``extra_seals``) go on.
-        """
+        """Truncate an unsealed (stocked) region down to ``size`` bytes, then seal it
+        (:data:`SEALS` plus ``extra_seals``): the tail is unmapped and its pages freed (~6 ms
+        per populated 64 MiB here), so a worker's fd covers its buffer and nothing more."""
         with self._lock:
             self._check_open()
             if self.sealed:
@@ -266,23 +282,57 @@ class Region:
                     os.ftruncate(self.fd, size)
                 except OSError as e:
                     raise BackingError(f"cutting region: {e.strerror}", e.errno) from e
-            self._seal(extra_seals)
+            add_seals(self.fd, extra_seals)
+            self.sealed = True
 
-    def _seal(self, extra_seals: int) -> None:
-        add_seals(self.fd, extra_seals)
-        self.sealed = True
+    @property
+    def fd(self) -> int:
+        """The daemon's fd of the region's memfd; :class:`BackingError` once parked."""
+        if self._fd < 0:
+            raise BackingError("a parked region has no fd (re-open it)", errno=errno.EBADF)
+        return self._fd
+
+    @property
+    def parked(self) -> bool:  # it let its fd go (park), keeping only its mapping
+        return self._fd < 0
+
+    def park(self) -> bool:
+        """Close the daemon's fd of a frozen ``memfd`` region, keeping its mapping, which
+        keeps the file (:mod:`maasd.allocator.parking`); True if it parked now. Any other
+        region, or a process that cannot re-open its mappings, keeps its fd."""
+        with self._lock:
+            if self._closed or self._fd < 0 or self.backing != "memfd" or not parking.can_park():
+                return False
+            if not self.frozen:
+                return False
+            os.close(self._fd)
+            self._fd = -1
+            _count_open(0, -1)
+            return True
+
+    def reopen(self, flags: int = os.O_RDONLY) -> int:
+        """A new fd of the region's memfd, a file description of its own opened with
+        ``flags`` (the caller closes it): through ``/proc/self/fd``, or, once parked,
+        through the mapping (:func:`~maasd.allocator.parking.open_mapped`)."""
+        with self._lock:
+            self._check_open()
+            if self._fd >= 0:
+                return os.open(f"/proc/self/fd/{self._fd}", flags | os.O_CLOEXEC)
+            return parking.open_mapped(self._addr, self.size, self._ino, flags)
 
     def read_into(self, buf: memoryview | bytearray, offset: int = 0) -> int:
-        """Copy the region's bytes from ``offset`` into ``buf`` with ``pread(2)``.
+        """Copy the region's bytes from ``offset`` into ``buf``; the number copied.
 
-        Never through the daemon's mapping: a hole a worker punched reads as zeros, and
-        nothing is allocated or faulted in (hugetlbfs has ``read`` too). How a worker-writable
-        region's bytes are read (checkpoints, a hugetlb entry's commit: :func:`copy_region`).
-        Returns the number of bytes copied: ``len(buf)``, or less at the end.
+        With ``pread(2)``, not through the mapping: a hole a worker punched reads as zeros,
+        nothing is faulted in (checkpoints, a hugetlb entry's commit: :func:`copy_region`).
+        A parked region is frozen (nothing can punch it): it is read through the mapping.
         """
         self._check_open()
         view = memoryview(buf).cast("B")[: max(0, self.size - offset)]
-        return _sys.pread_into(self.fd, view, offset)
+        if self._fd < 0:  # frozen memfd: no hole can be punched, every page reads
+            view[:] = _sys.view(self._addr, self.size)[offset : offset + len(view)]
+            return len(view)
+        return _sys.pread_into(self._fd, view, offset)
 
     @property
     def frozen(self) -> bool:
@@ -290,7 +340,9 @@ class Region:
         the daemon's own mapping (a committed entry). It cannot be punched; its scrub
         zeroes it through that mapping, where every page is present."""
         self._check_open()
-        return bool(fcntl.fcntl(self.fd, fcntl.F_GET_SEALS) & _sys.F_SEAL_FUTURE_WRITE)
+        if self._fd < 0:
+            return True  # only a frozen region parks
+        return bool(fcntl.fcntl(self._fd, fcntl.F_GET_SEALS) & _sys.F_SEAL_FUTURE_WRITE)
 
     def view(self) -> memoryview:
         """A writable view of the daemon's mapping (valid until :meth:`close`)."""
@@ -310,31 +362,17 @@ class Region:
         return numa.pages_by_node(self, sample)
 
     def verify_node(self, sample: int = 64) -> None:
-        """Check (by a sample of pages) that the region's pages are on its node.
-
-        Raises :class:`PlacementError` naming where the strays are. Pages not
-        present (never faulted, e.g. without prefault) are not strays.
-        """
-        placed = self.placement(sample=sample)
-        stray = {n: c for n, c in placed.items() if n >= 0 and n != self.node}
-        if stray:
-            raise PlacementError(f"pages of a region bound to node {self.node} are on {stray}")
-        self.placed = all(n >= 0 for n in placed)  # every page asked about was present
+        """Check a sample of pages is on the region's node (:func:`~maasd.allocator.numa.verify_node`)."""
+        self.placed = numa.verify_node(self, sample)
 
     def pin(self, node: int, known_nodes: set[int] | frozenset[int]) -> dict[int, int]:
-        """Rebind to ``node``, migrate every page there (:func:`~maasd.allocator.numa.migrate`,
-        in rounds), and return the measured placement.
-
-        Raises :class:`PlacementError` for a node not in ``known_nodes``, or when the
-        kernel could not move every page (the measurement, not the syscall, decides).
-        """
+        """Rebind to ``node``, migrate every page there and return the measured placement
+        (:func:`~maasd.allocator.numa.migrate`); :class:`PlacementError` if not all moved."""
         self._check_open()
         numa.check_known(node, known_nodes)
         placed = numa.migrate(self, node)
         self.node = node
-        stray = {n: c for n, c in placed.items() if n != node}
-        if stray:
-            raise PlacementError(f"after pinning to node {node}, pages remain elsewhere: {stray}")
+        numa.check_all_on(placed, node)
         return placed
 
     def scrub(self, mode: ScrubMode = "zero", *, punch: bool = True) -> None:
@@ -349,7 +387,10 @@ class Region:
             raise InvalidRequest(f"scrub must be one of {SCRUB_MODES}, got {mode!r}")
         with self._lock:
             self._check_open()
-            scrub_region(self, mode, punch=punch)
+            if self._fd < 0:
+                zero_mapped(self)  # frozen: zeroed through the mapping, never punched
+            else:
+                scrub_region(self, mode, punch=punch)
 
     def punch_hole(self) -> None:
         """Give the pages back to the kernel (the bytes read zero afterwards)."""
@@ -370,8 +411,9 @@ class Region:
             try:
                 _sys.munmap(self._addr, self.size)
             finally:
-                os.close(self.fd)
-                _count_open(-1)
+                if self._fd >= 0:
+                    os.close(self._fd)
+                _count_open(-1, -1 if self._fd >= 0 else 0)
             return True
 
     @property
@@ -384,14 +426,14 @@ class Region:
             self._check_open()
             if not self.sealed:
                 raise BackingError("an unsealed region never leaves the daemon", errno=errno.EPERM)
-            return os.dup(self.fd)
+            return os.dup(self.fd)  # a parked region has none: raises
 
     def _check_open(self) -> None:
         if self._closed:
             raise BackingError("region is closed", errno=errno.EBADF)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"fd={self.fd}"
+        state = "closed" if self._closed else "parked" if self._fd < 0 else f"fd={self._fd}"
         return f"<Region {self.size} bytes {self.backing} node={self.node} {state}>"
 
     def __del__(self) -> None:  # a safety net; the owner closes explicitly

@@ -118,7 +118,7 @@ class Service:
             may_grow=self.budget.room_for_stock,
         )
         self.attachments = Attachments()
-        self.regions = Regions(self.attachments)
+        self.regions = Regions(self.attachments, park=self.budget.limits.parks_entries)
         self.live = LivePools()
         self.holders = Holders()
         self.uses = UseBatch(self.store)
@@ -276,6 +276,6 @@ def _region_budget(settings: Settings, store: Store) -> RegionBudget:
     limits = settings_limits(
         settings, limits.open_files, limits.max_map_count, postgres=store.is_postgres
     )
-    if limits.region_budget < MIN_USEFUL_REGIONS:
+    if min(limits.region_budget, limits.file_budget) < MIN_USEFUL_REGIONS:
         raise ConfigError(too_few_regions(limits))
     return RegionBudget(limits)

@@ -69,7 +69,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from maasd.allocator.region import open_regions
+from maasd.allocator.parking import can_park
+from maasd.allocator.region import open_region_fds, open_regions
 from maasd.core.rofds import HOT_READ_ONLY_FDS
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ __all__ = [
     "RegionBudget",
     "kernel_refusal",
     "open_files_needed",
+    "parks_entries",
     "raise_open_files",
     "maps_needed",
     "read_limits",
@@ -137,6 +139,9 @@ class ProcessLimits:
     #: The settings the connection counts were scaled from (0: taken as they are).
     socket_setting: int = 0
     http_setting: int = 0
+    #: Idle committed entries keep no fd (:mod:`maasd.allocator.parking`): then only
+    #: the mappings bound regions, and the files bound those that hold one.
+    parks_entries: bool = False
 
     @property
     def reserved(self) -> int:
@@ -168,9 +173,12 @@ class ProcessLimits:
 
     @property
     def region_budget(self) -> int:
-        """Regions this process may hold at once."""
+        """Regions this process may hold at once (each one mapping; all but parked
+        entries one fd too, within :attr:`file_budget`)."""
         maps = self.map_budget
-        return self.file_budget if maps is None else min(self.file_budget, maps)
+        if maps is None:
+            return self.file_budget
+        return max(maps, 0) if self.parks_entries else min(self.file_budget, maps)
 
     @property
     def tenant_budget(self) -> int:
@@ -178,10 +186,15 @@ class ProcessLimits:
         return max(1, int(self.region_budget * self.tenant_share))
 
     @property
+    def tenant_file_budget(self) -> int:
+        """Regions holding an fd one tenant may hold at once: its share of :attr:`file_budget`."""
+        return max(1, int(min(self.file_budget, self.region_budget) * self.tenant_share))
+
+    @property
     def binding(self) -> str:
         """Which limit the budget comes from, as an operator would name it."""
         maps = self.map_budget
-        if maps is not None and maps < self.file_budget:
+        if maps is not None and (self.parks_entries or maps < self.file_budget):
             return f"vm.max_map_count {self.max_map_count}"
         return f"RLIMIT_NOFILE {self.open_files}"
 
@@ -227,6 +240,7 @@ def limits_for(
     ledger_files: int = 0,
     threads: int = 0,
     tenant_share: float = 1.0,
+    parks_entries: bool = False,
 ) -> ProcessLimits:
     """The limits of a daemon with these settings under these process limits (the
     connection caps lowered to their shares of ``open_files``)."""
@@ -244,6 +258,7 @@ def limits_for(
         tenant_share=tenant_share,
         socket_setting=socket_max_connections,
         http_setting=http_max_connections,
+        parks_entries=parks_entries,
     )
 
 
@@ -284,7 +299,7 @@ def too_few_regions(lim: ProcessLimits) -> str:
         else f"raise vm.max_map_count (now {lim.max_map_count})"
     )
     return (
-        f"RLIMIT_NOFILE {lim.open_files} leaves {lim.region_budget} open files for buffers "
+        f"RLIMIT_NOFILE {lim.open_files} leaves {lim.file_budget} open files for buffers "
         f"once the ledger, connections and threads have theirs ({lim.headroom}); the daemon "
         f"needs room for {MIN_USEFUL_REGIONS} at least: {fix}, or lower "
         "socket_max_connections, http_max_connections or db_max_overflow"
@@ -305,7 +320,14 @@ def settings_limits(
         ledger_files=pooled * (1 if postgres else 2),
         threads=REST_THREADS + settings.socket_slow_workers,
         tenant_share=settings.tenant_region_share,
+        parks_entries=parks_entries(settings),
     )
+
+
+def parks_entries(settings: Settings) -> bool:
+    """Whether idle committed entries let their fd go in this process: ``entry_fds``
+    ``auto`` and the kernel lets it re-open its mappings' files (:func:`can_park`)."""
+    return settings.entry_fds == "auto" and can_park()
 
 
 def maps_needed(regions: int) -> int:
@@ -371,11 +393,20 @@ class RegionBudget:
     cannot overshoot.
     """
 
-    def __init__(self, limits: ProcessLimits, held: Callable[[], int] = open_regions) -> None:
+    def __init__(
+        self,
+        limits: ProcessLimits,
+        held: Callable[[], int] = open_regions,
+        held_fds: Callable[[], int] = open_region_fds,
+    ) -> None:
         self.limits = limits
         self.budget = limits.region_budget
         self.tenant_budget = limits.tenant_budget
+        #: of the regions, those that hold an fd (all but parked entries)
+        self.file_budget = min(limits.file_budget, self.budget)
+        self.tenant_file_budget = limits.tenant_file_budget
         self._held = held
+        self._held_fds = held_fds
         self._lock = threading.Lock()
         self._in_flight = 0
         self._tenant_in_flight: Counter[str] = Counter()
@@ -384,24 +415,41 @@ class RegionBudget:
         """Regions that exist or are being created now."""
         return self._held() + self._in_flight
 
+    def held_fds(self) -> int:
+        """Of :meth:`held`, the regions that hold an fd (a region is made with one)."""
+        return self._held_fds() + self._in_flight
+
     def room_for_stock(self) -> bool:
         """Whether a pool's warm stock may make one more region: only while a quarter of
-        the budget stays free for reserves (of any pool: a stocked region serves only
-        its own)."""
-        return self.held() + 1 <= self.budget - max(1, self.budget // 4)
+        the budget (of regions, and of their fds) stays free for reserves (of any pool:
+        a stocked region serves only its own)."""
+        regions, fds = self.budget, self.file_budget
+        return self.held() + 1 <= regions - max(1, regions // 4) and (
+            self.held_fds() + 1 <= fds - max(1, fds // 4)
+        )
 
     @contextlib.contextmanager
-    def admit(self, tenant_id: str | None = None, tenant_held: int = 0) -> Iterator[None]:
-        """One region may be created inside the block; :class:`ResourceLimit` at the budget,
-        or when ``tenant_id``, holding ``tenant_held`` regions, is at its share."""
+    def admit(
+        self, tenant_id: str | None = None, tenant_held: int = 0, tenant_fds: int | None = None
+    ) -> Iterator[None]:
+        """One region may be created inside the block; :class:`ResourceLimit` at the budget
+        (of regions, or of those holding an fd), or when ``tenant_id``, holding
+        ``tenant_held`` regions (``tenant_fds`` of them with an fd), is at its share."""
         with self._lock:
             held = self._held() + self._in_flight
             if held >= self.budget:
+                raise ResourceLimit(self.describe(held))
+            if self._held_fds() + self._in_flight >= self.file_budget:
                 raise ResourceLimit(self.describe(held))
             if tenant_id is not None:
                 mine = tenant_held + self._tenant_in_flight[tenant_id]
                 if mine >= self.tenant_budget:
                     raise ResourceLimit(self.describe_share(tenant_id, mine))
+                fds = (tenant_held if tenant_fds is None else tenant_fds) + (
+                    self._tenant_in_flight[tenant_id]
+                )
+                if fds >= self.tenant_file_budget:
+                    raise ResourceLimit(self.describe_share(tenant_id, fds, files=True))
                 self._tenant_in_flight[tenant_id] += 1
             self._in_flight += 1
         try:
@@ -414,15 +462,28 @@ class RegionBudget:
                     if self._tenant_in_flight[tenant_id] <= 0:
                         del self._tenant_in_flight[tenant_id]
 
-    def describe_share(self, tenant_id: str, mine: int) -> str:
-        """The detail of a 507 at a tenant's share of the budget."""
+    def describe_share(self, tenant_id: str, mine: int, *, files: bool = False) -> str:
+        """The detail of a 507 at a tenant's share of the budget (``files``: of the regions
+        that hold an open file: buffers and entries being written)."""
+        what, budget, share = (
+            ("buffer regions holding an open file", self.file_budget, self.tenant_file_budget)
+            if files
+            else ("buffer regions", self.budget, self.tenant_budget)
+        )
         return (
-            f"tenant {tenant_id} holds {mine} buffer regions, its share of the daemon's "
-            f"budget of {self.budget} (tenant_region_share {self.limits.tenant_share:g}: "
-            f"{self.tenant_budget}; each buffer or entry takes one open file and one memory "
-            "mapping); release buffers or entries, or ask the operator to raise "
+            f"tenant {tenant_id} holds {mine} {what}, its share of the daemon's budget of "
+            f"{budget} (tenant_region_share {self.limits.tenant_share:g}: {share}; "
+            f"{self._cost()}); release buffers or entries, or ask the operator to raise "
             "tenant_region_share or LimitNOFILE"
         )
+
+    def _cost(self) -> str:
+        if self.limits.parks_entries:
+            return (
+                "each buffer or entry takes one memory mapping, and each buffer or entry "
+                "being written one open file"
+            )
+        return "each buffer or entry takes one open file and one memory mapping"
 
     def describe(self, held: int | None = None) -> str:
         """What the budget is and how much of it is taken, for a 507's detail and /healthz."""
@@ -430,11 +491,13 @@ class RegionBudget:
         lim = self.limits
         n = open_files()  # -1: not even the count could be read (no fd left for it)
         return (
-            f"the daemon holds {n if n >= 0 else 'all'} of its {lim.open_files} open files, {held} of "
-            f"them for buffers: its budget for buffers is {self.budget} (from {lim.binding}; "
-            f"each buffer takes one open file and one memory mapping, and {lim.headroom} files "
-            "are kept for the ledger and connections); release buffers, or raise the "
-            "daemon's LimitNOFILE (or lower socket_max_connections)"
+            f"the daemon holds {n if n >= 0 else 'all'} of its {lim.open_files} open files and "
+            f"{held} buffer regions ({self.held_fds()} of them with an open file): its budget "
+            f"for buffers is {self.budget} regions, {self.file_budget} of them with an open file "
+            f"(from {lim.binding}; {self._cost()}, and {lim.headroom} files are kept for the "
+            "ledger and connections); release buffers, or raise the daemon's LimitNOFILE "
+            f"{'and vm.max_map_count ' if lim.parks_entries else ''}(or lower "
+            "socket_max_connections)"
         )
 
     def health(self) -> tuple[bool, str]:

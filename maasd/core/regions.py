@@ -94,8 +94,11 @@ class Opened:
 class Regions:
     """The regions of one daemon (see the module docstring for its locks)."""
 
-    def __init__(self, attachments: Attachments) -> None:
+    def __init__(self, attachments: Attachments, *, park: bool = False) -> None:
         self._lock = threading.Lock()
+        #: committed ``memfd`` entries let their fd go (:meth:`Region.park`)
+        self._park = park
+        self._parked_by_tenant: Counter[str] = Counter()  # of those held, parked
         self._held: dict[str, HeldRegion] = {}
         self._entries: dict[tuple[str, str], str] = {}  # (tenant, key) -> committed entry
         self._busy: dict[str, threading.Lock] = {}
@@ -131,11 +134,21 @@ class Regions:
     def hold(self, buffer_id: str, held: HeldRegion) -> None:
         """Hold a buffer's region; a live committed entry is indexed under its key at once."""
         with self._lock:
-            if buffer_id not in self._held:
+            old = self._held.get(buffer_id)
+            if old is None:
                 self._by_tenant[held.tenant_id] += 1
+            elif old.region.parked and old.region is not held.region:
+                self._parked_by_tenant[old.tenant_id] -= 1
             self._held[buffer_id] = held
-            if held.live and held.committed and held.key is not None:
-                self._entries[(held.tenant_id, held.key)] = buffer_id
+            if held.live and held.committed:
+                self._park_locked(held)
+                if held.key is not None:
+                    self._entries[(held.tenant_id, held.key)] = buffer_id
+
+    def _park_locked(self, held: HeldRegion) -> None:
+        """(regions lock held) an idle committed entry keeps no fd, where the daemon may."""
+        if self._park and not held.region.parked and held.region.park():
+            self._parked_by_tenant[held.tenant_id] += 1
 
     def set_live(self, buffer_id: str) -> bool:
         """Workers may get handles to the buffer from now on; False if it is not held."""
@@ -154,6 +167,7 @@ class Regions:
             if held is None or held.live:
                 return None
             staging, held.region, held.committed, held.live = held.region, region, True, True
+            self._park_locked(held)
             if held.key is not None:
                 self._entries[(held.tenant_id, held.key)] = buffer_id
             return staging
@@ -174,6 +188,8 @@ class Regions:
                 self.puts.missing_locked(buffer_id)  # a put's, not held yet: it drops it
                 return None
             self._by_tenant[held.tenant_id] -= 1
+            if held.region.parked:
+                self._parked_by_tenant[held.tenant_id] -= 1
             self._ro.drop(buffer_id)
             if held.key is not None and self._entries.get((held.tenant_id, held.key)) == buffer_id:
                 del self._entries[(held.tenant_id, held.key)]
@@ -187,6 +203,11 @@ class Regions:
         """Regions this process holds for the tenant now (reserved, staged or committed)."""
         with self._lock:
             return self._by_tenant[tenant_id]
+
+    def tenant_region_fds(self, tenant_id: str) -> int:
+        """Of :meth:`tenant_regions`, those that hold an fd (all but parked entries)."""
+        with self._lock:
+            return self._by_tenant[tenant_id] - self._parked_by_tenant[tenant_id]
 
     def dup_fd(self, buffer_id: str) -> int | None:
         """A new fd of a held buffer's memfd (writable), or ``None`` if it is not held here."""

@@ -134,7 +134,11 @@ class Reserves:
                     # The daemon's own budget of fds and mappings first (507 resource-limit),
                     # before the ledger is asked: a region is one of each; the tenant's
                     # fair share of it too.
-                    with self._budget.admit(tenant_id, self._regions.tenant_regions(tenant_id)):
+                    with self._budget.admit(
+                        tenant_id,
+                        self._regions.tenant_regions(tenant_id),
+                        self._regions.tenant_region_fds(tenant_id),
+                    ):
                         # victims released; only bytes that really came free make room
                         row = room.admit(
                             self._store,

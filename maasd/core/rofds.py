@@ -27,10 +27,10 @@ HOT_READ_ONLY_FDS = 32
 
 
 def open_read_only(region: Region) -> int:
-    """A new ``O_RDONLY`` fd of the region's memfd: a re-open through ``/proc/self/fd``
-    (a file of its own, whose mode a worker cannot change: ``mmap(PROT_WRITE,
-    MAP_SHARED)`` of it fails)."""
-    return os.open(f"/proc/self/fd/{region.fd}", os.O_RDONLY | os.O_CLOEXEC)
+    """A new ``O_RDONLY`` fd of the region's memfd: a re-open (:meth:`Region.reopen`:
+    through ``/proc/self/fd``, or the mapping of a parked entry), a file of its own, whose
+    mode a worker cannot change: ``mmap(PROT_WRITE, MAP_SHARED)`` of it fails."""
+    return region.reopen(os.O_RDONLY)
 
 
 class ReadOnlyFds:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import fcntl
 import os
-from types import SimpleNamespace
-from typing import Any
+import pytest
 
+from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.core.rofds import ReadOnlyFds
 
 
-def memfd_region() -> Any:
-    """What ReadOnlyFds reads of a region: its memfd (``.fd``), a real one."""
-    fd = os.memfd_create("maasd-test")
-    os.ftruncate(fd, 4096)
-    return SimpleNamespace(fd=fd)
+def memfd_region(*, parked: bool = False) -> Region:
+    """A real region of one page: frozen and parked (no fd of its own) if ``parked``."""
+    if not parked:
+        return Region.create(4096, node=0, prefault=False)
+    region = Region.create(4096, node=0, extra_seals=F_SEAL_FUTURE_WRITE)
+    if not region.park():
+        pytest.skip("this process cannot re-open its mappings (maasd.allocator.parking)")
+    return region
 
 
 def read_only(fd: int) -> bool:
@@ -55,3 +58,20 @@ def test_keeping_none_reopens_every_time() -> None:
         assert len(ro) == 0
     finally:
         os.close(r.fd)
+
+
+def test_a_parked_entry_is_re_opened_read_only_through_its_mapping() -> None:
+    region = memfd_region(parked=True)
+    ro = ReadOnlyFds(keep=1)
+    try:
+        fd = ro.handle("a", region)
+        try:
+            assert read_only(fd)
+            assert os.fstat(fd).st_size == 4096
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            assert seals & F_SEAL_FUTURE_WRITE  # the same sealed file, not a copy
+        finally:
+            os.close(fd)
+    finally:
+        ro.drop("a")
+        region.close()
