@@ -2,8 +2,8 @@
 (with a warm stock of prefaulted regions), scrubbing, and checkpoint files for
 persistent pools."""
 
-from maasd.allocator.arith import Ledger, check_size, round_up
 from maasd.allocator import parking
+from maasd.allocator.arith import Ledger, check_size, round_up
 from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
 from maasd.allocator.pool import MemoryPool
 from maasd.allocator.region import (

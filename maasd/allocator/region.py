@@ -58,7 +58,7 @@ from maasd.allocator import _sys, numa, parking
 from maasd.allocator.arith import round_up
 from maasd.allocator.scrub import SCRUB_MODES, punch_out, scrub_region, zero_mapped
 from maasd.bounds import Backing, ScrubMode
-from maasd.errors import BackingError, InvalidRequest, PlacementError
+from maasd.errors import BackingError, InvalidRequest
 
 #: The seals every region carries before its fd leaves: its size is fixed, for good.
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+
 import pytest
 
 from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
