@@ -105,7 +105,7 @@ def run_checks(
             "limits",
             lambda: [
                 *check_limits(settings),
-                check_regions(
+                *check_regions(
                     settings, topology, open_files=open_files, max_map_count=max_map_count
                 ),
             ],

@@ -33,6 +33,7 @@ __all__ = [
     "BASE_TASKS",
     "Needs",
     "anyio_threads",
+    "check_entry_fds",
     "check_limits",
     "check_region_budget",
     "check_regions",
@@ -233,7 +234,14 @@ def check_region_budget(
         f"RLIMIT_NOFILE {limits.open_files}{raised}, vm.max_map_count {maps}, "
         f"{limits.headroom} files kept for the ledger, connections and threads"
     )
-    if budget < MIN_USEFUL_REGIONS:
+    files = min(limits.file_budget, budget)
+    if limits.parks_entries:
+        basis += (
+            f"; idle entries keep no open file: {files} of the regions may hold one "
+            "(buffers, entries being written)"
+        )
+    if min(budget, files) < MIN_USEFUL_REGIONS:
+        budget = min(budget, files)
         need = open_files_needed(limits)
         return Check(
             name,
@@ -254,17 +262,67 @@ def check_region_budget(
         f"binds); could need {want}: {why}"
     )
     if wanted > budget:
-        files = open_files_needed(dataclasses.replace(limits, max_map_count=None), wanted)
+        if limits.parks_entries:  # entries need mappings only; buffers keep files
+            maps_need = maps_needed(wanted)
+            fix = f"for {wanted} entries: vm.max_map_count ≥ {maps_need} (sysctl -w vm.max_map_count={maps_need})"
+        else:
+            need = open_files_needed(dataclasses.replace(limits, max_map_count=None), wanted)
+            fix = f"for {wanted} regions: LimitNOFILE ≥ {need}{_maps_fix(limits, wanted)}"
         return Check(
             name,
             "warn",
             f"below what could be asked for: {detail}; a tenant at its cap needs "
             f"{math.ceil(min(max(caps), pool_regions) / limits.tenant_share)} in all",
-            f"for {wanted} regions: LimitNOFILE ≥ {files}{_maps_fix(limits, wanted)}, or "
-            "lower the tenants' max_buffers / max_buffers_per_tenant, or raise "
+            f"{fix}, or lower the tenants' max_buffers / max_buffers_per_tenant, or raise "
             "tenant_region_share",
         )
     return Check(name, "ok", detail)
+
+
+#: Where the kernel says how many inotify watches one user may hold (one per entry).
+INOTIFY_WATCHES = "/proc/sys/fs/inotify/max_user_watches"
+
+
+def check_entry_fds(settings: Settings, regions: int) -> Check:
+    """What an idle committed entry costs this host's daemon (:mod:`maasd.allocator.parking`),
+    and whether ``fs.inotify.max_user_watches`` holds ``regions`` entries (each committed
+    entry is watched: :mod:`maasd.core.holders`)."""
+    from maasd.core.limits import parks_entries
+
+    try:
+        watches: int | None = int(Path(INOTIFY_WATCHES).read_text())
+    except (OSError, ValueError):
+        watches = None
+    if watches is not None and watches < regions:
+        return Check(
+            "entry cost",
+            "warn",
+            f"fs.inotify.max_user_watches is {watches}: the daemon watches each committed "
+            f"entry, and its budget holds {regions}; commits past it answer 507",
+            f"sysctl -w fs.inotify.max_user_watches={regions + 8192} (and in /etc/sysctl.d)",
+        )
+    watched = "" if watches is None else f"; fs.inotify.max_user_watches {watches}"
+    if parks_entries(settings):
+        return Check(
+            "entry cost",
+            "ok",
+            "an idle entry holds one mapping and no open file (re-opened through "
+            f"/proc/self/map_files: CAP_CHECKPOINT_RESTORE or CAP_SYS_ADMIN){watched}",
+        )
+    why = (
+        'entry_fds = "keep"'
+        if settings.entry_fds == "keep"
+        else "this process cannot open /proc/self/map_files (no CAP_CHECKPOINT_RESTORE)"
+    )
+    return Check(
+        "entry cost",
+        "ok" if settings.entry_fds == "keep" else "warn",
+        f"an idle entry holds one mapping and one open file: {why}{watched}",
+        ""
+        if settings.entry_fds == "keep"
+        else "grant the daemon CAP_CHECKPOINT_RESTORE (AmbientCapabilities= in the unit, "
+        "--cap-add for a container) to hold entries by mappings alone",
+    )
 
 
 def _maps_fix(limits: ProcessLimits, regions: int) -> str:
@@ -292,9 +350,10 @@ def check_regions(
     *,
     open_files: int | None = None,
     max_map_count: int | None = None,
-) -> Check:
+) -> list[Check]:
     """The region budget under this host's limits, or under ``open_files`` (a
-    ``LimitNOFILE``) and ``max_map_count`` given instead (``--nofile``, ``--max-map-count``)."""
+    ``LimitNOFILE``) and ``max_map_count`` given instead (``--nofile``, ``--max-map-count``),
+    and what an entry costs here (:func:`check_entry_fds`)."""
     from maasd.cli.doctor_ledger import ledger_tenant_caps
     from maasd.core.limits import max_map_count as read_max_map_count
     from maasd.core.limits import settings_limits
@@ -305,7 +364,7 @@ def check_regions(
     try:
         url = normalize_url(settings.database_url)
     except ConfigError as e:
-        return Check("region budget", "fail", e.detail, "fix MAASD_DB_URL / --db")
+        return [Check("region budget", "fail", e.detail, "fix MAASD_DB_URL / --db")]
     if open_files is None:
         open_files = soft if hard == resource.RLIM_INFINITY else hard
     else:
@@ -316,10 +375,13 @@ def check_regions(
         read_max_map_count() if max_map_count is None else max_map_count,
         postgres=url.get_backend_name() == "postgresql",
     )
-    return check_region_budget(
-        limits,
-        settings.max_buffers_per_tenant,
-        ledger_tenant_caps(url),
-        _pool_regions(settings, topology),
-        soft_now=soft,
-    )
+    return [
+        check_region_budget(
+            limits,
+            settings.max_buffers_per_tenant,
+            ledger_tenant_caps(url),
+            _pool_regions(settings, topology),
+            soft_now=soft,
+        ),
+        check_entry_fds(settings, limits.region_budget),
+    ]

@@ -194,7 +194,12 @@ class ProcessLimits:
     def binding(self) -> str:
         """Which limit the budget comes from, as an operator would name it."""
         maps = self.map_budget
-        if maps is not None and (self.parks_entries or maps < self.file_budget):
+        if maps is not None and self.parks_entries:
+            return (
+                f"vm.max_map_count {self.max_map_count} for regions, "
+                f"RLIMIT_NOFILE {self.open_files} for those with an open file"
+            )
+        if maps is not None and maps < self.file_budget:
             return f"vm.max_map_count {self.max_map_count}"
         return f"RLIMIT_NOFILE {self.open_files}"
 

@@ -2,8 +2,9 @@
 
     .venv/bin/python tests/bench/bench_scale.py [--steps 1000,10000] [--ops 300]
     sudo .venv/bin/python tests/bench/bench_scale.py --steps 1000,10000,100000 --raise-limits
-    # where root may not raise RLIMIT_NOFILE (no CAP_SYS_RESOURCE): in the QEMU guest,
-    # real root with every capability (docs/performance.md, "Many entries on one daemon")
+    # where the daemon cannot park idle entries' fds (no CAP_CHECKPOINT_RESTORE) and root
+    # may not raise RLIMIT_NOFILE (no CAP_SYS_RESOURCE): in the QEMU guest, real root
+    # with every capability (docs/performance.md, "Many entries on one daemon")
     scripts/numa-guest --node-mem 3G --timeout 10800 -- \\
         .venv/bin/python tests/bench/bench_scale.py --steps 1000,10000,100000 --raise-limits
 
@@ -31,11 +32,12 @@ and at the end the shutdown (every persistent entry checkpointed) and the restar
 to ``/healthz`` 200 (every entry restored from its checkpoint), then a lookup of a
 sample of them.
 
-The daemon's ``RLIMIT_NOFILE`` and the host's ``vm.max_map_count`` bound the entries
-(docs/operations.md, "Sizing a host"). ``--raise-limits`` (root) starts the daemon
-under ``prlimit`` with the ``LimitNOFILE`` ``maasd doctor`` names for the largest
-step (``fs.nr_open`` raised first if it is lower) and raises ``vm.max_map_count``
-for the run if it is lower (each restored after). CI never runs this.
+The host's ``vm.max_map_count`` bounds the entries, and the daemon's ``RLIMIT_NOFILE``
+too where idle entries keep their fd (docs/operations.md, "Sizing a host").
+``--raise-limits`` (root) raises ``vm.max_map_count`` and ``fs.inotify.max_user_watches``
+for the run if they are lower, and, only where entries keep their fd, starts the daemon
+under ``prlimit`` with the ``LimitNOFILE`` ``maasd doctor`` names for the largest step
+(``fs.nr_open`` raised first if it is lower); each restored after. CI never runs this.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ MANY = 16
 TTL_S = 7 * 24 * 3600
 MAP_COUNT = "/proc/sys/vm/max_map_count"
 NR_OPEN = "/proc/sys/fs/nr_open"
+INOTIFY_WATCHES = "/proc/sys/fs/inotify/max_user_watches"
 
 
 def proc_counts(pid: int) -> tuple[int, int, int]:
@@ -390,21 +393,28 @@ def run_bench(
 ) -> None:
     top = steps[-1] + 4 * ops * len(steps) + 64
     settings = Settings(tenant_region_share=1.0)
-    need = open_files_needed(settings_limits(settings, 0, None, postgres=False), top) or 0
+    limits = settings_limits(settings, 0, None, postgres=False)
+    # Idle entries that keep no fd (maasd.allocator.parking) need mappings only: the
+    # inherited RLIMIT_NOFILE serves; else LimitNOFILE must hold every entry.
+    need = 0 if limits.parks_entries else open_files_needed(limits, top) or 0
     files = max(nofile, need)
-    wrapper = ["prlimit", f"--nofile={files}:{files}", "--"] if raise_limits else []
+    prlimit = raise_limits and files > 0
+    wrapper = ["prlimit", f"--nofile={files}:{files}", "--"] if prlimit else []
     with contextlib.ExitStack() as stack:
         if raise_limits:
-            stack.enter_context(sysctl_at_least(NR_OPEN, files))
+            if prlimit:
+                stack.enter_context(sysctl_at_least(NR_OPEN, files))
             stack.enter_context(sysctl_at_least(MAP_COUNT, max(map_count, maps_needed(top))))
+            stack.enter_context(sysctl_at_least(INOTIFY_WATCHES, top + 8192))
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="maasd-scale-")))
         run = start_daemon(tmp / "d", top, wrapper, stack)
         low = start_daemon(tmp / "floor", steps[0] + 4 * ops * len(steps) + 64, [], stack)
         d = run.d
         budget = int(d.metric("maasd_buffer_region_budget"))
         print(
-            f"LimitNOFILE {files if raise_limits else 'as inherited'}, vm.max_map_count "
-            f"{Path(MAP_COUNT).read_text().strip()}: the daemon's region budget {budget:,}; "
+            f"LimitNOFILE {files if prlimit else 'as inherited'}, vm.max_map_count "
+            f"{Path(MAP_COUNT).read_text().strip()}: the daemon's region budget {budget:,} "
+            f"(idle entries {'keep no fd' if limits.parks_entries else 'keep one fd each'}); "
             f"{os.cpu_count()} CPUs; {SIZE} B entries; {ops} ops per cell; filled by "
             f"{workers} connections",
             flush=True,
