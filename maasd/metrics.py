@@ -98,14 +98,16 @@ class RuntimeCollector(Collector):
 
     ``released_attached`` gives ``(tenant, kind, size_bytes, handles)`` of the buffers
     released while workers still had handles attached (a handle can fault fresh pages
-    in after the scrub: memory no quota counts); ``regions`` gives ``(held, budget)``
-    of the daemon's buffer regions (each one open file and one mapping).
+    in after the scrub: memory no quota counts); ``regions`` gives ``(held, budget,
+    held_fds, file_budget)`` of the daemon's buffer regions (each one mapping) and of
+    those that hold an open file (all but idle entries, where they park:
+    :mod:`maasd.allocator.parking`).
     """
 
     def __init__(
         self,
         released_attached: Callable[[], Iterable[tuple[str, str, int, int]]],
-        regions: Callable[[], tuple[int, int]],
+        regions: Callable[[], tuple[int, int, int, int]],
     ) -> None:
         self._released_attached = released_attached
         self._regions = regions
@@ -135,9 +137,9 @@ class RuntimeCollector(Collector):
             nbuf.add_metric([tenant, kind], count)
             nbytes.add_metric([tenant, kind], size)
             handles.add_metric([tenant, kind], n)
-        held, budget = self._regions()
+        held, budget, held_fds, file_budget = self._regions()
         regions = GaugeMetricFamily(
-            "maasd_buffer_regions", "Buffer regions the daemon holds (one fd and one mapping each)"
+            "maasd_buffer_regions", "Buffer regions the daemon holds (one mapping each)"
         )
         regions.add_metric([], held)
         cap = GaugeMetricFamily(
@@ -145,7 +147,17 @@ class RuntimeCollector(Collector):
             "Buffer regions the daemon may hold at once (from RLIMIT_NOFILE and vm.max_map_count)",
         )
         cap.add_metric([], budget)
-        yield from (nbuf, nbytes, handles, regions, cap)
+        fds = GaugeMetricFamily(
+            "maasd_buffer_region_fds",
+            "Of the buffer regions, those holding an open file (idle entries may hold none)",
+        )
+        fds.add_metric([], held_fds)
+        fd_cap = GaugeMetricFamily(
+            "maasd_buffer_region_fd_budget",
+            "Buffer regions holding an open file the daemon may have at once (RLIMIT_NOFILE)",
+        )
+        fd_cap.add_metric([], file_budget)
+        yield from (nbuf, nbytes, handles, regions, cap, fds, fd_cap)
 
 
 class PlacementCollector(Collector):

@@ -248,7 +248,13 @@ def _attach_collectors(svc: Service) -> None:
     svc.metrics.registry.register(HotPathCollector())
     svc.metrics.attach_runtime(
         RuntimeCollector(
-            svc.attachments.released_attached, lambda: (svc.budget.held(), svc.budget.budget)
+            svc.attachments.released_attached,
+            lambda: (
+                svc.budget.held(),
+                svc.budget.budget,
+                svc.budget.held_fds(),
+                svc.budget.file_budget,
+            ),
         )
     )
     holders = svc.holders

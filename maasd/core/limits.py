@@ -1,11 +1,14 @@
 """The daemon's own limits: open files and memory mappings, and what a buffer may take of them.
 
-What a region costs the daemon, in every state, is one open file (its memfd)
-and one mapping (the daemon's writable one: ``F_SEAL_FUTURE_WRITE`` forbids
-every later writable mapping, and the scrub at release writes through it):
-staged or committed, live, released and waiting to be reclaimed, in a pool's
-warm stock, or filled from the L2 tier. A committed entry keeps no second fd
-(a lookup re-opens its memfd read-only for the reply: :mod:`maasd.core.regions`);
+What a region costs the daemon, in every state, is one mapping (the daemon's
+writable one: ``F_SEAL_FUTURE_WRITE`` forbids every later writable mapping, and
+the scrub at release writes through it) and one open file (its memfd): staged or
+committed, live, released and waiting to be reclaimed, in a pool's warm stock, or
+filled from the L2 tier — except an idle committed entry where the daemon may
+re-open its mappings' files: it *parks*, closing its fd (:mod:`maasd.allocator.parking`;
+``parks_entries``). So two budgets: of regions (mappings), and of regions holding an
+fd. A committed entry keeps no second fd (a lookup re-opens its memfd read-only
+for the reply: :mod:`maasd.core.regions`);
 the fd a reply carries, a checkpoint file being written or read, the fresh copy
 of a commit are transient, bounded by the connections and threads, and kept in
 the headroom below, as are the read-only fds kept for the hottest entries
@@ -40,9 +43,10 @@ file (the REST API's 64 service threads and ``socket_slow_workers``)::
                                                  the one reply held for it, per thread
                                                  a checkpoint file and a commit's copy
     headroom      = max(reserved, M // 4)        fds for everything but regions
-    region_budget = min(M - headroom,            regions held at once
-                        P - max(1024, P // 8))
-    tenant share  = max(1, region_budget × tenant_region_share)
+    file_budget   = M - headroom                 regions holding an fd at once
+    region_budget = P - max(1024, P // 8)        regions held at once, entries parking
+                  = min(file_budget, P - max(1024, P // 8))     else
+    tenant share  = max(1, region_budget × tenant_region_share), and of file_budget
 
 A socket connection has at most one fd in flight too (sent, not yet read by its
 peer: :mod:`maasd.broker.inflight`), which the kernel counts against the same
@@ -50,7 +54,8 @@ peer: :mod:`maasd.broker.inflight`), which the kernel counts against the same
 (:attr:`ProcessLimits.fds_in_flight`), inside the headroom whenever the budget is not 0.
 
 With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``, ``T = 68``) and
-``M = 20000``: 15,000 regions, 3,750 per tenant. With ``M = 524288`` (systemd's
+``M = 20000``: 15,000 regions holding an fd, 3,750 per tenant; where entries park,
+57,339 regions in all (``P = 65530``), 14,334 per tenant. With ``M = 524288`` (systemd's
 default hard limit) and ``P = 65530`` the mappings bind: 57,339. With ``M =
 1024``: ``S = 128``, 88 regions. Below :data:`MIN_USEFUL_REGIONS` the daemon
 refuses to start, naming the ``LimitNOFILE`` it needs (:func:`open_files_needed`).

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from maasd.allocator import parking
 from maasd.cli.doctor import needs
 from maasd.settings import Settings
 from maasd.store import Store
@@ -205,8 +206,13 @@ def test_the_region_budget_is_weighed_against_the_ledgers_tenants(tmp_path: Path
 
     # M = 4096 (the hard limit serve raises to), 64 socket connections: 3000 regions
     # (docs/operations.md, "Limits"), unless vm.max_map_count binds first; a tenant's
-    # share (a quarter) holds its cap of 700.
-    env = {"MAASD_SOCKET_MAX_CONNECTIONS": "64", "MAASD_MAX_BUFFERS_PER_TENANT": "700"}
+    # share (a quarter) holds its cap of 700. Idle entries keep their fd here (where
+    # they park, the mappings alone bind them: the next test).
+    env = {
+        "MAASD_SOCKET_MAX_CONNECTIONS": "64",
+        "MAASD_MAX_BUFFERS_PER_TENANT": "700",
+        "MAASD_ENTRY_FDS": "keep",
+    }
     _, checks, _ = doctor(tmp_path, env=env, preexec=files_4096)
     c = checks["region budget"]
     assert c["status"] == "ok", c
@@ -228,6 +234,26 @@ def test_the_region_budget_is_weighed_against_the_ledgers_tenants(tmp_path: Path
     assert c["status"] == "warn", c
     assert f"could need {tenants * 700}: {tenants} tenant(s) at their caps" in c["detail"]
     assert "max_buffers_per_tenant" in c["fix"]
+
+
+def test_doctor_says_what_an_idle_entry_costs_and_which_limit_binds(tmp_path: Path) -> None:
+    def files_4096() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 4096))
+
+    _, checks, _ = doctor(tmp_path, env={"MAASD_ENTRY_FDS": "keep"}, preexec=files_4096)
+    assert checks["entry cost"]["status"] == "ok"
+    assert "one mapping and one open file: entry_fds" in checks["entry cost"]["detail"]
+    if not parking.can_park():
+        return
+    _, checks, _ = doctor(tmp_path, preexec=files_4096)
+    c = checks["entry cost"]
+    assert c["status"] == "ok", c
+    assert "one mapping and no open file" in c["detail"]
+    budget = checks["region budget"]
+    assert "idle entries keep no open file" in budget["detail"]
+    assert "for regions, RLIMIT_NOFILE 4096 for those with an open file binds" in budget["detail"]
+    regions = int(budget["detail"].split(" entries or buffers")[0])
+    assert regions > 4096  # more entries than open files
 
 
 def test_no_huge_pages_for_a_hugetlb_pool_fails(tmp_path: Path) -> None:

@@ -211,3 +211,44 @@ def test_a_tenant_stops_at_its_share_and_others_are_admitted() -> None:
     held[0] = 100  # the whole budget: everyone is refused, with the budget's own detail
     with pytest.raises(ResourceLimit, match="budget for buffers is 100"):
         budget.admit("c", 0).__enter__()
+
+
+def test_where_entries_park_the_mappings_bound_regions_and_the_files_those_with_an_fd() -> None:
+    keep = limits_for(20000, 65530, **DEFAULTS)  # type: ignore[arg-type]
+    park = limits_for(20000, 65530, **DEFAULTS, parks_entries=True)  # type: ignore[arg-type]
+    assert (keep.region_budget, keep.file_budget) == (15000, 15000)
+    assert (park.region_budget, park.file_budget) == (57339, 15000)
+    assert (park.tenant_budget, park.tenant_file_budget) == (14334, 3750)
+    assert (keep.tenant_budget, keep.tenant_file_budget) == (3750, 3750)
+    assert park.binding == (
+        "vm.max_map_count 65530 for regions, RLIMIT_NOFILE 20000 for those with an open file"
+    )
+    # no known mapping limit: nothing to park into beyond the files
+    assert limits_for(20000, None, parks_entries=True).region_budget == 15000
+
+
+def test_admission_needs_room_in_both_budgets_and_in_both_shares() -> None:
+    lim = limits_for(4096, 65530, **DEFAULTS, parks_entries=True)  # type: ignore[arg-type]
+    regions, fds = [0], [0]
+    budget = RegionBudget(lim, held=lambda: regions[0], held_fds=lambda: fds[0])
+    assert (budget.budget, budget.file_budget) == (lim.region_budget, lim.file_budget)
+    regions[0] = lim.file_budget + 5000  # parked entries past the files budget: fine
+    fds[0] = lim.file_budget - 1
+    with budget.admit():
+        pass
+    fds[0] = lim.file_budget  # every fd slot taken by buffers and staged entries
+    with pytest.raises(ResourceLimit, match="with an open file"), budget.admit():
+        pass
+    fds[0] = 0
+    regions[0] = lim.region_budget  # every mapping slot taken
+    with pytest.raises(ResourceLimit, match="buffer regions"), budget.admit():
+        pass
+    regions[0] = 0
+    share = lim.tenant_file_budget
+    with budget.admit("t", tenant_held=share + 100, tenant_fds=share - 1):  # parked beyond
+        pass
+    with pytest.raises(ResourceLimit, match="holding an open file"):
+        budget.admit("t", tenant_held=share + 100, tenant_fds=share).__enter__()
+    with pytest.raises(ResourceLimit, match="its share"):
+        budget.admit("t", tenant_held=lim.tenant_budget, tenant_fds=0).__enter__()
+    assert budget.held() == 0  # refusals took no slot
