@@ -1,7 +1,8 @@
 """``maasd doctor``'s ledger check, and what the other checks read from the ledger.
 
-The ledger is read through the daemon's own store (:class:`maasd.store.Store`: its URL
-rules, its engine, its queries) and the schema's heads through the daemon's own Alembic
+The ledger is read through the daemon's own store (:class:`maasd.store.Store`, or the
+one repository a check reads over a :class:`maasd.store.Database`: its URL rules, its
+engine, its queries) and the schema's heads through the daemon's own Alembic
 configuration (:func:`maasd.store.engine.alembic_config`). Nothing is created or
 migrated: a SQLite file that does not exist yet is left so.
 """
