@@ -57,7 +57,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Store]:
 def make_pool(
     store: Store, name: str = "node0", capacity: int = 10_000, host: str = HOST
 ) -> PoolRow:
-    return store.add_pool(
+    return store.pools.add_pool(
         PoolRow(
             id=new_id(),
             host=host,
@@ -77,7 +77,7 @@ def make_pool(
 
 
 def make_tenant(store: Store, name: str = "acme", quota: int = 10_000) -> TenantRow:
-    return store.add_tenant(new_id(), name, quota, NOW)
+    return store.tenants.add_tenant(new_id(), name, quota, NOW)
 
 
 _clock = iter(range(1, 10**9))
@@ -113,26 +113,26 @@ def buf(
 
 def reserve_live(store: Store, row: BufferRow) -> BufferRow:
     """What the service does: admit, (allocate), go live; finish any victims."""
-    for victim in store.begin_reserve(row):
-        store.finish_release(victim.id, "evict", record=False)
-    store.set_state(row.id, "live")
-    got = store.buffer(row.id)
+    for victim in store.reserves.begin_reserve(row):
+        store.reserves.finish_release(victim.id, "evict", record=False)
+    store.buffers.set_state(row.id, "live")
+    got = store.buffers.buffer(row.id)
     assert got is not None
     return got
 
 
 def state_of(store: Store, buffer_id: str) -> str | None:
     """The buffer's state in the ledger, ``None`` when it has no row."""
-    row = store.buffer(buffer_id)
+    row = store.buffers.buffer(buffer_id)
     return None if row is None else row.state
 
 
 def snapshot(store: Store) -> tuple[Any, ...]:
     return (
-        msgspec.to_builtins(store.buffers(states=None)),
-        msgspec.to_builtins(store.tenants()),
-        store.usage_by_pool(HOST),
-        len(store.events(10_000)),
+        msgspec.to_builtins(store.buffers.buffers(states=None)),
+        msgspec.to_builtins(store.tenants.tenants()),
+        store.pools.usage_by_pool(HOST),
+        len(store.events.events(10_000)),
     )
 
 

@@ -1,7 +1,8 @@
 """``maasd doctor``'s ledger check, and what the other checks read from the ledger.
 
-The ledger is read through the daemon's own store (:class:`maasd.store.Store`: its URL
-rules, its engine, its queries) and the schema's heads through the daemon's own Alembic
+The ledger is read through the daemon's own store (:class:`maasd.store.Store`, or the
+one repository a check reads over a :class:`maasd.store.Database`: its URL rules, its
+engine, its queries) and the schema's heads through the daemon's own Alembic
 configuration (:func:`maasd.store.engine.alembic_config`). Nothing is created or
 migrated: a SQLite file that does not exist yet is left so.
 """
@@ -23,22 +24,22 @@ __all__ = ["check_ledger", "ledger_tenant_caps"]
 
 def ledger_tenant_caps(url: URL) -> list[int | None] | None:
     """The ``max_buffers`` of every tenant in the ledger not being deleted (``None``: the
-    daemon's default), as :meth:`maasd.store.Store.tenants` reads them for ``GET
+    daemon's default), as :meth:`maasd.store.TenantRepo.tenants` reads them for ``GET
     /v1/tenants``; ``None`` when there is no ledger to read (not created, unreachable, not
     migrated yet)."""
     import sqlalchemy as sa
 
-    from maasd.store import Store
+    from maasd.store import Database, TenantRepo
 
     if url.get_backend_name() == "sqlite" and (not url.database or not Path(url.database).exists()):
         return None
-    store = Store(url, pool_size=1, max_overflow=0, connect_timeout_s=5.0)
+    db = Database(url, pool_size=1, max_overflow=0, connect_timeout_s=5.0)
     try:
-        rows = store.tenants()
+        rows = TenantRepo(db).tenants()  # the one aggregate it reads: no whole store
     except (sa.exc.SQLAlchemyError, MaasdError):
         return None
     finally:
-        store.dispose()
+        db.dispose()
     return [t.max_buffers for t in rows if t.deleting_at is None]
 
 

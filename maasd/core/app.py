@@ -109,7 +109,7 @@ class Service:
         self.settings = settings
         self.host = settings.node_name
         self.store = store or _open_store(settings)
-        self.store.default_max_buffers = settings.max_buffers_per_tenant
+        self.store.reserves.default_max_buffers = settings.max_buffers_per_tenant
         self.metrics = Metrics()
         self.reclaimer = Reclaimer()
         self.budget = _region_budget(settings, self.store)
@@ -121,7 +121,7 @@ class Service:
         self.regions = Regions(self.attachments, park=self.budget.limits.parks_entries)
         self.live = LivePools()
         self.holders = Holders()
-        self.uses = UseBatch(self.store)
+        self.uses = UseBatch(self.store.buffers)
         self._build_use_cases(settings, topology or discover())
         _attach_collectors(self)
         #: ``GET /v1/usage``, pools, buffers: as last known while the ledger is down
@@ -134,54 +134,62 @@ class Service:
         self.store.circuit.on_up(self.uses.flush)
 
     def _build_use_cases(self, settings: Settings, topology: Topology) -> None:
+        """Each part gets the repositories of the aggregates it reads or writes, and no
+        other (``tests/unit/test_ownership.py``); the store itself stays here."""
         store, metrics, regions, live, holders = (
             self.store, self.metrics, self.regions, self.live, self.holders
         )  # fmt: skip
-        self.auth = Auth(settings, store)
-        self.hosts = Hosts(settings, store, regions)
+        buffers, reserves = store.buffers, store.reserves  # the two halves of one aggregate
+        self.auth = Auth(settings, store.tenants)
+        self.hosts = Hosts(settings, store.hosts, regions)
         self.disk = DiskTiers(live, metrics)
-        self.demotions = Demotions(settings, store, regions, self.disk)
+        self.demotions = Demotions(settings, store.tenants, regions, self.disk)
         releaser = Releaser(
-            store, regions, self.attachments, live, holders, metrics,
+            buffers, reserves, regions, self.attachments, live, holders, metrics,
             on_entry_end=self.demotions.ended,
         )  # fmt: skip
-        checkpoints = Checkpoints(store, regions, live, metrics)
+        checkpoints = Checkpoints(buffers, regions, live, metrics)
         self.pools = Pools(
-            settings, store, live, holders, releaser, self.reclaimer, self.warmer, topology,
-            disk_usage=self.disk.usage,
+            settings, store.pools, buffers, live, holders, releaser, self.reclaimer,
+            self.warmer, topology, disk_usage=self.disk.usage,
         )  # fmt: skip
         self.tenants = Tenants(
-            store, self.auth, releaser, settings.max_buffers_per_tenant,
+            store.tenants, buffers, store.events, self.auth, releaser,
+            settings.max_buffers_per_tenant,
             held=functools.partial(holders.held_bytes_by, "tenant_id"),
             host=settings.node_name, remote_wait_s=3 * settings.reaper_interval_s,
             disk_factor=settings.disk_quota_factor, disk_used=self.disk.tenant_usage,
         )  # fmt: skip
         self.reserves = Reserves(
-            settings, store, regions, live, self.uses, self.attachments, holders, self.pools,
-            releaser, metrics, self.budget,
+            settings, reserves, buffers, store.pools, regions, live, self.uses,
+            self.attachments, holders, self.pools, releaser, metrics, self.budget,
         )  # fmt: skip
         self.buffers = Buffers(
-            settings, store, regions, live, holders, self.pools, releaser, checkpoints
-        )
+            settings, buffers, store.tenants, regions, live, holders, self.pools, releaser,
+            checkpoints,
+        )  # fmt: skip
         self.handles = Handles(regions, self.attachments, self.uses, metrics)
         self.entries = Entries(
-            store, regions, live, holders, self.uses, self.reserves, releaser, metrics
+            buffers, regions, live, holders, self.uses, self.reserves, releaser, metrics
         )
-        restores = Restores(store, regions, holders, self.reserves, self.entries)
-        self.shared = Shared(settings, store, self.entries, restores, metrics)
+        restores = Restores(buffers, regions, holders, self.reserves, self.entries)
+        self.shared = Shared(settings, store.db, self.entries, restores, metrics)
         self.promotions = Promotions(self.disk, restores, self.entries)
         self.tiers = Tiers(
-            store, live, self.entries, self.disk, self.promotions, self.shared, self.pools,
-            self.tenants,
+            store.tenants, live, self.entries, self.disk, self.promotions, self.shared,
+            self.pools, self.tenants,
         )  # fmt: skip
-        self.recovery = Recovery(self.host, store, regions, live, holders, checkpoints, self.budget)
+        self.recovery = Recovery(
+            self.host, buffers, reserves, regions, live, holders, checkpoints, self.budget
+        )
         self.reaper = Reaper(
-            settings, store, self.hosts, self.pools, self.tenants, self.uses, releaser,
+            settings, buffers, self.hosts, self.pools, self.tenants, self.uses, releaser,
             self.recovery, metrics,
         )  # fmt: skip
         self._shutdown = Shutdown(
-            settings, store, regions, checkpoints, releaser, metrics, self.uses.flush
-        )
+            settings, buffers, reserves, regions, checkpoints, releaser, metrics,
+            self.uses.flush,
+        )  # fmt: skip
 
     def socket_use_cases(self) -> SocketUseCases:
         """What the broker is built with (``Broker(svc.socket_use_cases(), path)``)."""

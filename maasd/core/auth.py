@@ -62,7 +62,7 @@ from pathlib import Path
 from maasd.errors import ConfigError, Forbidden, LedgerUnavailable, Unauthorized
 from maasd.models import Principal
 from maasd.settings import Settings
-from maasd.store import KEYS_CHANNEL, Store
+from maasd.store import KEYS_CHANNEL, TenantRepo
 from maasd.store.notify import Listener
 from maasd.tenancy import keys
 
@@ -121,9 +121,9 @@ class Auth:
     :meth:`start` / :meth:`stop` run the PostgreSQL listener.
     """
 
-    def __init__(self, settings: Settings, store: Store) -> None:
+    def __init__(self, settings: Settings, keys: TenantRepo) -> None:
         self._settings = settings
-        self._store = store
+        self._keys = keys
         self._lock = threading.Lock()  # a leaf lock (maasd.core.regions)
         self._cache: dict[bytes, Principal] = {}
         # Keys checked against the ledger since the last revocation this daemon heard of:
@@ -131,20 +131,21 @@ class Auth:
         self._known: dict[bytes, Principal] = {}
         # Whether the cache may answer: always with SQLite; with PostgreSQL only
         # while the listener is in place (set and cleared under the lock).
-        self._trusted = not store.is_postgres
+        self._trusted = not keys.is_postgres
         self._listener: Listener | None = None
         self._generation = 0
         #: called (outside the lock, on the revoking thread) after the generation moves
         self._watchers: list[Callable[[], None]] = []
         self._admin_digest = b""
-        store.circuit.on_up(self._ledger_back)
+        keys.circuit.on_up(self._ledger_back)
         #: The admin key when this process generated it (print it once), else ``None``.
         self.admin_key_generated: str | None = None
 
     def start(self) -> None:
         """With PostgreSQL, start listening for revocations (the cache answers once it does)."""
-        if self._store.is_postgres and self._listener is None:
-            self._listener = self._store.listener(
+        if self._keys.is_postgres and self._listener is None:
+            # on a connection of its own to the keys' database (maasd.store.notify)
+            self._listener = self._keys.db.listener(
                 KEYS_CHANNEL,
                 on_up=partial(self._set_trusted, True),
                 on_event=self.forget_keys,
@@ -233,7 +234,7 @@ class Auth:
                 return who
         generation = self._generation
         try:
-            row = self._store.key_by_digest(d)
+            row = self._keys.key_by_digest(d)
         except LedgerUnavailable:
             known = self._known.get(d)
             if known is None:

@@ -21,7 +21,7 @@ from maasd.core.release import Releaser
 from maasd.errors import NotFound, StateConflict
 from maasd.models import BufferInfo, Checkpoint, LookupHit, Principal, rfc3339
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store, must_last
+from maasd.store import BufferRepo, BufferRow, TenantRepo, must_last
 from maasd.tenancy import leases
 
 __all__ = ["Buffers", "buffer_info"]
@@ -47,7 +47,7 @@ def buffer_info(row: BufferRow, placed: dict[int, int] | None = None) -> BufferI
     )
 
 
-def held_infos(store: Store, holders: Holders, tenant_id: str | None) -> list[BufferInfo]:
+def held_infos(store: BufferRepo, holders: Holders, tenant_id: str | None) -> list[BufferInfo]:
     """Released entries some process still holds (of ``tenant_id``, or all), each with the
     pids that hold it (a scan of /proc: the admin's question, not a request path's)."""
     held = [h for h in holders.held_by() if tenant_id in (None, h.tenant_id)]
@@ -78,7 +78,8 @@ class Buffers:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: BufferRepo,
+        tenant_rows: TenantRepo,
         regions: Regions,
         live: LivePools,
         holders: Holders,
@@ -89,6 +90,7 @@ class Buffers:
         self._settings = settings
         self._host = settings.node_name
         self._store = store
+        self._tenant_rows = tenant_rows  # an admin's tenant reference (id or name) resolved
         self._regions = regions
         self._live = live
         self._holders = holders
@@ -106,7 +108,7 @@ class Buffers:
         if not who.is_admin:
             tenant_id = who.tenant_id
         elif tenant_id is not None:
-            row = self._store.tenant(tenant_id)
+            row = self._tenant_rows.tenant(tenant_id)
             if row is None:
                 raise NotFound(f"no tenant {tenant_id!r}")
             tenant_id = row.id

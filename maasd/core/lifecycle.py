@@ -36,7 +36,7 @@ from maasd.core.regions import Regions
 from maasd.core.release import Releaser, remove_checkpoint
 from maasd.metrics import Metrics
 from maasd.settings import Settings
-from maasd.store import BufferLedger, BufferRow
+from maasd.store import BufferRepo, BufferRow, ReserveRepo
 
 __all__ = ["Shutdown"]
 
@@ -49,7 +49,8 @@ class Shutdown:
     def __init__(
         self,
         settings: Settings,
-        store: BufferLedger,
+        store: BufferRepo,
+        reserves: ReserveRepo,
         regions: Regions,
         checkpoints: Checkpoints,
         releaser: Releaser,
@@ -59,6 +60,7 @@ class Shutdown:
         self._settings = settings
         self._host = settings.node_name
         self._store = store
+        self._reserves = reserves  # a row deleted once its memory is scrubbed
         self._regions = regions
         self._checkpoints = checkpoints
         self._releaser = releaser
@@ -81,7 +83,7 @@ class Shutdown:
         try:
             # One statement for every row that ends here (volatile, or persistent
             # without a checkpoint): no ledger round trip per buffer.
-            n = self._store.finish_release_many([row.id for row in gone], "shutdown")
+            n = self._reserves.finish_release_many([row.id for row in gone], "shutdown")
             self._metrics.release_total.labels(reason="shutdown").inc(n)
         except Exception:
             logger.exception("shutdown: could not record the releases; recovery will")

@@ -33,7 +33,7 @@ from maasd.core.release import Releaser
 from maasd.errors import InvalidRequest, NotFound, PlacementError, StateConflict, TooLarge
 from maasd.models import DiskTierInfo, PoolInfo, PoolSpec
 from maasd.settings import Settings, default_pools
-from maasd.store import ACCOUNTED_STATES, PoolRow, Store
+from maasd.store import ACCOUNTED_STATES, BufferRepo, PoolRepo, PoolRow
 from maasd.tenancy import keys
 from maasd.topology import Node, Topology, discover
 
@@ -120,7 +120,7 @@ def spill_dir_of(spec: PoolSpec, data_dir: str) -> str | None:
     return spill_dir
 
 
-def follow_disk(spec: PoolSpec, store: Store, live_pools: LivePools, data_dir: str) -> None:
+def follow_disk(spec: PoolSpec, store: PoolRepo, live_pools: LivePools, data_dir: str) -> None:
     """Give a pool the disk tier its configuration asks for now. It binds no buffer (the
     tier is emptied at every start), so a change applies at this start."""
     live = live_pools.find(spec.name)
@@ -135,7 +135,7 @@ def follow_disk(spec: PoolSpec, store: Store, live_pools: LivePools, data_dir: s
     logger.info("pool %s: disk tier %s, %d bytes", spec.name, disk_dir, spec.disk_bytes)
 
 
-def follow_warm(spec: PoolSpec, store: Store, live_pools: LivePools) -> None:
+def follow_warm(spec: PoolSpec, store: PoolRepo, live_pools: LivePools) -> None:
     """Give a pool the warm budget its configuration asks for now.
 
     Unlike the other properties, the budget binds no buffer: a changed
@@ -204,13 +204,22 @@ def new_pool_row(
     )
 
 
+def _differs(have: PoolRow, spec: PoolSpec) -> bool:
+    """Whether a pool in the ledger is not what its configuration asks for (a property its
+    buffers are bound to differs, or it is smaller): the ledger's is kept, and logged."""
+    bound = (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub)
+    wanted = (spec.numa_node, spec.backing, spec.persistence, spec.latency_us, spec.scrub)
+    return bound != wanted or have.capacity_bytes < spec.capacity_bytes
+
+
 class Pools:
     """The pools of this host (``settings.node_name``) and the host's topology."""
 
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: PoolRepo,
+        buffer_rows: BufferRepo,
         live: LivePools,
         holders: Holders,
         releaser: Releaser,
@@ -223,6 +232,7 @@ class Pools:
         self._settings = settings
         self._host = settings.node_name
         self._store = store
+        self._buffer_rows = buffer_rows  # what a pool still holds, before it goes
         self._live = live  # this module adds and removes them; others only read them
         self._holders = holders
         self._releaser = releaser
@@ -278,13 +288,7 @@ class Pools:
                 continue
             follow_warm(spec, self._store, self._live)
             follow_disk(spec, self._store, self._live, self._settings.data_dir)
-            if (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub) != (
-                spec.numa_node,
-                spec.backing,
-                spec.persistence,
-                spec.latency_us,
-                spec.scrub,
-            ) or have.capacity_bytes < spec.capacity_bytes:
+            if _differs(have, spec):
                 logger.warning(
                     "pool %s in the ledger differs from its configuration; keeping "
                     "the ledger's (delete the pool with drain to recreate it)",
@@ -417,7 +421,7 @@ class Pools:
             try:
                 self._store.delete_pool(live.row.id)  # counts its buffers in the transaction
             except StateConflict:
-                n = len(self._store.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES))
+                n = len(self._buffer_rows.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES))
                 raise StateConflict(
                     f"pool {live.row.name} holds {n} buffer(s); "
                     "release them or delete with drain=true"
@@ -447,7 +451,7 @@ class Pools:
         pool_id = live.row.id
         live.pool.close()  # no stock for a pool on its way out (releases still work)
         self._releaser.release_all(
-            lambda: self._store.buffers(pool_id=pool_id, states=ACCOUNTED_STATES),
+            lambda: self._buffer_rows.buffers(pool_id=pool_id, states=ACCOUNTED_STATES),
             lambda: self._store.delete_pool(pool_id),
             reason="pool_drain",
             what=f"pool {live.row.name}",

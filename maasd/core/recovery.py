@@ -23,7 +23,7 @@ from maasd.core.livepools import LivePools
 from maasd.core.regions import HeldRegion, Regions
 from maasd.core.release import remove_checkpoint
 from maasd.errors import ConfigError, ResourceLimit
-from maasd.store import BufferLedger, BufferRow, must_last
+from maasd.store import BufferRepo, BufferRow, ReserveRepo, must_last
 
 __all__ = ["Recovery"]
 
@@ -36,7 +36,8 @@ class Recovery:
     def __init__(
         self,
         host: str,
-        store: BufferLedger,
+        store: BufferRepo,
+        reserves: ReserveRepo,
         regions: Regions,
         live: LivePools,
         holders: Holders,
@@ -45,6 +46,7 @@ class Recovery:
     ) -> None:
         self._host = host
         self._store = store
+        self._reserves = reserves  # a row deleted once its memory is scrubbed
         self._regions = regions
         self._live = live
         self._holders = holders
@@ -120,7 +122,7 @@ class Recovery:
                     return "restored"
         # A volatile row's release need not wait for the disk: rolled back by a power
         # loss, the row is released again at the next start.
-        self._store.finish_release(row.id, kind="recover", durable=must_last(row.persistence))
+        self._reserves.finish_release(row.id, kind="recover", durable=must_last(row.persistence))
         remove_checkpoint(row)
         return "released"
 

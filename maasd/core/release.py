@@ -36,7 +36,7 @@ from maasd.core.regions import Regions
 from maasd.errors import NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import ReleaseReason
-from maasd.store import BufferLedger, BufferRow, must_last
+from maasd.store import BufferRepo, BufferRow, ReserveRepo, must_last
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class Releaser:
 
     def __init__(
         self,
-        store: BufferLedger,
+        store: BufferRepo,
+        reserves: ReserveRepo,
         regions: Regions,
         attachments: Attachments,
         live: LivePools,
@@ -89,6 +90,7 @@ class Releaser:
         on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None,
     ) -> None:
         self._store = store
+        self._reserves = reserves  # a row deleted once its memory is scrubbed
         self._regions = regions
         self._attachments = attachments
         self._live = live
@@ -115,7 +117,7 @@ class Releaser:
         self.release_memory(
             row,
             reason=reason,
-            finish=lambda: self._store.finish_release(buffer_id, kind=reason, durable=durable),
+            finish=lambda: self._reserves.finish_release(buffer_id, kind=reason, durable=durable),
         )
 
     def release_all(
@@ -266,7 +268,7 @@ class Releaser:
         self.release_memory(
             victim,
             reason="evict",
-            finish=lambda: self._store.finish_release(
+            finish=lambda: self._reserves.finish_release(
                 victim_id, kind="evict", record=False, durable=durable
             ),
         )

@@ -42,7 +42,7 @@ from maasd.errors import BackingError, NotFound, PoolExhausted, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import BufferInfo, BufferKind, BufferState, Principal, ReserveSpec
 from maasd.settings import Settings
-from maasd.store import BufferRow, Store, must_last
+from maasd.store import BufferRepo, BufferRow, PoolRepo, ReserveRepo, must_last
 from maasd.tenancy import keys, leases
 
 __all__ = ["Reserves"]
@@ -54,7 +54,9 @@ class Reserves:
     def __init__(
         self,
         settings: Settings,
-        store: Store,
+        store: ReserveRepo,
+        buffer_rows: BufferRepo,
+        pool_rows: PoolRepo,
         regions: Regions,
         live: LivePools,
         uses: UseBatch,
@@ -68,7 +70,9 @@ class Reserves:
         self._settings = settings
         self._budget = budget
         self._host = settings.node_name
-        self._store = store
+        self._store = store  # the row admitted (room.admit), or deleted if it fails
+        self._buffer_rows = buffer_rows  # reserving → live
+        self._pool_rows = pool_rows  # the pools' usage, to choose one
         self._regions = regions
         self._live = live
         self._uses = uses  # a reserve's admission writes the batch (room.admit)
@@ -201,7 +205,7 @@ class Reserves:
         node_ids, measured = self._pools.topology.node_ids, self._pools.measured.classes()
         rows = placement.candidates([p.row for p in live], req, node_ids, measured)
         if len(rows) > 1:
-            usage = self._store.usage_by_pool(self._host)
+            usage = self._pool_rows.usage_by_pool(self._host)
             rows = placement.by_free_space(rows, {k: v[0] for k, v in usage.items()})
         by_id = {p.row.id: p for p in live}
         return [by_id[row.id] for row in rows]
@@ -239,7 +243,9 @@ class Reserves:
                 raise NotFound(f"entry {row.id} was released while it was put")
             return buffer_info(msgspec.structs.replace(row, state=state))
         # A volatile buffer's ledger writes do not wait for the disk (store/base.py).
-        if not self._store.advance(row.id, "reserving", "live", durable=must_last(row.persistence)):
+        if not self._buffer_rows.advance(
+            row.id, "reserving", "live", durable=must_last(row.persistence)
+        ):
             # Claimed while reserving by a tenant delete or a pool drain: this reserve
             # lost, so it scrubs its own region (unless the claimer took it already)
             # and finishes the release the claimer began. The memory never outlives

@@ -29,7 +29,7 @@ from maasd.l2 import open_tier
 from maasd.metrics import Metrics
 from maasd.models import Principal
 from maasd.settings import Settings
-from maasd.store import Repository
+from maasd.store import Database
 
 if TYPE_CHECKING:
     from maasd.l2.tier import L2Tier
@@ -45,21 +45,21 @@ class Shared:
     def __init__(
         self,
         settings: Settings,
-        store: Repository,
+        db: Database,
         entries: Entries,
         restores: Restores,
         metrics: Metrics,
     ) -> None:
         self._entries = entries
         self._restores = restores
-        self._circuit = store.circuit
+        self._circuit = db.circuit
         self._tier: L2Tier | None = None
         if settings.l2_url is None:
             return
-        if not store.is_postgres:
+        if not db.is_postgres:
             raise ConfigError(
                 "--l2-url needs the shared PostgreSQL ledger: L2 keys are namespaced by "
-                f"tenant id, and tenant ids are global only there (this ledger is {store.db.dialect})"
+                f"tenant id, and tenant ids are global only there (this ledger is {db.dialect})"
             )
         self._tier = open_tier(settings, metrics.registry, restores.read)
         entries.on_commit(self._tier.write_behind)

@@ -31,7 +31,7 @@ from maasd.core.auth import Auth, require_tenant
 from maasd.core.release import HELD_GRACE_S, HeldOpen, Releaser
 from maasd.errors import NotFound, StateConflict
 from maasd.models import Event, KeyInfo, NewTenant, Principal, TenantInfo, Usage, rfc3339
-from maasd.store import ACCOUNTED_STATES, Store, TenantRow
+from maasd.store import ACCOUNTED_STATES, BufferRepo, EventRepo, TenantRepo, TenantRow
 from maasd.tenancy import keys
 
 __all__ = ["Tenants", "tenant_info"]
@@ -75,7 +75,9 @@ class Tenants:
 
     def __init__(
         self,
-        store: Store,
+        store: TenantRepo,
+        buffer_rows: BufferRepo,
+        events: EventRepo,
         auth: Auth,
         releaser: Releaser,
         default_max_buffers: int,
@@ -87,6 +89,8 @@ class Tenants:
         disk_used: Callable[[], dict[str, int]] = dict,
     ) -> None:
         self._store = store
+        self._buffer_rows = buffer_rows  # what a deleted tenant still holds here
+        self._events = events  # the audit trail, a tenant's own part of it
         self._auth = auth
         self._releaser = releaser
         self._default_max_buffers = default_max_buffers
@@ -203,13 +207,13 @@ class Tenants:
             try:
                 self._store.delete_tenant(tenant_id)
             except StateConflict:
-                if self._store.buffers(tenant_id=tenant_id, states=None, host=self._host):
+                if self._buffer_rows.buffers(tenant_id=tenant_id, states=None, host=self._host):
                     raise  # ours, released meanwhile or raced: another pass
                 gone = False  # other hosts' share: theirs to release
 
         try:
             self._releaser.release_all(
-                lambda: self._store.buffers(
+                lambda: self._buffer_rows.buffers(
                     tenant_id=tenant_id, states=ACCOUNTED_STATES, host=self._host
                 ),
                 delete_if_empty,
@@ -259,7 +263,7 @@ class Tenants:
                 bytes=e.bytes,
                 detail=e.detail,
             )
-            for e in self._store.events(limit, tenant_id=tenant_id, before=before)
+            for e in self._events.events(limit, tenant_id=tenant_id, before=before)
         ]
 
     def usage(self, who: Principal) -> Usage:

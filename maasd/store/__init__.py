@@ -1,8 +1,14 @@
-"""The ledger: SQLAlchemy Core tables, the ``Store`` repository, Alembic plumbing.
+"""The ledger: SQLAlchemy Core tables, one repository per aggregate, Alembic plumbing.
 
 >>> from maasd.store import Store, BufferRow          # doctest: +SKIP
 >>> store = Store("sqlite:////var/lib/maasd/maasd.db")  # doctest: +SKIP
 >>> store.upgrade()                                   # doctest: +SKIP
+>>> store.buffers.buffer(buffer_id)                   # doctest: +SKIP
+
+:class:`Store` holds the :class:`Database` and one repository per aggregate
+(``store.tenants``, ``store.pools``, ``store.reserves`` and ``store.buffers``,
+``store.events``, ``store.hosts``, ``store.totals``: :mod:`maasd.store.repository`);
+each class is exported here too, for the modules typed with the one they are handed.
 
 The schema is created and changed only by the Alembic migrations in the
 top-level ``migrations/`` directory (:meth:`Store.upgrade`).
@@ -19,7 +25,7 @@ from maasd.store.hosts import HostRepo, HostUsage, is_live
 from maasd.store.notify import KEYS_CHANNEL
 from maasd.store.pools import PoolRepo
 from maasd.store.records import BufferRow, EventRow, HostRow, KeyRow, PoolRow, TenantRow
-from maasd.store.repository import BufferLedger, Store
+from maasd.store.repository import Store
 from maasd.store.schema import ACCOUNTED_STATES, BUFFER_STATES, metadata
 from maasd.store.tenants import TenantRepo
 from maasd.store.totals import TotalsRepo
@@ -27,7 +33,6 @@ from maasd.store.totals import TotalsRepo
 __all__ = [
     "ACCOUNTED_STATES",
     "BUFFER_STATES",
-    "BufferLedger",
     "BufferRepo",
     "BufferRow",
     "Database",

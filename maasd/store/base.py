@@ -235,10 +235,12 @@ def violation(exc: sa.exc.IntegrityError) -> Violation:
 
 
 class Repository:
-    """The base of the ledger's repositories, one per aggregate (tenants and keys, pools,
-    buffers and entries, events, hosts): each is handed the one :class:`Database` they
-    share at construction, and reaches the database only through it — the helpers below
-    are the three kinds of connection of the module docstring, read off ``db``.
+    """The base of the ledger's repositories, one object per aggregate (tenants and keys,
+    pools, buffers and entries, events, hosts, totals): each holds the one
+    :class:`Database` they share (``db``, handed at construction) and reaches the
+    database only through it — the helpers below are the three kinds of connection of
+    the module docstring, read off ``db``. No repository calls another: a transaction
+    that touches other aggregates' tables runs its own statements on its connection.
 
     A repository keeps no state of its own beyond ``db`` (the reserve's default cap is a
     setting it is told). :class:`maasd.store.Store` builds all of them over one database.

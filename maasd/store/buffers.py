@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import sqlalchemy as sa
@@ -54,6 +54,9 @@ from maasd.store.base import Repository, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Victims, choose_victims
 from maasd.store.records import BufferRow
+
+if TYPE_CHECKING:
+    from maasd.store.database import Database
 
 __all__ = ["BufferRepo", "ReserveRepo"]
 
@@ -244,9 +247,11 @@ def _by_id(params: Mapping[str, Any]) -> str:
 class ReserveRepo(Repository):
     """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
 
-    #: The cap on a tenant's buffers when its ``max_buffers`` is NULL; ``None``: no cap.
-    #: The daemon sets it from ``Settings.max_buffers_per_tenant``.
-    default_max_buffers: int | None = None
+    def __init__(self, db: Database, *, default_max_buffers: int | None = None) -> None:
+        super().__init__(db)
+        #: The cap on a tenant's buffers when its ``max_buffers`` is NULL; ``None``: no cap.
+        #: The daemon sets it from ``Settings.max_buffers_per_tenant``.
+        self.default_max_buffers = default_max_buffers
 
     def begin_reserve(
         self,

@@ -2,9 +2,12 @@
 the three kinds of connection (:mod:`maasd.store.base`'s module docstring), this process's
 write lock on SQLite, and the circuit that fails calls at once while the database is down.
 
-A repository (:class:`maasd.store.base.Repository`) is handed one at construction and
-reaches the database only through it; :class:`maasd.store.Store` makes one and builds
-every repository over it.
+Each repository (:class:`maasd.store.base.Repository`: one per aggregate) is handed
+one at construction and holds it (``repo.db``): it reaches the database only through it.
+:class:`maasd.store.Store` makes one and builds every repository over it; a transaction
+that spans aggregates (a reserve locks its tenant's and its pool's rows and writes
+events) is one repository's statement list on one connection of this object, never two
+repositories' calls.
 
 >>> db = Database("sqlite:////tmp/maasd-doctest.db")   # doctest: +SKIP
 >>> TenantRepo(db).tenants()                           # doctest: +SKIP
@@ -14,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -26,6 +29,7 @@ from maasd.store import hotpath
 from maasd.store.base import ledger_errors
 from maasd.store.circuit import LedgerCircuit
 from maasd.store.engine import DURABLE, create_engine, normalize_url
+from maasd.store.notify import Listener
 from maasd.store.watchdog import CheckoutWatchdog
 
 __all__ = ["Database"]
@@ -168,6 +172,19 @@ class Database:
         self.circuit.check(write=False)
         with ledger_errors(self.circuit), self.read.connect() as conn:
             yield conn
+
+    def listener(
+        self,
+        channel: str,
+        *,
+        on_up: Callable[[], None],
+        on_event: Callable[[], None],
+        on_down: Callable[[], None],
+    ) -> Listener:
+        """A :class:`~maasd.store.notify.Listener` on ``channel`` (PostgreSQL only; not started)."""
+        if not self.is_postgres:
+            raise RuntimeError("LISTEN needs PostgreSQL")
+        return Listener(self.engine, channel, on_up=on_up, on_event=on_event, on_down=on_down)
 
     def dispose(self) -> None:
         """Close every pooled connection. The database must not be used afterwards."""

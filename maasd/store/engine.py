@@ -32,7 +32,7 @@ refuses to change ``synchronous`` inside a transaction, so it is set on the
 connection right before ``BEGIN``, in every transaction (durable or not) that
 writes: a pooled connection never carries NORMAL into the next one. PostgreSQL
 commits every transaction with the server's ``synchronous_commit`` (the store
-never asks it not to wait: :class:`~maasd.store.repository.Store`).
+never asks it not to wait: :class:`~maasd.store.database.Database`).
 """
 
 from __future__ import annotations

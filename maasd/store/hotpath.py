@@ -6,8 +6,8 @@ The REST server's asyncio loop hands every service call to a thread. A ledger ca
 either loop would make every worker (or every REST client) of the host wait for the
 database, and stop them all while it is frozen. So both loops mark their thread
 (:func:`mark`: :mod:`maasd.broker.loop`, :class:`maasd.api.loop.GuardedLoop`), every
-ledger call of the store
-(:class:`maasd.store.base.Repository`) counts itself if made on a marked thread
+ledger call (each connection a repository takes from
+:class:`maasd.store.database.Database`) counts itself if made on a marked thread
 (:func:`count`), and ``/metrics`` reports the count as
 ``maasd_ledger_calls_on_hot_path_total`` (:class:`HotPathCollector`), which the tests
 check stays 0 while the ledger is frozen.

@@ -1,77 +1,79 @@
-"""The ledger's one entry point: ``Store`` — every repository over one :class:`Database`.
+"""The ledger's one entry point: :class:`Store` — one repository per aggregate over one
+:class:`Database`, and the ledger's life (migrate, close).
 
-The SQL lives with its aggregate, one repository each (:class:`~maasd.store.base.Repository`:
-handed the database it shares with the others, and no other state):
+The SQL lives with its aggregate, one repository object each
+(:class:`~maasd.store.base.Repository`: it holds the database it shares with the others,
+``repo.db``, and no other state), an attribute of the store:
 
-* :mod:`maasd.store.tenants` — :class:`TenantRepo`: tenants (with their usage) and API keys;
-* :mod:`maasd.store.pools` — :class:`PoolRepo`: the pools of a host (with their usage);
-* :mod:`maasd.store.buffers` — buffers and entries: :class:`ReserveRepo` (the reserve
-  transaction, whose victims the pure :mod:`maasd.store.eviction` chooses, and the
-  release) and :class:`BufferRepo` (states, leases, lookups);
-* :mod:`maasd.store.events` — :class:`EventRepo`: the audit trail;
-* :mod:`maasd.store.hosts` — :class:`HostRepo`: the daemon hosts sharing the ledger;
-* :mod:`maasd.store.totals` — :class:`TotalsRepo`: the running usage totals, checked
-  against their rows;
+* ``store.tenants`` — :class:`TenantRepo` (:mod:`maasd.store.tenants`): tenants (with
+  their usage) and API keys;
+* ``store.pools`` — :class:`PoolRepo` (:mod:`maasd.store.pools`): the pools of a host
+  (with their usage);
+* buffers and entries, in two halves (:mod:`maasd.store.buffers`): ``store.reserves`` —
+  :class:`ReserveRepo`, a buffer's row admitted (the reserve transaction, whose victims
+  the pure :mod:`maasd.store.eviction` chooses) and deleted (the release); and
+  ``store.buffers`` — :class:`BufferRepo`, its states, leases and lookups in between;
+* ``store.events`` — :class:`EventRepo` (:mod:`maasd.store.events`): the audit trail;
+* ``store.hosts`` — :class:`HostRepo` (:mod:`maasd.store.hosts`): the daemon hosts
+  sharing the ledger;
+* ``store.totals`` — :class:`TotalsRepo` (:mod:`maasd.store.totals`): the running usage
+  totals, checked against their rows.
 
-:mod:`maasd.store.database` holds the engines and connections they share, and the
-transaction rules all of them follow are in :mod:`maasd.store.base`.
-:mod:`maasd.store.notify` listens for what other daemons announce (PostgreSQL).
+``store.db`` (:mod:`maasd.store.database`) holds the engines, the connections, the
+write lock and the circuit they share; the transaction rules all of them follow are in
+:mod:`maasd.store.base`. A transaction that touches several aggregates' tables (the
+reserve locks its tenant's and pool's rows and writes events; forgetting a host deletes
+its buffers and pools) is the statements of one repository on one connection, as it
+always was: no repository calls another.
 
-A module that needs one aggregate can be handed its repository alone (``TenantRepo(db)``);
-:class:`Store` is all of them over one database, for the callers that use the whole ledger.
-The core's modules are typed with the repository they use (``store: BufferRepo``,
-``store: HostRepo``, :class:`BufferLedger` for both halves of the buffers aggregate), so
-that mypy holds each to its aggregate while the composition root hands them one store.
+The composition root (:mod:`maasd.core.app`) hands each core module the repositories it
+uses (``Reaper(..., store.buffers, ...)``), never the store; ``tests/unit/test_ownership.py``
+holds it to that.
 
 Example::
 
     store = Store("sqlite:////var/lib/maasd/maasd.db")
     store.upgrade()
-    store.add_tenant(new_id(), "acme", 8 << 30, time.time())
+    store.tenants.add_tenant(new_id(), "acme", 8 << 30, time.time())
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
 from maasd.store.buffers import BufferRepo, ReserveRepo
+from maasd.store.circuit import LedgerCircuit
 from maasd.store.database import Database
 from maasd.store.engine import alembic_config
 from maasd.store.events import EventRepo
 from maasd.store.hosts import HostRepo
-from maasd.store.notify import Listener
 from maasd.store.pools import PoolRepo
 from maasd.store.tenants import TenantRepo
 from maasd.store.totals import TotalsRepo
 from maasd.store.watchdog import unwatched
 
-__all__ = ["BufferLedger", "Store"]
+__all__ = ["Store"]
 
 #: Arbitrary, fixed: the PostgreSQL advisory lock that serialises migrations.
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 
 
-class BufferLedger(ReserveRepo, BufferRepo):
-    """The buffers-and-entries aggregate whole: its reserve and release transactions
-    (:class:`ReserveRepo`) with its states, leases and lookups (:class:`BufferRepo`), for
-    the core modules that both release and read buffers (release, recovery, the lifecycle)."""
-
-
-class Store(TenantRepo, PoolRepo, BufferLedger, EventRepo, HostRepo, TotalsRepo):
-    """The ledger: pools, tenants, keys, buffers and events in one database.
+class Store:
+    """The ledger: pools, tenants, keys, buffers and events in one database, one
+    repository per aggregate (the module docstring lists them).
 
     Thread-safe; one instance per daemon. ``url`` is ``sqlite:///PATH`` (the
     embedded default) or a PostgreSQL URL (``postgresql://``,
     ``postgresql+psycopg://``, or ``postgresql+asyncpg://``, which is run
     through psycopg 3 because the store is synchronous); anything else raises
     :class:`~maasd.errors.ConfigError`. The schema is created only by
-    :meth:`upgrade` (Alembic).
+    :meth:`upgrade` (Alembic). ``default_max_buffers``: the reserve's cap on a
+    tenant's buffers when its own is NULL (:class:`ReserveRepo`).
 
     >>> store = Store("sqlite:////tmp/maasd-doctest.db")  # doctest: +SKIP
     >>> store.upgrade()                                    # doctest: +SKIP
+    >>> store.tenants.tenants()                            # doctest: +SKIP
     """
 
     def __init__(
@@ -85,18 +87,22 @@ class Store(TenantRepo, PoolRepo, BufferLedger, EventRepo, HostRepo, TotalsRepo)
         statement_timeout_s: float = 10.0,
         default_max_buffers: int | None = None,
     ) -> None:
-        super().__init__(
-            Database(
-                url,
-                pool_size=pool_size,
-                max_overflow=max_overflow,
-                echo=echo,
-                connect_timeout_s=connect_timeout_s,
-                statement_timeout_s=statement_timeout_s,
-            )
+        db = Database(
+            url,
+            pool_size=pool_size,
+            max_overflow=max_overflow,
+            echo=echo,
+            connect_timeout_s=connect_timeout_s,
+            statement_timeout_s=statement_timeout_s,
         )
-        if default_max_buffers is not None:
-            self.default_max_buffers = default_max_buffers
+        self.db = db
+        self.tenants = TenantRepo(db)
+        self.pools = PoolRepo(db)
+        self.reserves = ReserveRepo(db, default_max_buffers=default_max_buffers)
+        self.buffers = BufferRepo(db)
+        self.events = EventRepo(db)
+        self.hosts = HostRepo(db)
+        self.totals = TotalsRepo(db)
 
     @property
     def url(self) -> URL:
@@ -109,6 +115,16 @@ class Store(TenantRepo, PoolRepo, BufferLedger, EventRepo, HostRepo, TotalsRepo)
     @property
     def dialect(self) -> str:
         return self.db.dialect
+
+    @property
+    def is_postgres(self) -> bool:
+        """PostgreSQL (row locks, several daemons) rather than SQLite (one writer)."""
+        return self.db.is_postgres
+
+    @property
+    def circuit(self) -> LedgerCircuit:
+        """Open while the database is known to be down: every call fails at once."""
+        return self.db.circuit
 
     def __repr__(self) -> str:
         return f"Store({self.url.render_as_string(hide_password=True)!r})"
@@ -134,20 +150,7 @@ class Store(TenantRepo, PoolRepo, BufferLedger, EventRepo, HostRepo, TotalsRepo)
                 )
             command.upgrade(alembic_config(connection=conn), revision)
         if revision == "head":
-            self.mend_totals()
-
-    def listener(
-        self,
-        channel: str,
-        *,
-        on_up: Callable[[], None],
-        on_event: Callable[[], None],
-        on_down: Callable[[], None],
-    ) -> Listener:
-        """A :class:`~maasd.store.notify.Listener` on ``channel`` (PostgreSQL only; not started)."""
-        if not self.is_postgres:
-            raise RuntimeError("LISTEN needs PostgreSQL")
-        return Listener(self.engine, channel, on_up=on_up, on_event=on_event, on_down=on_down)
+            self.totals.mend_totals()
 
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""

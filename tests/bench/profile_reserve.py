@@ -161,10 +161,13 @@ def instrument(svc: Service, clock: Clock) -> list[Any]:
             clock.wrap_async("auth", api_auth.ApiContext.principal),
         ),
         patched(maasd.api.strict, "decode", clock.wrap("decode", maasd.api.strict.decode)),
+        # on the repositories the core holds (maasd.core.app hands them out, not the store)
         patched(
-            store, "begin_reserve", clock.wrap("ledger: admit (reserving)", store.begin_reserve)
+            store.reserves,
+            "begin_reserve",
+            clock.wrap("ledger: admit (reserving)", store.reserves.begin_reserve),
         ),
-        patched(store, "advance", clock.wrap("ledger: go live", store.advance)),
+        patched(store.buffers, "advance", clock.wrap("ledger: go live", store.buffers.advance)),
         patched(pool, "reserve", clock.wrap("region: create (+ prefault)", pool.reserve)),
         patched(
             reserves,

@@ -227,7 +227,7 @@ def test_the_region_budget_is_weighed_against_the_ledgers_tenants(tmp_path: Path
     store.upgrade()
     tenants = budget // 700 + 1  # together they could hold more than the budget
     for i in range(tenants):
-        store.add_tenant(f"t{i}", f"team-{i}", 1 << 30, 0.0)
+        store.tenants.add_tenant(f"t{i}", f"team-{i}", 1 << 30, 0.0)
     store.dispose()
     _, checks, _ = doctor(tmp_path, env=env, preexec=files_4096)
     c = checks["region budget"]

@@ -368,8 +368,8 @@ def test_deletes_a_crash_cut_short_finish_at_the_next_start(tmp_path: Path) -> N
         d.kill()
         # what a SIGKILL right after the marks leaves behind
         store = Store(f"sqlite:///{d.data_dir / 'maasd.db'}")
-        store.mark_tenant_deleting(tid)
-        store.mark_pool_deleting(pool_id)
+        store.tenants.mark_tenant_deleting(tid)
+        store.pools.mark_pool_deleting(pool_id)
         store.dispose()
         d.start()
         assert d.admin.get(f"/v1/tenants/{tid}").status_code == 404

@@ -463,28 +463,28 @@ def test_the_key_cache_answers_on_postgresql_and_forgets_a_remote_revocation(
     here = Store(ledger_url)
     here.upgrade()  # (when this test runs without the fleet)
     there = Store(ledger_url)
-    auth = Auth(Settings(data_dir=str(tmp_path), admin_key="x" * 32), here)
+    auth = Auth(Settings(data_dir=str(tmp_path), admin_key="x" * 32), here.tenants)
     auth.load_admin_key()
     tenant_id, key_id, token = keys.new_id(), keys.new_id(), keys.new_token()
-    there.add_tenant(tenant_id, f"cache-{secrets.token_hex(3)}", MiB, time.time())
-    there.add_key(key_id, tenant_id, keys.digest(token), time.time())
+    there.tenants.add_tenant(tenant_id, f"cache-{secrets.token_hex(3)}", MiB, time.time())
+    there.tenants.add_key(key_id, tenant_id, keys.digest(token), time.time())
     auth.start()
     try:
         wait_until(lambda: auth.caching, message="the listener is in place")
         assert auth.authenticate(token).key_id == key_id
         reads: list[bytes] = []
-        real = here.key_by_digest
+        real = here.tenants.key_by_digest
 
         def counted(digest: bytes) -> KeyRow | None:
             reads.append(digest)
             return real(digest)
 
-        monkeypatch.setattr(here, "key_by_digest", counted)
+        monkeypatch.setattr(here.tenants, "key_by_digest", counted)
         assert auth.authenticate(token).key_id == key_id
         assert auth.known_principal(token) is not None
         assert reads == []  # answered from the cache
         generation = auth.generation
-        assert there.revoke_key(tenant_id, key_id)
+        assert there.tenants.revoke_key(tenant_id, key_id)
         wait_until(lambda: auth.generation != generation, message="the notification arrived")
         with pytest.raises(Unauthorized):
             auth.authenticate(token)
@@ -502,7 +502,7 @@ def test_a_listener_hears_revocations_but_not_other_listeners_probes(ledger_url:
     seen: dict[str, list[str]] = {"first": [], "second": []}
 
     def listener(name: str) -> Listener:
-        return store.listener(
+        return store.db.listener(
             KEYS_CHANNEL,
             on_up=lambda: seen[name].append("up"),
             on_event=lambda: seen[name].append("event"),
@@ -516,10 +516,10 @@ def test_a_listener_hears_revocations_but_not_other_listeners_probes(ledger_url:
         second.start()  # proves its connection with a probe that first hears too
         wait_until(lambda: second.listening)
         tenant_id, key_id = keys.new_id(), keys.new_id()
-        store.add_tenant(tenant_id, f"probe-{secrets.token_hex(3)}", MiB, time.time())
-        store.add_key(key_id, tenant_id, keys.digest(keys.new_token()), time.time())
+        store.tenants.add_tenant(tenant_id, f"probe-{secrets.token_hex(3)}", MiB, time.time())
+        store.tenants.add_key(key_id, tenant_id, keys.digest(keys.new_token()), time.time())
         assert seen["first"] == ["up"]  # a probe, a new tenant, a new key: no news
-        store.revoke_key(tenant_id, key_id)
+        store.tenants.revoke_key(tenant_id, key_id)
         wait_until(lambda: seen["first"] == seen["second"] == ["up", "event"])
     finally:
         first.stop()

@@ -140,7 +140,7 @@ def test_the_totals_equal_the_rows_under_every_kind_of_change(
             for buffer_id in held_ids:  # released, but its memory still held: counted
                 assert d.client(holder).delete(f"/v1/buffers/{buffer_id}").status_code == 204
             assert used(d, holder_id) == (3 * SIZE, 3)
-            assert ledger.check_totals() == []
+            assert ledger.totals.check_totals() == []
             for tenant_id, key in doomed:  # deleted with entries in the ledger
                 with Worker(d.socket_path, key, renew_interval_s=0) as w:
                     for j in range(3):
@@ -148,15 +148,15 @@ def test_the_totals_equal_the_rows_under_every_kind_of_change(
                             m.array[:4] = 2
                 r = d.admin.delete(f"/v1/tenants/{tenant_id}")
                 assert r.status_code == 204, r.text
-                assert ledger.check_totals() == []
+                assert ledger.totals.check_totals() == []
         # the peer let go: the held rows end by themselves
         wait_until(lambda: used(d, holder_id) == (0, 0), message="held entries freed")
-        assert ledger.check_totals() == []
+        assert ledger.totals.check_totals() == []
         # both loaders evicted often (quota, count) while all this went on, and go on
         wait_until(
             lambda: d.metric("maasd_evictions_total") >= 100, timeout=120, message="evictions"
         )
-        assert ledger.check_totals() == []
+        assert ledger.totals.check_totals() == []
     finally:
         stop.set()
         for t in threads:
@@ -164,7 +164,7 @@ def test_the_totals_equal_the_rows_under_every_kind_of_change(
         worker.close()
         rest.close()
     assert not errors, errors
-    assert ledger.check_totals() == []
+    assert ledger.totals.check_totals() == []
     assert used(d, evictor_id)[0] <= 8 * SIZE
     assert used(d, counted_id)[1] <= 4
     wait_until(
@@ -172,10 +172,10 @@ def test_the_totals_equal_the_rows_under_every_kind_of_change(
         message="the deleted tenants gone",
     )
     rows: dict[str, Any] = {}
-    for b in ledger.buffers(states=None):
+    for b in ledger.buffers.buffers(states=None):
         n, c = rows.get(b.pool_id, (0, 0))
         rows[b.pool_id] = (n + b.size_bytes, c + 1)
-    pools = ledger.all_pools()
+    pools = ledger.pools.all_pools()
     assert pools
     for p in pools:
         assert pool_used(d, p.name) == rows.get(p.id, (0, 0))

@@ -58,7 +58,7 @@ def test_a_clean_close_marks_the_host_stopped(tmp_path: Path) -> None:
     svc.close()
     store = Store(svc.settings.database_url)
     try:
-        (host,) = store.hosts()
+        (host,) = store.hosts.hosts()
         assert host.stopped_at is not None
     finally:
         store.dispose()

@@ -12,7 +12,7 @@ from maasd.store import Store
 def test_a_revocation_moves_the_generation_and_tells_every_watcher(tmp_path: Path) -> None:
     store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
     try:
-        auth = Auth(Settings(data_dir=str(tmp_path)), store)
+        auth = Auth(Settings(data_dir=str(tmp_path)), store.tenants)
         told: list[int] = []
 
         def broken() -> None:

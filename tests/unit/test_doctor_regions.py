@@ -116,11 +116,11 @@ def test_the_tenants_caps_are_read_through_the_daemons_store(tmp_path):
     store = Store(url)
     try:
         store.upgrade()
-        store.add_tenant("a" * 32, "own", 1 << 20, 1.0)
-        store.update_tenant("a" * 32, max_buffers=7)
-        store.add_tenant("b" * 32, "default", 1 << 20, 1.0)
-        store.add_tenant("c" * 32, "leaving", 1 << 20, 1.0)
-        store.mark_tenant_deleting("c" * 32)
+        store.tenants.add_tenant("a" * 32, "own", 1 << 20, 1.0)
+        store.tenants.update_tenant("a" * 32, max_buffers=7)
+        store.tenants.add_tenant("b" * 32, "default", 1 << 20, 1.0)
+        store.tenants.add_tenant("c" * 32, "leaving", 1 << 20, 1.0)
+        store.tenants.mark_tenant_deleting("c" * 32)
     finally:
         store.dispose()
     assert sorted(ledger_tenant_caps(normalize_url(url)) or [], key=str) == [7, None]

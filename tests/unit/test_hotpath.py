@@ -16,20 +16,20 @@ def test_only_calls_on_a_marked_thread_count(tmp_path: Path) -> None:
     store.upgrade()
     try:
         before = hotpath.calls()
-        store.add_tenant(keys.new_id(), "t", 1 << 20, time.time())
-        store.tenants()
+        store.tenants.add_tenant(keys.new_id(), "t", 1 << 20, time.time())
+        store.tenants.tenants()
         assert hotpath.calls() == before  # this thread is no hot path
 
         def on_a_loop() -> None:
             hotpath.mark()
-            store.tenants()  # a read
-            store.add_tenant(keys.new_id(), "u", 1 << 20, time.time())  # a write
+            store.tenants.tenants()  # a read
+            store.tenants.add_tenant(keys.new_id(), "u", 1 << 20, time.time())  # a write
 
         t = threading.Thread(target=on_a_loop)
         t.start()
         t.join()
         assert hotpath.calls() == before + 2
-        store.tenants()
+        store.tenants.tenants()
         assert hotpath.calls() == before + 2  # the mark is the other thread's only
     finally:
         store.dispose()

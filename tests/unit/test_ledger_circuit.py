@@ -151,23 +151,26 @@ def _down(store: Store) -> Probe:
 
 
 def test_an_open_circuit_fails_every_ledger_call_at_once(store: Store) -> None:
-    store.add_tenant(keys.new_id(), "t", 1 << 20, time.time())
+    store.tenants.add_tenant(keys.new_id(), "t", 1 << 20, time.time())
     probe = _down(store)
-    for call in (store.tenants, lambda: store.add_tenant(keys.new_id(), "u", 1, time.time())):
+    for call in (
+        store.tenants.tenants,
+        lambda: store.tenants.add_tenant(keys.new_id(), "u", 1, time.time()),
+    ):
         with pytest.raises(LedgerUnavailable):
             call()
     probe.up.set()
     wait_until(lambda: store.circuit.down_since is None)
-    assert [t.name for t in store.tenants()] == ["t"]  # nothing was written meanwhile
+    assert [t.name for t in store.tenants.tenants()] == ["t"]  # nothing was written meanwhile
 
 
 def test_keys_through_an_outage(store: Store, tmp_path: Path) -> None:
     tenant = keys.new_id()
-    store.add_tenant(tenant, "t", 1 << 20, time.time())
+    store.tenants.add_tenant(tenant, "t", 1 << 20, time.time())
     tokens = [keys.new_token() for _ in range(3)]
     for token in tokens:
-        store.add_key(keys.new_id(), tenant, keys.digest(token), time.time())
-    auth = Auth(Settings(data_dir=str(tmp_path)), store)
+        store.tenants.add_key(keys.new_id(), tenant, keys.digest(token), time.time())
+    auth = Auth(Settings(data_dir=str(tmp_path)), store.tenants)
     checked = auth.authenticate(tokens[0])
     auth.authenticate(tokens[2])
     auth.forget_keys()  # a revocation heard of: what was checked before must be checked again
@@ -187,9 +190,9 @@ def test_keys_through_an_outage(store: Store, tmp_path: Path) -> None:
     # hear of it until the ledger is back.
     other = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
     try:
-        revoked = other.key_by_digest(keys.digest(tokens[2]))
+        revoked = other.tenants.key_by_digest(keys.digest(tokens[2]))
         assert revoked is not None
-        assert other.revoke_key(tenant, revoked.id)
+        assert other.tenants.revoke_key(tenant, revoked.id)
     finally:
         other.dispose()
     generation = auth.generation

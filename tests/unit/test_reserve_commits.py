@@ -92,12 +92,12 @@ def test_a_reserve_commits_twice_with_attaches_pending(sqlite_svc: Service) -> N
     assert commits.n == 2  # admission (reserving), then live
     attach(svc, who, held.id)
     assert held.id in svc.uses.pending_uses()
-    before = svc.store.buffer(held.id)
+    before = svc.store.buffers.buffer(held.id)
     assert before is not None
     commits.n = 0
     svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert commits.n == 2  # the attach was written by the admission, no commit of its own
-    after = svc.store.buffer(held.id)
+    after = svc.store.buffers.buffer(held.id)
     assert after is not None
     assert after.last_used_at > before.last_used_at
     assert svc.uses.pending_uses() == {}
@@ -112,7 +112,7 @@ def test_a_refused_reserve_keeps_the_attaches_for_the_next_writer(svc: Service) 
         svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     assert svc.uses.pending_uses() == pending  # rolled back with the admission: kept
     svc.uses.flush()
-    row = svc.store.buffer(held.id)
+    row = svc.store.buffers.buffer(held.id)
     assert row is not None
     assert row.last_used_at == pending[held.id]
 

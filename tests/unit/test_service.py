@@ -81,7 +81,7 @@ def sample(svc: Service, name: str, **labels: str) -> float:
 
 
 def ledger_row(svc: Service, buffer_id: str) -> BufferRow:
-    row = svc.store.buffer(buffer_id)
+    row = svc.store.buffers.buffer(buffer_id)
     assert row is not None, f"buffer {buffer_id} has no ledger row"
     return row
 
@@ -153,7 +153,7 @@ def test_qos_nobody_meets_placement_and_size_errors(svc: Service) -> None:
             svc.reserves.reserve(who, req(huge))
     with pytest.raises(errors.Forbidden):
         svc.reserves.reserve(svc.auth.authenticate("admin-key-for-tests"), req(MiB))
-    assert svc.store.buffers(states=None) == []  # nothing was admitted
+    assert svc.store.buffers.buffers(states=None) == []  # nothing was admitted
     assert sample(svc, "maasd_reserve_total", outcome="granted") == 0
 
 
@@ -229,7 +229,7 @@ def test_reap_releases_expired_leases_only(svc: Service) -> None:
     renewed = svc.buffers.renew(who, long.id, 3600)
     assert renewed.expires_at > long.expires_at
     assert svc.reaper.reap(now=time.time() + 700) == 0
-    assert svc.store.buffer(short.id) is None
+    assert svc.store.buffers.buffer(short.id) is None
 
 
 @pytest.mark.parametrize("claim", ["deleted", "marked"])
@@ -240,7 +240,7 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
     reserve loses its compare-and-set to live, scrubs its own region and finishes the
     release; nothing is left in the ledger or in memory."""
     who = tenant(svc)
-    real = svc.store.advance
+    real = svc.store.buffers.advance
     seen: list[Any] = []
 
     def claimed_meanwhile(
@@ -251,17 +251,17 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
         seen.append(region)
         view(svc, buffer_id)[:] = 7
         if claim == "deleted":
-            svc.store.finish_release(buffer_id, kind="tenant_delete")
+            svc.store.reserves.finish_release(buffer_id, kind="tenant_delete")
         else:
-            svc.store.mark_releasing(buffer_id, None)
+            svc.store.buffers.mark_releasing(buffer_id, None)
         return real(buffer_id, from_state, to_state, durable=durable)
 
-    monkeypatch.setattr(svc.store, "advance", claimed_meanwhile)
+    monkeypatch.setattr(svc.store.buffers, "advance", claimed_meanwhile)
     with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
         svc.reserves.reserve(who, req(MiB, pool="fast"))
     assert svc.regions.buffer_ids() == []
     assert allocated(svc, "fast") == 0
-    assert svc.store.buffers(states=None) == []
+    assert svc.store.buffers.buffers(states=None) == []
     assert seen[0].released
 
 
@@ -290,7 +290,7 @@ def test_quota_eviction_is_lru_by_attach_and_scrubs(svc: Service) -> None:
     assert svc.tenants.usage(who).used_bytes == 7 * MiB
     # The reserve and, in the same transaction, one "evict" per victim naming it as the
     # cause — and no other "evict" event when the victim's row goes.
-    events = svc.store.events(100)
+    events = svc.store.events.events(100)
     assert any(e.kind == "reserve" and e.buffer_id == new.id for e in events)
     evicts = [(e.buffer_id, e.detail) for e in events if e.kind == "evict"]
     assert sorted(evicts) == sorted([(bufs[2].id, f"for {new.id}"), (bufs[0].id, f"for {new.id}")])
@@ -315,7 +315,7 @@ def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc:
     cache = [svc.reserves.reserve(a, req(8 * MiB, evictable=True, pool="fast")) for _ in range(3)]
     keep = svc.reserves.reserve(b, req(8 * MiB, pool="fast"))
     got = svc.reserves.reserve(b, req(12 * MiB, pool="fast"))  # 12 MiB short: two 8 MiB victims
-    alive = {x.id for x in svc.store.buffers()}
+    alive = {x.id for x in svc.store.buffers.buffers()}
     assert alive == {elsewhere.id, cache[2].id, keep.id, got.id}
     assert pool_named(svc, "fast").used_bytes == 28 * MiB
     assert allocated(svc, "fast") == 28 * MiB
@@ -323,7 +323,7 @@ def test_capacity_eviction_takes_any_tenants_evictable_buffers_in_that_pool(svc:
         svc.reserves.reserve(
             b, req(13 * MiB, pool="fast")
         )  # 9 MiB short, 8 evictable: nothing goes
-    assert cache[2].id in {x.id for x in svc.store.buffers()}
+    assert cache[2].id in {x.id for x in svc.store.buffers.buffers()}
 
 
 # -- checkpoints and shutdown ---------------------------------------------------------------
@@ -338,7 +338,7 @@ def test_checkpoint_writes_a_new_file_then_drops_the_old_one(svc: Service) -> No
         view(svc, buf.id)[:] = v
         ck = svc.buffers.checkpoint(who, buf.id)
         assert ck.checksum == hashlib.sha256(bytes([v]) * MiB).hexdigest()
-        row = svc.store.buffer(buf.id)
+        row = svc.store.buffers.buffer(buf.id)
         assert row is not None
         assert row.checksum == ck.checksum
         paths.append(row.checkpoint_path)
@@ -423,9 +423,9 @@ def test_close_checkpoints_persistent_and_releases_volatile(tmp_path: Path) -> N
     s2 = Service(settings(tmp_path))
     s2.start(reaper=False)
     try:
-        assert [b.id for b in s2.store.buffers(states=None)] == [pers.id]
+        assert [b.id for b in s2.store.buffers.buffers(states=None)] == [pers.id]
         assert np.all(view(s2, pers.id) == 77)
-        assert s2.store.buffer(vol.id) is None
+        assert s2.store.buffers.buffer(vol.id) is None
         assert live_pool(s2, pers.pool_id).pool.used == MiB
     finally:
         s2.close()
@@ -459,14 +459,14 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
             expires_at=now + 600,
             last_used_at=now,
         )
-        s.store.begin_reserve(r)
+        s.store.reserves.begin_reserve(r)
         if state != "reserving":
-            s.store.set_state(r.id, state)
+            s.store.buffers.set_state(r.id, state)
         for k, v in kw.items():
             if k == "content":
                 path = spill / f"{r.id}.1.ckpt"
                 path.write_bytes(v)
-                s.store.set_checkpoint(
+                s.store.buffers.set_checkpoint(
                     r.id, str(path), kw.get("checksum") or hashlib.sha256(v).hexdigest(), now
                 )
         return r
@@ -491,7 +491,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
     s2 = Service(settings(tmp_path))
     s2.start(reaper=False)
     try:
-        rows = s2.store.buffers(states=None)
+        rows = s2.store.buffers.buffers(states=None)
         assert [r.id for r in rows] == [restored.id]
         assert rows[0].state == "live"
         assert bytes(view(s2, restored.id)) == good
@@ -500,7 +500,7 @@ def test_recover_settles_what_a_crash_leaves(tmp_path: Path) -> None:
             assert p.used_bytes == (MiB if p.name == "pers" else 0)
         assert sorted(os.listdir(spill)) == [f"{restored.id}.1.ckpt"]
         assert s2.tenants.info(t.id).used_bytes == MiB
-        kinds = [e.kind for e in s2.store.events(50)]
+        kinds = [e.kind for e in s2.store.events.events(50)]
         assert kinds.count("recover") == len(lost)
         # Recovery is idempotent: a second pass has nothing to do.
         assert s2.recovery.recover() == {}
@@ -530,14 +530,14 @@ def test_reap_leaves_a_lease_renewed_after_the_query(
 ) -> None:
     who = tenant(svc)
     buf = svc.reserves.reserve(who, req(MiB, ttl_s=1))
-    expired = svc.store.expired
+    expired = svc.store.buffers.expired
 
     def expired_then_renewed(now: float, host: str) -> list[BufferRow]:
         rows = expired(now, host)
         svc.buffers.renew(who, buf.id, 600)  # the tenant renews in between
         return rows
 
-    monkeypatch.setattr(svc.store, "expired", expired_then_renewed)
+    monkeypatch.setattr(svc.store.buffers, "expired", expired_then_renewed)
     assert svc.reaper.reap(time.time() + 5) == 0
     assert svc.buffers.buffer(who, buf.id).state == "live"
 
@@ -568,16 +568,16 @@ def test_a_revocation_racing_a_first_check_is_not_cached(
     svc: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     new = svc.tenants.create("racing", MiB)
-    read = svc.store.key_by_digest
+    read = svc.store.tenants.key_by_digest
 
     def read_then_revoke(digest: bytes) -> KeyRow | None:
         row = read(digest)  # the check saw the key valid …
         svc.tenants.revoke_key(new.id, new.key_id)  # … and the admin revoked it right after
         return row
 
-    monkeypatch.setattr(svc.store, "key_by_digest", read_then_revoke)
+    monkeypatch.setattr(svc.store.tenants, "key_by_digest", read_then_revoke)
     svc.auth.authenticate(new.api_key)  # in flight before the revocation: allowed once
-    monkeypatch.setattr(svc.store, "key_by_digest", read)
+    monkeypatch.setattr(svc.store.tenants, "key_by_digest", read)
     with pytest.raises(errors.Unauthorized):
         svc.auth.authenticate(new.api_key)  # but never remembered
 
@@ -698,10 +698,10 @@ def test_at_the_region_budget_a_reserve_is_a_507_and_the_ledger_is_untouched(
     who = tenant(svc)
     svc.budget.budget = svc.budget.held() + 1  # one region more, then the budget is full
     svc.reserves.reserve(who, req(4096, pool="fast"))
-    before = svc.store.buffers(states=None)
+    before = svc.store.buffers.buffers(states=None)
     with pytest.raises(errors.ResourceLimit, match="open files"):
         svc.reserves.reserve(who, req(4096, pool="fast"))
-    assert svc.store.buffers(states=None) == before
+    assert svc.store.buffers.buffers(states=None) == before
     assert sample(svc, "maasd_reserve_total", outcome="resource-limit") == 1
 
 
@@ -718,7 +718,7 @@ def test_a_kernel_out_of_files_on_reserve_is_a_507_naming_the_limit(
     monkeypatch.setattr(_sys, "memfd_create", emfile)
     with pytest.raises(errors.ResourceLimit, match="RLIMIT_NOFILE"):
         svc.reserves.reserve(who, req(4096, pool="fast"))
-    assert svc.store.buffers(states=None) == []
+    assert svc.store.buffers.buffers(states=None) == []
     assert allocated(svc, "fast") == 0
 
 
@@ -788,8 +788,8 @@ def test_a_tenant_delete_during_a_reserve_burst_finishes(svc: Service, trial: in
     assert any(not isinstance(r, Exception) for r in results)
     failed = {type(r) for r in results if isinstance(r, Exception)}
     assert failed <= {errors.Unauthorized, errors.StateConflict, errors.NotFound}, failed
-    assert svc.store.buffers(tenant_id=who.tenant_id, states=None) == []
-    assert svc.store.tenant(who.tenant_id or "") is None
+    assert svc.store.buffers.buffers(tenant_id=who.tenant_id, states=None) == []
+    assert svc.store.tenants.tenant(who.tenant_id or "") is None
     svc.reclaimer.drain()
     assert svc.regions.buffer_ids() == []
     assert allocated(svc, "fast") == 0
@@ -808,7 +808,7 @@ def test_a_pool_drain_during_a_reserve_burst_finishes(svc: Service) -> None:
     runner.join(30)
     failed = {type(r) for r in results if isinstance(r, Exception)}
     assert failed <= {errors.StateConflict, errors.NotFound, errors.PoolExhausted}, failed
-    assert svc.store.buffers(pool_id=extra.id, states=None) == []
+    assert svc.store.buffers.buffers(pool_id=extra.id, states=None) == []
     assert svc.live.get(extra.id) is None
     assert svc.regions.buffer_ids() == []
     with pytest.raises(errors.NotFound):
@@ -818,7 +818,7 @@ def test_a_pool_drain_during_a_reserve_burst_finishes(svc: Service) -> None:
 def test_a_pool_being_drained_takes_no_reserve_and_is_no_candidate(svc: Service) -> None:
     who = tenant(svc)
     fast = pool_named(svc, "fast")
-    at = svc.store.mark_pool_deleting(fast.id)
+    at = svc.store.pools.mark_pool_deleting(fast.id)
     live = live_pool(svc, fast.id)
     live.row = msgspec.structs.replace(live.row, deleting_at=at)
     with pytest.raises(errors.StateConflict, match="being deleted"):
@@ -837,17 +837,17 @@ def test_a_delete_cut_short_by_a_crash_finishes_at_the_next_start(tmp_path: Path
     other = tenant(s, name="other")
     s.reserves.reserve(other, req(MiB, pool="tmp"))
     # what a SIGKILL right after the marks leaves: both marked, nothing released yet
-    s.store.mark_tenant_deleting(who.tenant_id or "")
-    s.store.mark_pool_deleting(extra.id)
+    s.store.tenants.mark_tenant_deleting(who.tenant_id or "")
+    s.store.pools.mark_pool_deleting(extra.id)
     s.store.dispose()
 
     s2 = Service(settings(tmp_path))
     s2.start(reaper=False)
     try:
-        assert s2.store.tenant(who.tenant_id or "") is None
-        assert s2.store.deleting_tenants() == []
+        assert s2.store.tenants.tenant(who.tenant_id or "") is None
+        assert s2.store.tenants.deleting_tenants() == []
         assert "tmp" not in {p.name for p in s2.pools.infos()}
-        assert s2.store.buffers(states=None) == []
+        assert s2.store.buffers.buffers(states=None) == []
         assert {e.kind for e in s2.tenants.events(50)} >= {"tenant_delete", "pool_delete"}
     finally:
         s2.close()
@@ -866,8 +866,10 @@ def test_close_releases_volatile_buffers_in_one_statement(tmp_path: Path, monkey
         np.frombuffer(r.view(), dtype=np.uint8)[:] = 9
     handles = [s.handles.open(who, b.id) for b in bufs[:3]]
     singles: list[str] = []
-    monkeypatch.setattr(s.store, "mark_releasing", lambda *_a, **_k: singles.append("mark"))
-    monkeypatch.setattr(s.store, "finish_release", lambda *_a, **_k: singles.append("finish"))
+    monkeypatch.setattr(s.store.buffers, "mark_releasing", lambda *_a, **_k: singles.append("mark"))
+    monkeypatch.setattr(
+        s.store.reserves, "finish_release", lambda *_a, **_k: singles.append("finish")
+    )
     try:
         s.close()
         assert singles == []  # no round trip per buffer
@@ -880,8 +882,8 @@ def test_close_releases_volatile_buffers_in_one_statement(tmp_path: Path, monkey
     s2 = Service(settings(tmp_path))
     try:
         s2.store.upgrade()
-        assert s2.store.buffers(states=None) == []
-        assert len([e for e in s2.store.events(1000) if e.kind == "shutdown"]) == 50
+        assert s2.store.buffers.buffers(states=None) == []
+        assert len([e for e in s2.store.events.events(1000) if e.kind == "shutdown"]) == 50
     finally:
         s2.store.dispose()
 
@@ -900,7 +902,7 @@ def test_close_checkpoints_persistent_buffers_together(tmp_path: Path, monkeypat
     def one_by_one(*_a: object) -> None:
         raise AssertionError("a ledger round trip per buffer")
 
-    monkeypatch.setattr(s.store, "set_checkpoint", one_by_one)
+    monkeypatch.setattr(s.store.buffers, "set_checkpoint", one_by_one)
     s.close()
     assert old_path is not None
     assert not os.path.exists(old_path)
@@ -908,7 +910,7 @@ def test_close_checkpoints_persistent_buffers_together(tmp_path: Path, monkeypat
     s2 = Service(settings(tmp_path))
     s2.start(reaper=False)
     try:
-        assert {b.id for b in s2.store.buffers(states=None)} == {b.id for b in bufs}
+        assert {b.id for b in s2.store.buffers.buffers(states=None)} == {b.id for b in bufs}
         assert np.all(view(s2, bufs[0].id) == 99)
         assert ledger_row(s2, bufs[0].id).checksum != first.checksum
         for i, b in enumerate(bufs[1:], start=2):
@@ -980,7 +982,7 @@ def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Serv
     svc.entries.commit(who, a.buffer_id, owned=True)
     b = svc.entries.put(who, "k3", 4096, pool="fast")  # the committed entry k1 is evicted
     os.close(b.fd)
-    assert {r.key for r in svc.store.buffers(tenant_id=who.tenant_id, states=None)} == {
+    assert {r.key for r in svc.store.buffers.buffers(tenant_id=who.tenant_id, states=None)} == {
         None,
         "k3",
     }

@@ -210,7 +210,7 @@ def test_a_released_entry_held_open_counts_until_its_last_description_goes(svc: 
     assert os.pread(found.fd, 8, 0) == bytes(8)  # scrubbed under the reader
     assert svc.holders.held_bytes() == size
     # Its row stays releasing: counted in the quota and the pool until it is free.
-    row = svc.store.buffer(bid)
+    row = svc.store.buffers.buffer(bid)
     assert row is not None
     assert row.state == "releasing"
     assert svc.tenants.usage(who).used_bytes == size
@@ -219,9 +219,11 @@ def test_a_released_entry_held_open_counts_until_its_last_description_goes(svc: 
     svc.handles.drop(who, bid)  # detaching changes nothing: the kernel says who holds it
     os.close(found.fd)
     assert svc.holders.held_bytes() == size  # one fd of it left
-    assert svc.store.buffer(bid) is not None
+    assert svc.store.buffers.buffer(bid) is not None
     os.close(attach.fd)
-    wait_until(lambda: svc.store.buffer(bid) is None, message="the row ends with its last fd")
+    wait_until(
+        lambda: svc.store.buffers.buffer(bid) is None, message="the row ends with its last fd"
+    )
     assert svc.holders.held_bytes() == 0
     assert svc.tenants.usage(who).used_bytes == 0
     assert pool(svc).used == taken - size
@@ -235,7 +237,7 @@ def test_a_released_entry_no_one_holds_ends_at_once(svc: Service) -> None:
     found = hit(svc.tiers.find(who, ["r"]))
     os.close(found.fd)
     svc.buffers.release(who, bid)
-    assert svc.store.buffer(bid) is None
+    assert svc.store.buffers.buffer(bid) is None
     assert svc.tenants.usage(who).used_bytes == 0
     assert svc.holders.held_bytes() == 0
 
@@ -252,15 +254,15 @@ def test_a_put_whose_row_is_released_midway_leaves_no_memory_behind(
 
     def released_meanwhile(self: MemoryPool, size: int, *args: object, **kw: object) -> object:
         region = reserve(self, size, *args, **kw)  # type: ignore[arg-type]
-        (row,) = svc.store.buffers(tenant_id=who.tenant_id, states=None)
+        (row,) = svc.store.buffers.buffers(tenant_id=who.tenant_id, states=None)
         if by == "admin_delete":
             svc.buffers.release(admin, row.id)
         elif by == "tenant_delete":  # what a tenant delete (or the reaper) does per buffer
             svc.buffers._releaser.release_row(row, reason="tenant_delete")
         else:  # this host forgotten while cut off: its rows gone, then its fence
-            svc.store.finish_release(row.id, kind="tenant_delete")
+            svc.store.reserves.finish_release(row.id, kind="tenant_delete")
             svc.hosts.fence()
-        assert svc.store.buffer(row.id) is None
+        assert svc.store.buffers.buffer(row.id) is None
         return region
 
     monkeypatch.setattr(MemoryPool, "reserve", released_meanwhile)
@@ -289,7 +291,7 @@ def test_a_put_reads_nothing_after_its_admission(svc: Service) -> None:
     os.close(handle.fd)
     last_write = max(i for i, word in enumerate(seen) if word in ("INSERT", "UPDATE", "DELETE"))
     assert "SELECT" not in seen[last_write + 1 :]
-    assert svc.store.buffer(handle.buffer_id).state == "staged"  # type: ignore[union-attr]
+    assert svc.store.buffers.buffer(handle.buffer_id).state == "staged"  # type: ignore[union-attr]
     assert len(svc.regions.puts) == 0
 
 

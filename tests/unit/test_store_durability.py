@@ -65,16 +65,16 @@ def test_sqlite_picks_the_level_per_transaction(sqlite_store: Store) -> None:
     pool, tenant = make_pool(s), make_tenant(s)
     levels = Levels(s)
     lax = buf(tenant, pool, 100, key="k1")
-    s.begin_reserve(lax, durable=False)
-    s.set_state(lax.id, "live", durable=False)
-    s.mark_releasing(lax.id, None, durable=False)
-    s.finish_release(lax.id, "release", durable=False)
+    s.reserves.begin_reserve(lax, durable=False)
+    s.buffers.set_state(lax.id, "live", durable=False)
+    s.buffers.mark_releasing(lax.id, None, durable=False)
+    s.reserves.finish_release(lax.id, "release", durable=False)
     assert levels.take() == [NORMAL] * 4
     firm = buf(tenant, pool, 100, key="k2")
-    s.begin_reserve(firm)
-    s.set_state(firm.id, "live")
-    s.mark_releasing(firm.id, None)
-    s.finish_release(firm.id, "release")
+    s.reserves.begin_reserve(firm)
+    s.buffers.set_state(firm.id, "live")
+    s.buffers.mark_releasing(firm.id, None)
+    s.reserves.finish_release(firm.id, "release")
     assert levels.take() == [FULL] * 4
     make_tenant(s, "other")  # everything that is not about a buffer: always durable
     assert levels.take() == [FULL]
@@ -83,9 +83,9 @@ def test_sqlite_picks_the_level_per_transaction(sqlite_store: Store) -> None:
 def test_batched_uses_never_wait_for_the_disk(sqlite_store: Store) -> None:
     s = sqlite_store
     row = buf(make_tenant(s), make_pool(s), 100)
-    s.begin_reserve(row)
+    s.reserves.begin_reserve(row)
     levels = Levels(s)
-    s.touch_many({row.id: 5.0})
+    s.buffers.touch_many({row.id: 5.0})
     assert levels.take() == [NORMAL]
 
 
@@ -97,12 +97,12 @@ def test_a_pooled_connection_is_back_to_full(tmp_path: Any) -> None:
         pool, tenant = make_pool(s), make_tenant(s)
         levels = Levels(s)
         rows = [buf(tenant, pool, 10) for _ in range(3)]
-        s.begin_reserve(rows[0], durable=False)
-        s.begin_reserve(rows[1])
-        s.begin_reserve(rows[2], durable=False)
-        s.set_state(rows[2].id, "live")  # a single statement, durable
-        assert s.tenants()  # a read in between changes nothing
-        s.finish_release(rows[0].id, "release")
+        s.reserves.begin_reserve(rows[0], durable=False)
+        s.reserves.begin_reserve(rows[1])
+        s.reserves.begin_reserve(rows[2], durable=False)
+        s.buffers.set_state(rows[2].id, "live")  # a single statement, durable
+        assert s.tenants.tenants()  # a read in between changes nothing
+        s.reserves.finish_release(rows[0].id, "release")
         assert levels.take() == [NORMAL, FULL, NORMAL, FULL, FULL]
         assert len(levels.connections) == 1  # all on the same DBAPI connection
     finally:
@@ -117,8 +117,8 @@ def test_a_failed_lax_transaction_leaves_the_next_durable(tmp_path: Any) -> None
         pool, tenant = make_pool(s), make_tenant(s, quota=100)
         levels = Levels(s)
         with pytest.raises(Exception, match="quota"):
-            s.begin_reserve(buf(tenant, pool, 1000), durable=False)
-        s.begin_reserve(buf(tenant, pool, 10))
+            s.reserves.begin_reserve(buf(tenant, pool, 1000), durable=False)
+        s.reserves.begin_reserve(buf(tenant, pool, 10))
         assert levels.take() == [FULL]
     finally:
         s.dispose()
@@ -136,9 +136,9 @@ def test_postgres_waits_for_every_commit() -> None:
             pool, tenant = make_pool(s), make_tenant(s)
             levels = Levels(s)
             row = buf(tenant, pool, 10)
-            s.begin_reserve(row, durable=False)
-            s.set_state(row.id, "live", durable=False)
-            s.touch_many({row.id: 5.0})
+            s.reserves.begin_reserve(row, durable=False)
+            s.buffers.set_state(row.id, "live", durable=False)
+            s.buffers.touch_many({row.id: 5.0})
             assert levels.take() == ["on"] * 3
         finally:
             s.dispose()

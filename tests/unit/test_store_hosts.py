@@ -24,7 +24,7 @@ NONE = 0.0  # a heartbeat is never younger than this: the host is silent
 
 
 def hosts(store: Store) -> dict[str, HostUsage]:
-    return {h.name: h for h in store.hosts()}
+    return {h.name: h for h in store.hosts.hosts()}
 
 
 def test_the_database_clock_is_epoch_seconds(store: Store) -> None:
@@ -35,42 +35,42 @@ def test_the_database_clock_is_epoch_seconds(store: Store) -> None:
 
 def test_a_claim_a_heartbeat_and_a_clean_stop(store: Store) -> None:
     first = new_id()
-    assert store.claim_host("h1", first, 0.5, stale_s=LONG) is None
-    (h,) = store.hosts()
+    assert store.hosts.claim_host("h1", first, 0.5, stale_s=LONG) is None
+    (h,) = store.hosts.hosts()
     assert (h.name, h.incarnation, h.heartbeat_s, h.stopped_at) == ("h1", first, 0.5, None)
     assert h.started_at <= h.last_seen <= h.now
-    assert store.heartbeat("h1", first)
-    assert store.hosts()[0].last_seen >= h.last_seen
-    assert not store.heartbeat("h1", new_id())  # another incarnation's beat does not count
-    assert not store.heartbeat("h2", first)
-    store.stop_host("h1", first)
-    assert store.hosts()[0].stopped_at is not None
-    assert not store.heartbeat("h1", first)  # a stopped host does not beat again
+    assert store.hosts.heartbeat("h1", first)
+    assert store.hosts.hosts()[0].last_seen >= h.last_seen
+    assert not store.hosts.heartbeat("h1", new_id())  # another incarnation's beat does not count
+    assert not store.hosts.heartbeat("h2", first)
+    store.hosts.stop_host("h1", first)
+    assert store.hosts.hosts()[0].stopped_at is not None
+    assert not store.hosts.heartbeat("h1", first)  # a stopped host does not beat again
 
 
 def test_a_second_claim_is_refused_while_the_first_beats(store: Store) -> None:
     first, second = new_id(), new_id()
-    assert store.claim_host("h1", first, 1.0, stale_s=LONG) is None
-    other = store.claim_host("h1", second, 1.0, stale_s=LONG)
+    assert store.hosts.claim_host("h1", first, 1.0, stale_s=LONG) is None
+    other = store.hosts.claim_host("h1", second, 1.0, stale_s=LONG)
     assert other is not None
     assert other.incarnation == first
     # ... unless it is exactly the row the caller watched not move (a dead previous run)
-    assert store.claim_host("h1", second, 1.0, stale_s=LONG, take_over=other) is None
+    assert store.hosts.claim_host("h1", second, 1.0, stale_s=LONG, take_over=other) is None
     assert hosts(store)["h1"].incarnation == second
-    assert not store.heartbeat("h1", first)  # the old run learns it lost the name
+    assert not store.hosts.heartbeat("h1", first)  # the old run learns it lost the name
     # a row that moved since it was watched is not taken over
-    assert store.heartbeat("h1", second)
-    assert store.claim_host("h1", new_id(), 1.0, stale_s=LONG, take_over=other) is not None
+    assert store.hosts.heartbeat("h1", second)
+    assert store.hosts.claim_host("h1", new_id(), 1.0, stale_s=LONG, take_over=other) is not None
 
 
 def test_a_silent_or_stopped_host_is_claimed_at_once(store: Store) -> None:
     first = new_id()
-    store.claim_host("h1", first, 1.0, stale_s=LONG)
-    assert store.claim_host("h1", new_id(), 1.0, stale_s=NONE) is None  # silent
+    store.hosts.claim_host("h1", first, 1.0, stale_s=LONG)
+    assert store.hosts.claim_host("h1", new_id(), 1.0, stale_s=NONE) is None  # silent
     second = hosts(store)["h1"].incarnation
-    store.stop_host("h1", second)
+    store.hosts.stop_host("h1", second)
     third = new_id()
-    assert store.claim_host("h1", third, 1.0, stale_s=LONG) is None  # stopped
+    assert store.hosts.claim_host("h1", third, 1.0, stale_s=LONG) is None  # stopped
     h = hosts(store)["h1"]
     assert (h.incarnation, h.stopped_at) == (third, None)
 
@@ -81,25 +81,25 @@ def test_forgetting_a_host_releases_its_buffers_and_drops_its_pools(store: Store
     keep = reserve_live(store, buf(t, mine, 1000))
     lost = [reserve_live(store, buf(t, theirs, 2000)), reserve_live(store, buf(t, theirs, 3000))]
     for name in ("here", "gone"):
-        store.claim_host(name, new_id(), 1.0, stale_s=LONG)
+        store.hosts.claim_host(name, new_id(), 1.0, stale_s=LONG)
     assert hosts(store)["gone"].used_bytes == 5000
     assert hosts(store)["gone"].pools == 1
 
     before = snapshot(store)
     with pytest.raises(StateConflict, match="serving"):
-        store.forget_host("gone", stale_s=LONG)
+        store.hosts.forget_host("gone", stale_s=LONG)
     assert snapshot(store) == before  # a refused forget changes nothing
     with pytest.raises(NotFound):
-        store.forget_host("never", stale_s=NONE)
+        store.hosts.forget_host("never", stale_s=NONE)
 
-    gone = store.forget_host("gone", stale_s=NONE)
+    gone = store.hosts.forget_host("gone", stale_s=NONE)
     assert sorted(b.id for b in gone) == sorted(b.id for b in lost)
     assert set(hosts(store)) == {"here"}
-    assert [p.host for p in store.all_pools()] == ["here"]
-    tenant = store.tenant(t.id)
+    assert [p.host for p in store.pools.all_pools()] == ["here"]
+    tenant = store.tenants.tenant(t.id)
     assert tenant is not None
     assert tenant.used_bytes == keep.size_bytes  # only what the live host holds counts
-    kinds = [(e.kind, e.buffer_id) for e in store.events(10)]
+    kinds = [(e.kind, e.buffer_id) for e in store.events.events(10)]
     assert kinds[0] == ("host_forget", None)
     assert {b for k, b in kinds if k == "host_forget"} >= {b.id for b in lost}
 
@@ -108,11 +108,11 @@ def test_pools_of_every_host(store: Store) -> None:
     t = make_tenant(store, "acme", 10_000)
     a, b = make_pool(store, "node0", host="a"), make_pool(store, "node0", host="b")
     reserve_live(store, buf(t, b, 4096))
-    assert [(p.host, p.name) for p in store.all_pools()] == [("a", "node0"), ("b", "node0")]
-    assert store.usage_by_pool(None) == {a.id: (0, 0), b.id: (4096, 1)}
-    assert store.usage_by_pool("a") == {a.id: (0, 0)}
-    assert store.pool_row(b.id) == b
-    assert store.pool_row(new_id()) is None
+    assert [(p.host, p.name) for p in store.pools.all_pools()] == [("a", "node0"), ("b", "node0")]
+    assert store.pools.usage_by_pool(None) == {a.id: (0, 0), b.id: (4096, 1)}
+    assert store.pools.usage_by_pool("a") == {a.id: (0, 0)}
+    assert store.pools.pool_row(b.id) == b
+    assert store.pools.pool_row(new_id()) is None
 
 
 def test_a_quota_shortfall_evicts_only_on_the_reserving_host(store: Store) -> None:
@@ -122,12 +122,12 @@ def test_a_quota_shortfall_evicts_only_on_the_reserving_host(store: Store) -> No
     far = reserve_live(store, buf(t, there, 4096, evictable=True, last_used=1.0))
     near = reserve_live(store, buf(t, here, 4096, evictable=True, last_used=2.0))
     # 4096 more bytes: the least recently used entry is far, but near is the one evicted
-    victims = store.begin_reserve(buf(t, here, 4096))
+    victims = store.reserves.begin_reserve(buf(t, here, 4096))
     assert [v.id for v in victims] == [near.id]
-    store.finish_release(near.id, "evict", record=False)
+    store.reserves.finish_release(near.id, "evict", record=False)
     # now only far could make room: refused rather than evicted from here
     with pytest.raises(QuotaExceeded):
-        store.begin_reserve(buf(t, here, 4096))
-    still = store.buffer(far.id)
+        store.reserves.begin_reserve(buf(t, here, 4096))
+    still = store.buffers.buffer(far.id)
     assert still is not None
     assert still.state == "live"

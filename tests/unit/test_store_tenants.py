@@ -22,49 +22,49 @@ pytest_plugins = ("ledger",)
 
 def test_tenants(store: Store) -> None:
     t = make_tenant(store, "acme", 1000)
-    assert store.tenant(t.id) == t
+    assert store.tenants.tenant(t.id) == t
     assert (t.max_buffers, t.deleting_at, t.used_bytes, t.buffers) == (None, None, 0, 0)
-    assert store.tenant("acme") == t
-    assert store.tenant("nope") is None
+    assert store.tenants.tenant("acme") == t
+    assert store.tenants.tenant("nope") is None
     with pytest.raises(StateConflict):
         make_tenant(store, "acme")
     make_tenant(store, "beta")
-    assert [x.name for x in store.tenants()] == ["acme", "beta"]
-    store.set_quota(t.id, 5)
-    tenant = store.tenant(t.id)
+    assert [x.name for x in store.tenants.tenants()] == ["acme", "beta"]
+    store.tenants.set_quota(t.id, 5)
+    tenant = store.tenants.tenant(t.id)
     assert tenant is not None
     assert tenant.quota_bytes == 5
     with pytest.raises(NotFound):
-        store.set_quota(new_id(), 5)
+        store.tenants.set_quota(new_id(), 5)
     with pytest.raises(InvalidRequest):
-        store.set_quota(t.id, -1)
+        store.tenants.set_quota(t.id, -1)
 
 
 def test_tenant_usage(store: Store) -> None:
     pool, t = make_pool(store), make_tenant(store)
     reserve_live(store, buf(t, pool, 100))
-    store.begin_reserve(buf(t, pool, 50))  # reserving counts too
-    tenant = store.tenant(t.id)
+    store.reserves.begin_reserve(buf(t, pool, 50))  # reserving counts too
+    tenant = store.tenants.tenant(t.id)
     assert tenant is not None
     assert (tenant.used_bytes, tenant.buffers) == (150, 2)
-    assert store.usage_by_pool(HOST) == {pool.id: (150, 2)}
+    assert store.pools.usage_by_pool(HOST) == {pool.id: (150, 2)}
 
 
 def test_delete_tenant(store: Store) -> None:
     pool, t = make_pool(store), make_tenant(store)
     token = new_token()
-    store.add_key(new_id(), t.id, digest(token), NOW)
+    store.tenants.add_key(new_id(), t.id, digest(token), NOW)
     row = reserve_live(store, buf(t, pool, 100))
     with pytest.raises(StateConflict):
-        store.delete_tenant(t.id)
-    assert store.tenant(t.id) is not None
-    store.mark_releasing(row.id, t.id)
-    store.finish_release(row.id, "tenant_delete")
-    store.delete_tenant(t.id)
-    assert store.tenant(t.id) is None
-    assert store.key_by_digest(digest(token)) is None
+        store.tenants.delete_tenant(t.id)
+    assert store.tenants.tenant(t.id) is not None
+    store.buffers.mark_releasing(row.id, t.id)
+    store.reserves.finish_release(row.id, "tenant_delete")
+    store.tenants.delete_tenant(t.id)
+    assert store.tenants.tenant(t.id) is None
+    assert store.tenants.key_by_digest(digest(token)) is None
     with pytest.raises(NotFound):
-        store.delete_tenant(t.id)
+        store.tenants.delete_tenant(t.id)
     make_tenant(store, "acme")  # the name is free again
 
 
@@ -72,21 +72,21 @@ def test_delete_tenant(store: Store) -> None:
 def test_keys(store: Store) -> None:
     t, other = make_tenant(store, "acme"), make_tenant(store, "beta")
     token = new_token()
-    k = store.add_key(new_id(), t.id, digest(token), NOW)
-    assert store.key_by_digest(digest(token)) == k
-    assert store.key_by_digest(digest(new_token())) is None
-    assert store.revoke_key(other.id, k.id) is False  # foreign
-    assert store.revoke_key(t.id, new_id()) is False  # unknown
-    assert store.revoke_key(t.id, k.id) is True
-    assert store.key_by_digest(digest(token)) is None
-    assert store.revoke_key(t.id, k.id) is False  # already revoked
+    k = store.tenants.add_key(new_id(), t.id, digest(token), NOW)
+    assert store.tenants.key_by_digest(digest(token)) == k
+    assert store.tenants.key_by_digest(digest(new_token())) is None
+    assert store.tenants.revoke_key(other.id, k.id) is False  # foreign
+    assert store.tenants.revoke_key(t.id, new_id()) is False  # unknown
+    assert store.tenants.revoke_key(t.id, k.id) is True
+    assert store.tenants.key_by_digest(digest(token)) is None
+    assert store.tenants.revoke_key(t.id, k.id) is False  # already revoked
     t2 = [new_token() for _ in range(3)]
     for tok in t2:
-        store.add_key(new_id(), t.id, digest(tok), NOW)
-    assert store.revoke_keys(t.id) == 3
-    assert all(store.key_by_digest(digest(tok)) is None for tok in t2)
+        store.tenants.add_key(new_id(), t.id, digest(tok), NOW)
+    assert store.tenants.revoke_keys(t.id) == 3
+    assert all(store.tenants.key_by_digest(digest(tok)) is None for tok in t2)
     with pytest.raises(NotFound):
-        store.add_key(new_id(), new_id(), digest(new_token()), NOW)
+        store.tenants.add_key(new_id(), new_id(), digest(new_token()), NOW)
 
 
 def test_a_tenants_disk_quota(store: Store) -> None:
@@ -95,27 +95,27 @@ def test_a_tenants_disk_quota(store: Store) -> None:
     t = make_tenant(store, "acme", 1000)
     assert t.disk_quota_bytes is None  # the default: disk_quota_factor × the quota
     assert disk_quota(t, 4) == 4000
-    own = store.add_tenant(new_id(), "beta", 1000, NOW, disk_quota_bytes=123)
-    assert store.tenant(own.id) == own
+    own = store.tenants.add_tenant(new_id(), "beta", 1000, NOW, disk_quota_bytes=123)
+    assert store.tenants.tenant(own.id) == own
     assert own.disk_quota_bytes == 123
     assert disk_quota(own, 4) == 123
     info = tenant_info(own, 10, disk_factor=4, disk_used=77)
     assert (info.disk_quota_bytes, info.disk_used_bytes) == (123, 77)
     with pytest.raises(InvalidRequest):
-        store.add_tenant(new_id(), "gamma", 1000, NOW, disk_quota_bytes=-1)
-    assert store.tenant("gamma") is None
-    store.update_tenant(t.id, disk_quota_bytes=0)  # nothing of it kept on disk
-    after = store.tenant(t.id)
+        store.tenants.add_tenant(new_id(), "gamma", 1000, NOW, disk_quota_bytes=-1)
+    assert store.tenants.tenant("gamma") is None
+    store.tenants.update_tenant(t.id, disk_quota_bytes=0)  # nothing of it kept on disk
+    after = store.tenants.tenant(t.id)
     assert after is not None
     assert (after.disk_quota_bytes, after.quota_bytes, after.max_buffers) == (0, 1000, None)
     assert disk_quota(after, 4) == 0
-    events = [e for e in store.events(10, tenant_id=t.id) if e.kind == "disk_quota_set"]
+    events = [e for e in store.events.events(10, tenant_id=t.id) if e.kind == "disk_quota_set"]
     assert [e.bytes for e in events] == [0]
     with pytest.raises(InvalidRequest):
-        store.update_tenant(t.id, disk_quota_bytes=-5)
+        store.tenants.update_tenant(t.id, disk_quota_bytes=-5)
     with pytest.raises(NotFound):
-        store.update_tenant(new_id(), disk_quota_bytes=5)
-    assert store.tenant(t.id) == after
+        store.tenants.update_tenant(new_id(), disk_quota_bytes=5)
+    assert store.tenants.tenant(t.id) == after
 
 
 def test_a_repository_stands_alone_over_the_database_it_is_handed(store: Store) -> None:
@@ -128,7 +128,7 @@ def test_a_repository_stands_alone_over_the_database_it_is_handed(store: Store) 
     tenants = TenantRepo(store.db)
     tid = new_id()
     tenants.add_tenant(tid, "alone", 1 << 20, 1.0)
-    assert store.tenant(tid) is not None
+    assert store.tenants.tenant(tid) is not None
     assert [t.id for t in tenants.tenants() if t.id == tid] == [tid]
     assert tenants.is_postgres == store.is_postgres
     assert [e.kind for e in EventRepo(store.db).events(tenant_id=tid)] == ["tenant_create"]

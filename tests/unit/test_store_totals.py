@@ -22,9 +22,9 @@ pytest_plugins = ("ledger",)
 
 def sums(store: Store) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
     """What the rows say, summed here in Python: per tenant and per pool, (bytes, count)."""
-    by_tenant: dict[str, tuple[int, int]] = {t.id: (0, 0) for t in store.tenants()}
-    by_pool: dict[str, tuple[int, int]] = {p.id: (0, 0) for p in store.all_pools()}
-    for b in store.buffers(states=None):
+    by_tenant: dict[str, tuple[int, int]] = {t.id: (0, 0) for t in store.tenants.tenants()}
+    by_pool: dict[str, tuple[int, int]] = {p.id: (0, 0) for p in store.pools.all_pools()}
+    for b in store.buffers.buffers(states=None):
         for d, k in ((by_tenant, b.tenant_id), (by_pool, b.pool_id)):
             n, c = d[k]
             d[k] = (n + b.size_bytes, c + 1)
@@ -34,14 +34,14 @@ def sums(store: Store) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int,
 def totals(store: Store) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
     """What the ledger's totals say (the tenants' rows, the pools' usage)."""
     return (
-        {t.id: (t.used_bytes, t.buffers) for t in store.tenants()},
-        store.usage_by_pool(None),
+        {t.id: (t.used_bytes, t.buffers) for t in store.tenants.tenants()},
+        store.pools.usage_by_pool(None),
     )
 
 
 def assert_exact(store: Store) -> None:
     assert totals(store) == sums(store)
-    assert store.check_totals() == []
+    assert store.totals.check_totals() == []
 
 
 # ------------------------------------------------------------------------ the arithmetic
@@ -70,13 +70,13 @@ def test_every_row_change_moves_the_totals_of_its_tenant_and_pool(store: Store) 
     )
     assert_exact(store)
     # Releasing still counts (memory being scrubbed is memory in use): no change yet.
-    store.mark_releasing(a1.id, a.id)
+    store.buffers.mark_releasing(a1.id, a.id)
     assert totals(store)[0][a.id] == (300, 2)
-    store.finish_release(a1.id)
+    store.reserves.finish_release(a1.id)
     assert totals(store) == ({a.id: (200, 1), b.id: (400, 1)}, {p.id: (400, 1), q.id: (200, 1)})
-    assert store.finish_release(a1.id) is None  # already gone: nothing counted twice
+    assert store.reserves.finish_release(a1.id) is None  # already gone: nothing counted twice
     assert_exact(store)
-    n = store.finish_release_many([a2.id, b1.id, new_id()], "shutdown")
+    n = store.reserves.finish_release_many([a2.id, b1.id, new_id()], "shutdown")
     assert n == 2
     assert totals(store) == ({a.id: (0, 0), b.id: (0, 0)}, {p.id: (0, 0), q.id: (0, 0)})
     assert_exact(store)
@@ -88,12 +88,12 @@ def test_a_refused_reserve_and_a_failed_one_leave_the_totals_as_they_were(store:
     before = totals(store)
     for bad in (buf(t, p, 101), buf(t, p, 1, key="k"), buf(t, p, 2000)):
         with pytest.raises(MaasdError):
-            store.begin_reserve(bad)
+            store.reserves.begin_reserve(bad)
         assert totals(store) == before
     row = buf(t, p, 50)
-    store.begin_reserve(row)  # admitted, then its memory could not be made
+    store.reserves.begin_reserve(row)  # admitted, then its memory could not be made
     assert totals(store)[0][t.id] == (450, 2)
-    store.finish_release(row.id, kind="reserve_failed")
+    store.reserves.finish_release(row.id, kind="reserve_failed")
     assert totals(store) == before
     assert_exact(store)
 
@@ -102,13 +102,13 @@ def test_eviction_counts_its_victims_until_their_release_finishes(store: Store) 
     p, t = make_pool(store, capacity=10_000), make_tenant(store, quota=300)
     old = [reserve_live(store, buf(t, p, 100, evictable=True)) for _ in range(3)]
     row = buf(t, p, 150)
-    victims = store.begin_reserve(row)
+    victims = store.reserves.begin_reserve(row)
     assert [v.id for v in victims] == [old[0].id, old[1].id]
     # The victims are releasing, the new row reserving: all counted, over the quota a while.
     assert totals(store)[0][t.id] == (450, 4)
     assert_exact(store)
     for v in victims:
-        store.finish_release(v.id, "evict", record=False)
+        store.reserves.finish_release(v.id, "evict", record=False)
     assert totals(store)[0][t.id] == (250, 2)
     assert_exact(store)
 
@@ -119,10 +119,10 @@ def test_a_forgotten_hosts_buffers_leave_the_totals(store: Store) -> None:
     reserve_live(store, buf(t, here, 100))
     for _ in range(3):
         reserve_live(store, buf(t, there, 10))
-    store.claim_host("dead", new_id(), 1.0, stale_s=1.0)
+    store.hosts.claim_host("dead", new_id(), 1.0, stale_s=1.0)
     with store.engine.begin() as conn:  # its heartbeat long ago
         conn.execute(sa.update(schema.hosts).values(last_seen=0.0))
-    gone = store.forget_host("dead", stale_s=1.0)
+    gone = store.hosts.forget_host("dead", stale_s=1.0)
     assert len(gone) == 3
     assert totals(store) == ({t.id: (100, 1)}, {here.id: (100, 1)})
     assert_exact(store)
@@ -151,17 +151,17 @@ def test_a_drift_is_found_and_mended_under_the_rows_lock(store: Store) -> None:
     with store.engine.begin() as conn:  # what a bug (or a hand-made edit) would leave
         conn.execute(sa.update(T).where(T.c.id == t.id).values(used_bytes=7, buffers=9))
         conn.execute(sa.update(P).where(P.c.id == p.id).values(buffers=0))
-    found = store.check_totals()
+    found = store.totals.check_totals()
     assert found == [
         Drift("tenant", t.id, (7, 9), (100, 1)),
         Drift("pool", p.id, (100, 0), (100, 1)),
     ]
-    assert store.check_totals() == found  # a check alone changes nothing
-    assert store.check_totals(repair=True) == found
+    assert store.totals.check_totals() == found  # a check alone changes nothing
+    assert store.totals.check_totals(repair=True) == found
     assert_exact(store)
     # and the reserve decides by the mended totals: 9,900 bytes left, not 9,993
     with pytest.raises(MaasdError, match="uses 100 of its 10000"):
-        store.begin_reserve(buf(t, p, 9901))
+        store.reserves.begin_reserve(buf(t, p, 9901))
 
 
 def test_the_migration_back_fills_the_totals_from_the_rows(store: Store) -> None:
@@ -190,12 +190,12 @@ def test_totals_stay_exact_under_concurrent_reserves_evictions_and_releases(
     def work(i: int) -> Any:
         t = tenants[i % 2]
         row = buf(t, pool, 100, evictable=True, last_used=NOW + i)
-        for victim in store.begin_reserve(row):
-            store.finish_release(victim.id, "evict", record=False)
-        store.set_state(row.id, "live")
+        for victim in store.reserves.begin_reserve(row):
+            store.reserves.finish_release(victim.id, "evict", record=False)
+        store.buffers.set_state(row.id, "live")
         if i % 3 == 0:  # and some released by their tenant
-            store.mark_releasing(row.id, t.id)
-            store.finish_release(row.id)
+            store.buffers.mark_releasing(row.id, t.id)
+            store.reserves.finish_release(row.id)
         return row.id
 
     results = hammer(8, 25, work)
@@ -211,13 +211,17 @@ def test_totals_stay_exact_under_concurrent_reserves_evictions_and_releases(
 def test_a_tenant_delete_after_its_releases_leaves_no_total_behind(store: Store) -> None:
     p, t = make_pool(store, capacity=10_000), make_tenant(store, quota=10_000)
     rows = [reserve_live(store, buf(t, p, 100)) for _ in range(4)]
-    store.mark_tenant_deleting(t.id, now=NOW)
-    hammer(4, 1, lambda i: store.finish_release(store.mark_releasing(rows[i].id, None).id))
+    store.tenants.mark_tenant_deleting(t.id, now=NOW)
+    hammer(
+        4,
+        1,
+        lambda i: store.reserves.finish_release(store.buffers.mark_releasing(rows[i].id, None).id),
+    )
     assert totals(store) == ({t.id: (0, 0)}, {p.id: (0, 0)})
-    store.delete_tenant(t.id)
+    store.tenants.delete_tenant(t.id)
     assert totals(store) == ({}, {p.id: (0, 0)})
     assert_exact(store)
-    assert store.usage_by_pool(HOST) == {p.id: (0, 0)}
+    assert store.pools.usage_by_pool(HOST) == {p.id: (0, 0)}
 
 
 def test_every_migration_run_mends_a_drift_and_says_so(
