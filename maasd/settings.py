@@ -57,6 +57,9 @@ MIN_METRICS_KEY = 16
 DEFAULT_POOL_CAP = 8 * GiB
 #: The default pools' warm stock: 1/16 of the capacity, at most this.
 DEFAULT_WARM_CAP = 256 << 20
+#: Service calls of one caller running at once on the REST API unless told otherwise
+#: (``Settings.http_tenant_threads``; ``maasd.api.create_app``'s ``caller_threads``).
+DEFAULT_TENANT_THREADS = 16
 
 
 class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -125,7 +128,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_send_timeout_s: float = 30.0
     # Service calls of one tenant (or of the admin) running at once, of the REST API's
     # 64 threads; its further calls wait for its own to end (docs/operations.md).
-    http_tenant_threads: int = 16
+    http_tenant_threads: int = DEFAULT_TENANT_THREADS
     # The shared prefix tier (docs/scale-out.md, "The L2 tier"): a Redis or Valkey URL
     # (redis://, rediss://, unix://); needs the PostgreSQL ledger. Only the daemon uses it.
     l2_url: str | None = None

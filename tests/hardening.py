@@ -3,8 +3,9 @@
 :func:`after_attack` checks, in order: the daemon is alive; ``/healthz`` tells the
 truth (200 ``ok`` with every component healthy); another tenant can still reserve,
 attach (over the socket) and release; and the ledger equals the live memfds —
-every buffer row of the ledger has its memfd open in the daemon
-(``/proc/PID/fd``), and no buffer memfd is open without a row.
+every buffer row of the ledger (a REST buffer or a socket entry) has its memfd open
+in the daemon (``/proc/PID/fd``), once, and no buffer or entry memfd is open without
+a row (a committed entry's read-only fds, kept for the hottest: only of a row).
 
 Used by ``tests/integration/test_hardening.py`` and ``tests/soak/soak.py``.
 """
@@ -17,6 +18,7 @@ import secrets
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import httpx
@@ -26,38 +28,66 @@ from maasd.client import Worker
 if TYPE_CHECKING:
     from conftest import Daemon
 
-#: The name a buffer's memfd gets (``maasd-`` and the first 8 hex digits of its id).
-_BUFFER_MEMFD = re.compile(r"^/memfd:(maasd-[0-9a-f]{8})(?: \(deleted\))?$")
+#: The name of a buffer's or an entry's memfd: ``maasd-`` and the first 8 hex digits of
+#: its id (a REST reserve, a staged or a restored entry: maasd.core.reserve), or
+#: ``maasd-e-`` and those (an entry's sealed copy, made at its commit: maasd.core.entries).
+_REGION_MEMFD = re.compile(r"^/memfd:(maasd-(?:e-)?([0-9a-f]{8}))(?: \(deleted\))?$")
+
+
+def _fd_links(pid: int) -> Iterator[tuple[str, str]]:
+    """Each open fd of process ``pid`` (its number in /proc/PID/fd) and where it points
+    (root may read them: the daemon is not dumpable, so only root can)."""
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            yield name, os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
 
 
 def daemon_fds(pid: int) -> list[str]:
-    """Where each open fd of process ``pid`` points (root may read them: the daemon is not
-    dumpable, so only root can)."""
-    out = []
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            out.append(os.readlink(f"/proc/{pid}/fd/{name}"))
-        except OSError:
-            continue  # closed meanwhile
-    return out
+    """Where each open fd of process ``pid`` points."""
+    return [link for _, link in _fd_links(pid)]
 
 
 def memfd_of(pid: int, buffer_id: str) -> str:
     """The fd number (as in /proc/PID/fd) of the buffer's memfd in process ``pid``."""
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue  # closed meanwhile
+    for name, link in _fd_links(pid):
         if f"maasd-{buffer_id[:8]}" in link:
             return name
     raise AssertionError(f"no memfd of buffer {buffer_id} in process {pid}")
 
 
 def buffer_memfds(pid: int) -> Counter[str]:
-    """The daemon's open buffer memfds, by name."""
-    names = (_BUFFER_MEMFD.match(link) for link in daemon_fds(pid))
-    return Counter(m.group(1) for m in names if m)
+    """The daemon's open buffer memfds (``maasd-XXXXXXXX``, not an entry's copy), by name."""
+    names = (_REGION_MEMFD.match(link) for link in daemon_fds(pid))
+    return Counter(m.group(1) for m in names if m and not m.group(1).startswith("maasd-e-"))
+
+
+def _read_only(pid: int, fd: str) -> bool | None:
+    """Whether the fd was opened ``O_RDONLY`` (``None``: closed meanwhile)."""
+    try:
+        with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+            flags = next(line for line in info if line.startswith("flags:"))
+    except (OSError, StopIteration):
+        return None
+    return int(flags.split()[1], 8) & os.O_ACCMODE == os.O_RDONLY
+
+
+def region_memfds(pid: int) -> tuple[Counter[str], Counter[str]]:
+    """The daemon's open memfds of buffers and entries (both names), by name: the
+    writable ones — a region's own fd, one per buffer row of the ledger — and the
+    read-only ones, a committed entry's handle that the daemon keeps for the entries
+    last looked up (maasd.core.rofds) or is sending."""
+    regions: Counter[str] = Counter()
+    read_only: Counter[str] = Counter()
+    for fd, link in _fd_links(pid):
+        m = _REGION_MEMFD.match(link)
+        if m is None:
+            continue
+        ro = _read_only(pid, fd)
+        if ro is not None:
+            (read_only if ro else regions)[m.group(1)] += 1
+    return regions, read_only
 
 
 def ledger_ids(daemon: Daemon) -> list[str]:
@@ -71,16 +101,22 @@ def ledger_ids(daemon: Daemon) -> list[str]:
 
 
 def ledger_matches_memfds(daemon: Daemon) -> tuple[bool, str]:
-    """Whether the ledger's buffers are exactly the daemon's buffer memfds, and how not."""
+    """Whether the ledger's rows are exactly the daemon's buffer and entry memfds — one
+    writable memfd a row, and a read-only one only of a row — and how not."""
     assert daemon.proc is not None
-    want = Counter(f"maasd-{i[:8]}" for i in ledger_ids(daemon))
-    have = buffer_memfds(daemon.proc.pid)
-    if want == have:
-        return True, f"{sum(want.values())} buffers"
+    want = Counter(i[:8] for i in ledger_ids(daemon))
+    regions, read_only = region_memfds(daemon.proc.pid)
+    have = Counter(name[-8:] for name in regions.elements())
+    missing, extra = want - have, have - want
+    orphans = sorted(name for name in read_only if name[-8:] not in want)
+    if not missing and not extra and not orphans:
+        return True, f"{sum(want.values())} buffers and entries"
     return False, (
-        f"ledger has {sum(want.values())} rows, the daemon {sum(have.values())} buffer memfds; "
-        f"rows without memfd: {sorted((want - have).elements())[:5]}, "
-        f"memfds without row: {sorted((have - want).elements())[:5]}"
+        f"ledger has {sum(want.values())} rows, the daemon {sum(have.values())} buffer or "
+        f"entry memfds; rows without memfd: {sorted(missing.elements())[:5]}, "
+        f"memfds without row (or more than one of a row): "
+        f"{sorted(n for n in regions if n[-8:] in extra)[:5]}, "
+        f"read-only memfds without row: {orphans[:5]}"
     )
 
 

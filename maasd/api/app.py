@@ -42,6 +42,7 @@ from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
 from maasd.core.limits import REST_THREADS
+from maasd.settings import DEFAULT_TENANT_THREADS
 
 __all__ = ["MAX_BODY", "create_app"]
 
@@ -54,7 +55,7 @@ def create_app(
     metrics_key: str | None = None,
     metrics_public: bool = False,
     threads: int = REST_THREADS,  # the region budget keeps a transient file for each
-    caller_threads: int = 16,
+    caller_threads: int = DEFAULT_TENANT_THREADS,
 ) -> Litestar:
     """Build the app.
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Collection, Iterator
 
 from maasd.models import BufferKind
 
@@ -51,10 +52,12 @@ class Attachments:
                     self._released.pop(buffer_id, None)
             return self._by_tenant[tenant_id]
 
-    def attached_ids(self) -> frozenset[str]:
-        """The buffers some worker holds a handle of now."""
-        with self._lock:
-            return frozenset(self._by_buffer)
+    def attached_ids(self) -> Collection[str]:
+        """The buffers some worker holds a handle of, each question answered now: a
+        view, not a copy. A reserve passes it to every admission (eviction defers the
+        held ones) and most need no victim, so copying every id for each reserve, under
+        this lock, cost in proportion to the handles held for nothing."""
+        return _Attached(self._lock, self._by_buffer)
 
     def attached(self, buffer_id: str) -> int:
         """How many handles workers hold on this buffer now (attached, not yet dropped)."""
@@ -83,3 +86,22 @@ class Attachments:
                 (tenant, kind, size, self._by_buffer[buffer_id])
                 for buffer_id, (tenant, kind, size) in self._released.items()
             ]
+
+
+class _Attached(Collection[str]):
+    """:meth:`Attachments.attached_ids`: membership and size under its lock."""
+
+    def __init__(self, lock: threading.Lock, by_buffer: Counter[str]) -> None:
+        self._lock, self._by_buffer = lock, by_buffer
+
+    def __contains__(self, buffer_id: object) -> bool:
+        with self._lock:
+            return buffer_id in self._by_buffer
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_buffer)
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._by_buffer))

@@ -20,7 +20,8 @@ lowered below use holds from the tenant's next demotion on. Keys live in this ob
 only, so the tiers are emptied at start and at close.
 
 Lock order: ``_lock`` is a leaf (never held while taking a buffer's lock or the ledger;
-only the demotion writer's queue is taken inside it, to queue a write in admission order).
+only the demotion writer's queue is taken inside it, to queue a write in admission order,
+and the metrics' own leaf locks, to count a drop).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from maasd.core.livepools import LivePools
@@ -157,7 +158,7 @@ class DiskTiers:
             if tier is None:
                 return None
             used, entries = tier.policy.used, len(tier.entries)
-        c: Mapping[str, int] = self.metrics.counts.get(tier.pool) or {}
+        c = self.metrics.counts.of(tier.pool)
         return DiskTierInfo(
             used_bytes=used,
             entries=entries,

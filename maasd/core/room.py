@@ -79,8 +79,8 @@ def admit(
     held: list[BufferRow] = []
     waited = untold = 0
     deadline = time.monotonic() + EVICT_WAIT_S  # all rounds' waits together
+    attached = attachments.attached_ids()  # a view: asked only if a victim is chosen
     while waited < EVICT_ROUNDS and untold < EVICT_ROUNDS_UNTOLD:
-        attached = attachments.attached_ids()
         try:
             victims = store.begin_reserve(
                 row,
@@ -95,12 +95,13 @@ def admit(
             raise type(e)(f"{e.detail}; {_still_held(held)}") from e
         uses.clear()
         leases.clear()
+        entries = [v.id for v in victims if v.kind == "entry"]
+        told = {i for i in entries if i in attached}  # their eviction tells a connection
         for victim in victims:
             releaser.evict(victim)
-        entries = [v.id for v in victims if v.kind == "entry"]
         still = holders.wait_freed(entries, 0) if entries else set()
         left = deadline - time.monotonic()
-        if still & attached and left > 0:  # a connection was told to let go: a moment
+        if still & told and left > 0:  # a connection was told to let go: a moment
             still = holders.wait_freed(still, left)
             waited += 1
         else:

@@ -6,6 +6,7 @@ at scrape time; the counters move as entries are demoted, promoted, dropped, wri
 
 from __future__ import annotations
 
+import threading
 from collections import Counter as CountsByName
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -14,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["DROP_REASONS", "DiskMetrics"]
+__all__ = ["DROP_REASONS", "DiskMetrics", "PoolCounts"]
 
 #: Why an entry eviction took out of DRAM did not reach (or stay on) disk.
 DROP_REASONS = (
@@ -48,12 +49,34 @@ class _Gauges(Collector):
         yield from (size, count)
 
 
+class PoolCounts:
+    """Named counts per pool, safe from any thread: the one owner of the in-memory
+    counts. They move from the demotion writer, the promotions (socket threads) and
+    under the disk tier's lock; a ``+=`` on a shared ``Counter`` is a read then a write
+    and could lose a count, and a reader copying it while a new name is added would fail.
+    The lock is a leaf: taken last, held for one update or one copy."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, CountsByName[str]] = defaultdict(CountsByName)
+
+    def add(self, pool: str, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[pool][name] += n
+
+    def of(self, pool: str) -> dict[str, int]:
+        """A copy of ``pool``'s counts (empty if none moved yet)."""
+        with self._lock:
+            c = self._counts.get(pool)
+            return {} if c is None else dict(c)
+
+
 class DiskMetrics:
     """The series, and the same counts by pool in memory (for GET /v1/pools)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self._registry = registry
-        self.counts: dict[str, CountsByName] = defaultdict(CountsByName)
+        self.counts = PoolCounts()
         r = registry
         self.demotions = Counter(
             "maasd_disk_demotions", "Entries demoted from DRAM to disk", ["pool"], registry=r
@@ -82,20 +105,20 @@ class DiskMetrics:
 
     def demoted(self, pool: str) -> None:
         self.demotions.labels(pool=pool).inc()
-        self.counts[pool]["demotions"] += 1
+        self.counts.add(pool, "demotions")
 
     def promoted(self, pool: str) -> None:
         self.promotions.labels(pool=pool).inc()
-        self.counts[pool]["promotions"] += 1
+        self.counts.add(pool, "promotions")
 
     def dropped(self, pool: str, reason: str) -> None:
         self.drops.labels(pool=pool, reason=reason).inc()
-        self.counts[pool]["drop:" + reason] += 1
+        self.counts.add(pool, "drop:" + reason)
 
     def written(self, pool: str, n: int) -> None:
         self.write_bytes.labels(pool=pool).inc(n)
-        self.counts[pool]["write_bytes"] += n
+        self.counts.add(pool, "write_bytes", n)
 
     def read(self, pool: str, n: int) -> None:
         self.read_bytes.labels(pool=pool).inc(n)
-        self.counts[pool]["read_bytes"] += n
+        self.counts.add(pool, "read_bytes", n)

@@ -22,13 +22,13 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-from test_ledger_outage import Proxy
 
 from conftest import Daemon
 from hardening import after_attack
 from maasd.protocol import Error, Lookup
 from pgdb import PG_URL, fresh_pg_database
 from sockpeer import Raw, miss
+from tcpproxy import Proxy
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -55,32 +55,21 @@ class ListenerGate(Proxy):
         self.only_listener = False
         self.open.set()
 
-    def _accept(self) -> None:
-        while True:
+    def _connect(self, client: socket.socket) -> socket.socket | None:
+        client.settimeout(5)
+        (length,) = struct.unpack("!I", _exactly(client, 4))
+        startup = struct.pack("!I", length) + _exactly(client, length - 4)
+        client.settimeout(None)
+        if self.only_listener and b"maasd-listener" not in startup:
+            return None
+        server = super()._connect(client)
+        if server is not None:
             try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if not self.open.is_set():
-                client.close()
-                continue
-            try:
-                client.settimeout(5)
-                (length,) = struct.unpack("!I", _exactly(client, 4))
-                startup = struct.pack("!I", length) + _exactly(client, length - 4)
-                client.settimeout(None)
-                if self.only_listener and b"maasd-listener" not in startup:
-                    client.close()
-                    continue
-                server = socket.create_connection(self.upstream)
                 server.sendall(startup)
             except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.socks |= {client, server}
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                server.close()
+                raise
+        return server
 
 
 def _exactly(s: socket.socket, n: int) -> bytes:

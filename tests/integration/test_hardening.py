@@ -14,6 +14,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from hardening import (
     after_attack,
     buffer_memfds,
     ledger_ids,
+    ledger_matches_memfds,
     memfd_of,
     wait_ledger_matches_memfds,
 )
@@ -579,3 +582,32 @@ def test_sigkill_of_a_worker_mid_attach_leaves_nothing(daemon: Daemon) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait()
     after_attack(daemon)
+
+
+def test_the_ledger_check_reports_an_entry_open_without_its_row(fresh_daemon: Daemon) -> None:
+    """The check after every attack knows an entry's memfds (its sealed copy, maasd-e-…,
+    and the read-only fd a lookup keeps) as well as a buffer's: a committed entry whose
+    row the ledger lost while the daemon still holds it is reported. (The row is taken
+    out beside the daemon, and put back as it was.)"""
+    d = fresh_daemon.start()
+    _, key = d.tenant("lost-row", 16 * MiB)
+    with Worker(d.socket_path, key, renew_interval_s=0) as w:
+        entry = w.commit(w.put("k", 64 * KiB))
+        found = w.lookup(["k"])  # the daemon keeps a read-only fd of the entry
+        assert found is not None
+        found.close()
+    wait_ledger_matches_memfds(d)
+    with closing(sqlite3.connect(d.data_dir / "maasd.db", timeout=30)) as db:
+        row = db.execute("SELECT * FROM buffers WHERE id = ?", (entry.id,)).fetchone()
+        with db:
+            db.execute("DELETE FROM buffers WHERE id = ?", (entry.id,))
+        try:
+            ok, why = ledger_matches_memfds(d)
+        finally:
+            with db:
+                marks = ", ".join("?" * len(row))
+                db.execute(f"INSERT INTO buffers VALUES ({marks})", row)
+    assert not ok
+    assert f"memfds without row (or more than one of a row): ['maasd-e-{entry.id[:8]}']" in why
+    assert f"read-only memfds without row: ['maasd-e-{entry.id[:8]}']" in why
+    after_attack(d)

@@ -8,11 +8,7 @@ PostgreSQL through a TCP proxy this test owns; cutting the proxy is the outage.
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +17,7 @@ import sqlalchemy as sa
 
 from conftest import Daemon
 from pgdb import PG_URL, fresh_pg_database
+from tcpproxy import Proxy
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -29,71 +26,6 @@ pytestmark = [
     pytest.mark.postgres,
     pytest.mark.skipif(not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)"),
 ]
-
-
-class Proxy:
-    """A TCP proxy on loopback to ``upstream``; :meth:`cut` drops every connection and
-    refuses new ones until :meth:`resume`. ``delay_s``: each chunk it forwards, either
-    way, waits this long first (a slow ledger: every round trip twice that longer)."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.delay_s = 0.0
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.open = threading.Event()
-        self.open.set()
-        self.socks: set[socket.socket] = set()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            if not self.open.is_set():
-                client.close()
-                continue
-            try:
-                server = socket.create_connection(self.upstream)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.socks |= {client, server}
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                if self.delay_s:
-                    time.sleep(self.delay_s)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        self.open.clear()
-        with self.lock:
-            socks, self.socks = self.socks, set()
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def resume(self) -> None:
-        self.open.set()
-
-    def close(self) -> None:
-        self.cut()
-        self.listener.close()
 
 
 @pytest.fixture

@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sqlalchemy as sa
-from test_ledger_outage import Proxy
 
 from conftest import Daemon, free_port
 from maasd.client import Worker
 from maasd.client.entries import EntryMapping
 from maasd.client.errors import LedgerUnavailable, MaasdClientError, Unauthorized
 from pgdb import PG_URL, PrivatePostgres, has_pg_server
+from tcpproxy import Proxy
 from waiting import wait_until
 
 MiB = 1 << 20
