@@ -3,9 +3,10 @@
 :func:`after_attack` checks, in order: the daemon is alive; ``/healthz`` tells the
 truth (200 ``ok`` with every component healthy); another tenant can still reserve,
 attach (over the socket) and release; and the ledger equals the live memfds —
-every buffer row of the ledger (a REST buffer or a socket entry) has its memfd open
-in the daemon (``/proc/PID/fd``), once, and no buffer or entry memfd is open without
-a row (a committed entry's read-only fds, kept for the hottest: only of a row).
+every buffer row of the ledger (a REST buffer or a socket entry) has its region in
+the daemon (its memfd mapped once, ``/proc/PID/maps``: an idle entry may hold no fd),
+and no buffer or entry memfd is mapped or open without a row (a committed entry's
+read-only fds, kept for the hottest: only of a row).
 
 Used by ``tests/integration/test_hardening.py`` and ``tests/soak/soak.py``.
 """
@@ -74,19 +75,25 @@ def _read_only(pid: int, fd: str) -> bool | None:
 
 
 def region_memfds(pid: int) -> tuple[Counter[str], Counter[str]]:
-    """The daemon's open memfds of buffers and entries (both names), by name: the
-    writable ones — a region's own fd, one per buffer row of the ledger — and the
-    read-only ones, a committed entry's handle that the daemon keeps for the entries
-    last looked up (maasd.core.rofds) or is sending."""
+    """The daemon's buffer and entry regions (both names), by name — counted by the
+    daemon's own writable shared mapping of each (``/proc/PID/maps``): one per buffer
+    row of the ledger, whether the region still holds its fd or, an idle entry, parked
+    it (maasd.allocator.parking) — and its read-only fds, a committed entry's handle
+    that the daemon keeps for the entries last looked up (maasd.core.rofds) or is
+    sending."""
     regions: Counter[str] = Counter()
+    with open(f"/proc/{pid}/maps") as maps:
+        for line in maps:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[1] == "rw-s":
+                m = _REGION_MEMFD.match(parts[5].rstrip("\n"))
+                if m is not None:
+                    regions[m.group(1)] += 1
     read_only: Counter[str] = Counter()
     for fd, link in _fd_links(pid):
         m = _REGION_MEMFD.match(link)
-        if m is None:
-            continue
-        ro = _read_only(pid, fd)
-        if ro is not None:
-            (read_only if ro else regions)[m.group(1)] += 1
+        if m is not None and _read_only(pid, fd):
+            read_only[m.group(1)] += 1
     return regions, read_only
 
 
