@@ -21,7 +21,7 @@ The package, by layer (each imports only those before it, and the client)::
     forms     the heads of a state's get_data and ggsq (slot file) forms: pure
     views     per-layer K/V views of a state in any form, zero-copy: pure
     adapter   LlamaSeqAdapter: every access to llama-cpp-python's internals
-    entries   Entries: what the store needs of the daemon — SocketEntries (the worker
+    entries   EntryTransport: what the store needs of the daemon — SocketEntries (the worker
               socket's entry fast path, the default) or RestEntries
     store     KVStore
     link      Link: a Worker connection opened lazily, re-opened after it broke
@@ -36,10 +36,11 @@ Importing ``maasd.llama`` needs neither llama-cpp-python nor xxhash; a ``KVStore
 needs both (the ``llama`` extra). See ``docs/llama.md``.
 """
 
+import warnings
 from typing import TYPE_CHECKING
 
 from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
-from maasd.llama.entries import Entries, RestEntries, SocketEntries
+from maasd.llama.entries import EntryTransport, RestEntries, SocketEntries
 from maasd.llama.format import (
     DEFAULT_CHUNK,
     FORMAT_VERSION,
@@ -70,6 +71,13 @@ def __getattr__(name: str) -> object:
         from maasd.llama.cache import MaasdCache
 
         return MaasdCache
+    if name == "Entries":  # its name until the core's Entries use case took the word
+        warnings.warn(
+            "maasd.llama.Entries is now maasd.llama.EntryTransport",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return EntryTransport
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -79,7 +87,7 @@ __all__ = [
     "MAGIC",
     "Header",
     "HeaderError",
-    "Entries",
+    "EntryTransport",
     "KVStore",
     "LlamaSeqAdapter",
     "MaasdCache",

@@ -1,6 +1,6 @@
 """Where ``KVStore`` gets its entries from: the seam between the store and the daemon.
 
-:class:`Entries` is what :class:`~maasd.llama.store.KVStore` needs of maasd — create a
+:class:`EntryTransport` is what :class:`~maasd.llama.store.KVStore` needs of maasd — create a
 keyed entry and map it writable, publish it, open the longest published entry of a list
 of keys, let go of it — and two classes do it:
 
@@ -34,7 +34,7 @@ __all__ = [
     "Published",
     "CLIENT_ERRORS",
     "DUPLICATE_KEY",
-    "Entries",
+    "EntryTransport",
     "RestEntries",
     "SocketEntries",
     "close_quietly",
@@ -94,9 +94,9 @@ class MappedEntry(MappingLike, Record, Protocol):
 
 #: What ``Worker.put`` hands out and ``commit``/``abort`` take back (``BufferMapping``).
 Staged = TypeVar("Staged", bound=MappedEntry)
-#: What an :class:`Entries` transport hands out for a written entry, and takes back.
+#: What an :class:`EntryTransport` hands out for a written entry, and takes back.
 W = TypeVar("W", bound=Record)
-#: What an :class:`Entries` transport hands out for an entry it opened, and takes back.
+#: What an :class:`EntryTransport` hands out for an entry it opened, and takes back.
 R = TypeVar("R", bound=Record)
 
 
@@ -143,7 +143,7 @@ class SocketWorkerLike(Protocol[Staged]):
     def forget(self, buffer_id: str) -> None: ...
 
 
-class Entries(Protocol[W, R]):
+class EntryTransport(Protocol[W, R]):
     """What a ``KVStore`` needs of the daemon. A transport hands out entry records — ``W``
     for one it created, ``R`` for one it opened (each with a ``.key`` and an id, see
     :func:`entry_id`) — and is handed back the same; mappings have ``.array``/``.size``."""
@@ -201,7 +201,7 @@ def lease_left(buf: object) -> float:
 
 
 class SocketEntries(Generic[Staged]):
-    """:class:`Entries` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no REST
+    """:class:`EntryTransport` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no REST
     call. Its written entries are the worker's staged mappings; its opened ones, lookup hits."""
 
     immutable = True
@@ -235,7 +235,7 @@ class SocketEntries(Generic[Staged]):
 
 
 class RestEntries:
-    """:class:`Entries` over a ``Client`` (REST) and a ``Worker`` (socket) of one tenant."""
+    """:class:`EntryTransport` over a ``Client`` (REST) and a ``Worker`` (socket) of one tenant."""
 
     immutable = False
 

@@ -33,7 +33,7 @@ from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
 from maasd.llama.entries import (
     CLIENT_ERRORS,
     DUPLICATE_KEY,
-    Entries,
+    EntryTransport,
     MappingLike,
     Published,
     SocketEntries,
@@ -98,14 +98,14 @@ class KVStore:
         ttl_s: int = DEFAULT_TTL_S,
         renew_on_hit: bool = True,
         fingerprint: str | None = None,
-        entries: Entries | None = None,
+        entries: EntryTransport | None = None,
     ) -> None:
         check_chunk(chunk)
         del client  # the signature's: the transport (``entries``) is what talks to maasd
         self.worker = worker
         self.model = model
         self.seq = LlamaSeqAdapter(model)
-        self.entries: Entries = entries or SocketEntries(worker, pool=pool)
+        self.entries: EntryTransport = entries or SocketEntries(worker, pool=pool)
         self.chunk = chunk
         self.ttl_s = ttl_s
         self.renew_on_hit = renew_on_hit

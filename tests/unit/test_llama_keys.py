@@ -17,7 +17,7 @@ import pytest
 
 from maasd import llama as L
 from maasd.client import BufferMapping, Client, Worker
-from maasd.llama.entries import Entries, MappedEntry, RestBuffer, RestEntries, SocketEntries
+from maasd.llama.entries import EntryTransport, MappedEntry, RestBuffer, RestEntries, SocketEntries
 
 FP = "0123456789abcdef0123456789abcdef"
 FP2 = "f" * 32
@@ -234,8 +234,16 @@ def test_import_needs_no_llama_cpp_no_xxhash_and_nothing_of_the_server() -> None
 
 def _client_classes_fit_the_transports(
     c: Client, w: Worker
-) -> tuple[Entries[BufferMapping, MappedEntry], Entries[RestBuffer, RestBuffer]]:
+) -> tuple[EntryTransport[BufferMapping, MappedEntry], EntryTransport[RestBuffer, RestBuffer]]:
     """Not run: a type check. mypy (``scripts/check``) fails if ``maasd.client``'s ``Client``
     and ``Worker`` stop being what the two transports' protocols ask of them, or if a
-    transport stops being an ``Entries`` of the records it hands out."""
+    transport stops being an ``EntryTransport`` of the records it hands out."""
     return SocketEntries(w), RestEntries(c, w)
+
+
+def test_the_transport_protocols_old_name_still_resolves_with_a_warning() -> None:
+    import maasd.llama
+
+    with pytest.warns(DeprecationWarning, match="EntryTransport"):
+        old = maasd.llama.Entries  # type: ignore[attr-defined]
+    assert old is EntryTransport
