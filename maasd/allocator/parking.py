@@ -20,18 +20,25 @@ The kernel allows ``map_files`` only to a process with ``CAP_CHECKPOINT_RESTORE`
 ``CAP_SYS_ADMIN``) in the initial user namespace. Without it (:func:`can_park` says,
 once per process, by trying) nothing parks and an idle entry keeps its fd, as before:
 one fd and one mapping. ``maasd doctor`` reports which of the two a host gets.
+
+The unit grants that capability as an *ambient* one (deploy/systemd), which every program
+the daemon starts would inherit (the latency probe, a llama worker): at start the daemon
+clears its ambient set (:func:`keep_capabilities_to_self`), keeping the capability in its
+own effective set only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import os
 import threading
 
 from maasd.allocator import _sys
 from maasd.errors import BackingError
 
-__all__ = ["can_park", "map_files_path", "open_mapped"]
+__all__ = ["can_park", "keep_capabilities_to_self", "map_files_path", "open_mapped"]
 
 _probe_lock = threading.Lock()
 _probed: bool | None = None
@@ -91,3 +98,15 @@ def _try_map_files() -> bool:
         return False
     finally:
         os.close(fd)
+
+
+#: prctl(2): the ambient capability set, and clearing all of it.
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+
+
+def keep_capabilities_to_self() -> bool:
+    """Clear this process's ambient capabilities, so that no program it starts inherits
+    them; its own permitted and effective sets are unchanged. False where the kernel
+    refuses (before 4.3: no ambient set, so nothing to clear)."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) == 0

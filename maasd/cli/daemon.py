@@ -270,12 +270,14 @@ def _serve(settings: Settings) -> None:
 def _startup(settings: Settings) -> _Running:
     """The service (ledger migrated, state recovered, pools, reaper), then the worker socket;
     a failure of either is one line and an exit 1, with nothing left open."""
+    from maasd.allocator.parking import keep_capabilities_to_self
     from maasd.api.health import of_checks
     from maasd.broker import Broker, Limits
     from maasd.core import Service
     from maasd.notify import Systemd
     from maasd.settings import group_id
 
+    keep_capabilities_to_self()  # the unit's ambient capability: not for our children
     try:
         service = Service(settings)
         service.start()

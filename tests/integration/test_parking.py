@@ -7,6 +7,10 @@ import errno
 import fcntl
 import mmap
 import os
+import shlex
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -116,3 +120,37 @@ def test_a_mapping_is_re_opened_only_as_the_file_it_was() -> None:
         os.close(parking.open_mapped(region.address, region.size, ino))
     finally:
         region.close()
+
+
+def test_the_daemons_ambient_capability_is_not_handed_to_its_children() -> None:
+    """Under an ambient CAP_CHECKPOINT_RESTORE (as the unit grants it), a process that
+    clears its ambient set keeps the capability and starts children without it."""
+    if shutil.which("capsh") is None:
+        pytest.skip("no capsh (libcap2-bin) to start a process with an ambient capability")
+    script = (
+        "import subprocess, sys\n"
+        "from maasd.allocator import parking\n"
+        "def amb(text):\n"
+        "    return next(l.split()[1] for l in text.splitlines() if l.startswith('CapAmb'))\n"
+        "before = amb(open('/proc/self/status').read())\n"
+        "assert parking.keep_capabilities_to_self()\n"
+        "child = subprocess.run(['cat', '/proc/self/status'], capture_output=True, text=True)\n"
+        "print(before, amb(child.stdout), parking.can_park())\n"
+    )
+    out = subprocess.run(
+        [
+            "capsh",
+            "--inh=cap_checkpoint_restore",
+            "--addamb=cap_checkpoint_restore",
+            "--",
+            "-c",
+            f"{shlex.quote(sys.executable)} -c {shlex.quote(script)}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
+    assert int(out[0], 16) != 0, out  # the process had it, ambient
+    assert int(out[1], 16) == 0, out  # its child has none
+    assert out[2] == "True"  # and it still re-opens its mappings
