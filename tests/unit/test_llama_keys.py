@@ -245,5 +245,5 @@ def test_the_transport_protocols_old_name_still_resolves_with_a_warning() -> Non
     import maasd.llama
 
     with pytest.warns(DeprecationWarning, match="EntryTransport"):
-        old = maasd.llama.Entries  # type: ignore[attr-defined]
+        old = maasd.llama.Entries
     assert old is EntryTransport
