@@ -6,7 +6,9 @@ refused. Each is refused by its fair share of the budget — a 507 ``resource-li
 naming it, never the kernel's ``EMFILE`` — while ``/healthz`` stays fast and a fourth
 tenant reserves over REST, looks up over the socket and releases. The daemon's
 ``RLIMIT_NOFILE`` is lowered to 4,096 (``prlimit``) only to keep the run short: the
-budget scales with it (maasd.core.limits).
+budget scales with it (maasd.core.limits). Entries keep their fd here (``entry_fds =
+"keep"``): these tests are of the files budget, which parked entries no longer take
+(tests/integration/test_attacks_round8.py has the parked case).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ KiB = 1 << 10
 GiB = 1 << 30
 OPEN_FILES = 4096
 #: What the daemon's defaults give at OPEN_FILES (tests/unit/test_limits.py checks it).
+#: Idle entries keep their memfd open, as on a host where they cannot park.
+KEEP = {"MAASD_ENTRY_FDS": "keep"}
 DEFAULTS = {
     "socket_max_connections": 1024,
     "http_max_connections": 512,
@@ -52,7 +56,7 @@ def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) 
     share = lim.tenant_budget
     d = Daemon(
         tmp_path / "d",
-        env={"MAASD_DEFAULT_POOL_BYTES": str(4 * GiB)},
+        env={"MAASD_DEFAULT_POOL_BYTES": str(4 * GiB), **KEEP},
         wrapper=["prlimit", f"--nofile={OPEN_FILES}:{OPEN_FILES}", "--"],
     ).start()
     try:
@@ -110,7 +114,7 @@ def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
     tmp_path: Path,
 ) -> None:
     entries = 100
-    d = Daemon(tmp_path / "d")
+    d = Daemon(tmp_path / "d", env=KEEP)
     d.start()
     try:
         d.pool("keep", 64 << 20, persistence="persistent")
@@ -123,7 +127,9 @@ def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
         # A limit whose budget holds fewer: the daemon says so and releases nothing.
         files = open_files_needed(limits_for(4096, None, **DEFAULTS), entries - 20)  # type: ignore[arg-type]
         assert files is not None
-        low = Daemon(tmp_path / "d", wrapper=["prlimit", f"--nofile={files}:{files}", "--"])
+        low = Daemon(
+            tmp_path / "d", env=KEEP, wrapper=["prlimit", f"--nofile={files}:{files}", "--"]
+        )
         with pytest.raises(RuntimeError, match="maasd exited") as e:
             low.start()
         assert f"the ledger holds {entries} persistent buffers and entries to restore" in str(
@@ -132,7 +138,7 @@ def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
         assert "raise LimitNOFILE to at least" in str(e.value)
         assert "nothing was released" in str(e.value)
         # With the limit back, every entry is restored.
-        d = Daemon(tmp_path / "d").start()
+        d = Daemon(tmp_path / "d", env=KEEP).start()
         with Worker(d.socket_path, key, renew_interval_s=0) as w:
             for i in (0, entries // 2, entries - 1):
                 hit = w.lookup([f"k{i}"])
