@@ -11,15 +11,27 @@ and everyone else keeps working.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import ctypes
+import fcntl
+import mmap
 import os
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from conftest import Daemon
+from hardening import after_attack
 from maasd.allocator import parking
 from maasd.core.limits import limits_for, open_files_needed
+from maasd.protocol import Commit, Error, Found, Lookup, Ok, Put, Reserved
+from sockpeer import Raw
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -106,3 +118,257 @@ def test_persistent_buffers_beyond_the_files_budget_stop_the_start_and_are_kept(
         assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
     finally:
         d.close()
+
+
+# --- helpers over the raw socket ------------------------------------------------------
+
+
+def _put(r: Raw, key: str, data: bytes, pool: str | None = None) -> str:
+    """Put ``data`` under ``key`` and commit it (raw frames); the entry's id."""
+    reply, fds = r.call(Put(key=key, size_bytes=len(data), pool=pool))
+    assert isinstance(reply, Reserved), reply
+    assert len(fds) == 1
+    try:
+        os.pwrite(fds[0], data, 0)
+    finally:
+        os.close(fds[0])
+    ok, fds = r.call(Commit(buffer_id=reply.buffer_id))
+    assert isinstance(ok, Ok), ok
+    assert fds == []
+    return reply.buffer_id
+
+
+def _lookup(r: Raw, keys: list[str]) -> tuple[Found | None, int | None]:
+    """A lookup: the hit and its fd, or ``(None, None)`` for a 404."""
+    reply, fds = r.call(Lookup(keys=keys))
+    if isinstance(reply, Error):
+        assert reply.status == 404, reply
+        assert fds == []
+        return None, None
+    assert isinstance(reply, Found), reply
+    assert len(fds) == 1
+    return reply, fds[0]
+
+
+def _peer(d: Daemon, key: str) -> Raw:
+    r = Raw(d.socket_path, timeout=30)
+    r.hello(key)
+    return r
+
+
+@pytest.fixture
+def d(tmp_path: Path) -> Iterator[Daemon]:
+    daemon = Daemon(tmp_path / "d", env={"MAASD_SOCKET_MAX_PER_TENANT": "64"}).start()
+    yield daemon
+    daemon.close()
+
+
+def _release(d: Daemon, key: str, buffer_id: str) -> None:
+    with d.client(key) as c:
+        r = c.delete(f"/v1/buffers/{buffer_id}")
+        assert r.status_code in (204, 404), r.text
+
+
+class _Race:
+    """Tenant A's churn and readers and tenant B's puts, as threads that note what broke."""
+
+    SIZE = 16 * KiB
+    KEYS = tuple(f"k{i}" for i in range(4))
+
+    def __init__(self, d: Daemon, key_a: str, key_b: str) -> None:
+        self.d, self.key_a, self.key_b = d, key_a, key_b
+        self.stop = threading.Event()
+        self.errors: list[str] = []
+        self.hits = collections.Counter[str]()
+
+    def pattern(self, k: str, gen: int) -> bytes:
+        head = bytes([0xA0 | self.KEYS.index(k)]) + gen.to_bytes(4, "little")
+        return head + b"\xaa" * (self.SIZE - 5)
+
+    def run(self, target: Callable[[], None]) -> Callable[[], None]:
+        def guarded() -> None:
+            try:
+                target()
+            except Exception as e:
+                self.errors.append(f"{target.__name__}: {e!r}")
+
+        return guarded
+
+    def churn(self) -> None:
+        """A: put, commit and release each key, generation after generation."""
+        with contextlib.closing(_peer(self.d, self.key_a)) as r:
+            gen = 1
+            while not self.stop.is_set():
+                for k in self.KEYS:
+                    _release(self.d, self.key_a, _put(r, k, self.pattern(k, gen)))
+                gen += 1
+
+    def other_tenant(self) -> None:
+        """B: entries of the same size, put and released; A's keys never found."""
+        with contextlib.closing(_peer(self.d, self.key_b)) as r:
+            i = 0
+            while not self.stop.is_set():
+                buffer_id = _put(r, f"b{i}", b"\xbb" * self.SIZE)
+                found, fd = _lookup(r, list(self.KEYS))
+                if fd is not None:
+                    os.close(fd)
+                    self.errors.append(f"tenant B found A's key {found}")
+                _release(self.d, self.key_b, buffer_id)
+                i += 1
+
+    def reader(self) -> None:
+        """A: look its keys up; each hit read through its fd."""
+        with contextlib.closing(_peer(self.d, self.key_a)) as r:
+            while not self.stop.is_set():
+                k = random.choice(self.KEYS)
+                _found, fd = _lookup(r, [k])
+                if fd is not None:
+                    self.check(k, fd)
+
+    def check(self, k: str, fd: int) -> None:
+        try:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+                self.errors.append("a lookup's fd is not read-only")
+            data = os.pread(fd, self.SIZE, 0)
+        finally:
+            os.close(fd)
+        if data == bytes(self.SIZE):
+            self.hits["zeros"] += 1
+        elif data[0] != 0xA0 | self.KEYS.index(k) or data[5:] != b"\xaa" * (self.SIZE - 5):
+            self.errors.append(f"key {k} read {data[:8].hex()}…")
+        else:
+            self.hits["bytes"] += 1
+
+
+def test_lookups_racing_release_and_re_put_never_reach_another_file(d: Daemon) -> None:
+    """Tenant A puts, commits and releases entries of one size under a few keys in a
+    loop; tenant B, meanwhile, puts entries of the very same size (so its new regions
+    get mapped where A's were just unmapped); readers of A look up A's keys all along.
+
+    Must hold: every hit of A is A's bytes of that key (whatever generation) or zeros
+    (released while read), never B's bytes nor another key's, and its fd is read-only;
+    B never finds A's keys; afterwards the daemon is healthy and holds what the ledger
+    says."""
+    _, key_a = d.tenant("racer-a", 256 * MiB)
+    _, key_b = d.tenant("racer-b", 256 * MiB)
+    race = _Race(d, key_a, key_b)
+    targets = [race.churn, race.other_tenant, race.reader, race.reader, race.reader]
+    threads = [threading.Thread(target=race.run(t)) for t in targets]
+    for t in threads:
+        t.start()
+    time.sleep(20)
+    race.stop.set()
+    for t in threads:
+        t.join(60)
+    assert not race.errors, race.errors[:5]
+    assert race.hits["bytes"] > 50, race.hits
+    after_attack(d)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+_libc.mmap.argtypes += [ctypes.c_int, ctypes.c_long]
+_libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+PROT_READ, PROT_WRITE, MAP_SHARED = 1, 2, 1
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _mprotect_writable(fd: int, size: int) -> bool:
+    """Map ``fd`` shared read-only, then ask for write access: whether it was granted."""
+    addr = _libc.mmap(None, size, PROT_READ, MAP_SHARED, fd, 0)
+    assert addr != MAP_FAILED, os.strerror(ctypes.get_errno())
+    try:
+        return _libc.mprotect(addr, size, PROT_READ | PROT_WRITE) == 0
+    finally:
+        _libc.munmap(addr, size)
+
+
+def _writes_granted(fd: int, size: int, *, read_only: bool = True) -> list[str]:
+    """Every way a worker might make an fd of a committed entry write it: the ways that
+    worked (none may)."""
+    got: list[str] = []
+    attempts: list[tuple[str, Callable[[], object]]] = [
+        ("write", lambda: os.pwrite(fd, b"X", 0)),
+        ("mmap shared writable", lambda: mmap.mmap(fd, size, mmap.MAP_SHARED)),
+        ("ftruncate", lambda: os.ftruncate(fd, size * 2)),
+        ("punch", lambda: _punch(fd, size)),
+    ]
+    for what, attempt in attempts:
+        try:
+            attempt()
+        except OSError:
+            continue
+        got.append(what)
+    if read_only:
+        with contextlib.suppress(OSError):  # F_SETFL cannot change the access mode
+            fcntl.fcntl(fd, fcntl.F_SETFL, os.O_RDWR | os.O_APPEND)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
+            got.append("F_SETFL O_RDWR")
+    if _mprotect_writable(fd, size):
+        got.append("mprotect PROT_WRITE")
+    return got
+
+
+def _punch(fd: int, size: int) -> None:
+    mode = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    if _libc.fallocate(fd, mode, ctypes.c_long(0), ctypes.c_long(size)) != 0:
+        raise OSError(ctypes.get_errno(), "fallocate")
+
+
+def test_a_lookup_fd_of_a_parked_entry_never_writes_it(d: Daemon) -> None:
+    """A worker gets a lookup's fd of a parked entry (no fd of the daemon's: it was
+    re-opened through /proc/self/map_files) and tries every way to write through it:
+    pwrite, a writable shared mmap, ftruncate, a hole punch, F_SETFL O_RDWR, mprotect of
+    a read-only shared mapping; then the same through a re-open of it O_RDWR by the
+    worker (/proc/self/fd/N: a memfd's mode lets root open it so).
+
+    Must hold: the fd is O_RDONLY; nothing of it is granted but the O_RDWR re-open, and
+    that one can write nothing either (the F_SEAL_FUTURE_WRITE seal); a lookup after
+    every attempt reads the committed bytes; the daemon held no memfd fd of the entry."""
+    assert d.proc is not None
+    _, key = d.tenant("writer", 64 * MiB)
+    size = 64 * KiB
+    data = bytes(range(256)) * (size // 256)
+    with contextlib.closing(_peer(d, key)) as r:
+        buffer_id = _put(r, "frozen", data)
+        assert _maps_of(d.proc.pid, buffer_id) == 1  # its one mapping, by its name
+        assert _memfd_fds_of(d.proc.pid, buffer_id) == 0, "the entry did not park"
+        found, fd = _lookup(r, ["frozen"])
+        assert found is not None
+        assert fd is not None
+        try:
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            assert _writes_granted(fd, size) == []
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                assert _writes_granted(rw, size, read_only=False) == []
+            finally:
+                os.close(rw)
+        finally:
+            os.close(fd)
+        found, fd = _lookup(r, ["frozen"])
+        assert fd is not None
+        try:
+            assert os.pread(fd, size, 0) == data
+        finally:
+            os.close(fd)
+        _release(d, key, buffer_id)
+    after_attack(d)
+
+
+def _maps_of(pid: int, buffer_id: str) -> int:
+    """The daemon's mappings of the entry's memfd."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for line in f if f"/memfd:maasd-e-{buffer_id[:8]}" in line)
+
+
+def _memfd_fds_of(pid: int, buffer_id: str) -> int:
+    """The daemon's fds of the buffer's memfd (its own, and kept read-only ones)."""
+    n = 0
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            if f"maasd-e-{buffer_id[:8]}" in os.readlink(f"/proc/{pid}/fd/{name}"):
+                n += 1
+    return n
