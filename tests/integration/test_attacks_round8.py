@@ -27,11 +27,12 @@ import httpx
 import pytest
 
 from conftest import Daemon
-from hardening import after_attack
+from hardening import after_attack, another_tenant_works
 from maasd.allocator import parking
 from maasd.core.limits import limits_for, open_files_needed
 from maasd.protocol import Commit, Error, Found, Lookup, Ok, Put, Reserved
 from sockpeer import Raw
+from waiting import wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -372,3 +373,139 @@ def _memfd_fds_of(pid: int, buffer_id: str) -> int:
             if f"maasd-e-{buffer_id[:8]}" in os.readlink(f"/proc/{pid}/fd/{name}"):
                 n += 1
     return n
+
+
+def _usage(d: Daemon, key: str) -> dict[str, int]:
+    with d.client(key) as c:
+        r = c.get("/v1/usage")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+
+def test_a_parked_entry_held_after_release_reads_zeros_and_counts_until_let_go(
+    d: Daemon,
+) -> None:
+    """A worker looks up a parked entry, re-opens the fd it got through /proc/self/fd
+    (a description of its own, which the daemon never saw) and closes the original,
+    then the tenant releases the entry, and later puts again.
+
+    Must hold: the daemon keeps neither an fd nor its mapping of the entry after the
+    release; the re-opened fd reads zeros (every byte scrubbed); the tenant's usage and
+    held bytes count the entry until the worker lets go, so a put beyond its quota is
+    refused 409 meanwhile; once it lets go everything comes back."""
+    assert d.proc is not None
+    quota, size = 1 * MiB, 512 * KiB
+    _, key = d.tenant("keeper", quota)
+    with contextlib.closing(_peer(d, key)) as r:
+        buffer_id = _put(r, "kept", b"\x77" * size)
+        assert _memfd_fds_of(d.proc.pid, buffer_id) == 0, "the entry did not park"
+        _found, fd = _lookup(r, ["kept"])
+        assert fd is not None
+        mine = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        os.close(fd)
+        try:
+            assert os.pread(mine, 8, 0) == b"\x77" * 8
+            _release(d, key, buffer_id)
+            assert os.pread(mine, size, 0) == bytes(size)
+            assert _maps_of(d.proc.pid, buffer_id) == 0
+            assert _memfd_fds_of(d.proc.pid, buffer_id) == 0
+            u = _usage(d, key)
+            assert (u["used_bytes"], u["held_bytes"]) == (size, size), u
+            reply, fds = r.call(Put(key="more", size_bytes=size + 4 * KiB))
+            for f in fds:
+                os.close(f)
+            assert isinstance(reply, Error), reply
+            assert reply.status == 409, reply
+        finally:
+            os.close(mine)
+        wait_until(lambda: _usage(d, key)["used_bytes"] == 0, message="held entry freed")
+        assert _usage(d, key)["held_bytes"] == 0
+        _release(d, key, _put(r, "after", b"\x01" * size))
+    after_attack(d)
+
+
+FILES = 2000
+ENTRIES = 5000
+
+
+def _flood_staged(r: Raw, prefix: str, most: int) -> tuple[list[int], Error]:
+    """Put (never commit) entries until refused: the writable fds got, and the refusal."""
+    held: list[int] = []
+    for i in range(most):
+        reply, fds = r.call(Put(key=f"{prefix}{i}", size_bytes=4 * KiB))
+        if isinstance(reply, Error):
+            assert fds == []
+            return held, reply
+        assert isinstance(reply, Reserved), reply
+        held.extend(fds)
+    raise AssertionError(f"{most} staged entries and never refused")
+
+
+def test_parked_entries_beyond_the_files_limit_and_staged_floods_meet_their_share(
+    tmp_path: Path,
+) -> None:
+    """A daemon under RLIMIT_NOFILE 2,000 (a files budget of a few hundred): tenant A
+    commits 5,000 entries (far beyond the open files: they park); tenant B floods staged
+    puts (each holds an fd) and tenant C REST buffers, until refused.
+
+    Must hold: all of A's entries commit and are found with their bytes; B and C are
+    refused with a 507 resource-limit at their share of the regions *holding an open
+    file*, never EMFILE nor 500; meanwhile a fourth tenant puts, commits, looks up and
+    reserves; /healthz stays 200; the daemon's fds stay under its limit and its log
+    has no "Too many open files"."""
+    lim = limits_for(FILES, 65530, parks_entries=True, **{**DEFAULTS, "tenant_share": 0.25})  # type: ignore[arg-type]
+    share = lim.tenant_file_budget
+    assert ENTRIES > FILES > 3 * share
+    env = {"MAASD_MAX_BUFFERS_PER_TENANT": str(2 * ENTRIES), "MAASD_DEFAULT_POOL_BYTES": str(GiB)}
+    d = Daemon(tmp_path / "d", env=env, wrapper=_prlimit(FILES)).start()
+    try:
+        assert d.proc is not None
+        pid = d.proc.pid
+        _, key_a = d.tenant("many", GiB)
+        with contextlib.closing(_peer(d, key_a)) as r:
+            for i in range(ENTRIES):
+                _put(r, f"e{i}", i.to_bytes(4, "little") * 1024)
+            assert _memfd_maps(pid) >= ENTRIES
+            assert _fds(pid) < FILES - lim.headroom // 2, f"{_fds(pid)} fds"
+        _, key_b = d.tenant("stager", GiB)
+        r_b = _peer(d, key_b)
+        staged, refusal = _flood_staged(r_b, "s", 4 * share)
+        assert (refusal.status, refusal.type) == (
+            507,
+            "https://maasd.dev/problems/resource-limit",
+        ), refusal
+        assert "holding an open file" in refusal.detail, refusal.detail
+        assert len(staged) == share, (len(staged), share)
+        _, key_c = d.tenant("rester", GiB)
+        with d.client(key_c) as c:
+            made = 0
+            resp = c.post("/v1/reserve", json={"size_bytes": 4 * KiB})
+            while resp.status_code == 201 and made < 4 * share:
+                made += 1
+                resp = c.post("/v1/reserve", json={"size_bytes": 4 * KiB})
+            assert resp.status_code == 507, resp.text
+            assert resp.json()["type"].endswith("resource-limit"), resp.text
+            assert made == share, (made, share)
+        assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
+        _, key_d = d.tenant("bystander", GiB)
+        with contextlib.closing(_peer(d, key_d)) as r:
+            _put(r, "mine", b"\x42" * 8 * KiB)
+            _found, fd = _lookup(r, ["mine"])
+            assert fd is not None
+            assert os.pread(fd, 4, 0) == b"\x42" * 4
+            os.close(fd)
+        another_tenant_works(d)
+        with contextlib.closing(_peer(d, key_a)) as r:
+            for i in random.sample(range(ENTRIES), 200) + [0, ENTRIES - 1]:
+                found, fd = _lookup(r, [f"e{i}"])
+                assert fd is not None, f"e{i} not found"
+                assert os.pread(fd, 8, 4 * KiB - 8) == i.to_bytes(4, "little") * 2
+                os.close(fd)
+        for f in staged:
+            os.close(f)
+        r_b.close()
+        assert _fds(pid) < FILES
+        assert "Too many open files" not in d.log()
+        assert d.admin.get("/healthz").status_code == 200
+    finally:
+        d.close()
