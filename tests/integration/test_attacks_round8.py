@@ -509,3 +509,91 @@ def test_parked_entries_beyond_the_files_limit_and_staged_floods_meet_their_shar
         assert d.admin.get("/healthz").status_code == 200
     finally:
         d.close()
+
+
+def test_a_checkpointed_parked_entry_comes_back_after_a_kill_with_its_bytes_parked(
+    tmp_path: Path,
+) -> None:
+    """A parked entry of a persistent pool is checkpointed over REST (its bytes read
+    through the daemon's mapping: it has no fd), then the daemon is SIGKILLed and
+    started again.
+
+    Must hold: the checkpoint answers 200; after the restart the entry is found with
+    exactly its bytes, read-only, and the daemon holds its mapping and no fd of it (it
+    parked again); an entry never checkpointed is gone (a miss)."""
+    d = Daemon(tmp_path / "d").start()
+    try:
+        assert d.proc is not None
+        d.pool("keep", 64 * MiB, persistence="persistent")
+        _, key = d.tenant("keeper", GiB)
+        data = os.urandom(96 * KiB)
+        with contextlib.closing(_peer(d, key)) as r:
+            kept = _put(r, "kept", data, pool="keep")
+            _put(r, "lost", b"\x01" * 4 * KiB, pool="keep")
+            assert _memfd_fds_of(d.proc.pid, kept) == 0, "the entry did not park"
+        with d.client(key) as c:
+            resp = c.post(f"/v1/buffers/{kept}/checkpoint")
+            assert resp.status_code == 200, resp.text
+        d.kill()
+        d.start()
+        assert d.proc is not None
+        with contextlib.closing(_peer(d, key)) as r:
+            # (a restored region's memfd is named maasd-buffer: counted, not named)
+            assert _memfd_maps(d.proc.pid) == 1
+            assert _memfd_fds(d.proc.pid) == 0, "the restored entry did not park"
+            found, fd = _lookup(r, ["kept"])
+            assert found is not None
+            assert fd is not None
+            try:
+                assert found.buffer_id == kept
+                assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+                assert os.pread(fd, len(data) + 1, 0) == data
+            finally:
+                os.close(fd)
+            assert _lookup(r, ["lost"]) == (None, None)
+    finally:
+        d.close()
+
+
+def test_persistent_entries_beyond_the_open_files_come_back_parked_at_a_low_limit(
+    tmp_path: Path,
+) -> None:
+    """1,200 entries of a persistent pool (and a few buffers) are checkpointed by a clean
+    stop; the daemon starts again under an RLIMIT_NOFILE whose files budget holds 100.
+
+    Must hold: it starts (the entries need no fd, only the few buffers do), every entry
+    comes back parked — the daemon's memfd fds are the buffers' alone, its memfd
+    mappings all of them — with its bytes, and a new put still works."""
+    entries, buffers = 1200, 5
+    d = Daemon(tmp_path / "d", env={"MAASD_TENANT_REGION_SHARE": "1"}).start()
+    try:
+        pool = d.pool("keep", 64 * MiB, persistence="persistent")
+        _, key = d.tenant("keeper", GiB)
+        with contextlib.closing(_peer(d, key)) as r:
+            for i in range(entries):
+                _put(r, f"p{i}", i.to_bytes(4, "little") * 1024, pool="keep")
+        with d.client(key) as c:
+            for _ in range(buffers):
+                resp = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": 4 * KiB})
+                assert resp.status_code == 201, resp.text
+        assert d.stop() == 0
+        files = open_files_needed(limits_for(4096, None, **DEFAULTS), 100)  # type: ignore[arg-type]
+        assert files is not None
+        assert files < entries
+        d.wrapper = _prlimit(files)
+        d.start()
+        assert d.proc is not None
+        assert _memfd_fds(d.proc.pid) == buffers
+        assert _memfd_maps(d.proc.pid) == entries + buffers
+        with contextlib.closing(_peer(d, key)) as r:
+            for i in [0, entries - 1, *random.sample(range(entries), 50)]:
+                _found, fd = _lookup(r, [f"p{i}"])
+                assert fd is not None, f"p{i} not restored"
+                try:
+                    assert os.pread(fd, 4 * KiB, 0) == i.to_bytes(4, "little") * 1024
+                finally:
+                    os.close(fd)
+            _put(r, "new", b"\x09" * 4 * KiB)
+        assert "Too many open files" not in d.log()
+    finally:
+        d.close()
