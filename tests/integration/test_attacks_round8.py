@@ -597,3 +597,134 @@ def test_persistent_entries_beyond_the_open_files_come_back_parked_at_a_low_limi
         assert "Too many open files" not in d.log()
     finally:
         d.close()
+
+
+def test_a_pinned_parked_entry_is_still_found_and_scrubbed(d: Daemon) -> None:
+    """A parked entry is pinned (PATCH pin: its pages migrated through the daemon's
+    mapping, which an mbind could split) and its placement asked for; a worker holds a
+    lookup's fd; the entry is released.
+
+    Must hold: the pin answers 200 with every page on the node; a lookup after it still
+    re-opens the entry (its mapping is one range, as map_files needs) with its bytes;
+    after the release the holder reads zeros and the daemon keeps nothing of it."""
+    assert d.proc is not None
+    _, key = d.tenant("pinner", 64 * MiB)
+    size = 256 * KiB
+    data = os.urandom(size)
+    with contextlib.closing(_peer(d, key)) as r:
+        buffer_id = _put(r, "pinned", data)
+        assert _memfd_fds_of(d.proc.pid, buffer_id) == 0, "the entry did not park"
+        with d.client(key) as c:
+            resp = c.patch(f"/v1/buffers/{buffer_id}/pin", json={"numa_node": 0})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["placement"] == {"0": size // mmap.PAGESIZE}, resp.text
+            assert c.get(f"/v1/buffers/{buffer_id}").status_code == 200
+        assert _maps_of(d.proc.pid, buffer_id) == 1, "the pin split the entry's mapping"
+        _found, fd = _lookup(r, ["pinned"])
+        assert fd is not None, "a pinned entry is no longer found"
+        try:
+            assert os.pread(fd, size, 0) == data
+            _release(d, key, buffer_id)
+            assert os.pread(fd, size, 0) == bytes(size)
+        finally:
+            os.close(fd)
+        assert _lookup(r, ["pinned"]) == (None, None)
+    after_attack(d)
+
+
+def test_deleting_a_tenant_under_lookups_of_its_parked_entries(d: Daemon) -> None:
+    """Readers of a tenant look its parked entries up in a loop (each fd kept a while)
+    while the admin deletes the tenant; another tenant with entries of the same size
+    puts and looks up throughout.
+
+    Must hold: every read is the entry's bytes or zeros, never the other tenant's; after
+    the deletion the fds still held read zeros; the other tenant's entries keep their
+    bytes; the daemon is healthy and holds exactly what the ledger says."""
+    tenant_id, key = d.tenant("doomed", 64 * MiB)
+    _, other = d.tenant("survivor", 64 * MiB)
+    size = 32 * KiB
+    with contextlib.closing(_peer(d, key)) as r:
+        for i in range(40):
+            _put(r, f"d{i}", b"\xd0" * size)
+    stop = threading.Event()
+    errors: list[str] = []
+    kept: list[int] = []
+    survivors: list[str] = []
+
+    def reader() -> None:
+        with contextlib.suppress(OSError, AssertionError), contextlib.closing(_peer(d, key)) as r:
+            while not stop.is_set():
+                _found, fd = _lookup(r, [f"d{random.randrange(40)}"])
+                if fd is None:
+                    continue
+                data = os.pread(fd, size, 0)
+                if data not in (b"\xd0" * size, bytes(size)):
+                    errors.append(f"read {data[:8].hex()}")
+                kept.append(fd)
+
+    def survivor() -> None:
+        with contextlib.closing(_peer(d, other)) as r:
+            i = 0
+            while not stop.is_set():
+                survivors.append(_put(r, f"s{i}", b"\x5e" * size))
+                _found, fd = _lookup(r, [f"s{i}"])
+                assert fd is not None
+                if os.pread(fd, size, 0) != b"\x5e" * size:
+                    errors.append(f"survivor's s{i} changed")
+                os.close(fd)
+                i += 1
+
+    threads = [threading.Thread(target=reader) for _ in range(3)]
+    threads.append(threading.Thread(target=survivor))
+    for t in threads:
+        t.start()
+    time.sleep(3)
+    assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[:5]
+    assert kept, "no lookup hit before the deletion"
+    for fd in kept:
+        assert os.pread(fd, size, 0) == bytes(size), "a deleted tenant's entry kept bytes"
+        os.close(fd)
+    with contextlib.closing(_peer(d, other)) as r:  # the survivor's entries kept theirs
+        _found, fd = _lookup(r, ["s0"])
+        assert fd is not None
+        assert os.pread(fd, size, 0) == b"\x5e" * size
+        os.close(fd)
+    for buffer_id in survivors:  # (after_attack compares the ledger with buffers' fds)
+        _release(d, other, buffer_id)
+    after_attack(d)
+
+
+def test_entry_fds_keep_holds_an_fd_per_entry_and_the_same_guarantees(tmp_path: Path) -> None:
+    """``MAASD_ENTRY_FDS=keep``: idle entries keep their memfd open, as before parking.
+
+    Must hold: each committed entry holds one daemon fd (none parks); a lookup's fd is
+    read-only and cannot write; a release zeroes what a holder sees; the files share
+    of staged puts is unchanged in kind (committed entries count as files here)."""
+    d = Daemon(tmp_path / "d", env={"MAASD_ENTRY_FDS": "keep"}).start()
+    try:
+        assert d.proc is not None
+        _, key = d.tenant("keeper", 64 * MiB)
+        size = 16 * KiB
+        with contextlib.closing(_peer(d, key)) as r:
+            ids = [_put(r, f"k{i}", bytes([i]) * size) for i in range(20)]
+            assert all(_memfd_fds_of(d.proc.pid, b) == 1 for b in ids), "an entry parked"
+            _found, fd = _lookup(r, ["k7"])
+            assert fd is not None
+            try:
+                assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+                assert _writes_granted(fd, size) == []
+                assert os.pread(fd, size, 0) == b"\x07" * size
+                _release(d, key, ids[7])
+                assert os.pread(fd, size, 0) == bytes(size)
+            finally:
+                os.close(fd)
+            for b in ids:
+                _release(d, key, b)
+        after_attack(d)
+    finally:
+        d.close()
