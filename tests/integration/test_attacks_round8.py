@@ -728,3 +728,43 @@ def test_entry_fds_keep_holds_an_fd_per_entry_and_the_same_guarantees(tmp_path: 
         after_attack(d)
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("scrub", ["zero", "punch"])
+def test_every_way_a_parked_entry_is_held_reads_zeros_after_release(d: Daemon, scrub: str) -> None:
+    """A parked entry of a pool scrubbing by ``scrub`` is held by a worker in three ways
+    — the lookup's fd, a read-only shared mapping of it, and a private (copy-on-write)
+    mapping written by the worker — then released.
+
+    Must hold: the fd and the shared mapping read zeros at once (a punch is refused for
+    a frozen entry: it is zeroed through the daemon's mapping); the worker's private
+    copy keeps only the page it copied (its own memory), its other pages read zeros, and
+    nothing it wrote reached the entry; no later lookup finds it."""
+    pool = d.pool(f"scrub-{scrub}", 16 * MiB, scrub=scrub)
+    _, key = d.tenant(f"holder-{scrub}", 64 * MiB)
+    size = 64 * KiB
+    with contextlib.closing(_peer(d, key)) as r:
+        buffer_id = _put(r, "held", b"\x3c" * size, pool=pool["id"])
+        _found, fd = _lookup(r, ["held"])
+        assert fd is not None
+        shared = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        private = mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            private[:4] = b"mine"  # copy-on-write: the worker's page, not the entry's
+            _again, fd2 = _lookup(r, ["held"])
+            assert fd2 is not None
+            assert os.pread(fd2, 8, 0) == b"\x3c" * 8, "a private write reached the entry"
+            os.close(fd2)
+            _release(d, key, buffer_id)
+            assert os.pread(fd, size, 0) == bytes(size)
+            assert shared[:] == bytes(size)
+            assert private[:4] == b"mine"
+            # its copied page is its own (a copy of what it could read); the rest is the
+            # entry's, zeroed
+            assert private[mmap.PAGESIZE :] == bytes(size - mmap.PAGESIZE)
+        finally:
+            shared.close()
+            private.close()
+            os.close(fd)
+        assert _lookup(r, ["held"]) == (None, None)
+    after_attack(d)
