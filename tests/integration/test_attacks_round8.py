@@ -768,3 +768,73 @@ def test_every_way_a_parked_entry_is_held_reads_zeros_after_release(d: Daemon, s
             os.close(fd)
         assert _lookup(r, ["held"]) == (None, None)
     after_attack(d)
+
+
+def _parked_inodes(pid: int, name: str) -> set[int]:
+    """Inodes of the daemon's memfd mappings named ``name`` that it holds no fd of."""
+    with open(f"/proc/{pid}/maps") as f:
+        mapped = {
+            int(p[4])
+            for p in (ln.split(maxsplit=5) for ln in f)
+            if len(p) == 6 and p[5].startswith(f"/memfd:{name} ")
+        }
+    fds = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            fds.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+    return mapped - fds
+
+
+def test_entries_committed_into_stocked_regions_park_and_are_found(tmp_path: Path) -> None:
+    """Entries of a pool with a warm stock: the commit's fresh region comes from the
+    stock (a ``maasd-warm`` memfd), cut to the entry's size (its tail unmapped from the
+    daemon's mapping) and sealed frozen there, then parked. A lookup re-opens it
+    through map_files, which names the mapping by its exact range.
+
+    Must hold: stocked regions are committed into and park (mapped, no fd); every entry
+    is found with exactly its bytes and size; a release zeroes what a holder sees."""
+    d = Daemon(tmp_path / "d", env={"MAASD_WARM_MIN_AVAILABLE_BYTES": "0"}).start()
+    try:
+        assert d.proc is not None
+        r = d.admin.post(
+            "/v1/pools",
+            json={
+                "name": "warm",
+                "numa_node": 0,
+                "capacity_bytes": 64 * MiB,
+                "warm_bytes": 8 * MiB,
+            },
+        )
+        assert r.status_code == 201, r.text
+        _, key = d.tenant("stocked", 64 * MiB)
+        size = 33 * mmap.PAGESIZE  # of the 34-page class: cut at take time
+        ids: list[str] = []
+        with contextlib.closing(_peer(d, key)) as peer:
+            for i in range(24):
+                ids.append(_put(peer, f"x{i}", bytes([0x80 | i]) * size, pool="warm"))
+                time.sleep(0.1)  # the stock refills between
+            parked = _parked_inodes(d.proc.pid, "maasd-warm")
+            assert parked, "no entry was committed into a stocked region and parked"
+            for i in range(len(ids)):
+                _found, fd = _lookup(peer, [f"x{i}"])
+                assert fd is not None, f"x{i} not found"
+                try:
+                    assert os.fstat(fd).st_size == size
+                    assert os.pread(fd, size + 1, 0) == bytes([0x80 | i]) * size
+                    if os.fstat(fd).st_ino in parked:
+                        parked.discard(os.fstat(fd).st_ino)
+                finally:
+                    os.close(fd)
+            assert not parked, "a parked stocked region is no entry found"
+            _found, fd = _lookup(peer, ["x0"])
+            assert fd is not None
+            try:
+                _release(d, key, ids[0])
+                assert os.pread(fd, size, 0) == bytes(size)
+            finally:
+                os.close(fd)
+            for buffer_id in ids[1:]:
+                _release(d, key, buffer_id)
+        after_attack(d)
+    finally:
+        d.close()
