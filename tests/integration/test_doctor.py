@@ -205,8 +205,13 @@ def test_the_region_budget_is_weighed_against_the_ledgers_tenants(tmp_path: Path
 
     # M = 4096 (the hard limit serve raises to), 64 socket connections: 3000 regions
     # (docs/operations.md, "Limits"), unless vm.max_map_count binds first; a tenant's
-    # share (a quarter) holds its cap of 700.
-    env = {"MAASD_SOCKET_MAX_CONNECTIONS": "64", "MAASD_MAX_BUFFERS_PER_TENANT": "700"}
+    # share (a quarter) holds its cap of 700. Entries keep their fd (``keep``): where they
+    # park, the mappings bind instead (tests/integration/test_attacks_round8.py).
+    env = {
+        "MAASD_SOCKET_MAX_CONNECTIONS": "64",
+        "MAASD_MAX_BUFFERS_PER_TENANT": "700",
+        "MAASD_ENTRY_FDS": "keep",
+    }
     _, checks, _ = doctor(tmp_path, env=env, preexec=files_4096)
     c = checks["region budget"]
     assert c["status"] == "ok", c
