@@ -15,9 +15,12 @@ import collections
 import contextlib
 import ctypes
 import fcntl
+import json
 import mmap
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -838,3 +841,82 @@ def test_entries_committed_into_stocked_regions_park_and_are_found(tmp_path: Pat
         after_attack(d)
     finally:
         d.close()
+
+
+#: Runs a process as root without the capabilities map_files needs (so nothing parks).
+NO_MAP_FILES = ["setpriv", "--bounding-set=-sys_admin,-checkpoint_restore", "--"]
+
+
+def test_a_daemon_that_cannot_re_open_its_mappings_keeps_entry_fds_and_works(
+    tmp_path: Path,
+) -> None:
+    """The daemon runs without CAP_CHECKPOINT_RESTORE and CAP_SYS_ADMIN (its entry_fds
+    is the default, ``auto``): it cannot open /proc/self/map_files, so nothing may park.
+
+    Must hold: every committed entry keeps its fd (a parked one could never be looked up
+    again); lookups answer its bytes read-only; a release zeroes what a holder sees."""
+    d = Daemon(tmp_path / "d", wrapper=NO_MAP_FILES).start()
+    try:
+        assert d.proc is not None
+        _, key = d.tenant("capless", 64 * MiB)
+        size = 16 * KiB
+        with contextlib.closing(_peer(d, key)) as r:
+            ids = [_put(r, f"c{i}", bytes([i + 1]) * size) for i in range(10)]
+            assert all(_memfd_fds_of(d.proc.pid, b) == 1 for b in ids), "an entry parked"
+            for i in range(10):
+                _found, fd = _lookup(r, [f"c{i}"])
+                assert fd is not None, f"c{i} not found"
+                try:
+                    assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+                    assert os.pread(fd, size, 0) == bytes([i + 1]) * size
+                    if i == 3:
+                        _release(d, key, ids[3])
+                        assert os.pread(fd, size, 0) == bytes(size)
+                finally:
+                    os.close(fd)
+            for b in ids:
+                _release(d, key, b)
+        after_attack(d)
+    finally:
+        d.close()
+
+
+def _doctor_checks(tmp_path: Path, env: dict[str, str], wrapper: list[str]) -> dict[str, dict]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("MAASD_")}
+    full_env.update({"MAASD_DATA_DIR": str(tmp_path / "data"), **env})
+    p = subprocess.run(
+        [*wrapper, sys.executable, "-m", "maasd.cli.daemon", "doctor", "--json"]
+        + ["--skip", "llama-cpp-python"],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.stdout, p.stderr
+    return {c["name"]: c for c in json.loads(p.stdout)["checks"]}
+
+
+@pytest.mark.parametrize(
+    ("env", "wrapper", "status", "says"),
+    [
+        ({}, [], "ok", "no open file"),
+        ({"MAASD_ENTRY_FDS": "keep"}, [], "ok", 'entry_fds = "keep"'),
+        ({}, NO_MAP_FILES, "warn", "cannot open /proc/self/map_files"),
+    ],
+)
+def test_the_doctor_says_what_an_idle_entry_costs_the_way_the_daemon_runs(
+    tmp_path: Path, env: dict[str, str], wrapper: list[str], status: str, says: str
+) -> None:
+    """``maasd doctor`` run as the daemon would be: parking (root, capable), ``keep``,
+    and without the capabilities map_files needs.
+
+    Must hold: the "entry cost" check says which of the two an entry costs, a warning
+    with a fix where the daemon wants to park and cannot; the region budget names the
+    open files only regions that keep one need where entries park."""
+    checks = _doctor_checks(tmp_path, env, wrapper)
+    c = checks["entry cost"]
+    assert (c["status"], says in c["detail"]) == (status, True), c
+    if status == "warn":
+        assert "CAP_CHECKPOINT_RESTORE" in c["fix"], c
+    parks = "idle entries keep no open file" in checks["region budget"]["detail"]
+    assert parks == (says == "no open file"), checks["region budget"]
