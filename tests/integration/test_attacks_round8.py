@@ -33,7 +33,7 @@ from conftest import Daemon
 from hardening import after_attack, another_tenant_works
 from maasd.allocator import parking
 from maasd.core.limits import limits_for, open_files_needed
-from maasd.protocol import Commit, Error, Found, Lookup, Ok, Put, Reserved
+from maasd.protocol import Attach, Attached, Commit, Detach, Error, Found, Lookup, Ok, Put, Reserved
 from sockpeer import Raw
 from waiting import wait_until
 
@@ -920,3 +920,37 @@ def test_the_doctor_says_what_an_idle_entry_costs_the_way_the_daemon_runs(
         assert "CAP_CHECKPOINT_RESTORE" in c["fix"], c
     parks = "idle entries keep no open file" in checks["region budget"]["detail"]
     assert parks == (says == "no open file"), checks["region budget"]
+
+
+def test_attach_by_id_of_a_parked_entry_is_read_only_and_its_tenants_alone(d: Daemon) -> None:
+    """An Attach frame naming a parked entry's id (not a lookup by key), by its tenant
+    and by another tenant who learnt the id; then Detach and release.
+
+    Must hold: its tenant gets a read-only fd of exactly its bytes (re-opened through
+    map_files); the other tenant gets a 404 and no fd; after the release an Attach is a
+    404 and the fd held reads zeros."""
+    _, key = d.tenant("owner", 64 * MiB)
+    _, thief = d.tenant("thief", 64 * MiB)
+    size = 8 * KiB
+    with contextlib.closing(_peer(d, key)) as r, contextlib.closing(_peer(d, thief)) as t:
+        buffer_id = _put(r, "by-id", b"\x6d" * size)
+        reply, fds = t.call(Attach(buffer_id=buffer_id))
+        assert isinstance(reply, Error), reply
+        assert (reply.status, fds) == (404, [])
+        reply, fds = r.call(Attach(buffer_id=buffer_id))
+        assert isinstance(reply, Attached), reply
+        (fd,) = fds
+        try:
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            assert _writes_granted(fd, size) == []
+            assert os.pread(fd, size + 1, 0) == b"\x6d" * size
+            ok, fds = r.call(Detach(buffer_id=buffer_id))
+            assert (ok, fds) == (Ok(), [])
+            _release(d, key, buffer_id)
+            assert os.pread(fd, size, 0) == bytes(size)
+        finally:
+            os.close(fd)
+        reply, fds = r.call(Attach(buffer_id=buffer_id))
+        assert isinstance(reply, Error), reply
+        assert (reply.status, fds) == (404, [])
+    after_attack(d)
