@@ -75,13 +75,10 @@ def _read(r: Raw, key: str) -> bytes | None:
         _detach(r, reply.buffer_id)
 
 
-def _torn_by_release(got: bytes, want: bytes, page: int = 4096) -> bool:
-    """Whether every page of ``got`` is ``want``'s or zeros: a read racing the release's
-    scrub (a read of 1 MiB is no atomic snapshot)."""
-    zero = bytes(page)
-    return len(got) == len(want) and all(
-        got[i : i + page] in (want[i : i + page], zero) for i in range(0, len(got), page)
-    )
+def _torn_by_release(got: bytes, want: bytes) -> bool:
+    """Whether every byte of ``got`` is ``want``'s or zero: a read racing the release's
+    scrub (a read of 1 MiB is no snapshot: it may see a page half zeroed)."""
+    return len(got) == len(want) and all(g in (w, 0) for g, w in zip(got, want, strict=True))
 
 
 def _detach(r: Raw, buffer_id: str) -> None:
