@@ -1039,3 +1039,79 @@ def _release_all(d: Daemon, key: str) -> None:
     with d.client(key) as c:
         for b in c.get("/v1/buffers").json():
             _release(d, key, b["id"])
+
+
+def test_at_the_whole_files_budget_parked_entries_are_still_looked_up(tmp_path: Path) -> None:
+    """Under RLIMIT_NOFILE 2,000, a reader tenant commits 300 entries (parked), then
+    five tenants flood staged puts until each is refused: together they hold every
+    region the files budget allows an open file.
+
+    Must hold: each flood ends in a 507 resource-limit (its share, or the daemon's
+    budget), never EMFILE nor a 500; with the files budget full, the reader still looks
+    up its parked entries (each a re-open: an fd from the headroom) with their bytes,
+    and a new put of its is a 507 naming the budget; /healthz stays 200; once the
+    floods let go, the reader puts again."""
+    lim = limits_for(FILES, 65530, parks_entries=True, **{**DEFAULTS, "tenant_share": 0.25})  # type: ignore[arg-type]
+    d = Daemon(tmp_path / "d", env={"MAASD_DEFAULT_POOL_BYTES": str(GiB)}, wrapper=_prlimit(FILES))
+    d.start()
+    floods: list[tuple[Raw, list[int]]] = []
+    try:
+        assert d.proc is not None
+        _, reader_key = d.tenant("reader", GiB)
+        reader = _peer(d, reader_key)
+        for i in range(300):
+            _put(reader, f"r{i}", i.to_bytes(4, "little") * 1024)
+        held = 0
+        for n in range(5):
+            _, key = d.tenant(f"flood{n}", GiB)
+            r = _peer(d, key)
+            fds, refusal = _flood_staged(r, "s", 4 * lim.tenant_file_budget)
+            floods.append((r, fds))
+            held += len(fds)
+            assert (refusal.status, refusal.type) == (
+                507,
+                "https://maasd.dev/problems/resource-limit",
+            ), refusal
+        assert held >= lim.file_budget - 4, (held, lim.file_budget)  # the stock, a few
+        assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
+        for i in [0, 299, *random.sample(range(300), 40)]:
+            _found, fd = _lookup(reader, [f"r{i}"])
+            assert fd is not None, f"r{i} not found at the files budget"
+            try:
+                assert os.pread(fd, 8, 0) == i.to_bytes(4, "little") * 2
+            finally:
+                os.close(fd)
+        reply, fds = reader.call(Put(key="one-more", size_bytes=4 * KiB))
+        assert fds == []
+        assert isinstance(reply, Error), reply
+        assert reply.status == 507, reply
+        for r, fds in floods:
+            for f in fds:
+                os.close(f)
+            r.close()
+        floods.clear()
+        wait_until(
+            lambda: _put_or_refusal(reader, "after") is None, timeout=30, message="room again"
+        )
+        reader.close()
+        assert "Too many open files" not in d.log()
+        assert " 500 " not in d.log()
+    finally:
+        for r, fds in floods:
+            for f in fds:
+                os.close(f)
+            r.close()
+        d.close()
+
+
+def _put_or_refusal(r: Raw, key: str) -> Error | None:
+    """Put and commit ``key`` (None), or the refusal of the put."""
+    reply, fds = r.call(Put(key=key, size_bytes=4 * KiB))
+    if isinstance(reply, Error):
+        assert fds == []
+        return reply
+    assert isinstance(reply, Reserved), reply
+    os.close(fds[0])
+    ok, _ = r.call(Commit(buffer_id=reply.buffer_id))
+    assert isinstance(ok, Ok), ok
+    return None
