@@ -695,10 +695,10 @@ def test_deleting_a_tenant_under_lookups_of_its_parked_entries(d: Daemon) -> Non
         assert os.pread(fd, size, 0) == bytes(size), "a deleted tenant's entry kept bytes"
         os.close(fd)
     with contextlib.closing(_peer(d, other)) as r:  # the survivor's entries kept theirs
-        _found, fd = _lookup(r, ["s0"])
-        assert fd is not None
-        assert os.pread(fd, size, 0) == b"\x5e" * size
-        os.close(fd)
+        _found, first = _lookup(r, ["s0"])
+        assert first is not None
+        assert os.pread(first, size, 0) == b"\x5e" * size
+        os.close(first)
     for buffer_id in survivors:  # (after_attack compares the ledger with buffers' fds)
         _release(d, other, buffer_id)
     after_attack(d)
