@@ -80,28 +80,53 @@ class Recovery:
         return found
 
     def _check_room(self, rows: list[BufferRow]) -> None:
-        """Every persistent buffer to restore fits the region budget, or a ConfigError
+        """Every persistent buffer to restore fits the region budget — and those that keep
+        an fd (all but committed entries that park) its files budget —, or a ConfigError
         naming the limit that would hold them (nothing is released: start again with it)."""
         if self._budget is None:
             return
-        todo = sum(
-            1
+        todo = [
+            r
             for r in rows
             if r.state == "live"
             and r.persistence == "persistent"
             and self._live.get(r.pool_id) is not None
             and self._regions.region(r.id) is None
-        )
+        ]
         budget = self._budget
         room = budget.budget - budget.held()
-        if todo > room:
-            need = open_files_needed(budget.limits, budget.held() + todo)
+        if len(todo) > room:
+            need = open_files_needed(budget.limits, budget.held() + len(todo))
             raise ConfigError(
-                f"the ledger holds {todo} persistent buffers and entries to restore, and the "
-                f"region budget has room for {room} (from {budget.limits.binding}): raise "
+                f"the ledger holds {len(todo)} persistent buffers and entries to restore, and "
+                f"the region budget has room for {room} (from {budget.limits.binding}): raise "
                 + (f"LimitNOFILE to at least {need}" if need else "vm.max_map_count")
                 + "; nothing was released"
             )
+        # A restored region holds an fd until it parks; a buffer's, for good. Restoring
+        # more than the files budget holds would run into EMFILE halfway through.
+        fds = sum(1 for r in todo if not self._parks(r))
+        file_room = budget.file_budget - budget.held_fds()
+        if fds > file_room:
+            need = open_files_needed(budget.limits, budget.held_fds() + fds)
+            raise ConfigError(
+                f"the ledger holds {fds} persistent buffers to restore that keep an open "
+                f"file, and the region budget has room for {file_room} of those (from "
+                f"RLIMIT_NOFILE {budget.limits.open_files}): raise LimitNOFILE to at least "
+                f"{need}; nothing was released"
+            )
+
+    def _parks(self, row: BufferRow) -> bool:
+        """Whether the row's region, once restored, lets its fd go (a committed ``memfd``
+        entry, where the daemon parks them: :meth:`Region.park`)."""
+        live = self._live.get(row.pool_id)
+        return (
+            self._budget is not None
+            and self._budget.limits.parks_entries
+            and row.committed_at is not None
+            and live is not None
+            and live.row.backing == "memfd"
+        )
 
     def _recover_row(self, row: BufferRow) -> str:
         """Settle one row: ``"ours"`` (already held), ``"restored"`` or ``"released"``."""
