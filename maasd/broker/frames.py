@@ -124,8 +124,9 @@ class Frames:
         """On a slow-pool thread: serve, then hand the outcome back to the loop."""
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
-        # What the op owes past its answer (a commit's staging region to the reclaimer)
-        # runs once the reply is with the kernel, or with the loop to send.
+        # What the op owes past its answer (a commit's staging region to the reclaimer,
+        # the warmer's wake: maasd.core.answered) runs once the reply is with the
+        # kernel, or with the loop to send.
         with answering() as later:
             try:
                 outcome = answer_now(conn, self.dispatcher.run(op, req, session, f))
