@@ -74,8 +74,19 @@ def default_min_available() -> int:
     return max(512 * MiB, (_meminfo("MemTotal") or 0) // 16)
 
 
+def _at_once(fn: Callable[[], object]) -> None:
+    fn()
+
+
 class Warmer:
-    """One thread that refills every registered pool's warm stock. Thread-safe."""
+    """One thread that refills every registered pool's warm stock. Thread-safe.
+
+    ``send_wake(fn)`` sends a wake-up (``fn`` sets the thread's event): at once by
+    default. The daemon passes :func:`maasd.core.answered.after_answer`, so that the
+    refill a request's reserve causes starts once that request is answered — the
+    thread it wakes would otherwise compete with the rest of the request for the
+    interpreter and, on a busy host, a CPU.
+    """
 
     def __init__(
         self,
@@ -84,7 +95,9 @@ class Warmer:
         available: Callable[[], int | None] = mem_available,
         interval_s: float = 1.0,
         may_grow: Callable[[], bool] = lambda: True,
+        send_wake: Callable[[Callable[[], object]], None] = _at_once,
     ) -> None:
+        self._send_wake = send_wake
         #: Below this much ``MemAvailable`` the memfd stock is given back.
         self.min_available = default_min_available() if min_available is None else min_available
         self._available = available
@@ -115,8 +128,9 @@ class Warmer:
             return list(self._pools)
 
     def wake(self) -> None:
-        """Have the thread look at the pools now (a reserve changed the demand or the stock)."""
-        self._wake.set()
+        """Have the thread look at the pools (a reserve changed the demand or the stock):
+        now, or once the current request is answered (``send_wake``)."""
+        self._send_wake(self._wake.set)
 
     def start(self) -> None:
         """Start the thread (idempotent)."""

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Callable
 
 from maasd import errors
+from maasd.core.answered import answering
 from maasd.protocol import ProtocolError, Request
 
 from .connection import Connection
@@ -123,7 +124,15 @@ class Frames:
         """On a slow-pool thread: serve, then hand the outcome back to the loop."""
         if conn.closed:  # gone while the job waited for its turn: nobody wants it done
             return
-        self.inbox.post(conn, answer_now(conn, self.dispatcher.run(op, req, session, f)))
+        # What the op owes past its answer (a commit's staging region to the reclaimer,
+        # the warmer's wake: maasd.core.answered) runs once the reply is with the
+        # kernel, or with the loop to send.
+        with answering() as later:
+            try:
+                outcome = answer_now(conn, self.dispatcher.run(op, req, session, f))
+            finally:
+                later.run()
+        self.inbox.post(conn, outcome)
 
     def settle(self) -> None:
         """Apply the outcomes handed back by other threads; serve their connections on."""

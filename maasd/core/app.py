@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from maasd.allocator import Warmer
 from maasd.allocator.reclaim import Reclaimer
+from maasd.core.answered import after_answer
 from maasd.core.attachments import Attachments
 from maasd.core.auth import Auth
 from maasd.core.buffers import Buffers
@@ -116,6 +117,7 @@ class Service:
         self.warmer = Warmer(
             min_available=settings.warm_min_available_bytes,
             may_grow=self.budget.room_for_stock,
+            send_wake=after_answer,  # a request's refill starts once it is answered
         )
         self.attachments = Attachments()
         self.regions = Regions(self.attachments, park=self.budget.limits.parks_entries)

@@ -9,7 +9,7 @@ import os
 import resource
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -583,6 +583,28 @@ class TestWarmer:
             pool.close()
         assert not warmer.running
         assert warmer.pools() == []
+
+    def test_a_reserves_wake_goes_through_send_wake_and_refills_once_delivered(self):
+        """The daemon defers a request's wake-ups until its answer (``send_wake`` is
+        ``maasd.core.answered.after_answer``): the refill a reserve causes starts only once
+        the wake is delivered, and then refills as before."""
+        held: list[Callable[[], object]] = []
+        warmer = Warmer(min_available=0, interval_s=30.0, send_wake=held.append)
+        pool = MemoryPool("t", numa_node=0, capacity=8 * MiB, warm_bytes=2 * MiB, warmer=warmer)
+        warmer.start()
+        try:
+            time.sleep(0.2)  # the thread's first look (no demand yet): it waits now
+            held.clear()
+            pool.release(pool.reserve(2 * MiB))  # a demand for 2 MiB: a wake, held
+            assert held
+            time.sleep(0.3)
+            assert pool.warm == 0  # not woken: the interval is 30 s
+            for wake in held:
+                wake()
+            wait_until(lambda: pool.warm == 2 * MiB, message="refilled once woken")
+        finally:
+            warmer.stop()
+            pool.close()
 
     def test_memory_pressure_sheds_and_stops_refilling(self, reclaimer):
         available = [1 << 40]

@@ -312,3 +312,43 @@ def test_a_hit_on_an_entry_the_caller_holds_is_not_counted_again(svc: Service) -
     svc.handles.drop(who, bid)
     svc.handles.drop(who, bid)
     assert svc.attachments.attached(bid) == 0
+
+
+def test_a_commit_answering_a_writer_hands_its_staging_region_on_only_after_the_answer(
+    svc: Service,
+) -> None:
+    """The broker serves a commit inside ``answering``: the entry is published (the ledger
+    says live, a lookup finds the sealed copy) before anything deferred runs; the staging
+    region goes to the reclaimer — and its bytes to zero — only once the deferred work
+    runs, after the reply."""
+    from maasd.core.answered import answering
+
+    who = tenant(svc)
+    h = svc.entries.put(who, "deferred-retire", MiB)
+    staging = svc.regions.region(h.buffer_id)
+    assert staging is not None
+    hooked: list[str] = []
+    svc.entries.on_commit(lambda _t, key, _b, _s: hooked.append(key))
+    try:
+        os.pwrite(h.fd, b"\x5a" * MiB, 0)
+        with answering() as later:
+            svc.entries.commit(who, h.buffer_id, owned=True)
+            row = svc.store.buffer(h.buffer_id)
+            assert row is not None
+            assert row.state == "live"  # published before
+            found = hit(svc.tiers.find(who, ["deferred-retire"]))
+            os.close(found.fd)
+            svc.handles.drop(who, found.buffer_id)
+            assert not staging.released  # not handed on yet
+            assert not staging.closed
+            assert hooked == []  # nor the write-behind told
+            assert os.pread(h.fd, 4, 0) == b"\x5a" * 4
+            later.run()
+        assert staging.released
+        assert hooked == ["deferred-retire"]
+        svc.reclaimer.drain()
+        assert staging.closed
+        assert os.pread(h.fd, MiB, 0) == bytes(MiB)  # what its writer kept reads zeros
+    finally:
+        os.close(h.fd)
+    assert pool(svc).used == MiB  # the committed entry, counted once
