@@ -333,7 +333,7 @@ def test_a_commit_answering_a_writer_hands_its_staging_region_on_only_after_the_
         os.pwrite(h.fd, b"\x5a" * MiB, 0)
         with answering() as later:
             svc.entries.commit(who, h.buffer_id, owned=True)
-            row = svc.store.buffer(h.buffer_id)
+            row = svc.store.buffers.buffer(h.buffer_id)
             assert row is not None
             assert row.state == "live"  # published before
             found = hit(svc.tiers.find(who, ["deferred-retire"]))
