@@ -111,9 +111,9 @@ def buf(
     )
 
 
-def reserve_live(store: Store, row: BufferRow) -> BufferRow:
+def reserve_live(store: Store, row: BufferRow, *, default_cap: int | None = None) -> BufferRow:
     """What the service does: admit, (allocate), go live; finish any victims."""
-    for victim in store.reserves.begin_reserve(row):
+    for victim in store.reserves.begin_reserve(row, default_cap=default_cap):
         store.reserves.finish_release(victim.id, "evict", record=False)
     store.buffers.set_state(row.id, "live")
     got = store.buffers.buffer(row.id)

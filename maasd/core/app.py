@@ -110,7 +110,6 @@ class Service:
         self.settings = settings
         self.host = settings.node_name
         self.store = store or _open_store(settings)
-        self.store.reserves.default_max_buffers = settings.max_buffers_per_tenant
         self.metrics = Metrics()
         self.reclaimer = Reclaimer()
         self.budget = _region_budget(settings, self.store)

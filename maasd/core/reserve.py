@@ -69,6 +69,7 @@ class Reserves:
     ) -> None:
         self._settings = settings
         self._budget = budget
+        self._default_cap = settings.max_buffers_per_tenant  # a tenant with no max_buffers
         self._host = settings.node_name
         self._store = store  # the row admitted (room.admit), or deleted if it fails
         self._buffer_rows = buffer_rows  # reserving → live
@@ -152,6 +153,7 @@ class Reserves:
                             row,
                             uses=uses,
                             leases=extended,
+                            default_cap=self._default_cap,
                         )  # uses and leases: written by the admitting transaction
                         region = self._create(row, live, frozen=frozen)
                 except PoolExhausted as e:  # this pool is full now: try the next one

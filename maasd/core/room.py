@@ -67,6 +67,7 @@ def admit(
     *,
     uses: dict[str, float],
     leases: dict[str, float],
+    default_cap: int | None = None,
 ) -> BufferRow:
     """Admit ``row`` (state ``reserving``/``staged``), its victims released and freed.
 
@@ -88,6 +89,7 @@ def admit(
                 leases=dict(leases),
                 durable=must_last(row.persistence),
                 prefer_not=attached,
+                default_cap=default_cap,
             )
         except (QuotaExceeded, PoolExhausted) as e:
             if not held:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import sqlalchemy as sa
@@ -54,9 +54,6 @@ from maasd.store.base import Repository, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Victims, choose_victims
 from maasd.store.records import BufferRow
-
-if TYPE_CHECKING:
-    from maasd.store.database import Database
 
 __all__ = ["BufferRepo", "ReserveRepo"]
 
@@ -247,12 +244,6 @@ def _by_id(params: Mapping[str, Any]) -> str:
 class ReserveRepo(Repository):
     """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
 
-    def __init__(self, db: Database, *, default_max_buffers: int | None = None) -> None:
-        super().__init__(db)
-        #: The cap on a tenant's buffers when its ``max_buffers`` is NULL; ``None``: no cap.
-        #: The daemon sets it from ``Settings.max_buffers_per_tenant``.
-        self.default_max_buffers = default_max_buffers
-
     def begin_reserve(
         self,
         row: BufferRow,
@@ -262,6 +253,7 @@ class ReserveRepo(Repository):
         leases: Mapping[str, float] | None = None,
         durable: bool = True,
         prefer_not: Collection[str] = (),
+        default_cap: int | None = None,
     ) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
 
@@ -282,7 +274,8 @@ class ReserveRepo(Repository):
         already uses on this host (:class:`DuplicateKey`); read the tenant's and
         the pool's bytes and the tenant's buffer count (every state, entries
         too: :mod:`maasd.store.totals`, O(1)) from the rows it locked; if ``row`` does not fit the quota (unless ``quota_check`` is
-        false), the tenant's ``max_buffers`` (NULL: :attr:`default_max_buffers`)
+        false), the tenant's ``max_buffers`` (NULL: ``default_cap``, the daemon's
+        ``max_buffers_per_tenant``; ``None``: no cap)
         or the pool's capacity, choose victims
         (:func:`~maasd.store.eviction.choose_victims`): **evictable live**
         buffers, least recently used first — the tenant's own on ``row.host``
@@ -299,10 +292,9 @@ class ReserveRepo(Repository):
         written here). The caller checks that ``row`` is smaller than the pool
         (``TooLarge``); it is guarded here too. Unknown tenant or pool: :class:`NotFound`.
 
-        ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also
-        with persistent victims (why that is safe: docs/operations.md, "Crash safety").
-        ``prefer_not``: ids evicted after every other candidate (:mod:`maasd.core.room`).
-        """
+        ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also with
+        persistent victims (docs/operations.md, "Crash safety"). ``prefer_not``: ids evicted
+        after every other candidate (:mod:`maasd.core.room`)."""
         state = "staged" if row.kind == "entry" else "reserving"
         if row.state != state:
             row = msgspec.structs.replace(row, state=state)
@@ -316,7 +308,7 @@ class ReserveRepo(Repository):
                 touches, extends = [], []
             with self._writing(durable=durable) as conn:
                 _record_uses(conn, touches, extends)
-                victims = self._admit(conn, row, quota_check, prefer_not)
+                victims = self._admit(conn, row, quota_check, prefer_not, default_cap)
                 conn.execute(_ins_buffer, msgspec.structs.asdict(row))
                 events = [
                     buffer_event("evict", row.created_at, v, detail=f"for {row.id}")
@@ -334,7 +326,12 @@ class ReserveRepo(Repository):
         return victims
 
     def _admit(
-        self, conn: Connection, row: BufferRow, quota_check: bool, prefer_not: Collection[str]
+        self,
+        conn: Connection,
+        row: BufferRow,
+        quota_check: bool,
+        prefer_not: Collection[str],
+        default_cap: int | None,
     ) -> list[BufferRow]:
         """Inside the reserve transaction: lock, check, and mark the victims if it must."""
         params = {
@@ -356,7 +353,7 @@ class ReserveRepo(Repository):
         if pool_deleting is not None:
             raise StateConflict(f"pool {pool_name!r} is being deleted")
         if cap is None:
-            cap = self.default_max_buffers
+            cap = default_cap
         size = row.size_bytes
         check_fits(size, capacity, f"pool {pool_name!r}")
         if dup:

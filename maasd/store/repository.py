@@ -68,8 +68,7 @@ class Store:
     ``postgresql+psycopg://``, or ``postgresql+asyncpg://``, which is run
     through psycopg 3 because the store is synchronous); anything else raises
     :class:`~maasd.errors.ConfigError`. The schema is created only by
-    :meth:`upgrade` (Alembic). ``default_max_buffers``: the reserve's cap on a
-    tenant's buffers when its own is NULL (:class:`ReserveRepo`).
+    :meth:`upgrade` (Alembic).
 
     >>> store = Store("sqlite:////tmp/maasd-doctest.db")  # doctest: +SKIP
     >>> store.upgrade()                                    # doctest: +SKIP
@@ -85,7 +84,6 @@ class Store:
         echo: bool = False,
         connect_timeout_s: float = 3.0,
         statement_timeout_s: float = 10.0,
-        default_max_buffers: int | None = None,
     ) -> None:
         db = Database(
             url,
@@ -98,7 +96,7 @@ class Store:
         self.db = db
         self.tenants = TenantRepo(db)
         self.pools = PoolRepo(db)
-        self.reserves = ReserveRepo(db, default_max_buffers=default_max_buffers)
+        self.reserves = ReserveRepo(db)
         self.buffers = BufferRepo(db)
         self.events = EventRepo(db)
         self.hosts = HostRepo(db)

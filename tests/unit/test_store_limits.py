@@ -39,14 +39,13 @@ def test_the_cap_refuses_one_buffer_more_and_changes_nothing(store: Store) -> No
 
 def test_the_default_cap_applies_when_the_tenant_has_none(store: Store) -> None:
     pool, t = make_pool(store, capacity=1 << 30), make_tenant(store, quota=1 << 30)
-    store.reserves.default_max_buffers = 2
-    reserve_live(store, buf(t, pool, 10))
-    reserve_live(store, buf(t, pool, 10))
+    reserve_live(store, buf(t, pool, 10), default_cap=2)
+    reserve_live(store, buf(t, pool, 10), default_cap=2)
     with pytest.raises(BufferCountExceeded, match="its max_buffers is 2"):
-        store.reserves.begin_reserve(buf(t, pool, 10))
-    store.tenants.update_tenant(t.id, max_buffers=3)  # the tenant's own cap wins
-    reserve_live(store, buf(t, pool, 10))
-    store.reserves.default_max_buffers = None
+        store.reserves.begin_reserve(buf(t, pool, 10), default_cap=2)
+    store.reserves.begin_reserve(buf(t, pool, 10))  # no default cap: none
+    store.tenants.update_tenant(t.id, max_buffers=4)  # the tenant's own cap wins
+    reserve_live(store, buf(t, pool, 10), default_cap=2)
 
 
 def test_at_the_cap_the_tenants_own_evictable_buffers_go_first_lru(store: Store) -> None:
