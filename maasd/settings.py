@@ -95,9 +95,10 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     db_connect_timeout_s: float = 3.0
     db_statement_timeout_s: float = 10.0
     # A tenant's cap on buffers (entries included) when it has none of its own. Each buffer
-    # holds one of the daemon's open files and one mapping: 4096 lets a prefix cache of
-    # MiB-sized entries fill tens of GiB, and keeps a dozen tenants inside the ~57,000
-    # regions that vm.max_map_count's default allows (maasd.core.limits).
+    # holds one of the daemon's mappings (and an open file, but for idle entries where they
+    # park): 4096 lets a prefix cache of MiB-sized entries fill tens of GiB, and keeps a
+    # dozen tenants inside the ~57,000 regions that vm.max_map_count's default allows
+    # (maasd.core.limits).
     max_buffers_per_tenant: int = 4096
     # The share of the daemon's region budget (its open files and mappings for buffers,
     # maasd.core.limits) one tenant may hold at once: a quarter, so that one tenant's
