@@ -220,3 +220,9 @@ def fresh_daemon(tmp_path: Path) -> Iterator[Daemon]:
     d = Daemon(tmp_path / "maasd")
     yield d
     d.close()
+
+
+@pytest.fixture
+def disk_daemon(fresh_daemon: Daemon) -> Daemon:
+    """A started daemon of this test alone, for disk-tier pools (``tier_pool``)."""
+    return fresh_daemon.start()

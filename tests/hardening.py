@@ -20,7 +20,7 @@ import sqlite3
 import time
 from collections import Counter
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -135,6 +135,14 @@ def wait_ledger_matches_memfds(daemon: Daemon, timeout: float = 15.0) -> None:
         time.sleep(0.1)
         ok, why = ledger_matches_memfds(daemon)
     assert ok, why
+
+
+def tenant_usage(daemon: Daemon, key: str) -> dict[str, Any]:
+    """``GET /v1/usage`` of the tenant of ``key`` (it must answer 200)."""
+    with daemon.client(key) as c:
+        r = c.get("/v1/usage")
+        assert r.status_code == 200, r.text
+        return dict(r.json())
 
 
 def healthz(daemon: Daemon) -> tuple[int, dict[str, object]]:

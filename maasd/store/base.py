@@ -234,20 +234,11 @@ def violation(exc: sa.exc.IntegrityError) -> Violation:
     return Violation(kind, constraint, columns, message)
 
 
-class Repository:
-    """The base of the ledger's repositories, one object per aggregate (tenants and keys,
-    pools, buffers and entries, events, hosts, totals): each holds the one
-    :class:`Database` they share (``db``, handed at construction) and reaches the
-    database only through it — the helpers below are the three kinds of connection of
-    the module docstring, read off ``db``. No repository calls another: a transaction
-    that touches other aggregates' tables runs its own statements on its connection.
+class OnDatabase:
+    """What anything holding the ledger's :class:`Database` (``db``) reads of it: which
+    server it is, and its circuit (a repository, and :class:`maasd.store.Store`)."""
 
-    A repository keeps no state of its own beyond ``db`` (the reserve's default cap is a
-    setting it is told). :class:`maasd.store.Store` builds all of them over one database.
-    """
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
+    db: Database
 
     @property
     def is_postgres(self) -> bool:
@@ -258,6 +249,22 @@ class Repository:
     def circuit(self) -> LedgerCircuit:
         """Open while the database is known to be down: every call fails at once."""
         return self.db.circuit
+
+
+class Repository(OnDatabase):
+    """The base of the ledger's repositories, one object per aggregate (tenants and keys,
+    pools, buffers and entries, events, hosts, totals): each holds the one
+    :class:`Database` they share (``db``, handed at construction) and reaches the
+    database only through it — the helpers below are the three kinds of connection of
+    the module docstring, read off ``db``. No repository calls another: a transaction
+    that touches other aggregates' tables runs its own statements on its connection.
+
+    A repository keeps no state of its own beyond ``db`` (the reserve's default cap is an
+    argument of the reserve). :class:`maasd.store.Store` builds all of them over one database.
+    """
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
 
     def _writing(self, *, durable: bool = True) -> AbstractContextManager[Connection]:
         """A write transaction (:meth:`Database.writing`)."""

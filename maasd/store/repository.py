@@ -42,8 +42,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
+from maasd.store.base import OnDatabase
 from maasd.store.buffers import BufferRepo, ReserveRepo
-from maasd.store.circuit import LedgerCircuit
 from maasd.store.database import Database
 from maasd.store.engine import alembic_config
 from maasd.store.events import EventRepo
@@ -59,7 +59,7 @@ __all__ = ["Store"]
 MIGRATION_LOCK_ID = 0x6D616173  # "maas"
 
 
-class Store:
+class Store(OnDatabase):
     """The ledger: pools, tenants, keys, buffers and events in one database, one
     repository per aggregate (the module docstring lists them).
 
@@ -113,16 +113,6 @@ class Store:
     @property
     def dialect(self) -> str:
         return self.db.dialect
-
-    @property
-    def is_postgres(self) -> bool:
-        """PostgreSQL (row locks, several daemons) rather than SQLite (one writer)."""
-        return self.db.is_postgres
-
-    @property
-    def circuit(self) -> LedgerCircuit:
-        """Open while the database is known to be down: every call fails at once."""
-        return self.db.circuit
 
     def __repr__(self) -> str:
         return f"Store({self.url.render_as_string(hide_password=True)!r})"

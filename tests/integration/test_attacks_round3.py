@@ -18,7 +18,7 @@ import pytest
 import test_ledger_outage
 
 from conftest import Daemon
-from hardening import after_attack, ledger_ids
+from hardening import after_attack, ledger_ids, tenant_usage
 from maasd.protocol import Commit, Detach, Found, Lookup, Ok, Put, Reserved
 from pgdb import PG_URL
 from rawentries import connect, demote_one, pattern, probe, tier_pool
@@ -28,13 +28,6 @@ from waiting import wait_until
 MiB = 1 << 20
 #: A daemon on PostgreSQL through a proxy a test cuts (the fixture of test_ledger_outage).
 outage = test_ledger_outage.outage
-
-
-def _usage(d: Daemon, key: str) -> dict[str, object]:
-    with d.client(key) as c:
-        r = c.get("/v1/usage")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
 
 
 def _pool(d: Daemon, name: str) -> dict[str, object]:
@@ -137,9 +130,9 @@ def test_held_cold_entries_of_one_tenant_do_not_fail_anothers_put_in_a_shared_po
         reply = _put_must_fit(b, pool, size, "B's put was refused because of A")
         assert isinstance(b.call(Commit(buffer_id=reply.buffer_id))[0], Ok)
         # what A holds is still A's: counted in its quota, never more than it
-        u = _usage(daemon, key_a)
+        u = tenant_usage(daemon, key_a)
         assert u["used_bytes"] == 5 * size, u
-    wait_until(lambda: _usage(daemon, key_a)["used_bytes"] == 0, message="A's memory freed")
+    wait_until(lambda: tenant_usage(daemon, key_a)["used_bytes"] == 0, message="A's memory freed")
     _delete_tenants_then_check(daemon, tenant_a, tenant_b)
 
 
@@ -235,14 +228,14 @@ def test_a_pool_drain_while_entries_are_held_keeps_counting_them(daemon: Daemon)
         r = daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true")
         assert r.status_code == 409, r.text
         assert "held open" in r.json()["detail"], r.text
-        u = _usage(daemon, key)
+        u = tenant_usage(daemon, key)
         assert (u["used_bytes"], u["held_bytes"]) == (4 * size, 4 * size), u
         with daemon.client(key) as c:  # the held half counts: 8 MiB more would exceed it
             r = c.post("/v1/reserve", json={"size_bytes": 8 * size})
             assert r.status_code == 409, r.text
             r = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": size})
             assert r.status_code == 409, r.text  # the pool is being deleted
-    wait_until(lambda: _usage(daemon, key)["used_bytes"] == 0, message="held memory freed")
+    wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == 0, message="held memory freed")
     assert daemon.admin.delete(f"/v1/pools/{pool['id']}?drain=true").status_code == 204
     assert daemon.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
     _delete_tenants_then_check(daemon, tenant_id)
@@ -282,7 +275,7 @@ def test_another_tenant_never_reaches_an_entry_on_disk(fresh_daemon: Daemon, tmp
     try:
         miss(b, ["hot"])
         assert d.metric("maasd_disk_promotions_total", pool=pool) == 0
-        assert _usage(d, key_b)["used_bytes"] == 0
+        assert tenant_usage(d, key_b)["used_bytes"] == 0
         demote_one(d, key_b, pool, pattern(MiB, 6), fill=9).close()  # B's own "hot"
         got = probe(d, key_a, ["hot"])
         assert got["reply"] == "Found", got
@@ -313,7 +306,7 @@ def test_a_kill_while_deletes_wait_for_held_entries_leaks_nothing(fresh_daemon: 
         assert d.admin.get(f"/v1/tenants/{tenant_id}").status_code == 404
         assert d.admin.get(f"/v1/pools/{pool['id']}").status_code == 404
         assert ledger_ids(d) == []
-        assert _usage(d, key)["used_bytes"] == 0
+        assert tenant_usage(d, key)["used_bytes"] == 0
     _delete_tenants_then_check(d, other_id)
 
 
@@ -333,14 +326,14 @@ def test_a_held_entry_let_go_during_a_ledger_outage_is_freed_when_it_is_back(out
         fd = _hold_detached(w, "kept")
         with d.client(key) as c:
             assert c.delete(f"/v1/buffers/{buffer_id}").status_code == 204
-        assert _usage(d, key)["held_bytes"] == size
+        assert tenant_usage(d, key)["held_bytes"] == size
         proxy.cut()
         os.close(fd)
         fd = -1
         time.sleep(0.5)  # the reader thread sees the inode go while the ledger is out
         proxy.resume()
         wait_until(
-            lambda: _usage(d, key)["used_bytes"] == 0,
+            lambda: tenant_usage(d, key)["used_bytes"] == 0,
             timeout=30,
             message="the held entry's bytes freed once the ledger is back",
         )

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Daemon
-from hardening import after_attack, daemon_fds, ledger_ids
+from hardening import after_attack, daemon_fds, ledger_ids, tenant_usage
 from maasd.client import Worker
 from maasd.protocol import (
     Abort,
@@ -89,13 +89,6 @@ def _memfds(d: Daemon) -> list[str]:
     return sorted(names)
 
 
-def _usage(d: Daemon, key: str) -> dict[str, object]:
-    with d.client(key) as c:
-        r = c.get("/v1/usage")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-
 def _usage_now(d: Daemon, key: str) -> dict[str, object] | None:
     """The usage, or ``None`` while the daemon cannot read its ledger (it probes it back)."""
     with d.client(key) as c:
@@ -108,7 +101,7 @@ class Baseline:
 
     def __init__(self, d: Daemon, key: str) -> None:
         self.d, self.key = d, key
-        self.usage = _usage(d, key)
+        self.usage = tenant_usage(d, key)
         self.fds = _fds(d)
         self.memfds = _memfds(d)
         self.rows = sorted(ledger_ids(d))
@@ -117,8 +110,8 @@ class Baseline:
 
     def check(self) -> None:
         with contextlib.suppress(AssertionError):
-            wait_until(lambda: _usage(self.d, self.key) == self.usage, timeout=15)
-        assert _usage(self.d, self.key) == self.usage
+            wait_until(lambda: tenant_usage(self.d, self.key) == self.usage, timeout=15)
+        assert tenant_usage(self.d, self.key) == self.usage
         with contextlib.suppress(AssertionError):
             wait_until(lambda: _memfds(self.d) == self.memfds, timeout=15)
         assert _memfds(self.d) == self.memfds, "a memfd leaked (or one is missing)"
@@ -258,7 +251,7 @@ def test_abrupt_close_after_put_gives_the_entry_back_and_another_tenant_reuses_t
         os.close(fd)
     finally:
         peer.close()
-    assert _usage(d, key) == base.usage
+    assert tenant_usage(d, key) == base.usage
 
 
 def test_close_with_many_staged_entries_and_attachments_gives_them_all_back(d: Daemon):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import Daemon
-from hardening import after_attack
+from hardening import after_attack, tenant_usage
 from maasd.core.disktier import DiskTiers, OnDisk, Tier
 from maasd.core.livepools import LivePools
 from maasd.disk.store import DiskDir
@@ -42,18 +42,6 @@ from sockpeer import Raw, lookup
 from waiting import wait_until
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def disk_daemon(fresh_daemon: Daemon) -> Daemon:
-    return fresh_daemon.start()
-
-
-def _usage(d: Daemon, key: str) -> dict[str, int]:
-    with d.client(key) as c:
-        r = c.get("/v1/usage")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
 
 
 def _tier(d: Daemon, pool: str) -> dict[str, int]:
@@ -137,7 +125,7 @@ def test_reserves_racing_releases_at_the_quota_edge(daemon: Daemon) -> None:
     assert max(seen) <= 4 * MiB
     with daemon.client(key) as c:
         live = c.get("/v1/buffers").json()
-    usage = _usage(daemon, key)
+    usage = tenant_usage(daemon, key)
     assert usage["used_bytes"] == len(live) * MiB <= 4 * MiB
     assert daemon.admin.get(f"/v1/pools/{pool}").json()["used_bytes"] == len(live) * MiB
     after_attack(daemon)
@@ -174,7 +162,7 @@ def test_a_reserve_refused_after_admission_rolls_back(daemon: Daemon) -> None:
                 elif r.status_code == 201:
                     assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code == 204
         assert c.get("/v1/buffers").json() == []
-    assert _usage(daemon, key)["used_bytes"] == 0
+    assert tenant_usage(daemon, key)["used_bytes"] == 0
     for name in made:
         assert daemon.admin.get(f"/v1/pools/{name}").json()["used_bytes"] == 0
     after_attack(daemon)
@@ -334,7 +322,7 @@ def test_disk_quota_across_two_tiers_with_concurrent_writers(
     disks = [tmp_path / "a", tmp_path / "b"]
     pools = [tier_pool(d, p, capacity=8 * MiB, disk_bytes=128 * MiB) for p in disks]
     tid, key = d.tenant("twotier", quota_bytes=6 * MiB)
-    assert _usage(d, key)["disk_quota_bytes"] == 24 * MiB
+    assert tenant_usage(d, key)["disk_quota_bytes"] == 24 * MiB
     seen: list[int] = []
     stop = threading.Event()
     errors: list[str] = []
@@ -373,11 +361,13 @@ def test_disk_quota_across_two_tiers_with_concurrent_writers(
         stop.set()
         watcher.join()
     assert max(seen) <= 24 * (MiB + FILE_OVERHEAD)
-    used = _usage(d, key)["disk_used_bytes"]
+    used = tenant_usage(d, key)["disk_used_bytes"]
     assert used <= 24 * MiB
     assert used == sum(_tier(d, p)["used_bytes"] for p in pools)
     wait_until(
-        lambda: sum(len(entry_files(p)) for p in disks) * MiB == _usage(d, key)["disk_used_bytes"]
+        lambda: (
+            sum(len(entry_files(p)) for p in disks) * MiB == tenant_usage(d, key)["disk_used_bytes"]
+        )
     )
     assert d.admin.delete(f"/v1/tenants/{tid}").status_code == 204
     wait_until(lambda: all(entry_files(p) == [] for p in disks))

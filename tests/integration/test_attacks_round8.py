@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from conftest import Daemon
-from hardening import after_attack, another_tenant_works
+from hardening import after_attack, another_tenant_works, tenant_usage
 from maasd.allocator import parking
 from maasd.core.limits import limits_for, open_files_needed
 from maasd.protocol import Attach, Attached, Commit, Detach, Error, Found, Lookup, Ok, Put, Reserved
@@ -291,6 +291,24 @@ def _mprotect_writable(fd: int, size: int) -> bool:
         _libc.munmap(addr, size)
 
 
+def _read_only_hit(
+    d: Daemon, key: str, r: Raw, name: str, want: bytes, *, release: str | None = None
+) -> None:
+    """Look ``name`` up: its fd is read-only, no way to write it works, and it reads
+    ``want``; with ``release``, that buffer is released meanwhile and the fd reads zeros."""
+    _found, fd = _lookup(r, [name])
+    assert fd is not None, f"{name} not found"
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+        assert _writes_granted(fd, len(want)) == []
+        assert os.pread(fd, len(want), 0) == want
+        if release is not None:
+            _release(d, key, release)
+            assert os.pread(fd, len(want), 0) == bytes(len(want))
+    finally:
+        os.close(fd)
+
+
 def _writes_granted(fd: int, size: int, *, read_only: bool = True) -> list[str]:
     """Every way a worker might make an fd of a committed entry write it: the ways that
     worked (none may)."""
@@ -380,13 +398,6 @@ def _memfd_fds_of(pid: int, buffer_id: str) -> int:
     return n
 
 
-def _usage(d: Daemon, key: str) -> dict[str, int]:
-    with d.client(key) as c:
-        r = c.get("/v1/usage")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-
 def test_a_parked_entry_held_after_release_reads_zeros_and_counts_until_let_go(
     d: Daemon,
 ) -> None:
@@ -414,7 +425,7 @@ def test_a_parked_entry_held_after_release_reads_zeros_and_counts_until_let_go(
             assert os.pread(mine, size, 0) == bytes(size)
             assert _maps_of(d.proc.pid, buffer_id) == 0
             assert _memfd_fds_of(d.proc.pid, buffer_id) == 0
-            u = _usage(d, key)
+            u = tenant_usage(d, key)
             assert (u["used_bytes"], u["held_bytes"]) == (size, size), u
             reply, fds = r.call(Put(key="more", size_bytes=size + 4 * KiB))
             for f in fds:
@@ -423,8 +434,8 @@ def test_a_parked_entry_held_after_release_reads_zeros_and_counts_until_let_go(
             assert reply.status == 409, reply
         finally:
             os.close(mine)
-        wait_until(lambda: _usage(d, key)["used_bytes"] == 0, message="held entry freed")
-        assert _usage(d, key)["held_bytes"] == 0
+        wait_until(lambda: tenant_usage(d, key)["used_bytes"] == 0, message="held entry freed")
+        assert tenant_usage(d, key)["held_bytes"] == 0
         _release(d, key, _put(r, "after", b"\x01" * size))
     after_attack(d)
 
@@ -718,16 +729,7 @@ def test_entry_fds_keep_holds_an_fd_per_entry_and_the_same_guarantees(tmp_path: 
         with contextlib.closing(_peer(d, key)) as r:
             ids = [_put(r, f"k{i}", bytes([i]) * size) for i in range(20)]
             assert all(_memfd_fds_of(d.proc.pid, b) == 1 for b in ids), "an entry parked"
-            _found, fd = _lookup(r, ["k7"])
-            assert fd is not None
-            try:
-                assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-                assert _writes_granted(fd, size) == []
-                assert os.pread(fd, size, 0) == b"\x07" * size
-                _release(d, key, ids[7])
-                assert os.pread(fd, size, 0) == bytes(size)
-            finally:
-                os.close(fd)
+            _read_only_hit(d, key, r, "k7", b"\x07" * size, release=ids[7])
             for b in ids:
                 _release(d, key, b)
         after_attack(d)
@@ -866,16 +868,8 @@ def test_a_daemon_that_cannot_re_open_its_mappings_keeps_entry_fds_and_works(
             ids = [_put(r, f"c{i}", bytes([i + 1]) * size) for i in range(10)]
             assert all(_memfd_fds_of(d.proc.pid, b) == 1 for b in ids), "an entry parked"
             for i in range(10):
-                _found, fd = _lookup(r, [f"c{i}"])
-                assert fd is not None, f"c{i} not found"
-                try:
-                    assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
-                    assert os.pread(fd, size, 0) == bytes([i + 1]) * size
-                    if i == 3:
-                        _release(d, key, ids[3])
-                        assert os.pread(fd, size, 0) == bytes(size)
-                finally:
-                    os.close(fd)
+                want = bytes([i + 1]) * size
+                _read_only_hit(d, key, r, f"c{i}", want, release=ids[3] if i == 3 else None)
             for b in ids:
                 _release(d, key, b)
         after_attack(d)

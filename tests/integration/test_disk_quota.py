@@ -34,11 +34,6 @@ from waiting import wait_until
 MiB = 1 << 20
 
 
-@pytest.fixture
-def disk_daemon(fresh_daemon: Daemon) -> Daemon:
-    return fresh_daemon.start()
-
-
 def new_tenant(d: Daemon, quota: int, **fields: Any) -> tuple[str, str]:
     body = {"name": f"dq-{secrets.token_hex(3)}", "quota_bytes": quota, **fields}
     r = d.admin.post("/v1/tenants", json=body)

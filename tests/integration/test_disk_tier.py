@@ -39,11 +39,6 @@ MiB = 1 << 20
 TESTS = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def disk_daemon(fresh_daemon: Daemon) -> Daemon:
-    return fresh_daemon.start()
-
-
 def test_demote_then_promote_from_another_process(disk_daemon: Daemon, tmp_path: Path) -> None:
     d, disk = disk_daemon, tmp_path / "disk"
     pool = tier_pool(d, disk)

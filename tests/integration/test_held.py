@@ -19,13 +19,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 import hugepages
 from conftest import Daemon
 from hardening import after_attack
+from hardening import tenant_usage as usage
 from maasd.client import QuotaExceeded, Worker
 from maasd.protocol import Commit, Found, Lookup, Ok, Put, Reserved
 from processes import signal_and_wait
@@ -34,13 +34,6 @@ from waiting import wait_until
 
 MiB = 1 << 20
 HELPER = Path(__file__).resolve().parent.parent / "holder_attack.py"
-
-
-def usage(d: Daemon, key: str) -> dict[str, Any]:
-    with d.client(key) as c:
-        r = c.get("/v1/usage")
-        assert r.status_code == 200, r.text
-        return dict(r.json())
 
 
 def shmem_kib(pid: int) -> int:

@@ -56,6 +56,22 @@ def fill(w: Worker, tenant: str, most: int) -> tuple[int, ResourceLimit]:
     raise AssertionError(f"{tenant} put {most} entries and was never refused")
 
 
+def fourth_tenant_is_served(d: Daemon) -> None:
+    """A tenant new to the daemon reserves over REST, puts, commits and looks up over the
+    socket, and releases."""
+    _tid, key = d.tenant("t4", GiB)
+    with Client(d.url, key) as c:
+        buf = c.reserve(size_bytes=64 * KiB, ttl_s=300)
+        with Worker(d.socket_path, key, renew_interval_s=0) as w:
+            with w.entry("t4-hit", 4 * KiB) as m:
+                m.array[:4] = 9
+            hit = w.lookup(["t4-hit"])
+            assert hit is not None
+            assert bytes(hit.array[:4]) == b"\x09" * 4
+            hit.close()
+        c.release(buf.id)
+
+
 def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) -> None:
     lim = limits_for(OPEN_FILES, None, **DEFAULTS)  # type: ignore[arg-type]
     share = lim.tenant_budget
@@ -79,17 +95,7 @@ def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) 
         assert fds < OPEN_FILES - lim.headroom // 2, f"{fds} open files"
         assert "Too many open files" not in d.log()
         # A fourth tenant: reserve over REST, put/commit/lookup over the socket, release.
-        _tid, key = d.tenant("t4", GiB)
-        with Client(d.url, key) as c:
-            buf = c.reserve(size_bytes=64 * KiB, ttl_s=300)
-            with Worker(d.socket_path, key, renew_interval_s=0) as w:
-                with w.entry("t4-hit", 4 * KiB) as m:
-                    m.array[:4] = 9
-                hit = w.lookup(["t4-hit"])
-                assert hit is not None
-                assert bytes(hit.array[:4]) == b"\x09" * 4
-                hit.close()
-            c.release(buf.id)
+        fourth_tenant_is_served(d)
         assert healthz(d) == (200, {"status": "ok"})
         another_tenant_works(d)
     finally:
@@ -203,17 +209,7 @@ def test_parked_entries_go_past_the_files_budget_and_only_writers_meet_it(
                 assert hit is not None
                 assert bytes(hit.array[:8]) == b"\x01" * 8
                 hit.close()
-            _tid, key = d.tenant("t4", GiB)
-            with Client(d.url, key) as c:
-                buf = c.reserve(size_bytes=64 * KiB, ttl_s=300)
-                with Worker(d.socket_path, key, renew_interval_s=0) as w4:
-                    with w4.entry("t4-hit", 4 * KiB) as m:
-                        m.array[:4] = 9
-                    hit = w4.lookup(["t4-hit"])
-                    assert hit is not None
-                    assert bytes(hit.array[:4]) == b"\x09" * 4
-                    hit.close()
-                c.release(buf.id)
+            fourth_tenant_is_served(d)
             for m in staged:
                 w.abort(m)
         assert "Too many open files" not in d.log()
