@@ -15,6 +15,7 @@ the whole files budget, and only what holds an fd (entries being written) meets 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,18 @@ def fourth_tenant_is_served(d: Daemon) -> None:
             assert bytes(hit.array[:4]) == b"\x09" * 4
             hit.close()
         c.release(buf.id)
+
+
+def persistent_entries(d: Daemon, n: int, byte: Callable[[int], int]) -> str:
+    """``n`` committed 4 KiB entries ``k0``… in a new persistent pool, entry ``i`` starting
+    with four bytes ``byte(i)``, of a new tenant; its API key."""
+    d.pool("keep", 64 << 20, persistence="persistent")
+    _tid, key = d.tenant("keeper", GiB)
+    with Worker(d.socket_path, key, renew_interval_s=0) as w:
+        for i in range(n):
+            with w.entry(f"k{i}", 4 * KiB, pool="keep") as m:
+                m.array[:4] = byte(i)
+    return key
 
 
 def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) -> None:
@@ -128,12 +141,7 @@ def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
     d = Daemon(tmp_path / "d", env=KEEP)
     d.start()
     try:
-        d.pool("keep", 64 << 20, persistence="persistent")
-        _tid, key = d.tenant("keeper", GiB)
-        with Worker(d.socket_path, key, renew_interval_s=0) as w:
-            for i in range(entries):
-                with w.entry(f"k{i}", 4 * KiB, pool="keep") as m:
-                    m.array[:4] = 7
+        key = persistent_entries(d, entries, lambda _i: 7)
         assert d.stop() == 0  # every persistent entry checkpointed
         # A limit whose budget holds fewer: the daemon says so and releases nothing.
         files = open_files_needed(limits_for(4096, None, **DEFAULTS), entries - 20)  # type: ignore[arg-type]
@@ -227,12 +235,7 @@ def test_persistent_entries_past_the_files_budget_are_restored_parked(tmp_path: 
     assert files is not None
     entries = 2 * (MIN_USEFUL_REGIONS + 16)  # twice what that limit's files budget holds
     try:
-        d.pool("keep", 64 << 20, persistence="persistent")
-        _tid, key = d.tenant("keeper", GiB)
-        with Worker(d.socket_path, key, renew_interval_s=0) as w:
-            for i in range(entries):
-                with w.entry(f"k{i}", 4 * KiB, pool="keep") as m:
-                    m.array[:4] = i % 251
+        key = persistent_entries(d, entries, lambda i: i % 251)
         assert d.stop() == 0
         low = Daemon(tmp_path / "d", wrapper=["prlimit", f"--nofile={files}:{files}", "--"])
         d = low.start()
