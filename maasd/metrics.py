@@ -318,6 +318,13 @@ class Metrics:
             ["tenant", "outcome"],
             registry=r,
         )
+        self.entry_publishes = Counter(
+            "maasd_entry_publishes",
+            "Entry publishes (a put and a commit in one, from the writer's memfd), by tenant "
+            "and outcome",
+            ["tenant", "outcome"],
+            registry=r,
+        )
         self.entry_committed_bytes = Counter(
             "maasd_entry_committed_bytes",
             "Bytes of the entries committed, by tenant (what workers saved to share)",

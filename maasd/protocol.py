@@ -25,6 +25,12 @@ msgpack map, a msgspec tagged union on ``"op"``::
                                      <-      ok       {}
     abort    {buffer_id}             ->      the staged entry is released (scrubbed)
                                      <-      ok       {}
+    publish  {key, size_bytes, pool?, ttl_s?}  ->
+             + the writer's own memfd holding the bytes (SCM_RIGHTS, same sendmsg)
+                                     <-      published {buffer_id, size_bytes, numa_node}
+                                             a committed entry: the daemon read the first
+                                             size_bytes of the memfd into a fresh sealed
+                                             region of its own (no fd comes back)
 
     (any)                            <-      error    {status, title, detail, type}
 
@@ -41,7 +47,11 @@ sends a read-only fd too. A ``put`` that cannot be served answers as a REST rese
 of an evictable keyed buffer would (409 quota / duplicate key, 507 …); a ``commit``
 or ``abort`` of an entry this connection did not put answers 409 (404 for another
 tenant's or an unknown id); a ``commit`` that cannot be honoured answers 409/507 and
-leaves nothing behind. An entry whose writer's connection closes before its commit
+leaves nothing behind. A ``publish`` is a ``put`` and a ``commit`` in one round trip,
+its bytes read by the daemon from the memfd the writer sends with the frame (a memfd or
+another shmem file, opened for reading, holding at least ``size_bytes``; anything else,
+no fd or more than one answers 400 and changes nothing); a ``publish`` whose memfd
+shrinks while it is read answers 409 and leaves nothing behind. An entry whose writer's connection closes before its commit
 is released. A malformed frame (wrong types, no or more than 1024 keys, a size of 0,
 negative or beyond 2^63 − 1, an unknown field) answers 400; the connection stays.
 
@@ -88,6 +98,8 @@ __all__ = [
     "Lookup",
     "Ok",
     "ProtocolError",
+    "Publish",
+    "Published",
     "Put",
     "Renew",
     "Released",
@@ -98,6 +110,7 @@ __all__ = [
     "decode_reply",
     "decode_request",
     "encode_frame",
+    "fds_from_ancillary",
     "recv_message",
     "send_message",
 ]
@@ -188,7 +201,21 @@ class Abort(msgspec.Struct, tag="abort", tag_field="op", forbid_unknown_fields=T
     buffer_id: Id
 
 
-Request = Hello | Attach | Detach | Renew | Lookup | Put | Commit | Abort
+class Publish(
+    msgspec.Struct, tag="publish", tag_field="op", forbid_unknown_fields=True, frozen=True
+):
+    """Publish the first ``size_bytes`` of the memfd sent with this frame (SCM_RIGHTS) as a
+    committed entry under ``key``: a :class:`Put` and a :class:`Commit` in one round trip,
+    the bytes read by the daemon into a region no worker ever held. Answered by
+    :class:`Published` (no fd). ``pool`` and ``ttl_s`` as for a put."""
+
+    key: EntryKey
+    size_bytes: PositiveBytes
+    pool: Ref | None = None
+    ttl_s: TtlS | None = None
+
+
+Request = Hello | Attach | Detach | Renew | Lookup | Put | Commit | Abort | Publish
 
 
 # --- replies (daemon -> worker): lenient, so a newer daemon may add fields ---
@@ -231,6 +258,14 @@ class Reserved(msgspec.Struct, tag="reserved", tag_field="op", frozen=True):
     numa_node: int
 
 
+class Published(msgspec.Struct, tag="published", tag_field="op", frozen=True):
+    """Answer to :class:`Publish`: the committed entry (immutable, visible to lookups)."""
+
+    buffer_id: str
+    size_bytes: int
+    numa_node: int
+
+
 class Ok(msgspec.Struct, tag="ok", tag_field="op", frozen=True):
     """Answer to :class:`Detach`, :class:`Renew`, :class:`Commit` and :class:`Abort`."""
 
@@ -256,7 +291,7 @@ class Released(msgspec.Struct, tag="released", tag_field="op", frozen=True):
     buffer_id: str
 
 
-Reply = Welcome | Attached | Found | Reserved | Ok | Error | Released
+Reply = Welcome | Attached | Found | Reserved | Published | Ok | Error | Released
 
 _encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
@@ -306,17 +341,32 @@ class FrameReader:
     resynchronise) and the connection should be closed.
     """
 
-    __slots__ = ("_buf", "_failed", "max_frame")
+    __slots__ = ("_buf", "_failed", "_start", "last_start", "max_frame")
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self.max_frame = max_frame
         self._buf = bytearray()
         self._failed = False
+        #: the stream offset of the first buffered byte (bytes returned in frames before it)
+        self._start = 0
+        #: the stream offset at which the frame last returned began (it ended where
+        #: :attr:`next_start` is now)
+        self.last_start = -1
 
     @property
     def pending(self) -> int:
         """Bytes received but not yet returned as part of a whole frame."""
         return len(self._buf)
+
+    @property
+    def end_offset(self) -> int:
+        """The stream offset the next byte fed will have (every byte fed so far counts)."""
+        return self._start + len(self._buf)
+
+    @property
+    def next_start(self) -> int:
+        """The stream offset of the next frame to be returned (of the first byte buffered)."""
+        return self._start
 
     @property
     def has_frame(self) -> bool:
@@ -361,6 +411,8 @@ class FrameReader:
         with memoryview(buf) as view:
             body = bytes(view[size:end])
         del buf[:end]  # O(1) at the front of a bytearray
+        self.last_start = self._start
+        self._start += end
         return body
 
 
@@ -391,7 +443,8 @@ _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * 4)
 
 
-def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors an ``SCM_RIGHTS`` message of ``recvmsg``'s ancillary data carried."""
     fds: list[int] = []
     for level, kind, data in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -405,7 +458,7 @@ def _recv_chunk(sock: socket.socket, bufsize: int, cmsg_space: int, fds: list[in
     """One ``recvmsg``: the descriptors that came with it go onto ``fds`` (so the caller
     closes them on error too); truncated ancillary data is a :class:`ProtocolError`."""
     data, ancdata, msg_flags, _addr = sock.recvmsg(bufsize, cmsg_space, socket.MSG_CMSG_CLOEXEC)
-    fds.extend(_fds_from_ancillary(ancdata))
+    fds.extend(fds_from_ancillary(ancdata))
     if msg_flags & _MSG_CTRUNC:
         raise ProtocolError("ancillary data truncated: peer sent too many fds")
     return data

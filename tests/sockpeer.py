@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from maasd import errors
 from maasd.broker import Broker, Limits
+from maasd.core.publish import check_source
 from maasd.core.tiers import LATER, Later
-from maasd.models import Principal
+from maasd.models import BufferInfo, Principal
 from maasd.protocol import (
     Error,
     Found,
@@ -59,6 +60,18 @@ class Raw:
 
     def send_raw(self, data: bytes) -> None:
         self.sock.sendall(data)
+
+    def send_fds(self, data: bytes, fds: list[int]) -> None:
+        """``data`` in one ``sendmsg`` with ``fds`` (SCM_RIGHTS) on its first byte."""
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        sent = self.sock.sendmsg([data], anc)
+        if sent < len(data):
+            self.sock.sendall(data[sent:])
+
+    def call_fds(self, msg, fds: list[int]):
+        """``call`` with ``fds`` sent on the frame's first byte (a publish's memfd)."""
+        self.send_fds(encode_frame(msg), fds)
+        return self.recv()
 
     def recv(self):
         """Next reply and the fds that came with it; (None, fds) at EOF. Pushed
@@ -165,6 +178,8 @@ class FakeService:
         self.entries: dict[str, tuple[str, str, int, int]] = {}
         self.by_key: dict[tuple[str, str], str] = {}
         self.abandoned: list[str] = []
+        #: (key, bytes) of each publish the fake served
+        self.published: list[tuple[str, bytes]] = []
         self.buffers: dict[str, tuple[str, int, int]] = {}  # id -> (tenant, fd, size)
         self.attached: collections.Counter[str] = collections.Counter()
         self.renewals: list[tuple[str, int]] = []
@@ -296,6 +311,32 @@ class FakeService:
             self.entries[bid] = (str(who.tenant_id), key, fd, size)
         return FakeHandle(os.dup(fd), bid, size, 0, key)
 
+    def publish_entry(
+        self,
+        who: Principal,
+        key: str,
+        fd: int,
+        size: int,
+        pool: str | None = None,
+        ttl: int | None = None,
+    ) -> BufferInfo:
+        """The daemon's check of the writer's fd, then its first ``size`` bytes in a put
+        entry of the fake, committed (what the fake saw is in ``published``)."""
+        check_source(fd, size)
+        h = self.put_entry(who, key, size, pool, ttl)
+        try:
+            data = os.pread(fd, size, 0)
+            os.pwrite(h.fd, data, 0)
+        finally:
+            os.close(h.fd)
+        self.commit_entry(who, h.buffer_id, owned=True)
+        self.published.append((key, data))
+        return BufferInfo(
+            id=h.buffer_id, tenant_id=str(who.tenant_id), pool_id="fake", size_bytes=size,
+            numa_node=0, persistence="volatile", label=None, key=key, evictable=True,
+            state="live", created_at="", expires_at="",
+        )  # fmt: skip
+
     def commit_entry(self, who: Principal, bid: str, *, owned: bool) -> None:
         with self.lock:
             entry = self.entries.get(bid)
@@ -327,7 +368,7 @@ class FakeService:
 
 class FakeUseCases:
     """A :class:`FakeService` in the shape the broker is built with: ``auth``, ``handles``,
-    ``buffers``, ``entries``, ``lookups`` — each the fake's own methods, looked up at call
+    ``buffers``, ``entries``, ``lookups``, ``publishes`` — each the fake's own methods, looked up at call
     time (a test may replace one on the fake)."""
 
     def __init__(self, svc: FakeService) -> None:
@@ -336,6 +377,7 @@ class FakeUseCases:
         self.buffers = _FakeLeases(svc)
         self.entries = _FakeEntries(svc)
         self.lookups = _FakeLookups(svc)
+        self.publishes = _FakePublishes(svc)
 
 
 @dataclass
@@ -398,6 +440,22 @@ class _FakeEntries:
 
     def watch_releases(self, callback: Callable[[str], None]) -> None:
         self.svc.release_watchers.append(callback)  # the fake never releases a held entry
+
+
+@dataclass
+class _FakePublishes:
+    svc: FakeService
+
+    def publish(
+        self,
+        who: Principal,
+        key: str,
+        fd: int,
+        size: int,
+        pool: str | None = None,
+        ttl: int | None = None,
+    ) -> BufferInfo:
+        return self.svc.publish_entry(who, key, fd, size, pool, ttl)
 
 
 @dataclass

@@ -21,6 +21,9 @@ Life of a connection::
       │                       foreign / unknown → error 404 and no fd
       ├─ detach{buffer_id}  → ok        (drops one attachment of this connection)
       ├─ renew{buffer_id, ttl_s} → ok   (on the slow pool: it writes the ledger)
+      ├─ lookup / put / commit / abort   the entry fast path (docs/client.md, "Entries")
+      ├─ publish{key, size_bytes, …} + the writer's memfd → published{…} (no fd); the
+      │     only op that takes fds (:mod:`.inbound`: others' are closed unread)
       │     every op re-authenticates the hello key: revoked → error 401 + close
       │     a bad frame → error 400, the connection survives
       │     a length prefix over 64 KiB → error 400 + close

@@ -30,14 +30,15 @@ import collections
 import contextlib
 import errno
 import fcntl
-import os
 import socket
 import struct
 import termios
 import threading
 
 from maasd.models import Principal
-from maasd.protocol import FrameReader
+from maasd.protocol import MAX_FD_PER_MESSAGE, FrameReader, fds_from_ancillary
+
+from .inbound import InboundFds, close_fds
 
 __all__ = ["Connection", "FdsRefused", "peer_credentials"]
 
@@ -45,6 +46,11 @@ _PEERCRED = struct.Struct("3i")
 _INT = struct.Struct("i")
 #: ioctl: for an AF_UNIX stream socket, the bytes it sent that the peer has not read yet.
 SIOCOUTQ = termios.TIOCOUTQ
+# A read makes room for MAX_FD_PER_MESSAGE fds; computed once (``int & IntFlag`` and
+# CMSG_SPACE cost a Python call each, on every read).
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * _INT.size)
+_RECV_FLAGS = int(socket.MSG_CMSG_CLOEXEC)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
 
 
 class FdsRefused(Exception):
@@ -84,6 +90,7 @@ class Connection:
         "gid",
         "held",
         "in_backlog",
+        "inbound",
         "lingering",
         "name",
         "out",
@@ -117,6 +124,8 @@ class Connection:
         self.closed = False
         self.lingering = False  # refused: waits briefly for the peer's first bytes, then closes
         self.in_backlog = False
+        #: fds the peer sent (a publish's memfd), waiting for their frame
+        self.inbound = InboundFds()
         #: the head reply carries fds and waits until the peer reads what it was sent
         self.awaiting_peer = False
         #: fds were ever sent: closing may have to wait for the peer to read them
@@ -150,6 +159,15 @@ class Connection:
         """Whether to read more: nothing in flight, nothing unsent, no whole frame waiting."""
         return not (self.busy or self.out or self.reader.has_frame)
 
+    def receive(self, nbytes: int) -> bytes:
+        """Read up to ``nbytes`` (``recvmsg``: raises what it raises, ``b""`` at EOF); fds
+        that came with them wait in :attr:`inbound` for their frame (:mod:`.inbound`)."""
+        data, anc, flags, _addr = self.sock.recvmsg(nbytes, _CMSG_SPACE, _RECV_FLAGS)
+        if anc:
+            fds = tuple(fds_from_ancillary(anc))
+            self.inbound.arrived(fds, self.reader.end_offset, len(data), bool(flags & _MSG_CTRUNC))
+        return data
+
     def send(self, frame: bytes, fds: tuple[int, ...] = (), about: object = None) -> bool:
         """Send ``frame`` (``fds`` with its first byte) as far as the kernel takes it now.
 
@@ -170,7 +188,7 @@ class Connection:
                 self.out.append(_Outgoing(memoryview(frame), fds, about))
                 raise
             except OSError:
-                _close_all(fds)  # never queued: nobody else will close them
+                close_fds(fds)  # never queued: nobody else will close them
                 raise
             if sent == len(frame):
                 return True
@@ -229,7 +247,7 @@ class Connection:
         returns its ``about``."""
         with self.send_lock:
             msg = self.out.popleft()
-        _close_all(msg.fds)
+        close_fds(msg.fds)
         return msg.about
 
     def unread(self) -> int:
@@ -259,7 +277,7 @@ class Connection:
             raise
         if fds:  # they went with the first byte: the kernel holds its own references now
             self.fds_sent = True
-            _close_all(fds)
+            close_fds(fds)
         return sent
 
     def shut(self) -> None:
@@ -267,8 +285,9 @@ class Connection:
         shut the write side, so that the peer reads what it was sent, then EOF."""
         with self.send_lock:
             self.closed = self.draining = True
+            self.inbound.close()
             for msg in self.out:
-                _close_all(msg.fds)
+                close_fds(msg.fds)
             self.out.clear()
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_WR)
@@ -278,8 +297,9 @@ class Connection:
         with self.send_lock:
             self.closed = True
             self.draining = False
+            self.inbound.close()
             for msg in self.out:
-                _close_all(msg.fds)
+                close_fds(msg.fds)
             self.out.clear()
             with contextlib.suppress(OSError):
                 self.sock.close()
@@ -295,11 +315,3 @@ class _Outgoing:
         self.view = view
         self.fds = fds
         self.about = about
-
-
-def _close_all(fds: tuple[int, ...]) -> None:
-    for fd in fds:
-        try:  # noqa: SIM105 - on every attach: suppress() would cost a context manager per fd
-            os.close(fd)
-        except OSError:
-            pass

@@ -28,7 +28,8 @@ miss that the disk tier or the shared tier (L2) is to be asked about answers ``L
 (:mod:`maasd.core.tiers`), is deferred (``Outcome.defer``) and runs again on the slow
 pool, since that waits for the disk or the network; ``put``
 (a reserve: eviction, prefault), ``commit`` (a copy) and ``abort`` (a scrub) are
-slow. A ``put`` leaves the connection holding a *staged* entry (``Outcome.staged``)
+slow, and so is ``publish`` (a put and a commit in one, reading the memfd the writer
+sent with the frame: the one op that takes fds). A ``put`` leaves the connection holding a *staged* entry (``Outcome.staged``)
 until its ``commit`` or ``abort`` settles it; the connection's close abandons the
 entries it still holds staged (released, scrubbed).
 """
@@ -58,6 +59,8 @@ from maasd.protocol import (
     Hello,
     Lookup,
     Ok,
+    Publish,
+    Published,
     Put,
     Renew,
     Reply,
@@ -140,6 +143,32 @@ class EntryDesk(Protocol):
     def watch_releases(self, callback: Callable[[str], None], /) -> None: ...
 
 
+class MadeEntry(Protocol):
+    """A committed entry as a publish answers it."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def size_bytes(self) -> int: ...
+    @property
+    def numa_node(self) -> int: ...
+
+
+class EntryPublishing(Protocol):
+    """:class:`maasd.core.publish.Publishes`: a committed entry from a writer's memfd."""
+
+    def publish(
+        self,
+        principal: Principal,
+        key: str,
+        fd: int,
+        size_bytes: int,
+        pool: str | None = None,
+        ttl_s: int | None = None,
+        /,
+    ) -> MadeEntry: ...
+
+
 class EntryLookups(Protocol):
     """:class:`maasd.core.tiers.Tiers`: the lookup order through the tiers, the one place.
     Without ``may_wait``, a miss a slower tier is to be asked about answers ``LATER``."""
@@ -169,6 +198,8 @@ class UseCases(Protocol):
     def entries(self) -> EntryDesk: ...
     @property
     def lookups(self) -> EntryLookups: ...
+    @property
+    def publishes(self) -> EntryPublishing: ...
 
 
 @dataclass(slots=True)
@@ -215,6 +246,9 @@ class Call:
     staged: Set[str] = frozenset()
     #: running on the event loop (a handler that would wait answers ``Outcome.defer``)
     inline: bool = False
+    #: the fds that came with the frame (only for an op that ``takes_fds``); the loop
+    #: closes them once the handler returns: a handler never keeps one
+    fds: tuple[int, ...] = ()
 
 
 Handler = Callable[[Call, Any], Outcome]
@@ -232,6 +266,9 @@ class Op:
     #: connection unless the entry is still staged (a commit or abort settles it, but for
     #: a refusal that changed nothing: a 507 leaves it to retry)
     settles_staged: bool = False
+    #: True: the fds sent with the frame's first byte are the handler's to read
+    #: (``Call.fds``); for any other op they are closed unread, as the kernel would
+    takes_fds: bool = False
 
 
 def _attach(call: Call, req: Attach) -> Outcome:
@@ -292,6 +329,20 @@ def _commit(call: Call, req: Commit) -> Outcome:
     return Outcome(Ok())
 
 
+def _publish(call: Call, req: Publish) -> Outcome:
+    if len(call.fds) != 1:
+        raise errors.InvalidRequest(
+            f"publish needs the writer's memfd sent with its frame (SCM_RIGHTS), got "
+            f"{len(call.fds)} fds"
+        )
+    made = call.service.publishes.publish(
+        call.principal, req.key, call.fds[0], req.size_bytes, req.pool, req.ttl_s
+    )
+    return Outcome(
+        Published(buffer_id=made.id, size_bytes=made.size_bytes, numa_node=made.numa_node)
+    )
+
+
 def _abort(call: Call, req: Abort) -> Outcome:
     owned = req.buffer_id in call.staged
     call.service.entries.abort(call.principal, req.buffer_id, owned=owned)
@@ -307,6 +358,7 @@ OPS: dict[type[Request], Op] = {
     Put: Op(_put, slow=True),
     Commit: Op(_commit, slow=True, settles_staged=True),
     Abort: Op(_abort, slow=True, settles_staged=True),
+    Publish: Op(_publish, slow=True, takes_fds=True),
 }
 
 
@@ -425,7 +477,7 @@ class Dispatcher:
         except Exception as exc:
             return self.error(exc, fields)
         try:
-            call = Call(self.service, principal, session.held, session.staged, inline)
+            call = Call(self.service, principal, session.held, session.staged, inline, session.fds)
             outcome = op.handler(call, req)
         except Exception as exc:
             outcome = self.error(exc, fields)
@@ -450,3 +502,5 @@ class Session:
     generation: int
     held: Mapping[str, int]
     staged: Set[str]
+    #: the fds the frame came with, for an op that takes them (closed once it ran)
+    fds: tuple[int, ...] = ()

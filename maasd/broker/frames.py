@@ -25,6 +25,7 @@ from maasd.protocol import ProtocolError, Request
 from .connection import Connection
 from .dispatch import Dispatcher, Op, Outcome, Session
 from .hellos import Hellos
+from .inbound import close_fds
 from .inbox import Inbox
 from .interest import READ, Interest
 from .outbox import answer_now
@@ -92,15 +93,23 @@ class Frames:
             self.interest.rearm(conn)  # (the common case, idle and watched for reading, needs none)
 
     def _frame(self, conn: Connection, body: bytes) -> None:
+        # The fds that came with this frame (a publish's memfd), if any: the frame's own
+        # from here on, closed unless an op that takes them runs with them.
+        fds = conn.inbound.take(conn.reader.last_start, conn.reader.next_start)
         if conn.principal is None:
+            close_fds(fds)
             self.hellos.hello(conn, body)
             return
         fields = conn.fields  # built only if a log line needs them
         decoded = self.dispatcher.decode(body, fields)
         if isinstance(decoded, Outcome):
+            close_fds(fds)
             self.table.deliver(conn, decoded)
             return
         req, op = decoded
+        if fds and not op.takes_fds:  # what the kernel dropped before the socket took fds
+            close_fds(fds)
+            fds = ()
         assert conn.api_key is not None
         assert conn.tenant is not None
         assert conn.principal is not None
@@ -115,23 +124,32 @@ class Frames:
         conn.busy = True
         # Snapshots: the loop may drop the live sets if the connection closes meanwhile.
         session = Session(
-            conn.principal, conn.api_key, conn.generation, dict(conn.held), frozenset(conn.staged)
+            conn.principal,
+            conn.api_key,
+            conn.generation,
+            dict(conn.held),
+            frozenset(conn.staged),
+            fds,
         )
         job = functools.partial(self._slow, conn, op, req, session, fields)
         self.pool.submit(conn.tenant, job)
 
     def _slow(self, conn: Connection, op: Op, req: Request, session: Session, f: Fields) -> None:
-        """On a slow-pool thread: serve, then hand the outcome back to the loop."""
-        if conn.closed:  # gone while the job waited for its turn: nobody wants it done
-            return
-        # What the op owes past its answer (a commit's staging region to the reclaimer,
-        # the warmer's wake: maasd.core.answered) runs once the reply is with the
-        # kernel, or with the loop to send.
-        with answering() as later:
-            try:
-                outcome = answer_now(conn, self.dispatcher.run(op, req, session, f))
-            finally:
-                later.run()
+        """On a slow-pool thread: serve, then hand the outcome back to the loop. The fds
+        the frame came with are closed once the op ran (or would not run)."""
+        try:
+            if conn.closed:  # gone while the job waited for its turn: nobody wants it done
+                return
+            # What the op owes past its answer (a commit's staging region to the reclaimer,
+            # the warmer's wake: maasd.core.answered) runs once the reply is with the
+            # kernel, or with the loop to send.
+            with answering() as later:
+                try:
+                    outcome = answer_now(conn, self.dispatcher.run(op, req, session, f))
+                finally:
+                    later.run()
+        finally:
+            close_fds(session.fds)
         self.inbox.post(conn, outcome)
 
     def settle(self) -> None:

@@ -183,7 +183,7 @@ class EventLoop:
             self.frames.process(conn)
             return
         try:
-            data = conn.sock.recv(RECV_BYTES)
+            data = conn.receive(RECV_BYTES)  # and the fds a publish sends with its frame
         except BlockingIOError:
             return
         except OSError as exc:

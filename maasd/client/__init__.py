@@ -47,6 +47,7 @@ from maasd.client.errors import (
 )
 from maasd.client.mapping import BufferMapping, Mapping
 from maasd.client.rest import Client, raw_json
+from maasd.client.scratch import Scratch
 from maasd.client.types import (
     Buffer,
     Checkpoint,
@@ -109,6 +110,7 @@ __all__ = [
     "QosUnmet",
     "QuotaExceeded",
     "ResourceLimit",
+    "Scratch",
     "ServerError",
     "StateConflict",
     "Tenant",

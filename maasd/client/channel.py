@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 #: A reply that carries one fd.
 R = TypeVar("R", protocol.Attached, protocol.Found, protocol.Reserved)
+#: A reply that carries none.
+_T = TypeVar("_T", bound=protocol.Reply)
 
 #: How long a request whose send failed waits for the error frame the daemon sent first.
 PENDING_ERROR_S = 1.0
@@ -89,9 +91,13 @@ class Channel:
         self._readable.register(sock, select.POLLIN)
 
     def request(
-        self, msg: protocol.Request, meanwhile: Callable[[], object] | None = None
+        self,
+        msg: protocol.Request,
+        meanwhile: Callable[[], object] | None = None,
+        fds: tuple[int, ...] = (),
     ) -> tuple[protocol.Reply, list[int]]:
-        """Send ``msg``; its reply and the fds that came with it (the caller owns them).
+        """Send ``msg`` (``fds`` with its first byte: a publish's memfd, still the caller's);
+        its reply and the fds that came with it (the caller owns them).
 
         ``meanwhile`` runs once ``msg`` is sent, before the reply is read: work of the
         caller's that overlaps the daemon's (a commit's unmap). An error frame is raised
@@ -104,7 +110,7 @@ class Channel:
                 raise ConnectionFailed(f"connection unusable: {self.broken}")
             self._drain_pushed()
             try:
-                protocol.send_message(self._sock, msg)
+                protocol.send_message(self._sock, msg, fds)
             except OSError as exc:
                 pending = self._pending_error()
                 if pending is not None:
@@ -128,6 +134,16 @@ class Channel:
         if not isinstance(reply, protocol.Welcome):
             self.shutdown()
             raise ProtocolError(f"expected welcome, got {type(reply).__name__.lower()}")
+        return reply
+
+    def request_reply(
+        self, msg: protocol.Request, kind: type[_T], *, fds: tuple[int, ...] = ()
+    ) -> _T:
+        """Send ``msg`` (with ``fds``, still the caller's); its reply, of type ``kind``."""
+        reply, got = self.request(msg, fds=fds)
+        close_fds(got)  # none comes with such a reply
+        if not isinstance(reply, kind):
+            raise ProtocolError(f"expected {kind.__name__}, got {type(reply).__name__}")
         return reply
 
     def request_fd(self, msg: protocol.Request, kind: type[R]) -> tuple[R, int]:

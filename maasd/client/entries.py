@@ -107,6 +107,14 @@ class EntryMapping:
             raise ValueError(f"entry mapping {self.buffer_id} is closed")
         return self._slot.mapping.array
 
+    @property
+    def fd(self) -> int:
+        """The entry's read-only memfd (the mapping cache's: never close it), e.g. to
+        ``Worker.publish`` its bytes under another key."""
+        if self._slot is None:
+            raise ValueError(f"entry mapping {self.buffer_id} is closed")
+        return self._slot.mapping.fd
+
     def close(self) -> None:
         """Give the mapping back (idempotent); do not use ``array`` afterwards."""
         slot, self._slot = self._slot, None

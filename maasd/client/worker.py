@@ -54,6 +54,7 @@ from maasd.client.errors import ConnectionFailed, MaasdClientError, NotFound
 from maasd.client.mapped import MappedBuffers
 from maasd.client.mapping import BufferMapping, Mapping, check_memfd_size
 from maasd.client.renewal import LeaseRenewer
+from maasd.client.scratch import Scratch
 
 __all__ = ["BufferMapping", "Entry", "EntryMapping", "Mapping", "Worker"]
 
@@ -207,6 +208,25 @@ class Worker:
     def abort(self, entry: str | BufferMapping) -> None:
         """Release a put entry that will not be committed (scrubbed); its mapping is closed."""
         self._settle(entry, protocol.Abort)
+
+    def publish(
+        self,
+        key: str,
+        source: Scratch | int,
+        size_bytes: int,
+        *,
+        pool: str | None = None,
+        ttl_s: int | None = None,
+    ) -> Entry:
+        """Publish the first ``size_bytes`` of ``source`` (a :class:`Scratch`, or a memfd's
+        fd) as a committed entry under ``key``: a put and a commit in one round trip, the
+        daemon copying the bytes into a sealed region of its own. ``source`` stays the
+        caller's, open and unchanged. Raises what :meth:`put` raises, ``BadRequest`` for
+        an fd that is no readable memfd of ``size_bytes``, ``Conflict`` if it shrank."""
+        fd = source.fd if isinstance(source, Scratch) else source
+        msg = protocol.Publish(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
+        reply = self._channel.request_reply(msg, protocol.Published, fds=(fd,))
+        return Entry(reply.buffer_id, key, reply.size_bytes, reply.numa_node)
 
     @contextlib.contextmanager
     def entry(

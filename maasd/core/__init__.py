@@ -25,6 +25,7 @@ that changes it; the others ask it:
 :mod:`.release`          every way a buffer ends: ledger first, scrub, then delete
 :mod:`.handles`          memfd handles for the broker, attachment counts
 :mod:`.entries`          the socket's put / commit / abort / lookup of immutable entries
+:mod:`.publish`          the socket's publish: an entry from the writer's own memfd
 :mod:`.restore`          entries made here from a tier's bytes (disk, L2); bytes read out
 :mod:`.tiers`            the lookup order DRAM → disk → L2 → miss, the one place
 :mod:`.disktier`         each pool's disk tier: what it holds, its quotas, its filter

@@ -45,6 +45,7 @@ from maasd.core.limits import (
 from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
 from maasd.core.promotion import Promotions
+from maasd.core.publish import Publishes
 from maasd.core.reaper import Reaper
 from maasd.core.recovery import Recovery
 from maasd.core.regions import Regions
@@ -84,6 +85,7 @@ class SocketUseCases:
     buffers: Buffers
     entries: Entries
     lookups: Tiers
+    publishes: Publishes
 
 
 class Service:
@@ -95,7 +97,8 @@ class Service:
     ``pools``), ``uses`` (:mod:`.uses`: the use/lease batch), ``holders``
     (:mod:`.holders`). The use-cases, by noun: ``auth``, ``hosts``, ``pools``,
     ``tenants``, ``reserves`` (reserving a buffer), ``buffers`` (a buffer's life once
-    reserved), ``handles``, ``entries``, ``tiers`` (the lookup order, and the deletes
+    reserved), ``handles``, ``entries``, ``publishes`` (an entry from a writer's memfd),
+    ``tiers`` (the lookup order, and the deletes
     that reach the disk tiers), ``disk`` (what the disk tiers hold), ``demotions`` and
     ``promotions`` (writing to them, reading back), ``shared`` (L2); the
     daemon's own: ``recovery``, ``reaper``, ``reclaimer`` (``drain()`` waits for it),
@@ -174,6 +177,7 @@ class Service:
             buffers, regions, live, holders, self.uses, self.reserves, releaser, metrics
         )
         restores = Restores(buffers, regions, holders, self.reserves, self.entries)
+        self.publishes = Publishes(restores, self.entries, metrics)
         self.shared = Shared(settings, store.db, self.entries, restores, metrics)
         self.promotions = Promotions(self.disk, restores, self.entries)
         self.tiers = Tiers(
@@ -194,7 +198,9 @@ class Service:
 
     def socket_use_cases(self) -> SocketUseCases:
         """What the broker is built with (``Broker(svc.socket_use_cases(), path)``)."""
-        return SocketUseCases(self.auth, self.handles, self.buffers, self.entries, self.tiers)
+        return SocketUseCases(
+            self.auth, self.handles, self.buffers, self.entries, self.tiers, self.publishes
+        )
 
     # -- life (the order: maasd.core.lifecycle) ----------------------------------------------
 

@@ -192,9 +192,15 @@ class Entries:
             self._count(self._metrics.entry_commits, tenant_id, e)
             raise
         self._metrics.entry_commits.labels(tenant=tenant_id, outcome="ok").inc()
+        if key is not None:
+            self.committed(tenant_id, key, buffer_id, size)
+
+    def committed(self, tenant_id: str, key: str, buffer_id: str, size: int) -> None:
+        """A writer's entry was committed (a commit, a publish): counted, and the commit
+        hook run once the writer has its answer."""
         self._metrics.entry_committed_bytes.labels(tenant=tenant_id).inc(size)
         hook = self._on_commit
-        if hook is not None and key is not None:
+        if hook is not None:
             # The write-behind's queueing wakes its thread: after the writer's answer.
             after_answer(functools.partial(_run_hook, hook, tenant_id, key, buffer_id, size))
 

@@ -49,7 +49,7 @@ class Promotions:
         try:
             found.promoted_as = self._restores.materialise_with(
                 who, found.key, found.sealed.size, self._reader(tier, found), pool=found.pool_id
-            )
+            ).id
         except DuplicateKey:
             pass  # restored (or being put) by another caller meanwhile
         except Unreadable as e:

@@ -21,7 +21,7 @@ from maasd.core.holders import Holders
 from maasd.core.regions import Regions
 from maasd.core.reserve import Reserves
 from maasd.errors import StateConflict
-from maasd.models import Principal, ReserveSpec
+from maasd.models import BufferInfo, Principal, ReserveSpec
 from maasd.store import BufferRepo
 
 __all__ = ["Restores"]
@@ -57,7 +57,7 @@ class Restores:
         def fill(view: memoryview) -> None:
             view[: len(data)] = data
 
-        return self.materialise_with(who, key, len(data), fill)
+        return self.materialise_with(who, key, len(data), fill).id
 
     def materialise_with(
         self,
@@ -67,13 +67,20 @@ class Restores:
         fill: Callable[[memoryview], None],
         *,
         pool: str | None = None,
-    ) -> str:
+        ttl_s: int | None = None,
+    ) -> BufferInfo:
         """:meth:`materialise`, with ``fill`` writing the bytes into the region's mapping
-        (the disk tier decrypts straight into it), in ``pool`` if given. What ``fill``
-        raises releases the entry (scrubbed) and is raised."""
+        (the disk tier decrypts straight into it; a publish reads the writer's memfd into
+        it), in ``pool`` if given, leased ``ttl_s`` (a put's default if ``None``). What
+        ``fill`` raises releases the entry (scrubbed) and is raised. The entry as
+        reserved (its id, size and node)."""
         tenant_id = require_tenant(who)
         spec = ReserveSpec(
-            size_bytes=size, pool=pool, ttl_s=DEFAULT_ENTRY_TTL_S, key=key, evictable=True
+            size_bytes=size,
+            pool=pool,
+            ttl_s=DEFAULT_ENTRY_TTL_S if ttl_s is None else ttl_s,
+            key=key,
+            evictable=True,
         )
         info = self._reserves.reserve(who, spec, kind="entry", frozen=True)
         try:
@@ -81,7 +88,7 @@ class Restores:
         except Exception:
             self._entries.release_staged(tenant_id, info.id, "commit_failed")
             raise
-        return info.id
+        return info
 
     def _publish(self, buffer_id: str, fill: Callable[[memoryview], None]) -> None:
         with self._regions.buffer_lock(buffer_id):

@@ -5,10 +5,11 @@ keyed entry and map it writable, publish it, open the longest published entry of
 of keys, let go of it — and two classes do it:
 
 * :class:`SocketEntries` (the default): the worker socket's entry fast path, one round
-  trip per operation and no REST call — ``put`` (a writable staged entry), ``commit``
-  (immutable from then on, kernel-enforced), ``lookup`` (a read-only fd of the longest
-  committed entry, mapped once and kept in the worker's mapping cache; a hit extends
-  the entry's lease in the daemon).
+  trip per operation and no REST call — ``publish`` (the entry written into a scratch
+  memfd of the worker's, which the daemon copies into a region of its own: immutable
+  from then on, kernel-enforced), ``lookup`` (a read-only fd of the longest committed
+  entry, mapped once and kept in the worker's mapping cache; a hit extends the entry's
+  lease in the daemon).
 * :class:`RestEntries`: a REST reserve / lookup / release and a socket attach / renew,
   for a daemon without the fast path. Its entries stay writable by the tenant's
   workers, so a restore from them verifies the state checksum (``immutable = False``).
@@ -22,18 +23,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Generic, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from maasd.client import errors as ce
+from maasd.client.scratch import Scratch
 
 __all__ = [
     "Published",
     "CLIENT_ERRORS",
+    "DEFAULT_SCRATCH_KEEP_BYTES",
     "DUPLICATE_KEY",
+    "Draft",
     "EntryTransport",
     "RestEntries",
     "SocketEntries",
@@ -92,8 +97,6 @@ class MappedEntry(MappingLike, Record, Protocol):
     def buffer_id(self) -> str: ...
 
 
-#: What ``Worker.put`` hands out and ``commit``/``abort`` take back (``BufferMapping``).
-Staged = TypeVar("Staged", bound=MappedEntry)
 #: What an :class:`EntryTransport` hands out for a written entry, and takes back.
 W = TypeVar("W", bound=Record)
 #: What an :class:`EntryTransport` hands out for an entry it opened, and takes back.
@@ -126,17 +129,19 @@ class WorkerLike(Protocol):
     def renew(self, buffer_id: str, ttl_s: int | None = ...) -> None: ...
 
 
-class SocketWorkerLike(Protocol[Staged]):
-    """The part of ``maasd.client.Worker`` :class:`SocketEntries` uses: ``put`` hands out a
-    staged entry (``Staged``) that ``commit`` or ``abort`` takes back."""
+class SocketWorkerLike(Protocol):
+    """The part of ``maasd.client.Worker`` :class:`SocketEntries` uses: ``publish`` a
+    scratch memfd's bytes as a committed entry, ``lookup`` and ``forget`` one."""
 
-    def put(
-        self, key: str, size_bytes: int, *, pool: str | None = ..., ttl_s: int | None = ...
-    ) -> Staged: ...
-
-    def commit(self, entry: Staged) -> Published: ...
-
-    def abort(self, entry: Staged) -> None: ...
+    def publish(
+        self,
+        key: str,
+        source: Scratch | int,
+        size_bytes: int,
+        *,
+        pool: str | None = ...,
+        ttl_s: int | None = ...,
+    ) -> Published: ...
 
     def lookup(self, keys: list[str]) -> MappedEntry | None: ...
 
@@ -200,26 +205,81 @@ def lease_left(buf: object) -> float:
         return 0.0
 
 
-class SocketEntries(Generic[Staged]):
-    """:class:`EntryTransport` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no REST
-    call. Its written entries are the worker's staged mappings; its opened ones, lookup hits."""
+#: Saves up to this size write into a scratch memfd kept from one save to the next; a
+#: larger state gets one of its own, let go once it is published.
+DEFAULT_SCRATCH_KEEP_BYTES = 256 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """An entry being written (:class:`SocketEntries`): its key, size and lease, and the
+    scratch memfd it is written in."""
+
+    key: str
+    size_bytes: int
+    ttl_s: int
+    scratch: Scratch
+
+
+class _ScratchMapping:
+    """A :class:`Draft`'s scratch as a mapping (``MappingLike``); closing it lets go of a
+    scratch that is not kept."""
+
+    def __init__(self, scratch: Scratch, size: int, keep: bool) -> None:
+        self._scratch = scratch
+        self._keep = keep
+        self.array = scratch.ensure(size)
+        self.size = scratch.size
+
+    def close(self) -> None:
+        self.array = np.empty(0, dtype=np.uint8)
+        if not self._keep:
+            self._scratch.close()
+
+
+class SocketEntries:
+    """:class:`EntryTransport` over a ``Worker``'s entry fast path (docs/client.md, "Entries"): no
+    REST call. A save writes the entry into a scratch memfd of this process (kept from one
+    save to the next, up to ``scratch_keep_bytes``), and one ``publish`` round trip makes
+    the daemon copy it into a sealed entry; its opened entries are lookup hits."""
 
     immutable = True
 
-    def __init__(self, worker: SocketWorkerLike[Staged], *, pool: str | None = None) -> None:
+    def __init__(
+        self,
+        worker: SocketWorkerLike,
+        *,
+        pool: str | None = None,
+        scratch_keep_bytes: int = DEFAULT_SCRATCH_KEEP_BYTES,
+    ) -> None:
         self.worker = worker
         self.pool = pool
+        self.scratch_keep_bytes = scratch_keep_bytes
+        self._scratch: Scratch | None = None
 
-    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Staged, MappingLike]:
-        m = self.worker.put(key, size_bytes, pool=self.pool, ttl_s=ttl_s)
-        return m, m
+    def create(self, key: str, size_bytes: int, ttl_s: int) -> tuple[Draft, MappingLike]:
+        keep = size_bytes <= self.scratch_keep_bytes
+        if not keep:
+            scratch = Scratch(name="maasd-kv-save")
+        else:
+            if self._scratch is None or self._scratch.closed:
+                self._scratch = Scratch(name="maasd-kv-save")
+            scratch = self._scratch
+        return Draft(key, size_bytes, ttl_s, scratch), _ScratchMapping(scratch, size_bytes, keep)
 
-    def publish(self, buf: Staged) -> Published:
-        return self.worker.commit(buf)
+    def publish(self, buf: Draft) -> Published:
+        return self.worker.publish(
+            buf.key, buf.scratch, buf.size_bytes, pool=self.pool, ttl_s=buf.ttl_s
+        )
 
-    def discard(self, buf: Staged) -> None:
-        with contextlib.suppress(*CLIENT_ERRORS):
-            self.worker.abort(buf)
+    def discard(self, buf: Draft) -> None:
+        """Nothing to do: the daemon has nothing of an entry before its publish."""
+
+    def close(self) -> None:
+        """Let go of the kept scratch memfd (the next save makes one again)."""
+        if self._scratch is not None:
+            self._scratch.close()
+            self._scratch = None
 
     def open_longest(self, keys: list[str]) -> tuple[MappedEntry, MappingLike] | None:
         hit = self.worker.lookup(keys)

@@ -4,8 +4,10 @@ Both paths are zero-copy: llama.cpp writes the state straight into the worker's
 mapping of the entry (``llama_state_seq_get_data`` on a pointer into the mmap) and
 reads it straight from there (``llama_state_seq_set_data``). See ``docs/llama.md``.
 
-By default both go through the worker socket's entry fast path (docs/client.md): a save is
-``put`` → write → ``commit`` (immutable from then on), a restore one ``lookup`` that
+By default both go through the worker socket's entry fast path (docs/client.md): a save
+writes the entry into a scratch memfd of the worker's (kept mapped from one save to the
+next) and ``publish``-es it, one round trip, in which the daemon copies it into a sealed
+region of its own (immutable from then on), a restore one ``lookup`` that
 answers with a read-only fd, then a header check, ``set_data`` from the mapping and
 the header check again (an entry evicted mid-read is scrubbed from its first page,
 so the second check catches it). Immutability, enforced by the kernel, replaces a
@@ -153,13 +155,14 @@ class KVStore:
             return None  # another worker has it, or is writing it: nothing to do
         try:
             self._write_entry(mapping, seq_id, arr, hlen, state_len)
+            return self.entries.publish(buf)
+        except DUPLICATE_KEY:  # a publish learns of another worker's entry only now
+            return None
         except BaseException:  # never leave a keyed entry that can't be used
             self.entries.discard(buf)
-            close_quietly(mapping)
             raise
-        published = self.entries.publish(buf)
-        close_quietly(mapping)
-        return published
+        finally:
+            close_quietly(mapping)
 
     def _write_entry(
         self, mapping: MappingLike, seq_id: int, arr: npt.NDArray[np.int32], hlen: int, size: int

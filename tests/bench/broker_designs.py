@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from maasd.broker import Broker, Limits
 from maasd.broker.dispatch import Dispatcher, Outcome, Session
@@ -59,7 +60,8 @@ class _Handle:
 
 class MemService:
     """The use-case objects the broker calls, answered from memory (entries: lookup only):
-    ``auth``, ``handles``, ``buffers``, ``lookups`` and ``entries`` are all this object."""
+    ``auth``, ``handles``, ``buffers``, ``lookups``, ``entries`` and ``publishes`` are all
+    this object."""
 
     generation = 0
 
@@ -68,6 +70,7 @@ class MemService:
         os.ftruncate(self.memfd, MiB)
         self.principal = Principal(is_admin=False, tenant_id="bench", key_id="k")
         self.auth = self.handles = self.buffers = self.entries = self.lookups = self
+        self.publishes = self
 
     def authenticate(self, _token: str) -> Principal:
         return self.principal
@@ -111,6 +114,9 @@ class MemService:
 
     def staged(self, _b: str) -> bool:
         return False  # it serves no put
+
+    def publish(self, *_args: object) -> NoReturn:
+        raise InvalidRequest("the bench service serves no publish")
 
     def abandon(self, _p: Principal, _b: str) -> None:
         return None

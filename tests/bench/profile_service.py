@@ -8,7 +8,8 @@ A real :class:`~maasd.core.Service` (SQLite ledger in a temp dir): first ``--pai
 ``reserve`` + ``release`` of 1 MiB buffers in a pool without prefault (what
 ``bench_reserve.py --prefault off`` asks over REST), then ``--entries`` ``put_entry`` +
 ``commit_entry`` + ``release`` of 9.27 MiB entries in a pool with a warm stock of 128 MiB
-(``bench_kv.py``'s save, 50 ms apart so that the warmer refills). It prints the medians
+(``bench_kv.py``'s save, 50 ms apart so that the warmer refills), then as many
+``publish``-es of a 9.27 MiB memfd (the save's one round trip since). It prints the medians
 of each call's wall time and of its thread's CPU time (``time.thread_time``: what
 other load on a shared machine disturbs least). Run it against an older tree with
 ``PYTHONPATH=<export of it>`` from outside the checkout to compare.
@@ -101,14 +102,40 @@ def entries(n: int) -> dict[str, list[float]]:
         svc.close()
 
 
+def publishes(n: int) -> dict[str, list[float]]:
+    """``n`` publishes of a 9.27 MiB memfd (``KVStore.save``'s one round trip), each released."""
+    svc = service(prefault=True, warm=128 * MiB)
+    fd = os.memfd_create("profile-scratch", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, ENTRY)
+        os.pwrite(fd, b"\x07" * ENTRY, 0)
+        who = svc.auth.authenticate(svc.tenants.create("t", 1 << 40).api_key)
+        time.sleep(1.5)  # the first stock
+        out: dict[str, list[float]] = {}
+        for i in range(WARM_UP + n):
+            info = timed(
+                out,
+                "publish_entry",
+                lambda: svc.publishes.publish(who, f"k{i}", fd, ENTRY),  # noqa: B023
+            )
+            svc.buffers.release(who, info.id)
+            if i == WARM_UP - 1:
+                out.clear()
+            time.sleep(0.05)
+        return out
+    finally:
+        os.close(fd)
+        svc.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=600)
     ap.add_argument("--entries", type=int, default=60)
     args = ap.parse_args()
-    results = {**pairs(args.pairs), **entries(args.entries)}
+    results = {**pairs(args.pairs), **entries(args.entries), **publishes(args.entries)}
     print(f"{'call':<20} {'wall p50':>9} {'cpu p50':>9}  (ms)")
-    for call in ("reserve", "release", "put_entry", "commit_entry"):
+    for call in ("reserve", "release", "put_entry", "commit_entry", "publish_entry"):
         wall = statistics.median(results[f"{call} wall"]) * 1e3
         cpu = statistics.median(results[f"{call} cpu"]) * 1e3
         print(f"{call:<20} {wall:>9.3f} {cpu:>9.3f}")

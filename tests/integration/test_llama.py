@@ -36,6 +36,7 @@ llama_cpp = pytest.importorskip("llama_cpp")
 
 from llama_model import tiny_model  # noqa: E402
 from maasd import llama as L  # noqa: E402
+from maasd.client import Scratch  # noqa: E402
 from maasd.client.errors import DuplicateKey, NotFound  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -107,6 +108,7 @@ class FakeWorker:
         self.staged: dict[str, str] = {}  # id -> key
         self._ids = itertools.count()
         self.lookups = 0
+        self.published = 0
         self.forgotten: list[str] = []
 
     def put(
@@ -128,6 +130,22 @@ class FakeWorker:
     def abort(self, m: FakeMapping) -> None:
         self.staged.pop(m.buffer_id, None)
         self.mem.pop(m.buffer_id, None)
+
+    def publish(
+        self,
+        key: str,
+        source: Scratch | int,
+        size_bytes: int,
+        *,
+        pool: str | None = None,
+        ttl_s: int | None = None,
+    ) -> FakeBuffer:
+        """A put, the writer's bytes read from its memfd, and a commit: the daemon's publish."""
+        m = self.put(key, size_bytes, pool=pool, ttl_s=ttl_s)
+        fd = source.fd if isinstance(source, Scratch) else source
+        self.mem[m.buffer_id][:size_bytes] = os.pread(fd, size_bytes, 0)
+        self.published += 1
+        return self.commit(m)
 
     def lookup(self, keys: list[str]) -> FakeMapping | None:
         self.lookups += 1

@@ -23,7 +23,7 @@ from maasd.broker.limits import ConnectionCounts
 from maasd.broker.pacing import Backoff, LogLimiter
 from maasd.broker.slowpool import SlowPool
 from maasd.problems import problem_of
-from maasd.protocol import Abort, Attach, Commit, Detach, Error, Lookup, Put, Renew
+from maasd.protocol import Abort, Attach, Commit, Detach, Error, Lookup, Publish, Put, Renew
 from maasd.settings import SOCKET_BOUNDS, load
 from waiting import wait_until
 
@@ -212,7 +212,7 @@ def test_a_failing_job_does_not_kill_its_thread() -> None:
 
 
 def test_the_op_table_serves_each_request_once() -> None:
-    assert set(OPS) == {Attach, Detach, Renew, Lookup, Put, Commit, Abort}
+    assert set(OPS) == {Attach, Detach, Renew, Lookup, Put, Commit, Abort, Publish}
     # the hot path, answered from memory: no thread hop
     assert not OPS[Attach].slow
     assert not OPS[Detach].slow
@@ -221,7 +221,10 @@ def test_the_op_table_serves_each_request_once() -> None:
     assert OPS[Put].slow  # a reserve: eviction, prefault
     assert OPS[Commit].slow  # a copy
     assert OPS[Abort].slow  # a scrub
+    assert OPS[Publish].slow  # a reserve and a copy
     assert {t for t, op in OPS.items() if op.settles_staged} == {Commit, Abort}
+    # only a publish reads the fds sent with its frame; any other op's are closed unread
+    assert {t for t, op in OPS.items() if op.takes_fds} == {Publish}
 
 
 @pytest.mark.parametrize(

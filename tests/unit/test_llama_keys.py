@@ -16,8 +16,15 @@ import numpy as np
 import pytest
 
 from maasd import llama as L
-from maasd.client import BufferMapping, Client, Worker
-from maasd.llama.entries import EntryTransport, MappedEntry, RestBuffer, RestEntries, SocketEntries
+from maasd.client import Client, Worker
+from maasd.llama.entries import (
+    Draft,
+    EntryTransport,
+    MappedEntry,
+    RestBuffer,
+    RestEntries,
+    SocketEntries,
+)
 
 FP = "0123456789abcdef0123456789abcdef"
 FP2 = "f" * 32
@@ -234,7 +241,7 @@ def test_import_needs_no_llama_cpp_no_xxhash_and_nothing_of_the_server() -> None
 
 def _client_classes_fit_the_transports(
     c: Client, w: Worker
-) -> tuple[EntryTransport[BufferMapping, MappedEntry], EntryTransport[RestBuffer, RestBuffer]]:
+) -> tuple[EntryTransport[Draft, MappedEntry], EntryTransport[RestBuffer, RestBuffer]]:
     """Not run: a type check. mypy (``scripts/check``) fails if ``maasd.client``'s ``Client``
     and ``Worker`` stop being what the two transports' protocols ask of them, or if a
     transport stops being an ``EntryTransport`` of the records it hands out."""

@@ -1,0 +1,79 @@
+"""Fds a peer sends: which frame each batch belongs to, and that none stays behind.
+
+Only a ``publish`` takes fds (the writer's memfd, sent with its frame in one
+``sendmsg``). A Unix stream socket hands ancillary fds over with the read that reaches
+the bytes they were sent with — glued after any bytes the peer sent before them without
+fds, and the read stops right after them. So the fds of one read belong to the *last*
+frame that begins within that read: :meth:`InboundFds.take` gives them to that frame
+when it is taken off the stream, or closes them if no frame begins within that read.
+
+At most one batch waits per connection (the broker reads nothing more from a connection
+while a whole frame of it waits, so a batch waits only for its own frame's tail); a
+second batch, fds that came with no bytes, and a batch the kernel had to truncate (more
+than :data:`~maasd.protocol.MAX_FD_PER_MESSAGE`: it closed what did not fit) are closed
+at once. Whatever waits is closed with the connection. So a peer can make the daemon
+hold at most that many of its fds, and only until its frame is served.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["InboundFds", "close_fds"]
+
+
+class InboundFds:
+    """The one batch of fds a connection's peer sent that waits for its frame."""
+
+    __slots__ = ("_batch",)
+
+    def __init__(self) -> None:
+        #: ``(first, end, fds)``: the stream offsets of the read the fds came with
+        self._batch: tuple[int, int, tuple[int, ...]] | None = None
+
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        """The fds that wait for their frame (``()`` if none)."""
+        return () if self._batch is None else self._batch[2]
+
+    def __bool__(self) -> bool:
+        return self._batch is not None
+
+    def arrived(self, fds: tuple[int, ...], first: int, nbytes: int, truncated: bool) -> None:
+        """``fds`` came with the ``nbytes`` read at stream offset ``first``: kept for their
+        frame, or closed at once (module docstring)."""
+        if truncated or not nbytes or self._batch is not None:
+            close_fds(fds)
+        elif fds:
+            self._batch = (first, first + nbytes, fds)
+
+    def take(self, start: int, end: int) -> tuple[int, ...]:
+        """The fds of the frame that spans stream offsets ``[start, end)`` (the caller owns
+        them now); ``()`` if none, or if they may be a later frame's. Fds within whose
+        read no frame begins are closed here, once the frame spanning it is taken."""
+        batch = self._batch
+        if batch is None:
+            return ()
+        first, stop, fds = batch
+        if end < stop:
+            return ()  # a later frame begins within that read: theirs, if anyone's
+        self._batch = None
+        if first <= start < stop:
+            return fds
+        close_fds(fds)  # no frame begins within the read they came with
+        return ()
+
+    def close(self) -> None:
+        """Close what waits (the connection is closing)."""
+        batch, self._batch = self._batch, None
+        if batch is not None:
+            close_fds(batch[2])
+
+
+def close_fds(fds: tuple[int, ...]) -> None:
+    """Close each of ``fds``, ignoring errors."""
+    for fd in fds:
+        try:  # noqa: SIM105 - on every attach: suppress() would cost a context manager per fd
+            os.close(fd)
+        except OSError:
+            pass
