@@ -1,4 +1,5 @@
-"""Puts in flight: entries admitted in the ledger whose region this process does not hold yet.
+"""Puts in flight: rows admitted in their final state whose region this process does not
+hold yet — a put's entry (``staged``), and a plain buffer admitted ``live`` at once.
 
 A ``put`` admits its row ``staged`` (a commit), then takes a region and holds it
 (:meth:`~maasd.core.regions.Regions.hold`). A release of the row in between — a
@@ -23,9 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["PutsInFlight"]
+
+
+def _ignore(_buffer_id: str) -> None:
+    pass
 
 
 class PutsInFlight:
@@ -36,18 +41,28 @@ class PutsInFlight:
         self._released: dict[str, bool] = {}
 
     @contextlib.contextmanager
-    def admitting(self, buffer_id: str, put: bool = True) -> Iterator[None]:
+    def admitting(self, buffer_id: str, put: bool = True) -> Iterator[Callable[[str], None]]:
         """Around a reserve's admission and hold: a put's (``put``) id is expected until
-        the block ends (:meth:`settle`, inside it, reads what came meanwhile)."""
+        the block ends (:meth:`settle`, inside it, reads what came meanwhile). It yields
+        what to call with another id the reserve is admitted under instead (an admission
+        undone and asked again, :mod:`maasd.core.room`), before that admission: that id
+        is expected too."""
         if not put:
-            yield
+            yield _ignore
             return
-        with self._lock:
-            self._released[buffer_id] = False
+        ids: list[str] = []
+
+        def also(other: str) -> None:
+            with self._lock:
+                self._released[other] = False
+            ids.append(other)
+
+        also(buffer_id)
         try:
-            yield
+            yield also
         finally:
-            self.settle(buffer_id)
+            for expected in ids:
+                self.settle(expected)
 
     def settle(self, buffer_id: str) -> bool:
         """The put holds its region (or failed): whether a release came for it before

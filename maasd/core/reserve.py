@@ -8,10 +8,16 @@ A reserve records its intent in the ledger before it touches memory::
 
 so that a crash at any point leaves rows that recovery can settle; a failure after the
 admission deletes its row (``reserve_failed``) and gives its memory back. An entry's
-put is admitted ``staged`` (it stays so until its commit) and goes without the last
-write: a release of the row before its region is held finds no region and leaves a
-note (:mod:`maasd.core.inflight`), which the put reads once it holds the region,
-instead of reading the row again.
+put is admitted ``staged`` (it stays so until its commit), and a plain buffer — no key,
+never evicted — ``live`` at once; both go without the last write: a release of the row
+before its region is held finds no region and leaves a note
+(:mod:`maasd.core.inflight`), which the reserve reads once it holds the region,
+instead of reading the row again. A plain buffer's row is live a moment before its
+region is held, which nothing can tell: no one knows its id before the answer, no
+eviction or key lookup chooses it, and recovery releases a live row whose memory died
+with the process as it does a ``reserving`` one (a volatile one always; a persistent
+one without a checkpoint). A keyed or evictable buffer keeps the two writes: a lookup
+or an eviction could find its row before its memory.
 
 Locks (their order: :mod:`maasd.core.regions`): a reserve holds none across its ledger
 admission or its region's creation. Its victims' releases take their buffers' locks one
@@ -115,6 +121,9 @@ class Reserves:
         # they are kept.
         uses, extended = self._uses.take()
         last_error: Exception | None = None
+        # A plain buffer (no key, never evicted) is admitted live at once: no write after
+        # its region is held (the module docstring says why that is safe).
+        straight = kind == "buffer" and not req.evictable and req.key is None
         for live in candidates:
             row = BufferRow(
                 id=keys.new_id(),
@@ -127,14 +136,16 @@ class Reserves:
                 label=req.label,
                 key=req.key,
                 evictable=req.evictable,
-                state="reserving",
+                state="live" if straight else "reserving",
                 created_at=now,
                 expires_at=expires,
                 last_used_at=now,
                 kind=kind,
             )
-            # a put's row released before its region is held: noted (maasd.core.inflight)
-            with self._regions.puts.admitting(row.id, kind == "entry"):
+            # a row admitted in its final state (a put's staged, a plain buffer's live) and
+            # released before its region is held: noted (maasd.core.inflight)
+            in_flight = kind == "entry" or straight
+            with self._regions.puts.admitting(row.id, in_flight) as renamed:
                 try:
                     # The daemon's own budget of fds and mappings first (507 resource-limit),
                     # before the ledger is asked: a region is one of each; the tenant's
@@ -154,6 +165,7 @@ class Reserves:
                             uses=uses,
                             leases=extended,
                             default_cap=self._default_cap,
+                            renamed=renamed,
                         )  # uses and leases: written by the admitting transaction
                         region = self._create(row, live, frozen=frozen)
                 except PoolExhausted as e:  # this pool is full now: try the next one
@@ -244,6 +256,12 @@ class Reserves:
                 self._releaser.drop_region(row)
                 raise NotFound(f"entry {row.id} was released while it was put")
             return buffer_info(msgspec.structs.replace(row, state=state))
+        if row.state == "live":  # admitted live: the same note, then handles may be had
+            if self._regions.puts.settle(row.id):
+                self._releaser.drop_region(row)
+                raise _claimed(row.id)
+            self._regions.set_live(row.id)
+            return buffer_info(row)
         # A volatile buffer's ledger writes do not wait for the disk (store/base.py).
         if not self._buffer_rows.advance(
             row.id, "reserving", "live", durable=must_last(row.persistence)
@@ -254,9 +272,13 @@ class Reserves:
             # its row, and no one ever saw it.
             self._releaser.drop_region(row)
             self._reserve_failed(row)
-            raise StateConflict(
-                f"buffer {row.id} was released while it was being reserved "
-                "(its tenant or its pool is being deleted)"
-            )
+            raise _claimed(row.id)
         self._regions.set_live(row.id)
         return buffer_info(msgspec.structs.replace(row, state=state))
+
+
+def _claimed(buffer_id: str) -> StateConflict:
+    return StateConflict(
+        f"buffer {buffer_id} was released while it was being reserved "
+        "(its tenant or its pool is being deleted)"
+    )

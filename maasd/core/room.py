@@ -37,6 +37,7 @@ short and the victim does free.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -68,6 +69,7 @@ def admit(
     uses: dict[str, float],
     leases: dict[str, float],
     default_cap: int | None = None,
+    renamed: Callable[[str], None] | None = None,
 ) -> BufferRow:
     """Admit ``row`` (state ``reserving``/``staged``), its victims released and freed.
 
@@ -75,7 +77,8 @@ def admit(
     :meth:`~maasd.store.ReserveRepo.begin_reserve` raises; after :data:`EVICT_ROUNDS`
     rounds whose victims stayed held, :class:`QuotaExceeded` (a victim of the tenant's
     own) or :class:`PoolExhausted`. ``uses`` and ``leases`` are written by the first
-    admitting transaction (the caller's dicts are emptied then).
+    admitting transaction (the caller's dicts are emptied then). ``renamed(new_id)`` is
+    told the id of each admission asked again, before it is asked.
     """
     held: list[BufferRow] = []
     waited = untold = 0
@@ -114,6 +117,8 @@ def admit(
         # Admitted on bytes still held: undone, and the ledger asked again.
         store.finish_release(row.id, kind="reserve_failed", durable=must_last(row.persistence))
         row = msgspec.structs.replace(row, id=keys.new_id())
+        if renamed is not None:  # the caller expects a release of the new id (inflight.py)
+            renamed(row.id)
     if any(v.tenant_id == row.tenant_id for v in held):
         raise QuotaExceeded(f"tenant {row.tenant_id}'s quota is full: {_still_held(held)}")
     raise PoolExhausted(f"the pool is full: {_still_held(held)}")

@@ -267,6 +267,9 @@ class ReserveRepo(Repository):
         An entry's put (``row.kind == "entry"``) is admitted ``staged`` straight away:
         a crash leaves a staged row as it would a reserving one (recovery releases
         both), and no lookup or eviction sees either — one ledger write less per save.
+        A plain buffer asked for ``live`` (no key, not evictable) is admitted ``live``:
+        no key lookup or eviction sees it either, and recovery releases a live row whose
+        memory is gone — one write less per REST reserve.
 
         In one write transaction: lock the tenant and pool rows; refuse a
         tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
@@ -295,7 +298,9 @@ class ReserveRepo(Repository):
         ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also with
         persistent victims (docs/operations.md, "Crash safety"). ``prefer_not``: ids evicted
         after every other candidate (:mod:`maasd.core.room`)."""
-        state = "staged" if row.kind == "entry" else "reserving"
+        state: BufferState = "staged" if row.kind == "entry" else "reserving"
+        if row.state == "live" and row.kind == "buffer" and not row.evictable and row.key is None:
+            state = "live"  # a plain buffer, admitted live at once (maasd.core.reserve)
         if row.state != state:
             row = msgspec.structs.replace(row, state=state)
         check_size(row.size_bytes, "size_bytes")  # a size ≤ 0 would let the sums undercount

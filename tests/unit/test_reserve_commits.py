@@ -83,20 +83,33 @@ def attach(svc: Service, who: Principal, buffer_id: str) -> None:
     svc.handles.drop(who, buffer_id)
 
 
-def test_a_reserve_commits_twice_with_attaches_pending(sqlite_svc: Service) -> None:
+def test_a_plain_reserve_commits_once_and_a_keyed_one_twice(sqlite_svc: Service) -> None:
+    """A plain buffer (no key, not evictable) is admitted live: one commit. A keyed or
+    evictable one is admitted reserving, then goes live once its region is held: two."""
+    svc = sqlite_svc
+    who = tenant(svc, 64 * MiB)
+    commits = Commits(svc)
+    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
+    assert commits.n == 1  # admission, live at once
+    commits.n = 0
+    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", key="k"))
+    assert commits.n == 2  # admission (reserving), then live
+    commits.n = 0
+    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p", evictable=True))
+    assert commits.n == 2
+
+
+def test_a_reserve_writes_the_attaches_pending_in_its_admission(sqlite_svc: Service) -> None:
     svc = sqlite_svc
     who = tenant(svc, 64 * MiB)
     held = svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
     commits = Commits(svc)
-    svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
-    assert commits.n == 2  # admission (reserving), then live
     attach(svc, who, held.id)
     assert held.id in svc.uses.pending_uses()
     before = svc.store.buffers.buffer(held.id)
     assert before is not None
-    commits.n = 0
     svc.reserves.reserve(who, ReserveSpec(size_bytes=MiB, pool="p"))
-    assert commits.n == 2  # the attach was written by the admission, no commit of its own
+    assert commits.n == 1  # the attach was written by the admission, no commit of its own
     after = svc.store.buffers.buffer(held.id)
     assert after is not None
     assert after.last_used_at > before.last_used_at

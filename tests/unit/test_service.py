@@ -258,11 +258,46 @@ def test_a_reserve_whose_row_is_claimed_midway_leaves_no_memory_behind(
 
     monkeypatch.setattr(svc.store.buffers, "advance", claimed_meanwhile)
     with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
-        svc.reserves.reserve(who, req(MiB, pool="fast"))
+        svc.reserves.reserve(who, req(MiB, pool="fast", key="k"))  # keyed: reserving, then live
     assert svc.regions.buffer_ids() == []
     assert allocated(svc, "fast") == 0
     assert svc.store.buffers.buffers(states=None) == []
     assert seen[0].released
+
+
+@pytest.mark.parametrize("claim", ["tenant delete", "pool drain"])
+def test_a_plain_buffer_admitted_live_and_released_before_it_is_held_leaves_nothing(
+    svc: Service, monkeypatch, claim: str
+) -> None:
+    """A plain buffer (no key, never evicted) is admitted live in one transaction. A release
+    that comes before its region is held (a tenant delete or a pool drain, each through
+    the daemon's own release) finds no region and leaves a note; the reserve reads it once
+    it holds the region, drops the region and answers 409: no row, no memory, no write
+    after the admission."""
+    who = tenant(svc)
+    real = svc.reserves._check_placement  # between the region's making and its hold
+    seen: list[Any] = []
+
+    def claimed_meanwhile(row: Any, live: Any, region: Region) -> None:
+        assert svc.store.buffers.buffer(row.id).state == "live"  # live from its admission
+        seen.append(region)
+        if claim == "tenant delete":
+            svc.tenants.delete(str(who.tenant_id))
+        else:
+            svc.pools.delete(pool_named(svc, "fast").id, drain=True)
+        real(row, live, region)
+
+    monkeypatch.setattr(svc.reserves, "_check_placement", claimed_meanwhile)
+    advances = []
+    monkeypatch.setattr(svc.store.buffers, "advance", lambda *a, **k: advances.append(a))
+    with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
+        svc.reserves.reserve(who, req(MiB, pool="fast"))
+    assert advances == []  # the admission was its one write
+    assert svc.regions.buffer_ids() == []
+    assert svc.store.buffers.buffers(states=None) == []
+    # scrubbed and given back: released to its pool (whose reclaimer closes it), or closed
+    # here once the pool was gone
+    assert seen[0].released or seen[0].closed
 
 
 # -- eviction -----------------------------------------------------------------------------
