@@ -73,7 +73,9 @@ class RouterProc:
             self.argv += ["--socket", socket_path]
         if maasd_url:
             self.argv += ["--maasd-url", maasd_url]
-        self.argv += [*router_args, "--", *server_args]
+        self.argv += [*router_args]
+        if backends:  # the arguments of the backends it starts
+            self.argv += ["--", *server_args]
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=300.0)
