@@ -39,6 +39,11 @@ RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10, 30)
 RECHECK_S = 30.0  # how often a backend kept out for what it runs is asked again
 
 
+def _up(metrics: RouterMetrics, b: Backend) -> None:
+    b.alive = True
+    metrics.backend_up.labels(str(b.index)).set(1)
+
+
 class NoSlot(RuntimeError):
     """No slot for a request: too many wait already, or none came free in time (a 503)."""
 
@@ -105,7 +110,7 @@ class Fleet:
         await asyncio.gather(*(self._until_ready(b) for b in self.backends))
         await self._identify_all()
         for b in self.backends:
-            self._up(b)
+            _up(self.metrics, b)
             self.metrics.backend_info.labels(str(b.index), b.url).set(1)
             self.metrics.slots.labels(str(b.index)).set(b.n_slots)
             if b.process is not None:
@@ -166,12 +171,8 @@ class Fleet:
             self.metrics.errors.labels(str(b.index), "identity").inc()
             return False
         b.identity, b.rejected = i, ""
-        self._up(b)
+        _up(self.metrics, b)
         return True
-
-    def _up(self, b: Backend) -> None:
-        b.alive = True
-        self.metrics.backend_up.labels(str(b.index)).set(1)
 
     async def _supervise(self, b: Backend) -> None:
         assert b.process is not None
@@ -251,12 +252,14 @@ class Fleet:
     def _load(self, b: Backend) -> int:
         return sum(s.busy for s in b.slots)
 
-    async def acquire(self, tokens: npt.NDArray[np.int32], *, sharing: bool) -> Choice:
-        """A slot for ``tokens``, marked busy; waits while every live slot is busy, but
-        raises :class:`NoSlot` if ``max_waiting`` requests wait already, or after
-        ``slot_timeout_s``."""
+    async def acquire(
+        self, tokens: npt.NDArray[np.int32], *, sharing: bool, avoid: int | None = None
+    ) -> Choice:
+        """A slot for ``tokens``, marked busy (on another backend than ``avoid`` if one is
+        up); waits while every live slot is busy, but raises :class:`NoSlot` if
+        ``max_waiting`` requests wait already, or after ``slot_timeout_s``."""
         cfg = self.config
-        choice = self._pick(tokens, sharing)
+        choice = self._pick(tokens, sharing, avoid)
         if choice is not None:
             return choice
         if self.waiting >= cfg.max_waiting:
@@ -266,7 +269,8 @@ class Fleet:
         try:
             async with self._cond:
                 choice = await asyncio.wait_for(
-                    self._cond.wait_for(lambda: self._pick(tokens, sharing)), cfg.slot_timeout_s
+                    self._cond.wait_for(lambda: self._pick(tokens, sharing, avoid)),
+                    cfg.slot_timeout_s,
                 )
         except TimeoutError:
             self.metrics.errors.labels("-", "slot_timeout").inc()
@@ -276,8 +280,13 @@ class Fleet:
         assert choice is not None  # wait_for returns the predicate's first true value
         return choice
 
-    def _pick(self, tokens: npt.NDArray[np.int32], sharing: bool) -> Choice | None:
-        live = [s for b in self.backends if b.alive for s in b.slots]
+    def _pick(
+        self, tokens: npt.NDArray[np.int32], sharing: bool, avoid: int | None = None
+    ) -> Choice | None:
+        up = [b for b in self.backends if b.alive]
+        if any(b.index != avoid for b in up):  # another backend than the one that failed
+            up = [b for b in up if b.index != avoid]
+        live = [s for b in up for s in b.slots]
         load = {b.index: self._load(b) for b in self.backends}
         choice = choose(live, tokens, load, sharing=sharing)
         if choice is None:

@@ -179,6 +179,8 @@ class Proxy:
         body = parse_body(raw)
         try:
             tokens = await self.tokens(path, body)
+        except BadRequest:
+            raise
         except httpx.HTTPStatusError as exc:
             r = exc.response
             if r.status_code < 500:  # the backend's word on a bad request
@@ -211,10 +213,11 @@ class Proxy:
     ) -> Answer:
         """A slot, a restore (and a lead's publish), then the request; once more on a
         transport error before anything reached the client."""
+        avoid: int | None = None
         for attempt in range(2):
             t_wait = time.monotonic()
             try:
-                choice = await self.fleet.acquire(tokens, sharing=sharing)
+                choice = await self.fleet.acquire(tokens, sharing=sharing, avoid=avoid)
             except NoSlot as exc:
                 return error_answer(503, str(exc), {"retry-after": "1"})
             self.metrics.slot_wait_seconds.observe(time.monotonic() - t_wait)
@@ -235,6 +238,7 @@ class Proxy:
                 # Nothing has reached the client yet: once more, on another slot.
                 logger.warning("backend %s failed before answering: %s", turn.backend.url, exc)
                 self.metrics.errors.labels(str(turn.backend.index), "transport").inc()
+                avoid = turn.backend.index  # it may be dying: another one, if any is up
                 await self._finish(turn, ok=False)
                 if attempt:
                     break

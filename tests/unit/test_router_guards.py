@@ -160,14 +160,16 @@ def test_every_hostile_body_is_a_bad_request_before_any_backend_sees_it(
     from maasd.router.proxy import BadRequest, parse_body
 
     async def tokens() -> Any:
+        from maasd.router.metrics import RouterMetrics
         from maasd.router.proxy import Proxy
 
         class NoFleet:
             def any_live(self) -> Any:
                 raise AssertionError("a backend was asked")
 
-        body = parse_body(raw)
-        return await Proxy(NoFleet(), None, None, None).tokens(path, body)  # type: ignore[arg-type]
+        assert isinstance(parse_body(b'{"prompt": "a"}'), dict)
+        proxy = Proxy(NoFleet(), None, RouterMetrics(), None)  # type: ignore[arg-type]
+        return await proxy.complete(path, raw)
 
     with pytest.raises(BadRequest):
         asyncio.run(tokens())
