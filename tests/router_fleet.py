@@ -12,7 +12,9 @@ stopped at the end) serve the router test modules by name.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -206,3 +208,23 @@ def routers(
     yield make
     for r in made:
         r.stop()
+
+
+@contextlib.contextmanager
+def attached_server(
+    binary: str, model: Path, slot_dir: Path, log: Path, *args: str, slots: int = 2
+) -> Iterator[str]:
+    """A llama-server run as docs/llama-server.md says for an attached backend (the
+    router's flags, ``args`` after them: they win) → its URL; SIGTERMed at the end."""
+    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
+
+    port = free_port()
+    argv = [binary, "-m", str(model), "--port", str(port), "-np", str(slots)]
+    argv += ["-c", "2048", "-t", "1", "--slot-save-path", f"{slot_dir}/"]
+    argv += [*REQUIRED_FLAGS, *REQUIRED_FLAGS_EXTRA, *args]
+    with open(log, "ab") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        signal_and_wait(server, signal.SIGTERM, 60)

@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import struct
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ pytest.importorskip("xxhash")
 from llama_model import CAPITALS, GERMANY, SWEDEN  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from maasd.llama.format import chunk_keys, header_len_for, pack_header, state_checksum  # noqa: E402
-from router_fleet import CHUNK, text_of, tokens_of  # noqa: E402
+from router_fleet import CHUNK, attached_server, text_of, tokens_of  # noqa: E402
 
 
 def test_restore_from_maasd_equals_a_cold_run_on_another_router(routers: Any) -> None:
@@ -210,35 +209,15 @@ def test_chat_streams_and_models(routers: Any) -> None:
 def test_attached_backends_with_two_slots(
     routers: Any, llama_server: str, gemma_gguf: Path, tmp_path: Path
 ) -> None:
-    from conftest import free_port
-    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
-    from processes import signal_and_wait
+    from maasd.router.files import PREFIX
 
     slot_dir = tmp_path / "slots"
     slot_dir.mkdir()
-    port = free_port()
-    argv = [
-        llama_server,
-        "-m",
-        str(gemma_gguf),
-        "--port",
-        str(port),
-        "-np",
-        "2",
-        "-c",
-        "2048",
-        "-t",
-        "1",
-        "--slot-save-path",
-        f"{slot_dir}/",
-        *REQUIRED_FLAGS,
-        *REQUIRED_FLAGS_EXTRA,
-    ]
-    with open(tmp_path / "attached.log", "ab") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
+    stale = slot_dir / f"{PREFIX}999999999-0-restore"  # a link a crashed router left
+    stale.symlink_to("/proc/999999999/fd/3")
+    with attached_server(llama_server, gemma_gguf, slot_dir, tmp_path / "attached.log") as url:
         r = routers(backends=0, router_args=("--backend", url, "--slot-dir", str(slot_dir)))
+        assert not stale.is_symlink()  # swept at start
         assert r.health()["backends"][0]["slots"] == 2
         first = r.complete("Attached.\n" + GERMANY)
         r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
@@ -250,8 +229,6 @@ def test_attached_backends_with_two_slots(
         assert again.headers["x-maasd-slot"] == first.headers["x-maasd-slot"]
         assert text_of(again) == text_of(first)
         assert not [p for p in slot_dir.iterdir()]  # no link left behind
-    finally:
-        signal_and_wait(server, signal.SIGTERM, 60)
 
 
 def test_python_workers_and_llama_server_share_entries_both_ways(

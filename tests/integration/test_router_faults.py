@@ -27,7 +27,7 @@ pytest.importorskip("xxhash")
 from llama_model import CAPITALS, GERMANY  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from router_bad_bodies import BAD_BODIES, assert_error_4xx, send  # noqa: E402
-from router_fleet import CHUNK, RouterProc, text_of, tokens_of  # noqa: E402
+from router_fleet import CHUNK, RouterProc, attached_server, text_of, tokens_of  # noqa: E402
 
 LONG = "A long one.\n" + GERMANY
 
@@ -228,3 +228,33 @@ def test_a_python_worker_of_another_fingerprint_shares_nothing_either_way(
     with Worker(daemon.socket_path, router_key) as w:
         assert KVStore(None, w, py, chunk=CHUNK).restore(0, tokens_of(r, second)) == 0
     assert r.metric("maasd_router_entries", op="lookup", outcome="refused") == 0  # keys differ
+
+
+def test_attached_backends_that_run_differently_are_refused_saying_what_differs(
+    routers: Any, llama_server: str, gemma_gguf: Path, tmp_path: Path
+) -> None:
+    """Two backends of one model, one with flash attention (V not transposed): what the
+    router reads from each differs, so it does not start (one router, one fingerprint);
+    and --cache-type-k must be what an attached backend runs."""
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    logs = tmp_path / "server.log"
+    with (
+        attached_server(llama_server, gemma_gguf, dirs[0], logs, slots=1) as a,
+        attached_server(llama_server, gemma_gguf, dirs[1], logs, "-fa", "on", slots=1) as b,
+    ):
+        pairs = [
+            ("--backend", a, "--slot-dir", str(dirs[0])),
+            ("--backend", b, "--slot-dir", str(dirs[1])),
+        ]
+        with pytest.raises(RuntimeError, match="router exited") as e:
+            routers(backends=0, router_args=pairs[0] + pairs[1])
+        assert "differ: settings" in str(e.value)
+        assert "flash attention" in str(e.value)
+        with pytest.raises(RuntimeError, match="router exited") as e:
+            routers(backends=0, router_args=(*pairs[0], "--cache-type-k", "q8_0"))
+        assert "--cache-type-k/-v ('q8_0', 'f16'), but the backends run K f16" in str(e.value)
+        fa = routers(backends=0, router_args=pairs[1])  # alone: it is what it is, read
+        plain = routers(backends=0, router_args=pairs[0])
+        assert fa.health()["fingerprint"] != plain.health()["fingerprint"]
