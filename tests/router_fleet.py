@@ -161,6 +161,17 @@ def text_of(r: httpx.Response) -> str:
     return str(r.json()["choices"][0]["text"])
 
 
+def long_stream(prompt: str, max_tokens: int = 400) -> dict[str, Any]:
+    """A completion body that streams for a long time (greedy, past any end of text)."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
 def tokens_of(router: RouterProc, text: str) -> list[int]:
     """The tokens the router's first backend makes of ``text`` (as a completion's)."""
     url = router.health()["backends"][0]["url"]

@@ -27,7 +27,7 @@ pytest.importorskip("xxhash")
 from llama_model import CAPITALS, GERMANY, SWEDEN  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from maasd.llama.format import chunk_keys, header_len_for, pack_header, state_checksum  # noqa: E402
-from router_fleet import CHUNK, attached_server, text_of, tokens_of  # noqa: E402
+from router_fleet import CHUNK, attached_server, long_stream, text_of, tokens_of  # noqa: E402
 
 
 def test_restore_from_maasd_equals_a_cold_run_on_another_router(routers: Any) -> None:
@@ -76,19 +76,13 @@ def test_a_prefix_from_backend_a_restores_on_backend_b_while_a_is_busy(routers: 
     # keep the backend that holds the prefix busy with a long stream …
     done = threading.Event()
 
-    def long_stream() -> None:
-        body = {
-            "prompt": "Fleet.\n" + CAPITALS + "Once upon a time",
-            "max_tokens": 400,
-            "stream": True,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+    def stream() -> None:
+        body = long_stream("Fleet.\n" + CAPITALS + "Once upon a time")
         with r.http.stream("POST", "/v1/completions", json=body) as s:
             for _ in s.iter_raw():
                 done.set()
 
-    t = threading.Thread(target=long_stream)
+    t = threading.Thread(target=stream)
     t.start()
     try:
         assert done.wait(120)
@@ -144,13 +138,7 @@ def test_a_backend_killed_mid_stream_is_restarted(routers: Any) -> None:
     r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
     r.wait_idle()
     pid = r.health()["backends"][0]["pid"]
-    body = {
-        "prompt": prompt,
-        "max_tokens": 300,
-        "stream": True,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = long_stream(prompt, 300)
     chunks: list[bytes] = []
     with r.http.stream("POST", "/v1/completions", json=body) as s:
         for c in s.iter_raw():

@@ -27,7 +27,14 @@ pytest.importorskip("xxhash")
 from llama_model import CAPITALS, GERMANY  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from router_bad_bodies import BAD_BODIES, assert_error_4xx, send  # noqa: E402
-from router_fleet import CHUNK, RouterProc, attached_server, text_of, tokens_of  # noqa: E402
+from router_fleet import (  # noqa: E402
+    CHUNK,
+    RouterProc,
+    attached_server,
+    long_stream,
+    text_of,
+    tokens_of,
+)
 
 LONG = "A long one.\n" + GERMANY
 
@@ -81,13 +88,7 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_a_restore_waits_for_the_ser
     cold = r.complete(prompt)
     r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
     r.wait_idle()
-    body = {
-        "prompt": "Other.\n" + CAPITALS + "Once upon a time",
-        "max_tokens": 400,
-        "stream": True,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = long_stream("Other.\n" + CAPITALS + "Once upon a time")
     with (
         httpx.Client(base_url=r.url, timeout=120) as c,
         c.stream("POST", "/v1/completions", json=body) as s,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,13 +68,22 @@ def start(llama_server: str, gemma_gguf: Path, tmp_path: Path) -> Iterator[Any]:
         r.stop()
 
 
-def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
-    hosts: tuple[Daemon, Daemon], redis_server: RedisServer, start: Any
-) -> None:
-    a_host, b_host = hosts
-    tid, key = a_host.tenant(f"router-l2-{uuid.uuid4().hex[:6]}", 256 * MiB)
-    prompt = "Two hosts.\n" + GERMANY
-    a = start(a_host, key, backends=1)
+@dataclass
+class Published:
+    """A prompt a router on one host answered cold and published, written behind to L2."""
+
+    tenant_id: str
+    key: str
+    prompt: str
+    cold: Any  # the cold answer
+    toks: list[int]
+    n: int  # the tokens of its entry's key
+    entry_key: str
+
+
+def published_in_l2(host: Daemon, redis_server: RedisServer, start: Any, prompt: str) -> Published:
+    tid, key = host.tenant(f"router-l2-{uuid.uuid4().hex[:6]}", 256 * MiB)
+    a = start(host, key, backends=1)
     cold = a.complete(prompt)
     assert cold.headers["x-maasd-restored"] == "0"
     a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
@@ -83,8 +93,18 @@ def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
     wait_until(
         lambda: in_l2(redis_server, tid, entry_key),
         timeout=60,
-        message="router A's entry written behind to Redis",
+        message="the entry written behind to Redis",
     )
+    return Published(tid, key, prompt, cold, toks, n, entry_key)
+
+
+def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
+    hosts: tuple[Daemon, Daemon], redis_server: RedisServer, start: Any
+) -> None:
+    a_host, b_host = hosts
+    prompt = "Two hosts.\n" + GERMANY
+    p = published_in_l2(a_host, redis_server, start, prompt)
+    key, toks, n, cold = p.key, p.toks, p.n, p.cold
     hits = b_host.metric("maasd_l2_lookups_total", outcome="hit")
 
     b = start(b_host, key, backends=1)  # another host's daemon: only L2 holds the prefix
@@ -120,16 +140,9 @@ def test_a_corrupted_entry_in_l2_passes_the_daemon_and_is_refused_by_the_router(
     hosts: tuple[Daemon, Daemon], redis_server: RedisServer, start: Any
 ) -> None:
     a_host, b_host = hosts
-    tid, key = a_host.tenant(f"router-l2-bad-{uuid.uuid4().hex[:6]}", 256 * MiB)
-    prompt = "Corrupted in L2.\n" + GERMANY
-    a = start(a_host, key, backends=1)
-    cold = a.complete(prompt)
-    a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
-    toks = tokens_of(a, prompt)
-    n = len(toks) - len(toks) % CHUNK
-    entry_key = chunk_keys(a.health()["fingerprint"], toks[:n], CHUNK)[-1][1]
-    wait_until(lambda: in_l2(redis_server, tid, entry_key), timeout=60, message="in Redis")
-    corrupt_in_l2(redis_server, tid, entry_key)
+    p = published_in_l2(a_host, redis_server, start, "Corrupted in L2.\n" + GERMANY)
+    corrupt_in_l2(redis_server, p.tenant_id, p.entry_key)
+    key, prompt, cold = p.key, p.prompt, p.cold
     hits = b_host.metric("maasd_l2_lookups_total", outcome="hit")
 
     b = start(b_host, key, backends=1)
