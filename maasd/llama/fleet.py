@@ -5,8 +5,8 @@ restores correctly (docs/llama-server.md); ``maasd router`` computes it for its
 backends, and :func:`model_fleet_fingerprint` for a ``llama_cpp.Llama``, so a Python
 worker that passes it to ``KVStore(fingerprint=…)`` shares entries with the fleet both
 ways (a llama-server restores what it saved, and it restores what they saved) whenever
-model file, build and cache settings agree. Pure, except for reading the model file's
-edges.
+model file, build and cache settings agree. Pure, except for hashing the model file
+(once per file: :func:`~maasd.llama.format.file_identity` keeps the digest).
 """
 
 from __future__ import annotations
@@ -39,31 +39,35 @@ def fleet_fingerprint(
     flash_attn: bool = False,
     swa_full: bool = True,
     n_stream: int = 1,
+    model_args: tuple[str, ...] = (),
 ) -> str:
     """The fingerprint of everything that decides whether a sequence state restores right.
 
-    The model file (size and edge hash, :func:`~maasd.llama.format.file_identity`), the
+    The model file (size and SHA-256, :func:`~maasd.llama.format.file_identity`), the
     llama.cpp build (``build``: ``llama-cpp-python-0.3.36`` for the pinned one, whether
     it runs as llama-cpp-python or as the ``llama-server`` of ``scripts/llama-server``),
     the K and V cache types, flash attention (it decides whether V is stored
     transposed), the number of KV streams (1: ``--kv-unified`` or a single sequence),
     the sliding-window cache mode, and both state formats. Any difference gives
-    another fingerprint, so nothing restores wrong.
+    another fingerprint, so nothing restores wrong. ``model_args``: what else changes
+    the values a state holds (LoRA adapters, RoPE scaling, …), named only when there is
+    any, so a plain fleet keeps the fingerprint of a plain Python worker.
     """
-    return fingerprint_of(
-        {
-            "kind": "llama-seq-state",
-            "entry_format": FORMAT_VERSION,
-            "file_format": FILE_VERSION,
-            "build": build,
-            "model": file_identity(model_path),
-            "type_k": ggml_type_name(type_k),
-            "type_v": ggml_type_name(type_v),
-            "flash_attn": bool(flash_attn),
-            "swa_full": bool(swa_full),
-            "n_stream": int(n_stream),
-        }
-    )
+    parts = {
+        "kind": "llama-seq-state",
+        "entry_format": FORMAT_VERSION,
+        "file_format": FILE_VERSION,
+        "build": build,
+        "model": file_identity(model_path),
+        "type_k": ggml_type_name(type_k),
+        "type_v": ggml_type_name(type_v),
+        "flash_attn": bool(flash_attn),
+        "swa_full": bool(swa_full),
+        "n_stream": int(n_stream),
+    }
+    if model_args:
+        parts["model_args"] = list(model_args)
+    return fingerprint_of(parts)
 
 
 def model_fleet_fingerprint(model: Any) -> str:

@@ -22,6 +22,7 @@ Needs numpy only; ``xxhash`` (the ``llama`` extra) is imported on the first
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -61,7 +62,6 @@ MAGIC = b"MAASDKV\x00"
 FORMAT_VERSION = 2  # 2: state checksum is XXH3-64's low 32 bits (1: crc32)
 DEFAULT_CHUNK = 64
 ALIGN = 64
-EDGE_BYTES = 1 << 20  # the file identity hashes the first and the last MiB
 
 # magic, version, header_len, fingerprint(16), n_tokens, chunk, state_len, state_crc, header_crc
 _FIXED = struct.Struct("<8sII16sIIQII")
@@ -274,12 +274,63 @@ def fingerprint_of(parts: dict[str, Any]) -> str:
 
 
 def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Size and a hash of the first and last MiB of a model file (cheap even for GBs)."""
-    st = os.stat(path)
-    h = hashlib.blake2b(digest_size=16)
+    """Size and SHA-256 of a whole model file.
+
+    A hash of the whole file, not of its edges: two fine-tunes or quantizations of one
+    model can share size, metadata and their last tensors and differ only in between,
+    and a state of one restores into the other without an error. Hashing costs about
+    2 s a GB here, so the digest is kept in ``<cache>/file-hashes/`` under the file's
+    (device, inode, size, mtime, ctime) — a file changed in place or replaced gets
+    another name — and start-ups after the first cost a ``stat``. The cache dir is
+    ``$MAASD_CACHE_DIR``, else ``$XDG_CACHE_HOME/maasd``, else ``~/.cache/maasd``; where
+    it can't be written, the file is hashed at every start-up.
+    """
     with open(path, "rb") as f:
-        h.update(f.read(EDGE_BYTES))
-        if st.st_size > EDGE_BYTES:
-            f.seek(max(EDGE_BYTES, st.st_size - EDGE_BYTES))
-            h.update(f.read(EDGE_BYTES))
-    return {"size": st.st_size, "edges": h.hexdigest()}
+        st = os.fstat(f.fileno())
+        name = _identity_name(st)
+        digest = _identities.get(name) or _cached_digest(name)
+        if digest is None:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            if _identity_name(os.fstat(f.fileno())) == name:  # not written to meanwhile
+                _remember_digest(name, digest)
+    return {"size": st.st_size, "sha256": digest}
+
+
+_identities: dict[str, str] = {}
+
+
+def _identity_name(st: os.stat_result) -> str:
+    return f"{st.st_dev}-{st.st_ino}-{st.st_size}-{st.st_mtime_ns}-{st.st_ctime_ns}"
+
+
+def _identity_dir() -> str:
+    base = os.environ.get("MAASD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maasd"
+    )
+    return os.path.join(base, "file-hashes")
+
+
+def _cached_digest(name: str) -> str | None:
+    try:
+        with open(os.path.join(_identity_dir(), name), encoding="ascii") as f:
+            digest = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        return None
+    _identities[name] = digest
+    return digest
+
+
+def _remember_digest(name: str, digest: str) -> None:
+    _identities[name] = digest
+    d = _identity_dir()
+    tmp = os.path.join(d, f".{name}.{os.getpid()}")
+    try:
+        os.makedirs(d, exist_ok=True)
+        with open(tmp, "w", encoding="ascii") as f:
+            f.write(digest + "\n")
+        os.replace(tmp, os.path.join(d, name))
+    except OSError:  # a read-only home: hashed again at the next start-up
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)

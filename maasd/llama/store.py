@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from maasd.bounds import DEFAULT_TTL_S
+from maasd.bounds import DEFAULT_TTL_S, MAX_LOOKUP_KEYS
 from maasd.llama.adapter import LlamaSeqAdapter, model_fingerprint
 from maasd.llama.entries import (
     CLIENT_ERRORS,
@@ -194,7 +194,9 @@ class KVStore:
         cap = len(arr) if max_tokens is None else max(0, min(max_tokens, len(arr)))
         if cap == 0:
             return 0
-        keys = chunk_keys(self.fingerprint, arr, self.chunk)
+        # A lookup names at most MAX_LOOKUP_KEYS keys (the daemon refuses more): the
+        # longest, those worth a restore.
+        keys = chunk_keys(self.fingerprint, arr, self.chunk)[-MAX_LOOKUP_KEYS:]
         by_key = {k: n for n, k in keys}
         try:
             hit = self.entries.open_longest([k for _, k in keys])

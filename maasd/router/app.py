@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from litestar import Litestar, Request, get, post
 from litestar.response import Response, Stream
 
@@ -21,7 +22,7 @@ from maasd.client import Client
 from maasd.llama.link import Link
 from maasd.router.fleet import Fleet, FleetConfig
 from maasd.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from maasd.router.proxy import Answer, BadRequest, Proxy
+from maasd.router.proxy import Answer, BadRequest, Proxy, error_answer
 from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 
@@ -74,6 +75,7 @@ class Router:
                 count=self.metrics.count_entry,
                 copy_files=cfg.copy_slot_files,
                 publish_link=self.publish_link,
+                settings=self.fleet.identity.settings if self.fleet.identity else None,
             )
             self.link.get()  # connect now, so the log says at once whether sharing is on
             publisher = Publisher(self.sharing, self.metrics, min_tokens=cfg.min_save_tokens)
@@ -122,6 +124,7 @@ class Router:
                     "url": b.url,
                     "slot_dir": b.slot_dir,
                     "alive": b.alive,
+                    "rejected": b.rejected or None,
                     "slots": b.n_slots,
                     "busy": sum(s.busy for s in b.slots),
                     "restarts": b.process.restarts if b.process else 0,
@@ -139,8 +142,7 @@ def _respond(a: Answer) -> Response[Any]:
 
 
 def _problem(status: int, message: str) -> Response[Any]:
-    body = {"error": {"message": message, "type": "invalid_request_error", "code": status}}
-    return Response(body, status_code=status)
+    return _respond(error_answer(status, message))
 
 
 def build_app(router: Router) -> Litestar:
@@ -161,7 +163,12 @@ def build_app(router: Router) -> Litestar:
         b = router.fleet.any_live()
         if b is None:
             return _problem(503, "no backend is up")
-        r = await b.http.get("/v1/models")
+        try:
+            r = await b.http.get("/v1/models", timeout=30.0)
+        except httpx.HTTPError as exc:
+            return _problem(502, f"the backend did not answer: {exc}")
+        if r.status_code >= 500:
+            return _problem(502, f"the backend failed: {r.status_code}")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     @get("/metrics")

@@ -25,7 +25,14 @@ import httpx
 from maasd.router.files import sweep
 from maasd.router.slots import Slot
 
-__all__ = ["Backend", "BackendProcess", "REQUIRED_FLAGS", "SlotActionError"]
+__all__ = [
+    "Backend",
+    "BackendProcess",
+    "REQUIRED_FLAGS",
+    "RESERVED_FLAGS",
+    "SlotActionError",
+    "check_server_args",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,54 @@ logger = logging.getLogger(__name__)
 #: --no-cache-idle-slots  idle slots keep what they hold (the router tracks it).
 REQUIRED_FLAGS = ("--kv-unified", "-fa", "off", "--swa-full", "--cache-ram", "0")
 REQUIRED_FLAGS_EXTRA = ("--no-cache-idle-slots",)
+
+#: Flags extra arguments (after ``--``) may not give, every alias of each: the router
+#: sets them (the flags above, the cache types of ``--cache-type-k/-v``, slots, model,
+#: address, slot dir), or they would make states it can't share (LoRA adapters, whose
+#: scales a request may change), or a server without completions.
+# fmt: off
+RESERVED_FLAGS = frozenset((
+    "-m", "--model", "-mu", "--model-url", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file",
+    "-dr", "--docker-repo", "--models-dir", "--models-preset", "--models-max",
+    "--models-autoload", "--no-models-autoload",
+    "--host", "--port", "--reuse-port", "--api-prefix", "--slot-save-path", "--slots",
+    "--no-slots", "-np", "--parallel", "-kvu", "--kv-unified", "-no-kvu", "--no-kv-unified",
+    "-fa", "--flash-attn", "--swa-full", "-cram", "--cache-ram", "--cache-idle-slots",
+    "--no-cache-idle-slots", "-ctk", "--cache-type-k", "-ctv", "--cache-type-v",
+    "--lora", "--lora-scaled", "--lora-init-without-apply",
+    "--embedding", "--embeddings", "--rerank", "--reranking", "--pooling",
+))
+#: Flags that change the values a state holds, with how many values each takes: allowed,
+#: and named in the fingerprint (such a fleet shares only with one run the same way).
+MODEL_FLAGS = {
+    "--control-vector": 1, "--control-vector-scaled": 1, "--control-vector-layer-range": 2,
+    "--override-kv": 1, "--rope-scaling": 1, "--rope-scale": 1, "--rope-freq-base": 1,
+    "--rope-freq-scale": 1, "--yarn-orig-ctx": 1, "--yarn-ext-factor": 1,
+    "--yarn-attn-factor": 1, "--yarn-beta-slow": 1, "--yarn-beta-fast": 1,
+}
+# fmt: on
+
+
+def check_server_args(args: Sequence[str]) -> tuple[str, ...]:
+    """The extra llama-server arguments of a router's backends, checked: ValueError names
+    any that overrides what the router sets → those that change what a state holds
+    (each flag with its values), for the fingerprint."""
+    refused = [a for a in args if a.split("=", 1)[0] in RESERVED_FLAGS]
+    if refused:
+        raise ValueError(
+            f"llama-server arguments {' '.join(refused)} are the router's to set: use its own "
+            "options (--model, --slots, --cache-type-k, --cache-type-v; "
+            "docs/llama-server.md, 'The flags every backend needs')"
+        )
+    model: list[str] = []
+    i = 0
+    while i < len(args):
+        flag = args[i].split("=", 1)[0]
+        n = MODEL_FLAGS.get(flag, 0) if "=" not in args[i] else 0
+        if flag in MODEL_FLAGS:
+            model += args[i : i + 1 + n]
+        i += 1 + n
+    return tuple(model)
 
 
 class SlotActionError(RuntimeError):
@@ -60,6 +115,9 @@ class Backend:
     alive: bool = False
     process: BackendProcess | None = None
     slots: list[Slot] = field(default_factory=list)
+    identity: Any = None  # maasd.router.identity.Identity, once identified
+    rejected: str = ""  # why it is kept out of rotation ("": it is not)
+    recheck_at: float = 0.0  # when a kept-out attached backend is asked again
     http: httpx.AsyncClient = field(init=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +155,40 @@ class Backend:
         r.raise_for_status()
         out: dict[str, Any] = r.json()
         return out
+
+    async def lora_adapters(self) -> list[Any]:
+        """The LoRA adapters the server has loaded (``/lora-adapters``; [] if none)."""
+        r = await self.http.get("/lora-adapters", timeout=10.0)
+        if r.status_code == 404:
+            return []
+        r.raise_for_status()
+        out = r.json()
+        return list(out) if isinstance(out, list) else [out]
+
+    async def processing(self, slot: int) -> bool:
+        """Whether the server is still working in ``slot`` (``/slots`` ``is_processing``):
+        after a client went away mid-answer, until the server sees it."""
+        r = await self.http.get("/slots", timeout=10.0)
+        r.raise_for_status()
+        for s in r.json():
+            if isinstance(s, dict) and s.get("id") == slot:
+                return bool(s.get("is_processing"))
+        return False
+
+    async def settle(self, slot: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until the server no longer works in ``slot`` →
+        whether it stopped (False too when ``/slots`` does not answer)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            try:
+                if not await self.processing(slot):
+                    return True
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError):
+                return False
+            if loop.time() > deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     async def tokenize(self, text: str) -> list[int]:
         """The tokens the server evaluates for ``text`` (special tokens parsed, BOS added
@@ -140,6 +232,7 @@ class BackendProcess:
         model: str,
         *,
         n_slots: int,
+        cache_types: tuple[str, str] = ("f16", "f16"),
         extra: Sequence[str] = (),
         host: str = "127.0.0.1",
         log_dir: str | None = None,
@@ -147,6 +240,8 @@ class BackendProcess:
         self.binary = binary
         self.model = model
         self.n_slots = n_slots
+        self.cache_types = cache_types
+        check_server_args(extra)
         self.extra = list(extra)
         self.host = host
         self.port = free_port(host)
@@ -160,8 +255,11 @@ class BackendProcess:
         return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
+        """The command line: the extra arguments first, so that even an alias the router
+        missed could not override what follows (llama.cpp keeps a flag's last value)."""
         return [
             self.binary,
+            *self.extra,
             "-m",
             self.model,
             "--host",
@@ -174,8 +272,17 @@ class BackendProcess:
             str(self.n_slots),
             *REQUIRED_FLAGS,
             *REQUIRED_FLAGS_EXTRA,
-            *self.extra,
+            "-ctk",
+            self.cache_types[0],
+            "-ctv",
+            self.cache_types[1],
         ]
+
+    @staticmethod
+    def env() -> dict[str, str]:
+        """The router's environment less llama.cpp's ``LLAMA_ARG_*`` variables: what a
+        backend runs is on its command line, where the router checks it."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
 
     async def start(self) -> None:
         sweep(self.slot_dir)
@@ -184,7 +291,11 @@ class BackendProcess:
             out = open(os.path.join(self.log_dir, f"llama-server-{self.port}.log"), "ab")  # noqa: SIM115
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv(), stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out
+                *self.argv(),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=self.env(),
             )
         finally:
             if out is not asyncio.subprocess.DEVNULL:

@@ -1,4 +1,12 @@
-"""The backends of one router: started or attached, watched, and their slots handed out.
+"""The backends of one router: started or attached, identified, watched, and their slots
+handed out.
+
+Every backend is identified (:mod:`maasd.router.identity`: what it really runs) before it
+serves, at start and whenever it comes back: at start, backends that differ in anything
+a state depends on are refused — the router does not start, and says what differs — since
+one router has one fingerprint (a fleet of two models behind one OpenAI endpoint is a
+misconfiguration, not a feature); later, a backend that comes back running something
+else is kept out of rotation (``/healthz`` says why) while the others serve.
 
 ``acquire`` is the only way to a slot: it applies :func:`~maasd.router.slots.choose`
 and marks the slot busy in the same step (one event loop: no lock needed beyond the
@@ -11,29 +19,33 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-from maasd.router.backend import Backend, BackendProcess
+from maasd.router.backend import Backend, BackendProcess, check_server_args
+from maasd.router.files import sweep
+from maasd.router.identity import Identity, IdentityError, build_id, identify, same_identity
 from maasd.router.metrics import RouterMetrics
 from maasd.router.slots import Choice, Slot, choose, restore_target
-from maasd.router.state import fleet_fingerprint
 
-__all__ = ["Fleet", "FleetConfig", "build_id"]
+__all__ = ["Fleet", "FleetConfig", "NoSlot", "build_id"]
 
 logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10, 30)
+RECHECK_S = 30.0  # how often a backend kept out for what it runs is asked again
 
 
-def build_id(build_info: str) -> str:
-    """The llama.cpp build a server names in ``/props``: ``b0-llama-cpp-python-0.3.36`` →
-    ``llama-cpp-python-0.3.36`` (how llama-cpp-python workers name the same build)."""
-    return re.sub(r"^b\d+-", "", build_info)
+def _up(metrics: RouterMetrics, b: Backend) -> None:
+    b.alive = True
+    metrics.backend_up.labels(str(b.index)).set(1)
+
+
+class NoSlot(RuntimeError):
+    """No slot for a request: too many wait already, or none came free in time (a 503)."""
 
 
 @dataclass
@@ -45,9 +57,12 @@ class FleetConfig:
     slots_per_backend: int = 1
     server_args: Sequence[str] = ()
     log_dir: str | None = None
-    type_k: str = "f16"
-    type_v: str = "f16"
+    type_k: str | None = None  # None: f16 for the backends it starts, any for attached ones
+    type_v: str | None = None
+    copy_files: bool = False  # --slot-files copy (the identity probe saves a slot too)
     ready_timeout_s: float = 300.0
+    slot_timeout_s: float = 600.0  # a request waits this long for a slot at most
+    max_waiting: int = 64  # requests waiting for a slot at once, at most
     restart: bool = True
     processes: list[BackendProcess] = field(default_factory=list)
 
@@ -59,6 +74,9 @@ class Fleet:
         self.backends: list[Backend] = []
         self.fingerprint = ""
         self.model_path = ""
+        self.identity: Identity | None = None
+        self.model_args = check_server_args(config.server_args) if config.spawn else ()
+        self.waiting = 0
         self._cond = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
@@ -68,6 +86,9 @@ class Fleet:
     async def start(self) -> None:
         cfg = self.config
         for url, slot_dir in cfg.attach:
+            n = sweep(slot_dir)  # links a crashed router left
+            if n:
+                logger.info("removed %d stale router links from %s", n, slot_dir)
             self.backends.append(Backend(len(self.backends), url, slot_dir))
         for _ in range(cfg.spawn):
             if not cfg.llama_server or not cfg.model:
@@ -76,6 +97,7 @@ class Fleet:
                 cfg.llama_server,
                 cfg.model,
                 n_slots=cfg.slots_per_backend,
+                cache_types=(cfg.type_k or "f16", cfg.type_v or "f16"),
                 extra=cfg.server_args,
                 log_dir=cfg.log_dir,
             )
@@ -86,8 +108,9 @@ class Fleet:
         if not self.backends:
             raise ValueError("no backends: give --backends N or --backend URL")
         await asyncio.gather(*(self._until_ready(b) for b in self.backends))
-        await self._identify()
+        await self._identify_all()
         for b in self.backends:
+            _up(self.metrics, b)
             self.metrics.backend_info.labels(str(b.index), b.url).set(1)
             self.metrics.slots.labels(str(b.index)).set(b.n_slots)
             if b.process is not None:
@@ -106,26 +129,50 @@ class Fleet:
             await asyncio.sleep(0.2)
         props = await b.props()
         b.resize(int(props.get("total_slots", b.n_slots)))
-        b.alive = True
-        self.metrics.backend_up.labels(str(b.index)).set(1)
 
-    async def _identify(self) -> None:
-        """The fingerprint of the fleet: every backend must run the same model and build."""
-        seen: dict[str, str] = {}
-        for b in self.backends:
-            props = await b.props()
-            path = self.config.model or str(props.get("model_path", ""))
-            fp = fleet_fingerprint(
-                path,
-                build_id(str(props.get("build_info", "?"))),
-                type_k=self.config.type_k,
-                type_v=self.config.type_v,
-            )
-            seen[fp] = b.url
-            self.model_path = path
-        if len(seen) > 1:
-            raise ValueError(f"backends run different models or builds: {sorted(seen.values())}")
-        self.fingerprint = next(iter(seen))
+    async def _identity_of(self, b: Backend) -> Identity:
+        return await identify(
+            b,
+            swa_full=True,  # set on those it starts; required of attached ones (identity.py)
+            model_args=self.model_args,
+            copy_files=self.config.copy_files,
+        )
+
+    async def _identify_all(self) -> None:
+        """The fleet's identity: every backend must run the same, and what was asked."""
+        cfg = self.config
+        ids = [await self._identity_of(b) for b in self.backends]  # one hash per file
+        first = same_identity(
+            [b.url for b in self.backends],
+            ids,
+            model=None if cfg.spawn else cfg.model,
+            cache_types=(cfg.type_k, cfg.type_v),
+        )
+        for b, i in zip(self.backends, ids, strict=True):
+            b.identity = i
+        self.identity, self.fingerprint, self.model_path = (
+            first,
+            first.fingerprint,
+            first.model_path,
+        )
+
+    async def _admit(self, b: Backend) -> bool:
+        """Identify ``b`` as it comes back: in rotation if it runs what the fleet runs,
+        else kept out (why: ``b.rejected``) → whether it is in."""
+        assert self.identity is not None
+        try:
+            i = await self._identity_of(b)
+            why = "; ".join(self.identity.differences(i))
+        except IdentityError as exc:
+            why = str(exc)
+        if why:
+            b.rejected = f"runs what the fleet does not: {why}"
+            logger.error("llama-server %s kept out of rotation: %s", b.url, b.rejected)
+            self.metrics.errors.labels(str(b.index), "identity").inc()
+            return False
+        b.identity, b.rejected = i, ""
+        _up(self.metrics, b)
+        return True
 
     async def _supervise(self, b: Backend) -> None:
         assert b.process is not None
@@ -150,29 +197,38 @@ class Fleet:
             attempt = 0
             b.process.restarts += 1
             self.metrics.restarts.labels(str(b.index)).inc()
-            async with self._cond:
-                self._cond.notify_all()
+            if await self._admit(b):
+                async with self._cond:
+                    self._cond.notify_all()
 
     async def _watch_attached(self, every_s: float = 1.0) -> None:
-        """Attached backends are not ours to restart: follow their ``/health``."""
+        """Attached backends are not ours to restart: follow their ``/health``, and
+        identify one that comes back before it serves again."""
+        loop = asyncio.get_running_loop()
         while not self._closing:
             await asyncio.sleep(every_s)
             for b in self.backends:
                 if b.process is not None:
                     continue
                 up = await b.probe()
+                if up and b.rejected and loop.time() < b.recheck_at:
+                    continue  # kept out: asked again every RECHECK_S
                 if up == b.alive:
                     continue
-                b.alive = up
+                b.alive = False
                 b.forget_all()  # a backend that went away and came back holds nothing
-                self.metrics.backend_up.labels(str(b.index)).set(1 if up else 0)
-                if up:
+                self.metrics.backend_up.labels(str(b.index)).set(0)
+                if not up:
+                    self.metrics.errors.labels(str(b.index), "backend_down").inc()
+                    logger.warning("llama-server %s does not answer", b.url)
+                    continue
+                b.recheck_at = loop.time() + RECHECK_S
+                with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                    await self._until_ready(b)
+                if await self._admit(b):
                     logger.info("llama-server %s is back", b.url)
                     async with self._cond:
                         self._cond.notify_all()
-                else:
-                    self.metrics.errors.labels(str(b.index), "backend_down").inc()
-                    logger.warning("llama-server %s does not answer", b.url)
 
     async def close(self) -> None:
         self._closing = True
@@ -197,18 +253,40 @@ class Fleet:
         return sum(s.busy for s in b.slots)
 
     async def acquire(
-        self, tokens: npt.NDArray[np.int32], *, sharing: bool, timeout: float = 600.0
+        self, tokens: npt.NDArray[np.int32], *, sharing: bool, avoid: int | None = None
     ) -> Choice:
-        """A slot for ``tokens``, marked busy (waits while every live slot is busy)."""
-        async with self._cond:
-            choice = await asyncio.wait_for(
-                self._cond.wait_for(lambda: self._pick(tokens, sharing)), timeout
-            )
+        """A slot for ``tokens``, marked busy (on another backend than ``avoid`` if one is
+        up); waits while every live slot is busy, but raises :class:`NoSlot` if
+        ``max_waiting`` requests wait already, or after ``slot_timeout_s``."""
+        cfg = self.config
+        choice = self._pick(tokens, sharing, avoid)
+        if choice is not None:
+            return choice
+        if self.waiting >= cfg.max_waiting:
+            self.metrics.errors.labels("-", "too_many_waiting").inc()
+            raise NoSlot(f"{self.waiting} requests wait for a slot already (--max-waiting)")
+        self.waiting += 1
+        try:
+            async with self._cond:
+                choice = await asyncio.wait_for(
+                    self._cond.wait_for(lambda: self._pick(tokens, sharing, avoid)),
+                    cfg.slot_timeout_s,
+                )
+        except TimeoutError:
+            self.metrics.errors.labels("-", "slot_timeout").inc()
+            raise NoSlot(f"no slot came free in {cfg.slot_timeout_s:g} s") from None
+        finally:
+            self.waiting -= 1
         assert choice is not None  # wait_for returns the predicate's first true value
         return choice
 
-    def _pick(self, tokens: npt.NDArray[np.int32], sharing: bool) -> Choice | None:
-        live = [s for b in self.backends if b.alive for s in b.slots]
+    def _pick(
+        self, tokens: npt.NDArray[np.int32], sharing: bool, avoid: int | None = None
+    ) -> Choice | None:
+        up = [b for b in self.backends if b.alive]
+        if any(b.index != avoid for b in up):  # another backend than the one that failed
+            up = [b for b in up if b.index != avoid]
+        live = [s for b in up for s in b.slots]
         load = {b.index: self._load(b) for b in self.backends}
         choice = choose(live, tokens, load, sharing=sharing)
         if choice is None:

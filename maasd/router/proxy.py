@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,19 +30,61 @@ import numpy as np
 import numpy.typing as npt
 
 from maasd.router.backend import Backend, SlotActionError
-from maasd.router.fleet import Fleet
+from maasd.router.fleet import Fleet, NoSlot
 from maasd.router.metrics import RouterMetrics
 from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 from maasd.router.slots import Slot, common_prefix
 
-__all__ = ["Answer", "BadRequest", "Proxy"]
+__all__ = ["Answer", "BadRequest", "Proxy", "parse_body"]
 
 logger = logging.getLogger(__name__)
+
+TOKEN_LIMIT = 1 << 31  # token ids are int32 in every state and key
+SETTLE_S = 30.0  # how long a restore waits for the server to notice a client went away
 
 
 class BadRequest(ValueError):
     """A request the router cannot route (not JSON, no prompt): a 400."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object the router can forward, or :class:`BadRequest`.
+
+    Refused: not JSON, not UTF-8, not an object, nested past the decoder's recursion
+    limit, ``NaN``/``Infinity`` or a number too large for a double, and a lone UTF-16
+    surrogate in a string (``"\\ud800"`` decodes, but is no text anyone can encode):
+    each would otherwise fail on the way to the backend, as a 500.
+    """
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise BadRequest("the body nests too deep") from None
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    try:  # what httpx and the forward do with it, once, here
+        json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except RecursionError:
+        raise BadRequest("the body nests too deep") from None
+    except UnicodeEncodeError:
+        raise BadRequest("the body holds a lone UTF-16 surrogate: no text") from None
+    except ValueError as exc:  # an infinite number (1e999)
+        raise BadRequest(f"the body is not JSON that can be sent on: {exc}") from None
+    return body
+
+
+def _token_ids(prompt: list[Any]) -> npt.NDArray[np.int32]:
+    """A prompt given as token ids, checked: ints (no booleans) in [0, 2^31)."""
+    for t in prompt:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TOKEN_LIMIT:
+            raise BadRequest(f"prompt: token id {t!r} is not an int in [0, 2^31)")
+    return np.asarray(prompt, dtype=np.int32)
 
 
 @dataclass
@@ -65,6 +108,29 @@ class Turn:
     restored: int = 0
     t0: float = 0.0
 
+    def headers(self) -> dict[str, str]:
+        return {
+            "x-maasd-backend": str(self.backend.index),
+            "x-maasd-slot": str(self.slot.index),
+            "x-maasd-restored": str(self.restored),
+        }
+
+
+def count_timings(metrics: RouterMetrics, turn: Turn, timings: Any) -> None:
+    """Count the prompt tokens of the server's own ``timings`` (nothing if malformed)."""
+    if not isinstance(timings, dict):
+        return
+    try:
+        cached = int(timings.get("cache_n", 0) or 0)
+        evaluated = int(timings.get("prompt_n", 0) or 0)
+    except (TypeError, ValueError):
+        return
+    label = str(turn.backend.index)
+    restored = min(turn.restored, cached)
+    metrics.prompt_tokens.labels(label, "restored").inc(restored)
+    metrics.prompt_tokens.labels(label, "held").inc(max(cached - restored, 0))
+    metrics.prompt_tokens.labels(label, "evaluated").inc(max(evaluated, 0))
+
 
 class Proxy:
     def __init__(
@@ -83,37 +149,45 @@ class Proxy:
     # -- tokens
 
     async def tokens(self, path: str, body: dict[str, Any]) -> npt.NDArray[np.int32]:
+        """The prompt's tokens (checked first, if given as ids); empty: route by load."""
+        chat = path.endswith("/chat/completions")
+        prompt = body.get("prompt")
+        if chat and not isinstance(body.get("messages"), list):
+            raise BadRequest("messages: a list is required")
+        if (
+            not chat
+            and isinstance(prompt, list)
+            and prompt
+            and not isinstance(prompt[0], list | str)
+        ):
+            return _token_ids(prompt)  # token ids (not a batch of prompts)
         b = self.fleet.any_live()
         if b is None:
             return np.empty(0, np.int32)
-        if path.endswith("/chat/completions"):
-            if not isinstance(body.get("messages"), list):
-                raise BadRequest("messages: a list is required")
+        if chat:
             text = await b.apply_template(body)
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return np.asarray(prompt, dtype=np.int32)
-            if not isinstance(prompt, str):
-                return np.empty(0, np.int32)  # a batch: balanced, not routed by prefix
+        elif isinstance(prompt, str):
             text = prompt
+        else:
+            return np.empty(0, np.int32)  # a batch: balanced, not routed by prefix
         return np.asarray(await b.tokenize(text), dtype=np.int32)
 
     # -- one request
 
     async def complete(self, path: str, raw: bytes) -> Answer:
         t0 = time.monotonic()
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+        body = parse_body(raw)
         try:
             tokens = await self.tokens(path, body)
+        except BadRequest:
+            raise
         except httpx.HTTPStatusError as exc:
-            return Answer(exc.response.status_code, "application/json", {}, exc.response.content)
-        except httpx.TransportError:  # that backend just went away: route by load alone
+            r = exc.response
+            if r.status_code < 500:  # the backend's word on a bad request
+                return Answer(r.status_code, "application/json", {}, r.content)
+            return error_answer(502, f"the backend failed on the prompt: {r.text[:200]}")
+        except (httpx.TransportError, ValueError, KeyError, TypeError):
+            # that backend just went away, or answered nonsense: route by load alone
             tokens = np.empty(0, np.int32)
         self.metrics.tokenize_seconds.observe(time.monotonic() - t0)
         sharing = False
@@ -139,9 +213,13 @@ class Proxy:
     ) -> Answer:
         """A slot, a restore (and a lead's publish), then the request; once more on a
         transport error before anything reached the client."""
+        avoid: int | None = None
         for attempt in range(2):
             t_wait = time.monotonic()
-            choice = await self.fleet.acquire(tokens, sharing=sharing)
+            try:
+                choice = await self.fleet.acquire(tokens, sharing=sharing, avoid=avoid)
+            except NoSlot as exc:
+                return error_answer(503, str(exc), {"retry-after": "1"})
             self.metrics.slot_wait_seconds.observe(time.monotonic() - t_wait)
             turn = Turn(choice.slot, self.fleet.backend_of(choice.slot), tokens, t0=t0)
             try:
@@ -160,14 +238,14 @@ class Proxy:
                 # Nothing has reached the client yet: once more, on another slot.
                 logger.warning("backend %s failed before answering: %s", turn.backend.url, exc)
                 self.metrics.errors.labels(str(turn.backend.index), "transport").inc()
+                avoid = turn.backend.index  # it may be dying: another one, if any is up
                 await self._finish(turn, ok=False)
                 if attempt:
                     break
             except BaseException:
                 await self._finish(turn, ok=False)
                 raise
-        err = {"error": {"message": "the backend went away", "type": "server_error"}}
-        return Answer(502, "application/json", {}, json.dumps(err).encode())
+        return error_answer(502, "the backend went away")
 
     async def _lead(self, turn: Turn, n: int) -> None:
         """Publish the shared prefix ``tokens[:n]`` from this request's slot before the
@@ -182,15 +260,23 @@ class Proxy:
             turn.slot.held = held.copy()
 
     async def _restore(self, turn: Turn, held: int) -> None:
+        """Restore the longest prefix maasd holds into the turn's slot; anything that goes
+        wrong is a miss (the request runs cold) and the slot is erased."""
         assert self.sharing is not None
         b, slot = turn.backend, turn.slot
         t0 = time.monotonic()
-        staged = await asyncio.to_thread(self.sharing.stage, turn.tokens, b.slot_dir, held)
-        if staged is None:
-            return
+        if slot.unsettled:  # a restore into a slot still at work would queue behind it
+            if not await b.settle(slot.index, SETTLE_S):
+                self.metrics.errors.labels(str(b.index), "slot_unsettled").inc()
+                return
+            slot.unsettled = False
+        staged = None
         try:
+            staged = await asyncio.to_thread(self.sharing.stage, turn.tokens, b.slot_dir, held)
+            if staged is None:
+                return
             await _restore_slot(b, slot.index, staged.file.name, staged.n_tokens)
-        except SlotActionError as exc:
+        except Exception as exc:  # OSError staging, SlotActionError, a malformed answer
             logger.warning("restore into %s slot %d failed: %s", b.url, slot.index, exc)
             self.metrics.errors.labels(str(b.index), "restore").inc()
             slot.forget()
@@ -198,7 +284,8 @@ class Proxy:
                 await b.slot_action(slot.index, "erase")  # a failed restore may leave it corrupt
             return
         finally:
-            staged.file.close()
+            if staged is not None:
+                staged.file.close()
         slot.held = turn.tokens[: staged.matched].copy()
         turn.restored = common_prefix(slot.held, turn.tokens)
         self.metrics.restore_seconds.labels(str(b.index)).observe(time.monotonic() - t0)
@@ -208,12 +295,12 @@ class Proxy:
         r = await b.http.post(path, content=data, headers={"content-type": "application/json"})
         self.metrics.ttft_seconds.labels(str(b.index)).observe(time.monotonic() - turn.t0)
         with contextlib.suppress(ValueError, AttributeError):
-            self._count_timings(turn, r.json().get("timings"))
+            count_timings(self.metrics, turn, r.json().get("timings"))
         await self._finish(turn, ok=r.status_code == 200)
         return Answer(
             r.status_code,
             r.headers.get("content-type", "application/json"),
-            self._headers(turn),
+            turn.headers(),
             r.content,
         )
 
@@ -223,6 +310,7 @@ class Proxy:
             "POST", path, content=data, headers={"content-type": "application/json"}
         )
         resp = await b.http.send(req, stream=True)
+        end = _StreamEnd(self, resp, turn)
 
         async def relay() -> AsyncIterator[bytes]:
             ok, tail = False, b""
@@ -243,45 +331,39 @@ class Proxy:
                 err = {"error": {"message": "the backend went away", "type": "server_error"}}
                 yield b"data: " + json.dumps(err).encode() + b"\n\n"
             finally:
-                await resp.aclose()
-                self._count_timings(turn, _last_timings(tail))
-                await self._finish(turn, ok=ok)
+                task = end(ok, tail)
+                if task is not None:  # shielded: a client that went away cancels us, not it
+                    await asyncio.shield(task)
 
+        stream = relay()
+        weakref.finalize(stream, end.collected)  # a stream the client never read
         return Answer(
             resp.status_code,
             resp.headers.get("content-type", "text/event-stream"),
-            self._headers(turn),
-            stream=relay(),
+            turn.headers(),
+            stream=stream,
         )
 
-    def _headers(self, turn: Turn) -> dict[str, str]:
-        return {
-            "x-maasd-backend": str(turn.backend.index),
-            "x-maasd-slot": str(turn.slot.index),
-            "x-maasd-restored": str(turn.restored),
-        }
+    def track(self, task: asyncio.Task[None]) -> None:
+        """Keep a background task until it is done (:meth:`drain` waits for them)."""
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
-    def _count_timings(self, turn: Turn, timings: Any) -> None:
-        if not isinstance(timings, dict):
-            return
-        label = str(turn.backend.index)
-        cached = int(timings.get("cache_n", 0) or 0)
-        restored = min(turn.restored, cached)
-        self.metrics.prompt_tokens.labels(label, "restored").inc(restored)
-        self.metrics.prompt_tokens.labels(label, "held").inc(cached - restored)
-        self.metrics.prompt_tokens.labels(label, "evaluated").inc(
-            int(timings.get("prompt_n", 0) or 0)
-        )
+    async def end_stream(self, resp: httpx.Response, turn: Turn, ok: bool, timings: Any) -> None:
+        try:
+            await resp.aclose()
+            count_timings(self.metrics, turn, timings)
+        finally:
+            await self._finish(turn, ok=ok)
 
     async def _finish(self, turn: Turn, *, ok: bool) -> None:
         """Count the request; publish what is worth it in the background (the client has
         its answer), holding the slot until then; give the slot back."""
         self.metrics.requests.labels(str(turn.backend.index), "ok" if ok else "error").inc()
+        turn.slot.unsettled = not ok  # the server may still be at work in it
         plan = self.publisher.plan(turn.tokens, turn.restored) if ok and self.publisher else []
         if plan:
-            task = asyncio.create_task(self._publish_then_release(turn, plan))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self.track(asyncio.create_task(self._publish_then_release(turn, plan)))
             return
         await self.fleet.release(turn.slot, turn.tokens if ok else None)
 
@@ -299,6 +381,38 @@ class Proxy:
         """Wait for the publishes under way (shutdown, tests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+
+class _StreamEnd:
+    """Ends one relayed stream, once: the backend's response closed, the timings counted,
+    the slot given back — from the relay's ``finally`` (an end, a break, a client gone),
+    or, for a relay never started (the client went away before the first read), when
+    it is collected. Either way in a task of its own, which no client cancels."""
+
+    def __init__(self, proxy: Proxy, resp: httpx.Response, turn: Turn) -> None:
+        self.proxy, self.resp, self.turn = proxy, resp, turn
+        self.loop = asyncio.get_running_loop()
+        self.done = False
+
+    def __call__(self, ok: bool, tail: bytes) -> asyncio.Task[None] | None:
+        if self.done:
+            return None
+        self.done = True
+        coro = self.proxy.end_stream(self.resp, self.turn, ok, _last_timings(tail))
+        task = self.loop.create_task(coro)
+        self.proxy.track(task)
+        return task
+
+    def collected(self) -> None:
+        if not self.done and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self, False, b"")
+
+
+def error_answer(status: int, message: str, headers: dict[str, str] | None = None) -> Answer:
+    """An OpenAI-style error body (what OpenAI clients parse): ``{"error": {…}}``."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    err = {"error": {"message": message, "type": kind, "code": status}}
+    return Answer(status, "application/json", headers or {}, json.dumps(err).encode())
 
 
 async def _restore_slot(b: Backend, slot: int, filename: str, n_tokens: int) -> None:

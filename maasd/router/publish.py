@@ -8,7 +8,7 @@ a restore is ~10 ms, a 64-token prefill of a small model about as much):
 * **the prompt's own prefix** (its longest chunk boundary), unless maasd gave it to us
   already: the next turn of the same conversation, on any backend, starts from it;
 * **the prefix it shares with a recent prompt** (the longest common prefix with any of
-  the last ``recent`` prompts, at a chunk boundary): a prefix seen twice — a system
+  the last ``recent`` prompts, ``recent_tokens`` tokens in all, at a chunk boundary): a prefix seen twice — a system
   prompt, a shared document — is the one the next user will send too, and the prompt's
   own prefix cannot serve them (its key covers this user's question).
 
@@ -52,7 +52,7 @@ from maasd.router.backend import Backend
 from maasd.router.files import LinkedFile
 from maasd.router.metrics import RouterMetrics
 from maasd.router.share import Sharing
-from maasd.router.slots import Slot, common_prefix
+from maasd.router.slots import RecentPrompts, Slot
 
 __all__ = ["Publisher"]
 
@@ -67,14 +67,16 @@ class Publisher:
         *,
         min_tokens: int = 128,
         recent: int = 64,
+        recent_tokens: int = 1 << 20,
         wait_s: float = 60.0,
     ) -> None:
         self.sharing = sharing
         self.metrics = metrics
         self.min_tokens = max(min_tokens, sharing.chunk)
         self.wait_s = wait_s
-        self._recent: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
-        self._arrived: collections.deque[npt.NDArray[np.int32]] = collections.deque(maxlen=recent)
+        # the last prompts answered and arrived, bounded by count and by tokens
+        self._recent = RecentPrompts(recent, recent_tokens)
+        self._arrived = RecentPrompts(recent, recent_tokens)
         self._done: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._pending: dict[str, asyncio.Event] = {}  # keys being published now
 
@@ -86,8 +88,8 @@ class Publisher:
 
     def plan(self, tokens: npt.NDArray[np.int32], restored: int) -> list[int]:
         """The prefix lengths of ``tokens`` worth publishing, longest first ([]: none)."""
-        shared = max((common_prefix(r, tokens) for r in self._recent), default=0)
-        self._recent.append(tokens)
+        shared = self._recent.longest_shared(tokens)
+        self._recent.add(tokens)
         if not self.sharing.up:
             return []
         out: list[int] = []
@@ -103,8 +105,8 @@ class Publisher:
         """On arrival: the length of a shared prefix this request publishes before it is
         answered (0: none; the caller settles it then: :meth:`settle`). Waits first, if another
         request is publishing the prefix this one shares."""
-        shared = max((common_prefix(r, tokens) for r in self._arrived), default=0)
-        self._arrived.append(tokens)
+        shared = self._arrived.longest_shared(tokens)
+        self._arrived.add(tokens)
         n = self._boundary(shared)
         if n < self.min_tokens or not self.sharing.up:
             return 0

@@ -20,14 +20,17 @@ from typing import Any
 
 import numpy as np
 
+from maasd.bounds import MAX_LOOKUP_KEYS
 from maasd.client import EntryMapping, Worker
 from maasd.client import errors as ce
-from maasd.llama.format import HeaderError, check_chunk, chunk_keys, parse_header
+from maasd.llama.format import HeaderError, check_chunk, chunk_keys
 from maasd.llama.link import Link
 from maasd.router.files import LinkedFile
 from maasd.router.state import (
+    Settings,
     StateError,
     check_file_form,
+    file_checksum,
     file_size,
     validate_entry,
     write_entry_form,
@@ -65,6 +68,7 @@ class Sharing:
         count: Callable[[str, str], None] | None = None,
         copy_files: bool = False,
         publish_link: Link | None = None,
+        settings: Settings | None = None,
     ) -> None:
         self.link = link
         self.publish_link = publish_link or link
@@ -77,6 +81,7 @@ class Sharing:
         self._lock = threading.Lock()
         self._publish_lock = self._lock if self.publish_link is link else threading.Lock()
         self.copy_files = copy_files  # real files in the slot dir, not /proc links
+        self.settings = settings  # what every state restored or published must show
 
     @property
     def up(self) -> bool:
@@ -93,8 +98,12 @@ class Sharing:
 
     def stage(self, tokens: Any, slot_dir: str | Path, longer_than: int) -> Staged | None:
         """The longest prefix of ``tokens`` maasd holds, longer than ``longer_than``
-        tokens, checked and copied into a sealed slot file in ``slot_dir``; None: a miss."""
-        keys = [(n, k) for n, k in self.keys(tokens) if n > longer_than]
+        tokens, checked and copied into a sealed slot file in ``slot_dir``; None: a miss.
+
+        A lookup names at most ``MAX_LOOKUP_KEYS`` keys (the daemon refuses more): the
+        longest ones, which are those worth a restore (a prompt of more than 1024 chunks
+        finds no prefix shorter than its last 1024 boundaries)."""
+        keys = [(n, k) for n, k in self.keys(tokens) if n > longer_than][-MAX_LOOKUP_KEYS:]
         if not keys:
             return None
         with self._lock:
@@ -125,7 +134,7 @@ class Sharing:
         matched = by_key.get(hit.key, 0)
         view = hit.array
         try:
-            hdr = validate_entry(view, hit.size, self.fingerprint, tokens, matched)
+            hdr = validate_entry(view, hit.size, self.fingerprint, tokens, matched, self.settings)
         except StateError as exc:
             logger.warning("entry %s refused, dropped: %s", hit.buffer_id, exc)
             self._count("lookup", "refused")
@@ -136,7 +145,7 @@ class Sharing:
         size = file_size(hdr.n_tokens, hdr.state_len - 8)
         f = LinkedFile(slot_dir, "restore", size, copy=self.copy_files)
         try:
-            _copy_checked(f, view, hit.size, hdr)
+            _copy_checked(f, view, hdr)
         except HeaderError as exc:
             f.close()
             logger.info("entry %s went away while it was copied: %s", hit.buffer_id, exc)
@@ -158,7 +167,7 @@ class Sharing:
         key = next(k for n, k in self.keys(np.asarray(tokens)[:key_len]) if n == key_len)
         mm, src = saved.map(n_written, write=False)
         try:
-            form = check_file_form(src, n_written)
+            form = check_file_form(src, n_written, self.settings)
             if len(form.tokens) < key_len or not np.array_equal(
                 form.tokens[:key_len], np.asarray(tokens, dtype=np.int32)[:key_len]
             ):
@@ -203,18 +212,24 @@ class Sharing:
         return True
 
 
-def _copy_checked(f: LinkedFile, view: Any, size: int, hdr: Any) -> None:
-    """Write the file form of the entry ``view`` into ``f`` and seal it; raises HeaderError
-    if the entry was released meanwhile."""
+def _copy_checked(f: LinkedFile, view: Any, hdr: Any) -> None:
+    """Write the file form of the entry ``view`` into ``f``, seal it, and check the state
+    checksum of the sealed copy — exactly the bytes the server will read, which nobody
+    can change any more; raises HeaderError if they are not the entry's (released and
+    scrubbed while copied)."""
     mm, dst = f.map(f.size, write=True)
     try:
         write_file_form(dst, view, hdr)
     finally:
         del dst
         mm.close()
-    # A scrub (an entry released while it was copied) zeroes the header page first: a
-    # header that still parses, with the same checksum, saw no scrub.
-    again = parse_header(view, size)
-    if again.state_crc != hdr.state_crc:
-        raise HeaderError("changed while copied")
     f.seal()
+    prefix = view[hdr.header_len : hdr.header_len + 8]
+    mm, sealed = f.map(f.size, write=False)
+    try:
+        ok = file_checksum(sealed, hdr.n_tokens, bytes(prefix)) == hdr.state_crc
+    finally:
+        del sealed
+        mm.close()
+    if not ok:
+        raise HeaderError("the sealed copy is not the entry's state (changed while copied)")

@@ -9,12 +9,13 @@ a request, a restore or a save owns its slot until it is given back.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Choice", "Slot", "choose", "common_prefix"]
+__all__ = ["Choice", "RecentPrompts", "Slot", "choose", "common_prefix"]
 
 
 def common_prefix(a: npt.NDArray[np.int32], b: npt.NDArray[np.int32]) -> int:
@@ -34,6 +35,9 @@ class Slot:
     index: int
     busy: bool = False
     held: npt.NDArray[np.int32] = field(default_factory=lambda: np.empty(0, np.int32))
+    #: given back after a request that did not end well (a client that went away, a
+    #: failure): the server may still be generating in it until it notices
+    unsettled: bool = False
 
     def forget(self) -> None:
         self.held = np.empty(0, np.int32)
@@ -98,3 +102,29 @@ def restore_target(slots: list[Slot], best: Choice, load: dict[int, int]) -> Slo
     if best.held < MIN_HELD:
         return _least_loaded([s for s in slots if not s.busy], load)
     return best.slot
+
+
+class RecentPrompts:
+    """The last prompts seen, for the prefixes they share with the next: at most ``count``
+    of them and ``max_tokens`` tokens in all, the oldest dropped first (a prompt longer
+    than that is kept cut to it: only its prefixes matter). 4 MiB by default."""
+
+    def __init__(self, count: int = 64, max_tokens: int = 1 << 20) -> None:
+        self.count, self.max_tokens = count, max_tokens
+        self._prompts: collections.deque[npt.NDArray[np.int32]] = collections.deque()
+        self.tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def longest_shared(self, tokens: npt.NDArray[np.int32]) -> int:
+        """The longest common prefix of ``tokens`` with any prompt kept."""
+        return max((common_prefix(p, tokens) for p in self._prompts), default=0)
+
+    def add(self, tokens: npt.NDArray[np.int32]) -> None:
+        if len(tokens) > self.max_tokens:
+            tokens = tokens[: self.max_tokens].copy()  # a copy: a view would pin it all
+        self._prompts.append(tokens)
+        self.tokens += len(tokens)
+        while len(self._prompts) > self.count or self.tokens > self.max_tokens:
+            self.tokens -= len(self._prompts.popleft())

@@ -23,6 +23,7 @@ will read, in memory nobody else can change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,9 +55,11 @@ __all__ = [
     "FILE_VERSION",
     "IO_MAGIC",
     "FileForm",
+    "Settings",
     "StateError",
     "check_file_form",
     "entry_size",
+    "file_checksum",
     "file_size",
     "fleet_fingerprint",
     "ggml_type_name",
@@ -91,6 +94,18 @@ def write_file_form(
     dst[off : off + 4 * len(toks)] = as_tokens(toks).view(np.uint8)
     dst[off + 4 * len(toks) : n] = memory
     return n
+
+
+def file_checksum(buf: npt.NDArray[np.uint8], n_tokens: int, prefix: bytes) -> int:
+    """The state checksum an entry's header keeps (:func:`~maasd.llama.format.state_checksum`)
+    of a file form :func:`write_file_form` wrote: over the entry's 8-byte ``get_data``
+    prefix, then the file's memory state — so a restore checks the very bytes it hands
+    the server, in one pass and with no copy."""
+    import xxhash
+
+    h = xxhash.xxh3_64(prefix)
+    h.update(buf[FILE_HEAD.size + 4 * n_tokens :].data)
+    return int(h.intdigest()) & 0xFFFFFFFF
 
 
 # --------------------------------------------------------------------------- entry form
@@ -130,8 +145,54 @@ def write_entry_form(
     return hlen + state_len
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The cache settings a sequence state shows: K and V types, V layout, KV streams.
+
+    What a backend really runs, read from a state it saved (:mod:`maasd.router.identity`),
+    and what every state the router restores or publishes must show too: a state of
+    other settings under the fleet's fingerprint (a worker that claimed it, a backend
+    restarted otherwise) is refused, whatever its key says.
+    """
+
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False  # V not transposed
+    n_stream: int = 1
+
+    @classmethod
+    def of(cls, view: StateView) -> Settings:
+        """The settings ``view`` shows; :class:`StateError` if its layers disagree."""
+        seen = set()
+        for c in view.caches:
+            for s in c.streams:
+                for x in s.layers:
+                    v = "none" if x.v_type is None else ggml_type_name(x.v_type)
+                    seen.add(cls(ggml_type_name(x.k_type), v, not x.v_trans, len(c.streams)))
+        if len(seen) != 1:
+            raise StateError(f"a state of {len(seen)} kinds of layers: {sorted(map(str, seen))}")
+        return seen.pop()
+
+    def check(self, view: StateView) -> None:
+        """:class:`StateError` unless ``view`` was saved with these settings."""
+        got = Settings.of(view)
+        if got.type_v == "none":  # a model without V (MLA): nothing to compare
+            got = Settings(got.type_k, self.type_v, got.flash_attn, got.n_stream)
+        if got != self:
+            raise StateError(f"a state of {got.describe()}, not {self.describe()}")
+
+    def describe(self) -> str:
+        fa = "flash attention (V rows)" if self.flash_attn else "no flash attention (V transposed)"
+        return f"K {self.type_k}, V {self.type_v}, {fa}, {self.n_stream} KV stream(s)"
+
+
 def validate_entry(
-    buf: npt.NDArray[np.uint8], size: int, fingerprint: str, tokens: Any, matched: int
+    buf: npt.NDArray[np.uint8],
+    size: int,
+    fingerprint: str,
+    tokens: Any,
+    matched: int,
+    settings: Settings | None = None,
 ) -> Header:
     """Everything llama.cpp will not check, checked before a state goes near a server.
 
@@ -158,20 +219,24 @@ def validate_entry(
         raise StateError(f"state magic {magic:#x} is not llama_state_seq_get_data's")
     if state_checksum(state.data) != hdr.state_crc:
         raise StateError("state checksum mismatch")
-    _check_layout(view_get_data(state), hdr.n_tokens)
+    _check_layout(view_get_data(state), hdr.n_tokens, settings)
     return hdr
 
 
-def _check_layout(view: StateView, n_tokens: int) -> None:
+def _check_layout(view: StateView, n_tokens: int, settings: Settings | None = None) -> None:
     """The memory state parses into whole caches (:mod:`maasd.llama.views`: llama.cpp
     aborts on some malformed states) and holds at least the tokens its head names."""
     cells = max((c.n_cells for c in view.caches), default=0)
     if cells < n_tokens:
         raise StateError(f"the state holds {cells} cells for {n_tokens} tokens")
+    if settings is not None:
+        settings.check(view)
 
 
-def check_file_form(buf: npt.NDArray[np.uint8], size: int) -> FileForm:
+def check_file_form(
+    buf: npt.NDArray[np.uint8], size: int, settings: Settings | None = None
+) -> FileForm:
     """:func:`parse_file_form`, and its memory state checked like an entry's."""
     form = parse_file_form(buf, size)
-    _check_layout(view_file_form(buf, size), len(form.tokens))
+    _check_layout(view_file_form(buf, size), len(form.tokens), settings)
     return form

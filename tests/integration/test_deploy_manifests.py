@@ -50,7 +50,7 @@ def quantity(text: str) -> int:
     return parse_size(re.sub(r"(Ki|Mi|Gi|Ti)$", r"\1B", str(text)))
 
 
-@pytest.mark.parametrize("name", ["maasd.yaml", "worker.yaml"])
+@pytest.mark.parametrize("name", ["maasd.yaml", "worker.yaml", "router.yaml"])
 def test_the_manifests_validate_against_the_kubernetes_schemas(name: str) -> None:
     kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (dev extra)")
     for version in (KUBERNETES, kv.latest_version()):
@@ -93,6 +93,54 @@ def test_daemon_and_workers_share_the_socket_dir_and_group() -> None:
     assert svc["spec"]["internalTrafficPolicy"] == "Local"
     url = worker["args"][worker["args"].index("--maasd-url") + 1]
     assert url == f"http://{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc:7878"
+
+
+def flag(args: list[str], name: str) -> list[str]:
+    """Every value of ``name`` in ``args`` (a flag given once or repeated)."""
+    return [args[i + 1] for i, a in enumerate(args) if a == name]
+
+
+def test_the_router_pod_is_what_a_restore_with_no_file_on_disk_needs() -> None:
+    """docs/llama-server.md, "Kubernetes": one PID namespace and one uid for the router and
+    its backend sidecars, an emptyDir in memory as every backend's --slot-save-path and the
+    router's --slot-dir, the model at one path everywhere, the flags every backend needs,
+    and the daemon's socket and group as the workers have them."""
+    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
+
+    pod = by_kind("router.yaml")["Deployment"]["spec"]["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True
+    assert not any("runAsUser" in c.get("securityContext", {}) for c in pod["containers"])
+    router, *backends = pod["containers"]
+    assert router["args"][0] == "router"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {
+        c["name"]: {m["name"]: m["mountPath"] for m in c["volumeMounts"]} for c in pod["containers"]
+    }
+    assert volumes["slots"]["emptyDir"]["medium"] == "Memory"
+    assert len({m["slots"] for m in mounts.values()}) == 1  # one path everywhere
+    assert len({m["models"] for m in mounts.values()}) == 1
+    pairs = dict(
+        zip(flag(router["args"], "--backend"), flag(router["args"], "--slot-dir"), strict=True)
+    )
+    assert len(pairs) == len(backends) == 2
+    for b in backends:
+        args = b["args"]
+        url = f"http://127.0.0.1:{flag(args, '--port')[0]}"
+        assert pairs[url] == flag(args, "--slot-save-path")[0]
+        assert pairs[url].startswith(mounts[b["name"]]["slots"] + "/")
+        joined = " ".join(args)
+        assert " ".join(REQUIRED_FLAGS) in joined
+        assert all(f in args for f in REQUIRED_FLAGS_EXTRA)
+        assert flag(args, "-m") == flag(router["args"], "--model")  # the file it hashes
+    init = " ".join(pod["initContainers"][0]["command"])
+    assert all(d.rstrip("/") in init for d in pairs.values())
+    # the daemon's socket and group, as the workers have them
+    ds = by_kind("maasd.yaml")["DaemonSet"]["spec"]["template"]["spec"]
+    daemon_env = env_of(ds["containers"][0])
+    assert flag(router["args"], "--socket") == [daemon_env["MAASD_SOCKET"]]
+    assert int(daemon_env["MAASD_SOCKET_GROUP"]) in pod["securityContext"]["supplementalGroups"]
+    assert volumes["maasd-socket"]["hostPath"]["path"] == "/run/maasd"
+    assert mounts["router"]["maasd-socket"] == str(Path(daemon_env["MAASD_SOCKET"]).parent)
 
 
 def test_memory_covers_the_pools_of_the_configmap(tmp_path: Path) -> None:

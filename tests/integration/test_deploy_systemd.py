@@ -27,6 +27,7 @@ from maasd.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 UNIT = REPO / "deploy" / "systemd" / "maasd.service"
+ROUTER_UNIT = REPO / "deploy" / "systemd" / "maasd-router.service"
 MiB = 1 << 20
 
 analyze = shutil.which("systemd-analyze")
@@ -46,11 +47,13 @@ def unit_values(text: str) -> dict[str, list[str]]:
     return out
 
 
-def verify(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+def verify(
+    tmp_path: Path, text: str, name: str = "maasd.service"
+) -> subprocess.CompletedProcess[str]:
     """``systemd-analyze verify`` of ``text`` with ExecStart pointing at this venv's maasd
     (the unit's /opt/maasd does not exist here; verify checks that it is executable)."""
     maasd = Path(sys.executable).parent / "maasd"
-    unit = tmp_path / "maasd.service"
+    unit = tmp_path / name
     unit.write_text(text.replace("/opt/maasd/bin/maasd", str(maasd)))
     assert analyze is not None
     return subprocess.run(
@@ -64,6 +67,33 @@ def test_the_unit_verifies_clean(tmp_path: Path) -> None:
     complaints = [line for line in (r.stdout + r.stderr).splitlines() if "maasd.service" in line]
     assert r.returncode == 0, r.stdout + r.stderr
     assert not complaints, complaints
+
+
+@needs_analyze
+def test_the_router_unit_verifies_clean(tmp_path: Path) -> None:
+    r = verify(tmp_path, ROUTER_UNIT.read_text(), "maasd-router.service")
+    complaints = [x for x in (r.stdout + r.stderr).splitlines() if "maasd-router.service" in x]
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not complaints, complaints
+
+
+def test_the_router_unit_reaches_the_daemons_socket_and_starts_its_backends() -> None:
+    """docs/llama-server.md, "systemd": after maasd, in the socket's group, the daemon's
+    socket path, and a command line the router accepts (no flag it sets itself)."""
+    from maasd.router.backend import check_server_args
+
+    daemon = unit_values(UNIT.read_text())
+    router = unit_values(ROUTER_UNIT.read_text().replace("\\\n", " "))  # continuations
+    assert "maasd.service" in router["After"][0].split()
+    assert router["SupplementaryGroups"] == daemon["Group"]
+    socket = next(
+        e.split("=", 1)[1] for e in daemon["Environment"] if e.startswith("MAASD_SOCKET=")
+    )
+    (cmd,) = router["ExecStart"]
+    argv = cmd.split()
+    assert argv[argv.index("--socket") + 1] == socket
+    assert argv[argv.index("--backends") + 1].isdigit()
+    check_server_args(argv[argv.index("--") + 1 :])  # raises on a flag the router sets
 
 
 @needs_analyze

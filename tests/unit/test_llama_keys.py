@@ -192,22 +192,53 @@ def test_fingerprint_of_is_stable_and_sensitive() -> None:
         assert L.fingerprint_of({**parts, k: v}) != fp
 
 
-def test_file_identity_sees_size_head_and_tail(tmp_path: Path) -> None:
+def test_file_identity_sees_every_byte_and_is_cached_by_inode_and_times(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MAASD_CACHE_DIR", str(cache))
     p = tmp_path / "m.gguf"
     data = bytearray(np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes())
     p.write_bytes(data)
     base = L.file_identity(p)
     assert base["size"] == 3 << 20
-    for pos in (0, len(data) - 1):
+    assert len(list((cache / "file-hashes").iterdir())) == 1  # kept for the next start-up
+    # a byte anywhere — the middle too: two fine-tunes can share head and tail
+    for pos in (0, len(data) // 2, len(data) - 1):
         changed = bytearray(data)
         changed[pos] ^= 1
         p.write_bytes(changed)
         assert L.file_identity(p) != base
     p.write_bytes(data + b"\0")
     assert L.file_identity(p) != base
+    p.write_bytes(data)
+    assert L.file_identity(p) == base
+    # the cache is keyed by (device, inode, size, mtime, ctime): a write keeping size and
+    # mtime still changes ctime, so the file is hashed again
+    st = p.stat()
+    changed = bytearray(data)
+    changed[len(data) // 2] ^= 1
+    p.write_bytes(changed)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert L.file_identity(p) != base
     small = tmp_path / "s.gguf"
     small.write_bytes(b"abc")
     assert L.file_identity(small)["size"] == 3
+
+
+def test_file_identity_without_a_writable_cache_still_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a dir")
+    monkeypatch.setenv("MAASD_CACHE_DIR", str(blocker))
+    p = tmp_path / "m.gguf"
+    p.write_bytes(b"GGUF" * 100)
+    import hashlib
+
+    assert L.file_identity(p) == {"size": 400, "sha256": hashlib.sha256(b"GGUF" * 100).hexdigest()}
 
 
 # ----------------------------------------------------------------------------- the package
