@@ -110,6 +110,8 @@ class Router:
         for link in (self.link, self.publish_link):
             if link is not None:
                 link.close()
+        if self.sharing is not None:
+            self.sharing.close()
         if self._rest is not None:
             self._rest.close()
 

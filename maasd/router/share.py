@@ -10,7 +10,6 @@ the log; ``maasd_router_sharing`` in ``/metrics``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from maasd.bounds import MAX_LOOKUP_KEYS
-from maasd.client import EntryMapping, Worker
+from maasd.client import EntryMapping, Scratch, Worker
 from maasd.client import errors as ce
 from maasd.llama.format import HeaderError, check_chunk, chunk_keys
 from maasd.llama.link import Link
@@ -82,6 +81,8 @@ class Sharing:
         self._publish_lock = self._lock if self.publish_link is link else threading.Lock()
         self.copy_files = copy_files  # real files in the slot dir, not /proc links
         self.settings = settings  # what every state restored or published must show
+        #: the memfd each publish writes the entry into (kept, mapped: the largest entry)
+        self._scratch: Scratch | None = None
 
     @property
     def up(self) -> bool:
@@ -178,6 +179,8 @@ class Sharing:
             mm.close()
 
     def _put(self, key: str, form: Any, src: Any) -> bool:
+        """The entry form of ``form`` written into the router's scratch memfd and published
+        under ``key``: one round trip, in which maasd copies it into a sealed entry."""
         from maasd.router.state import entry_size
 
         size = entry_size(len(form.tokens), form.state_len)
@@ -186,8 +189,13 @@ class Sharing:
             worker = link.get()
             if worker is None:
                 return False
+            if self._scratch is None or self._scratch.closed:
+                self._scratch = Scratch(name="maasd-router-publish")
+            view = self._scratch.ensure(size)
+            write_entry_form(view, self.fingerprint, self.chunk, form, src)
+            del view
             try:
-                m = worker.put(key, size, pool=self.pool, ttl_s=self.ttl_s)
+                worker.publish(key, self._scratch, size, pool=self.pool, ttl_s=self.ttl_s)
             except ce.DuplicateKey:
                 self._count("publish", "duplicate")
                 return False
@@ -196,20 +204,15 @@ class Sharing:
                 self._count("publish", "refused")
                 logger.info("publish of %s refused: %s", key, exc)
                 return False
-            try:
-                write_entry_form(m.array, self.fingerprint, self.chunk, form, src)
-            except BaseException:
-                with contextlib.suppress(ce.MaasdClientError, OSError):
-                    worker.abort(m)
-                raise
-            try:
-                worker.commit(m)
-            except (ce.MaasdClientError, OSError) as exc:
-                link.failed(exc)
-                self._count("publish", "refused")
-                return False
         self._count("publish", "ok")
         return True
+
+    def close(self) -> None:
+        """Let go of the scratch memfd publishes are written in (it is made again if needed)."""
+        with self._publish_lock:
+            if self._scratch is not None:
+                self._scratch.close()
+                self._scratch = None
 
 
 def _copy_checked(f: LinkedFile, view: Any, hdr: Any) -> None:

@@ -241,6 +241,20 @@ def _by_id(params: Mapping[str, Any]) -> str:
     return str(params["p_id"])
 
 
+def _admitted_state(row: BufferRow) -> BufferState:
+    """The state ``row`` is admitted in. An entry's put: ``staged`` straight away — a crash
+    leaves a staged row as it would a reserving one (recovery releases both), and no lookup
+    or eviction sees either: one ledger write less per save. A plain buffer (no key, not
+    evictable) asked for ``live``: ``live`` — no key lookup or eviction sees it either, and
+    recovery releases a live row whose memory is gone: one write less per REST reserve
+    (maasd.core.reserve). Anything else: ``reserving``, until its region is held."""
+    if row.kind == "entry":
+        return "staged"
+    if row.state == "live" and not row.evictable and row.key is None:
+        return "live"
+    return "reserving"
+
+
 class ReserveRepo(Repository):
     """Admitting a buffer (quota, count, capacity, key, eviction: one transaction) and deleting it."""
 
@@ -264,12 +278,8 @@ class ReserveRepo(Repository):
         before, because row locks on those buffers held through the admission could
         deadlock with a concurrent reserve marking them as victims.
 
-        An entry's put (``row.kind == "entry"``) is admitted ``staged`` straight away:
-        a crash leaves a staged row as it would a reserving one (recovery releases
-        both), and no lookup or eviction sees either — one ledger write less per save.
-        A plain buffer asked for ``live`` (no key, not evictable) is admitted ``live``:
-        no key lookup or eviction sees it either, and recovery releases a live row whose
-        memory is gone — one write less per REST reserve.
+        An entry's put, and a plain buffer asked for ``live``, are admitted in their
+        final state (:func:`_admitted_state`).
 
         In one write transaction: lock the tenant and pool rows; refuse a
         tenant being deleted (:class:`Unauthorized`: its keys are revoked) and a
@@ -298,9 +308,7 @@ class ReserveRepo(Repository):
         ``durable=False`` (a volatile pool's buffer): without waiting for the disk, also with
         persistent victims (docs/operations.md, "Crash safety"). ``prefer_not``: ids evicted
         after every other candidate (:mod:`maasd.core.room`)."""
-        state: BufferState = "staged" if row.kind == "entry" else "reserving"
-        if row.state == "live" and row.kind == "buffer" and not row.evictable and row.key is None:
-            state = "live"  # a plain buffer, admitted live at once (maasd.core.reserve)
+        state = _admitted_state(row)
         if row.state != state:
             row = msgspec.structs.replace(row, state=state)
         check_size(row.size_bytes, "size_bytes")  # a size ≤ 0 would let the sums undercount

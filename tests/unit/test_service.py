@@ -279,7 +279,9 @@ def test_a_plain_buffer_admitted_live_and_released_before_it_is_held_leaves_noth
     seen: list[Any] = []
 
     def claimed_meanwhile(row: Any, live: Any, region: Region) -> None:
-        assert svc.store.buffers.buffer(row.id).state == "live"  # live from its admission
+        admitted = svc.store.buffers.buffer(row.id)
+        assert admitted is not None
+        assert admitted.state == "live"  # live from its admission
         seen.append(region)
         if claim == "tenant delete":
             svc.tenants.delete(str(who.tenant_id))
@@ -289,7 +291,7 @@ def test_a_plain_buffer_admitted_live_and_released_before_it_is_held_leaves_noth
 
     monkeypatch.setattr(svc.reserves, "_check_placement", claimed_meanwhile)
     advances = []
-    monkeypatch.setattr(svc.store.buffers, "advance", lambda *a, **k: advances.append(a))
+    monkeypatch.setattr(svc.store.buffers, "advance", lambda *a, **_k: advances.append(a))
     with pytest.raises(errors.StateConflict, match="released while it was being reserved"):
         svc.reserves.reserve(who, req(MiB, pool="fast"))
     assert advances == []  # the admission was its one write
