@@ -354,12 +354,11 @@ class Pools:
     def info(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
         """One pool of this host (id or name) with its usage; ``any_host``: else another
         host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
-        try:
-            live = self._live.find(id_or_name)
-        except NotFound:
+        live = self._live.named(id_or_name)
+        if live is None:
             other = self._store.pool_row(id_or_name) if any_host else None
             if other is None:
-                raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
+                raise NotFound(f"no pool {id_or_name!r} on host {self._host}")
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
         held = self._holders.held_bytes_by("pool_id").get(live.row.id, 0)
@@ -407,16 +406,15 @@ class Pools:
         began (and a daemon stopped) finishes it whether or not ``drain`` is given
         again.
         """
-        try:
-            live = self._live.find(id_or_name)
-        except NotFound:
+        live = self._live.named(id_or_name)
+        if live is None:
             other = self._store.pool_row(id_or_name)
             if other is None:
-                raise
+                raise NotFound(f"no pool {id_or_name!r}")
             raise NotFound(
                 f"pool {id_or_name!r} is on host {other.host}, not {self._host}: "
                 "delete it through that host's daemon"
-            ) from None
+            )
         if not drain and live.row.deleting_at is None:
             try:
                 self._store.delete_pool(live.row.id)  # counts its buffers in the transaction
