@@ -115,7 +115,8 @@ def normalize_url(url: str | URL) -> URL:
 
 
 def _retry_locked(cursor: Any, sql: str, deadline_s: float = BUSY_TIMEOUT_MS / 1000) -> None:
-    """Run ``sql``, retrying while SQLite answers "database is locked".
+    """Run ``sql``, retrying while SQLite answers "database is locked" (``SQLITE_BUSY``;
+    ``SQLITE_LOCKED`` too), told by the error's code, never its message.
 
     Switching a new database to WAL needs an exclusive lock, and SQLite answers
     that pragma with SQLITE_BUSY at once instead of calling the busy handler —
@@ -131,12 +132,22 @@ def _retry_locked(cursor: Any, sql: str, deadline_s: float = BUSY_TIMEOUT_MS / 1
         try:
             cursor.execute(sql)
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > give_up:
+            if not _is_locked(exc) or time.monotonic() > give_up:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         else:
             return
+
+
+def _is_locked(exc: Exception) -> bool:
+    """Whether SQLite refused for a lock another connection holds: the primary result
+    code (the low byte of an extended one, such as ``SQLITE_BUSY_RECOVERY``) of the
+    driver's error is ``SQLITE_BUSY`` or ``SQLITE_LOCKED``."""
+    import sqlite3
+
+    code = getattr(exc, "sqlite_errorcode", None)  # set by the driver, Python 3.11+
+    return code is not None and (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def create_engine(
