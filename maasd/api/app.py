@@ -112,5 +112,10 @@ def create_app(
         debug=False,
     )
     # In front of the router: a path is routed as the client wrote it (maasd.api.paths).
+    # Not a Litestar(middleware=...) entry: litestar runs those per route, after routing,
+    # so a path the router folds onto another route, or onto none, would answer that
+    # route's answer or a 404/405 instead of the 400 (tests/unit/test_path_segments.py).
+    # The app's own asgi_handler (its exception handling around the router) is the one
+    # place in front of routing litestar has, and this wraps it once, here.
     app.asgi_handler = one_segment_per_id(app.asgi_handler)
     return app

@@ -137,6 +137,7 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     import uvicorn
 
     from maasd.router.app import Router, build_app
+    from maasd.serving import make_server
 
     if importlib.util.find_spec("xxhash") is None:
         raise click.ClickException(
@@ -149,7 +150,14 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per backend call
     app = build_app(Router(config))
-    uvicorn.run(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
+    # The daemon's and the worker's one server and signals (maasd.serving): SIGINT/SIGTERM
+    # stop it (the lifespan's shutdown stops the backends) and it exits 0.
+    server = make_server(
+        uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
+    )
+    server.run()
+    if not server.started:
+        raise click.ClickException(f"could not listen on {o['host']}:{o['port']}")
 
 
 def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
