@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from maasd.router import PUBLISH_TTL_S
+
 DEFAULT_URL = "http://127.0.0.1:7878"
 
 
@@ -90,7 +92,7 @@ _OPTIONS = [
     click.option(
         "--ttl",
         "ttl_s",
-        default=3600,
+        default=PUBLISH_TTL_S,
         show_default=True,
         type=int,
         help="Lease of published entries, seconds (a hit extends it).",

@@ -19,6 +19,7 @@ from litestar.response import Response, Stream
 
 from maasd.client import Client
 from maasd.llama.link import Link
+from maasd.router import PUBLISH_TTL_S
 from maasd.router.fleet import Fleet, FleetConfig
 from maasd.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from maasd.router.proxy import Answer, BadRequest, Proxy
@@ -39,7 +40,7 @@ class RouterConfig:
     pool: str | None = None
     chunk: int = 64
     min_save_tokens: int = 128
-    ttl_s: int = 3600
+    ttl_s: int = PUBLISH_TTL_S
     copy_slot_files: bool = False
 
 
