@@ -22,7 +22,7 @@ from maasd.llama.link import Link
 from maasd.router import PUBLISH_TTL_S
 from maasd.router.fleet import Fleet, FleetConfig
 from maasd.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from maasd.router.proxy import Answer, BadRequest, Proxy
+from maasd.router.proxy import Answer, Proxy, Unroutable
 from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 
@@ -150,7 +150,7 @@ def build_app(router: Router) -> Litestar:
             return _problem(503, "no backend is up")
         try:
             return _respond(await router.proxy.complete(request.url.path, await request.body()))
-        except BadRequest as exc:
+        except Unroutable as exc:
             return _problem(400, str(exc))
 
     @post(["/v1/chat/completions", "/v1/completions"], status_code=200)

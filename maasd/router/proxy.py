@@ -35,12 +35,12 @@ from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 from maasd.router.slots import Slot, common_prefix
 
-__all__ = ["Answer", "BadRequest", "Proxy"]
+__all__ = ["Answer", "Proxy", "Unroutable"]
 
 logger = logging.getLogger(__name__)
 
 
-class BadRequest(ValueError):
+class Unroutable(ValueError):
     """A request the router cannot route (not JSON, no prompt): a 400."""
 
 
@@ -88,7 +88,7 @@ class Proxy:
             return np.empty(0, np.int32)
         if path.endswith("/chat/completions"):
             if not isinstance(body.get("messages"), list):
-                raise BadRequest("messages: a list is required")
+                raise Unroutable("messages: a list is required")
             text = await b.apply_template(body)
         else:
             prompt = body.get("prompt")
@@ -106,9 +106,9 @@ class Proxy:
         try:
             body = json.loads(raw)
         except ValueError as exc:
-            raise BadRequest(f"the body is not JSON: {exc}") from None
+            raise Unroutable(f"the body is not JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise Unroutable("the body must be a JSON object")
         try:
             tokens = await self.tokens(path, body)
         except httpx.HTTPStatusError as exc:
