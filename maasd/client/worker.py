@@ -118,7 +118,12 @@ class Worker:
             check_memfd_size(fd, reply.size_bytes)
             writable = not _read_only_fd(fd)
             m = BufferMapping(
-                self, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, writable=writable
+                self._mapping_closed,
+                reply.buffer_id,
+                fd,
+                reply.size_bytes,
+                reply.numa_node,
+                writable=writable,
             )
         except BaseException:
             os.close(fd)
@@ -134,7 +139,7 @@ class Worker:
         """
         maps = self._maps.take(buffer_id)
         for m in maps:
-            m._close_local()
+            m.unmap()
         for _ in range(max(len(maps), 1)):
             self._request(protocol.Detach(buffer_id=buffer_id))
 
@@ -243,7 +248,7 @@ class Worker:
         if renewer is not None:
             renewer.join(5.0)
         for m in self._maps.clear() + self._entries.clear():
-            m._close_local()
+            m.unmap()
         self._channel.close()
 
     def __enter__(self) -> Worker:
@@ -276,10 +281,10 @@ class Worker:
         try:
             # Unmapped while the daemon copies: the unmap of a 9 MiB mapping (~0.2 ms)
             # overlaps the commit instead of following its answer.
-            self._request(op(buffer_id=buffer_id), None if m is None else m._close_local)
+            self._request(op(buffer_id=buffer_id), None if m is None else m.unmap)
         finally:
             if m is not None:
-                m._close_local()
+                m.unmap()
         return buffer_id, m
 
     def _detach_quietly(self, buffer_id: str, attached: bool) -> None:
