@@ -37,6 +37,7 @@ never asks it not to wait: :class:`~maasd.store.database.Database`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,13 @@ from maasd.errors import ConfigError
 __all__ = [
     "BUSY_TIMEOUT_MS",
     "DURABLE",
+    "SchemaState",
     "alembic_config",
     "create_engine",
     "migrations_dir",
     "normalize_url",
     "pg_liveness",
+    "schema_state",
 ]
 
 #: How long a SQLite writer waits for the write lock before giving up.
@@ -286,6 +289,41 @@ def migrations_dir() -> Path:
             return candidate
     raise RuntimeError(
         f"Alembic migrations not found next to {package} (looked for migrations/env.py)"
+    )
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    """Where a ledger's schema is against this maasd's migrations."""
+
+    #: The ledger's revisions (none: not migrated yet).
+    current: frozenset[str]
+    #: This maasd's newest revisions.
+    heads: frozenset[str]
+    #: Every revision this maasd ships.
+    known: frozenset[str]
+
+    @property
+    def at_head(self) -> bool:
+        """Nothing to migrate."""
+        return self.current == self.heads
+
+    @property
+    def unknown(self) -> bool:
+        """A revision this maasd does not ship: a newer maasd migrated the ledger."""
+        return not self.current <= self.known
+
+
+def schema_state(conn: sa.Connection) -> SchemaState:
+    """The schema of the ledger ``conn`` reaches against this maasd's migrations (read only)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config())
+    return SchemaState(
+        current=frozenset(MigrationContext.configure(conn).get_current_heads()),
+        heads=frozenset(script.get_heads()),
+        known=frozenset(rev.revision for rev in script.walk_revisions()),
     )
 
 

@@ -96,3 +96,22 @@ def test_a_pragma_refused_for_a_lock_is_retried_and_any_other_error_is_not(tmp_p
     finally:
         other.close()
         holder.close()
+
+
+def test_the_schema_state_is_what_upgrade_and_doctor_read(tmp_path: Any) -> None:
+    s = Store(f"sqlite:///{tmp_path / 's.db'}")
+    try:
+        fresh = s.schema_state()
+        assert fresh.current == frozenset()
+        assert not fresh.at_head
+        assert not fresh.unknown
+        assert fresh.heads == {head_revision()}
+        assert head_revision() in fresh.known
+        s.upgrade()
+        migrated = s.schema_state()
+        assert migrated.at_head
+        assert migrated.current == {head_revision()}
+        s.upgrade()  # at the newest schema: nothing to migrate, and no error
+        assert s.schema_state() == migrated
+    finally:
+        s.dispose()
