@@ -74,6 +74,7 @@ __all__ = [
     "TtlS",
     "bytes_of_gib",
     "default_data_dir",
+    "worker_socket",
 ]
 
 #: Where the daemon's REST API listens unless told otherwise (``Settings.host``, ``.port``),
@@ -89,11 +90,20 @@ DEFAULT_TTL_S = 600
 def default_data_dir() -> str:
     """The daemon's data dir unless told otherwise (``Settings.data_dir``, ``MAASD_DATA_DIR``):
     ``/var/lib/maasd`` as root, else ``$XDG_STATE_HOME/maasd`` or ``~/.local/state/maasd``.
-    Its worker socket is ``maasd.sock`` in it, where ``maasd worker`` looks."""
+    Its worker socket is ``maasd.sock`` in it (:func:`worker_socket`)."""
     if os.geteuid() == 0:
         return "/var/lib/maasd"
     base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
     return os.path.join(base, "maasd")
+
+
+def worker_socket(data_dir: str | None = None) -> str:
+    """The daemon's worker socket unless told otherwise (``Settings.socket``): ``maasd.sock``
+    in ``data_dir`` — by default the one a client on this host assumes, ``MAASD_DATA_DIR``,
+    else :func:`default_data_dir` (where ``maasd worker``, ``maasctl entries`` look)."""
+    if data_dir is None:
+        data_dir = os.environ.get("MAASD_DATA_DIR") or default_data_dir()
+    return os.path.join(data_dir, "maasd.sock")
 
 
 #: Largest byte count anywhere (sizes, quotas, capacities): it must fit an ``off_t``.

@@ -92,12 +92,12 @@ __all__ = [
     "Detach",
     "Error",
     "Found",
+    "FrameError",
     "FrameReader",
     "FrameTooLarge",
     "Hello",
     "Lookup",
     "Ok",
-    "ProtocolError",
     "Publish",
     "Published",
     "Put",
@@ -128,11 +128,16 @@ MAX_FD_PER_MESSAGE = 4
 # size (the frame cap bounds it too).
 
 
-class ProtocolError(Exception):
-    """Raised for bytes that are not a valid frame of this protocol."""
+class FrameError(Exception):
+    """Raised for bytes that are not a valid frame of this protocol.
+
+    (Named ``ProtocolError`` before; that name is the client's —
+    :class:`maasd.client.ProtocolError`, an answer it cannot understand — and stays here
+    only as a deprecated alias.)
+    """
 
 
-class FrameTooLarge(ProtocolError):
+class FrameTooLarge(FrameError):
     """Raised when a length prefix announces more than :data:`MAX_FRAME` bytes.
 
     Raised as soon as the 4-byte prefix is seen, before any of the body is read
@@ -392,7 +397,7 @@ class FrameReader:
 
     def _append(self, data: bytes | bytearray | memoryview) -> None:
         if self._failed:
-            raise ProtocolError("stream already failed: an earlier frame was too large")
+            raise FrameError("stream already failed: an earlier frame was too large")
         self._buf += data
 
     def _take(self) -> bytes | None:
@@ -456,11 +461,11 @@ def fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
 
 def _recv_chunk(sock: socket.socket, bufsize: int, cmsg_space: int, fds: list[int]) -> bytes:
     """One ``recvmsg``: the descriptors that came with it go onto ``fds`` (so the caller
-    closes them on error too); truncated ancillary data is a :class:`ProtocolError`."""
+    closes them on error too); truncated ancillary data is a :class:`FrameError`."""
     data, ancdata, msg_flags, _addr = sock.recvmsg(bufsize, cmsg_space, socket.MSG_CMSG_CLOEXEC)
     fds.extend(fds_from_ancillary(ancdata))
     if msg_flags & _MSG_CTRUNC:
-        raise ProtocolError("ancillary data truncated: peer sent too many fds")
+        raise FrameError("ancillary data truncated: peer sent too many fds")
     return data
 
 
@@ -488,3 +493,18 @@ def recv_message(
             os.close(fd)
         raise
     return body, fds
+
+
+def __getattr__(name: str) -> object:
+    """``ProtocolError``, the old name of :class:`FrameError`, still answers, with a
+    :class:`DeprecationWarning`."""
+    if name == "ProtocolError":
+        import warnings
+
+        warnings.warn(
+            "maasd.protocol.ProtocolError is deprecated: use maasd.protocol.FrameError",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return FrameError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

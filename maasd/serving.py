@@ -1,9 +1,10 @@
 """The signals that stop a maasd process, and the in-process uvicorn server, named once.
 
 ``maasd serve`` (:mod:`maasd.cli.daemon`), each process of ``maasd worker``
-(:mod:`maasd.llama.worker_process`) and the worker's supervisor
-(:mod:`maasd.llama.worker_supervisor`) stop on the same signals, :data:`HANDLED_SIGNALS`,
-and put their handlers back when they return (:func:`handling`). Both servers are
+(:mod:`maasd.llama.worker_process`), the worker's supervisor
+(:mod:`maasd.llama.worker_supervisor`) and ``maasd router`` (:mod:`maasd.cli.router`) stop
+on the same signals, :data:`HANDLED_SIGNALS`, and put their handlers back when they return
+(:func:`handling`). Their servers are
 uvicorn's :class:`uvicorn.Server` with two changes (:func:`make_server`): a signal ends
 :meth:`~uvicorn.Server.run` in a clean return — exit 0 — where uvicorn re-raises it once
 the server stopped, and hooks for the moment it listens and the first signal. As in

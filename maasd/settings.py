@@ -45,7 +45,7 @@ from typing import Any, Literal
 import msgspec
 
 from maasd import bounds
-from maasd.bounds import DEFAULT_HOST, DEFAULT_PORT, MAX_BUFFERS, default_data_dir
+from maasd.bounds import DEFAULT_HOST, DEFAULT_PORT, MAX_BUFFERS, default_data_dir, worker_socket
 from maasd.errors import ConfigError
 from maasd.models import PoolSpec
 from maasd.topology import Topology
@@ -158,7 +158,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def socket_path(self) -> str:
-        return self.socket or os.path.join(self.data_dir, "maasd.sock")
+        return self.socket or worker_socket(self.data_dir)
 
     @property
     def database_url(self) -> str:

@@ -30,7 +30,7 @@ ADMIN = Principal(is_admin=True)
 
 #: The use-case objects the app's handlers are given (maasd.api.dependencies); the keys
 #: (authentication, the role checks) are the /v1 hook's and the guards' own, not counted.
-HANDED_TO_HANDLERS = ("pools", "tiers", "tenants", "reserves", "buffers", "hosts", "last_known")
+HANDED_TO_HANDLERS = ("pools", "tenants", "reserves", "buffers", "hosts", "last_known")
 
 
 def service(data_dir: Path) -> Service:

@@ -4,6 +4,7 @@ persistent pools."""
 
 from maasd.allocator import parking
 from maasd.allocator.arith import Ledger, check_size, round_up
+from maasd.allocator.numa import populate_write_known
 from maasd.allocator.persist import checkpoint, file_checksum, restore, sync_filesystem
 from maasd.allocator.pool import MemoryPool
 from maasd.allocator.region import (
@@ -14,6 +15,7 @@ from maasd.allocator.region import (
     default_page_bytes,
     new_memfd,
 )
+from maasd.allocator.scrub import punch_file
 from maasd.allocator.warm import Warmer
 
 __all__ = [
@@ -30,6 +32,8 @@ __all__ = [
     "file_checksum",
     "new_memfd",
     "parking",
+    "populate_write_known",
+    "punch_file",
     "restore",
     "round_up",
     "sync_filesystem",

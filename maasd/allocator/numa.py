@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -33,6 +34,9 @@ logger = logging.getLogger(__name__)
 
 #: Bytes populated per step when a populate may be cut short (the warm stock's refills).
 POPULATE_CHUNK = 16 << 20
+#: What ``madvise`` answers for an advice the kernel does not know (``MADV_POPULATE_*``
+#: before Linux 5.14).
+_UNKNOWN_ADVICE = (errno.EINVAL, errno.ENOSYS)
 #: Rounds of ``mbind(MPOL_MF_MOVE_ALL)`` a pin makes while pages stay behind.
 MIGRATE_ROUNDS = 11  # backoff 2, 4 … 1024 ms between them: ~2 s at most, for a busy writer
 
@@ -83,10 +87,32 @@ def populate(region: Placed, abort: Callable[[], bool] | None = None) -> bool:
         try:
             _sys.madvise(addr + off, length, _sys.MADV_POPULATE_WRITE)
         except BackingError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS):
+            if e.errno not in _UNKNOWN_ADVICE:
                 raise
             # Kernels before 5.14 lack MADV_POPULATE_*: allocate through the file instead.
             _sys.fallocate(region.fd, 0, off, length)
+    return True
+
+
+def populate_write_known() -> bool:
+    """Whether this kernel knows ``MADV_POPULATE_WRITE`` (5.14+), the advice :func:`populate`
+    faults a region in with (without it, a populate allocates through the file), asked of
+    one page of a fresh memfd."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    fd = os.memfd_create("maasd-populate-probe", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, page)
+        addr = _sys.mmap_shared(fd, page)
+        try:
+            _sys.madvise(addr, page, _sys.MADV_POPULATE_WRITE)
+        except BackingError as e:
+            if e.errno in _UNKNOWN_ADVICE:
+                return False
+            raise
+        finally:
+            _sys.munmap(addr, page)
+    finally:
+        os.close(fd)
     return True
 
 
@@ -105,7 +131,7 @@ def pages_by_node(region: Placed, sample: int | None = None) -> dict[int, int]:
         try:
             _sys.madvise(addr, size, _sys.MADV_POPULATE_READ)
         except BackingError as e:
-            if e.errno not in (errno.EINVAL, errno.ENOSYS):
+            if e.errno not in _UNKNOWN_ADVICE:
                 logger.warning("placement of %r counts the pages present: %s", region, e.detail)
     status = _sys.move_pages_query(addr, size, region.page_bytes, sample)
     return _count_by_node(status)

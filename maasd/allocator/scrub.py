@@ -63,6 +63,13 @@ def scrub_region(region: Scrubbed, mode: ScrubMode, *, punch: bool) -> None:
         punch_out(region, zeroed=False)
 
 
+def punch_file(fd: int, length: int) -> None:
+    """Punch the first ``length`` bytes of the file ``fd`` out, keeping its size (they read
+    zero; their blocks go back, a discard where the filesystem passes one on). A refusal
+    is a :class:`BackingError`: not every filesystem punches, and a sealed memfd refuses."""
+    _sys.fallocate(fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, length)
+
+
 def punch_out(region: Scrubbed, *, zeroed: bool) -> None:
     """Punch the whole file (the region's lock held); if refused, zero it unless ``zeroed``.
 
@@ -74,9 +81,7 @@ def punch_out(region: Scrubbed, *, zeroed: bool) -> None:
             zero_mapped(region)
         return
     try:
-        _sys.fallocate(
-            region.fd, _sys.FALLOC_FL_PUNCH_HOLE | _sys.FALLOC_FL_KEEP_SIZE, 0, region.size
-        )
+        punch_file(region.fd, region.size)
     except BackingError as e:
         if not zeroed:
             zero_mapped(region)

@@ -38,6 +38,7 @@ from maasd.api.dependencies import use_cases
 from maasd.api.health import HealthCheck, Healthz
 from maasd.api.hosts import HostsController
 from maasd.api.paths import one_segment_per_id
+from maasd.api.requests import BodyRequest
 from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
@@ -93,6 +94,7 @@ def create_app(
         dependencies={"api": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
         state=State({STATE_KEY: ctx}),
         plugins=[StrictBodies()],
+        request_class=BodyRequest,  # a client gone mid-body: ClientGone (maasd.api.requests)
         exception_handlers=problems.HANDLERS,  # type: ignore[arg-type]
         openapi_config=OpenAPIConfig(
             title="maasd",
@@ -110,5 +112,10 @@ def create_app(
         debug=False,
     )
     # In front of the router: a path is routed as the client wrote it (maasd.api.paths).
+    # Not a Litestar(middleware=...) entry: litestar runs those per route, after routing,
+    # so a path the router folds onto another route, or onto none, would answer that
+    # route's answer or a 404/405 instead of the 400 (tests/unit/test_path_segments.py).
+    # The app's own asgi_handler (its exception handling around the router) is the one
+    # place in front of routing litestar has, and this wraps it once, here.
     app.asgi_handler = one_segment_per_id(app.asgi_handler)
     return app

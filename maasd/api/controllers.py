@@ -23,7 +23,7 @@ from litestar.params import FromPath, FromQuery, JSONBody, Parameter
 
 from maasd.api import problems
 from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, RestCall, may_read_metrics
-from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Reserves, Tenants, Tiers
+from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Reserves, Tenants
 from maasd.api.schemas import (
     LookupBody,
     PinBody,
@@ -159,10 +159,10 @@ class PoolsController(Controller):
     async def create_pool(
         self,
         call: NamedDependency[RestCall],
-        tiers: NamedDependency[Tiers],
+        pools: NamedDependency[Pools],
         data: JSONBody[PoolSpec],
     ) -> PoolInfo:
-        return await call.run(tiers.create_pool, data)
+        return await call.run(pools.create, data)
 
     @delete(
         "/{pool_id:str}",
@@ -174,11 +174,11 @@ class PoolsController(Controller):
     async def delete_pool(
         self,
         call: NamedDependency[RestCall],
-        tiers: NamedDependency[Tiers],
+        pools: NamedDependency[Pools],
         pool_id: FromPath[str],
         drain: FromQuery[bool] = False,
     ) -> None:
-        await call.run(partial(tiers.delete_pool, drain=drain), pool_id)
+        await call.run(partial(pools.delete, drain=drain), pool_id)
 
 
 class TenantsController(Controller):
@@ -245,10 +245,10 @@ class TenantsController(Controller):
     async def delete_tenant(
         self,
         call: NamedDependency[RestCall],
-        tiers: NamedDependency[Tiers],
+        tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
     ) -> None:
-        await call.run(tiers.delete_tenant, tenant_id)
+        await call.run(tenants.delete, tenant_id)
 
     @post(
         "/tenants/{tenant_id:str}/keys",

@@ -26,7 +26,6 @@ from maasd.core.pools import Pools
 from maasd.core.reserve import Reserves
 from maasd.core.stale import LastKnownReads
 from maasd.core.tenants import Tenants
-from maasd.core.tiers import Tiers
 
 __all__ = [
     "Buffers",
@@ -35,7 +34,6 @@ __all__ = [
     "Pools",
     "Reserves",
     "Tenants",
-    "Tiers",
     "use_cases",
 ]
 
@@ -43,8 +41,7 @@ __all__ = [
 def use_cases(core: Service) -> dict[str, Provide]:
     """The dependencies of /v1: the use-case objects of ``core``, by the name handlers use."""
     provided = {
-        "pools": core.pools,  # topology, listing and reading pools
-        "tiers": core.tiers,  # creating and deleting pools and tenants (their disk tiers too)
+        "pools": core.pools,  # topology; listing, reading, creating and deleting pools
         "tenants": core.tenants,
         "reserves": core.reserves,  # reserving a buffer
         "buffers": core.buffers,  # a buffer once reserved

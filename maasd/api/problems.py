@@ -21,6 +21,7 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 from litestar.openapi.datastructures import ResponseSpec
 
 from maasd import errors
+from maasd.api.requests import ClientGone
 from maasd.api.schemas import MAX_BODY
 from maasd.problems import HTTP_ONLY, PROBLEM_BASE, Problem, http_problem, problem_of, status_of
 
@@ -93,17 +94,15 @@ def from_maasd_error(request: Request, exc: errors.MaasdError) -> Response[Probl
     return answer(problem)
 
 
-#: What litestar raises (a 500) when the client hangs up before its body is complete.
-_CLIENT_GONE = "client disconnected prematurely"
+def from_client_gone(request: Request, _: ClientGone) -> Response[Problem]:
+    """Not a bug: the client left, or the server closed it at its body deadline
+    (maasd.api.server). Nobody reads this answer; it only must not log an error."""
+    logger.debug("client gone before its body was read: %s", request.url.path)
+    return answer(problem_of(errors.InvalidRequest("the request body was not complete")))
 
 
 def from_http_exception(request: Request, exc: HTTPException) -> Response[Problem]:
     status = exc.status_code
-    if status == 500 and exc.detail == _CLIENT_GONE:
-        # Not a bug: the client left, or the server closed it at its body deadline
-        # (maasd.api.server). Nobody reads this answer; it only must not log an error.
-        logger.debug("client gone before its body was read: %s", request.url.path)
-        return answer(problem_of(errors.InvalidRequest("the request body was not complete")))
     detail = _detail(request, exc)
     if status in _FRAMEWORK_4XX:
         problem = problem_of(_FRAMEWORK_4XX[status](detail))
@@ -139,6 +138,9 @@ def process_limit(exc: BaseException) -> str | None:
     while todo and seen < 16:
         e = todo.pop()
         seen += 1
+        # The one error told apart by its text: CPython's threading raises a bare
+        # RuntimeError("can't start new thread") when pthread_create fails, with no errno
+        # or subclass to tell it from any other RuntimeError.
         if isinstance(e, RuntimeError) and "can't start new thread" in str(e):
             return "the daemon is at its thread limit (RLIMIT_NPROC); retry shortly"
         if (
@@ -198,6 +200,7 @@ def _describe(entry: object) -> str:
 
 HANDLERS = {
     errors.MaasdError: from_maasd_error,
+    ClientGone: from_client_gone,
     HTTPException: from_http_exception,
     Exception: from_unexpected,
 }

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from maasd import errors
 from maasd.core.answered import answering
-from maasd.protocol import ProtocolError, Request
+from maasd.protocol import FrameError, Request
 
 from .connection import Connection
 from .dispatch import Dispatcher, Op, Outcome, Session
@@ -83,7 +83,7 @@ class Frames:
                         self.backlog.append(conn)
                     break
                 body = conn.reader.next_frame() if conn.reader.pending else None
-        except ProtocolError as exc:  # FrameTooLarge: the stream cannot be resynchronised
+        except FrameError as exc:  # FrameTooLarge: the stream cannot be resynchronised
             fields = conn.fields(length=getattr(exc, "length", None))
             self.log.log(logging.WARNING, "frame-too-large", "bad stream, closing", fields)
             self.table.deliver(

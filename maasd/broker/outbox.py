@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 from maasd import errors
-from maasd.protocol import FrameTooLarge, ProtocolError, encode_frame
+from maasd.protocol import FrameError, FrameTooLarge, encode_frame
 
 from .connection import Connection, FdsRefused
 from .deadlines import Deadlines
@@ -198,7 +198,7 @@ def answer_now(conn: Connection, outcome: Outcome) -> Outcome:
         return outcome
     try:
         frame = encode_frame(outcome.reply)
-    except ProtocolError:  # FrameTooLarge: the loop answers 500 in its place
+    except FrameError:  # FrameTooLarge: the loop answers 500 in its place
         return outcome
     sent = conn.try_send(frame, outcome.fds)
     if sent is not None:

@@ -29,7 +29,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import click
 
@@ -379,11 +379,16 @@ def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop
     )
 
 
-def _broker_checks(broker: object) -> dict[str, Callable[[], tuple[bool, str]]]:
+class SelfChecking(Protocol):
+    """A part that says whether it can serve (the broker: :meth:`Broker.healthy`)."""
+
+    def healthy(self) -> tuple[bool, str]: ...
+
+
+def _broker_checks(broker: SelfChecking) -> dict[str, Callable[[], tuple[bool, str]]]:
     """The data plane's health for /healthz: the broker's own ``healthy()`` (is its
-    accept thread alive?), when the broker has one."""
-    healthy = getattr(broker, "healthy", None)
-    return {"broker": healthy} if callable(healthy) else {}
+    accept thread alive?)."""
+    return {"broker": broker.healthy}
 
 
 def _redact(url: str) -> str:

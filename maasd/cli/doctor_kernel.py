@@ -10,8 +10,6 @@ no-exec) refuses every buffer. ``memfd_secret`` is not used (ENOSYS on Debian's 
 
 from __future__ import annotations
 
-import errno
-import os
 import platform
 from pathlib import Path
 
@@ -23,30 +21,9 @@ __all__ = ["check_bandwidth", "check_kernel"]
 MEMFD_NOEXEC = Path("/proc/sys/vm/memfd_noexec")
 
 
-def _populate_works() -> bool:
-    """Whether ``madvise(MADV_POPULATE_WRITE)`` is known to this kernel (5.14+)."""
-    from maasd.allocator import _sys
-    from maasd.errors import BackingError
-
-    page = os.sysconf("SC_PAGE_SIZE")
-    fd = os.memfd_create("maasd-doctor", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, page)
-        addr = _sys.mmap_shared(fd, page)
-        try:
-            _sys.madvise(addr, page, _sys.MADV_POPULATE_WRITE)
-        except BackingError as e:
-            if e.errno in (errno.EINVAL, errno.ENOSYS):
-                return False
-            raise
-        finally:
-            _sys.munmap(addr, page)
-    finally:
-        os.close(fd)
-    return True
-
-
 def check_kernel() -> Check:
+    from maasd.allocator import populate_write_known
+
     name = "kernel"
     release = platform.release()
     try:
@@ -62,7 +39,7 @@ def check_kernel() -> Check:
             "sysctl -w vm.memfd_noexec=1 (or 0); in a container, the host's setting applies",
         )
     parts = [f"Linux {release}", f"vm.memfd_noexec {noexec if noexec is not None else 'absent'}"]
-    if not _populate_works():
+    if not populate_write_known():
         parts.append("no MADV_POPULATE_* (< 5.14)")
         return Check(
             name,

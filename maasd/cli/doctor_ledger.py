@@ -3,7 +3,7 @@
 The ledger is read through the daemon's own store (:class:`maasd.store.Store`, or the
 one repository a check reads over a :class:`maasd.store.Database`: its URL rules, its
 engine, its queries) and the schema's heads through the daemon's own Alembic
-configuration (:func:`maasd.store.engine.alembic_config`). Nothing is created or
+configuration, as the daemon's upgrade reads them (:meth:`maasd.store.Store.schema_state`). Nothing is created or
 migrated: a SQLite file that does not exist yet is left so.
 """
 
@@ -45,11 +45,9 @@ def ledger_tenant_caps(url: URL) -> list[int | None] | None:
 
 def check_ledger(settings: Settings) -> Check:
     import sqlalchemy as sa
-    from alembic.runtime.migration import MigrationContext
-    from alembic.script import ScriptDirectory
 
     from maasd.store import Store
-    from maasd.store.engine import alembic_config, normalize_url
+    from maasd.store.engine import normalize_url
 
     name = "ledger"
     try:
@@ -59,12 +57,9 @@ def check_ledger(settings: Settings) -> Check:
     shown = url.render_as_string(hide_password=True)
     if url.get_backend_name() == "sqlite" and url.database and not Path(url.database).exists():
         return Check(name, "ok", f"{shown}: not created yet; maasd serve creates and migrates it")
-    script = ScriptDirectory.from_config(alembic_config())
-    heads = set(script.get_heads())
     store = Store(url, pool_size=1, max_overflow=0, connect_timeout_s=5.0)
     try:
-        with store.engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
+        schema = store.schema_state()  # what maasd serve's upgrade reads too
     except sa.exc.SQLAlchemyError as e:
         cause = getattr(e, "orig", None) or e  # the driver's own error, when there is one
         return Check(
@@ -75,19 +70,19 @@ def check_ledger(settings: Settings) -> Check:
         )
     finally:
         store.dispose()
-    at = ",".join(sorted(current)) or "empty"
-    if current == heads:
+    at = ",".join(sorted(schema.current)) or "empty"
+    if schema.at_head:
         return Check(name, "ok", f"{shown}: at the newest schema ({at})")
-    if not current <= {rev.revision for rev in script.walk_revisions()}:
+    if schema.unknown:
         return Check(
             name,
             "fail",
-            f"{shown}: at {at}, which this maasd does not know (head {','.join(heads)})",
+            f"{shown}: at {at}, which this maasd does not know (head {','.join(schema.heads)})",
             "a newer maasd migrated it: run that version, or restore a backup",
         )
     return Check(
         name,
         "warn",
-        f"{shown}: at {at}, head is {','.join(sorted(heads))}",
+        f"{shown}: at {at}, head is {','.join(sorted(schema.heads))}",
         "maasd serve migrates it on start; or run maasd migrate now",
     )

@@ -5,7 +5,9 @@ budget ``maasd serve`` would derive — each from the daemon's own budget
 tenants' caps as the ledger holds them (:mod:`maasd.cli.doctor_ledger`) and the pools'
 pages as the daemon rounds them (:meth:`maasd.topology.Topology.page_bytes_of`); the
 tasks from the daemon's thread pools (``REST_THREADS``, anyio's default pool as anyio
-sizes it, ``socket_slow_workers``) and its own threads (:data:`BASE_TASKS`).
+sizes it, ``socket_slow_workers``) and its own threads, summed by the daemon's own
+:func:`~maasd.core.limits.tasks_needed`; the regions a budget must hold for the tenants'
+caps by its :func:`~maasd.core.limits.regions_wanted`.
 deploy/systemd/maasd.service sizes ``LimitNOFILE`` and ``TasksMax`` from :func:`needs`.
 """
 
@@ -14,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from maasd.core.limits import ProcessLimits
 
 __all__ = [
-    "BASE_TASKS",
     "Needs",
     "anyio_threads",
     "check_entry_fds",
@@ -41,22 +41,6 @@ __all__ = [
     "region_need",
     "regions_wanted",
 ]
-
-
-def _caps(max_per_tenant: int, tenant_caps: list[int | None] | None) -> list[int]:
-    """Each tenant's cap (``None``: the daemon's ``max_buffers_per_tenant``); with no
-    tenants known (no ledger yet), one tenant at that default."""
-    return [max_per_tenant if c is None else c for c in (tenant_caps or [None])]
-
-
-def _wanted(caps: list[int], share: float, pool_regions: int | None = None) -> int:
-    """Regions a budget must hold for every tenant to reach its cap: their sum, and at least
-    the largest cap over the tenants' ``share`` (a tenant meets its share of the budget
-    before its cap otherwise) — neither beyond what the pools' pages can hold."""
-    total, biggest = sum(caps), max(caps)
-    if pool_regions is not None:
-        total, biggest = min(total, pool_regions), min(biggest, pool_regions)
-    return max(total, math.ceil(biggest / share))
 
 
 @functools.cache
@@ -74,15 +58,6 @@ def anyio_threads() -> int:
     return anyio.run(ask)
 
 
-#: The daemon's own threads, outside its pools (about: one more per pool with a warm
-#: stock): idle under SQLite, ``maasd serve`` runs 8 — its event loop (the main thread),
-#: the socket's loop, reaper, reclaimer, warm-stock refill, holders' reader, disk-tier
-#: writer, latency probe — and PostgreSQL, L2 and systemd add the ledger's listener,
-#: watchdog and probe, the L2 writer and the systemd watchdog. ``OPENBLAS_NUM_THREADS=1``
-#: (the unit's): numpy would otherwise start a thread per CPU that the daemon never uses.
-BASE_TASKS = 12
-
-
 class Needs(msgspec.Struct, frozen=True):
     files: int
     tasks: int
@@ -95,11 +70,12 @@ class Needs(msgspec.Struct, frozen=True):
 
 def regions_wanted(settings: Settings, tenant_caps: list[int | None] | None = None) -> int:
     """Regions a budget must hold for every tenant to reach its cap (``None``: the
-    default, ``max_buffers_per_tenant``; no tenants known: one at the default): their
-    sum, and at least the largest cap over ``tenant_region_share`` (a tenant meets its
-    share of the budget before its cap otherwise)."""
-    caps = _caps(settings.max_buffers_per_tenant, tenant_caps)
-    return _wanted(caps, settings.tenant_region_share)
+    default, ``max_buffers_per_tenant``; no tenants known: one at the default), by the
+    daemon's rule (:func:`maasd.core.limits.regions_wanted`)."""
+    from maasd.core import limits
+
+    caps = limits.tenant_caps(settings.max_buffers_per_tenant, tenant_caps)
+    return limits.regions_wanted(caps, settings.tenant_region_share)
 
 
 def needs(settings: Settings, *, regions: int | None = None, postgres: bool = False) -> Needs:
@@ -108,12 +84,14 @@ def needs(settings: Settings, *, regions: int | None = None, postgres: bool = Fa
     daemon's own budget (:mod:`maasd.core.limits`; deploy/systemd/maasd.service sizes
     ``LimitNOFILE`` and ``TasksMax`` from the same sum)."""
     from maasd.core.limits import (
+        BASE_TASKS,
         HOT_READ_ONLY_FDS,
         OWN_FILES,
         REST_THREADS,
         maps_needed,
         open_files_needed,
         settings_limits,
+        tasks_needed,
     )
 
     want = regions_wanted(settings) if regions is None else regions
@@ -122,7 +100,7 @@ def needs(settings: Settings, *, regions: int | None = None, postgres: bool = Fa
     at = settings_limits(settings, files, None, postgres=postgres)
     slow = settings.socket_slow_workers
     pool = anyio_threads()
-    tasks = REST_THREADS + pool + slow + BASE_TASKS
+    tasks = tasks_needed(settings, pool)
     return Needs(
         files=files,
         tasks=tasks,
@@ -198,7 +176,9 @@ def region_need(
     no tenants known (no ledger yet) one tenant at the default cap. The pools can hold no
     more regions than their pages (a region is at least one page).
     """
-    tenants = sum(_caps(max_per_tenant, tenant_caps))
+    from maasd.core.limits import tenant_caps as caps_of
+
+    tenants = sum(caps_of(max_per_tenant, tenant_caps))
     if tenant_caps:
         why = f"{len(tenant_caps)} tenant(s) at their caps: {tenants}"
     else:
@@ -220,7 +200,13 @@ def check_region_budget(
     daemon's own :mod:`maasd.core.limits`) against what the configured tenants and pools
     could hold. ``limits.open_files`` is the limit the daemon will run with; ``soft_now``,
     when lower, the soft limit it raises."""
-    from maasd.core.limits import MIN_USEFUL_REGIONS, maps_needed, open_files_needed
+    from maasd.core.limits import (
+        MIN_USEFUL_REGIONS,
+        maps_needed,
+        open_files_needed,
+        regions_wanted,
+    )
+    from maasd.core.limits import tenant_caps as caps_of
 
     name = "region budget"
     budget = limits.region_budget
@@ -254,8 +240,8 @@ def check_region_budget(
         )
     want, why = region_need(max_per_tenant, tenant_caps, pool_regions)
     share = limits.tenant_budget
-    caps = _caps(max_per_tenant, tenant_caps)
-    wanted = _wanted(caps, limits.tenant_share, pool_regions)
+    caps = caps_of(max_per_tenant, tenant_caps)
+    wanted = regions_wanted(caps, limits.tenant_share, pool_regions)
     detail = (
         f"{budget} entries or buffers in all, {share} per tenant "
         f"(tenant_region_share {limits.tenant_share:g}), from {basis} ({limits.binding} "
@@ -272,7 +258,7 @@ def check_region_budget(
             name,
             "warn",
             f"below what could be asked for: {detail}; a tenant at its cap needs "
-            f"{math.ceil(min(max(caps), pool_regions) / limits.tenant_share)} in all",
+            f"{regions_wanted([max(caps)], limits.tenant_share, pool_regions)} in all",
             f"{fix}, or lower the tenants' max_buffers / max_buffers_per_tenant, or raise "
             "tenant_region_share",
         )

@@ -12,6 +12,8 @@ from typing import Any
 
 import click
 
+from maasd.router import PUBLISH_TTL_S
+
 DEFAULT_URL = "http://127.0.0.1:7878"
 
 
@@ -90,7 +92,7 @@ _OPTIONS = [
     click.option(
         "--ttl",
         "ttl_s",
-        default=3600,
+        default=PUBLISH_TTL_S,
         show_default=True,
         type=int,
         help="Lease of published entries, seconds (a hit extends it).",
@@ -153,6 +155,7 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     import uvicorn
 
     from maasd.router.app import Router, build_app
+    from maasd.serving import make_server
 
     if importlib.util.find_spec("xxhash") is None:
         raise click.ClickException(
@@ -165,7 +168,14 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per backend call
     app = build_app(Router(config))
-    uvicorn.run(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
+    # The daemon's and the worker's one server and signals (maasd.serving): SIGINT/SIGTERM
+    # stop it (the lifespan's shutdown stops the backends) and it exits 0.
+    server = make_server(
+        uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
+    )
+    server.run()
+    if not server.started:
+        raise click.ClickException(f"could not listen on {o['host']}:{o['port']}")
 
 
 def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:

@@ -254,7 +254,7 @@ class Channel:
                     return  # EOF: the request's receive reports it
             try:
                 body = self._reader.next_frame(data)
-            except protocol.ProtocolError as exc:
+            except protocol.FrameError as exc:
                 raise self._fail(f"bad frame from daemon: {exc}") from exc
             if body is None:
                 return
@@ -277,7 +277,7 @@ class Channel:
                 body, fds = protocol.recv_message(self._sock, self._reader)
         except TimeoutError as exc:
             raise self._fail(f"no answer from {self.socket_path} in time") from exc
-        except protocol.ProtocolError as exc:
+        except protocol.FrameError as exc:
             raise self._fail(f"bad frame from daemon: {exc}") from exc
         except OSError as exc:
             raise self._fail(f"socket error: {exc}") from exc

@@ -218,7 +218,7 @@ class MappingCache:
             if slot.users:
                 return
             del self._slots[buffer_id]
-        slot.mapping._close_local()
+        slot.mapping.unmap()
 
     def forget_keys(self, keys: list[str], keep: str | None = None) -> list[CachedMapping]:
         """Drop the slots cached under any of ``keys`` (but ``keep``, a buffer id): the

@@ -95,5 +95,5 @@ class EntryMaps:
     def _drop(self, slots: list[CachedMapping]) -> None:
         """Unmap what the cache let go of; detach each unless the daemon released it."""
         for slot in slots:
-            slot.mapping._close_local()
+            slot.mapping.unmap()
             self._detach(slot.buffer_id, not slot.released)

@@ -2,8 +2,9 @@
 
 Made by :class:`~maasd.client.worker.Worker` (``attach``, ``put``) and by its entry
 maps (:mod:`maasd.client.entry_maps`: a lookup's first mapping of an entry), which keep
-it in the mapping cache (:mod:`maasd.client.entries`); it
-knows its worker only as a :class:`MappingOwner`, told when the mapping closes.
+it in the mapping cache (:mod:`maasd.client.entries`); it knows its worker only as
+the ``on_close`` it was handed, told when its user closes it. Its owners unmap it with
+:meth:`BufferMapping.unmap` where they settle the attachment with the daemon themselves.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ import contextlib
 import logging
 import mmap
 import os
-from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
 
 from maasd.client.errors import ProtocolError
 
-__all__ = ["BufferMapping", "Mapping", "MappingOwner", "check_memfd_size"]
+__all__ = ["BufferMapping", "Mapping", "check_memfd_size"]
 
 logger = logging.getLogger("maasd.client.worker")
 
@@ -31,12 +32,6 @@ def check_memfd_size(fd: int, size_bytes: int) -> None:
         raise ProtocolError(f"memfd is {st_size} bytes, daemon said {size_bytes}")
 
 
-class MappingOwner(Protocol):
-    """Who is told that a mapping closed (the worker, which sends its ``detach``)."""
-
-    def _mapping_closed(self, m: BufferMapping, /) -> None: ...
-
-
 class BufferMapping:
     """One attachment of a buffer: its memfd, mapped shared (``maasd.client.Mapping`` is
     the same class, under its first name).
@@ -45,12 +40,13 @@ class BufferMapping:
     unless ``writable`` is false (a committed entry: its fd is read-only); ``size``
     its length in bytes; ``numa_node`` where its pages live; ``fd`` the sealed
     memfd (owned by the mapping: closed by :meth:`close`); ``key`` the entry key
-    of a ``put``.
+    of a ``put``. ``on_close`` is told when :meth:`close` ends the attachment (the
+    worker, which sends its ``detach``).
     """
 
     def __init__(
         self,
-        worker: MappingOwner | None,
+        on_close: Callable[[BufferMapping], object] | None,
         buffer_id: str,
         fd: int,
         size: int,
@@ -66,7 +62,7 @@ class BufferMapping:
         self.numa_node = numa_node
         self.writable = writable
         self.key = key
-        self._worker = worker
+        self._on_close = on_close
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
         # MAP_POPULATE: for a mapping about to be written in full (a put), filling the
         # page tables at once costs ~0.6 ms per 9 MiB here; a write fault per page on
@@ -93,8 +89,11 @@ class BufferMapping:
             raise ValueError(f"mapping of buffer {self.buffer_id} is closed")
         return self._mmap
 
-    def _close_local(self) -> bool:
-        """Drop the view, unmap, close the fd; return False if it was already closed."""
+    def unmap(self) -> bool:
+        """Drop the view, unmap, close the fd — in this process only: the daemon is not told
+        (the worker that owns the mapping settles the attachment: a detach, a commit, the
+        connection's end). Return False if it was already closed. :meth:`close` is the
+        user's way."""
         mm = self._mmap
         if mm is None:
             return False
@@ -115,8 +114,8 @@ class BufferMapping:
 
     def close(self) -> None:
         """Unmap and close the fd, then tell the daemon this attachment is over. Idempotent."""
-        if self._close_local() and self._worker is not None:
-            self._worker._mapping_closed(self)
+        if self.unmap() and self._on_close is not None:
+            self._on_close(self)
 
     def __enter__(self) -> BufferMapping:
         return self

@@ -119,7 +119,12 @@ class Worker:
             check_memfd_size(fd, reply.size_bytes)
             writable = not _read_only_fd(fd)
             m = BufferMapping(
-                self, reply.buffer_id, fd, reply.size_bytes, reply.numa_node, writable=writable
+                self._mapping_closed,
+                reply.buffer_id,
+                fd,
+                reply.size_bytes,
+                reply.numa_node,
+                writable=writable,
             )
         except BaseException:
             os.close(fd)
@@ -135,7 +140,7 @@ class Worker:
         """
         maps = self._maps.take(buffer_id)
         for m in maps:
-            m._close_local()
+            m.unmap()
         for _ in range(max(len(maps), 1)):
             self._request(protocol.Detach(buffer_id=buffer_id))
 
@@ -177,11 +182,8 @@ class Worker:
         self, key: str, size_bytes: int, *, pool: str | None = None, ttl_s: int | None = None
     ) -> BufferMapping:
         """Reserve an entry under ``key`` to write: a writable mapping, seen by no one
-        else until :meth:`commit` (``pool``: id or name; ``ttl_s``: its lease).
-
-        Raises what a reserve raises: ``DuplicateKey`` (another worker has, or is
-        writing, that key), ``QuotaExceeded``, ``PoolExhausted`` …
-        """
+        else until :meth:`commit` (``pool``: id or name; ``ttl_s``: its lease). Raises
+        what a reserve raises: ``DuplicateKey``, ``QuotaExceeded``, ``PoolExhausted`` …"""
         put = protocol.Put(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
         reply, fd = self._one_fd(put, protocol.Reserved)
         try:
@@ -218,11 +220,9 @@ class Worker:
         pool: str | None = None,
         ttl_s: int | None = None,
     ) -> Entry:
-        """Publish the first ``size_bytes`` of ``source`` (a :class:`Scratch`, or a memfd's
-        fd) as a committed entry under ``key``: a put and a commit in one round trip, the
-        daemon copying the bytes into a sealed region of its own. ``source`` stays the
-        caller's, open and unchanged. Raises what :meth:`put` raises, ``BadRequest`` for
-        an fd that is no readable memfd of ``size_bytes``, ``Conflict`` if it shrank."""
+        """Publish ``size_bytes`` of ``source`` (a :class:`Scratch` or a memfd's fd) as a
+        committed entry under ``key``: a put and a commit in one round trip; ``source``
+        stays the caller's (docs/client.md, "Publishing an entry")."""
         fd = source.fd if isinstance(source, Scratch) else source
         msg = protocol.Publish(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
         reply = self._channel.request_reply(msg, protocol.Published, fds=(fd,))
@@ -263,7 +263,7 @@ class Worker:
         if renewer is not None:
             renewer.join(5.0)
         for m in self._maps.clear() + self._entries.clear():
-            m._close_local()
+            m.unmap()
         self._channel.close()
 
     def __enter__(self) -> Worker:
@@ -296,10 +296,10 @@ class Worker:
         try:
             # Unmapped while the daemon copies: the unmap of a 9 MiB mapping (~0.2 ms)
             # overlaps the commit instead of following its answer.
-            self._request(op(buffer_id=buffer_id), None if m is None else m._close_local)
+            self._request(op(buffer_id=buffer_id), None if m is None else m.unmap)
         finally:
             if m is not None:
-                m._close_local()
+                m.unmap()
         return buffer_id, m
 
     def _detach_quietly(self, buffer_id: str, attached: bool) -> None:

@@ -98,8 +98,7 @@ class Service:
     (:mod:`.holders`). The use-cases, by noun: ``auth``, ``hosts``, ``pools``,
     ``tenants``, ``reserves`` (reserving a buffer), ``buffers`` (a buffer's life once
     reserved), ``handles``, ``entries``, ``publishes`` (an entry from a writer's memfd),
-    ``tiers`` (the lookup order, and the deletes
-    that reach the disk tiers), ``disk`` (what the disk tiers hold), ``demotions`` and
+    ``tiers`` (the lookup order), ``disk`` (what the disk tiers hold), ``demotions`` and
     ``promotions`` (writing to them, reading back), ``shared`` (L2); the
     daemon's own: ``recovery``, ``reaper``, ``reclaimer`` (``drain()`` waits for it),
     ``warmer`` (``run_once()`` refills the warm stock in the caller's thread),
@@ -155,7 +154,8 @@ class Service:
         checkpoints = Checkpoints(buffers, regions, live, metrics)
         self.pools = Pools(
             settings, store.pools, buffers, live, holders, releaser, self.reclaimer,
-            self.warmer, topology, disk_usage=self.disk.usage,
+            self.warmer, topology, disk_usage=self.disk.usage, on_created=self.disk.add,
+            on_deleted=self.disk.remove,
         )  # fmt: skip
         self.tenants = Tenants(
             store.tenants, buffers, store.events, self.auth, releaser,
@@ -163,6 +163,7 @@ class Service:
             held=functools.partial(holders.held_bytes_by, "tenant_id"),
             host=settings.node_name, remote_wait_s=3 * settings.reaper_interval_s,
             disk_factor=settings.disk_quota_factor, disk_used=self.disk.tenant_usage,
+            on_deleted=self.disk.drop_tenant,
         )  # fmt: skip
         self.reserves = Reserves(
             settings, reserves, buffers, store.pools, regions, live, self.uses,
@@ -180,10 +181,7 @@ class Service:
         self.publishes = Publishes(restores, self.entries, metrics)
         self.shared = Shared(settings, store.db, self.entries, restores, metrics)
         self.promotions = Promotions(self.disk, restores, self.entries)
-        self.tiers = Tiers(
-            store.tenants, live, self.entries, self.disk, self.promotions, self.shared,
-            self.pools, self.tenants,
-        )  # fmt: skip
+        self.tiers = Tiers(self.entries, self.disk, self.promotions, self.shared)
         self.recovery = Recovery(
             self.host, buffers, reserves, regions, live, holders, checkpoints, self.budget
         )

@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import math
 import os
 import resource
 import threading
@@ -83,6 +84,7 @@ if TYPE_CHECKING:
 from maasd.errors import BackingError, MaasdError, PoolExhausted, ResourceLimit
 
 __all__ = [
+    "BASE_TASKS",
     "MIN_USEFUL_REGIONS",
     "ProcessLimits",
     "RegionBudget",
@@ -94,7 +96,10 @@ __all__ = [
     "read_limits",
     "rest_connections",
     "settings_limits",
+    "regions_wanted",
     "socket_connections",
+    "tasks_needed",
+    "tenant_caps",
     "too_few_regions",
 ]
 
@@ -119,6 +124,13 @@ FILES_PER_THREAD = 2
 REST_THREADS = 64
 #: Fewer regions than this and the daemon is of no use: ``maasd serve`` refuses to start.
 MIN_USEFUL_REGIONS = 64
+#: The daemon's own threads, outside its pools (about: one more per pool with a warm
+#: stock): idle under SQLite, ``maasd serve`` runs 8 — its event loop (the main thread),
+#: the socket's loop, reaper, reclaimer, warm-stock refill, holders' reader, disk-tier
+#: writer, latency probe — and PostgreSQL, L2 and systemd add the ledger's listener,
+#: watchdog and probe, the L2 writer and the systemd watchdog. ``OPENBLAS_NUM_THREADS=1``
+#: (the unit's): numpy would otherwise start a thread per CPU that the daemon never uses.
+BASE_TASKS = 12
 
 _MAX_MAP_COUNT = "/proc/sys/vm/max_map_count"
 
@@ -332,6 +344,31 @@ def settings_limits(
         tenant_share=settings.tenant_region_share,
         parks_entries=parks_entries(settings),
     )
+
+
+def tasks_needed(settings: Settings, default_pool: int) -> int:
+    """The tasks (threads) a daemon with ``settings`` runs at its caps: the REST service
+    threads (:data:`REST_THREADS`), anyio's default pool (``default_pool`` threads: the
+    daemon leaves it at anyio's default), the socket's slow-op workers and its own
+    (:data:`BASE_TASKS`). ``TasksMax`` in the unit is sized from this sum."""
+    return REST_THREADS + default_pool + settings.socket_slow_workers + BASE_TASKS
+
+
+def tenant_caps(max_per_tenant: int, caps: list[int | None] | None) -> list[int]:
+    """Each tenant's cap on its buffers (``None``: the daemon's ``max_buffers_per_tenant``,
+    ``max_per_tenant``); with no tenants known (no ledger yet), one tenant at that default."""
+    return [max_per_tenant if c is None else c for c in (caps or [None])]
+
+
+def regions_wanted(caps: list[int], share: float, pool_regions: int | None = None) -> int:
+    """Regions a budget must hold for every tenant to reach its cap (``caps``, from
+    :func:`tenant_caps`): their sum, and at least the largest cap over the tenants'
+    ``share`` (``tenant_region_share``: a tenant meets its share of the budget before its
+    cap otherwise) — neither beyond ``pool_regions``, what the pools' pages can hold."""
+    total, biggest = sum(caps), max(caps)
+    if pool_regions is not None:
+        total, biggest = min(total, pool_regions), min(biggest, pool_regions)
+    return max(total, math.ceil(biggest / share))
 
 
 def parks_entries(settings: Settings) -> bool:

@@ -228,6 +228,8 @@ class Pools:
         topology: Topology,
         *,
         disk_usage: Callable[[str], DiskTierInfo | None] = lambda _pool_id: None,
+        on_created: Callable[[PoolRow], None] = lambda _row: None,
+        on_deleted: Callable[[str], None] = lambda _pool_id: None,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
@@ -240,8 +242,11 @@ class Pools:
         self._warmer = warmer
         #: The NUMA topology as last discovered.
         self.topology = topology
-        #: A pool's disk tier now, by pool id (the disk tiers' ``usage``).
+        #: A pool's disk tier now, by pool id (the disk tiers' ``usage``); an admin's new
+        #: pool's tier opened, a deleted pool's erased (their ``add`` and ``remove``).
         self._disk_usage = disk_usage
+        self._on_created = on_created
+        self._on_deleted = on_deleted
         #: Each node's measured latency class, once the probe (started by provision) answers.
         self.measured = Measurements(bool(settings.latency_probe), settings.latency_probe_timeout_s)
 
@@ -284,7 +289,7 @@ class Pools:
         for spec in wanted:
             have = existing.get(spec.name)
             if have is None:
-                self.create(spec)
+                self._create(spec)  # its disk tier opens with the others' (DiskTiers.start)
                 continue
             follow_warm(spec, self._store, self._live)
             follow_disk(spec, self._store, self._live, self._settings.data_dir)
@@ -320,46 +325,32 @@ class Pools:
         return self.measured.annotate(self._infos(all_hosts), self._host)
 
     def _infos(self, all_hosts: bool) -> list[PoolInfo]:
-        if all_hosts:
-            usage = self._store.usage_by_pool(None)
-            rows = self._store.all_pools()
-            warm = {live.row.id: live.pool.warm for live in self._live.all()}
-            held = self._holders.held_bytes_by("pool_id")
-            return [
-                pool_info(
-                    row,
-                    usage.get(row.id, (0, 0)),
-                    warm.get(row.id, 0),
-                    held.get(row.id, 0),
-                    self._disk_usage(row.id),
-                )
-                for row in rows
-            ]
-        usage = self._store.usage_by_pool(self._host)
         held = self._holders.held_bytes_by("pool_id")
-        return sorted(
-            (
-                pool_info(
-                    live.row,
-                    usage.get(live.row.id, (0, 0)),
-                    live.pool.warm,
-                    held.get(live.row.id, 0),
-                    self._disk_usage(live.row.id),
-                )
-                for live in self._live.all()
-            ),
-            key=lambda p: p.name,
-        )
+        warm = {live.row.id: live.pool.warm for live in self._live.all()}
+        if all_hosts:
+            rows, usage = self._store.all_pools(), self._store.usage_by_pool(None)
+        else:
+            rows = sorted((live.row for live in self._live.all()), key=lambda r: r.name)
+            usage = self._store.usage_by_pool(self._host)
+        return [
+            pool_info(
+                row,
+                usage.get(row.id, (0, 0)),
+                warm.get(row.id, 0),
+                held.get(row.id, 0),
+                self._disk_usage(row.id),
+            )
+            for row in rows
+        ]
 
     def info(self, id_or_name: str, *, any_host: bool = False) -> PoolInfo:
         """One pool of this host (id or name) with its usage; ``any_host``: else another
         host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
-        try:
-            live = self._live.find(id_or_name)
-        except NotFound:
+        live = self._live.named(id_or_name)
+        if live is None:
             other = self._store.pool_row(id_or_name) if any_host else None
             if other is None:
-                raise NotFound(f"no pool {id_or_name!r} on host {self._host}") from None
+                raise NotFound(f"no pool {id_or_name!r} on host {self._host}")
             return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
         used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
         held = self._holders.held_bytes_by("pool_id").get(live.row.id, 0)
@@ -367,7 +358,14 @@ class Pools:
         return self.measured.annotate([info], self._host)[0]
 
     def create(self, spec: PoolSpec) -> PoolInfo:
-        """Create a pool on this host. Name unique; node must exist; capacity rounded to pages."""
+        """Create a pool on this host, and open its disk tier if it has one. Name unique;
+        node must exist; capacity rounded to pages."""
+        row = self._create(spec)
+        self._on_created(row)
+        return self.measured.annotate([pool_info(row, (0, 0))], self._host)[0]
+
+    def _create(self, spec: PoolSpec) -> PoolRow:
+        """The pool's ledger row added and its allocator made live."""
         row = new_pool_row(
             spec,
             self.topology,
@@ -391,10 +389,11 @@ class Pools:
             row.backing,
             row.persistence,
         )
-        return self.measured.annotate([pool_info(row, (0, 0))], self._host)[0]
+        return row
 
     def delete(self, id_or_name: str, *, drain: bool = False) -> None:
-        """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first.
+        """Delete an empty pool of this host; with ``drain`` release (scrub) its buffers first;
+        then every entry of its disk tier is erased.
 
         Another host's pool is a :class:`NotFound` that names its host: only the
         daemon holding a pool's memory can scrub its buffers. Without ``drain`` a
@@ -407,16 +406,15 @@ class Pools:
         began (and a daemon stopped) finishes it whether or not ``drain`` is given
         again.
         """
-        try:
-            live = self._live.find(id_or_name)
-        except NotFound:
+        live = self._live.named(id_or_name)
+        if live is None:
             other = self._store.pool_row(id_or_name)
             if other is None:
-                raise
+                raise NotFound(f"no pool {id_or_name!r}")
             raise NotFound(
                 f"pool {id_or_name!r} is on host {other.host}, not {self._host}: "
                 "delete it through that host's daemon"
-            ) from None
+            )
         if not drain and live.row.deleting_at is None:
             try:
                 self._store.delete_pool(live.row.id)  # counts its buffers in the transaction
@@ -428,10 +426,11 @@ class Pools:
                 ) from None
             self._live.remove(live.row.id)
             live.pool.close()  # its warm stock goes with it
-            return
-        at = self._store.mark_pool_deleting(live.row.id)
-        live.row = msgspec.structs.replace(live.row, deleting_at=at)
-        self._finish_delete(live)
+        else:
+            at = self._store.mark_pool_deleting(live.row.id)
+            live.row = msgspec.structs.replace(live.row, deleting_at=at)
+            self._finish_delete(live)
+        self._on_deleted(live.row.id)
 
     def unload(self) -> None:
         """Forget every live pool (a fence: this host's claim is gone; :meth:`load` again)."""

@@ -87,6 +87,7 @@ class Tenants:
         held: Callable[[], dict[str, int]] = dict,
         disk_factor: int = 4,
         disk_used: Callable[[], dict[str, int]] = dict,
+        on_deleted: Callable[[str], None] = lambda _tenant_id: None,
     ) -> None:
         self._store = store
         self._buffer_rows = buffer_rows  # what a deleted tenant still holds here
@@ -101,6 +102,8 @@ class Tenants:
         #: the default disk quota's multiple of the quota; bytes on the disk tiers, per tenant
         self._disk_factor = disk_factor
         self._disk_used = disk_used
+        #: a deleted tenant's entries on the disk tiers erased (their ``drop_tenant``)
+        self._on_deleted = on_deleted
 
     def create(self, name: str, quota_bytes: int, disk_quota_bytes: int | None = None) -> NewTenant:
         """A new tenant and its first key (shown only here). :class:`StateConflict` if the
@@ -166,24 +169,30 @@ class Tenants:
     def delete(self, id_or_name: str) -> None:
         """Mark the tenant deleting and revoke its keys, release (scrub) every buffer it
         holds here — also those whose reserve is in flight — and delete it once no host
-        holds any (waiting up to ``remote_wait_s`` for the others)."""
+        holds any (waiting up to ``remote_wait_s`` for the others); then every entry of it
+        on the disk tiers is erased."""
         t = self.info(id_or_name)
         self._store.mark_tenant_deleting(t.id)
         self._auth.forget_keys()
+        self._release_and_wait(t.id)
+        self._on_deleted(t.id)
+
+    def _release_and_wait(self, tenant_id: str) -> None:
+        """This host's share released, then up to ``remote_wait_s`` for the other hosts'."""
         try:
-            if self._finish_delete(t.id):
+            if self._finish_delete(tenant_id):
                 return
         except HeldOpen:
             return  # deleting (keys revoked, nothing new admitted); ends when they go
         deadline = time.monotonic() + self._remote_wait_s
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            if self._store.tenant(t.id) is None:
+            if self._store.tenant(tenant_id) is None:
                 return
         logger.warning(
             "tenant %s: deleting; other hosts still hold some of its buffers "
             "(each releases its own at its next reaper pass)",
-            t.id,
+            tenant_id,
         )
 
     def finish_deletes(self) -> int:

@@ -27,13 +27,9 @@ from typing import Final, Literal
 from maasd.core.auth import require_tenant
 from maasd.core.disktier import DiskTiers
 from maasd.core.entries import Entries, EntryHandle
-from maasd.core.livepools import LivePools
-from maasd.core.pools import Pools
 from maasd.core.promotion import Promotions
 from maasd.core.shared import Shared
-from maasd.core.tenants import Tenants
-from maasd.models import PoolInfo, PoolSpec, Principal
-from maasd.store import TenantRepo
+from maasd.models import Principal
 
 __all__ = ["LATER", "Later", "Tiers"]
 
@@ -49,46 +45,15 @@ LATER: Final = Later.LATER
 
 
 class Tiers:
-    """The lookup order, and the use-cases whose end reaches the disk tiers too."""
+    """The lookup order through the tiers (see the module docstring)."""
 
     def __init__(
-        self,
-        store: TenantRepo,
-        live: LivePools,
-        entries: Entries,
-        disk: DiskTiers,
-        promotions: Promotions,
-        shared: Shared,
-        pools: Pools,
-        tenants: Tenants,
+        self, entries: Entries, disk: DiskTiers, promotions: Promotions, shared: Shared
     ) -> None:
-        self._store = store
-        self._live = live
         self._entries = entries
         self._disk = disk
         self._promotions = promotions
         self._shared = shared
-        self._pools = pools
-        self._tenants = tenants
-
-    def create_pool(self, spec: PoolSpec) -> PoolInfo:
-        info = self._pools.create(spec)
-        self._disk.add(self._live.find(info.id).row)
-        return info
-
-    def delete_pool(self, id_or_name: str, *, drain: bool = False) -> None:
-        """The pool deleted (Pools.delete), then every entry of its disk tier erased."""
-        live = self._live.named(id_or_name)  # None: another host's, or none (Pools.delete)
-        self._pools.delete(id_or_name, drain=drain)
-        if live is not None:
-            self._disk.remove(live.row.id)
-
-    def delete_tenant(self, id_or_name: str) -> None:
-        """The tenant deleted (Tenants.delete), then every entry of it on disk erased."""
-        row = self._store.tenant(id_or_name)
-        self._tenants.delete(id_or_name)
-        if row is not None:
-            self._disk.drop_tenant(row.id)
 
     def find(
         self,

@@ -31,7 +31,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from maasd.allocator._sys import FALLOC_FL_PUNCH_HOLE, fallocate
+from maasd.allocator import punch_file
 from maasd.errors import BackingError
 
 __all__ = ["SUFFIX", "DiskDir", "Sealed", "Unreadable"]
@@ -42,7 +42,6 @@ TAG = 16
 #: What decrypting into the caller's buffer needs beyond the bytes (cryptography's
 #: update_into asks for a block of room; the tail goes through a small scratch buffer).
 _TAIL = 4096
-FALLOC_FL_KEEP_SIZE = 0x01
 
 
 class Unreadable(Exception):
@@ -159,7 +158,7 @@ class DiskDir:
         if fd >= 0:
             try:
                 with contextlib.suppress(BackingError):  # not every filesystem punches
-                    fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, sealed.size + 64)
+                    punch_file(fd, sealed.size + 64)
             finally:
                 os.close(fd)
         with contextlib.suppress(FileNotFoundError):

@@ -148,7 +148,6 @@ class MaasdCache(llama_cpp.BaseLlamaCache):
         super().__init__(capacity_bytes=0)
         del url  # the signature's: the cache talks over the worker socket only
         self.model = model
-        self.pool = pool
         self._ctx = LlamaContextAdapter(model)
         if self._ctx.logits_all:
             raise ValueError(

@@ -104,7 +104,6 @@ class KVStore:
     ) -> None:
         check_chunk(chunk)
         del client  # the signature's: the transport (``entries``) is what talks to maasd
-        self.worker = worker
         self.model = model
         self.seq = LlamaSeqAdapter(model)
         self.entries: EntryTransport = entries or SocketEntries(worker, pool=pool)

@@ -35,7 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from maasd.bounds import DEFAULT_HOST, DEFAULT_URL, default_data_dir
+from maasd.bounds import DEFAULT_HOST, DEFAULT_URL, worker_socket
 
 __all__ = ["WorkerConfig", "build_parser", "default_socket", "parse_args"]
 
@@ -75,10 +75,7 @@ class WorkerConfig:
 def default_socket() -> str:
     """``MAASD_SOCKET``, else the daemon's default: ``DATA_DIR/maasd.sock`` (``MAASD_DATA_DIR``,
     else ``/var/lib/maasd`` as root, else ``$XDG_STATE_HOME/maasd`` or ``~/.local/state/maasd``)."""
-    if os.environ.get("MAASD_SOCKET"):
-        return os.environ["MAASD_SOCKET"]
-    data_dir = os.environ.get("MAASD_DATA_DIR") or default_data_dir()
-    return os.path.join(data_dir, "maasd.sock")
+    return os.environ.get("MAASD_SOCKET") or worker_socket()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,3 +16,9 @@ The package, by layer (each imports only those before it, maasd.llama's pure par
 
 See docs/llama-server.md.
 """
+
+__all__ = ["PUBLISH_TTL_S"]
+
+#: The lease of an entry a router publishes unless told otherwise (``maasd router --ttl``),
+#: in seconds; a hit extends it.
+PUBLISH_TTL_S = 3600

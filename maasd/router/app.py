@@ -20,9 +20,10 @@ from litestar.response import Response, Stream
 
 from maasd.client import Client
 from maasd.llama.link import Link
+from maasd.router import PUBLISH_TTL_S
 from maasd.router.fleet import Fleet, FleetConfig
 from maasd.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
-from maasd.router.proxy import Answer, BadRequest, Proxy, error_answer
+from maasd.router.proxy import Answer, Proxy, Unroutable, error_answer
 from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 
@@ -40,7 +41,7 @@ class RouterConfig:
     pool: str | None = None
     chunk: int = 64
     min_save_tokens: int = 128
-    ttl_s: int = 3600
+    ttl_s: int = PUBLISH_TTL_S
     copy_slot_files: bool = False
 
 
@@ -153,7 +154,7 @@ def build_app(router: Router) -> Litestar:
             return _problem(503, "no backend is up")
         try:
             return _respond(await router.proxy.complete(request.url.path, await request.body()))
-        except BadRequest as exc:
+        except Unroutable as exc:
             return _problem(400, str(exc))
 
     @post(["/v1/chat/completions", "/v1/completions"], status_code=200)

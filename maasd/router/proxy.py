@@ -36,7 +36,7 @@ from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 from maasd.router.slots import Slot, common_prefix
 
-__all__ = ["Answer", "BadRequest", "Proxy", "parse_body"]
+__all__ = ["Answer", "Unroutable", "Proxy", "parse_body"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ TOKEN_LIMIT = 1 << 31  # token ids are int32 in every state and key
 SETTLE_S = 30.0  # how long a restore waits for the server to notice a client went away
 
 
-class BadRequest(ValueError):
+class Unroutable(ValueError):
     """A request the router cannot route (not JSON, no prompt): a 400."""
 
 
@@ -53,7 +53,7 @@ def _no_constant(name: str) -> Any:
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """A request body as a JSON object the router can forward, or :class:`BadRequest`.
+    """A request body as a JSON object the router can forward, or :class:`Unroutable`.
 
     Refused: not JSON, not UTF-8, not an object, nested past the decoder's recursion
     limit, ``NaN``/``Infinity`` or a number too large for a double, and a lone UTF-16
@@ -63,19 +63,19 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw, parse_constant=_no_constant)
     except RecursionError:
-        raise BadRequest("the body nests too deep") from None
+        raise Unroutable("the body nests too deep") from None
     except ValueError as exc:  # UnicodeDecodeError too
-        raise BadRequest(f"the body is not JSON: {exc}") from None
+        raise Unroutable(f"the body is not JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+        raise Unroutable("the body must be a JSON object")
     try:  # what httpx and the forward do with it, once, here
         json.dumps(body, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except RecursionError:
-        raise BadRequest("the body nests too deep") from None
+        raise Unroutable("the body nests too deep") from None
     except UnicodeEncodeError:
-        raise BadRequest("the body holds a lone UTF-16 surrogate: no text") from None
+        raise Unroutable("the body holds a lone UTF-16 surrogate: no text") from None
     except ValueError as exc:  # an infinite number (1e999)
-        raise BadRequest(f"the body is not JSON that can be sent on: {exc}") from None
+        raise Unroutable(f"the body is not JSON that can be sent on: {exc}") from None
     return body
 
 
@@ -83,7 +83,7 @@ def _token_ids(prompt: list[Any]) -> npt.NDArray[np.int32]:
     """A prompt given as token ids, checked: ints (no booleans) in [0, 2^31)."""
     for t in prompt:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TOKEN_LIMIT:
-            raise BadRequest(f"prompt: token id {t!r} is not an int in [0, 2^31)")
+            raise Unroutable(f"prompt: token id {t!r} is not an int in [0, 2^31)")
     return np.asarray(prompt, dtype=np.int32)
 
 
@@ -153,7 +153,7 @@ class Proxy:
         chat = path.endswith("/chat/completions")
         prompt = body.get("prompt")
         if chat and not isinstance(body.get("messages"), list):
-            raise BadRequest("messages: a list is required")
+            raise Unroutable("messages: a list is required")
         if (
             not chat
             and isinstance(prompt, list)
@@ -179,7 +179,7 @@ class Proxy:
         body = parse_body(raw)
         try:
             tokens = await self.tokens(path, body)
-        except BadRequest:
+        except Unroutable:
             raise
         except httpx.HTTPStatusError as exc:
             r = exc.response

@@ -24,6 +24,7 @@ from maasd.client import EntryMapping, Scratch, Worker
 from maasd.client import errors as ce
 from maasd.llama.format import HeaderError, check_chunk, chunk_keys
 from maasd.llama.link import Link
+from maasd.router import PUBLISH_TTL_S
 from maasd.router.files import LinkedFile
 from maasd.router.state import (
     Settings,
@@ -62,7 +63,7 @@ class Sharing:
         *,
         chunk: int,
         pool: str | None = None,
-        ttl_s: int = 3600,
+        ttl_s: int = PUBLISH_TTL_S,
         drop: Callable[[str], None] | None = None,
         count: Callable[[str, str], None] | None = None,
         copy_files: bool = False,

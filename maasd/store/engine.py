@@ -37,6 +37,7 @@ never asks it not to wait: :class:`~maasd.store.database.Database`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +50,13 @@ from maasd.errors import ConfigError
 __all__ = [
     "BUSY_TIMEOUT_MS",
     "DURABLE",
+    "SchemaState",
     "alembic_config",
     "create_engine",
     "migrations_dir",
     "normalize_url",
     "pg_liveness",
+    "schema_state",
 ]
 
 #: How long a SQLite writer waits for the write lock before giving up.
@@ -115,7 +118,8 @@ def normalize_url(url: str | URL) -> URL:
 
 
 def _retry_locked(cursor: Any, sql: str, deadline_s: float = BUSY_TIMEOUT_MS / 1000) -> None:
-    """Run ``sql``, retrying while SQLite answers "database is locked".
+    """Run ``sql``, retrying while SQLite answers "database is locked" (``SQLITE_BUSY``;
+    ``SQLITE_LOCKED`` too), told by the error's code, never its message.
 
     Switching a new database to WAL needs an exclusive lock, and SQLite answers
     that pragma with SQLITE_BUSY at once instead of calling the busy handler —
@@ -131,12 +135,22 @@ def _retry_locked(cursor: Any, sql: str, deadline_s: float = BUSY_TIMEOUT_MS / 1
         try:
             cursor.execute(sql)
         except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > give_up:
+            if not _is_locked(exc) or time.monotonic() > give_up:
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         else:
             return
+
+
+def _is_locked(exc: Exception) -> bool:
+    """Whether SQLite refused for a lock another connection holds: the primary result
+    code (the low byte of an extended one, such as ``SQLITE_BUSY_RECOVERY``) of the
+    driver's error is ``SQLITE_BUSY`` or ``SQLITE_LOCKED``."""
+    import sqlite3
+
+    code = getattr(exc, "sqlite_errorcode", None)  # set by the driver, Python 3.11+
+    return code is not None and (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def create_engine(
@@ -275,6 +289,41 @@ def migrations_dir() -> Path:
             return candidate
     raise RuntimeError(
         f"Alembic migrations not found next to {package} (looked for migrations/env.py)"
+    )
+
+
+@dataclass(frozen=True)
+class SchemaState:
+    """Where a ledger's schema is against this maasd's migrations."""
+
+    #: The ledger's revisions (none: not migrated yet).
+    current: frozenset[str]
+    #: This maasd's newest revisions.
+    heads: frozenset[str]
+    #: Every revision this maasd ships.
+    known: frozenset[str]
+
+    @property
+    def at_head(self) -> bool:
+        """Nothing to migrate."""
+        return self.current == self.heads
+
+    @property
+    def unknown(self) -> bool:
+        """A revision this maasd does not ship: a newer maasd migrated the ledger."""
+        return not self.current <= self.known
+
+
+def schema_state(conn: sa.Connection) -> SchemaState:
+    """The schema of the ledger ``conn`` reaches against this maasd's migrations (read only)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config())
+    return SchemaState(
+        current=frozenset(MigrationContext.configure(conn).get_current_heads()),
+        heads=frozenset(script.get_heads()),
+        known=frozenset(rev.revision for rev in script.walk_revisions()),
     )
 
 

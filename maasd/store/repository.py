@@ -45,7 +45,7 @@ from sqlalchemy.engine import URL, Engine
 from maasd.store.base import OnDatabase
 from maasd.store.buffers import BufferRepo, ReserveRepo
 from maasd.store.database import Database
-from maasd.store.engine import alembic_config
+from maasd.store.engine import SchemaState, alembic_config, schema_state
 from maasd.store.events import EventRepo
 from maasd.store.hosts import HostRepo
 from maasd.store.pools import PoolRepo
@@ -124,7 +124,8 @@ class Store(OnDatabase):
         advisory transaction lock on PostgreSQL, so that daemons starting
         together migrate one after the other (the second finds nothing to do).
         Then the usage totals are checked against their rows, and mended if they
-        drifted (:meth:`~maasd.store.totals.TotalsRepo.mend_totals`: O(buffers)).
+        drifted (:meth:`~maasd.store.totals.TotalsRepo.mend_totals`: O(buffers)). A
+        ledger at the newest schema (:meth:`schema_state`) is left as it is.
         """
         from alembic import command
 
@@ -136,9 +137,16 @@ class Store(OnDatabase):
                 conn.execute(
                     sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID}
                 )
-            command.upgrade(alembic_config(connection=conn), revision)
+            if revision != "head" or not schema_state(conn).at_head:
+                command.upgrade(alembic_config(connection=conn), revision)
         if revision == "head":
             self.totals.mend_totals()
+
+    def schema_state(self) -> SchemaState:
+        """Where the ledger's schema is against this maasd's migrations (read only: what
+        :meth:`upgrade` would do; ``maasd doctor``'s ledger check)."""
+        with self.engine.connect() as conn:
+            return schema_state(conn)
 
     def dispose(self) -> None:
         """Close every pooled connection. The store must not be used afterwards."""

@@ -223,7 +223,7 @@ class _FakeMapping:
         self.array = np.zeros(1, np.uint8)
         self.closed = False
 
-    def _close_local(self) -> bool:
+    def unmap(self) -> bool:
         self.closed = True
         return True
 

@@ -177,3 +177,51 @@ def test_the_507_description_names_every_507_problem() -> None:
     assert {"pool-exhausted", "resource-limit", "ledger-unavailable"} <= set(codes)
     for code in codes:
         assert f"({code})" in MEANING[507], code
+
+
+def test_a_client_gone_mid_body_is_answered_quietly(
+    svc: Service, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The ASGI server's ``http.disconnect`` before the body's end is a client gone: a 400
+    nobody reads, and no error logged; the body's other refusals answer as before."""
+    import anyio
+
+    from maasd.api.app import create_app
+
+    app = create_app(svc)
+
+    def post(messages: list[dict]) -> tuple[int, list[str]]:
+        sent: list[dict] = []
+
+        async def receive() -> dict:
+            return messages.pop(0)
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/pools", "raw_path": b"/v1/pools",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 2), "state": {},
+            "headers": [
+                (b"host", b"maasd"), (b"content-type", b"application/json"),
+                (b"content-length", b"64"), (b"authorization", f"Bearer {ADMIN_KEY}".encode()),
+            ],
+        }  # fmt: skip
+        caplog.clear()
+        with caplog.at_level("ERROR", logger="maasd"):
+            anyio.run(app, scope, receive, send)  # type: ignore[arg-type]
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        return start["status"], [r.getMessage() for r in caplog.records]
+
+    status, logged = post(
+        [{"type": "http.request", "body": b'{"name": ', "more_body": True},
+         {"type": "http.disconnect"}]
+    )  # fmt: skip
+    assert (status, logged) == (400, [])
+    status, logged = post(
+        [{"type": "http.request", "body": b'{"name": ', "more_body": True},
+         {"type": "http.request", "body": b"x" * 65 * 1024, "more_body": True}]
+    )  # fmt: skip
+    assert status == 413  # a litestar HTTPException of its own still answers as before

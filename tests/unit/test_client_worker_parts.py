@@ -238,7 +238,7 @@ def test_clear_hands_every_mapping_back_to_be_closed() -> None:
     assert m.buffer_id == "e1"
     assert len(maps.cache) == 0
     hit.close()
-    m._close_local()
+    m.unmap()
 
 
 # -------------------------------------------------------------------------- MappedBuffers
@@ -270,4 +270,4 @@ def test_attachments_count_each_mapping_and_stage_puts() -> None:
     assert a.ids() == []
     assert a.unstage("p1") is None
     for m in (one, two, other, staged):
-        m._close_local()
+        m.unmap()

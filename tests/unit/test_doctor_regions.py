@@ -8,8 +8,7 @@ import anyio
 import anyio.to_thread
 
 from maasd.cli.doctor import check_region_budget, needs, region_need, regions_wanted
-from maasd.cli.doctor_limits import BASE_TASKS
-from maasd.core.limits import REST_THREADS, ProcessLimits, settings_limits
+from maasd.core.limits import BASE_TASKS, REST_THREADS, ProcessLimits, settings_limits
 from maasd.settings import Settings
 
 #: The documented example (docs/operations.md, "ProcessLimits"): M = 20000, the default socket

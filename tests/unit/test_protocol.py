@@ -27,12 +27,12 @@ from maasd.protocol import (
     Detach,
     Error,
     Found,
+    FrameError,
     FrameReader,
     FrameTooLarge,
     Hello,
     Lookup,
     Ok,
-    ProtocolError,
     Put,
     Renew,
     Reply,
@@ -183,7 +183,7 @@ class TestFrameReader:
             reader.feed(HEADER.pack(MAX_FRAME + 1))  # only the prefix: no body at all
         assert info.value.length == MAX_FRAME + 1
         assert reader.pending == 0
-        with pytest.raises(ProtocolError):  # no resynchronising a broken stream
+        with pytest.raises(FrameError):  # no resynchronising a broken stream
             reader.feed(encode_frame(Ok()))
 
     def test_huge_length_does_not_allocate(self):
@@ -203,7 +203,7 @@ class TestFrameReader:
     @given(st.binary(max_size=512), st.lists(st.integers(0, 600), max_size=6))
     def test_garbage_never_escapes_the_documented_errors(self, data, cuts):
         reader = FrameReader()
-        with contextlib.suppress(ProtocolError):  # FrameTooLarge: the stream is over
+        with contextlib.suppress(FrameError):  # FrameTooLarge: the stream is over
             for chunk in split_at(data, cuts):
                 for body in reader.feed(chunk):
                     with contextlib.suppress(msgspec.DecodeError):
@@ -345,3 +345,12 @@ def test_1024_lookup_keys_and_the_largest_size_are_accepted():
     assert decode_request(encode_frame(Lookup(keys=keys))[4:]) == Lookup(keys=keys)
     big = Put(key="k", size_bytes=2**63 - 1)
     assert decode_request(encode_frame(big)[4:]) == big
+
+
+def test_the_old_name_of_a_frame_error_still_answers_with_a_deprecation_warning() -> None:
+    import maasd.protocol
+
+    with pytest.warns(DeprecationWarning, match="use maasd.protocol.FrameError"):
+        old = maasd.protocol.ProtocolError
+    assert old is FrameError
+    assert issubclass(FrameTooLarge, old)

@@ -157,7 +157,7 @@ def test_the_sealed_copy_checksum_is_the_entry_state_checksum() -> None:
 def test_every_hostile_body_is_a_bad_request_before_any_backend_sees_it(
     path: str, raw: bytes
 ) -> None:
-    from maasd.router.proxy import BadRequest, parse_body
+    from maasd.router.proxy import Unroutable, parse_body
 
     async def tokens() -> Any:
         from maasd.router.metrics import RouterMetrics
@@ -171,7 +171,7 @@ def test_every_hostile_body_is_a_bad_request_before_any_backend_sees_it(
         proxy = Proxy(NoFleet(), None, RouterMetrics(), None)  # type: ignore[arg-type]
         return await proxy.complete(path, raw)
 
-    with pytest.raises(BadRequest):
+    with pytest.raises(Unroutable):
         asyncio.run(tokens())
 
 

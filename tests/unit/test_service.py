@@ -596,7 +596,7 @@ def test_a_revoked_key_is_refused_at_once_even_after_it_was_cached(svc: Service)
         svc.auth.authenticate(new.api_key)
     other = svc.tenants.create("deleted", MiB)
     svc.auth.authenticate(other.api_key)
-    svc.tiers.delete_tenant(other.id)
+    svc.tenants.delete(other.id)
     with pytest.raises(errors.Unauthorized):
         svc.auth.authenticate(other.api_key)
 
@@ -819,7 +819,7 @@ def test_a_tenant_delete_during_a_reserve_burst_finishes(svc: Service, trial: in
     runner = threading.Thread(target=lambda: results.extend(burst(svc, who, "fast", stop)))
     runner.start()
     time.sleep(0.05 + 0.02 * trial)
-    svc.tiers.delete_tenant(who.tenant_id or "")  # never a half-done StateConflict
+    svc.tenants.delete(who.tenant_id or "")  # never a half-done StateConflict
     stop.set()
     runner.join(30)
     assert any(not isinstance(r, Exception) for r in results)
@@ -834,13 +834,13 @@ def test_a_tenant_delete_during_a_reserve_burst_finishes(svc: Service, trial: in
 
 def test_a_pool_drain_during_a_reserve_burst_finishes(svc: Service) -> None:
     who = tenant(svc)
-    extra = svc.tiers.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
+    extra = svc.pools.create(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
     stop = threading.Event()
     results: list[Any] = []
     runner = threading.Thread(target=lambda: results.extend(burst(svc, who, "tmp", stop)))
     runner.start()
     time.sleep(0.1)
-    svc.tiers.delete_pool("tmp", drain=True)
+    svc.pools.delete("tmp", drain=True)
     stop.set()
     runner.join(30)
     failed = {type(r) for r in results if isinstance(r, Exception)}
@@ -870,7 +870,7 @@ def test_a_delete_cut_short_by_a_crash_finishes_at_the_next_start(tmp_path: Path
     who = tenant(s)
     s.reserves.reserve(who, req(MiB, pool="fast"))
     s.reserves.reserve(who, req(MiB, pool="slow"))
-    extra = s.tiers.create_pool(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
+    extra = s.pools.create(PoolSpec(name="tmp", numa_node=0, capacity_bytes=8 * MiB))
     other = tenant(s, name="other")
     s.reserves.reserve(other, req(MiB, pool="tmp"))
     # what a SIGKILL right after the marks leaves: both marked, nothing released yet

@@ -68,3 +68,50 @@ def test_sqlite_write_transactions_begin_immediate(tmp_path: Any) -> None:
     finally:
         other.close()
         s.dispose()
+
+
+def test_a_pragma_refused_for_a_lock_is_retried_and_any_other_error_is_not(tmp_path: Any) -> None:
+    """SQLite answers the WAL switch SQLITE_BUSY at once while another connection holds the
+    lock: the pragma is tried again until the lock goes (told by the error's code); an
+    error of another code is raised at the first try."""
+    import sqlite3
+    import threading
+
+    from maasd.store.engine import _retry_locked
+
+    path = tmp_path / "r.db"
+    holder = sqlite3.connect(path, isolation_level=None, timeout=0, check_same_thread=False)
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        holder.execute("CREATE TABLE t (x)")
+        holder.execute("BEGIN EXCLUSIVE")
+        with pytest.raises(sqlite3.OperationalError) as refused:
+            other.execute("PRAGMA journal_mode=WAL")
+        assert refused.value.sqlite_errorname == "SQLITE_BUSY"
+        threading.Timer(0.05, holder.execute, ("COMMIT",)).start()
+        _retry_locked(other.cursor(), "PRAGMA journal_mode=WAL", deadline_s=5)
+        assert other.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        with pytest.raises(sqlite3.OperationalError, match="no such table"):
+            _retry_locked(other.cursor(), "SELECT * FROM missing", deadline_s=5)
+    finally:
+        other.close()
+        holder.close()
+
+
+def test_the_schema_state_is_what_upgrade_and_doctor_read(tmp_path: Any) -> None:
+    s = Store(f"sqlite:///{tmp_path / 's.db'}")
+    try:
+        fresh = s.schema_state()
+        assert fresh.current == frozenset()
+        assert not fresh.at_head
+        assert not fresh.unknown
+        assert fresh.heads == {head_revision()}
+        assert head_revision() in fresh.known
+        s.upgrade()
+        migrated = s.schema_state()
+        assert migrated.at_head
+        assert migrated.current == {head_revision()}
+        s.upgrade()  # at the newest schema: nothing to migrate, and no error
+        assert s.schema_state() == migrated
+    finally:
+        s.dispose()

@@ -15,6 +15,7 @@ from typing import Literal
 import click
 from rich.table import Table
 
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.cli.maasctl.context import (
     Ctx,
     complete,
@@ -202,7 +203,9 @@ def buffers_show(c: Ctx, buffer_id: str) -> None:
 )
 @click.option("--persistence", type=click.Choice(["volatile", "persistent"]))
 @click.option("--node", "numa_node", type=click.IntRange(min=0), help="On this NUMA node.")
-@click.option("--ttl", "ttl_s", type=click.IntRange(min=1), default=600, show_default=True)
+@click.option(
+    "--ttl", "ttl_s", type=click.IntRange(min=1), default=DEFAULT_TTL_S, show_default=True
+)
 @click.option("--label", help="Free text shown in listings.")
 @pass_ctx
 def buffers_reserve(

@@ -12,7 +12,6 @@ The daemon itself never parses an entry: this is the tenant's tool, on the clien
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from maasd.bounds import default_data_dir
+from maasd.bounds import worker_socket
 from maasd.cli.maasctl.context import Ctx, pass_ctx, raw
 from maasd.cli.maasctl.errors import Unreachable
 from maasd.cli.maasctl.formatting import add_row, ident, kv_table, note, short, size, table, text
@@ -59,9 +58,7 @@ def _summary(v: StateView, key: str | None) -> dict[str, Any]:
 
 
 def _socket_path(given: str | None) -> str:
-    if given:
-        return given
-    return os.path.join(os.environ.get("MAASD_DATA_DIR") or default_data_dir(), "maasd.sock")
+    return given or worker_socket()
 
 
 @contextlib.contextmanager
