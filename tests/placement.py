@@ -11,6 +11,7 @@ product's wrapper) where each page of *this* process's mapping of a buffer lives
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import Daemon
-from maasd.topology import discover
+from maasd.topology import SYSFS_NODES, discover
 
 TOPOLOGY = discover()
 NODES = sorted(TOPOLOGY.node_ids)
@@ -31,6 +32,7 @@ MiB = 1 << 20
 
 _SYS_MOVE_PAGES = 279  # x86_64
 _MADV_POPULATE_READ = 22
+_MPOL_MF_MOVE_ALL = 1 << 2  # move pages mapped by other processes too (CAP_SYS_NICE)
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -75,9 +77,54 @@ def pages_by_node(addr: int, length: int, page: int = PAGE) -> dict[int, int]:
     return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}
 
 
+def move_behind_its_back(array: np.ndarray, node: int, page: int = PAGE) -> dict[int, int]:
+    """Move every page of this process's mapping of a buffer to ``node`` — a migration the
+    daemon did not ask for (as a NUMA balancer or a hot-remove would make), overriding
+    the buffer's binding: ``move_pages`` with target nodes and ``MPOL_MF_MOVE_ALL`` (root:
+    the daemon maps the same pages). Returns where the kernel says each page ended
+    (``{node: pages}``; negative keys are errnos)."""
+    addr, count = array.ctypes.data, array.nbytes // page
+    pages = (np.arange(count, dtype=np.uint64) * np.uint64(page) + np.uint64(addr)).astype(
+        np.uint64
+    )
+    nodes = np.full(count, node, dtype=np.int32)
+    status = np.full(count, -errno.EINVAL - 1000, dtype=np.int32)
+    rc = _libc.syscall(
+        ctypes.c_long(_SYS_MOVE_PAGES),
+        ctypes.c_int(0),
+        ctypes.c_ulong(count),
+        ctypes.c_void_p(pages.ctypes.data),
+        ctypes.c_void_p(nodes.ctypes.data),
+        ctypes.c_void_p(status.ctypes.data),
+        ctypes.c_int(_MPOL_MF_MOVE_ALL),
+    )
+    if rc < 0:
+        raise OSError(ctypes.get_errno(), "move_pages(MPOL_MF_MOVE_ALL)")
+    values, counts = np.unique(status, return_counts=True)
+    return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}
+
+
 def array_pages(array: np.ndarray, page: int = PAGE) -> dict[int, int]:
     """:func:`pages_by_node` of a NumPy view of a whole mapping."""
     return pages_by_node(array.ctypes.data, array.nbytes, page)
+
+
+@contextlib.contextmanager
+def huge_pages(per_node: dict[int, int]) -> Iterator[None]:
+    """Set each node's 2 MiB ``nr_hugepages`` (root; the guest's own), restored after."""
+    paths = {
+        n: Path(SYSFS_NODES) / f"node{n}/hugepages/hugepages-{HUGE >> 10}kB/nr_hugepages"
+        for n in per_node
+    }
+    old = {n: p.read_text().strip() for n, p in paths.items()}
+    try:
+        for n, count in per_node.items():
+            paths[n].write_text(str(count))
+            assert int(paths[n].read_text()) == count, f"node {n} got fewer huge pages"
+        yield
+    finally:
+        for n, p in paths.items():
+            p.write_text(old[n])
 
 
 def all_on(node: int, size: int, page: int = PAGE) -> dict[int, int]:

@@ -163,8 +163,9 @@ class MemoryPool:
             try:
                 return self._create(rounded, **options)
             except BackingError as e:
-                # Out of memory while pools hold warm stock: once it is given back, try again.
-                if e.errno not in (errno.ENOMEM, errno.ENOSPC) or not self._shed_everywhere():
+                # Out of memory while pools hold warm stock: once it is given back, try again
+                # (huge pages: EFAULT at populate when the node has too few of its own).
+                if not self._out_of_memory(e) or not self._shed_everywhere():
                     raise
             except PoolExhausted:  # the node cannot spare the pages (Region.populate): the same
                 if not self._shed_everywhere():
@@ -179,6 +180,11 @@ class MemoryPool:
         return Region.create(
             size, node=self.numa_node, backing=self.backing, page_bytes=self.page_bytes, **options
         )
+
+    def _out_of_memory(self, e: BackingError) -> bool:
+        if e.errno in (errno.ENOMEM, errno.ENOSPC):
+            return True
+        return self.backing == "hugetlb" and e.errno == errno.EFAULT
 
     def _shed_everywhere(self) -> bool:
         return self.warmer is not None and self.warmer.shed(backing=self.backing) > 0

@@ -570,7 +570,10 @@ def kernel_refusal(
     from ``mmap``: out of mappings or address space — but for ``hugetlb`` memory
     it is the kernel reserving the huge pages at ``mmap`` and finding none free;
     ENOMEM/ENOSPC otherwise: the kernel has no memory for the pages (``wanted``
-    says which: "4096 bytes on node 0").
+    says which: "4096 bytes on node 0"); for ``hugetlb`` memory also EFAULT from the
+    populate (``madvise``): the region's node has too few free huge pages of its own
+    (huge pages are reserved at ``mmap`` host-wide, but a bound region takes only its
+    node's — docs/allocator.md, "Placement").
     """
     if e.errno == errno.EMFILE:
         return ResourceLimit(f"the kernel refused a file ({e.detail}): {budget.describe()}")
@@ -586,4 +589,9 @@ def kernel_refusal(
         )
     if e.errno in (errno.ENOMEM, errno.ENOSPC):
         return PoolExhausted(f"the kernel has no memory for {wanted} ({e.detail})")
+    if hugetlb and e.errno == errno.EFAULT and e.op == "madvise":
+        return PoolExhausted(
+            f"too few free huge pages for {wanted}: a hugetlb buffer takes its own "
+            f"node's, never another's ({e.detail})"
+        )
     return None

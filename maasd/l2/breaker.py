@@ -115,6 +115,12 @@ class TenantBreakers:
         with self._lock:
             self._of.pop(tenant, None)
 
+    def clear(self) -> None:
+        """Forget every tenant's failures (the host's breaker closed after an outage: the
+        calls that failed during it were the service's, not their tenants')."""
+        with self._lock:
+            self._of.clear()
+
     def release(self, tenant: str) -> None:
         b = self._of.get(tenant)
         if b is not None:

@@ -110,11 +110,7 @@ class L2Tier:
     def fetch(self, tenant_id: str, keys: list[str]) -> Fetched | None:
         """The tenant's longest of ``keys`` that L2 holds, checked; None for anything else."""
         m = self.metrics
-        if not self.tenants.ready(tenant_id) or not self.breaker.allow():
-            self._skipped.inc()
-            return None
-        if not self.tenants.allow(tenant_id):
-            self.breaker.release()
+        if not self._allow(tenant_id):
             self._skipped.inc()
             return None
         started = time.perf_counter()
@@ -312,8 +308,9 @@ class L2Tier:
         self._host_ok()
 
     def _host_ok(self) -> None:
-        if not self.breaker.closed:
+        if not self.breaker.closed:  # an outage ended: no tenant is judged by its failures
             logger.info("L2 reachable again: circuit breaker closed")
+            self.tenants.clear()
         self.breaker.success()
         self.metrics.breaker_open.set(0)
 

@@ -6,18 +6,15 @@ and 100 % of the pages must be on the node asked for.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from maasd.allocator import MemoryPool, Region
 from maasd.errors import BackingError, PlacementError, PoolExhausted
-from maasd.topology import SYSFS_NODES, discover, node_room
-from placement import HUGE, NODES, PAGE, MiB, all_on, pages_by_node
+from maasd.topology import discover, node_room
+from placement import HUGE, NODES, PAGE, MiB, all_on, huge_pages, pages_by_node
 
 FAR = NODES[-1]  # the node that is not the default one
 
@@ -98,24 +95,6 @@ def test_warm_stock_of_a_pool_on_the_far_node() -> None:
     finally:
         pool.release(r)
         pool.close()
-
-
-@contextlib.contextmanager
-def huge_pages(per_node: dict[int, int]) -> Iterator[None]:
-    """Set each node's 2 MiB ``nr_hugepages`` (root; the guest's own), restored after."""
-    paths = {
-        n: Path(SYSFS_NODES) / f"node{n}/hugepages/hugepages-{HUGE >> 10}kB/nr_hugepages"
-        for n in per_node
-    }
-    old = {n: p.read_text().strip() for n, p in paths.items()}
-    try:
-        for n, count in per_node.items():
-            paths[n].write_text(str(count))
-            assert int(paths[n].read_text()) == count, f"node {n} got fewer huge pages"
-        yield
-    finally:
-        for n, p in paths.items():
-            p.write_text(old[n])
 
 
 @pytest.mark.hugetlb

@@ -18,8 +18,20 @@ import pytest
 
 from conftest import Daemon
 from maasd.client import Worker
-from maasd.topology import node_room
-from placement import NODES, PAGE, TOPOLOGY, MiB, all_on, array_pages
+from maasd.core.strays import PAGES_PER_REGION
+from maasd.topology import discover, node_room
+from placement import (
+    HUGE,
+    NODES,
+    PAGE,
+    TOPOLOGY,
+    MiB,
+    all_on,
+    array_pages,
+    huge_pages,
+    move_behind_its_back,
+)
+from waiting import wait_until
 
 FAR = NODES[-1]
 # Under TCG on a busy host a daemon takes minutes to start (imports over 9p).
@@ -73,18 +85,26 @@ def test_reserve_by_numa_node_and_by_a_latency_class_only_the_far_node_meets(
 
 
 def test_a_pool_on_the_far_node_buffers_warm_stock_and_entries(numa_daemon: Daemon) -> None:
+    """The pool is made as an operator makes it (``maasctl pools create --node``), with a
+    capacity of two buffers and a warm stock of one: once the first buffer is held, the
+    stock can hold one more region and nothing else, so a reserve that empties the stock
+    (0 bytes left, none refilled: no room) was served from it."""
     d = numa_daemon
-    d.pool("far", 64 * MiB, numa_node=FAR, warm_bytes=32 * MiB)
+    maasctl(d, "pools", "create", "far", "--node", str(FAR), "--capacity", "8MiB", "--warm", "4MiB")
+    pool = d.admin.get("/v1/pools/far").json()
+    assert (pool["numa_node"], pool["warm_target_bytes"]) == (FAR, 4 * MiB)
     _, key = d.tenant("far")
     first = reserve(d, key, "/v1/pools/far/reserve", size_bytes=4 * MiB)
     with Worker(d.socket_path, key, renew_interval_s=0) as w:
         assert array_pages(w.attach(first["id"]).array) == all_on(FAR, 4 * MiB)
         # the stock follows the sizes asked for: wait until it holds one of this size
-        from waiting import wait_until
-
-        wait_until(lambda: d.admin.get("/v1/pools/far").json()["warm_bytes"] >= 4 * MiB, 120)
+        wait_until(lambda: warm_bytes(d, "far") == 4 * MiB, 120, message="the stock filled")
         warm = reserve(d, key, "/v1/pools/far/reserve", size_bytes=4 * MiB)
+        assert warm_bytes(d, "far") == 0, "the reserve did not take the stocked region"
+        assert d.admin.get("/v1/pools/far").json()["free_bytes"] == 0
         assert array_pages(w.attach(warm["id"]).array) == all_on(FAR, 4 * MiB)
+        for buf in (first, warm):
+            assert d.client(key).delete(f"/v1/buffers/{buf['id']}").status_code == 204
         # an entry: written in a staging region, copied at commit into a fresh one
         data = np.random.default_rng(1).integers(0, 256, 2 * MiB, dtype=np.uint8)
         with w.entry("far-entry", 2 * MiB, pool="far") as staged:
@@ -169,12 +189,93 @@ def test_a_full_node_is_a_clear_507_and_nothing_changes(numa_daemon: Daemon) -> 
         assert array_pages(w.attach(small["id"]).array) == all_on(FAR, 8 * MiB)
 
 
-def test_no_page_off_its_node_in_metrics(numa_daemon: Daemon) -> None:
+def test_placement_metric_samples_and_sees_pages_moved_off_their_node(
+    numa_daemon: Daemon,
+) -> None:
+    """``maasd_pool_pages_off_node`` is 0 because pages were asked about and found home
+    (``maasd_pool_pages_sampled`` > 0), and not 0 once a buffer's pages are moved to the
+    other node behind the daemon's back (``move_pages`` from a worker's mapping, as a NUMA
+    balancer or a hot-remove would); a pin puts them back and the count falls to 0."""
     d = numa_daemon
-    text = d.admin.get("/metrics").text
-    assert "maasd_pool_pages_off_node" in text
+    _, key = d.tenant("watched")
+    c = d.client(key)
+    bufs = {n: reserve(d, key, f"/v1/pools/node{n}/reserve", size_bytes=4 * MiB) for n in NODES}
+    for n in NODES:
+        assert d.metric("maasd_pool_pages_sampled", pool=f"node{n}") >= PAGES_PER_REGION
+        assert d.metric("maasd_pool_pages_off_node", pool=f"node{n}") == 0
+    away = NODES[0]
+    with Worker(d.socket_path, key, renew_interval_s=0) as w:
+        m = w.attach(bufs[FAR]["id"])
+        m.array[:] = 3
+        assert move_behind_its_back(m.array, away) == all_on(away, 4 * MiB)
+        assert array_pages(m.array) == all_on(away, 4 * MiB)
+        # every page the daemon samples of that buffer is found off its node, no other
+        assert d.metric("maasd_pool_pages_off_node", pool=f"node{FAR}") == PAGES_PER_REGION
+        assert d.metric("maasd_pool_pages_off_node", pool=f"node{away}") == 0
+        assert placement_of(d, key, bufs[FAR]["id"]) == all_on(away, 4 * MiB)
+        r = c.patch(f"/v1/buffers/{bufs[FAR]['id']}/pin", json={"numa_node": FAR})
+        assert r.status_code == 200, r.text
+        assert array_pages(m.array) == all_on(FAR, 4 * MiB)
+        assert d.metric("maasd_pool_pages_off_node", pool=f"node{FAR}") == 0
+        assert np.all(m.array == 3)
     for n in NODES:
         assert d.metric("maasd_pool_pages_off_node", pool=f"node{n}") == 0
+
+
+@pytest.mark.hugetlb
+def test_a_hugetlb_pool_on_each_node_takes_that_nodes_huge_pages(numa_daemon: Daemon) -> None:
+    """Huge pages reserved per node (4 on the far node, none on node 0): a hugetlb pool
+    made with ``maasctl --backing hugetlb`` on the far node gives a worker buffers of that
+    node's huge pages, all of them; one on node 0 answers 507 and takes none of the far
+    node's."""
+    d = numa_daemon
+    near = NODES[0]
+    with huge_pages({near: 0, FAR: 4}):
+        maasctl(
+            d, "pools", "create", "hp-far", "--node", str(FAR), "--capacity", "8MiB",
+            "--backing", "hugetlb",
+        )  # fmt: skip
+        maasctl(
+            d, "pools", "create", "hp-near", "--node", str(near), "--capacity", "8MiB",
+            "--backing", "hugetlb",
+        )  # fmt: skip
+        _, key = d.tenant("hugetlb")
+        c = d.client(key)
+        try:
+            buf = reserve(d, key, "/v1/pools/hp-far/reserve", size_bytes=4 * MiB)
+            assert buf["numa_node"] == FAR
+            assert huge_free() == {near: 0, FAR: 2}
+            data = np.random.default_rng(3).integers(0, 256, 4 * MiB, dtype=np.uint8)
+            with Worker(d.socket_path, key, renew_interval_s=0) as w:
+                m = w.attach(buf["id"])
+                m.array[:] = data
+                assert array_pages(m.array, HUGE) == all_on(FAR, 4 * MiB, HUGE)
+                assert np.array_equal(m.array, data)
+            assert placement_of(d, key, buf["id"]) == all_on(FAR, 4 * MiB, HUGE)
+            r = c.post("/v1/pools/hp-near/reserve", json={"size_bytes": 2 * MiB})
+            assert r.status_code == 507, r.text  # was a 500: EFAULT at populate
+            assert r.json()["type"].endswith("/pool-exhausted")
+            assert f"on node {near}" in r.json()["detail"]
+            assert huge_free() == {near: 0, FAR: 2}, "a huge page was taken from the far node"
+            assert c.delete(f"/v1/buffers/{buf['id']}").status_code == 204
+            wait_until(lambda: huge_free()[FAR] == 4, 60, message="the huge pages given back")
+        finally:
+            for name in ("hp-far", "hp-near"):
+                d.admin.delete(f"/v1/pools/{name}", params={"drain": "true"})
+
+
+def huge_free() -> dict[int, int]:
+    """Free huge pages per node, as the kernel counts them now."""
+    return {n.id: n.hugepages_free for n in discover().nodes}
+
+
+def warm_bytes(d: Daemon, pool: str) -> int:
+    return int(d.admin.get(f"/v1/pools/{pool}").json()["warm_bytes"])
+
+
+def maasctl(d: Daemon, *args: str) -> str:
+    """``maasctl ARGS`` against this daemon, as its admin; its output."""
+    return _cli("maasd.cli.maasctl", *args, MAASD_URL=d.url, MAASD_ADMIN_KEY=d.admin_key)
 
 
 def _cli(*args: str, **env: str) -> str:
@@ -196,7 +297,7 @@ def test_topology_everywhere_shows_both_nodes_and_their_distances(
     distances = [[10 if i == j else 20 for j in NODES] for i in NODES]
     topo = d.admin.get("/v1/topology").json()
     assert [n["distances"] for n in topo["nodes"]] == distances
-    table = _cli("maasd.cli.maasctl", "topology", MAASD_URL=d.url, MAASD_ADMIN_KEY=d.admin_key)
+    table = maasctl(d, "topology")
     assert "10 20" in table
     assert "20 10" in table
     info = json.loads(_cli("maasd.cli.daemon", "info", "--json", MAASD_DATA_DIR=str(tmp_path)))

@@ -194,6 +194,42 @@ def test_a_tenant_failing_alone_pauses_only_itself() -> None:
     assert t.queue.entries == 1
 
 
+def test_an_outage_pauses_no_tenant_once_the_service_is_back() -> None:
+    """Redis frozen, then thawed between a tenant's call and its PING: the call failed
+    (the outage's doing), the PING answers and the host's breaker closes — the tenant is
+    not paused for another backoff (its lookups asked, its writes queued at once). Before,
+    its breaker stayed open past the service's return and its writes were dropped."""
+    from maasd.l2.breaker import TenantBreakers
+
+    t, fake, reg = tier(l2_breaker_failures=2)
+    clock = Clock()
+    t.breaker = Breaker(2, 60.0, clock)
+    t.tenants = TenantBreakers(2, 60.0, clock)
+    fake.values[("a", "k")] = encode("a", "k", b"z" * 100)
+    fake.down = True
+    assert t.fetch("a", ["k"]) is None
+    assert t.fetch("a", ["k"]) is None  # a's breaker and the host's open: PINGs fail too
+    assert sample(reg, "maasd_l2_breaker_open") == 1
+    clock.now += 61
+    real_fetch = fake.fetch
+
+    def fetch(*_args: object, **_kwargs: object):
+        fake.fetch = real_fetch  # the service is back from the next call on
+        fake.down = False
+        raise ConnectionError("timed out while frozen")
+
+    fake.fetch = fetch
+    assert t.fetch("a", ["k"]) is None  # the probe: its call fails, its PING answers
+    assert sample(reg, "maasd_l2_breaker_open") == 0
+    assert t.tenants.ready("a")
+    hit = t.fetch("a", ["k"])  # asked at once
+    assert hit is not None
+    assert bytes(hit.data) == b"z" * 100
+    t.write_behind("a", "k2", "b1", 4096)
+    assert sample(reg, "maasd_l2_dropped_writes_total", reason="breaker_open") == 0
+    assert t.queue.entries == 1
+
+
 def test_values_over_the_limit_are_skipped_and_counted() -> None:
     t, _fake, reg = tier(l2_max_value_bytes=1 << 20)
     assert sample(reg, "maasd_l2_max_value_bytes") == 1 << 20

@@ -139,6 +139,21 @@ def test_a_refusal_is_told_apart_by_its_syscall_not_its_text() -> None:
 def test_other_kernel_refusals_are_not_limits() -> None:
     budget = RegionBudget(ProcessLimits(open_files=1024), held=lambda: 0)
     assert kernel_refusal(BackingError("mbind: [EINVAL]", errno.EINVAL), budget, "x") is None
+    # EFAULT at populate is a node short of huge pages for hugetlb memory only
+    populate = BackingError("madvise(23) of 2097152 bytes: [EFAULT]", errno.EFAULT, op="madvise")
+    assert kernel_refusal(populate, budget, "x") is None
+
+
+def test_a_node_short_of_huge_pages_is_a_507_naming_the_node() -> None:
+    """Huge pages are reserved host-wide at mmap, but a region bound to node 0 takes only
+    node 0's: with none free there, the populate fails with EFAULT (seen in the two-node
+    guest, where it was a 500)."""
+    budget = RegionBudget(ProcessLimits(open_files=1024), held=lambda: 0)
+    populate = BackingError("madvise(23) of 2097152 bytes: [EFAULT]", errno.EFAULT, op="madvise")
+    got = kernel_refusal(populate, budget, "2097152 bytes on node 0", hugetlb=True)
+    assert type(got) is PoolExhausted
+    assert got is not None
+    assert "huge pages for 2097152 bytes on node 0" in got.detail
 
 
 def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
