@@ -89,7 +89,7 @@ class Buffers:
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
-        self._store = store
+        self._buffer_rows = store
         self._tenant_rows = tenant_rows  # an admin's tenant reference (id or name) resolved
         self._regions = regions
         self._live = live
@@ -113,8 +113,8 @@ class Buffers:
                 raise NotFound(f"no tenant {tenant_id!r}")
             tenant_id = row.id
         if held:
-            return held_infos(self._store, self._holders, tenant_id)
-        return [buffer_info(r) for r in self._store.buffers(tenant_id=tenant_id)]
+            return held_infos(self._buffer_rows, self._holders, tenant_id)
+        return [buffer_info(r) for r in self._buffer_rows.buffers(tenant_id=tenant_id)]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
         """One buffer, with its ``placement`` as the kernel reports it now (pages per node)."""
@@ -131,7 +131,7 @@ class Buffers:
         row = _committed(self._held_here(self._own_row(who, buffer_id)), "pinned")
         with self._regions.buffer_lock(row.id):
             placed = self._regions.live_region(row.id).pin(numa_node, self._pools.topology.node_ids)
-        self._store.set_numa_node(row.id, numa_node)
+        self._buffer_rows.set_numa_node(row.id, numa_node)
         return buffer_info(msgspec.structs.replace(row, numa_node=numa_node), placed)
 
     def renew(self, who: Principal, buffer_id: str, ttl_s: int) -> BufferInfo:
@@ -139,7 +139,7 @@ class Buffers:
         (at most ``max_ttl_s``)."""
         tenant_id = require_tenant(who)
         expires = leases.expires_at(time.time(), ttl_s, self._settings.max_ttl_s)
-        return buffer_info(self._store.renew(buffer_id, tenant_id, expires))
+        return buffer_info(self._buffer_rows.renew(buffer_id, tenant_id, expires))
 
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
         """Write a persistent buffer to its pool's spill dir; :class:`StateConflict` if volatile."""
@@ -156,14 +156,16 @@ class Buffers:
         durable = held_durable(self._regions, self._live, who, buffer_id)
         if durable is None:  # not held here for the caller: the ledger says what it is
             durable = must_last(self._held_here(self._own_row(who, buffer_id)).persistence)
-        row = self._store.mark_releasing(buffer_id, tenant_id, only_leased=True, durable=durable)
+        row = self._buffer_rows.mark_releasing(
+            buffer_id, tenant_id, only_leased=True, durable=durable
+        )
         self._releaser.release_row(row, reason="release", marked=True)
 
     def lookup(self, who: Principal, lookup_keys: list[str]) -> LookupHit | None:
         """The longest of ``lookup_keys`` (ordered short → long) with a live buffer here;
         ``None`` for a miss (the REST edge answers it 404)."""
         tenant_id = require_tenant(who)
-        hit = self._store.lookup(tenant_id, lookup_keys, host=self._host)
+        hit = self._buffer_rows.lookup(tenant_id, lookup_keys, host=self._host)
         if hit is None:
             return None
         return LookupHit(key=hit[0], buffer=buffer_info(hit[1]))
@@ -183,7 +185,7 @@ class Buffers:
         """The buffer if ``who`` may see it (the admin sees all); :class:`NotFound` otherwise.
         ``hide_releasing``: one being released is gone to its tenant (the admin still sees
         it, e.g. a committed entry a worker holds open, still in the quota)."""
-        row = self._store.buffer(buffer_id, None if who.is_admin else who.tenant_id)
+        row = self._buffer_rows.buffer(buffer_id, None if who.is_admin else who.tenant_id)
         if row is None or (hide_releasing and row.state == "releasing" and not who.is_admin):
             raise NotFound(f"no buffer {buffer_id!r}")
         return row

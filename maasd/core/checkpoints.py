@@ -41,7 +41,7 @@ class Checkpoints:
     def __init__(
         self, store: BufferRepo, regions: Regions, live: LivePools, metrics: Metrics
     ) -> None:
-        self._store = store
+        self._buffer_rows = store
         self._regions = regions
         self._live = live
         self._metrics = metrics
@@ -63,9 +63,9 @@ class Checkpoints:
         path = os.path.join(live.row.spill_dir, f"{row.id}.{time.time_ns():x}.ckpt")
         with self._alone(row.id), self._regions.buffer_lock(row.id):
             checksum = allocator.checkpoint(self._regions.live_region(row.id), path)
-            previous = self._store.buffer(row.id, None)
+            previous = self._buffer_rows.buffer(row.id, None)
             try:
-                self._store.set_checkpoint(row.id, path, checksum, time.time())
+                self._buffer_rows.set_checkpoint(row.id, path, checksum, time.time())
             except NotFound:
                 os.unlink(path)
                 raise
@@ -119,7 +119,7 @@ class Checkpoints:
             spill_dirs.add(live.row.spill_dir)
         for spill_dir in sorted(spill_dirs):
             allocator.sync_filesystem(spill_dir)
-        recorded = self._store.set_checkpoints(
+        recorded = self._buffer_rows.set_checkpoints(
             [(row.id, path, checksum) for row, path, checksum in written], time.time()
         )
         for row, path, _checksum in written:

@@ -43,7 +43,7 @@ class Demotions:
         self, settings: Settings, store: TenantRepo, regions: Regions, disk: DiskTiers
     ) -> None:
         self._factor = settings.disk_quota_factor
-        self._store, self._regions, self._disk = store, regions, disk
+        self._tenant_rows, self._regions, self._disk = store, regions, disk
         self._metrics = disk.metrics
         self._writer = Writer(settings.disk_inflight_bytes)
 
@@ -83,7 +83,7 @@ class Demotions:
             self._metrics.dropped(tier.pool, "busy")
             self._disk.abandon(row)
             return
-        tenant = self._store.tenant(row.tenant_id)
+        tenant = self._tenant_rows.tenant(row.tenant_id)
         if tenant is not None and tenant.deleting_at is not None:
             tenant = None  # being deleted: nothing of it may stay behind on disk
         sealed_blob = None if tenant is None else self._seal(row)

@@ -112,7 +112,7 @@ class Entries:
         releaser: Releaser,
         metrics: Metrics,
     ) -> None:
-        self._store = store
+        self._buffer_rows = store
         self._regions = regions
         self._live = live
         self._holders = holders
@@ -220,7 +220,7 @@ class Entries:
             else:
                 durable = must_last(live.row.persistence)
                 try:
-                    committed = self._store.commit(buffer_id, time.time(), durable=durable)
+                    committed = self._buffer_rows.commit(buffer_id, time.time(), durable=durable)
                 except BaseException:  # the ledger cannot answer (507): the copy goes now
                     committed = None
                     raise
@@ -293,7 +293,7 @@ class Entries:
     def release_staged(self, tenant_id: str, buffer_id: str, reason: EntryAbortReason) -> None:
         """Release the entry if it is still staged (a compare-and-set in the ledger)."""
         held = self._regions.held(buffer_id)
-        row: BufferRow | None = self._store.mark_staged_releasing(
+        row: BufferRow | None = self._buffer_rows.mark_staged_releasing(
             buffer_id, tenant_id, durable=held is None or self.durable(held)
         )
         if row is None:

@@ -66,7 +66,7 @@ class Hosts:
 
     def __init__(self, settings: Settings, store: HostRepo, regions: Regions) -> None:
         self._settings = settings
-        self._store = store
+        self._host_rows = store
         self._regions = regions
         self.name = settings.node_name
         #: This process's claim: a new one per start (and per rejoin after a fence).
@@ -79,10 +79,10 @@ class Hosts:
     def claim(self, *, wait: bool = True) -> None:
         """Serve as this host: :class:`ConfigError` if another daemon does (see the module)."""
         hb = self._settings.reaper_interval_s
-        other = self._store.claim_host(self.name, self.incarnation, hb, stale_s=self._stale_s)
+        other = self._host_rows.claim_host(self.name, self.incarnation, hb, stale_s=self._stale_s)
         if other is not None and other.incarnation == self._previous():
             # This data dir's previous run (dead: we hold the data-dir lock). No wait.
-            other = self._store.claim_host(
+            other = self._host_rows.claim_host(
                 self.name, self.incarnation, hb, stale_s=self._stale_s, take_over=other
             )
         if other is not None and wait:
@@ -93,7 +93,7 @@ class Hosts:
                 watch,
             )
             time.sleep(watch)
-            other = self._store.claim_host(
+            other = self._host_rows.claim_host(
                 self.name, self.incarnation, hb, stale_s=self._stale_s, take_over=other
             )
         if other is not None:
@@ -121,11 +121,11 @@ class Hosts:
 
     def heartbeat(self) -> bool:
         """Beat; ``False`` when this process's claim is gone (forgotten, or taken over)."""
-        return self._store.heartbeat(self.name, self.incarnation)
+        return self._host_rows.heartbeat(self.name, self.incarnation)
 
     def stopped(self) -> None:
         """Record a clean stop: an admin may forget this host at once from now on."""
-        self._store.stop_host(self.name, self.incarnation)
+        self._host_rows.stop_host(self.name, self.incarnation)
 
     def fence(self) -> int:
         """Scrub and drop every region this process holds; returns how many (its pools are
@@ -151,13 +151,13 @@ class Hosts:
 
     def infos(self) -> list[HostInfo]:
         """Every host sharing the ledger, by name."""
-        return [host_info(h, self.name, self._stale_s) for h in self._store.hosts()]
+        return [host_info(h, self.name, self._stale_s) for h in self._host_rows.hosts()]
 
     def forget(self, name: str) -> int:
         """Forget a host that is not serving; returns how many buffers left the ledger."""
         if name == self.name:
             raise StateConflict(f"host {name!r} is the daemon answering this request")
-        gone = self._store.forget_host(name, stale_s=self._stale_s)
+        gone = self._host_rows.forget_host(name, stale_s=self._stale_s)
         logger.warning(
             "host %s forgotten: %d buffer(s), %d bytes released from the ledger",
             name,

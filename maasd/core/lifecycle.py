@@ -59,8 +59,8 @@ class Shutdown:
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
-        self._store = store
-        self._reserves = reserves  # a row deleted once its memory is scrubbed
+        self._buffer_rows = store
+        self._reserve_rows = reserves  # a row deleted once its memory is scrubbed
         self._regions = regions
         self._checkpoints = checkpoints
         self._releaser = releaser
@@ -72,7 +72,7 @@ class Shutdown:
         and the rows that end here deleted in one statement."""
         try:
             self._flush()
-            rows = self._store.buffers_on_host(self._host)
+            rows = self._buffer_rows.buffers_on_host(self._host)
         except Exception:
             logger.exception("shutdown: the ledger could not be read; scrubbing what is held")
             rows = []
@@ -83,7 +83,7 @@ class Shutdown:
         try:
             # One statement for every row that ends here (volatile, or persistent
             # without a checkpoint): no ledger round trip per buffer.
-            n = self._reserves.finish_release_many([row.id for row in gone], "shutdown")
+            n = self._reserve_rows.finish_release_many([row.id for row in gone], "shutdown")
             self._metrics.release_total.labels(reason="shutdown").inc(n)
         except Exception:
             logger.exception("shutdown: could not record the releases; recovery will")

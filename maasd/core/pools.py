@@ -233,7 +233,7 @@ class Pools:
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
-        self._store = store
+        self._pool_rows = store
         self._buffer_rows = buffer_rows  # what a pool still holds, before it goes
         self._live = live  # this module adds and removes them; others only read them
         self._holders = holders
@@ -259,7 +259,7 @@ class Pools:
 
     def load(self) -> None:
         """Make the ledger's pools of this host live (before recovery adopts their buffers)."""
-        for row in self._store.pools(self._host):
+        for row in self._pool_rows.pools(self._host):
             self._live.add(LivePool(row, self._make_pool(row)))
 
     def provision(self) -> None:
@@ -278,7 +278,7 @@ class Pools:
         existing = {live.row.name: live.row for live in self._live.all()}
         if not self._settings.pools:
             missing = [spec.name for spec in wanted if spec.name not in existing]
-            deleted = self._store.deleted_pools(self._host, missing)
+            deleted = self._pool_rows.deleted_pools(self._host, missing)
             for name in sorted(deleted):
                 logger.info(
                     "default pool %s was deleted by an admin: not made again "
@@ -291,8 +291,8 @@ class Pools:
             if have is None:
                 self._create(spec)  # its disk tier opens with the others' (DiskTiers.start)
                 continue
-            follow_warm(spec, self._store, self._live)
-            follow_disk(spec, self._store, self._live, self._settings.data_dir)
+            follow_warm(spec, self._pool_rows, self._live)
+            follow_disk(spec, self._pool_rows, self._live, self._settings.data_dir)
             if _differs(have, spec):
                 logger.warning(
                     "pool %s in the ledger differs from its configuration; keeping "
@@ -328,10 +328,10 @@ class Pools:
         held = self._holders.held_bytes_by("pool_id")
         warm = {live.row.id: live.pool.warm for live in self._live.all()}
         if all_hosts:
-            rows, usage = self._store.all_pools(), self._store.usage_by_pool(None)
+            rows, usage = self._pool_rows.all_pools(), self._pool_rows.usage_by_pool(None)
         else:
             rows = sorted((live.row for live in self._live.all()), key=lambda r: r.name)
-            usage = self._store.usage_by_pool(self._host)
+            usage = self._pool_rows.usage_by_pool(self._host)
         return [
             pool_info(
                 row,
@@ -348,11 +348,11 @@ class Pools:
         host's pool by id (read from the ledger). :class:`NotFound` otherwise."""
         live = self._live.named(id_or_name)
         if live is None:
-            other = self._store.pool_row(id_or_name) if any_host else None
+            other = self._pool_rows.pool_row(id_or_name) if any_host else None
             if other is None:
                 raise NotFound(f"no pool {id_or_name!r} on host {self._host}")
-            return pool_info(other, self._store.usage_by_pool(other.host).get(other.id, (0, 0)))
-        used = self._store.usage_by_pool(self._host).get(live.row.id, (0, 0))
+            return pool_info(other, self._pool_rows.usage_by_pool(other.host).get(other.id, (0, 0)))
+        used = self._pool_rows.usage_by_pool(self._host).get(live.row.id, (0, 0))
         held = self._holders.held_bytes_by("pool_id").get(live.row.id, 0)
         info = pool_info(live.row, used, live.pool.warm, held, self._disk_usage(live.row.id))
         return self.measured.annotate([info], self._host)[0]
@@ -376,7 +376,7 @@ class Pools:
         )
         pool = self._make_pool(row)
         try:
-            self._store.add_pool(row)
+            self._pool_rows.add_pool(row)
         except BaseException:
             pool.close()  # it registered with the warmer: take it back out
             raise
@@ -408,7 +408,7 @@ class Pools:
         """
         live = self._live.named(id_or_name)
         if live is None:
-            other = self._store.pool_row(id_or_name)
+            other = self._pool_rows.pool_row(id_or_name)
             if other is None:
                 raise NotFound(f"no pool {id_or_name!r}")
             raise NotFound(
@@ -417,7 +417,7 @@ class Pools:
             )
         if not drain and live.row.deleting_at is None:
             try:
-                self._store.delete_pool(live.row.id)  # counts its buffers in the transaction
+                self._pool_rows.delete_pool(live.row.id)  # counts its buffers in the transaction
             except StateConflict:
                 n = len(self._buffer_rows.buffers(pool_id=live.row.id, states=ACCOUNTED_STATES))
                 raise StateConflict(
@@ -427,7 +427,7 @@ class Pools:
             self._live.remove(live.row.id)
             live.pool.close()  # its warm stock goes with it
         else:
-            at = self._store.mark_pool_deleting(live.row.id)
+            at = self._pool_rows.mark_pool_deleting(live.row.id)
             live.row = msgspec.structs.replace(live.row, deleting_at=at)
             self._finish_delete(live)
         self._on_deleted(live.row.id)
@@ -451,7 +451,7 @@ class Pools:
         live.pool.close()  # no stock for a pool on its way out (releases still work)
         self._releaser.release_all(
             lambda: self._buffer_rows.buffers(pool_id=pool_id, states=ACCOUNTED_STATES),
-            lambda: self._store.delete_pool(pool_id),
+            lambda: self._pool_rows.delete_pool(pool_id),
             reason="pool_drain",
             what=f"pool {live.row.name}",
         )

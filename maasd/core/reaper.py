@@ -43,7 +43,7 @@ class Reaper:
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
-        self._store = store
+        self._buffer_rows = store
         self._hosts = hosts
         self._pools = pools
         self._tenants = tenants
@@ -73,11 +73,11 @@ class Reaper:
         count = 0
         self._uses.flush()
         now = time.time() if now is None else now
-        for row in self._store.expired(now, self._host):
+        for row in self._buffer_rows.expired(now, self._host):
             if (self._uses.pending_lease(row.id) or 0.0) > now:
                 continue  # a hit since the flush: the next pass writes its lease
             # Compare-and-set: a lease renewed since the query above is left alone.
-            marked = self._store.mark_expired(row.id, now, durable=must_last(row.persistence))
+            marked = self._buffer_rows.mark_expired(row.id, now, durable=must_last(row.persistence))
             if marked is None:
                 continue
             self._releaser.release_row(marked, reason="expire", marked=True)

@@ -45,8 +45,8 @@ class Recovery:
         budget: RegionBudget | None = None,
     ) -> None:
         self._host = host
-        self._store = store
-        self._reserves = reserves  # a row deleted once its memory is scrubbed
+        self._buffer_rows = store
+        self._reserve_rows = reserves  # a row deleted once its memory is scrubbed
         self._regions = regions
         self._live = live
         self._holders = holders
@@ -65,7 +65,7 @@ class Recovery:
         """
         counts: Counter[str] = Counter()
         keep: set[str] = set()
-        rows = self._store.buffers_on_host(self._host)
+        rows = self._buffer_rows.buffers_on_host(self._host)
         self._check_room(rows)
         for row in rows:
             outcome = self._recover_row(row)
@@ -147,7 +147,9 @@ class Recovery:
                     return "restored"
         # A volatile row's release need not wait for the disk: rolled back by a power
         # loss, the row is released again at the next start.
-        self._reserves.finish_release(row.id, kind="recover", durable=must_last(row.persistence))
+        self._reserve_rows.finish_release(
+            row.id, kind="recover", durable=must_last(row.persistence)
+        )
         remove_checkpoint(row)
         return "released"
 

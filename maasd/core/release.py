@@ -89,8 +89,8 @@ class Releaser:
         *,
         on_entry_end: Callable[[BufferRow, ReleaseReason], None] | None = None,
     ) -> None:
-        self._store = store
-        self._reserves = reserves  # a row deleted once its memory is scrubbed
+        self._buffer_rows = store
+        self._reserve_rows = reserves  # a row deleted once its memory is scrubbed
         self._regions = regions
         self._attachments = attachments
         self._live = live
@@ -112,12 +112,14 @@ class Releaser:
         """
         durable = must_last(row.persistence)  # a volatile buffer's: no wait for the disk
         if not marked:
-            row = self._store.mark_releasing(row.id, None, durable=durable)
+            row = self._buffer_rows.mark_releasing(row.id, None, durable=durable)
         buffer_id = row.id
         self.release_memory(
             row,
             reason=reason,
-            finish=lambda: self._reserves.finish_release(buffer_id, kind=reason, durable=durable),
+            finish=lambda: self._reserve_rows.finish_release(
+                buffer_id, kind=reason, durable=durable
+            ),
         )
 
     def release_all(
@@ -180,7 +182,7 @@ class Releaser:
         if row.persistence == "persistent":
             # A checkpoint that finished while drop_region waited for it may have
             # recorded a newer file than the one ``row`` names: remove both.
-            latest = self._store.buffer(row.id, None)
+            latest = self._buffer_rows.buffer(row.id, None)
             if latest is not None and latest.checkpoint_path != row.checkpoint_path:
                 remove_checkpoint(latest)
             remove_checkpoint(row)
@@ -268,7 +270,7 @@ class Releaser:
         self.release_memory(
             victim,
             reason="evict",
-            finish=lambda: self._reserves.finish_release(
+            finish=lambda: self._reserve_rows.finish_release(
                 victim_id, kind="evict", record=False, durable=durable
             ),
         )

@@ -77,7 +77,7 @@ class Reserves:
         self._budget = budget
         self._default_cap = settings.max_buffers_per_tenant  # a tenant with no max_buffers
         self._host = settings.node_name
-        self._store = store  # the row admitted (room.admit), or deleted if it fails
+        self._reserve_rows = store  # the row admitted (room.admit), or deleted if it fails
         self._buffer_rows = buffer_rows  # reserving → live
         self._pool_rows = pool_rows  # the pools' usage, to choose one
         self._regions = regions
@@ -157,7 +157,7 @@ class Reserves:
                     ):
                         # victims released; only bytes that really came free make room
                         row = room.admit(
-                            self._store,
+                            self._reserve_rows,
                             self._attachments,
                             self._holders,
                             self._releaser,
@@ -239,7 +239,7 @@ class Reserves:
     def _reserve_failed(self, row: BufferRow) -> None:
         """Delete the row of a reserve that failed after its admission (its memory is
         gone or never was); a volatile buffer's without waiting for the disk."""
-        self._store.finish_release(
+        self._reserve_rows.finish_release(
             row.id, kind="reserve_failed", durable=must_last(row.persistence)
         )
 

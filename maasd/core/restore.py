@@ -38,7 +38,7 @@ class Restores:
         reserves: Reserves,
         entries: Entries,
     ) -> None:
-        self._store = store
+        self._buffer_rows = store
         self._regions = regions
         self._holders = holders
         self._reserves = reserves
@@ -103,7 +103,9 @@ class Restores:
                 view.release()
             self._holders.watch(buffer_id, region.fd, region.size, held.tenant_id, held.pool_id)
             if (
-                self._store.commit(buffer_id, time.time(), durable=self._entries.durable(held))
+                self._buffer_rows.commit(
+                    buffer_id, time.time(), durable=self._entries.durable(held)
+                )
                 is None
             ):
                 self._holders.forget(buffer_id)

@@ -89,7 +89,7 @@ class Tenants:
         disk_used: Callable[[], dict[str, int]] = dict,
         on_deleted: Callable[[str], None] = lambda _tenant_id: None,
     ) -> None:
-        self._store = store
+        self._tenant_rows = store
         self._buffer_rows = buffer_rows  # what a deleted tenant still holds here
         self._events = events  # the audit trail, a tenant's own part of it
         self._auth = auth
@@ -111,8 +111,8 @@ class Tenants:
         now = time.time()
         tenant_id = keys.new_id()
         token, key_id = keys.new_token(), keys.new_id()
-        row = self._store.add_tenant(tenant_id, name, quota_bytes, now, disk_quota_bytes)
-        self._store.add_key(key_id, tenant_id, keys.digest(token), now)
+        row = self._tenant_rows.add_tenant(tenant_id, name, quota_bytes, now, disk_quota_bytes)
+        self._tenant_rows.add_key(key_id, tenant_id, keys.digest(token), now)
         return NewTenant(
             id=tenant_id,
             name=name,
@@ -131,11 +131,11 @@ class Tenants:
 
     def infos(self) -> list[TenantInfo]:
         held, disk = self._held(), self._disk_used()
-        return [self._info(t, held, disk) for t in self._store.tenants()]
+        return [self._info(t, held, disk) for t in self._tenant_rows.tenants()]
 
     def info(self, id_or_name: str) -> TenantInfo:
         """One tenant by id (preferred) or name; :class:`NotFound` otherwise."""
-        row = self._store.tenant(id_or_name)
+        row = self._tenant_rows.tenant(id_or_name)
         if row is None:
             raise NotFound(f"no tenant {id_or_name!r}")
         return self._info(row, self._held(), self._disk_used())
@@ -156,7 +156,7 @@ class Tenants:
         At least one must be given (:class:`InvalidRequest`).
         """
         t = self.info(id_or_name)
-        self._store.update_tenant(
+        self._tenant_rows.update_tenant(
             t.id, quota_bytes=quota_bytes, max_buffers=max_buffers,
             disk_quota_bytes=disk_quota_bytes,
         )  # fmt: skip
@@ -172,7 +172,7 @@ class Tenants:
         holds any (waiting up to ``remote_wait_s`` for the others); then every entry of it
         on the disk tiers is erased."""
         t = self.info(id_or_name)
-        self._store.mark_tenant_deleting(t.id)
+        self._tenant_rows.mark_tenant_deleting(t.id)
         self._auth.forget_keys()
         self._release_and_wait(t.id)
         self._on_deleted(t.id)
@@ -187,7 +187,7 @@ class Tenants:
         deadline = time.monotonic() + self._remote_wait_s
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            if self._store.tenant(tenant_id) is None:
+            if self._tenant_rows.tenant(tenant_id) is None:
                 return
         logger.warning(
             "tenant %s: deleting; other hosts still hold some of its buffers "
@@ -200,7 +200,7 @@ class Tenants:
         holds anything of any more (at start, and at every reaper pass). Returns how many
         tenants were deleted."""
         done = 0
-        for tenant_id in self._store.deleting_tenants():
+        for tenant_id in self._tenant_rows.deleting_tenants():
             logger.info("finishing the delete of tenant %s", tenant_id)
             with contextlib.suppress(HeldOpen):  # still held: the next pass, then
                 done += self._finish_delete(tenant_id, grace=0)
@@ -214,7 +214,7 @@ class Tenants:
         def delete_if_empty() -> None:
             nonlocal gone
             try:
-                self._store.delete_tenant(tenant_id)
+                self._tenant_rows.delete_tenant(tenant_id)
             except StateConflict:
                 if self._buffer_rows.buffers(tenant_id=tenant_id, states=None, host=self._host):
                     raise  # ours, released meanwhile or raced: another pass
@@ -241,13 +241,13 @@ class Tenants:
         t = self.info(id_or_name)
         now = time.time()
         token, key_id = keys.new_token(), keys.new_id()
-        self._store.add_key(key_id, t.id, keys.digest(token), now)
+        self._tenant_rows.add_key(key_id, t.id, keys.digest(token), now)
         return KeyInfo(id=key_id, api_key=token, created_at=rfc3339(now))
 
     def revoke_key(self, id_or_name: str, key_id: str) -> None:
         """Revoke one key: refused at once, here and (PostgreSQL) on every host."""
         t = self.info(id_or_name)
-        revoked = self._store.revoke_key(t.id, key_id)
+        revoked = self._tenant_rows.revoke_key(t.id, key_id)
         self._auth.forget_keys()
         if not revoked:
             raise NotFound(f"no active key {key_id!r} for tenant {t.name}")

@@ -22,7 +22,7 @@ class UseBatch:
     """Uses and lease extensions remembered in memory until :meth:`take` hands them on."""
 
     def __init__(self, store: BufferRepo) -> None:
-        self._store = store
+        self._buffer_rows = store
         self._lock = threading.Lock()
         self._uses: dict[str, float] = {}
         self._leases: dict[str, float] = {}
@@ -72,7 +72,7 @@ class UseBatch:
         uses, leases = self.take()
         if uses or leases:
             try:
-                self._store.touch_many(uses, leases)
+                self._buffer_rows.touch_many(uses, leases)
             except BaseException:
                 self.untake(uses, leases)
                 raise
