@@ -39,6 +39,7 @@ from maasd.llama.entries import (
     MappingLike,
     Published,
     SocketEntries,
+    SocketWorkerLike,
     close_quietly,
     entry_id,
 )
@@ -68,7 +69,9 @@ Tokens = Sequence[int] | npt.NDArray[Any]
 class KVStore:
     """Save and restore llama.cpp sequence states in maasd entries.
 
-    ``model`` is a ``llama_cpp.Llama``; ``worker`` an open ``maasd.client.Worker``;
+    ``model`` is a ``llama_cpp.Llama`` (``Any``: the adapter reaches into its private
+    fields, :mod:`maasd.llama.adapter`); ``worker`` an open ``maasd.client.Worker`` (or
+    ``None`` with ``entries``);
     ``client`` a ``maasd.client.Client`` of the same tenant, which the store itself never
     calls (the default transport, the worker socket's entry fast path, makes no REST
     call: ``None`` will do; :class:`~maasd.llama.entries.RestEntries` takes its own).
@@ -91,8 +94,8 @@ class KVStore:
 
     def __init__(
         self,
-        client: Any,
-        worker: Any,
+        client: object,
+        worker: SocketWorkerLike | None,
         model: Any,
         *,
         pool: str | None = None,
@@ -104,9 +107,13 @@ class KVStore:
     ) -> None:
         check_chunk(chunk)
         del client  # the signature's: the transport (``entries``) is what talks to maasd
+        if entries is None:
+            if worker is None:
+                raise TypeError("KVStore needs a worker (maasd.client.Worker) or entries")
+            entries = SocketEntries(worker, pool=pool)
         self.model = model
         self.seq = LlamaSeqAdapter(model)
-        self.entries: EntryTransport = entries or SocketEntries(worker, pool=pool)
+        self.entries: EntryTransport = entries
         self.chunk = chunk
         self.ttl_s = ttl_s
         self.renew_on_hit = renew_on_hit

@@ -218,7 +218,7 @@ class FakeDaemon:
 
 def rest_store(d: FakeDaemon, model: Any, **kw: Any) -> L.KVStore:
     """A KVStore over the REST transport (entries that stay writable: checksummed)."""
-    return L.KVStore(d, d, model, entries=L.RestEntries(d, d), **kw)
+    return L.KVStore(d, None, model, entries=L.RestEntries(d, d), **kw)
 
 
 def saved_entry(
