@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from typing import Any
 
+import pytest
+
 from hardening import after_attack, tenant_usage
+from maasd.client import ConnectionFailed, Scratch, Worker
 from maasd.protocol import Error, Lookup, Publish, Published
 from rawentries import connect, pattern
 
@@ -62,3 +66,35 @@ def test_a_memfd_reopened_with_no_read_access_is_a_400_never_a_500(daemon: Any) 
         os.close(memfd)
     assert "unexpected error" not in daemon.log()
     after_attack(daemon)
+
+
+# --- the client, misused -------------------------------------------------------------------
+
+
+def test_publishing_a_closed_scratch_or_fd_leaves_the_worker_connected(daemon: Any) -> None:
+    """``Worker.publish`` of a :class:`Scratch` already closed, or of an fd number that is
+    not open (a writer's bookkeeping bug): nothing can be sent.
+
+    Must hold: the call raises at once (``ValueError``), the worker's connection stays
+    usable (no ``ConnectionFailed``, no wait for an answer that never comes) and the
+    next publish of a good scratch works; a bool is no fd (``TypeError``)."""
+    _, key = daemon.tenant("client-misuse", 16 * MiB)
+    closed = Scratch(PAGE)
+    closed.close()
+    spare = 1 << 20  # an fd number nobody holds (over any RLIMIT_NOFILE of a test run)
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(spare)
+    with Worker(daemon.socket_path, key) as w, Scratch(PAGE) as good:
+        for source in (closed, spare, -1):
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match="closed|not open"):
+                w.publish("misuse:a", source, PAGE)
+            assert time.monotonic() - t0 < 0.5
+        with pytest.raises(TypeError):
+            w.publish("misuse:a", True, PAGE)
+        try:
+            assert w.lookup(["misuse:a"]) is None
+            entry = w.publish("misuse:a", good, PAGE)
+        except ConnectionFailed as exc:  # pragma: no cover - the failure this test is about
+            pytest.fail(f"the worker's connection broke: {exc}")
+        assert entry.size_bytes == PAGE
