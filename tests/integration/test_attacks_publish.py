@@ -10,17 +10,25 @@ ledger, the usage and the daemon's open files are left as they were.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
+import socket
+import struct
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hardening import after_attack, tenant_usage
+from conftest import Daemon
+from hardening import after_attack, daemon_fds, tenant_usage
 from maasd.client import ConnectionFailed, Scratch, Worker
-from maasd.protocol import Error, Lookup, Publish, Published
+from maasd.protocol import Error, Lookup, Publish, Published, encode_frame
 from rawentries import connect, pattern
+from sockpeer import Raw
+from waiting import wait_until
 
 PAGE = mmap.PAGESIZE
 MiB = 1 << 20
@@ -98,3 +106,191 @@ def test_publishing_a_closed_scratch_or_fd_leaves_the_worker_connected(daemon: A
         except ConnectionFailed as exc:  # pragma: no cover - the failure this test is about
             pytest.fail(f"the worker's connection broke: {exc}")
         assert entry.size_bytes == PAGE
+
+
+# --- fds whose last close waits --------------------------------------------------------------
+
+#: How long the last close of the attacker's TCP socket would wait (SO_LINGER).
+LINGER_S = 60
+#: The slowest answer a bystander may get while the attack runs.
+PROMPT_S = 1.5
+
+
+@contextlib.contextmanager
+def _lingering_tcp() -> Iterator[socket.socket]:
+    """A loopback TCP socket whose peer never reads, its send queue full, ``SO_LINGER``
+    on: the last close of it waits up to :data:`LINGER_S` for the peer to take the bytes
+    (in whichever thread drops the last reference). On exit its peer goes (a reset
+    ends any wait)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the peer's: taken at accept
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    client.connect(server.getsockname())
+    peer, _ = server.accept()
+    try:
+        client.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                client.send(b"x" * 65536)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, LINGER_S))
+        yield client
+    finally:
+        client.close()
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # unread bytes: a reset, which ends the linger of a close under way
+        server.close()
+
+
+def _nested(inner: socket.socket) -> socket.socket:
+    """A unix socket whose receive queue holds ``inner`` (sent, never read): its last close
+    closes ``inner`` too."""
+    a, b = socket.socketpair()
+    b.sendmsg([b"z"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", inner.fileno()))])
+    b.close()
+    return a
+
+
+def _stuck_replies(r: Raw) -> None:
+    """Fill ``r``'s connection with answers it never reads: the daemon reads nothing more
+    from it (a reply waits) until its send deadline closes it."""
+    r.sock.setblocking(False)
+    frame = encode_frame(Lookup(keys=["nothing-" + "y" * 200]))
+    with contextlib.suppress(BlockingIOError):
+        for _ in range(2000):
+            r.sock.send(frame)
+    time.sleep(0.5)  # the daemon answers until its send buffer is full
+    r.sock.setblocking(True)
+
+
+def _send(r: Raw, how: str, fd: int) -> None:
+    """Hand the daemon ``fd`` on ``r``, one way or another (``how``)."""
+    publish = encode_frame(Publish(key="linger:a", size_bytes=PAGE))
+    if how == "on a lookup":  # closed by the event loop
+        r.send_fds(encode_frame(Lookup(keys=["linger:a"])), [fd])
+    elif how == "as a publish's source":  # refused (no memfd) on a slow-pool thread
+        r.send_fds(publish, [fd])
+    elif how == "with a frame left unfinished":  # closed with the connection
+        r.send_fds(publish[:3], [fd])
+        r.sock.shutdown(socket.SHUT_WR)
+    elif how == "queued when the daemon closes":  # never read: in the socket it closes
+        _stuck_replies(r)
+        r.send_fds(b"\0", [fd])
+    else:
+        raise AssertionError(how)
+
+
+def _prompt_meanwhile(r: Raw, seconds: float) -> list[float]:
+    """Lookups of another tenant's worker ``r`` for ``seconds``: how long each took."""
+    took: list[float] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.monotonic()
+        reply, _ = r.call(Lookup(keys=["bystander:none"]))
+        took.append(time.monotonic() - t0)
+        assert isinstance(reply, Error), reply
+        time.sleep(0.05)
+    return took
+
+
+@pytest.fixture
+def quick_deadline(tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon of this test that closes a connection whose answers wait unread for 1 s."""
+    d = Daemon(tmp_path / "d", env={"MAASD_SOCKET_SEND_TIMEOUT_S": "1"}).start()
+    yield d
+    d.close()
+
+
+HOW = [
+    "on a lookup",
+    "as a publish's source",
+    "with a frame left unfinished",
+    "queued when the daemon closes",
+]
+
+
+@pytest.mark.parametrize("nest", [False, True], ids=["tcp", "tcp-in-a-unix-socket"])
+def test_an_fd_whose_last_close_waits_never_stalls_the_daemon(
+    quick_deadline: Daemon, nest: bool
+) -> None:
+    """A tenant sends the daemon a TCP socket whose last close lingers for a minute (its
+    peer reads nothing, ``SO_LINGER`` 60 s) — or a unix socket holding one in its queue —
+    and keeps no copy: the daemon's close of it is the last. Sent on a lookup, as a
+    publish's source, with a frame it never finishes, and left queued in a connection
+    the daemon closes (its send deadline).
+
+    Must hold (invariant 9): every time, another tenant's lookups are answered at once
+    (no thread of the event loop or the slow pool waits on the close), the attacker's own
+    publish is refused promptly, and nothing is left behind."""
+    d = quick_deadline
+    _, key = d.tenant("lingerer", 16 * MiB)
+    _, other = d.tenant("bystander", 16 * MiB)
+    bystander = connect(d, other)
+    bystander.sock.settimeout(LINGER_S + 30)
+    for how in HOW:
+        with _lingering_tcp() as tcp:
+            r = Raw(d.socket_path, timeout=LINGER_S + 30)
+            r.hello(key)
+            fd = _nested(tcp) if nest else tcp
+            _send(r, how, fd.fileno())
+            fd.close()
+            if nest:
+                tcp.close()  # the unix socket holds the last reference now
+            if how == "as a publish's source":
+                t0 = time.monotonic()
+                reply, _ = r.recv()
+                assert isinstance(reply, Error), reply
+                assert reply.status == 400, reply
+                assert time.monotonic() - t0 < PROMPT_S, (how, time.monotonic() - t0)
+            took = _prompt_meanwhile(bystander, 2.5)
+            assert max(took) < PROMPT_S, (how, f"a bystander's lookup took {max(took):.1f} s")
+            r.close()
+    bystander.close()
+    after_attack(d)
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as f:
+            out.extend(int(c) for c in f.read().split())
+    return out
+
+
+def test_a_stream_of_lingering_fds_never_stalls_the_daemon_nor_piles_up(
+    quick_deadline: Daemon,
+) -> None:
+    """A tenant sends lingering TCP sockets (as above) again and again, a few on each
+    lookup, for longer than a close of the daemon's may take: whatever closes them for
+    the daemon is stuck in the first.
+
+    Must hold: another tenant's lookups are answered at once throughout; once the attack
+    ends, the daemon holds none of the attacker's fds and no more child processes than
+    before it, beyond one."""
+    d = quick_deadline
+    assert d.proc is not None
+    pid = d.proc.pid
+    _, key = d.tenant("lingerer", 16 * MiB)
+    _, other = d.tenant("bystander", 16 * MiB)
+    bystander = connect(d, other)
+    bystander.sock.settimeout(LINGER_S + 30)
+    r = connect(d, key)  # its own answers in 5 s, or a TimeoutError: the daemon waited
+    baseline = len(daemon_fds(pid))
+    before = len(_children(pid))
+    took: list[float] = []
+    with contextlib.ExitStack() as stack:
+        for _ in range(12):
+            socks = [stack.enter_context(_lingering_tcp()) for _ in range(3)]
+            r.send_fds(encode_frame(Lookup(keys=["linger:b"])), [s.fileno() for s in socks])
+            for s in socks:
+                s.close()
+            reply, _ = r.recv()
+            assert isinstance(reply, Error), reply
+            took += _prompt_meanwhile(bystander, 0.3)
+    assert max(took) < PROMPT_S, f"a bystander's lookup took {max(took):.1f} s"
+    r.close()
+    bystander.close()
+    wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=10)  # - r's socket
+    wait_until(lambda: len(_children(pid)) <= before + 1, timeout=10)
+    after_attack(d)
