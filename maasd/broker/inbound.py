@@ -9,11 +9,11 @@ when it is taken off the stream, or closes them if no frame begins within that r
 
 At most one batch waits per connection (the broker reads nothing more from a connection
 while a whole frame of it waits, so a batch waits only for its own frame's tail); a
-second batch, fds that came with no bytes, a batch of more than
-:data:`~maasd.protocol.MAX_FD_PER_MESSAGE` and one the kernel had to truncate (the
-daemon at its open-files limit) are discarded at once. Whatever waits is discarded with
-the connection. So a peer can make the daemon hold at most that many of its fds, and
-only until its frame is served. "Discarded": closed without the daemon ever waiting on
+second batch, fds that came with no bytes, a batch of more than one fd (no frame takes
+more: a publish takes one) and one the kernel had to truncate (the daemon at its
+open-files limit) are discarded at once. Whatever waits is discarded with the
+connection. So a peer can make the daemon hold at most one fd of its own, and only
+until its frame is served. "Discarded": closed without the daemon ever waiting on
 the close (:mod:`.sink`).
 """
 
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import os
 
-from maasd.protocol import MAX_FD_PER_MESSAGE
-
 from .sink import discard
 
-__all__ = ["InboundFds", "close_fds"]
+__all__ = ["MAX_INBOUND_FDS", "InboundFds", "close_fds"]
+
+#: The most fds a frame takes (a publish: its source); a batch of more is discarded.
+MAX_INBOUND_FDS = 1
 
 
 class InboundFds:
@@ -47,8 +48,8 @@ class InboundFds:
 
     def arrived(self, fds: tuple[int, ...], first: int, nbytes: int, truncated: bool) -> None:
         """``fds`` came with the ``nbytes`` read at stream offset ``first``: kept for their
-        frame, or closed at once (module docstring)."""
-        if truncated or not nbytes or self._batch is not None or len(fds) > MAX_FD_PER_MESSAGE:
+        frame, or discarded at once (module docstring)."""
+        if truncated or not nbytes or self._batch is not None or len(fds) > MAX_INBOUND_FDS:
             discard(fds)
         elif fds:
             self._batch = (first, first + nbytes, fds)

@@ -294,3 +294,46 @@ def test_a_stream_of_lingering_fds_never_stalls_the_daemon_nor_piles_up(
     wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=10)  # - r's socket
     wait_until(lambda: len(_children(pid)) <= before + 1, timeout=10)
     after_attack(d)
+
+
+# --- fds parked for a frame that never ends ---------------------------------------------------
+
+
+def test_a_stalled_frame_parks_at_most_one_fd_of_its_peer(daemon: Any) -> None:
+    """Many connections each send the start of a publish frame with a batch of memfds,
+    then nothing more: the daemon keeps each batch until the frame is whole (it may be a
+    publish's). A publish takes one fd, and the open-files budget counts a connection as
+    its socket and one fd more.
+
+    Must hold: each stalled connection makes the daemon hold its socket and at most one
+    fd of its peer's (a batch of more is of no use to any frame: discarded at once); a
+    lone fd still reaches the publish it came with; closing the connections gives all
+    of them back."""
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    _, key = daemon.tenant("parker", 16 * MiB)
+    memfds = [_memfd(pattern(PAGE, seed=i)) for i in range(4)]
+    frame = encode_frame(Publish(key="parked:a", size_bytes=PAGE))
+    conns: list[Raw] = []
+    try:
+        baseline = len(daemon_fds(pid))
+        for _ in range(30):
+            r = connect(daemon, key)
+            r.send_fds(frame[:5], memfds)  # 4 fds with a frame that never ends
+            conns.append(r)
+        lone = connect(daemon, key)
+        lone.send_fds(frame[:5], memfds[:1])
+        time.sleep(0.5)  # the daemon reads what was sent
+        held = len(daemon_fds(pid)) - baseline
+        assert held <= 2 * (len(conns) + 1), f"{held} files for {len(conns) + 1} connections"
+        lone.send_raw(frame[5:])
+        reply, _ = lone.recv()
+        assert isinstance(reply, Published), reply
+        lone.close()
+    finally:
+        for r in conns:
+            r.close()
+        for fd in memfds:
+            os.close(fd)
+    wait_until(lambda: len(daemon_fds(pid)) <= baseline, timeout=10)
+    after_attack(daemon)
