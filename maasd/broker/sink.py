@@ -1,34 +1,36 @@
-"""Where the fds a peer sent end: closed by a helper process, never by a thread that must not wait.
+"""Fds a peer sent, closed without a thread of the daemon ever waiting on the close.
 
-The last close of a file can wait, for as long as its owner chose: a TCP socket with
+The last close of a file can wait, for as long as its owner chose. A TCP socket with
 ``SO_LINGER`` and bytes its peer never takes waits out the linger (any number of
-seconds), a unix socket closes what is still queued in it (the same again, nested), a
-FUSE or NFS file flushes to its server. The kernel runs that last close in the thread
-that drops the last reference — and a worker that sends the daemon an fd (with any
-frame, with a frame it never finishes, or queued in its connection when the daemon
-closes it) and keeps no copy makes the daemon's close the last: the event loop or a
-slow-pool thread would wait, and every worker of the host with it (invariant 9).
+seconds); a unix socket, closed, closes whatever fds are still queued in it — a
+lingering TCP socket among them, nested as deep as one likes. The kernel runs that last
+close in the thread that drops the last reference, and a worker that sends the daemon
+such an fd (with any frame, with a frame it never finishes, or queued in its connection
+when the daemon closes it) and keeps no copy makes the daemon's close the last: the
+event loop or a slow-pool thread would wait, and every worker of the host with it
+(invariant 9).
 
-So the daemon closes at once only what cannot wait — a shmem or hugetlbfs file (a
-memfd: a publish's source, every fd the daemon hands out), which has no flush, no
-linger and no queue — and hands every other fd a peer sent to the **sink**: a child
-process whose one job is to close what it receives: the daemon sends a batch, closes
-its own copies (not the last: the batch in flight holds the files), then tells the
-sink to close its copies — the last, so the sink's close is the one that may wait. A
-connection's socket whose receive queue still holds bytes (fds may ride with them)
-goes there too.
-
-A sink that falls behind — more than :data:`BEHIND_FDS` fds unclosed, or an answer owed
-for over :data:`PATIENCE_S` — is killed and replaced: a process killed in a close stops
-waiting, and the files it still held are closed as it exits, without lingering. So the
-fds in flight to the sink stay few (the kernel counts them against the daemon user's
-``RLIMIT_NOFILE``, as the replies' own: :mod:`.inflight`). If no sink can be started
-the daemon closes the fds itself (and says so), as before.
+So :func:`discard` closes at once what cannot wait — a shmem or hugetlbfs file (a
+memfd: a publish's source), a pipe, anything but a socket — and a socket other than a
+unix one once its lingering is turned off (``SO_LINGER`` off: the close returns at
+once, the kernel sends what is left in the background). A unix socket — a peer's, or a
+connection's own socket whose receive queue still holds bytes (fds may ride with them)
+— goes to the **sink**: a child process that holds what it receives and lets go of it
+by exiting (a process that exits closes its files without lingering, and so does every
+close those closes lead to). Every :data:`RECYCLE_HELD` sockets (or
+:data:`RECYCLE_AFTER_S`) it forks: one half closes its copies — not the last ones, they
+return at once — and goes on; the other, holding the last ones, exits. The daemon's own
+copy is never the last either: it closes it only once the sink has one (in flight or
+received).
 
 Reading is part of it: a read with room for fewer fds than came makes the kernel close
 the rest inside the ``recvmsg``, in the reading thread. :func:`recv_discarding` (and
-:meth:`~maasd.broker.connection.Connection.receive`) make room for
-:data:`SCM_MAX_FD`, the most one message can carry.
+:meth:`~maasd.broker.connection.Connection.receive`) make room for :data:`SCM_MAX_FD`,
+the most one message can carry.
+
+Not covered: a file whose every close waits on its server — FUSE, NFS — waits in
+whichever process closes it, the daemon's first (its receive installs it). The kernel's
+``fs.fuse.max_request_timeout`` bounds that wait; docs/operations.md.
 """
 
 from __future__ import annotations
@@ -57,96 +59,120 @@ logger = logging.getLogger(__name__)
 SCM_MAX_FD = 253
 #: Ancillary room for that many: a read never has to drop fds itself.
 RECV_ROOM = socket.CMSG_SPACE(SCM_MAX_FD * 4)
-#: Fds the sink may have been sent and not closed yet before it is replaced.
-BEHIND_FDS = 256
-#: Seconds the sink may take to close a batch before it is replaced.
-PATIENCE_S = 2.0
+#: Unix sockets the sink holds before it lets go of them (by a half that exits).
+RECYCLE_HELD = 256
+#: Seconds the sink holds a unix socket at most.
+RECYCLE_AFTER_S = 30.0
+#: Seconds between two starts of a sink (one that died is replaced no faster).
+RESPAWN_S = 1.0
+#: Unix sockets the daemon keeps for a sink that takes no more now (then closes them).
+OVERFLOW = SCM_MAX_FD
 #: Seconds between two warnings of the sink's troubles.
 LOG_EVERY_S = 60.0
 _INT = struct.Struct("i")
+_LINGER_OFF = struct.pack("ii", 0, 0)
 
-#: The sink. A message is one byte: with fds, a batch to hold; without, "go": the daemon
-#: has closed its own copies, so closing the held batches now closes them for good (here,
-#: not in the daemon) — one answer byte per batch. It dies with the daemon.
+#: The sink (see the module docstring); it ends with the daemon (its socket's EOF, or
+#: PR_SET_PDEATHSIG).
 _CHILD = """
-import array, os, socket, sys
+import array, os, signal, socket, sys, time
 try:
     import ctypes
     ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG: SIGKILL
 except Exception:
-    pass  # it still ends when the daemon's end closes (unless a close of it waits)
+    pass
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the halves that let go reap themselves
 s = socket.socket(fileno=int(sys.argv[1]))
+most, after = int(sys.argv[2]), float(sys.argv[3])
+s.settimeout(after / 3)
 room = socket.CMSG_SPACE(253 * 4)
-held = []
+held, since = {}, 0.0
+
+def let_go():
+    global held
+    r, w = os.pipe()
+    if os.fork() == 0:  # this half holds the last copies: it exits once the other let go
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    for fd in held.values():
+        os.close(fd)
+    held = {}
+    os.close(w)
+
 while True:
-    data, anc, _flags, _addr = s.recvmsg(1, room)
-    if not data:
+    try:
+        data, anc, _flags, _addr = s.recvmsg(1, room)
+    except TimeoutError:
+        data, anc = None, []
+    if data == b"":
         break
-    fds = []
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.extend(array.array("i", payload[: len(payload) - len(payload) % 4]))
-    if fds:
-        held.append(fds)
-        continue
-    for batch in held:
-        for fd in batch:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        s.send(b".")
-    held = []
+            for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                try:
+                    ino = os.fstat(fd).st_ino
+                except OSError:
+                    ino = None
+                if ino is None or ino in held:
+                    os.close(fd)  # a copy of one held: not the last
+                else:
+                    held[ino] = fd
+                    since = since if len(held) > 1 else time.monotonic()
+    if held and (len(held) >= most or time.monotonic() - since > after):
+        let_go()
 """
 
 
 class FdSink:
-    """The helper process that closes the fds a peer sent (module docstring); thread-safe."""
+    """The child process that holds a peer's unix sockets until it can let go of them
+    without waiting (module docstring); thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen[bytes] | None = None
-        #: per batch sent and not yet answered: (how many fds, when)
-        self._owed: collections.deque[tuple[int, float]] = collections.deque()
+        self._started_at = -RESPAWN_S
         self._retired: list[subprocess.Popen[bytes]] = []
-        self._said_at = -LOG_EVERY_S  # the last warning (one a minute at most)
+        #: unix sockets not sent yet (the sink took no more): sent with the next ones
+        self._overflow: collections.deque[int] = collections.deque()
+        self._said_at = -LOG_EVERY_S
 
     def drop(self, fds: Iterable[int]) -> None:
-        """Close each of ``fds`` (the caller's no more): at once if that cannot wait,
-        else by the sink."""
-        risky = [fd for fd in fds if not _closed_at_once(fd)]
-        if risky:
+        """Close each of ``fds`` (the caller's no more): at once if that cannot wait
+        (module docstring), else by the sink."""
+        kept = [fd for fd in fds if not _closed_here(fd)]
+        if kept:
             with self._lock:
-                self._send(risky)
+                self._send(kept)
 
     def _send(self, fds: list[int]) -> None:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        if self._retired:  # reap the sinks killed before, once they are gone
+        if self._retired:  # reap the sinks that died
             self._retired = [p for p in self._retired if p.poll() is None]
-        for _ in range(2):
-            if self._sock is None:
-                self._replace()
-            elif self._behind():
-                self._say("fell behind (a close of a peer's fd waits): replacing it")
-                self._replace()
-            if self._sock is None:
-                break
+        self._overflow.extend(fds)
+        if self._sock is None and time.monotonic() - self._started_at >= RESPAWN_S:
+            self._start()
+        while self._sock is not None and self._overflow:
+            batch = [self._overflow.popleft() for _ in range(min(SCM_MAX_FD, len(self._overflow)))]
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch).tobytes())]
             try:
                 self._sock.sendmsg([b"\0"], anc, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+            except BlockingIOError:
+                self._overflow.extendleft(reversed(batch))
+                break
             except OSError as exc:
-                self._say(f"takes no more ({exc.strerror}): replacing it")
+                self._overflow.extendleft(reversed(batch))
+                self._say(f"is gone ({exc.strerror}): starting another")
                 self._retire()
+                if time.monotonic() - self._started_at >= RESPAWN_S:
+                    self._start()
                 continue
-            self._owed.append((len(fds), time.monotonic()))
-            _close_all(fds)  # in flight to the sink: these are not the last references
-            try:  # go: the sink's close is the last now, whoever is quicker
-                self._sock.send(b"\1", socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
-            except OSError:  # killed, it closes what it holds as it exits, without waiting
-                self._retire()
-            return
-        self._say(f"none runs: {len(fds)} fds of a peer closed by the daemon")
-        _close_all(fds)
+            _close_all(batch)  # the sink has them (in flight): ours are not the last
+        if len(self._overflow) > OVERFLOW:
+            self._say(f"takes no more: {len(self._overflow)} fds of peers closed by the daemon")
+            _close_all(self._overflow)
+            self._overflow.clear()
 
     def _say(self, what: str) -> None:
         now = time.monotonic()
@@ -154,30 +180,13 @@ class FdSink:
             self._said_at = now
             logger.warning("fd sink %s", what)
 
-    def _behind(self) -> bool:
-        """Take the sink's answers; whether it has fallen behind (or is gone)."""
-        assert self._sock is not None
-        try:
-            answers = self._sock.recv(4096, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            answers = None
-        except OSError:
-            return True
-        if answers == b"":
-            return True  # it is gone
-        for _ in range(min(len(answers or ()), len(self._owed))):
-            self._owed.popleft()
-        if not self._owed:
-            return False
-        owed = sum(n for n, _ in self._owed)
-        return owed > BEHIND_FDS or time.monotonic() - self._owed[0][1] > PATIENCE_S
-
-    def _replace(self) -> None:
-        self._retire()
+    def _start(self) -> None:
+        self._started_at = time.monotonic()
         ours, theirs = socket.socketpair()
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _CHILD, str(theirs.fileno())],
+                [sys.executable, "-I", "-S", "-c", _CHILD]
+                + [str(theirs.fileno()), str(RECYCLE_HELD), str(RECYCLE_AFTER_S)],
                 pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -192,25 +201,38 @@ class FdSink:
         self._sock, self._proc = ours, proc
 
     def _retire(self) -> None:
-        """Kill the sink (its closes stop waiting; it closes the rest as it exits)."""
+        """Let the sink go (it exits, closing what it held without waiting)."""
         sock, proc = self._sock, self._proc
         self._sock = self._proc = None
-        self._owed.clear()
         if proc is not None:
             with contextlib.suppress(OSError):
                 proc.kill()
             self._retired.append(proc)
         if sock is not None:
-            sock.close()  # its queue holds the sink's answers only
+            sock.close()  # the sink sends nothing: its queue is empty
 
 
-def _closed_at_once(fd: int) -> bool:
-    """Close ``fd`` now if its close cannot wait (a shmem or hugetlbfs file: it answers
-    ``F_GET_SEALS``; or not an fd at all); False: it is left for the sink."""
+def _closed_here(fd: int) -> bool:
+    """Close ``fd`` now if that cannot wait (module docstring); False: a unix socket, for
+    the sink."""
     try:
-        fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        fcntl.fcntl(fd, fcntl.F_GET_SEALS)  # a shmem or hugetlbfs file
     except OSError as exc:
-        return exc.errno == errno.EBADF
+        if exc.errno == errno.EBADF:
+            return True
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            pass  # not a socket: a pipe, an eventfd, a file …
+        else:
+            try:
+                if sock.family == socket.AF_UNIX:
+                    return False
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_OFF)
+            except OSError:
+                pass
+            finally:
+                sock.detach()
     with contextlib.suppress(OSError):
         os.close(fd)
     return True

@@ -11,10 +11,12 @@ ledger, the usage and the daemon's open files are left as they were.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -336,4 +338,81 @@ def test_a_stalled_frame_parks_at_most_one_fd_of_its_peer(daemon: Any) -> None:
         for fd in memfds:
             os.close(fd)
     wait_until(lambda: len(daemon_fds(pid)) <= baseline, timeout=10)
+    after_attack(daemon)
+
+
+def _flood(r: Raw, stop: threading.Event, sent: list[int], fds_of: tuple[int, int]) -> None:
+    """Lookups on ``r`` without waiting for the answers, each with 200 fds: dups of a
+    pipe's end, dups of a unix socket (``fds_of``), 100 fresh socket pairs."""
+    frame = encode_frame(Lookup(keys=["flood:none"]))
+    for i in itertools.count():
+        if stop.is_set():
+            return
+        pairs = [socket.socketpair() for _ in range(100)] if i % 3 == 2 else []
+        fds = [s.fileno() for pair in pairs for s in pair] or [fds_of[i % 3]] * 200
+        r.send_fds(frame, fds)
+        sent.append(len(fds))
+        for pair in pairs:
+            for s in pair:
+                s.close()
+
+
+def _drain(r: Raw) -> None:
+    """Read ``r``'s answers until the daemon closes it."""
+    with contextlib.suppress(OSError):
+        while r.recv()[0] is not None:
+            pass
+
+
+def test_a_flood_of_fds_costs_the_daemon_no_process_per_batch(daemon: Any) -> None:
+    """A tenant pipelines lookups as fast as it can, each with 200 fds: dups of a pipe,
+    dups of one unix socket, 100 fresh socket pairs. Closing them must not wait (above),
+    and must not cost more than closing them.
+
+    Must hold: the daemon never has more than one child process (what holds the unix
+    sockets for it), another tenant's lookups stay prompt, and once the flood stops the
+    daemon holds none of the fds."""
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    _, key = daemon.tenant("flooder", 16 * MiB)
+    _, other = daemon.tenant("bystander", 16 * MiB)
+    bystander = connect(daemon, other)
+    r = connect(daemon, key)
+    r.sock.settimeout(60)
+    baseline = len(daemon_fds(pid))
+    pipe_r, pipe_w = os.pipe()
+    unix_a, unix_b = socket.socketpair()
+    stop = threading.Event()
+    sent: list[int] = []
+    most_children: list[int] = [0]
+
+    def watch() -> None:
+        while not stop.is_set():
+            most_children[0] = max(most_children[0], len(_children(pid)))
+            time.sleep(0.002)
+
+    replies = threading.Thread(target=_drain, args=(r,))
+    flood = threading.Thread(target=_flood, args=(r, stop, sent, (pipe_r, unix_a.fileno())))
+    threads = [flood, threading.Thread(target=watch)]
+    for t in threads:
+        t.start()
+    replies.start()
+    try:
+        took = _prompt_meanwhile(bystander, 3.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    r.sock.shutdown(socket.SHUT_WR)
+    replies.join(timeout=30)
+    assert len(sent) > 100, "the flood did not get going"
+    assert most_children[0] <= 1, f"the daemon had {most_children[0]} child processes at once"
+    assert max(took) < PROMPT_S, f"a bystander's lookup took {max(took):.1f} s"
+    r.close()
+    bystander.close()
+    for fd in (pipe_r, pipe_w):
+        os.close(fd)
+    unix_a.close()
+    unix_b.close()
+    wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=10)
     after_attack(daemon)
