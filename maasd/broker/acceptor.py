@@ -31,6 +31,7 @@ from .deadlines import Deadlines
 from .dispatch import Dispatcher
 from .interest import Interest
 from .pacing import Backoff, LogLimiter
+from .sink import discard_socket, recv_discarding
 
 __all__ = ["Acceptor"]
 
@@ -90,7 +91,7 @@ class Acceptor:
             try:
                 conn = Connection(sock, str(self._ids))
             except OSError:
-                sock.close()
+                discard_socket(sock)
                 continue
             reason = self.admit(conn)
             if reason is not None:
@@ -155,7 +156,7 @@ class Acceptor:
     def linger_read(self, conn: Connection) -> None:
         """The refused peer sent something (or closed): it will read the 429 now; close."""
         with contextlib.suppress(OSError):
-            conn.sock.recv(65536)
+            recv_discarding(conn.sock, 65536)
         self._close(conn)
 
     def _close(self, conn: Connection) -> None:

@@ -36,9 +36,10 @@ import termios
 import threading
 
 from maasd.models import Principal
-from maasd.protocol import MAX_FD_PER_MESSAGE, FrameReader, fds_from_ancillary
+from maasd.protocol import FrameReader, fds_from_ancillary
 
 from .inbound import InboundFds, close_fds
+from .sink import RECV_ROOM, discard_socket
 
 __all__ = ["Connection", "FdsRefused", "peer_credentials"]
 
@@ -46,9 +47,7 @@ _PEERCRED = struct.Struct("3i")
 _INT = struct.Struct("i")
 #: ioctl: for an AF_UNIX stream socket, the bytes it sent that the peer has not read yet.
 SIOCOUTQ = termios.TIOCOUTQ
-# A read makes room for MAX_FD_PER_MESSAGE fds; computed once (``int & IntFlag`` and
-# CMSG_SPACE cost a Python call each, on every read).
-_CMSG_SPACE = socket.CMSG_SPACE(MAX_FD_PER_MESSAGE * _INT.size)
+# Computed once (``int & IntFlag`` costs a Python call, on every read).
 _RECV_FLAGS = int(socket.MSG_CMSG_CLOEXEC)
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)
 
@@ -162,7 +161,9 @@ class Connection:
     def receive(self, nbytes: int) -> bytes:
         """Read up to ``nbytes`` (``recvmsg``: raises what it raises, ``b""`` at EOF); fds
         that came with them wait in :attr:`inbound` for their frame (:mod:`.inbound`)."""
-        data, anc, flags, _addr = self.sock.recvmsg(nbytes, _CMSG_SPACE, _RECV_FLAGS)
+        # Room for every fd a message can carry: fds the kernel had no room for, it would
+        # close itself in this thread (a close may wait: maasd.broker.sink).
+        data, anc, flags, _addr = self.sock.recvmsg(nbytes, RECV_ROOM, _RECV_FLAGS)
         if anc:
             fds = tuple(fds_from_ancillary(anc))
             self.inbound.arrived(fds, self.reader.end_offset, len(data), bool(flags & _MSG_CTRUNC))
@@ -302,7 +303,7 @@ class Connection:
                 close_fds(msg.fds)
             self.out.clear()
             with contextlib.suppress(OSError):
-                self.sock.close()
+                discard_socket(self.sock)  # fds may still be queued in it
 
 
 class _Outgoing:

@@ -25,11 +25,11 @@ from maasd.protocol import FrameError, Request
 from .connection import Connection
 from .dispatch import Dispatcher, Op, Outcome, Session
 from .hellos import Hellos
-from .inbound import close_fds
 from .inbox import Inbox
 from .interest import READ, Interest
 from .outbox import answer_now
 from .pacing import Fields, LogLimiter
+from .sink import discard
 from .slowpool import SlowPool
 from .table import ConnectionTable
 
@@ -94,21 +94,21 @@ class Frames:
 
     def _frame(self, conn: Connection, body: bytes) -> None:
         # The fds that came with this frame (a publish's memfd), if any: the frame's own
-        # from here on, closed unless an op that takes them runs with them.
+        # from here on, discarded (maasd.broker.sink) unless an op that takes them runs.
         fds = conn.inbound.take(conn.reader.last_start, conn.reader.next_start)
         if conn.principal is None:
-            close_fds(fds)
+            discard(fds)
             self.hellos.hello(conn, body)
             return
         fields = conn.fields  # built only if a log line needs them
         decoded = self.dispatcher.decode(body, fields)
         if isinstance(decoded, Outcome):
-            close_fds(fds)
+            discard(fds)
             self.table.deliver(conn, decoded)
             return
         req, op = decoded
         if fds and not op.takes_fds:  # what the kernel dropped before the socket took fds
-            close_fds(fds)
+            discard(fds)
             fds = ()
         assert conn.api_key is not None
         assert conn.tenant is not None
@@ -136,7 +136,7 @@ class Frames:
 
     def _slow(self, conn: Connection, op: Op, req: Request, session: Session, f: Fields) -> None:
         """On a slow-pool thread: serve, then hand the outcome back to the loop. The fds
-        the frame came with are closed once the op ran (or would not run)."""
+        the frame came with are discarded once the op ran (or would not run)."""
         try:
             if conn.closed:  # gone while the job waited for its turn: nobody wants it done
                 return
@@ -149,7 +149,7 @@ class Frames:
                 finally:
                     later.run()
         finally:
-            close_fds(session.fds)
+            discard(session.fds)
         self.inbox.post(conn, outcome)
 
     def settle(self) -> None:

@@ -9,17 +9,24 @@ when it is taken off the stream, or closes them if no frame begins within that r
 
 At most one batch waits per connection (the broker reads nothing more from a connection
 while a whole frame of it waits, so a batch waits only for its own frame's tail); a
-second batch, fds that came with no bytes, and a batch the kernel had to truncate (more
-than :data:`~maasd.protocol.MAX_FD_PER_MESSAGE`: it closed what did not fit) are closed
-at once. Whatever waits is closed with the connection. So a peer can make the daemon
-hold at most that many of its fds, and only until its frame is served.
+second batch, fds that came with no bytes, a batch of more than one fd (no frame takes
+more: a publish takes one) and one the kernel had to truncate (the daemon at its
+open-files limit) are discarded at once. Whatever waits is discarded with the
+connection. So a peer can make the daemon hold at most one fd of its own, and only
+until its frame is served. "Discarded": closed without the daemon ever waiting on
+the close (:mod:`.sink`).
 """
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["InboundFds", "close_fds"]
+from .sink import discard
+
+__all__ = ["MAX_INBOUND_FDS", "InboundFds", "close_fds"]
+
+#: The most fds a frame takes (a publish: its source); a batch of more is discarded.
+MAX_INBOUND_FDS = 1
 
 
 class InboundFds:
@@ -41,9 +48,9 @@ class InboundFds:
 
     def arrived(self, fds: tuple[int, ...], first: int, nbytes: int, truncated: bool) -> None:
         """``fds`` came with the ``nbytes`` read at stream offset ``first``: kept for their
-        frame, or closed at once (module docstring)."""
-        if truncated or not nbytes or self._batch is not None:
-            close_fds(fds)
+        frame, or discarded at once (module docstring)."""
+        if truncated or not nbytes or self._batch is not None or len(fds) > MAX_INBOUND_FDS:
+            discard(fds)
         elif fds:
             self._batch = (first, first + nbytes, fds)
 
@@ -60,18 +67,19 @@ class InboundFds:
         self._batch = None
         if first <= start < stop:
             return fds
-        close_fds(fds)  # no frame begins within the read they came with
+        discard(fds)  # no frame begins within the read they came with
         return ()
 
     def close(self) -> None:
         """Close what waits (the connection is closing)."""
         batch, self._batch = self._batch, None
         if batch is not None:
-            close_fds(batch[2])
+            discard(batch[2])
 
 
 def close_fds(fds: tuple[int, ...]) -> None:
-    """Close each of ``fds``, ignoring errors."""
+    """Close each of the daemon's own ``fds`` (a reply's), ignoring errors; a peer's
+    go to :func:`~maasd.broker.sink.discard`."""
     for fd in fds:
         try:  # noqa: SIM105 - on every attach: suppress() would cost a context manager per fd
             os.close(fd)

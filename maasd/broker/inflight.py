@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from .connection import Connection
 from .deadlines import Deadlines
+from .sink import recv_discarding
 
 __all__ = ["InFlight"]
 
@@ -89,7 +90,7 @@ class InFlight:
 def peer_ended(conn: Connection) -> bool:
     """A drained connection is readable: drop what its peer sent; True at its EOF."""
     try:
-        return not conn.sock.recv(DRAIN_RECV_BYTES)
+        return not recv_discarding(conn.sock, DRAIN_RECV_BYTES)
     except BlockingIOError:
         return False
     except OSError:

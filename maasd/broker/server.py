@@ -24,6 +24,7 @@ from .dispatch import UseCases
 from .limits import Limits
 from .loop import EventLoop
 from .pacing import LogLimiter
+from .sink import discard_socket
 from .slowpool import SlowPool
 
 __all__ = ["Broker"]
@@ -125,7 +126,7 @@ class Broker:
             logger.warning(
                 "slow broker operations still running at stop", extra={"path": self.path}
             )
-        self._listener.close()
+        discard_socket(self._listener)  # connections never accepted may hold fds
         self._listener = None
         self._unlink_own_socket()
         logger.info("broker stopped", extra={"path": self.path})

@@ -100,8 +100,11 @@ def check_source(fd: int, size_bytes: int) -> None:
         raise InvalidRequest(
             "publish needs a memfd: the fd sent is a file of another kind (it has no seals)"
         ) from e
-    if flags & os.O_ACCMODE == os.O_WRONLY:
+    access = flags & os.O_ACCMODE
+    if access == os.O_WRONLY:
         raise InvalidRequest("publish: the memfd sent is open for writing only")
+    if access not in (os.O_RDONLY, os.O_RDWR):  # 3: neither (a re-open for ioctls)
+        raise InvalidRequest("publish: the memfd sent is not open for reading")
     if st.st_size < size_bytes:
         raise InvalidRequest(
             f"publish: the memfd holds {st.st_size} bytes, fewer than size_bytes {size_bytes}"
