@@ -224,6 +224,15 @@ def test_the_containerfile_builds_a_non_root_image_with_a_data_volume() -> None:
     assert daemon["USER"] == f"{ctx['runAsUser']}:{ctx['runAsGroup']}"
     worker = by_kind("worker.yaml")["Deployment"]["spec"]["template"]["spec"]
     assert dict(stages["worker"])["USER"] == f"{worker['securityContext']['runAsUser']}:10002"
+    # the router image: the manifest's, with the llama-server of scripts/llama-server
+    assert "scripts/llama-server" in " ".join(a for op, a in stages["llama-server"] if op == "RUN")
+    router = dict(stages["router"])
+    assert router["ENTRYPOINT"] == '["maasd", "router"]'
+    assert "/usr/local/bin/llama-server" in " ".join(a for op, a in stages["router"])
+    pod = by_kind("router.yaml")["Deployment"]["spec"]["template"]["spec"]
+    ctx = pod["securityContext"]
+    assert router["USER"] == f"{ctx['runAsUser']}:{ctx['runAsGroup']}"
+    assert {c["image"] for c in pod["containers"]} == {"maasd-router:0.1.0"}
 
 
 hadolint = shutil.which(
