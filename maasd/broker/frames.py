@@ -95,15 +95,19 @@ class Frames:
     def _frame(self, conn: Connection, body: bytes) -> None:
         # The fds that came with this frame (a publish's memfd), if any: the frame's own
         # from here on, discarded (maasd.broker.sink) unless an op that takes them runs.
-        fds = conn.inbound.take(conn.reader.last_start, conn.reader.next_start)
+        fds: tuple[int, ...] = ()
+        if conn.inbound.batch is not None:
+            fds = conn.inbound.take(conn.reader.last_start, conn.reader.next_start)
         if conn.principal is None:
-            discard(fds)
+            if fds:
+                discard(fds)
             self.hellos.hello(conn, body)
             return
         fields = conn.fields  # built only if a log line needs them
         decoded = self.dispatcher.decode(body, fields)
         if isinstance(decoded, Outcome):
-            discard(fds)
+            if fds:
+                discard(fds)
             self.table.deliver(conn, decoded)
             return
         req, op = decoded
@@ -149,7 +153,8 @@ class Frames:
                 finally:
                     later.run()
         finally:
-            discard(session.fds)
+            if session.fds:
+                discard(session.fds)
         self.inbox.post(conn, outcome)
 
     def settle(self) -> None:

@@ -32,39 +32,40 @@ MAX_INBOUND_FDS = 1
 class InboundFds:
     """The one batch of fds a connection's peer sent that waits for its frame."""
 
-    __slots__ = ("_batch",)
+    __slots__ = ("batch",)
 
     def __init__(self) -> None:
-        #: ``(first, end, fds)``: the stream offsets of the read the fds came with
-        self._batch: tuple[int, int, tuple[int, ...]] | None = None
+        #: ``(first, end, fds)``: the stream offsets of the read the fds came with (read it
+        #: for ``None`` before calling :meth:`take`: the one check on every frame's path)
+        self.batch: tuple[int, int, tuple[int, ...]] | None = None
 
     @property
     def waiting(self) -> tuple[int, ...]:
         """The fds that wait for their frame (``()`` if none)."""
-        return () if self._batch is None else self._batch[2]
+        return () if self.batch is None else self.batch[2]
 
     def __bool__(self) -> bool:
-        return self._batch is not None
+        return self.batch is not None
 
     def arrived(self, fds: tuple[int, ...], first: int, nbytes: int, truncated: bool) -> None:
         """``fds`` came with the ``nbytes`` read at stream offset ``first``: kept for their
         frame, or discarded at once (module docstring)."""
-        if truncated or not nbytes or self._batch is not None or len(fds) > MAX_INBOUND_FDS:
+        if truncated or not nbytes or self.batch is not None or len(fds) > MAX_INBOUND_FDS:
             discard(fds)
         elif fds:
-            self._batch = (first, first + nbytes, fds)
+            self.batch = (first, first + nbytes, fds)
 
     def take(self, start: int, end: int) -> tuple[int, ...]:
         """The fds of the frame that spans stream offsets ``[start, end)`` (the caller owns
         them now); ``()`` if none, or if they may be a later frame's. Fds within whose
         read no frame begins are closed here, once the frame spanning it is taken."""
-        batch = self._batch
+        batch = self.batch
         if batch is None:
             return ()
         first, stop, fds = batch
         if end < stop:
             return ()  # a later frame begins within that read: theirs, if anyone's
-        self._batch = None
+        self.batch = None
         if first <= start < stop:
             return fds
         discard(fds)  # no frame begins within the read they came with
@@ -72,7 +73,7 @@ class InboundFds:
 
     def close(self) -> None:
         """Close what waits (the connection is closing)."""
-        batch, self._batch = self._batch, None
+        batch, self.batch = self.batch, None
         if batch is not None:
             discard(batch[2])
 
