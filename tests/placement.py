@@ -57,24 +57,7 @@ def pages_by_node(addr: int, length: int, page: int = PAGE) -> dict[int, int]:
     keys are errnos (``-ENOENT``: not present)."""
     if _libc.madvise(ctypes.c_void_p(addr), length, _MADV_POPULATE_READ) != 0:
         raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
-    count = length // page
-    pages = (np.arange(count, dtype=np.uint64) * np.uint64(page) + np.uint64(addr)).astype(
-        np.uint64
-    )
-    status = np.full(count, -errno.EINVAL - 1000, dtype=np.int32)
-    rc = _libc.syscall(
-        ctypes.c_long(_SYS_MOVE_PAGES),
-        ctypes.c_int(0),
-        ctypes.c_ulong(count),
-        ctypes.c_void_p(pages.ctypes.data),
-        ctypes.c_void_p(None),
-        ctypes.c_void_p(status.ctypes.data),
-        ctypes.c_int(0),
-    )
-    if rc != 0:
-        raise OSError(ctypes.get_errno(), "move_pages")
-    values, counts = np.unique(status, return_counts=True)
-    return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}
+    return _move_pages(addr, length // page, page, None, 0)
 
 
 def move_behind_its_back(array: np.ndarray, node: int, page: int = PAGE) -> dict[int, int]:
@@ -83,23 +66,29 @@ def move_behind_its_back(array: np.ndarray, node: int, page: int = PAGE) -> dict
     the buffer's binding: ``move_pages`` with target nodes and ``MPOL_MF_MOVE_ALL`` (root:
     the daemon maps the same pages). Returns where the kernel says each page ended
     (``{node: pages}``; negative keys are errnos)."""
-    addr, count = array.ctypes.data, array.nbytes // page
+    return _move_pages(array.ctypes.data, array.nbytes // page, page, node, _MPOL_MF_MOVE_ALL)
+
+
+def _move_pages(addr: int, count: int, page: int, node: int | None, flags: int) -> dict[int, int]:
+    """``move_pages(2)`` of this process's ``count`` pages from ``addr``: where each is
+    (``node`` None: a query), or moved to ``node`` with ``flags``; ``{node: pages}``,
+    negative keys errnos."""
     pages = (np.arange(count, dtype=np.uint64) * np.uint64(page) + np.uint64(addr)).astype(
         np.uint64
     )
-    nodes = np.full(count, node, dtype=np.int32)
+    nodes = None if node is None else np.full(count, node, dtype=np.int32)
     status = np.full(count, -errno.EINVAL - 1000, dtype=np.int32)
     rc = _libc.syscall(
         ctypes.c_long(_SYS_MOVE_PAGES),
         ctypes.c_int(0),
         ctypes.c_ulong(count),
         ctypes.c_void_p(pages.ctypes.data),
-        ctypes.c_void_p(nodes.ctypes.data),
+        ctypes.c_void_p(None if nodes is None else nodes.ctypes.data),
         ctypes.c_void_p(status.ctypes.data),
-        ctypes.c_int(_MPOL_MF_MOVE_ALL),
+        ctypes.c_int(flags),
     )
-    if rc < 0:
-        raise OSError(ctypes.get_errno(), "move_pages(MPOL_MF_MOVE_ALL)")
+    if rc < 0 or (node is None and rc != 0):
+        raise OSError(ctypes.get_errno(), "move_pages")
     values, counts = np.unique(status, return_counts=True)
     return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}
 

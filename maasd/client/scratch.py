@@ -25,7 +25,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Scratch"]
+__all__ = ["Scratch", "source_fd"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +121,20 @@ def _close_mapping(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:  # a view of it is still alive: unmapped when the last one dies
         logger.debug("scratch: views still alive, unmapping deferred")
+
+
+def source_fd(source: Scratch | int) -> int:
+    """The fd of a publish's ``source`` (a :class:`Scratch` or an fd), checked open: an fd
+    the kernel refuses to send fails the ``sendmsg`` before any byte goes, but the channel
+    cannot tell that from a broken stream (it would give up the connection)."""
+    if isinstance(source, Scratch):
+        if source.closed:
+            raise ValueError("publish: the scratch is closed")
+        return source.fd
+    if isinstance(source, bool) or not isinstance(source, int):
+        raise TypeError(f"publish needs a Scratch or an fd, not {type(source).__name__}")
+    try:
+        os.fstat(source)
+    except OSError as exc:
+        raise ValueError(f"publish: fd {source} is not open ({exc.strerror})") from exc
+    return source

@@ -54,7 +54,7 @@ from maasd.client.errors import ConnectionFailed, MaasdClientError, NotFound
 from maasd.client.mapped import MappedBuffers
 from maasd.client.mapping import BufferMapping, Mapping, check_memfd_size
 from maasd.client.renewal import LeaseRenewer
-from maasd.client.scratch import Scratch
+from maasd.client.scratch import Scratch, source_fd
 
 __all__ = ["BufferMapping", "Entry", "EntryMapping", "Mapping", "Worker"]
 
@@ -224,7 +224,7 @@ class Worker:
         committed entry under ``key``: a put and a commit in one round trip; ``source``
         stays the caller's (docs/client.md, "Publishing an entry"). ``ValueError`` (nothing
         sent) for a closed scratch or an fd not open."""
-        fd = _source_fd(source)
+        fd = source_fd(source)
         msg = protocol.Publish(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
         reply = self._channel.request_reply(msg, protocol.Published, fds=(fd,))
         return Entry(reply.buffer_id, key, reply.size_bytes, reply.numa_node)
@@ -315,20 +315,3 @@ class Worker:
         """A mapping of :meth:`attach` closed by its user: one attachment less."""
         if self._maps.remove(m):
             self._detach_quietly(m.buffer_id, True)
-
-
-def _source_fd(source: Scratch | int) -> int:
-    """The fd of a publish's ``source``, checked open: an fd the kernel refuses to send
-    fails the ``sendmsg`` before any byte goes, but the channel cannot tell that from a
-    broken stream (it would give up the connection)."""
-    if isinstance(source, Scratch):
-        if source.closed:
-            raise ValueError("publish: the scratch is closed")
-        return source.fd
-    if isinstance(source, bool) or not isinstance(source, int):
-        raise TypeError(f"publish needs a Scratch or an fd, not {type(source).__name__}")
-    try:
-        os.fstat(source)
-    except OSError as exc:
-        raise ValueError(f"publish: fd {source} is not open ({exc.strerror})") from exc
-    return source

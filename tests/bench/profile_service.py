@@ -64,18 +64,30 @@ def timed(out: dict[str, list[float]], name: str, fn: Callable[[], Any]) -> Any:
     return result
 
 
+def cycles(
+    n: int, cycle: Callable[[int, dict[str, list[float]]], None], gap: float = 0.0
+) -> dict[str, list[float]]:
+    """``cycle(i, out)`` ``WARM_UP + n`` times, ``gap`` s apart; the warm-up's samples dropped."""
+    out: dict[str, list[float]] = {}
+    for i in range(WARM_UP + n):
+        cycle(i, out)
+        if i == WARM_UP - 1:
+            out.clear()
+        time.sleep(gap)
+    return out
+
+
 def pairs(n: int) -> dict[str, list[float]]:
     svc = service(prefault=False, warm=0)
     try:
         who = svc.auth.authenticate(svc.tenants.create("t", 1 << 40).api_key)
         spec = ReserveSpec(size_bytes=MiB, pool="node0", ttl_s=600)
-        out: dict[str, list[float]] = {}
-        for i in range(WARM_UP + n):
+
+        def pair(_i: int, out: dict[str, list[float]]) -> None:
             info = timed(out, "reserve", lambda: svc.reserves.reserve(who, spec))
-            timed(out, "release", lambda: svc.buffers.release(who, info.id))  # noqa: B023
-            if i == WARM_UP - 1:
-                out.clear()
-        return out
+            timed(out, "release", lambda: svc.buffers.release(who, info.id))
+
+        return cycles(n, pair)
     finally:
         svc.close()
 
@@ -85,19 +97,17 @@ def entries(n: int) -> dict[str, list[float]]:
     try:
         who = svc.auth.authenticate(svc.tenants.create("t", 1 << 40).api_key)
         time.sleep(1.5)  # the first stock
-        out: dict[str, list[float]] = {}
-        for i in range(WARM_UP + n):
-            h = timed(out, "put_entry", lambda: svc.entries.put(who, f"k{i}", ENTRY))  # noqa: B023
+
+        def put_commit(i: int, out: dict[str, list[float]]) -> None:
+            h = timed(out, "put_entry", lambda: svc.entries.put(who, f"k{i}", ENTRY))
             m = mmap.mmap(h.fd, h.size_bytes)
             m[:4096] = b"\x07" * 4096
             m.close()
             os.close(h.fd)
-            timed(out, "commit_entry", lambda: svc.entries.commit(who, h.buffer_id, owned=True))  # noqa: B023
+            timed(out, "commit_entry", lambda: svc.entries.commit(who, h.buffer_id, owned=True))
             svc.buffers.release(who, h.buffer_id)
-            if i == WARM_UP - 1:
-                out.clear()
-            time.sleep(0.05)
-        return out
+
+        return cycles(n, put_commit, gap=0.05)
     finally:
         svc.close()
 
@@ -111,18 +121,13 @@ def publishes(n: int) -> dict[str, list[float]]:
         os.pwrite(fd, b"\x07" * ENTRY, 0)
         who = svc.auth.authenticate(svc.tenants.create("t", 1 << 40).api_key)
         time.sleep(1.5)  # the first stock
-        out: dict[str, list[float]] = {}
-        for i in range(WARM_UP + n):
-            info = timed(
-                out,
-                "publish_entry",
-                lambda: svc.publishes.publish(who, f"k{i}", fd, ENTRY),  # noqa: B023
-            )
+
+        def publish(i: int, out: dict[str, list[float]]) -> None:
+            made = svc.publishes.publish
+            info = timed(out, "publish_entry", lambda: made(who, f"k{i}", fd, ENTRY))
             svc.buffers.release(who, info.id)
-            if i == WARM_UP - 1:
-                out.clear()
-            time.sleep(0.05)
-        return out
+
+        return cycles(n, publish, gap=0.05)
     finally:
         os.close(fd)
         svc.close()

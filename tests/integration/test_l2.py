@@ -75,6 +75,26 @@ def used(d: Daemon, tenant_id: str) -> int:
 
 
 # ---------------------------------------------------------------------------- restore
+def crosses_hosts_again(
+    a: Daemon, b: Daemon, redis_server: RedisServer, tid: str, key: str, name: str
+) -> None:
+    """Redis serves again: both breakers close, a commit on A reaches L2 and B finds it."""
+    wait_until(
+        lambda: a.metric("maasd_l2_breaker_open") == 0 and b.metric("maasd_l2_breaker_open") == 0,
+        timeout=15,
+        message="both breakers closed again",
+    )
+    data = secrets.token_bytes(MiB)
+    with Worker(a.socket_path, key) as wa:
+        commit(wa, name, data)
+    wait_until(lambda: in_l2(redis_server, tid, name), message=f"{name} written to L2")
+    with Worker(b.socket_path, key) as wb:
+        hit = wb.lookup([name])
+        assert hit is not None
+        assert bytes(hit.array[: len(data)]) == data
+        hit.close()
+
+
 def test_an_entry_committed_on_a_is_restored_through_b(
     hosts: tuple[Daemon, Daemon], redis_server: RedisServer
 ) -> None:
@@ -279,20 +299,7 @@ def test_redis_killed_during_a_burst_then_back(
 
     # Redis back: the breakers close, a new commit reaches L2 and B finds it
     redis_server.start()
-    wait_until(
-        lambda: a.metric("maasd_l2_breaker_open") == 0 and b.metric("maasd_l2_breaker_open") == 0,
-        timeout=15,
-        message="both breakers closed again",
-    )
-    data = secrets.token_bytes(MiB)
-    with Worker(a.socket_path, key) as wa:
-        commit(wa, "after", data)
-    wait_until(lambda: in_l2(redis_server, tid, "after"), message="written after the outage")
-    with Worker(b.socket_path, key) as wb:
-        hit = wb.lookup(["after"])
-        assert hit is not None
-        assert bytes(hit.array[: len(data)]) == data
-        hit.close()
+    crosses_hosts_again(a, b, redis_server, tid, key, "after")
 
 
 def test_a_frozen_redis_costs_a_lookup_one_timeout_at_most(
@@ -405,20 +412,7 @@ def test_a_frozen_redis_under_commits_and_lookups_on_two_daemons(
     print(f"worst while Redis was frozen (s): {worst}, operations {counts}")
     assert max(worst.values()) < OUTAGE_BOUND_S, worst
 
-    wait_until(
-        lambda: a.metric("maasd_l2_breaker_open") == 0 and b.metric("maasd_l2_breaker_open") == 0,
-        timeout=15,
-        message="both breakers closed after the thaw",
-    )
-    data = secrets.token_bytes(MiB)
-    with Worker(a.socket_path, key) as wa:
-        commit(wa, "after-thaw", data)
-    wait_until(lambda: in_l2(redis_server, tid, "after-thaw"), message="written after the thaw")
-    with Worker(b.socket_path, key) as wb:
-        hit = wb.lookup(["after-thaw"])
-        assert hit is not None
-        assert bytes(hit.array[: len(data)]) == data
-        hit.close()
+    crosses_hosts_again(a, b, redis_server, tid, key, "after-thaw")
 
 
 def test_the_password_stays_with_the_daemon(

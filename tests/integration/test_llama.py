@@ -38,6 +38,7 @@ from llama_model import tiny_model  # noqa: E402
 from maasd import llama as L  # noqa: E402
 from maasd.client import Scratch  # noqa: E402
 from maasd.client.errors import DuplicateKey, NotFound  # noqa: E402
+from maasd.client.scratch import source_fd  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 N_CTX = 512
@@ -142,7 +143,7 @@ class FakeWorker:
     ) -> FakeBuffer:
         """A put, the writer's bytes read from its memfd, and a commit: the daemon's publish."""
         m = self.put(key, size_bytes, pool=pool, ttl_s=ttl_s)
-        fd = source.fd if isinstance(source, Scratch) else source
+        fd = source_fd(source)
         self.mem[m.buffer_id][:size_bytes] = os.pread(fd, size_bytes, 0)
         self.published += 1
         return self.commit(m)
