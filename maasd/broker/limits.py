@@ -26,7 +26,7 @@ from maasd.core.limits import socket_connections
 if TYPE_CHECKING:
     from maasd.settings import Settings
 
-__all__ = ["ConnectionCounts", "Limits"]
+__all__ = ["ConnectionCounts", "Limits", "tenant_connections"]
 
 K = TypeVar("K")
 
@@ -55,18 +55,47 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     slow_workers: int = 4
     #: Slow operations of one tenant running at once (the rest wait their turn).
     slow_per_tenant: int = 2
+    #: Why ``max_per_tenant`` is below its setting (``""``: it is not), for refusals.
+    lowered: str = ""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
         """The limits configured in ``settings`` (fields ``socket_max_connections``, …),
         ``max_connections`` lowered to an eighth of the open-files limit as the region
-        budget counts it (:func:`maasd.core.limits.socket_connections`)."""
-        got = cls(**{name: getattr(settings, "socket_" + name) for name in cls.__struct_fields__})
+        budget counts it (:func:`maasd.core.limits.socket_connections`), and
+        ``max_per_tenant`` to a tenant's share of that (:func:`tenant_connections`)."""
+        fields = (name for name in cls.__struct_fields__ if name != "lowered")
+        got = cls(**{name: getattr(settings, "socket_" + name) for name in fields})
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft != resource.RLIM_INFINITY:
             cap = socket_connections(got.max_connections, int(soft))
             got = msgspec.structs.replace(got, max_connections=cap)
-        return got
+        per_tenant = tenant_connections(
+            got.max_per_tenant, got.max_connections, settings.tenant_region_share
+        )
+        if per_tenant == got.max_per_tenant:
+            return got
+        why = (
+            f", lowered from {got.max_per_tenant} to tenant_region_share "
+            f"{settings.tenant_region_share:g} of the {got.max_connections} connections "
+            "the open-files limit allows"
+        )
+        return msgspec.structs.replace(got, max_per_tenant=per_tenant, lowered=why)
+
+
+def tenant_connections(max_per_tenant: int, max_connections: int, share: float) -> int:
+    """Connections one tenant may hold: ``socket_max_per_tenant``, lowered to its
+    ``share`` (``tenant_region_share``, as of the region budget) of the daemon's
+    connections, so that no tenant takes the connections every other one needs — at a
+    small open-files limit the total shrinks (:func:`maasd.core.limits.socket_connections`)
+    and a fixed 128 would be all of them.
+
+    >>> tenant_connections(128, 1024, 0.25), tenant_connections(128, 128, 0.25)
+    (128, 32)
+    >>> tenant_connections(128, 16, 0.25), tenant_connections(128, 16, 1.0)
+    (4, 16)
+    """
+    return max(1, min(max_per_tenant, int(max_connections * share)))
 
 
 class ConnectionCounts:
@@ -134,7 +163,7 @@ class ConnectionCounts:
         if self.by_tenant[tenant] >= self.limits.max_per_tenant:
             return (
                 f"tenant {tenant} has {self.by_tenant[tenant]} connections open "
-                f"(socket_max_per_tenant = {self.limits.max_per_tenant})"
+                f"(socket_max_per_tenant = {self.limits.max_per_tenant}{self.limits.lowered})"
             )
         self.unauthenticated -= 1
         _decrement(self.unauthenticated_by_uid, uid)

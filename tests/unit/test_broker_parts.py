@@ -103,7 +103,31 @@ def test_limits_come_from_settings_and_env() -> None:
     assert lim.max_per_tenant == 3
     assert lim.hello_timeout_s == 1.5
     assert lim.max_per_uid == Limits().max_per_uid
-    assert {"socket_" + f for f in Limits.__struct_fields__} == set(SOCKET_BOUNDS)
+    assert {"socket_" + f for f in Limits.__struct_fields__} == {*SOCKET_BOUNDS, "socket_lowered"}
+
+
+@pytest.mark.parametrize(
+    ("nofile", "share", "total", "per_tenant"),
+    [
+        (20000, 0.25, 1024, 128),  # the setting binds
+        (1024, 0.25, 128, 32),  # a quarter of what the open-files limit leaves
+        (1024, 1.0, 128, 128),
+        (64, 0.25, 16, 4),
+    ],
+)
+def test_a_tenants_connections_are_its_share_of_what_the_open_files_allow(
+    nofile: int, share: float, total: int, per_tenant: int
+) -> None:
+    import resource
+
+    s = load({}, {"MAASD_TENANT_REGION_SHARE": str(share)})
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, before[1]))
+    try:
+        lim = Limits.from_settings(s)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+    assert (lim.max_connections, lim.max_per_tenant) == (total, per_tenant)
 
 
 @pytest.mark.parametrize("name", SOCKET_BOUNDS)
