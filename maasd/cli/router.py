@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from maasd.router import PUBLISH_TTL_S
+from maasd.router import DEFAULT_CHUNK, DEFAULT_MIN_SAVE_TOKENS, PUBLISH_TTL_S
 
 DEFAULT_URL = "http://127.0.0.1:7878"
 
@@ -77,14 +77,14 @@ _OPTIONS = [
     ),
     click.option(
         "--chunk",
-        default=64,
+        default=DEFAULT_CHUNK,
         show_default=True,
         type=click.IntRange(1),
         help="Key granularity in tokens (equal on every router and worker that share).",
     ),
     click.option(
         "--min-save-tokens",
-        default=128,
+        default=DEFAULT_MIN_SAVE_TOKENS,
         show_default=True,
         type=int,
         help="Shortest prefix worth publishing.",

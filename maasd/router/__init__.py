@@ -17,8 +17,12 @@ The package, by layer (each imports only those before it, maasd.llama's pure par
 See docs/llama-server.md.
 """
 
-__all__ = ["PUBLISH_TTL_S"]
+from maasd.llama.format import DEFAULT_CHUNK  # equal on every router and worker that share
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_MIN_SAVE_TOKENS", "PUBLISH_TTL_S"]
 
 #: The lease of an entry a router publishes unless told otherwise (``maasd router --ttl``),
 #: in seconds; a hit extends it.
 PUBLISH_TTL_S = 3600
+#: The shortest prefix worth publishing, in tokens (``maasd router --min-save-tokens``).
+DEFAULT_MIN_SAVE_TOKENS = 128

@@ -20,7 +20,7 @@ from litestar.response import Response, Stream
 
 from maasd.client import Client
 from maasd.llama.link import Link
-from maasd.router import PUBLISH_TTL_S
+from maasd.router import DEFAULT_CHUNK, DEFAULT_MIN_SAVE_TOKENS, PUBLISH_TTL_S
 from maasd.router.fleet import Fleet, FleetConfig
 from maasd.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
 from maasd.router.proxy import Answer, Proxy, Unroutable, error_answer
@@ -39,8 +39,8 @@ class RouterConfig:
     maasd_url: str | None = None
     key: str | None = None
     pool: str | None = None
-    chunk: int = 64
-    min_save_tokens: int = 128
+    chunk: int = DEFAULT_CHUNK
+    min_save_tokens: int = DEFAULT_MIN_SAVE_TOKENS
     ttl_s: int = PUBLISH_TTL_S
     copy_slot_files: bool = False
 
