@@ -138,6 +138,12 @@ class MappingCache:
     Slots in use are never evicted. Idle slots are evicted beyond ``max_bytes`` (0:
     none is kept idle) and after ``max_age_s`` seconds idle. Every method returns
     the slots it evicted: the caller unmaps them and tells the daemon (detach).
+
+    A hit's ``checkout`` and ``checkin`` cost the same with one slot cached or ten
+    thousand: the idle bytes are a running sum, the slots are kept in the order of their
+    last use (so the oldest idle ones are first), the ids cached under each key are
+    indexed, and a trim looks at no more slots than it evicts (and the in-use ones it
+    passes on the way).
     """
 
     def __init__(
@@ -148,10 +154,17 @@ class MappingCache:
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._lock = threading.Lock()
+        #: least recently used (checked out or in) first
         self._slots: collections.OrderedDict[str, CachedMapping] = collections.OrderedDict()
+        #: key → the ids cached under it (a key published again has two for a while)
+        self._by_key: dict[str, set[str]] = {}
+        #: bytes of the slots no one uses
+        self._idle_bytes = 0
         #: released ids not cached when the daemon said so (a lookup's answer racing the
         #: frame): a slot added for one of them is dropped when given back
         self._gone: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: forgotten slots still in use whose id was cached again: dropped when given back
+        self._retired: set[CachedMapping] = set()
 
     def __len__(self) -> int:
         with self._lock:
@@ -167,12 +180,20 @@ class MappingCache:
         with self._lock:
             return sum(s.mapping.size for s in self._slots.values())
 
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the mappings no one uses now (what ``max_bytes`` bounds)."""
+        with self._lock:
+            return self._idle_bytes
+
     def checkout(self, buffer_id: str) -> CachedMapping | None:
         """The slot of ``buffer_id``, one more user counted; ``None`` if not cached."""
         with self._lock:
             slot = self._slots.get(buffer_id)
             if slot is None or slot.forgotten:
                 return None
+            if not slot.users:
+                self._idle_bytes -= slot.mapping.size
             slot.users += 1
             slot.last_used = time.monotonic()
             self._slots.move_to_end(buffer_id)
@@ -183,25 +204,41 @@ class MappingCache:
         with self._lock:
             if self._gone.pop(slot.buffer_id, 0) is None:  # released before it was added
                 slot.forgotten = slot.released = True
+            old = self._slots.get(slot.buffer_id)
+            if old is not None:  # mapped again while forgotten and in use: dropped when
+                self._remove(old)  # its last user gives it back
+                self._retired.add(old)
             slot.users += 1
             slot.last_used = time.monotonic()
             self._slots[slot.buffer_id] = slot
+            self._by_key.setdefault(slot.key, set()).add(slot.buffer_id)
             return self._trim()
 
     def checkin(self, slot: CachedMapping) -> list[CachedMapping]:
         """One user less; returns the slots to drop now (over budget, forgotten)."""
         with self._lock:
-            slot.users = max(0, slot.users - 1)
+            if self._slots.get(slot.buffer_id) is not slot:
+                slot.users = max(0, slot.users - 1)
+                if slot.users or slot not in self._retired:
+                    return []  # not cached (any more): whoever removed it drops it
+                self._retired.discard(slot)
+                return [slot]
+            slot.users -= 1
             slot.last_used = time.monotonic()
+            self._slots.move_to_end(slot.buffer_id)
+            if slot.users:
+                return []
+            if slot.forgotten:
+                self._remove(slot)
+                return [slot]
+            self._idle_bytes += slot.mapping.size
             return self._trim()
 
     def forget(self, buffer_id: str) -> list[CachedMapping]:
         """Drop ``buffer_id`` (now if idle, else when its last user gives it back)."""
         with self._lock:
             slot = self._slots.get(buffer_id)
-            if slot is not None:
-                slot.forgotten = True
-            return self._trim()
+            return [] if slot is None else self._forget(slot)
 
     def released(self, buffer_id: str) -> None:
         """The daemon released ``buffer_id`` (a pushed ``released`` frame): unmapped and
@@ -214,21 +251,22 @@ class MappingCache:
                 if len(self._gone) > _GONE_KEPT:
                     self._gone.popitem(last=False)
                 return
-            slot.forgotten = slot.released = True
-            if slot.users:
+            slot.released = True
+            if not self._forget(slot):
                 return
-            del self._slots[buffer_id]
         slot.mapping.unmap()
 
     def forget_keys(self, keys: list[str], keep: str | None = None) -> list[CachedMapping]:
         """Drop the slots cached under any of ``keys`` (but ``keep``, a buffer id): the
         daemon found none of them, or another entry under that key."""
-        wanted = set(keys)
+        gone: list[CachedMapping] = []
         with self._lock:
-            for slot in self._slots.values():
-                if slot.key in wanted and slot.buffer_id != keep:
-                    slot.forgotten = True
-            return self._trim()
+            for key in keys:
+                for buffer_id in list(self._by_key.get(key, ())):
+                    slot = self._slots[buffer_id]
+                    if buffer_id != keep and not slot.forgotten:
+                        gone += self._forget(slot)
+            return gone
 
     def expire(self, now: float | None = None) -> list[CachedMapping]:
         """The idle slots older than ``max_age_s`` (and any beyond the budget), removed."""
@@ -238,19 +276,49 @@ class MappingCache:
     def clear(self) -> list[CachedMapping]:
         """Every slot, removed (the worker is closing)."""
         with self._lock:
-            slots = list(self._slots.values())
+            slots = [*self._slots.values(), *self._retired]
             self._slots.clear()
+            self._by_key.clear()
+            self._retired.clear()
+            self._idle_bytes = 0
             return slots
 
+    def _forget(self, slot: CachedMapping) -> list[CachedMapping]:
+        """(lock held) Mark ``slot`` forgotten; removed now if idle: ``[slot]``."""
+        slot.forgotten = True
+        if slot.users:
+            return []  # removed when its last user gives it back
+        self._idle_bytes -= slot.mapping.size
+        self._remove(slot)
+        return [slot]
+
+    def _remove(self, slot: CachedMapping) -> None:
+        """(lock held) Take ``slot`` out (its idle bytes already accounted for)."""
+        del self._slots[slot.buffer_id]
+        self._unindex(slot)
+
+    def _unindex(self, slot: CachedMapping) -> None:
+        ids = self._by_key.get(slot.key)
+        if ids is not None:
+            ids.discard(slot.buffer_id)
+            if not ids:
+                del self._by_key[slot.key]
+
     def _trim(self, now: float | None = None) -> list[CachedMapping]:
+        """(lock held) Evict idle slots, oldest first: beyond ``max_bytes``, and (``now``
+        given) those idle longer than ``max_age_s``. The slots are in the order of their
+        last use, so the walk stops at the first idle slot that may stay."""
         gone: list[CachedMapping] = []
-        idle_bytes = sum(s.mapping.size for s in self._slots.values() if s.users == 0)
-        for buffer_id, slot in list(self._slots.items()):  # least recently used first
+        idle = self._idle_bytes
+        for slot in self._slots.values():
             if slot.users:
                 continue
             aged = now is not None and now - slot.last_used > self.max_age_s
-            if slot.forgotten or aged or idle_bytes > self.max_bytes:
-                del self._slots[buffer_id]
-                idle_bytes -= slot.mapping.size
-                gone.append(slot)
+            if not (aged or idle > self.max_bytes):
+                break
+            idle -= slot.mapping.size
+            gone.append(slot)
+        for slot in gone:
+            self._remove(slot)
+        self._idle_bytes = idle
         return gone
