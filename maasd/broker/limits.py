@@ -61,7 +61,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
         """The limits configured in ``settings`` (fields ``socket_max_connections``, …),
-        ``max_connections`` lowered to an eighth of the open-files limit as the region
+        ``max_connections`` lowered to a twelfth of the open-files limit as the region
         budget counts it (:func:`maasd.core.limits.socket_connections`), and
         ``max_per_tenant`` to a tenant's share of that (:func:`tenant_connections`)."""
         fields = (name for name in cls.__struct_fields__ if name != "lowered")
@@ -90,8 +90,8 @@ def tenant_connections(max_per_tenant: int, max_connections: int, share: float) 
     small open-files limit the total shrinks (:func:`maasd.core.limits.socket_connections`)
     and a fixed 128 would be all of them.
 
-    >>> tenant_connections(128, 1024, 0.25), tenant_connections(128, 128, 0.25)
-    (128, 32)
+    >>> tenant_connections(128, 1024, 0.25), tenant_connections(128, 85, 0.25)
+    (128, 21)
     >>> tenant_connections(128, 16, 0.25), tenant_connections(128, 16, 1.0)
     (4, 16)
     """

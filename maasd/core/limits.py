@@ -27,7 +27,7 @@ buffers reaches the open-files limit long before its quota — so three bounds d
 
 The budget, from the soft ``RLIMIT_NOFILE`` ``M`` (which ``maasd serve`` first
 raises to the hard limit), ``vm.max_map_count`` ``P``, the worker socket's
-connections ``S`` (``socket_max_connections`` lowered to ``M // 8``, never below
+connections ``S`` (``socket_max_connections`` lowered to ``M // 12``, never below
 16, as the broker caps it), the REST server's connections ``R`` (its cap,
 ``http_max_connections`` lowered to ``M // 4`` as :mod:`maasd.api.server` does,
 plus the eighth it still answers 507), the ledger's connection pool
@@ -35,13 +35,15 @@ plus the eighth it still answers 507), the ledger's connection pool
 with PostgreSQL: ``L`` files) and the threads ``T`` that may hold a transient
 file (the REST API's 64 service threads and ``socket_slow_workers``)::
 
-    reserved      = 96 + L + R + 2 × S + 2 × T   the daemon's own files (listeners,
+    reserved      = 96 + L + R + 3 × S + 2 × T   the daemon's own files (listeners,
                                                  logs, pipes, libraries; the read-only
                                                  fds of the 32 hottest entries), the ledger,
                                                  the REST connections, per socket
-                                                 connection its socket and the fd of
-                                                 the one reply held for it, per thread
-                                                 a checkpoint file and a commit's copy
+                                                 connection its socket, the fd of the
+                                                 one reply held for it and the one fd a
+                                                 peer's unfinished frame brought, per
+                                                 thread a checkpoint file and a commit's
+                                                 copy
     headroom      = max(reserved, M // 4)        fds for everything but regions
     file_budget   = M - headroom                 regions holding an fd at once
     region_budget = P - max(1024, P // 8)        regions held at once, entries parking
@@ -57,7 +59,7 @@ With the defaults (``S = 1024``, ``R = 576``, SQLite, ``L = 160``, ``T = 68``) a
 ``M = 20000``: 15,000 regions holding an fd, 3,750 per tenant; where entries park,
 57,339 regions in all (``P = 65530``), 14,334 per tenant. With ``M = 524288`` (systemd's
 default hard limit) and ``P = 65530`` the mappings bind: 57,339. With ``M =
-1024``: ``S = 128``, 88 regions. Below :data:`MIN_USEFUL_REGIONS` the daemon
+1024``: ``S = 85``, 89 regions. Below :data:`MIN_USEFUL_REGIONS` the daemon
 refuses to start, naming the ``LimitNOFILE`` it needs (:func:`open_files_needed`).
 """
 
@@ -85,6 +87,7 @@ from maasd.errors import BackingError, MaasdError, PoolExhausted, ResourceLimit
 
 __all__ = [
     "BASE_TASKS",
+    "FILES_PER_CONNECTION",
     "MIN_USEFUL_REGIONS",
     "ProcessLimits",
     "RegionBudget",
@@ -108,14 +111,20 @@ __all__ = [
 OWN_FILES = 64
 #: Fds a worker socket reply carries at most (attach, lookup, put: one).
 FDS_PER_REPLY = 1
+#: Files one socket connection may hold in the daemon at once: its socket, the fd of the
+#: one reply held for it (its peer has not read the one before), and the one fd its peer
+#: sent with a frame not yet whole (a publish's memfd: :mod:`maasd.broker.inbound`) —
+#: both at once when the two frames came in one read.
+FILES_PER_CONNECTION = 1 + FDS_PER_REPLY + 1
 #: Fewer free files than this and /healthz says the daemon is out of files.
 MIN_FREE_FILES = 16
 #: Mappings never given to regions, at the least (the interpreter, libraries, thread stacks).
 MIN_MAP_HEADROOM = 1024
 #: The share of the open-files limit REST connections may hold (maasd.api.server's rule).
 REST_FD_SHARE = 4
-#: The share of the open-files limit worker socket connections may hold (each: 2 files).
-SOCKET_FD_SHARE = 8
+#: Worker socket connections may hold a twelfth of the open-files limit (each: up to
+#: :data:`FILES_PER_CONNECTION` files, so a quarter of the files in all).
+SOCKET_FD_SHARE = 12
 #: Socket connections allowed whatever the limit (a daemon below it refuses to start).
 MIN_SOCKET_CONNECTIONS = 16
 #: Transient files a service thread may hold at once (a checkpoint file, a commit's copy).
@@ -163,7 +172,7 @@ class ProcessLimits:
     @property
     def reserved(self) -> int:
         """Fds the daemon needs besides regions, at most."""
-        sockets = self.socket_connections * (1 + FDS_PER_REPLY)
+        sockets = self.socket_connections * FILES_PER_CONNECTION
         transient = self.threads * FILES_PER_THREAD
         own = OWN_FILES + HOT_READ_ONLY_FDS
         return own + self.ledger_files + self.rest_connections + sockets + transient
@@ -239,7 +248,7 @@ def rest_connections(http_max_connections: int, open_files: int) -> int:
 
 def socket_connections(socket_max_connections: int, open_files: int) -> int:
     """Worker socket connections the broker may hold at once: ``socket_max_connections``
-    lowered to an eighth of the open files (never below 16), so that a small
+    lowered to a twelfth of the open files (never below 16), so that a small
     ``RLIMIT_NOFILE`` still leaves files for buffers (``maasd.broker.Limits`` caps it so)."""
     return min(socket_max_connections, max(MIN_SOCKET_CONNECTIONS, open_files // SOCKET_FD_SHARE))
 

@@ -24,7 +24,7 @@ import pytest
 from conftest import Daemon
 from hardening import another_tenant_works
 from maasd.client import Worker
-from maasd.core.limits import limits_for
+from maasd.core.limits import FILES_PER_CONNECTION, limits_for
 from maasd.protocol import Hello, Welcome
 from sockpeer import Raw
 
@@ -135,9 +135,9 @@ def _hello_all(path: str, key: str, n: int) -> tuple[list[Raw], Counter[str]]:
 
 
 def test_one_tenant_cannot_take_every_socket_connection_at_a_small_limit(tmp_path: Path) -> None:
-    """At RLIMIT_NOFILE 1,024 the socket's total cap is lowered to 128 (M / 8), but the
-    per-tenant cap (socket_max_per_tenant, 128) is not: one tenant's hellos, sent one
-    after the other, take every connection, and another tenant's worker is refused.
+    """At RLIMIT_NOFILE 1,024 the socket's total cap is lowered to 85 (M / 12); the
+    per-tenant cap (socket_max_per_tenant, 128) was not, so one tenant's hellos, sent one
+    after the other, took every connection and another tenant's worker was refused.
     SPEC §2.9: connections bounded per tenant, others keep working."""
     with running(tmp_path / "d", 1024) as d:
         _tid, hog = d.tenant("hog")
@@ -230,18 +230,20 @@ def _daemon_fds(d: Daemon) -> int:
 
 
 def test_a_connection_holds_no_more_fds_than_the_budget_keeps_for_it(tmp_path: Path) -> None:
-    """The region budget keeps two files per socket connection (its socket, and the fd of
-    the one reply held for it: maasd.core.limits ``reserved``), and the docs say a peer can
-    make the daemon hold at most one fd of its own (maasd.broker.inbound) — but not that
-    this one comes *on top of* the held reply. A peer that (1) looks up an entry and does
-    not read the reply (its fd in flight), then (2) sends, in one go, a second lookup and
-    the first bytes of a frame with an fd (SCM_RIGHTS) makes its connection hold three:
-    the socket, the second lookup's reply fd (held: the first is unread), and its own fd
-    (waiting for the frame's tail). N such connections hold 3 N files, the budget kept 2 N."""
+    """A peer that (1) looks up an entry and does not read the reply (its fd in flight),
+    then (2) sends, in one go, a second lookup and the first bytes of a frame with an fd
+    (SCM_RIGHTS) makes its connection hold three files: the socket, the second lookup's
+    reply fd (held: the first is unread), and its own fd (waiting for the frame's tail).
+    The region budget kept two per connection (maasd.core.limits ``reserved``); it keeps
+    ``FILES_PER_CONNECTION`` (3) now, and no connection holds more."""
     from maasd.protocol import Lookup, encode_frame
 
     n = 300
-    env = {"MAASD_SOCKET_MAX_PER_TENANT": "512", "MAASD_SOCKET_SEND_TIMEOUT_S": "60"}
+    env = {
+        "MAASD_SOCKET_MAX_PER_TENANT": "512",
+        "MAASD_TENANT_REGION_SHARE": "1.0",  # one tenant may hold every connection (341)
+        "MAASD_SOCKET_SEND_TIMEOUT_S": "60",
+    }
     with running(tmp_path / "d", 4096, env) as d:
         _tid, key = d.tenant("peer", GiB)
         with Worker(d.socket_path, key, renew_interval_s=0) as w:
@@ -275,9 +277,10 @@ def test_a_connection_holds_no_more_fds_than_the_budget_keeps_for_it(tmp_path: P
             os.close(src)
             for r in conns:
                 r.sock.close()
-        assert held <= 2 * n + 16, (
-            f"{n} connections hold {held} of the daemon's files; the budget keeps {2 * n} "
-            "for them (a socket and a held reply each)"
+        kept = FILES_PER_CONNECTION * n
+        assert held <= kept + 16, (
+            f"{n} connections hold {held} of the daemon's files; the budget keeps {kept} "
+            "for them (a socket, a held reply's fd and a peer's fd each)"
         )
 
 
@@ -285,16 +288,17 @@ def test_at_the_budget_peers_holding_their_fds_never_drive_the_daemon_out_of_fil
     tmp_path: Path,
 ) -> None:
     """Claim 1 with everything at its cap, as budgeted: four tenants at their shares of the
-    region budget (RLIMIT_NOFILE 4096: 2104 regions), REST at its connection cap (idle
-    connections, shed oldest first), and four tenants' workers holding 120 connections
-    each (128 is their cap). Each connection holds what the previous test shows (its
+    region budget (RLIMIT_NOFILE 4096: 2105 regions), REST at its connection cap (idle
+    connections, shed oldest first), and four tenants' workers holding 85 connections
+    each (their share of the 341 the limit allows). Each connection holds what the previous test shows (its
     socket, a held reply's fd, an fd of its own waiting for a frame's tail). The docs
     promise the daemon stays off EMFILE — "a flood of either never takes a buffer's file,
     nor a buffer theirs" — and ``/healthz`` stays ok at the budget; observed: REST's
-    accept meets EMFILE and ``/healthz`` answers 503 "out of open files"."""
+    accept met EMFILE and ``/healthz`` answered 503 "out of open files" while the budget
+    kept two files per connection."""
     from maasd.protocol import Lookup, encode_frame
 
-    files, per_tenant = 4096, 120
+    files, per_tenant = 4096, 85
     with running(tmp_path / "d", files) as d:
         keys = [d.tenant(f"t{i}", GiB)[1] for i in range(4)]
         for k in keys:

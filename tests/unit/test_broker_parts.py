@@ -110,8 +110,8 @@ def test_limits_come_from_settings_and_env() -> None:
     ("nofile", "share", "total", "per_tenant"),
     [
         (20000, 0.25, 1024, 128),  # the setting binds
-        (1024, 0.25, 128, 32),  # a quarter of what the open-files limit leaves
-        (1024, 1.0, 128, 128),
+        (1024, 0.25, 85, 21),  # a quarter of what the open-files limit leaves
+        (1024, 1.0, 85, 85),
         (64, 0.25, 16, 4),
     ],
 )

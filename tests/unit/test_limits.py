@@ -28,9 +28,9 @@ from maasd.errors import BackingError, PoolExhausted, ResourceLimit
     ("files", "maps", "socket", "rest", "headroom", "budget", "binding"),
     [
         (20000, 65530, 1024, 576, 5000, 15000, "RLIMIT_NOFILE 20000"),
-        (1024, 65530, 1024, 288, 2592, 0, "RLIMIT_NOFILE 1024"),
-        (1024, 65530, 64, 288, 672, 352, "RLIMIT_NOFILE 1024"),
-        (2048, 65530, 128, 576, 1088, 960, "RLIMIT_NOFILE 2048"),
+        (1024, 65530, 1024, 288, 3616, 0, "RLIMIT_NOFILE 1024"),
+        (1024, 65530, 64, 288, 736, 288, "RLIMIT_NOFILE 1024"),
+        (2048, 65530, 128, 576, 1216, 832, "RLIMIT_NOFILE 2048"),
         (524288, 65530, 1024, 576, 131072, 57339, "vm.max_map_count 65530"),
         (524288, None, 1024, 576, 131072, 393216, "RLIMIT_NOFILE 524288"),
     ],
@@ -183,9 +183,9 @@ DEFAULTS = {
     ("files", "socket", "budget", "share"),
     [
         (20000, 1024, 15000, 3750),  # the documented example
-        (4096, 512, 2104, 526),
-        (1024, 128, 88, 22),  # the connection caps scale: room for buffers remains
-        (512, 64, 0, 1),
+        (4096, 341, 2105, 526),
+        (1024, 85, 89, 22),  # the connection caps scale: room for buffers remains
+        (512, 42, 0, 1),
     ],
 )
 def test_the_connection_caps_scale_with_the_open_files_limit(
