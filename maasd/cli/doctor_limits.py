@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import resource
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -261,6 +262,23 @@ def check_region_budget(
             f"{regions_wanted([max(caps)], limits.tenant_share, pool_regions)} in all",
             f"{fix}, or lower the tenants' max_buffers / max_buffers_per_tenant, or raise "
             "tenant_region_share",
+        )
+    file_share = limits.tenant_file_budget
+    if limits.parks_entries and max(caps) > file_share:
+        # Idle entries park, but buffers (and entries being written) keep an open file:
+        # the daemon refuses them at the files' share, below the cap.
+        need = open_files_needed(
+            dataclasses.replace(limits, max_map_count=None),
+            math.ceil(max(caps) / limits.tenant_share),
+        )
+        return Check(
+            name,
+            "warn",
+            f"{detail}; but a tenant's buffers and entries being written (each keeps an "
+            f"open file) stop at {file_share}, its share of the {files} that may hold one, "
+            f"below its cap of {max(caps)} (idle entries park past it)",
+            f"for a tenant at its cap in buffers: LimitNOFILE ≥ {need}, or lower the tenants' "
+            "max_buffers / max_buffers_per_tenant, or raise tenant_region_share",
         )
     return Check(name, "ok", detail)
 

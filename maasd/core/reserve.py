@@ -28,7 +28,9 @@ and let go. What a buffer does once reserved is :mod:`maasd.core.buffers`'.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -145,29 +147,36 @@ class Reserves:
             # a row admitted in its final state (a put's staged, a plain buffer's live) and
             # released before its region is held: noted (maasd.core.inflight)
             in_flight = kind == "entry" or straight
-            with self._regions.puts.admitting(row.id, in_flight) as renamed:
+            with (
+                self._regions.puts.admitting(row.id, in_flight) as renamed,
+                contextlib.ExitStack() as counted,
+            ):
                 try:
                     # The daemon's own budget of fds and mappings first (507 resource-limit),
                     # before the ledger is asked: a region is one of each; the tenant's
-                    # fair share of it too.
-                    with self._budget.admit(
-                        tenant_id,
-                        self._regions.tenant_regions(tenant_id),
-                        self._regions.tenant_region_fds(tenant_id),
-                    ):
-                        # victims released; only bytes that really came free make room
-                        row = room.admit(
-                            self._reserve_rows,
-                            self._attachments,
-                            self._holders,
-                            self._releaser,
-                            row,
-                            uses=uses,
-                            leases=extended,
-                            default_cap=self._default_cap,
-                            renamed=renamed,
-                        )  # uses and leases: written by the admitting transaction
-                        region = self._create(row, live, frozen=frozen)
+                    # fair share of it too. The region counts as the tenant's in flight
+                    # until it is held (``counted.close`` in _go_live): a concurrent
+                    # reserve of the tenant sees it one way or the other, never neither.
+                    counted.enter_context(
+                        self._budget.admit(
+                            tenant_id,
+                            self._regions.tenant_regions(tenant_id),
+                            self._regions.tenant_region_fds(tenant_id),
+                        )
+                    )
+                    # victims released; only bytes that really came free make room
+                    row = room.admit(
+                        self._reserve_rows,
+                        self._attachments,
+                        self._holders,
+                        self._releaser,
+                        row,
+                        uses=uses,
+                        leases=extended,
+                        default_cap=self._default_cap,
+                        renamed=renamed,
+                    )  # uses and leases: written by the admitting transaction
+                    region = self._create(row, live, frozen=frozen)
                 except PoolExhausted as e:  # this pool is full now: try the next one
                     last_error = e
                     continue
@@ -175,7 +184,7 @@ class Reserves:
                     self._uses.untake(uses, extended)  # unwritten: kept for later
                     raise
                 self._check_placement(row, live, region)
-                return self._go_live(row, region)
+                return self._go_live(row, region, held=counted.close)
         self._uses.untake(uses, extended)
         assert last_error is not None
         raise last_error
@@ -243,7 +252,11 @@ class Reserves:
             row.id, kind="reserve_failed", durable=must_last(row.persistence)
         )
 
-    def _go_live(self, row: BufferRow, region: Region) -> BufferInfo:
+    def _go_live(
+        self, row: BufferRow, region: Region, held: Callable[[], object] = lambda: None
+    ) -> BufferInfo:
+        """``region`` held for ``row`` (then ``held()``: the budget counts it as the tenant's
+        from there), and the row made live or staged."""
         state: BufferState = "staged" if row.kind == "entry" else "live"
         ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
         # The region is held before the row goes live (or its put reads its note), so that
@@ -251,6 +264,7 @@ class Reserves:
         self._regions.hold(
             row.id, HeldRegion(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s)
         )
+        held()
         if state == "staged":  # a release that found no region yet left a note: no read
             if self._regions.puts.settle(row.id):
                 self._releaser.drop_region(row)
