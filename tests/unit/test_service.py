@@ -742,6 +742,31 @@ def test_at_the_region_budget_a_reserve_is_a_507_and_the_ledger_is_untouched(
     assert sample(svc, "maasd_reserve_total", outcome="resource-limit") == 1
 
 
+def test_a_region_counts_as_its_tenants_until_it_is_held(svc: Service, monkeypatch) -> None:
+    """The tenant's share is checked against the regions Regions holds for it plus those
+    in flight: a region must be one or the other at every moment, or a concurrent reserve
+    of the tenant would see neither and pass its share (a hostile test held share + 1)."""
+    who = tenant(svc)
+    assert who.tenant_id is not None
+    seen: list[tuple[int, int]] = []
+    hold = svc.regions.hold
+
+    def counts() -> tuple[int, int]:
+        tid: str = who.tenant_id  # type: ignore[assignment]
+        return svc.regions.tenant_regions(tid), svc.budget._tenant_in_flight[tid]
+
+    def counting_hold(buffer_id: str, held: Any) -> None:
+        seen.append(counts())  # about to be held: in flight
+        hold(buffer_id, held)
+        seen.append(counts())  # held (and in flight for a moment more: never neither)
+
+    monkeypatch.setattr(svc.regions, "hold", counting_hold)
+    svc.reserves.reserve(who, req(4096, pool="fast"))
+    svc.reserves.reserve(who, req(4096, pool="fast", key="k", evictable=True))
+    assert seen == [(0, 1), (1, 1), (1, 1), (2, 1)]
+    assert svc.budget._tenant_in_flight[who.tenant_id] == 0  # counted out once held
+
+
 def test_a_kernel_out_of_files_on_reserve_is_a_507_naming_the_limit(
     svc: Service, monkeypatch
 ) -> None:
