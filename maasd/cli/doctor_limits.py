@@ -263,24 +263,33 @@ def check_region_budget(
             f"{fix}, or lower the tenants' max_buffers / max_buffers_per_tenant, or raise "
             "tenant_region_share",
         )
+    return _above_file_share(limits, caps, files, detail) or Check(name, "ok", detail)
+
+
+def _above_file_share(
+    limits: ProcessLimits, caps: list[int], files: int, detail: str
+) -> Check | None:
+    """Where idle entries park, buffers (and entries being written) still keep an open
+    file: a warning when a tenant's cap is above its share of those (the daemon refuses
+    them there, below the cap), else None."""
+    from maasd.core.limits import open_files_needed
+
     file_share = limits.tenant_file_budget
-    if limits.parks_entries and max(caps) > file_share:
-        # Idle entries park, but buffers (and entries being written) keep an open file:
-        # the daemon refuses them at the files' share, below the cap.
-        need = open_files_needed(
-            dataclasses.replace(limits, max_map_count=None),
-            math.ceil(max(caps) / limits.tenant_share),
-        )
-        return Check(
-            name,
-            "warn",
-            f"{detail}; but a tenant's buffers and entries being written (each keeps an "
-            f"open file) stop at {file_share}, its share of the {files} that may hold one, "
-            f"below its cap of {max(caps)} (idle entries park past it)",
-            f"for a tenant at its cap in buffers: LimitNOFILE ≥ {need}, or lower the tenants' "
-            "max_buffers / max_buffers_per_tenant, or raise tenant_region_share",
-        )
-    return Check(name, "ok", detail)
+    if not limits.parks_entries or max(caps) <= file_share:
+        return None
+    need = open_files_needed(
+        dataclasses.replace(limits, max_map_count=None),
+        math.ceil(max(caps) / limits.tenant_share),
+    )
+    return Check(
+        "region budget",
+        "warn",
+        f"{detail}; but a tenant's buffers and entries being written (each keeps an "
+        f"open file) stop at {file_share}, its share of the {files} that may hold one, "
+        f"below its cap of {max(caps)} (idle entries park past it)",
+        f"for a tenant at its cap in buffers: LimitNOFILE ≥ {need}, or lower the tenants' "
+        "max_buffers / max_buffers_per_tenant, or raise tenant_region_share",
+    )
 
 
 #: Where the kernel says how many inotify watches one user may hold (one per entry).

@@ -335,7 +335,7 @@ def test_at_the_budget_peers_holding_their_fds_never_drive_the_daemon_out_of_fil
             rest = [socket.create_connection(("127.0.0.1", d.port)) for _ in range(600)]
             time.sleep(1.0)
             held = _daemon_fds(d)
-            r = httpx.get(f"{d.url}/healthz", timeout=5)
+            health = httpx.get(f"{d.url}/healthz", timeout=5)
             with Worker(d.socket_path, bystander, renew_interval_s=0) as w:
                 hit = w.lookup(["mine"])
                 assert hit is not None
@@ -350,7 +350,9 @@ def test_at_the_budget_peers_holding_their_fds_never_drive_the_daemon_out_of_fil
             f"the daemon met EMFILE at its budget ({held} of {files} files open):\n"
             + "\n".join(x for x in d.log().splitlines() if "Too many" in x)[-600:]
         )
-        assert r.status_code == 200, f"/healthz at the budget: {r.status_code} {r.text[:300]}"
+        assert health.status_code == 200, (
+            f"/healthz at the budget: {health.status_code} {health.text[:300]}"
+        )
 
 
 def test_peers_sending_253_fds_with_every_frame_at_the_budget_harm_no_one(
