@@ -21,24 +21,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from budgets import default_limits
 from conftest import Daemon
 from hardening import another_tenant_works
 from maasd.client import Worker
-from maasd.core.limits import FILES_PER_CONNECTION, limits_for
+from maasd.core.limits import FILES_PER_CONNECTION
 from maasd.protocol import Hello, Welcome
 from sockpeer import Raw
 
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
-#: What the daemon's defaults give (as tests/integration/test_region_budget.py has them).
-DEFAULTS = {
-    "socket_max_connections": 1024,
-    "http_max_connections": 512,
-    "ledger_files": 160,
-    "threads": 68,
-    "tenant_share": 0.25,
-}
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="lowers the daemon's limits, reads /proc")
 
@@ -74,7 +67,7 @@ def test_concurrent_reserves_of_one_tenant_never_pass_its_share(tmp_path: Path) 
     its share, releasing four and racing 96 reserves back, round after round (the race
     is narrow: it may take some rounds)."""
     files = 4096
-    lim = limits_for(files, None, **DEFAULTS)  # type: ignore[arg-type]
+    lim = default_limits(files, None)
     share = lim.tenant_file_budget  # plain buffers keep their fd: the files' share binds
     with running(tmp_path / "d", files, {"MAASD_HTTP_TENANT_THREADS": "64"}) as d:
         _tid, key = d.tenant("racer", GiB)

@@ -30,10 +30,11 @@ import httpx
 import numpy as np
 import pytest
 
+from budgets import default_limits
 from conftest import Daemon
 from hardening import after_attack, another_tenant_works, tenant_usage
 from maasd.allocator import parking
-from maasd.core.limits import limits_for, open_files_needed
+from maasd.core.limits import open_files_needed
 from maasd.protocol import Attach, Attached, Commit, Detach, Error, Found, Lookup, Ok, Put, Reserved
 from sockpeer import Raw
 from waiting import wait_until
@@ -41,14 +42,6 @@ from waiting import wait_until
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
-#: What the daemon's defaults give (as tests/integration/test_region_budget.py has them).
-DEFAULTS = {
-    "socket_max_connections": 1024,
-    "http_max_connections": 512,
-    "ledger_files": 160,
-    "threads": 68,
-    "tenant_share": 1.0,
-}
 
 pytestmark = [
     pytest.mark.skipif(not parking.can_park(), reason="this host cannot re-open mappings"),
@@ -103,7 +96,7 @@ def test_persistent_buffers_beyond_the_files_budget_stop_the_start_and_are_kept(
                 assert r.status_code == 201, r.text
                 ids.append(r.json()["id"])
         assert d.stop() == 0  # every persistent buffer checkpointed
-        files = open_files_needed(limits_for(4096, None, **DEFAULTS), 100)  # type: ignore[arg-type]
+        files = open_files_needed(default_limits(4096, None, tenant_share=1.0), 100)
         assert files is not None
         assert files < buffers  # files for 100 buffers: restoring 1,200 would run out
         d.wrapper = _prlimit(files)
@@ -469,7 +462,7 @@ def test_parked_entries_beyond_the_files_limit_and_staged_floods_meet_their_shar
     file*, never EMFILE nor 500; meanwhile a fourth tenant puts, commits, looks up and
     reserves; /healthz stays 200; the daemon's fds stay under its limit and its log
     has no "Too many open files"."""
-    lim = limits_for(FILES, 65530, parks_entries=True, **{**DEFAULTS, "tenant_share": 0.25})  # type: ignore[arg-type]
+    lim = default_limits(FILES, 65530, parks_entries=True)
     share = lim.tenant_file_budget
     assert ENTRIES > FILES > 3 * share
     env = {"MAASD_MAX_BUFFERS_PER_TENANT": str(2 * ENTRIES), "MAASD_DEFAULT_POOL_BYTES": str(GiB)}
@@ -593,7 +586,7 @@ def test_persistent_entries_beyond_the_open_files_come_back_parked_at_a_low_limi
                 resp = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": 4 * KiB})
                 assert resp.status_code == 201, resp.text
         assert d.stop() == 0
-        files = open_files_needed(limits_for(4096, None, **DEFAULTS), 100)  # type: ignore[arg-type]
+        files = open_files_needed(default_limits(4096, None, tenant_share=1.0), 100)
         assert files is not None
         assert files < entries
         d.wrapper = _prlimit(files)
@@ -1045,7 +1038,7 @@ def test_at_the_whole_files_budget_parked_entries_are_still_looked_up(tmp_path: 
     up its parked entries (each a re-open: an fd from the headroom) with their bytes,
     and a new put of its is a 507 naming the budget; /healthz stays 200; once the
     floods let go, the reader puts again."""
-    lim = limits_for(FILES, 65530, parks_entries=True, **{**DEFAULTS, "tenant_share": 0.25})  # type: ignore[arg-type]
+    lim = default_limits(FILES, 65530, parks_entries=True)
     d = Daemon(tmp_path / "d", env={"MAASD_DEFAULT_POOL_BYTES": str(GiB)}, wrapper=_prlimit(FILES))
     d.start()
     floods: list[tuple[Raw, list[int]]] = []

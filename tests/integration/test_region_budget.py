@@ -21,12 +21,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from budgets import default_limits
 from conftest import Daemon
 from hardening import another_tenant_works, healthz
 from maasd.allocator import parking
 from maasd.client import BufferMapping, Client, Worker
 from maasd.client.errors import ResourceLimit
-from maasd.core.limits import MIN_USEFUL_REGIONS, limits_for, open_files_needed
+from maasd.core.limits import MIN_USEFUL_REGIONS, open_files_needed
 
 KiB = 1 << 10
 GiB = 1 << 30
@@ -36,14 +37,6 @@ KEEP = {"MAASD_ENTRY_FDS": "keep"}
 needs_parking = pytest.mark.skipif(
     not parking.can_park(), reason="this process cannot re-open its mappings' files"
 )
-#: What the daemon's defaults give at OPEN_FILES (tests/unit/test_limits.py checks it).
-DEFAULTS = {
-    "socket_max_connections": 1024,
-    "http_max_connections": 512,
-    "ledger_files": 160,
-    "threads": 68,
-    "tenant_share": 0.25,
-}
 
 
 def fill(w: Worker, tenant: str, most: int) -> tuple[int, ResourceLimit]:
@@ -86,7 +79,7 @@ def persistent_entries(d: Daemon, n: int, byte: Callable[[int], int]) -> str:
 
 
 def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) -> None:
-    lim = limits_for(OPEN_FILES, None, **DEFAULTS)  # type: ignore[arg-type]
+    lim = default_limits(OPEN_FILES, None)
     share = lim.tenant_budget
     d = Daemon(
         tmp_path / "d",
@@ -118,7 +111,7 @@ def test_three_tenants_meet_their_shares_and_a_fourth_is_served(tmp_path: Path) 
 def test_a_limit_with_no_room_for_buffers_stops_the_daemon_naming_what_it_needs(
     tmp_path: Path,
 ) -> None:
-    need = open_files_needed(limits_for(256, None, **DEFAULTS))  # type: ignore[arg-type]
+    need = open_files_needed(default_limits(256, None))
     assert need is not None
     d = Daemon(tmp_path / "d", wrapper=["prlimit", "--nofile=256:256", "--"])
     with pytest.raises(RuntimeError, match="maasd exited") as e:
@@ -144,7 +137,7 @@ def test_persistent_entries_beyond_the_budget_stop_the_start_and_are_kept(
         key = persistent_entries(d, entries, lambda _i: 7)
         assert d.stop() == 0  # every persistent entry checkpointed
         # A limit whose budget holds fewer: the daemon says so and releases nothing.
-        files = open_files_needed(limits_for(4096, None, **DEFAULTS), entries - 20)  # type: ignore[arg-type]
+        files = open_files_needed(default_limits(4096, None), entries - 20)
         assert files is not None
         low = Daemon(
             tmp_path / "d", env=KEEP, wrapper=["prlimit", f"--nofile={files}:{files}", "--"]
@@ -176,7 +169,7 @@ def test_parked_entries_go_past_the_files_budget_and_only_writers_meet_it(
     (idle entries hold none); a tenant's entries being written (each holding an fd) meet
     its share of that budget with a 507 naming it; the daemon never nears EMFILE, and
     everyone else — a fourth tenant's reserve, put, lookup and release — is served."""
-    lim = limits_for(OPEN_FILES, None, **DEFAULTS, parks_entries=True)  # type: ignore[arg-type]
+    lim = default_limits(OPEN_FILES, None, parks_entries=True)
     files, share = lim.file_budget, lim.tenant_file_budget
     per_tenant = files // 3 + 200  # together past the files budget, each past its share
     d = Daemon(
@@ -231,7 +224,7 @@ def test_persistent_entries_past_the_files_budget_are_restored_parked(tmp_path: 
     """A restart restores persistent entries beyond what the open-files budget would
     hold: each comes back parked (no fd), with its bytes."""
     d = Daemon(tmp_path / "d").start()
-    files = open_files_needed(limits_for(4096, None, **DEFAULTS), MIN_USEFUL_REGIONS + 16)  # type: ignore[arg-type]
+    files = open_files_needed(default_limits(4096, None), MIN_USEFUL_REGIONS + 16)
     assert files is not None
     entries = 2 * (MIN_USEFUL_REGIONS + 16)  # twice what that limit's files budget holds
     try:

@@ -7,6 +7,7 @@ import resource
 
 import pytest
 
+from budgets import default_limits
 from maasd.core.limits import (
     MIN_FREE_FILES,
     MIN_USEFUL_REGIONS,
@@ -18,6 +19,7 @@ from maasd.core.limits import (
     open_files_needed,
     read_limits,
     rest_connections,
+    settings_limits,
     socket_connections,
     too_few_regions,
 )
@@ -168,17 +170,6 @@ def test_the_warm_stock_leaves_a_quarter_of_the_budget_to_reserves() -> None:
         pass
 
 
-#: The daemon's defaults: SQLite (16 + 64 connections, 2 files each), 64 REST threads + 4
-#: slow workers, socket_max_connections 1024, http_max_connections 512, a quarter each.
-DEFAULTS = {
-    "socket_max_connections": 1024,
-    "http_max_connections": 512,
-    "ledger_files": 160,
-    "threads": 68,
-    "tenant_share": 0.25,
-}
-
-
 @pytest.mark.parametrize(
     ("files", "socket", "budget", "share"),
     [
@@ -191,23 +182,31 @@ DEFAULTS = {
 def test_the_connection_caps_scale_with_the_open_files_limit(
     files: int, socket: int, budget: int, share: int
 ) -> None:
-    lim = limits_for(files, 65530, **DEFAULTS)  # type: ignore[arg-type]
+    lim = default_limits(files, 65530)
     assert socket_connections(1024, files) == lim.socket_connections == socket
     assert (lim.region_budget, lim.tenant_budget) == (budget, share)
     assert lim.region_budget + lim.reserved <= max(files, lim.reserved)
 
 
+def test_the_tests_default_limits_are_the_daemons() -> None:
+    from maasd.settings import Settings
+
+    for files, maps in ((1024, 65530), (20000, 65530), (4096, None)):
+        got = settings_limits(Settings(), files, maps, postgres=False)
+        assert got == default_limits(files, maps, parks_entries=got.parks_entries)
+
+
 def test_the_open_files_needed_is_the_least_that_gives_a_useful_budget() -> None:
-    lim = limits_for(512, 65530, **DEFAULTS)  # type: ignore[arg-type]
+    lim = default_limits(512, 65530)
     need = open_files_needed(lim)
     assert need is not None
-    assert limits_for(need, 65530, **DEFAULTS).region_budget >= MIN_USEFUL_REGIONS  # type: ignore[arg-type]
-    assert limits_for(need - 1, 65530, **DEFAULTS).region_budget < MIN_USEFUL_REGIONS  # type: ignore[arg-type]
+    assert default_limits(need, 65530).region_budget >= MIN_USEFUL_REGIONS
+    assert default_limits(need - 1, 65530).region_budget < MIN_USEFUL_REGIONS
     why = too_few_regions(lim)
     assert f"raise LimitNOFILE (ulimit -Hn) to at least {need}" in why
     assert "RLIMIT_NOFILE 512 leaves 0 open files for buffers" in why
     # the mappings alone too few: no open-files limit helps
-    assert open_files_needed(limits_for(1 << 20, 1000, **DEFAULTS)) is None  # type: ignore[arg-type]
+    assert open_files_needed(default_limits(1 << 20, 1000)) is None
 
 
 def test_a_tenant_stops_at_its_share_and_others_are_admitted() -> None:
@@ -229,8 +228,8 @@ def test_a_tenant_stops_at_its_share_and_others_are_admitted() -> None:
 
 
 def test_where_entries_park_the_mappings_bound_regions_and_the_files_those_with_an_fd() -> None:
-    keep = limits_for(20000, 65530, **DEFAULTS)  # type: ignore[arg-type]
-    park = limits_for(20000, 65530, **DEFAULTS, parks_entries=True)  # type: ignore[arg-type]
+    keep = default_limits(20000, 65530)
+    park = default_limits(20000, 65530, parks_entries=True)
     assert (keep.region_budget, keep.file_budget) == (15000, 15000)
     assert (park.region_budget, park.file_budget) == (57339, 15000)
     assert (park.tenant_budget, park.tenant_file_budget) == (14334, 3750)
@@ -243,7 +242,7 @@ def test_where_entries_park_the_mappings_bound_regions_and_the_files_those_with_
 
 
 def test_admission_needs_room_in_both_budgets_and_in_both_shares() -> None:
-    lim = limits_for(4096, 65530, **DEFAULTS, parks_entries=True)  # type: ignore[arg-type]
+    lim = default_limits(4096, 65530, parks_entries=True)
     regions, fds = [0], [0]
     budget = RegionBudget(lim, held=lambda: regions[0], held_fds=lambda: fds[0])
     assert (budget.budget, budget.file_budget) == (lim.region_budget, lim.file_budget)
