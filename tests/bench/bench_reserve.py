@@ -43,8 +43,10 @@ from conftest import Daemon, free_port
 
 MiB = 1 << 20
 
+#: The floor: a bare litestar POST that decodes a small msgspec body, and a DELETE of the
+#: id it answered (``app``; ``profile_rest.py`` runs it in process too).
 FLOOR_APP = textwrap.dedent("""
-    import msgspec, uvicorn, sys
+    import msgspec
     from litestar import Litestar, delete, post
 
     class Body(msgspec.Struct, forbid_unknown_fields=True):
@@ -63,6 +65,10 @@ FLOOR_APP = textwrap.dedent("""
         return None
 
     app = Litestar([floor, floor_delete], logging_config=None, debug=False)
+""")
+#: ... served by uvicorn as a script of its own (its port: the first argument).
+FLOOR_SERVER = FLOOR_APP + textwrap.dedent("""
+    import sys, uvicorn
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_config=None,
                 access_log=False, lifespan="off", server_header=False)
 """)
@@ -199,7 +205,7 @@ def main() -> None:
     d = Daemon(tmp / "maasd", env={"MAASD_LOG_LEVEL": "warning"}, config=config)
     port = free_port()
     floor_script = tmp / "floor.py"
-    floor_script.write_text(FLOOR_APP)
+    floor_script.write_text(FLOOR_SERVER)
     floor = subprocess.Popen(
         [sys.executable, str(floor_script), str(port)],
         stdout=subprocess.DEVNULL,

@@ -20,45 +20,19 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 from maasd.core import Service
-from maasd.models import PoolSpec, Principal
-from maasd.settings import Settings
+from maasd.models import Principal
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_service
 
 KiB = 1024
 SIZE = 4 * KiB
 VICTIMS = 16
-
-
-def service(persistence: str) -> Service:
-    spill = (
-        {"spill_dir": tempfile.mkdtemp(prefix="maasd-spill-")}
-        if persistence == "persistent"
-        else {}
-    )
-    svc = Service(
-        Settings(
-            data_dir=tempfile.mkdtemp(prefix="maasd-evict-"),
-            admin_key="profile-admin-key-0123456789abcdef",
-            pools=[
-                PoolSpec(
-                    name="p",
-                    numa_node=0,
-                    capacity_bytes=1 << 30,
-                    prefault=True,
-                    persistence=persistence,  # type: ignore[arg-type]
-                    **spill,  # type: ignore[arg-type]
-                )
-            ],
-            node_name="profile",
-            max_buffers_per_tenant=1_000_000,
-            tenant_region_share=1.0,
-        )
-    )
-    svc.start(reaper=False)
-    return svc
 
 
 def fill(svc: Service, who: Principal, start: int, n: int) -> None:
@@ -74,7 +48,9 @@ def main() -> None:
     ap.add_argument("--puts", type=int, default=15)
     ap.add_argument("--persistence", choices=("persistent", "volatile"), default="persistent")
     args = ap.parse_args()
-    svc = service(args.persistence)
+    svc = profile_service.service(
+        True, 0, args.persistence, max_buffers_per_tenant=1_000_000, tenant_region_share=1.0
+    )
     try:
         tenant = svc.tenants.create("t", 1 << 40)
         who = svc.auth.authenticate(tenant.api_key)

@@ -35,7 +35,14 @@ ENTRY = 9_720_000
 WARM_UP = 10
 
 
-def service(prefault: bool, warm: int) -> Service:
+def service(prefault: bool, warm: int, persistence: str = "volatile", **settings: Any) -> Service:
+    """A started Service: one pool ``node0`` of 1 GiB (``persistence``: a spill dir of its
+    own when persistent), ``settings`` over the rest."""
+    spill = (
+        {"spill_dir": tempfile.mkdtemp(prefix="maasd-spill-")}
+        if persistence == "persistent"
+        else {}
+    )
     svc = Service(
         Settings(
             data_dir=tempfile.mkdtemp(prefix="maasd-profile-"),
@@ -47,9 +54,12 @@ def service(prefault: bool, warm: int) -> Service:
                     capacity_bytes=1 << 30,
                     prefault=prefault,
                     warm_bytes=warm,
+                    persistence=persistence,  # type: ignore[arg-type]
+                    **spill,  # type: ignore[arg-type]
                 )
             ],
             node_name="profile",
+            **settings,
         )
     )
     svc.start(reaper=False)
