@@ -49,8 +49,15 @@ def floor_app() -> Any:
 WARM_UP = 100
 
 
-async def pairs(app: Any, key: str, reserve_url: str, release_url: str, body: dict[str, int],
-                n: int, prof: cProfile.Profile | None = None) -> tuple[float, float]:  # fmt: skip
+async def pairs(
+    app: Any,
+    key: str,
+    reserve_url: str,
+    release_url: str,
+    body: dict[str, int],
+    n: int,
+    prof: cProfile.Profile | None = None,
+) -> tuple[float, float]:
     """``n`` reserve + release pairs: (wall, loop thread CPU) per pair, in ms."""
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app),
@@ -87,37 +94,20 @@ def main() -> None:
         key = svc.tenants.create("t", 1 << 40).api_key
         maasd_app = create_app(svc)
         mib = profile_service.MiB
-        rows = {
-            "floor": asyncio.run(
-                pairs(floor_app(), key, "/floor", "/floor", {"size_bytes": mib}, args.pairs)
-            ),  # fmt: skip
-            "maasd": asyncio.run(
-                pairs(
-                    maasd_app,
-                    key,
-                    "/v1/pools/node0/reserve",
-                    "/v1/buffers",
-                    {"size_bytes": mib, "ttl_s": 600},
-                    args.pairs,
-                )  # fmt: skip
-            ),
-        }
+
+        def maasd(prof: cProfile.Profile | None = None) -> tuple[float, float]:
+            body = {"size_bytes": mib, "ttl_s": 600}
+            reserve, release = "/v1/pools/node0/reserve", "/v1/buffers"
+            return asyncio.run(pairs(maasd_app, key, reserve, release, body, args.pairs, prof))
+
+        floor = pairs(floor_app(), key, "/floor", "/floor", {"size_bytes": mib}, args.pairs)
+        rows = {"floor": asyncio.run(floor), "maasd": maasd()}
         print(f"{'per pair':<8} {'wall ms':>9} {'loop cpu ms':>12}")
         for name, (wall, cpu) in rows.items():
             print(f"{name:<8} {wall:>9.3f} {cpu:>12.3f}")
         if args.profile:
             prof = cProfile.Profile()
-            asyncio.run(
-                pairs(
-                    maasd_app,
-                    key,
-                    "/v1/pools/node0/reserve",
-                    "/v1/buffers",
-                    {"size_bytes": mib, "ttl_s": 600},
-                    args.pairs,
-                    prof,
-                )  # fmt: skip
-            )
+            maasd(prof)
             stats = pstats.Stats(prof).sort_stats("cumulative")
             stats.print_stats("maasd|litestar|concurrent/futures|asyncio/(base_events|events)", 40)
     finally:
