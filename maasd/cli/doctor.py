@@ -42,7 +42,7 @@ import msgspec
 
 from maasd.cli.doctor_check import Check, Status
 from maasd.cli.doctor_host import check_socket_dir
-from maasd.cli.doctor_kernel import check_bandwidth, check_kernel
+from maasd.cli.doctor_kernel import check_bandwidth, check_kernel, check_pipe_pages
 from maasd.cli.doctor_latency import check_latency
 from maasd.cli.doctor_ledger import check_ledger
 from maasd.cli.doctor_limits import (
@@ -95,6 +95,7 @@ def run_checks(
     topology = discover(sysfs_root)
     steps: list[tuple[str, Callable[[], Check | list[Check]]]] = [
         ("kernel", check_kernel),
+        ("pipe pages", check_pipe_pages),
         ("memfd seals", lambda: check_memfd_seals(topology)),
         ("hugetlb memfd", lambda: check_hugetlb_memfd(topology)),
         ("huge pages", lambda: check_hugepages(topology, settings)),
@@ -130,6 +131,7 @@ def run_checks(
 #: The checks by name, in order (``--skip`` takes these).
 CHECKS = (
     "kernel",
+    "pipe pages",
     "memfd seals",
     "hugetlb memfd",
     "huge pages",

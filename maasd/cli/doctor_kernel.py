@@ -16,9 +16,14 @@ from pathlib import Path
 from maasd.cli.doctor_check import Check
 from maasd.topology import Topology
 
-__all__ = ["check_bandwidth", "check_kernel"]
+__all__ = ["check_bandwidth", "check_kernel", "check_pipe_pages"]
 
 MEMFD_NOEXEC = Path("/proc/sys/vm/memfd_noexec")
+#: The pages one user's pipes may hold at most (0: no bound), and past which its new
+#: pipes get two slots (fs.pipe-user-pages-hard, -soft).
+PIPE_PAGES = Path("/proc/sys/fs")
+#: What "pipe pages" proposes: 64 MiB of 4 KiB pages per uid.
+PIPE_PAGES_HARD = 16384
 
 
 def check_kernel() -> Check:
@@ -76,3 +81,34 @@ def check_bandwidth(topology: Topology) -> Check:
             "check the BIOS NUMA settings (node interleaving) or a VM's declared topology",
         )
     return Check(name, "ok", detail)
+
+
+def check_pipe_pages(sysctl: Path = PIPE_PAGES) -> Check:
+    """Whether a worker's uid may keep unbounded memory in pipes. A page a worker moves
+    into a pipe (``splice`` from its fd, ``vmsplice`` from its mapping) stays resident
+    after the memfd is gone, where the daemon cannot see it, so a released buffer's or
+    entry's pages can outlive their count (docs/operations.md, "Memory held after
+    release"); ``fs.pipe-user-pages-hard`` is what bounds them, per uid."""
+    name = "pipe pages"
+    try:
+        hard = int((sysctl / "pipe-user-pages-hard").read_text())
+        soft = int((sysctl / "pipe-user-pages-soft").read_text())
+    except (OSError, ValueError) as e:
+        return Check(name, "warn", f"cannot read fs.pipe-user-pages-*: {e}")
+    if hard == 0:
+        return Check(
+            name,
+            "warn",
+            f"fs.pipe-user-pages-hard 0 (no bound; soft {soft}): a worker's uid can keep a "
+            "released buffer's or entry's pages resident in pipes (splice, vmsplice) past "
+            "its tenant's quota, where the daemon cannot count them",
+            f"sysctl -w fs.pipe-user-pages-hard={PIPE_PAGES_HARD} (and in /etc/sysctl.d: "
+            f"{PIPE_PAGES_HARD * 4 // 1024} MiB of 4 KiB pages per uid; a huge page per slot "
+            "from a hugetlb pool), and run each tenant's workers as a uid of their own",
+        )
+    return Check(
+        name,
+        "ok",
+        f"fs.pipe-user-pages-hard {hard} (soft {soft}): a uid's pipes hold at most {hard} "
+        "pages of released buffers or entries",
+    )

@@ -81,9 +81,19 @@ def _publish_entry(w: Worker, key: str, data: bytes) -> str:
         return w.publish(key, s, len(data)).id
 
 
+#: The known gap these attacks show (docs/operations.md, "Memory held after release":
+#: "Pages a worker moves out of the file"): the daemon cannot see a page a pipe holds once
+#: the memfd is gone. Strict: a fix makes them pass, and then these marks must go.
+PIPES_ESCAPE = pytest.mark.xfail(
+    strict=True,
+    reason="pages a pipe holds outlive the memfd, unseen by the daemon (a known gap)",
+)
+
+
 # -- invariant 1: pages held by a pipe (splice / vmsplice), not by an fd or mapping --------
 
 
+@PIPES_ESCAPE
 @pytest.mark.parametrize("how", ["splice", "vmsplice"])
 def test_entry_pages_kept_in_a_pipe_count_until_the_pipe_lets_go(daemon: Daemon, how: str):
     """A worker splices a looked-up entry into a pipe (``splice`` from its read-only fd, or
@@ -148,6 +158,7 @@ def _splice_all(fd: int, size: int, pipes: list[tuple[int, int]]) -> None:
             done += os.splice(fd, pw, PIPE_BYTES - done, offset_src=off + done)
 
 
+@PIPES_ESCAPE
 def test_a_tenant_keeps_three_quotas_resident_through_pipes(daemon: Daemon):
     """The quota escape the pipe gives: publish a quota's worth, look it up, splice it into
     pipes, let go of the fd, release; again. Each round's pages stay resident in the
@@ -183,10 +194,12 @@ def test_a_tenant_keeps_three_quotas_resident_through_pipes(daemon: Daemon):
                 got = _drain(pr, PIPE_BYTES)
                 assert got == b"\0" * PIPE_BYTES  # the entry's pages, scrubbed, still there
                 held += len(got)
-        assert refused is not None and held <= quota, (
+        why = (
             f"quota {quota}: the tenant's worker held {held} bytes of its released entries "
-            f"resident in pipes at once, and the daemon admitted every round"
+            "resident in pipes at once, and the daemon admitted every round"
         )
+        assert refused is not None, why
+        assert held <= quota, why
     finally:
         for pipes in rounds:
             for pr, pw in pipes:
@@ -344,6 +357,7 @@ def test_a_disk_promoted_entry_cannot_be_changed_by_any_write(
     wait_until(lambda: tenant_usage(d, key)["used_bytes"] < 64 * MiB)
 
 
+@PIPES_ESCAPE
 @pytest.mark.parametrize("scrub", ["zero", "punch"])
 def test_a_rest_buffers_pages_kept_in_a_pipe_after_release(daemon: Daemon, scrub: str):
     """A plain (REST) buffer, attached writable: its worker writes a secret, splices its
@@ -407,7 +421,8 @@ def test_concurrent_publishes_never_leave_a_tenant_holding_more_than_its_quota(d
                 k = f"race:{n}:{i}"
                 reply, _ = r.call_fds(Publish(key=k, size_bytes=size), [src])
                 if not isinstance(reply, Published):
-                    assert isinstance(reply, Error) and reply.status in (409, 507), reply
+                    assert isinstance(reply, Error), reply
+                    assert reply.status in (409, 507), reply
                     continue
                 got, fds = r.call(Lookup(keys=[k]))
                 with lock:
@@ -473,7 +488,8 @@ def test_publishes_racing_their_tenants_deletion_leave_nothing(daemon: Daemon):
                 if isinstance(reply, Published):
                     published.set()
                 else:
-                    assert isinstance(reply, Error) and reply.status in (401, 404, 409, 507), reply
+                    assert isinstance(reply, Error), reply
+                    assert reply.status in (401, 404, 409, 507), reply
                 i += 1
         except BaseException as e:
             errors.append(e)
@@ -540,7 +556,8 @@ def test_publish_under_another_tenants_key_is_a_key_of_its_own(daemon: Daemon):
     ):
         reply, fds = r.call(msg)
         assert fds == [], msg
-        assert isinstance(reply, Error) and reply.status == 404, (msg, reply)
+        assert isinstance(reply, Error), (msg, reply)
+        assert reply.status == 404, (msg, reply)
     r.close()
     with daemon.client(key_b) as c:
         for method, path in (
@@ -552,7 +569,8 @@ def test_publish_under_another_tenants_key_is_a_key_of_its_own(daemon: Daemon):
             assert resp.status_code == 404, (method, path, resp.text)
     r = connect(daemon, key_a)
     found, fd = raw_lookup(r, ["shared:k"])
-    assert found.buffer_id == a_id and os.pread(fd, PAGE, 0) == a_bytes
+    assert found.buffer_id == a_id
+    assert os.pread(fd, PAGE, 0) == a_bytes
     os.close(fd)
     r.close()
 
@@ -580,7 +598,9 @@ def test_publish_sources_of_other_kinds_and_an_unaligned_tail(daemon: Daemon):
     try:
         for what, fd in (("opath", opath), ("zero", zero), ("wronly", wronly)):
             reply, fds = r.call_fds(Publish(key=f"kind:{what}", size_bytes=100), [fd])
-            assert fds == [] and isinstance(reply, Error) and reply.status == 400, (what, reply)
+            assert fds == [], (what, reply)
+            assert isinstance(reply, Error), (what, reply)
+            assert reply.status == 400, (what, reply)
         assert _usage(daemon, key)["used_bytes"] == before["used_bytes"]
         for what, fd in (("shm", shm_fd), ("plain", plain)):
             reply, _ = r.call_fds(Publish(key=f"kind:{what}", size_bytes=100), [fd])

@@ -35,3 +35,17 @@ def test_it_runs_first_and_can_be_skipped(tmp_path) -> None:
     assert CHECKS[0] == "kernel"
     checks = run_checks(Settings(data_dir=str(tmp_path)), skip=frozenset(set(CHECKS) - {"kernel"}))
     assert [(c.name, c.status) for c in checks if c.status != "skip"] == [("kernel", "ok")]
+
+
+@pytest.mark.parametrize(("hard", "status"), [(0, "warn"), (16384, "ok")])
+def test_pipe_pages(tmp_path, hard: int, status: str) -> None:
+    """A uid's pipes hold released pages the daemon cannot count: unbounded is a warning."""
+    (tmp_path / "pipe-user-pages-hard").write_text(f"{hard}\n")
+    (tmp_path / "pipe-user-pages-soft").write_text("16384\n")
+    c = doctor_kernel.check_pipe_pages(tmp_path)
+    assert c.status == status, c
+    assert f"fs.pipe-user-pages-hard {hard}" in c.detail
+    if status == "warn":
+        assert "splice, vmsplice" in c.detail
+        assert "sysctl -w fs.pipe-user-pages-hard=16384" in c.fix
+    assert doctor_kernel.check_pipe_pages(tmp_path / "absent").status == "warn"
