@@ -44,9 +44,10 @@ _OPTIONS = [
     click.option(
         "--backends",
         "spawn",
-        default=0,
-        type=int,
-        help="Start this many llama-server backends (needs --llama-server, --model).",
+        default=None,
+        type=click.IntRange(1),
+        help="Start this many llama-server backends (needs --llama-server, --model); "
+        "or attach running ones with --backend.",
     ),
     click.option(
         "--llama-server",
@@ -189,6 +190,8 @@ def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
         raise click.UsageError("each --backend needs its --slot-dir (in the same order)")
     if not o["spawn"] and not attach:
         raise click.UsageError("give --backends N (with --llama-server, --model) or --backend URL")
+    if o["spawn"] and attach:
+        raise click.UsageError("give --backends N or --backend URL, not both")
     if o["spawn"] and not (o["llama_server"] and o["model"]):
         raise click.UsageError("--backends needs --llama-server and --model")
     for d in slot_dirs:
@@ -205,7 +208,7 @@ def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:
     return RouterConfig(
         fleet=FleetConfig(
             attach=list(zip(attach, slot_dirs, strict=True)),
-            spawn=o["spawn"],
+            spawn=o["spawn"] or 0,
             llama_server=o["llama_server"],
             model=o["model"],
             slots_per_backend=o["slots"],

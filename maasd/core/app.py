@@ -187,7 +187,7 @@ class Service:
         )
         self.reaper = Reaper(
             settings, buffers, self.hosts, self.pools, self.tenants, self.uses, releaser,
-            self.recovery, metrics,
+            self.recovery, metrics, self.disk,
         )  # fmt: skip
         self._shutdown = Shutdown(
             settings, buffers, reserves, regions, checkpoints, releaser, metrics,

@@ -27,7 +27,9 @@ and the metrics' own leaf locks, to count a drop).
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -55,9 +57,23 @@ class OnDisk:
     key: str
     pool_id: str
     disk: DiskDir  # its tier's directory (where to erase it, even from another tier's demotion)
+    #: The entry's lease goes on on disk: it ends then (a release), as it would have in
+    #: DRAM; a promotion leases the entry ``ttl_s`` again (what a lookup hit extends by).
+    expires_at: float = math.inf
+    ttl_s: int | None = None
     written: bool = False  # the file is whole and in place: it may be promoted
     promoted_as: str | None = None  # the DRAM entry last promoted from it (its bytes)
     gone: bool = False  # erased (a pending write skips it, and removes what it wrote)
+
+    @classmethod
+    def of(cls, row: BufferRow, sealed: Sealed, disk: DiskDir) -> OnDisk:
+        """The demoted entry ``row`` (its key set), its bytes ``sealed`` on ``disk``."""
+        ttl_s = max(1, round(row.expires_at - row.created_at))
+        return cls(sealed, row.tenant_id, row.key or "", row.pool_id, disk, row.expires_at, ttl_s)
+
+    def promotable(self, now: float) -> bool:
+        """Its file is whole and its lease has not ended."""
+        return self.written and self.expires_at > now
 
     def erase_file(self) -> None:
         """Its file removed, if it was written (a pending write skips or removes its own)."""
@@ -89,6 +105,19 @@ def _tenant_victims(
         victim = at.policy.evict_one(lambda name: at.entries[name].tenant_id == tenant)  # type: ignore[index]  # noqa: B023
         assert victim is not None  # the tenant's bytes are its entries'
         yield at, at.entries[victim.key]  # type: ignore[index]
+
+
+def _tier_info(used: int, entries: int, c: dict[str, int]) -> DiskTierInfo:
+    """A tier's record: what it holds (``used`` bytes, ``entries``) and its counts."""
+    return DiskTierInfo(
+        used_bytes=used,
+        entries=entries,
+        demotions=c.get("demotions", 0),
+        promotions=c.get("promotions", 0),
+        drops={k[5:]: v for k, v in sorted(c.items()) if k.startswith("drop:")},
+        read_bytes=c.get("read_bytes", 0),
+        write_bytes=c.get("write_bytes", 0),
+    )
 
 
 def _erase(doomed: Iterable[OnDisk]) -> None:
@@ -158,16 +187,7 @@ class DiskTiers:
             if tier is None:
                 return None
             used, entries = tier.policy.used, len(tier.entries)
-        c = self.metrics.counts.of(tier.pool)
-        return DiskTierInfo(
-            used_bytes=used,
-            entries=entries,
-            demotions=c.get("demotions", 0),
-            promotions=c.get("promotions", 0),
-            drops={k[5:]: v for k, v in sorted(c.items()) if k.startswith("drop:")},
-            read_bytes=c.get("read_bytes", 0),
-            write_bytes=c.get("write_bytes", 0),
-        )
+        return _tier_info(used, entries, self.metrics.counts.of(tier.pool))
 
     def tenant_usage(self) -> dict[str, int]:
         """Bytes on this host's tiers (pending writes included), per tenant."""
@@ -211,6 +231,16 @@ class DiskTiers:
         for _, key in keys:
             self.erase_key(tenant_id, key)
 
+    def expire(self, now: float | None = None) -> int:
+        """Every entry on disk whose lease has ended erased (the reaper's pass: a lease
+        that ends is a release, on disk as in DRAM); how many."""
+        at = time.time() if now is None else now
+        with self._lock:
+            ended = [(e, t) for t in self._tiers.values() for e in t.entries.values()]
+            doomed = [self._forget(e, t) for e, t in ended if e.expires_at <= at]
+        _erase(doomed)
+        return len(doomed)
+
     # -- what demotions write --------------------------------------------------------------
 
     def worth_writing(self, row: BufferRow) -> Tier | None:
@@ -229,6 +259,7 @@ class DiskTiers:
             existing = self._index.get(ident)
             if existing is not None and existing.promoted_as == row.id:
                 self._admission.forget(ident)  # its copy is on disk still: nothing to write
+                existing.expires_at = row.expires_at  # its lease, as hits extended it
                 return None
             stale = [] if existing is None else [self._forget(existing, tier)]
             cold = not self._admission.evicted(ident)
@@ -277,7 +308,7 @@ class DiskTiers:
             ]
             for victim in tier.policy.insert(sealed.name, size):
                 doomed.append(self._forget(tier.entries[victim.key], tier, evicted=True))  # type: ignore[index]
-            entry = OnDisk(sealed, tenant, row.key or "", row.pool_id, tier.disk)
+            entry = OnDisk.of(row, sealed, tier.disk)
             tier.entries[sealed.name] = entry
             tier.tenant_bytes[tenant] = tier.tenant_bytes.get(tenant, 0) + size
             self._index[(tenant, entry.key)] = entry
@@ -319,20 +350,20 @@ class DiskTiers:
 
     def fill_ready(self, tenant_id: str, keys: list[str]) -> bool:
         """Whether one of ``keys`` is on disk, written (cheap: the event loop asks it)."""
+        now = time.time()
         with self._lock:
-            return any(
-                (e := self._index.get((tenant_id, k))) is not None and e.written for k in keys
-            )
+            return any((e := self._index.get((tenant_id, k))) and e.promotable(now) for k in keys)
 
     def longest_written(self, tenant_id: str, keys: list[str]) -> tuple[Tier, OnDisk] | None:
         """The longest of ``keys`` on disk and written, and its tier, counted a hit by the
         tier's policy; None if none is."""
+        now = time.time()
         with self._lock:
             found = next(
                 (
                     e
                     for k in reversed(keys)
-                    if (e := self._index.get((tenant_id, k))) is not None and e.written
+                    if (e := self._index.get((tenant_id, k))) and e.promotable(now)
                 ),
                 None,
             )

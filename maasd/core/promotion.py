@@ -48,7 +48,12 @@ class Promotions:
         tier, found = on_disk
         try:
             found.promoted_as = self._restores.materialise_with(
-                who, found.key, found.sealed.size, self._reader(tier, found), pool=found.pool_id
+                who,
+                found.key,
+                found.sealed.size,
+                self._reader(tier, found),
+                pool=found.pool_id,
+                ttl_s=found.ttl_s,  # its own lease again, as a hit extends it
             ).id
         except DuplicateKey:
             pass  # restored (or being put) by another caller meanwhile

@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 
+from maasd.core.disktier import DiskTiers
 from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.recovery import Recovery
@@ -40,6 +41,7 @@ class Reaper:
         releaser: Releaser,
         recovery: Recovery,
         metrics: Metrics,
+        disk: DiskTiers | None = None,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
@@ -51,6 +53,7 @@ class Reaper:
         self._releaser = releaser
         self._recovery = recovery
         self._metrics = metrics
+        self._disk = disk  # entries on disk tiers: their leases end there too
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fenced = False  # this host lost its claim and has not joined again
@@ -83,6 +86,8 @@ class Reaper:
             self._releaser.release_row(marked, reason="expire", marked=True)
             self._metrics.reaped.inc()
             count += 1
+        if self._disk is not None:
+            self._disk.expire(now)
         return count
 
     def _reap_loop(self) -> None:

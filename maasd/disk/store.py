@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
+import threading
+import time
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -36,12 +39,37 @@ from maasd.errors import BackingError
 
 __all__ = ["SUFFIX", "DiskDir", "Sealed", "Unreadable"]
 
+logger = logging.getLogger(__name__)
+
 SUFFIX = ".ent"
 NONCE = 12
 TAG = 16
 #: What decrypting into the caller's buffer needs beyond the bytes (cryptography's
 #: update_into asks for a block of room; the tail goes through a small scratch buffer).
 _TAIL = 4096
+
+
+class _Failures:
+    """A warning at most every :data:`LOG_EVERY_S` seconds, with how many it stood for."""
+
+    LOG_EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._said_at = -self.LOG_EVERY_S
+        self._since = 0
+
+    def say(self, what: str) -> None:
+        with self._lock:
+            self._since += 1
+            now = time.monotonic()
+            if now - self._said_at < self.LOG_EVERY_S:
+                return
+            count, self._since, self._said_at = self._since, 0, now
+        logger.warning("%s; %d such in the last minute", what, count)
+
+
+_ERASE_FAILURES = _Failures()
 
 
 class Unreadable(Exception):
@@ -149,7 +177,9 @@ class DiskDir:
 
     def erase(self, sealed: Sealed) -> None:
         """Punch the file's blocks (a discard, where passed on) and unlink it; gone is fine.
-        The caller has forgotten ``sealed`` (its key): that is the erasure."""
+        The caller has forgotten ``sealed`` (its key): that is the erasure, so a disk that
+        refuses (read-only, gone, failing) is logged, never raised — a release, a delete
+        or a lookup that erases must not fail for the disk (SPEC §12)."""
         path = os.path.join(self.path, sealed.name)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
@@ -161,8 +191,12 @@ class DiskDir:
                     punch_file(fd, sealed.size + 64)
             finally:
                 os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # the key is gone: what stays on disk cannot be read
+            _ERASE_FAILURES.say(f"disk tier {self.path}: a file not removed ({e})")
 
     def files(self) -> list[str]:
         """The entry and temporary files in the directory now (tests, checks)."""

@@ -225,7 +225,7 @@ def test_a_failing_disk_never_fails_a_dram_operation(disk_daemon: Daemon, tmp_pa
         disk.unlink()
 
 
-def _read_only_tier(d: Daemon, tmp_path: Path):  # type: ignore[no-untyped-def]
+def _read_only_tier(d: Daemon, tmp_path: Path) -> tuple[Path, str]:
     import subprocess
 
     import pytest

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -128,3 +129,39 @@ def test_a_key_put_again_replaces_its_copy_on_disk(svc: Service, tmp_path: Path)
     svc.handles.drop(who, found.buffer_id)
     evict_all(2)  # its promoted entry evicted: its copy is on disk, nothing written
     assert svc.disk.usage(svc.pools.info("tiered").id).demotions == 2  # type: ignore[union-attr]
+
+
+def test_an_entry_on_disk_keeps_its_lease_and_its_end_erases_it(
+    svc: Service, tmp_path: Path
+) -> None:
+    """A lease goes on on disk: past it the copy is no hit (nor promoted), and the
+    reaper's pass erases it; a promotion leases the entry its own ttl again."""
+    who = svc.auth.authenticate(svc.tenants.create("l", 64 * MiB).api_key)
+    tenant_id = who.tenant_id
+    assert tenant_id is not None
+    disk = tmp_path / "disk"
+    h = svc.entries.put(who, "k", MiB, pool="tiered", ttl_s=600)
+    os.close(h.fd)
+    svc.entries.commit(who, h.buffer_id, owned=True)
+    used_once(svc, who, "k")
+    for i in range(4):  # evicted, demoted
+        put(svc, who, f"f{i}", "tiered", i)
+    wait_until(lambda: svc.disk.fill_ready(tenant_id, ["k"]))
+    on_disk = svc.disk._index[(tenant_id, "k")]
+    assert on_disk.ttl_s == 600
+    assert on_disk.expires_at > time.time() + 500
+    found = hit(svc.tiers.find(who, ["k"]))  # promoted: leased 600 s again
+    os.close(found.fd)
+    svc.handles.drop(who, found.buffer_id)
+    held = svc.regions.held(found.buffer_id)
+    assert held is not None
+    assert held.ttl_s == 600  # what its hits extend its lease by
+    for i in range(4):  # evicted again: its copy is on disk still, nothing written
+        put(svc, who, f"g{i}", "tiered", i)
+    assert svc.disk.expire(time.time() + 100) == 0  # within its lease: kept
+    assert svc.disk.fill_ready(tenant_id, ["k"])
+    on_disk.expires_at = time.time() - 1  # as if its lease had run out on disk
+    assert not svc.disk.fill_ready(tenant_id, ["k"])  # no hit past it
+    assert svc.disk.expire() == 1
+    assert (tenant_id, "k") not in svc.disk._index
+    assert [p for p in disk.iterdir() if p.suffix == ".ent" and p.name == on_disk.sealed.name] == []
