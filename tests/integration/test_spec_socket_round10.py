@@ -22,7 +22,7 @@ import msgspec
 import pytest
 
 from conftest import Daemon, free_port
-from maasd.protocol import Abort, Commit, Detach, Error, Lookup, Ok, Put, Reserved
+from maasd.protocol import Abort, Commit, Detach, Error, Ok, Put, Reserved
 from rawentries import commit, connect, pattern, put, put_committed, write
 from sockpeer import lookup, miss
 from waiting import wait_until
@@ -33,6 +33,14 @@ KiB = 1 << 10
 
 def _ts(s: str) -> datetime:
     return datetime.fromisoformat(s.replace("Z", "+00:00"))
+
+
+def _refused(reply: Any, fds: list[int], status: int, type_end: str = "") -> None:
+    """An error frame of ``status`` (and a ``type`` ending so), with no fd."""
+    assert fds == []
+    assert isinstance(reply, Error), reply
+    assert reply.status == status, reply
+    assert (reply.type or "").endswith(type_end), reply
 
 
 def _attached(d: Daemon, tenant_id: str) -> float:
@@ -52,14 +60,20 @@ def test_put_ttl_s_is_the_entrys_lease(daemon: Daemon) -> None:
         reply, fd = put(r, "ttl-7", 4 * KiB, ttl_s=7)
         os.close(fd)
         b = c.get(f"/v1/buffers/{reply.buffer_id}").json()
-        assert (_ts(b["expires_at"]) - _ts(b["created_at"])).total_seconds() == pytest.approx(7, abs=1)
+        assert (_ts(b["expires_at"]) - _ts(b["created_at"])).total_seconds() == pytest.approx(
+            7, abs=1
+        )
         commit(r, reply.buffer_id)
         b = c.get(f"/v1/buffers/{reply.buffer_id}").json()
-        assert (_ts(b["expires_at"]) - _ts(b["created_at"])).total_seconds() == pytest.approx(7, abs=2)
+        assert (_ts(b["expires_at"]) - _ts(b["created_at"])).total_seconds() == pytest.approx(
+            7, abs=2
+        )
         reply, fd = put(r, "ttl-default", 4 * KiB)
         os.close(fd)
         b = c.get(f"/v1/buffers/{reply.buffer_id}").json()
-        assert (_ts(b["expires_at"]) - _ts(b["created_at"])).total_seconds() == pytest.approx(600, abs=1)
+        assert (_ts(b["expires_at"]) - _ts(b["created_at"])).total_seconds() == pytest.approx(
+            600, abs=1
+        )
         # and the pool by name and by id, as the frame allows
         pool = daemon.admin.get("/v1/pools").json()[0]
         for ref in (pool["name"], pool["id"]):
@@ -101,7 +115,8 @@ def test_a_frame_of_exactly_64_kib_does_not_close_the_connection(daemon: Daemon)
     r.send_raw(struct.pack(">I", len(body)) + body)
     reply, fds = r.recv()
     assert fds == []
-    assert isinstance(reply, Error) and reply.status == 400, reply
+    assert isinstance(reply, Error), reply
+    assert reply.status == 400, reply
     miss(r, ["x"])  # still open
     r.close()
 
@@ -170,11 +185,13 @@ def test_a_put_at_the_tenants_buffer_cap_follows_the_reserve_rules(daemon: Daemo
     r = connect(daemon, key)
     reply, fds = r.call(Put(key="c4", size_bytes=4 * KiB))
     assert fds == []
-    assert isinstance(reply, Error) and reply.status == 409, reply
-    assert reply.type is not None and reply.type.endswith("buffer-count-exceeded"), reply
+    assert isinstance(reply, Error), reply
+    assert reply.status == 409, reply
+    assert (reply.type or "").endswith("buffer-count-exceeded"), reply
     reply, fds = r.call(Put(key="huge", size_bytes=1 << 40))
     assert fds == []
-    assert isinstance(reply, Error) and reply.status == 422, reply
+    assert isinstance(reply, Error), reply
+    assert reply.status == 422, reply
     r.close()
 
 
@@ -211,7 +228,8 @@ def test_commit_then_a_second_commit_or_abort_is_409_and_keeps_the_entry(daemon:
     for msg in (Commit(buffer_id=bid), Abort(buffer_id=bid)):
         reply, fds = r.call(msg)
         assert fds == []
-        assert isinstance(reply, Error) and reply.status == 409, reply
+        assert isinstance(reply, Error), reply
+    assert reply.status == 409, reply
     found, fd = lookup(r, ["once"])
     assert os.pread(fd, 64, 0) == pattern(4 * KiB, 9)[:64]
     os.close(fd)
@@ -238,8 +256,6 @@ def test_client_reserve_defaults_to_a_volatile_buffer(fresh_daemon: Daemon) -> N
 
 
 # --- §6: maasd.llama ------------------------------------------------------------------------
-
-
 
 
 def _llm(path: Path) -> Any:
@@ -279,7 +295,8 @@ def test_kvstore_save_returns_a_buffer(daemon: Daemon, tiny: Path) -> None:
     with Client(daemon.url, key) as c, Worker(daemon.socket_path, key) as w:
         saved = KVStore(c, w, llm).save(0, toks)
         assert isinstance(saved, Buffer), type(saved)
-        assert saved.key and saved.evictable is True
+        assert saved.key
+        assert saved.evictable is True
 
 
 @pytest.mark.llama
@@ -340,16 +357,16 @@ def test_keys_are_the_model_fingerprint_and_a_chained_hash(daemon: Daemon, tiny:
         k = kv.key(toks)
         fp, _, chain = k.partition(":")
         assert fp == model_fingerprint(llm)
-        assert chain and chain != kv.key(toks[:64]).partition(":")[2]
+        assert chain
+        assert chain != kv.key(toks[:64]).partition(":")[2]
         assert kv.key(toks[:128]) != k
 
 
 @pytest.mark.llama
-def test_maasd_cache_is_a_base_llama_cache_with_the_spec_signature(tiny: Path) -> None:
+def test_maasd_cache_is_a_base_llama_cache_with_the_spec_signature() -> None:
     """§6: "`maasd.llama.MaasdCache(model, url, socket, key, *, pool=None)` implements
     llama-cpp-python's `llama_cpp.BaseLlamaCache`"."""
-    import llama_cpp
-
+    llama_cpp = pytest.importorskip("llama_cpp")
     from maasd.llama import MaasdCache
 
     assert issubclass(MaasdCache, llama_cpp.BaseLlamaCache)
@@ -400,11 +417,18 @@ def test_worker_pool_completions_and_a_prefix_of_an_earlier_run(
         r = httpx.post(f"{second.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         m = second.metrics()
-        hits = sum(v for lab, v in m.get("maasd_worker_cache_lookups_total", []) if lab.get("outcome") == "hit")
-        restored = sum(
-            v for lab, v in m.get("maasd_worker_prompt_tokens_total", []) if lab.get("source") == "restored"
+        hits = sum(
+            v
+            for lab, v in m.get("maasd_worker_cache_lookups_total", [])
+            if lab.get("outcome") == "hit"
         )
-        assert hits >= 1 and restored > 0, m.get("maasd_worker_prompt_tokens_total")
+        restored = sum(
+            v
+            for lab, v in m.get("maasd_worker_prompt_tokens_total", [])
+            if lab.get("source") == "restored"
+        )
+        assert hits >= 1, m.get("maasd_worker_cache_lookups_total")
+        assert restored > 0, m.get("maasd_worker_prompt_tokens_total")
     finally:
         assert second.stop() == 0
 
@@ -459,4 +483,93 @@ def test_maasd_cache_keys_are_the_model_fingerprint_and_a_chained_hash(
     for k in keys:
         assert k is not None
         head, sep, chain = k.partition(":")
-        assert (head, sep) == (fp, ":") and chain, k
+        assert (head, sep) == (fp, ":"), k
+        assert chain, k
+
+
+# --- §9: beyond one host, on the socket -------------------------------------------------------
+
+
+@pytest.fixture
+def two_hosts_on_one_ledger(tmp_path: Path) -> Any:
+    from pgdb import PG_URL, fresh_pg_database
+
+    if not PG_URL:
+        pytest.skip("MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
+    with fresh_pg_database() as url:
+        hosts = [
+            Daemon(tmp_path / name, env={"MAASD_DB_URL": url, "MAASD_NODE_NAME": name})
+            for name in ("spec-a", "spec-b")
+        ]
+        try:
+            for h in hosts:
+                h.start()
+            yield hosts
+        finally:
+            for h in hosts:
+                h.close()
+
+
+def test_socket_puts_resolve_pool_names_locally_and_share_one_quota(
+    two_hosts_on_one_ledger: list[Daemon],
+) -> None:
+    """§9: "tenants, keys and quotas are global, so a tenant's quota holds across hosts …;
+    pools and buffers belong to their host", "a name resolves to the local host's pool" —
+    through the socket's `put` too (§5: "Quota, pool capacity and eviction rules are those
+    of a REST reserve")."""
+    a, b = two_hosts_on_one_ledger
+    _tid, key = a.tenant(quota_bytes=64 * MiB)
+    pools = a.admin.get("/v1/pools").json()
+    pool_of = {p["host"]: p["id"] for p in pools if p["name"] == "node0"}
+    assert set(pool_of) == {"spec-a", "spec-b"}
+    ra, rb = connect(a, key), connect(b, key)
+    reply, fd = put(rb, "by-name", 4 * KiB, pool="node0")
+    os.close(fd)
+    with b.client(key) as c:
+        assert c.get(f"/v1/buffers/{reply.buffer_id}").json()["pool_id"] == pool_of["spec-b"]
+    reply, fds = rb.call(Put(key="foreign-pool", size_bytes=4 * KiB, pool=pool_of["spec-a"]))
+    _refused(reply, fds, 404)
+    # an entry of host a is not host b's: no handle of it there
+    bid = put_committed(ra, "on-a", pattern(4 * KiB))
+    miss(rb, ["on-a"])
+    from maasd.protocol import Attach
+
+    reply, fds = rb.call(Attach(buffer_id=bid))
+    _refused(reply, fds, 404)
+    # one quota across both hosts
+    big, fd = put(ra, "big-on-a", 40 * MiB)
+    os.close(fd)
+    reply, fds = rb.call(Put(key="big-on-b", size_bytes=30 * MiB))
+    _refused(reply, fds, 409)
+    assert (reply.type or "").endswith("quota-exceeded"), reply
+    assert ra.call(Abort(buffer_id=big.buffer_id)) == (Ok(), [])
+    reply, fd = put(rb, "big-on-b", 30 * MiB)
+    os.close(fd)
+    ra.close()
+    rb.close()
+
+
+def test_a_put_entry_is_the_writers_only_until_commit(daemon: Daemon) -> None:
+    """§5: "`put` … → `reserved {…}` with a writable fd … for the writer only; the entry is
+    invisible to lookups until `commit`" — another connection of the same tenant gets no
+    fd of it (attach 404, lookup 404, REST lookup 404), and can neither commit nor abort it."""
+    from maasd.protocol import Attach
+
+    _tid, key = daemon.tenant()
+    w, other = connect(daemon, key), connect(daemon, key)
+    reply, fd = put(w, "mine", 4 * KiB)
+    os.close(fd)
+    got, fds = other.call(Attach(buffer_id=reply.buffer_id))
+    _refused(got, fds, 404)
+    miss(other, ["mine"])
+    with daemon.client(key) as c:
+        assert c.post("/v1/buffers/lookup", json={"keys": ["mine"]}).status_code == 404
+    for msg in (Commit(buffer_id=reply.buffer_id), Abort(buffer_id=reply.buffer_id)):
+        got, fds = other.call(msg)
+        _refused(got, fds, 409)
+    commit(w, reply.buffer_id)
+    found, fd = lookup(other, ["mine"])
+    os.close(fd)
+    assert found.buffer_id == reply.buffer_id
+    w.close()
+    other.close()
