@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from test_api_routes import BUFFER_FIELDS, POOL_FIELDS, problem
 
 from conftest import DEFAULT_POOL_BYTES, Daemon, free_port
 from maasd.client import Worker
-from test_api_routes import BUFFER_FIELDS, POOL_FIELDS, problem
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -169,7 +169,7 @@ def test_config_pools_carry_every_field_of_section_1(serve_with_flags: dict) -> 
     ) as admin:
         pools = {p["name"]: p for p in admin.get("/v1/pools").json()}
         fast, keep = pools["fastcfg"], pools["keepcfg"]
-        assert POOL_FIELDS <= fast.keys()
+        assert fast.keys() >= POOL_FIELDS
         assert (
             fast["numa_node"], fast["backing"], fast["persistence"], fast["latency_us"],
             fast["capacity_bytes"], fast["prefault"], fast["scrub"], fast["page_bytes"],
@@ -220,8 +220,31 @@ def test_default_ledger_is_sqlite_in_the_data_dir_in_wal_mode(fresh_daemon: Daem
         if p.is_file() and p.read_bytes()[:16] == b"SQLite format 3\x00"
     ]
     assert dbs, f"no SQLite file in {d.data_dir}: {list(d.data_dir.iterdir())}"
-    with sqlite3.connect(dbs[0]) as conn:
+    conn = sqlite3.connect(dbs[0])
+    try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal"
+    finally:
+        conn.close()
+    # "close the database": after SIGTERM the WAL is checkpointed and gone
+    assert d.stop() == 0
+    assert not Path(f"{dbs[0]}-wal").exists()
+
+
+def test_default_pool_size_is_a_quarter_of_free_memory_at_most_8_gib(tmp_path: Path) -> None:
+    """§3: "MAASD_DEFAULT_POOL_BYTES (default: a quarter of that node's free memory, at
+    most 8 GiB)" — a daemon started without the variable."""
+    d = Daemon(tmp_path / "sized")
+    del d.env["MAASD_DEFAULT_POOL_BYTES"]
+    try:
+        d.start()
+        topo = d.admin.get("/v1/topology").json()
+        free = {n["id"]: n["mem_free_bytes"] for n in topo["nodes"]}
+        for p in d.admin.get("/v1/pools").json():
+            want = min(free[p["numa_node"]] // 4, 8 << 30)
+            assert 0.8 * want <= p["capacity_bytes"] <= 1.2 * want, (p, free)
+            assert p["capacity_bytes"] <= 8 << 30
+    finally:
+        d.close()
 
 
 def test_default_pools_have_the_default_fields(fresh_daemon: Daemon) -> None:
@@ -344,9 +367,7 @@ def test_at_the_buffer_cap_a_reserve_evicts_own_entries_then_409(daemon: Daemon)
             assert new2.status_code == 201, new2.text
             assert c.get(f"/v1/buffers/{e2['id']}").status_code == 404
             # only non-evictable buffers left: 409 buffer-count-exceeded
-            problem(
-                c.post("/v1/reserve", json={"size_bytes": PAGE}), 409, "buffer-count-exceeded"
-            )
+            problem(c.post("/v1/reserve", json={"size_bytes": PAGE}), 409, "buffer-count-exceeded")
             assert c.get("/v1/usage").json()["buffers"] == 3
             # the other tenant's evictable buffer was never touched
             assert other.get(f"/v1/buffers/{theirs.json()['id']}").status_code == 200
@@ -373,10 +394,13 @@ def test_checkpoint_refuses_a_body_with_unknown_fields(daemon: Daemon) -> None:
     """§4: "Unknown fields in a body are rejected with 400" — on POST …/checkpoint of a
     persistent buffer (which otherwise answers 200)."""
     name = uniq("ckbody")
-    assert daemon.admin.post(
-        "/v1/pools",
-        json={"name": name, "numa_node": 0, "capacity_bytes": MiB, "persistence": "persistent"},
-    ).status_code == 201
+    assert (
+        daemon.admin.post(
+            "/v1/pools",
+            json={"name": name, "numa_node": 0, "capacity_bytes": MiB, "persistence": "persistent"},
+        ).status_code
+        == 201
+    )
     tid, key = daemon.tenant("ckbody", MiB)
     try:
         with daemon.client(key) as c:
@@ -430,11 +454,12 @@ def test_buffer_ids_are_unguessable_and_timestamps_sort_as_text(daemon: Daemon) 
                 r = c.post("/v1/reserve", json={"size_bytes": PAGE, "ttl_s": 1 + len(bufs)})
                 assert r.status_code == 201
                 bufs.append(r.json())
-            assert all(BUFFER_FIELDS <= b.keys() for b in bufs)
+            assert all(b.keys() >= BUFFER_FIELDS for b in bufs)
             ids = [b["id"] for b in bufs]
             assert len(set(ids)) == len(ids)
             for i in ids:
-                assert len(i) * 4 >= 122 and int(i, 16) >= 0, i
+                assert len(i) * 4 >= 122, i
+                assert int(i, 16) >= 0, i
             # not sequential: the ids share no long common prefix
             assert len(os.path.commonprefix(ids)) < 8
             created = [b["created_at"] for b in bufs]
@@ -628,7 +653,9 @@ def test_lookup_answers_the_longest_key_whatever_the_order(daemon: Daemon) -> No
 def test_an_expired_lease_is_not_live_before_the_reaper_runs(tmp_path: Path) -> None:
     """§1 buffer: "with a lease (expires_at)"; §4 lookup finds "a live buffer" — a buffer
     whose lease ended is not found, even while the reaper has not run yet."""
-    d = Daemon(tmp_path / "lease", env={"MAASD_REAPER_INTERVAL_S": "20", "MAASD_HOST_TIMEOUT_S": "600"})
+    d = Daemon(
+        tmp_path / "lease", env={"MAASD_REAPER_INTERVAL_S": "20", "MAASD_HOST_TIMEOUT_S": "600"}
+    )
     try:
         d.start()
         tid, key = d.tenant("lapsed", MiB)
@@ -637,9 +664,11 @@ def test_an_expired_lease_is_not_live_before_the_reaper_runs(tmp_path: Path) -> 
             assert b.status_code == 201, b.text
             time.sleep(2.5)
             r = c.post("/v1/buffers/lookup", json={"keys": ["gone"]})
-            assert r.status_code == 404, r.text
             renew = c.post(f"/v1/buffers/{b.json()['id']}/renew", json={"ttl_s": 60})
-            assert renew.status_code in (404, 409), renew.text
+            assert (r.status_code, renew.status_code in (404, 409)) == (404, True), (
+                f"lease ended {b.json()['expires_at']}: lookup {r.status_code} {r.text[:120]}; "
+                f"renew {renew.status_code} {renew.text[:200]}"
+            )
     finally:
         d.close()
 
@@ -705,17 +734,20 @@ def test_maasctl_pools_create_backing_and_persistence_with_unit_sizes(daemon: Da
 def test_maasctl_error_is_the_problems_title_and_detail(daemon: Daemon) -> None:
     """§7: "on any error it exits non-zero with the problem's title and detail on stderr"."""
     env = {"MAASD_URL": daemon.url, "MAASD_ADMIN_KEY": daemon.admin_key}
-    want = daemon.admin.post("/v1/pools", json={"name": "node0", "numa_node": 0,
-                                                 "capacity_bytes": MiB}).json()
+    want = daemon.admin.post(
+        "/v1/pools", json={"name": "node0", "numa_node": 0, "capacity_bytes": MiB}
+    ).json()
     r = _maasctl("pools", "create", "node0", "--node", "0", "--capacity", "1MiB", **env)
     assert r.returncode != 0
     assert "Traceback" not in r.stderr
-    assert want["title"] in r.stderr and want["detail"] in r.stderr, (want, r.stderr)
+    assert want["title"] in r.stderr, (want, r.stderr)
+    assert want["detail"] in r.stderr, (want, r.stderr)
     assert r.stdout == ""
     # and with --json too
     r = _maasctl("--json", "pools", "create", "node0", "--node", "0", "--capacity", "1MiB", **env)
     assert r.returncode != 0
-    assert want["title"] in r.stderr and want["detail"] in r.stderr, (want, r.stderr)
+    assert want["title"] in r.stderr, (want, r.stderr)
+    assert want["detail"] in r.stderr, (want, r.stderr)
 
 
 def test_serve_defaults_to_127_0_0_1_port_7878(tmp_path: Path) -> None:
@@ -742,3 +774,48 @@ def test_serve_defaults_to_127_0_0_1_port_7878(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+# -- §4 errors are problems, also for requests HTTP itself refuses ---------------------------
+
+
+def _raw(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        out = b""
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                out += chunk
+        except TimeoutError:
+            pass
+    return out
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nNo colon in this header\r\n\r\n",
+        b"POST /v1/reserve HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"NOT AN HTTP REQUEST\r\n\r\n",
+    ],
+    ids=["bad-header", "bad-content-length", "bad-request-line"],
+)
+def test_a_malformed_http_request_is_answered_with_a_problem(
+    daemon: Daemon, request_bytes: bytes
+) -> None:
+    """§4: "Errors are RFC 9457 application/problem+json with type, title, status,
+    detail" — also the 400 for a request that is not valid HTTP/1.1."""
+    answer = _raw(daemon.port, request_bytes)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 400"), answer[:300]
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    assert headers.get("content-type", "").startswith("application/problem+json"), answer[:300]
+    import json
+
+    problem_body = json.loads(body)
+    assert {"type", "title", "status", "detail"} <= problem_body.keys()
+    assert problem_body["status"] == 400
