@@ -52,7 +52,21 @@ from maasd.client.types import (
     Usage,
 )
 
-__all__ = ["Client", "raw_json"]
+__all__ = ["VOLATILE_UNLESS_POOL", "Client", "raw_json"]
+
+
+class _VolatileUnlessPool(str):
+    """``Client.reserve``'s default ``persistence``: ``"volatile"`` where the daemon picks
+    the pool (SPEC §6), the named pool's own where one is named."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "'volatile' (a named pool: its own)"
+
+
+#: ``Client.reserve``'s default persistence (see :class:`_VolatileUnlessPool`).
+VOLATILE_UNLESS_POOL: Any = _VolatileUnlessPool("volatile")
 
 T = TypeVar("T")
 
@@ -278,7 +292,7 @@ class Client(_Http):
         *,
         size_gb: float | None = None,
         pool: str | None = None,
-        persistence: Persistence | None = None,
+        persistence: Persistence | None = VOLATILE_UNLESS_POOL,
         latency_us: float | None = None,
         latency_source: Literal["declared", "measured"] | None = None,
         ttl_s: int = DEFAULT_TTL_S,
@@ -289,12 +303,17 @@ class Client(_Http):
     ) -> Buffer:
         """Reserve a buffer: in ``pool`` (id or name) if given, else wherever the QoS fits.
 
+        ``persistence``: ``"volatile"`` unless given — where the daemon picks the pool; a
+        named ``pool`` is taken with its own unless ``persistence`` is given (then it must
+        match). ``None``: any pool, volatile or persistent.
         Give exactly one of ``size_bytes`` and ``size_gb`` (the daemon checks).
         ``numa_node`` only applies without ``pool``. ``latency_source="measured"`` holds
         ``latency_us`` to the pools' measured class instead of the declared one.
 
         >>> buf = c.reserve(size_bytes=64 << 20, latency_us=5, key="m:prefix")  # doctest: +SKIP
         """
+        if persistence is VOLATILE_UNLESS_POOL:
+            persistence = "volatile" if pool is None else None
         body: dict[str, Any] = {"ttl_s": ttl_s, "evictable": evictable}
         for name, value in (
             ("size_bytes", size_bytes),
