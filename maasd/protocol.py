@@ -264,11 +264,17 @@ class Reserved(msgspec.Struct, tag="reserved", tag_field="op", frozen=True):
 
 
 class Published(msgspec.Struct, tag="published", tag_field="op", frozen=True):
-    """Answer to :class:`Publish`: the committed entry (immutable, visible to lookups)."""
+    """Answer to :class:`Publish`: the committed entry (immutable, visible to lookups),
+    with what a REST buffer record says of it (empty from a daemon older than them)."""
 
     buffer_id: str
     size_bytes: int
     numa_node: int
+    tenant_id: str = ""
+    pool_id: str = ""
+    persistence: str = ""
+    created_at: str = ""
+    expires_at: str = ""
 
 
 class Ok(msgspec.Struct, tag="ok", tag_field="op", frozen=True):

@@ -47,7 +47,7 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from maasd.errors import ResourceLimit
+from maasd.errors import InvalidRequest, ResourceLimit
 from maasd.problems import problem_of
 
 if TYPE_CHECKING:
@@ -178,6 +178,12 @@ class _Phase(Enum):
     BODY = "body_timeout"
 
 
+#: The answer to bytes that are not an HTTP request (:meth:`GuardedH11.send_400_response`).
+_NOT_HTTP = msgspec.json.encode(
+    problem_of(InvalidRequest("the request is not valid HTTP/1.1 (its head could not be parsed)"))
+)
+
+
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol with the deadlines and the cap of the module docstring.
 
@@ -223,6 +229,25 @@ class GuardedH11(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         self._send_deadline(True)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request that is not HTTP (h11 refused it: a header without a colon, a bad
+        ``Content-Length``, a garbage request line) is answered as every error is, an
+        ``application/problem+json`` 400 (uvicorn's own is plain text), then closed."""
+        del msg  # uvicorn's "Invalid HTTP request received."
+        body = _NOT_HTTP
+        head = h11.Response(
+            status_code=400,
+            reason=b"Bad Request",
+            headers=[
+                (b"content-type", b"application/problem+json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        )
+        for event in (head, h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event) or b"")
+        self.transport.close()
 
     def resume_writing(self) -> None:
         super().resume_writing()

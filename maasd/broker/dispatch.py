@@ -144,7 +144,7 @@ class EntryDesk(Protocol):
 
 
 class MadeEntry(Protocol):
-    """A committed entry as a publish answers it."""
+    """A committed entry as a publish answers it (:class:`maasd.models.BufferInfo`)."""
 
     @property
     def id(self) -> str: ...
@@ -152,6 +152,16 @@ class MadeEntry(Protocol):
     def size_bytes(self) -> int: ...
     @property
     def numa_node(self) -> int: ...
+    @property
+    def tenant_id(self) -> str: ...
+    @property
+    def pool_id(self) -> str: ...
+    @property
+    def persistence(self) -> str: ...
+    @property
+    def created_at(self) -> str: ...
+    @property
+    def expires_at(self) -> str: ...
 
 
 class EntryPublishing(Protocol):
@@ -339,7 +349,16 @@ def _publish(call: Call, req: Publish) -> Outcome:
         call.principal, req.key, call.fds[0], req.size_bytes, req.pool, req.ttl_s
     )
     return Outcome(
-        Published(buffer_id=made.id, size_bytes=made.size_bytes, numa_node=made.numa_node)
+        Published(
+            buffer_id=made.id,
+            size_bytes=made.size_bytes,
+            numa_node=made.numa_node,
+            tenant_id=made.tenant_id,
+            pool_id=made.pool_id,
+            persistence=made.persistence,
+            created_at=made.created_at,
+            expires_at=made.expires_at,
+        )
     )
 
 

@@ -55,6 +55,7 @@ from maasd.client.mapped import MappedBuffers
 from maasd.client.mapping import BufferMapping, Mapping, check_memfd_size
 from maasd.client.renewal import LeaseRenewer
 from maasd.client.scratch import Scratch, source_fd
+from maasd.client.types import Buffer
 
 __all__ = ["BufferMapping", "Entry", "EntryMapping", "Mapping", "Worker"]
 
@@ -219,15 +220,28 @@ class Worker:
         *,
         pool: str | None = None,
         ttl_s: int | None = None,
-    ) -> Entry:
+    ) -> Buffer:
         """Publish ``size_bytes`` of ``source`` (a :class:`Scratch` or a memfd's fd) as a
         committed entry under ``key``: a put and a commit in one round trip; ``source``
-        stays the caller's (docs/client.md, "Publishing an entry"). ``ValueError`` (nothing
-        sent) for a closed scratch or an fd not open."""
+        stays the caller's (docs/client.md, "Publishing an entry"). The entry's record
+        (what ``Client.buffer`` would answer: keyed, evictable, live). ``ValueError``
+        (nothing sent) for a closed scratch or an fd not open."""
         fd = source_fd(source)
         msg = protocol.Publish(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
-        reply = self._channel.request_reply(msg, protocol.Published, fds=(fd,))
-        return Entry(reply.buffer_id, key, reply.size_bytes, reply.numa_node)
+        r = self._channel.request_reply(msg, protocol.Published, fds=(fd,))
+        return Buffer(
+            id=r.buffer_id,
+            tenant_id=r.tenant_id,
+            pool_id=r.pool_id,
+            size_bytes=r.size_bytes,
+            numa_node=r.numa_node,
+            persistence=r.persistence,
+            key=key,
+            evictable=True,
+            state="live",
+            created_at=r.created_at or None,
+            expires_at=r.expires_at or None,
+        )
 
     @contextlib.contextmanager
     def entry(

@@ -76,7 +76,7 @@ class Record(Protocol):
 
 class Published(Record, Protocol):
     """An entry once published — what :meth:`~maasd.llama.store.KVStore.save` answers:
-    ``maasd.client.Entry`` over the socket, ``maasd.client.Buffer`` over REST."""
+    a ``maasd.client.Buffer`` over either transport."""
 
     @property
     def id(self) -> str: ...

@@ -72,9 +72,10 @@ class KVStore:
     ``model`` is a ``llama_cpp.Llama`` (``Any``: the adapter reaches into its private
     fields, :mod:`maasd.llama.adapter`); ``worker`` an open ``maasd.client.Worker`` (or
     ``None`` with ``entries``);
-    ``client`` a ``maasd.client.Client`` of the same tenant, which the store itself never
-    calls (the default transport, the worker socket's entry fast path, makes no REST
-    call: ``None`` will do; :class:`~maasd.llama.entries.RestEntries` takes its own).
+    ``client`` a ``maasd.client.Client`` of the same tenant: the default transport, the
+    worker socket's entry fast path, makes no REST call, and the store calls it only to
+    answer a save of a prefix another worker saved first with that entry (``None`` will
+    do: such a save answers ``None``; :class:`~maasd.llama.entries.RestEntries` takes its own).
     ``pool`` (id or name) sends saved entries to that pool — a persistent pool keeps
     them across daemon restarts. ``chunk`` is the key granularity in tokens (all
     workers sharing entries must use the same); ``ttl_s`` the lease of saved entries
@@ -89,7 +90,7 @@ class KVStore:
             kv = KVStore(Client(url, api_key), w, llm)      # llm: llama_cpp.Llama
             n = kv.restore(0, prompt, max_tokens=len(prompt) - 1)  # 0 on a miss
             llm.eval(prompt[n:])                            # only the rest
-            kv.save(0, prompt)                              # share it (None: a duplicate)
+            kv.save(0, prompt)                              # share it → its Buffer
     """
 
     def __init__(
@@ -97,8 +98,8 @@ class KVStore:
         client: object,
         worker: SocketWorkerLike | None,
         model: Any,
-        *,
         pool: str | None = None,
+        *,
         chunk: int = DEFAULT_CHUNK,
         ttl_s: int = DEFAULT_TTL_S,
         renew_on_hit: bool = True,
@@ -106,7 +107,9 @@ class KVStore:
         entries: EntryTransport | None = None,
     ) -> None:
         check_chunk(chunk)
-        del client  # the signature's: the transport (``entries``) is what talks to maasd
+        # The transport (``entries``) is what talks to maasd; the client only answers
+        # what a duplicate save returns (the entry another worker saved: its lookup).
+        self.client = client
         if entries is None:
             if worker is None:
                 raise TypeError("KVStore needs a worker (maasd.client.Worker) or entries")
@@ -132,9 +135,11 @@ class KVStore:
     # -- save
 
     def save(self, seq_id: int, tokens: Tokens) -> Published | None:
-        """Save sequence ``seq_id`` (which must hold exactly ``tokens``) → the entry
-        (``maasd.client.Entry``: ``.id``, ``.key``, ``.size_bytes``), or ``None`` when
-        another worker has (or is writing) that prefix already (a 409 duplicate key).
+        """Save sequence ``seq_id`` (which must hold exactly ``tokens``) → the entry's
+        ``maasd.client.Buffer`` (keyed, evictable, live). When another worker saved that
+        prefix first (a 409 duplicate key), its entry's ``Buffer`` (a REST lookup of the
+        key, with ``client``); ``None`` while that one is still being written, or
+        without a client.
 
         The entry is keyed, evictable and leased for ``ttl_s``; it is published (and
         immutable) only once whole, so no reader ever sees a half-written one.
@@ -158,17 +163,29 @@ class KVStore:
         try:
             buf, mapping = self.entries.create(key, hlen + state_len, self.ttl_s)
         except DUPLICATE_KEY:
-            return None  # another worker has it, or is writing it: nothing to do
+            return self._saved(key)  # another worker has it, or is writing it
         try:
             self._write_entry(mapping, seq_id, arr, hlen, state_len)
             return self.entries.publish(buf)
         except DUPLICATE_KEY:  # a publish learns of another worker's entry only now
-            return None
+            return self._saved(key)
         except BaseException:  # never leave a keyed entry that can't be used
             self.entries.discard(buf)
             raise
         finally:
             close_quietly(mapping)
+
+    def _saved(self, key: str) -> Published | None:
+        """The entry another worker saved under ``key`` (REST lookup), if it is published."""
+        lookup = getattr(self.client, "lookup", None)
+        if lookup is None:
+            return None
+        try:
+            found: Published | None = lookup([key])
+        except Exception:  # the save is done either way: the entry exists
+            logger.debug("looking up the entry saved under %s failed", key, exc_info=True)
+            return None
+        return found
 
     def _write_entry(
         self, mapping: MappingLike, seq_id: int, arr: npt.NDArray[np.int32], hlen: int, size: int

@@ -336,7 +336,7 @@ class TestMechanics:
         # a prompt that differs before the first boundary misses
         assert L.KVStore(None, d, b).restore(0, toks[:10] + [7] * 200) == 0
 
-    def test_a_duplicate_save_returns_none(self, path0: Path) -> None:
+    def test_a_duplicate_save_without_a_client_returns_none(self, path0: Path) -> None:
         d = FakeWorker()
         toks = prompt(100, seed=5)
         a = load(path0)
@@ -594,9 +594,10 @@ class TestWithDaemon:
         assert L.KVStore(None, t.worker, c).restore(0, longer) == 256  # from the cache
         b.eval(longer[n:])
         np.testing.assert_allclose(logits(b), recompute(path0, longer), rtol=0, atol=1e-4)
-        # a second save of the same prefix finds it there (409): nothing to do
-        assert kv.save(0, toks) is None
-        assert t.client.lookup([kv.key(toks)]).id == saved.id
+        # a second save of the same prefix finds it there (409): it answers that entry
+        again = kv.save(0, toks)
+        assert again is not None
+        assert again.id == saved.id == t.client.lookup([kv.key(toks)]).id
 
     def test_another_tenant_restores_nothing(
         self, daemon_: Any, tenants: tuple[Tenant, Tenant], path0: Path

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -449,7 +449,7 @@ def test_buffer_ids_are_unguessable_and_timestamps_sort_as_text(daemon: Daemon) 
     tid, key = daemon.tenant("ids", 16 * MiB)
     try:
         with daemon.client(key) as c:
-            bufs = []
+            bufs: list[dict[str, Any]] = []
             for _ in range(20):
                 r = c.post("/v1/reserve", json={"size_bytes": PAGE, "ttl_s": 1 + len(bufs)})
                 assert r.status_code == 201

@@ -335,7 +335,7 @@ def test_kvstore_takes_pool_as_in_the_spec_and_saves_there(daemon: Daemon, tiny:
     llm = _llm(tiny)
     llm.eval(toks)
     with Client(daemon.url, key) as c, Worker(daemon.socket_path, key) as w:
-        saved = KVStore(c, w, llm, name).save(0, toks)  # type: ignore[misc]
+        saved = KVStore(c, w, llm, name).save(0, toks)
         assert saved is not None
         assert c.buffer(saved.id).pool_id == c.pool(name).id
 
@@ -462,10 +462,13 @@ def test_maasd_cache_keys_are_the_model_fingerprint_and_a_chained_hash(
     daemon: Daemon, tiny: Path
 ) -> None:
     """§6: "`llm.set_cache(MaasdCache(llm, url, socket, key))`" … "Keys are `"<model
-    fingerprint>:<chained hash of token chunks>"`" — what the cache saves is keyed so."""
+    fingerprint>:<chained hash of token chunks>"`" — what the cache saves is keyed so.
+    A ``MaasdCache`` saves *context* states, a ``KVStore`` sequence states: the model's
+    fingerprint is tagged with the kind of state (``context_fingerprint``), so that
+    neither ever reads the other's (docs/llama.md, "Keys")."""
     from maasd.client import Client
     from maasd.llama import MaasdCache
-    from maasd.llama.adapter import model_fingerprint
+    from maasd.llama.context import context_fingerprint
 
     _tid, key = daemon.tenant(quota_bytes=128 * MiB)
     llm = _llm(tiny)
@@ -479,7 +482,7 @@ def test_maasd_cache_keys_are_the_model_fingerprint_and_a_chained_hash(
     with Client(daemon.url, key) as c:
         keys = [b.key for b in c.buffers()]
     assert keys, "the cache saved nothing"
-    fp = model_fingerprint(llm)
+    fp = context_fingerprint(llm)
     for k in keys:
         assert k is not None
         head, sep, chain = k.partition(":")
