@@ -26,7 +26,9 @@ from maasd.api.auth import ADMIN_ONLY, TENANT_ONLY, ApiContext, RestCall, may_re
 from maasd.api.dependencies import Buffers, LastKnownReads, Pools, Reserves, Tenants
 from maasd.api.schemas import (
     LookupBody,
+    NoBody,
     PinBody,
+    PoolReserveBody,
     RenewBody,
     ReserveBody,
     Status,
@@ -261,7 +263,9 @@ class TenantsController(Controller):
         call: NamedDependency[RestCall],
         tenants: NamedDependency[Tenants],
         tenant_id: FromPath[str],
+        data: JSONBody[NoBody | None] = None,
     ) -> KeyInfo:
+        del data  # decoded only: a field in it is refused (400)
         return await call.run(tenants.issue_key, tenant_id)
 
     @delete(
@@ -325,7 +329,7 @@ class BuffersController(Controller):
         call: NamedDependency[RestCall],
         reserves: NamedDependency[Reserves],
         pool_id: FromPath[str],
-        data: JSONBody[ReserveBody],
+        data: JSONBody[PoolReserveBody],
     ) -> BufferInfo:
         return await call.run(reserves.reserve, call.who, data.to_spec(pool_id))
 
@@ -415,7 +419,9 @@ class BuffersController(Controller):
         call: NamedDependency[RestCall],
         buffers: NamedDependency[Buffers],
         buffer_id: FromPath[str],
+        data: JSONBody[NoBody | None] = None,
     ) -> Checkpoint:
+        del data  # decoded only: a field in it is refused (400)
         return await call.run(buffers.checkpoint, call.who, buffer_id)
 
     @delete(

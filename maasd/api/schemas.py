@@ -18,8 +18,8 @@ from maasd.models import Persistence, ReserveSpec
 MAX_BODY = 64 * 1024
 
 
-class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``POST /v1/reserve`` and ``POST /v1/pools/{pool_id}/reserve`` (docs/api.md)."""
+class PoolReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/pools/{pool_id}/reserve`` (docs/api.md): the pool fixes the node."""
 
     size_bytes: bounds.PositiveBytes | None = None
     size_gb: bounds.SizeGiB | None = None
@@ -30,7 +30,11 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     label: bounds.Label | None = None
     key: bounds.EntryKey | None = None
     evictable: bool = False
-    numa_node: bounds.NodeId | None = None
+
+    @property
+    def node(self) -> int | None:
+        """The node asked for (only ``POST /v1/reserve`` takes one)."""
+        return None
 
     def to_spec(self, pool: str | None = None) -> ReserveSpec:
         """The service's input; ``size_gb`` (GiB) becomes bytes. Exactly one size is given."""
@@ -48,12 +52,22 @@ class ReserveBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             latency_us=self.latency_us,
             latency_source=self.latency_source,
             persistence=self.persistence,
-            numa_node=self.numa_node,
+            numa_node=self.node,
             ttl_s=self.ttl_s,
             label=self.label,
             key=self.key,
             evictable=self.evictable,
         )
+
+
+class ReserveBody(PoolReserveBody, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``POST /v1/reserve``: the same body plus an optional ``numa_node``."""
+
+    numa_node: bounds.NodeId | None = None
+
+    @property
+    def node(self) -> int | None:
+        return self.numa_node
 
 
 class TenantBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -98,6 +112,10 @@ class TenantPatchBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class PinBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     numa_node: bounds.NodeId
+
+
+class NoBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The body of a route that takes none: nothing, or ``{}`` — any field is unknown."""
 
 
 class RenewBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

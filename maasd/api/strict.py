@@ -17,6 +17,8 @@ not ``application/json`` is a 400 as well.
 
 from __future__ import annotations
 
+import types
+import typing
 from collections.abc import Generator, Iterator
 from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
@@ -88,11 +90,14 @@ def decode(raw: bytes, kind: type[T]) -> T:
 
 
 def is_strict_body(kind: object) -> bool:
-    """A request body type: a msgspec Struct that refuses unknown fields."""
-    return (
-        isinstance(kind, type)
-        and issubclass(kind, msgspec.Struct)
-        and kind.__struct_config__.forbid_unknown_fields
+    """A request body type: a msgspec Struct that refuses unknown fields (or such a Struct
+    ``| None``: the body of a route that takes none, :class:`maasd.api.schemas.NoBody`)."""
+    members = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+    structs = [m for m in members if m is not type(None)]
+    return len(structs) == 1 and (
+        isinstance(structs[0], type)
+        and issubclass(structs[0], msgspec.Struct)
+        and structs[0].__struct_config__.forbid_unknown_fields
     )
 
 
@@ -136,11 +141,11 @@ class StrictBody(AbstractDTO[T]):
         schema = schema_creator.for_field_definition(
             FieldDefinition.from_annotation(cls.model_type)
         )
-        target = (
-            schema_creator.schema_registry.from_reference(schema).schema
-            if isinstance(schema, Reference)
-            else schema
-        )
+        registry = schema_creator.schema_registry
+        target = registry.from_reference(schema).schema if isinstance(schema, Reference) else schema
+        for member in target.one_of or ():  # ``Body | None``: the Struct's own schema
+            if isinstance(member, Reference):
+                target = registry.from_reference(member).schema
         declare_strict(target, cls.model_type)
         return schema
 
@@ -169,9 +174,11 @@ def declare_strict(schema: Schema, kind: type[Any]) -> None:
     dropped (``gt=0`` on ``size_bytes``, ``ge=0`` on ``numa_node``). Without them a
     client generator or a fuzzer believes ``{"size_bytes": 0, "x": 1}`` valid.
     """
-    schema.additional_properties = False
     info = msgspec.inspect.type_info(kind)
+    if isinstance(info, msgspec.inspect.UnionType):  # ``Body | None``: a route that takes none
+        info = next(t for t in info.types if isinstance(t, msgspec.inspect.StructType))
     assert isinstance(info, msgspec.inspect.StructType)
+    schema.additional_properties = False
     for field in info.fields:
         prop = (schema.properties or {}).get(field.encode_name)
         if not isinstance(prop, Schema):

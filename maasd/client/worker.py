@@ -228,20 +228,7 @@ class Worker:
         (nothing sent) for a closed scratch or an fd not open."""
         fd = source_fd(source)
         msg = protocol.Publish(key=key, size_bytes=size_bytes, pool=pool, ttl_s=ttl_s)
-        r = self._channel.request_reply(msg, protocol.Published, fds=(fd,))
-        return Buffer(
-            id=r.buffer_id,
-            tenant_id=r.tenant_id,
-            pool_id=r.pool_id,
-            size_bytes=r.size_bytes,
-            numa_node=r.numa_node,
-            persistence=r.persistence,
-            key=key,
-            evictable=True,
-            state="live",
-            created_at=r.created_at or None,
-            expires_at=r.expires_at or None,
-        )
+        return _published(key, self._channel.request_reply(msg, protocol.Published, fds=(fd,)))
 
     @contextlib.contextmanager
     def entry(
@@ -329,3 +316,20 @@ class Worker:
         """A mapping of :meth:`attach` closed by its user: one attachment less."""
         if self._maps.remove(m):
             self._detach_quietly(m.buffer_id, True)
+
+
+def _published(key: str, r: protocol.Published) -> Buffer:
+    """A publish's answer as the entry's record (a REST ``Buffer``: keyed, evictable, live)."""
+    return Buffer(
+        id=r.buffer_id,
+        tenant_id=r.tenant_id,
+        pool_id=r.pool_id,
+        size_bytes=r.size_bytes,
+        numa_node=r.numa_node,
+        persistence=r.persistence,
+        key=key,
+        evictable=True,
+        state="live",
+        created_at=r.created_at or None,
+        expires_at=r.expires_at or None,
+    )

@@ -171,7 +171,7 @@ class Service:
         )  # fmt: skip
         self.buffers = Buffers(
             settings, buffers, store.tenants, regions, live, holders, self.pools, releaser,
-            checkpoints,
+            checkpoints, self.uses,
         )  # fmt: skip
         self.handles = Handles(regions, self.attachments, self.uses, metrics)
         self.entries = Entries(

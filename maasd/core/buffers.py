@@ -18,6 +18,7 @@ from maasd.core.livepools import LivePools
 from maasd.core.pools import Pools
 from maasd.core.regions import Regions
 from maasd.core.release import Releaser
+from maasd.core.uses import UseBatch
 from maasd.errors import NotFound, StateConflict
 from maasd.models import BufferInfo, Checkpoint, LookupHit, Principal, rfc3339
 from maasd.settings import Settings
@@ -86,8 +87,11 @@ class Buffers:
         pools: Pools,
         releaser: Releaser,
         checkpoints: Checkpoints,
+        uses: UseBatch | None = None,
     ) -> None:
         self._settings = settings
+        #: lease extensions of lookup hits not written yet (a lease ends at the later)
+        self._uses = uses
         self._host = settings.node_name
         self._buffer_rows = store
         self._tenant_rows = tenant_rows  # an admin's tenant reference (id or name) resolved
@@ -138,8 +142,12 @@ class Buffers:
         """Extend a live buffer's (or a staged entry's) lease to ``ttl_s`` seconds from now
         (at most ``max_ttl_s``)."""
         tenant_id = require_tenant(who)
-        expires = leases.expires_at(time.time(), ttl_s, self._settings.max_ttl_s)
-        return buffer_info(self._buffer_rows.renew(buffer_id, tenant_id, expires))
+        now = time.time()
+        expires = leases.expires_at(now, ttl_s, self._settings.max_ttl_s)
+        # A lease that has ended is over (the reaper releases it at its next pass), unless
+        # a lookup hit extended it in memory and it is not written yet.
+        alive_after = 0.0 if self._pending_lease(buffer_id) > now else now
+        return buffer_info(self._buffer_rows.renew(buffer_id, tenant_id, expires, alive_after))
 
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
         """Write a persistent buffer to its pool's spill dir; :class:`StateConflict` if volatile."""
@@ -165,10 +173,19 @@ class Buffers:
         """The longest of ``lookup_keys`` (ordered short → long) with a live buffer here;
         ``None`` for a miss (the REST edge answers it 404)."""
         tenant_id = require_tenant(who)
-        hit = self._buffer_rows.lookup(tenant_id, lookup_keys, host=self._host)
+        now = time.time()
+
+        def leased(row: BufferRow) -> bool:  # its lease not ended (the reaper's lag aside)
+            return max(row.expires_at, self._pending_lease(row.id)) > now
+
+        hit = self._buffer_rows.lookup(tenant_id, lookup_keys, host=self._host, alive=leased)
         if hit is None:
             return None
         return LookupHit(key=hit[0], buffer=buffer_info(hit[1]))
+
+    def _pending_lease(self, buffer_id: str) -> float:
+        pending = None if self._uses is None else self._uses.pending_lease(buffer_id)
+        return pending or 0.0
 
     def _held_here(self, row: BufferRow) -> BufferRow:
         """``row`` if this host's memory holds it; :class:`StateConflict` naming its host if

@@ -18,7 +18,7 @@ needs their bytes; the victims are chosen by :mod:`maasd.store.eviction`.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -172,7 +172,7 @@ _set_state = update(_B).where(_B.c.id == bindparam("p_id")).values(state=bindpar
 _advance = _set_state.where(_B.c.state == bindparam("p_from"))
 _renew = (
     update(_B)
-    .where(_B.c.id == bindparam("p_id"), _is_leased)
+    .where(_B.c.id == bindparam("p_id"), _is_leased, _B.c.expires_at > bindparam("p_alive"))
     .values(expires_at=bindparam("p_expires"))
     .returning(*_B.c)
 )
@@ -589,15 +589,16 @@ class BufferRepo(Repository):
         stmt = stmt.order_by(_B.c.created_at, _B.c.id)
         return [BufferRow(*r) for r in self._read_rows(stmt, params)]
 
-    def renew(self, buffer_id: str, tenant_id: str | None, expires_at: float) -> BufferRow:
+    def renew(
+        self, buffer_id: str, tenant_id: str | None, expires_at: float, alive_after: float = 0.0
+    ) -> BufferRow:
         """Set a live buffer's (or staged entry's) lease end. :class:`NotFound` if unknown,
-        foreign, or neither live nor staged."""
+        foreign, neither live nor staged, or its lease ended at ``alive_after`` or before."""
+        params = {"p_id": buffer_id, "p_expires": expires_at, "p_alive": alive_after}
         if tenant_id is None:
-            row = self._single_first(_renew, {"p_id": buffer_id, "p_expires": expires_at})
+            row = self._single_first(_renew, params)
         else:
-            row = self._single_first(
-                _renew_own, {"p_id": buffer_id, "p_tenant": tenant_id, "p_expires": expires_at}
-            )
+            row = self._single_first(_renew_own, {**params, "p_tenant": tenant_id})
         if row is None:
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
@@ -659,7 +660,12 @@ class BufferRepo(Repository):
         return [BufferRow(*r) for r in self._read_rows(_sel_expired, {"now": now, "host": host})]
 
     def lookup(
-        self, tenant_id: str, keys: Sequence[str], *, host: str | None = None
+        self,
+        tenant_id: str,
+        keys: Sequence[str],
+        *,
+        host: str | None = None,
+        alive: Callable[[BufferRow], bool] | None = None,
     ) -> tuple[str, BufferRow] | None:
         """The last key of ``keys`` (ordered short → long) with a live buffer of this tenant.
 
@@ -673,11 +679,13 @@ class BufferRepo(Repository):
         if host is not None:
             stmt = _sel_lookup_host
             params["host"] = host
-        rows = self._read_rows(stmt, params)
-        if not rows:
+        found = [BufferRow(*r) for r in self._read_rows(stmt, params)]
+        if alive is not None:  # e.g. its lease not ended (the reaper not there yet)
+            found = [b for b in found if alive(b)]
+        if not found:
             return None
         rank = {k: i for i, k in enumerate(keys)}
-        best = max((BufferRow(*r) for r in rows), key=lambda b: rank[b.key or ""])
+        best = max(found, key=lambda b: rank[b.key or ""])
         assert best.key is not None
         return best.key, best
 
