@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -57,7 +58,15 @@ if TYPE_CHECKING:
     from maasd.metrics import Metrics
     from maasd.settings import Settings
 
-__all__ = ["Gate", "GuardedH11", "HttpLimits", "Verdict", "http_config", "protocol_for"]
+__all__ = [
+    "Gate",
+    "GuardedH11",
+    "HttpLimits",
+    "OnceAMinute",
+    "Verdict",
+    "http_config",
+    "protocol_for",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +185,43 @@ class Gate:
 class _Phase(Enum):
     HEAD = "head_timeout"
     BODY = "body_timeout"
+
+
+class OnceAMinute(logging.Filter):
+    """Lets ``message`` through at most once every ``interval_s`` (the line then says how
+    many it stands for); other records pass. uvicorn logs a warning for every request
+    that is not HTTP — what any local client can send as fast as it likes."""
+
+    def __init__(self, message: str, interval_s: float = 60.0) -> None:
+        super().__init__()
+        self.message = message
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._said_at = -interval_s
+        self._count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.message:
+            return True
+        with self._lock:
+            self._count += 1
+            now = time.monotonic()
+            if now - self._said_at < self.interval_s:
+                return False
+            count, self._count, self._said_at = self._count, 0, now
+        record.msg = f"{self.message} ({count} since the last such line; at most one a minute)"
+        record.args = ()
+        return True
+
+
+#: What uvicorn says of each request that is not HTTP (h11_impl's handle_events).
+NOT_HTTP_WARNING = "Invalid HTTP request received."
+
+
+def _quiet_not_http(logger: logging.Logger) -> None:
+    """One filter per logger (a daemon, and tests, may build several servers)."""
+    if not any(isinstance(f, OnceAMinute) for f in logger.filters):
+        logger.addFilter(OnceAMinute(NOT_HTTP_WARNING))
 
 
 #: The answer to bytes that are not an HTTP request (:meth:`GuardedH11.send_400_response`).
@@ -333,6 +379,7 @@ def http_config(app: Any, settings: Settings, metrics: Metrics | None = None) ->
     import uvicorn
 
     limits = HttpLimits.of(settings)
+    _quiet_not_http(logging.getLogger("uvicorn.error"))
     if limits.max_connections < settings.http_max_connections:
         logger.info(
             "REST connections capped below http_max_connections by the open-files limit",

@@ -97,6 +97,31 @@ def test_a_connection_burst_at_80_open_files_is_quiet_and_cheap(tmp_path: Path) 
         d.close()
 
 
+def test_requests_that_are_not_http_are_answered_as_problems_and_logged_once_a_minute(
+    tmp_path: Path,
+) -> None:
+    """Garbage instead of a request head: a problem+json 400 each, and uvicorn's warning for
+    each one (any local client can send them as fast as it likes) at most once a minute."""
+    d = Daemon(tmp_path / "d").start()
+    try:
+        before = d.log_path.read_text(errors="replace").count("Invalid HTTP request")
+        for i in range(200):
+            with socket.create_connection(("127.0.0.1", d.port), timeout=5) as s:
+                s.sendall(b"GARBAGE %d\r\nno colon here\r\n\r\n" % i)
+                answer = b""
+                while chunk := s.recv(4096):
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 400"), answer
+            assert b"content-type: application/problem+json" in head.lower(), head
+            assert b'"status":400' in body, body
+        assert httpx.get(f"{d.url}/healthz", timeout=5).status_code == 200
+        log = d.log_path.read_text(errors="replace")
+        assert log.count("Invalid HTTP request") - before <= 1, log[-3000:]
+    finally:
+        d.close()
+
+
 def test_the_accept_pacing_doubles_and_logs_once_a_second(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     pacing = AcceptPacing(clock=lambda: now[0])

@@ -37,10 +37,10 @@ from maasd.api import strict
 from maasd.api.app import create_app
 from maasd.api.schemas import (
     LookupBody,
-    PinBody,
-    RenewBody,
     NoBody,
+    PinBody,
     PoolReserveBody,
+    RenewBody,
     ReserveBody,
     TenantBody,
     TenantPatchBody,
