@@ -108,13 +108,20 @@ def test_fds_left_unread_in_sockets_do_not_cut_other_tenants_off(nobody_dir: Pat
             good_buf = c.post("/v1/reserve", json={"size_bytes": 4 * KiB}).json()["id"]
         assert isinstance(attach_once(d.socket_path, good, good_buf), Attached)
 
-        # The attack: attaches pipelined on many connections, no reply ever read.
+        # The attack: attaches pipelined on many connections, no reply ever read — as
+        # many connections as the attacker is let open (its share of the socket's:
+        # past it, its hello is a 429).
         frame = encode_frame(Attach(buffer_id=evil_buf)) * 200
         victim = None
         for _ in range(90):
             r = Raw(d.socket_path)
             attackers.append(r)
-            r.hello(evil)
+            welcome, _fds = r.call(Hello(api_key=evil))
+            if isinstance(welcome, Error):
+                assert welcome.status == 429, welcome
+                assert "socket_max_per_tenant" in welcome.detail, welcome
+                break
+            assert isinstance(welcome, Welcome), welcome
             r.sock.setblocking(False)
             with contextlib.suppress(BlockingIOError):
                 r.sock.send(frame)
