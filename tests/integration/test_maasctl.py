@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -471,6 +472,9 @@ def _spawn_top(daemon: Any, *args: str) -> Any:
         dimensions=(50, 160),
         encoding="utf-8",
         timeout=60,  # a loaded CI machine starts a Python with rich and httpx slowly
+        # as a terminal's user runs it: a run started in the background by a shell
+        # (`.ci/run &`) ignores SIGINT, and Python then installs no KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
