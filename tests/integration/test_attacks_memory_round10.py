@@ -60,6 +60,12 @@ def _pipe(size: int) -> tuple[int, int]:
     return r, w
 
 
+def _close_pipes(pipes: list[tuple[int, int]]) -> None:
+    for pr, pw in pipes:
+        os.close(pr)
+        os.close(pw)
+
+
 def _drain(r: int, size: int) -> bytes:
     out = bytearray()
     while len(out) < size:
@@ -144,9 +150,7 @@ def test_entry_pages_kept_in_a_pipe_count_until_the_pipe_lets_go(daemon: Daemon,
             f"are no longer counted: {u}"
         )
     finally:
-        for pr, pw in pipes:
-            os.close(pr)
-            os.close(pw)
+        _close_pipes(pipes)
 
 
 def _splice_all(fd: int, size: int, pipes: list[tuple[int, int]]) -> None:
@@ -202,9 +206,7 @@ def test_a_tenant_keeps_three_quotas_resident_through_pipes(daemon: Daemon):
         assert held <= quota, why
     finally:
         for pipes in rounds:
-            for pr, pw in pipes:
-                os.close(pr)
-                os.close(pw)
+            _close_pipes(pipes)
     after_attack(daemon)
 
 
@@ -392,9 +394,7 @@ def test_a_rest_buffers_pages_kept_in_a_pipe_after_release(daemon: Daemon, scrub
             f"but no longer counted: {u}"
         )
     finally:
-        for pr, pw in pipes:
-            os.close(pr)
-            os.close(pw)
+        _close_pipes(pipes)
 
 
 # -- invariant 1 under concurrency: publishes at the quota edge, every entry held at once ------

@@ -7,11 +7,16 @@ only: the REST API (pools, tenants, buffers, usage, metrics) and the worker sock
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from conftest import Daemon
 from maasd.protocol import Detach, Lookup, Ok
@@ -225,21 +230,20 @@ def test_a_failing_disk_never_fails_a_dram_operation(disk_daemon: Daemon, tmp_pa
         disk.unlink()
 
 
-def _read_only_tier(d: Daemon, tmp_path: Path) -> tuple[Path, str]:
-    import subprocess
-
-    import pytest
-
+@contextlib.contextmanager
+def _read_only_tier(d: Daemon, tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A tier on a tmpfs of its own (which ``_remount`` can make read-only), unmounted after."""
     disk = tmp_path / "rodisk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)]).returncode:
         pytest.skip("cannot mount a tmpfs here")
-    return disk, tier_pool(d, disk)
+    try:
+        yield disk, tier_pool(d, disk)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def _remount(disk: Path, mode: str) -> None:
-    import subprocess
-
     subprocess.run(["mount", "-o", f"remount,{mode}", str(disk)], check=True)
 
 
@@ -250,11 +254,8 @@ def test_a_disk_gone_read_only_never_fails_a_release_of_a_promoted_entry(
     /v1/buffers/{id} ... → 204" + invariant 7 (no 5xx): the tier's filesystem goes
     read-only (what ext4/xfs do on an I/O error) while a promoted entry's copy is on it;
     releasing that DRAM entry still answers 204."""
-    import subprocess
-
     d = disk_daemon
-    disk, pool = _read_only_tier(d, tmp_path)
-    try:
+    with _read_only_tier(d, tmp_path) as (disk, pool):
         _, key = d.tenant(quota_bytes=64 * MiB)
         r = demote_one(d, key, pool, pattern(MiB, 11), fill=9)
         _written(d, pool)
@@ -268,8 +269,6 @@ def test_a_disk_gone_read_only_never_fails_a_release_of_a_promoted_entry(
             ids = {b["id"] for b in c.get("/v1/buffers").json()}
         assert d.healthy()
         assert (res.status_code, after, hit.buffer_id in ids) == (204, 404, False), res.text
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_a_disk_gone_read_only_never_fails_a_tenant_delete(
@@ -279,11 +278,8 @@ def test_a_disk_gone_read_only_never_fails_a_tenant_delete(
     /v1/tenants/{id} ... → 204 (never a half-done 409)": the tenant's entry is on a tier
     whose filesystem went read-only; deleting the tenant still answers 204 and its DRAM
     buffers are gone."""
-    import subprocess
-
     d = disk_daemon
-    disk, pool = _read_only_tier(d, tmp_path)
-    try:
+    with _read_only_tier(d, tmp_path) as (disk, pool):
         tenant_id, key = d.tenant(quota_bytes=64 * MiB)
         r = demote_one(d, key, pool, pattern(MiB, 12), fill=9)
         _written(d, pool)
@@ -294,8 +290,6 @@ def test_a_disk_gone_read_only_never_fails_a_tenant_delete(
         used = _pool(d, pool)["used_bytes"]
         assert d.healthy()
         assert (res.status_code, gone, used) == (204, 404, 0), res.text
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def test_each_entry_on_disk_is_encrypted_with_a_key_of_its_own(

@@ -10,6 +10,7 @@ subprocesses (``tests/conftest.py``); maasctl runs as a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -18,6 +19,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -483,14 +485,21 @@ def test_buffer_ids_are_unguessable_and_timestamps_sort_as_text(daemon: Daemon) 
 # -- §7 maasctl ------------------------------------------------------------------------------
 
 
-def test_maasctl_default_url_is_127_0_0_1_7878() -> None:
-    """§7: "--url / MAASD_URL (default http://127.0.0.1:7878)"."""
+@contextlib.contextmanager
+def _port_7878() -> Iterator[socket.socket]:
+    """A socket bound to 127.0.0.1:7878, the defaults' address (skip if it is taken)."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", 7878))
         except OSError:
             pytest.skip("port 7878 is in use on this host")
+        yield probe
+
+
+def test_maasctl_default_url_is_127_0_0_1_7878() -> None:
+    """§7: "--url / MAASD_URL (default http://127.0.0.1:7878)"."""
+    with _port_7878() as probe:
         probe.listen(1)
         env = _bare_env(MAASD_ADMIN_KEY="x" * 20)
         proc = subprocess.Popen(
@@ -765,12 +774,8 @@ def test_maasctl_error_is_the_problems_title_and_detail(daemon: Daemon) -> None:
 def test_serve_defaults_to_127_0_0_1_port_7878(tmp_path: Path) -> None:
     """§3: ``maasd serve [--host 127.0.0.1] [--port 7878] …`` — the defaults, with neither
     flag nor environment variable."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", 7878))
-        except OSError:
-            pytest.skip("port 7878 is in use on this host")
+    with _port_7878():
+        pass  # free: the daemon may take it
     env = _bare_env(MAASD_ADMIN_KEY="maasd_admin_" + secrets.token_urlsafe(24))
     log = tmp_path / "serve.log"
     with open(log, "ab") as out:
