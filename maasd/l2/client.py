@@ -62,12 +62,17 @@ return evicted
 
 #: KEYS: lru, then the entry keys short → long. → {index into the entry keys (1-based),
 #: length of its value} of the longest that has one (its last use moved to now), or false.
+#: A key that holds another type than a string (a hash, a list … put there by something
+#: else than a daemon) is found too, with the length -1: the caller refuses and drops it,
+#: as it does any value that fails its checks — an error here would fail every lookup
+#: naming that key, and count against its tenant's breaker, for as long as it stays.
 _FIND = """
 for i = #KEYS, 2, -1 do
-  local n = redis.call('STRLEN', KEYS[i])
+  local n = redis.pcall('STRLEN', KEYS[i])
+  if type(n) == 'table' then return {i - 1, -1} end
   if n > 0 then
     local t = redis.call('TIME')
-    redis.call('ZADD', KEYS[1], 'XX', t[1] + t[2] / 1000000, KEYS[i])
+    redis.pcall('ZADD', KEYS[1], 'XX', t[1] + t[2] / 1000000, KEYS[i])
     return {i - 1, n}
   end
 end
@@ -83,7 +88,6 @@ redis.call('DEL', KEYS[1])
 if n then redis.call('DECRBY', KEYS[4], n) end
 return 1
 """
-
 
 #: The socket timeout of the calls the current thread makes now (None: the base one).
 _call = threading.local()
@@ -181,10 +185,11 @@ class RedisL2:
 
     def fetch(
         self, tenant_id: str, keys: list[str], *, max_bytes: int
-    ) -> tuple[str, bytes | int] | None:
+    ) -> tuple[str, bytes | int | None] | None:
         """Of ``keys`` (short → long), the longest with a value: ``(key, value)``, or
-        ``(key, length)`` if the value is longer than ``max_bytes`` (not read); ``None``
-        if none has one.
+        ``(key, length)`` if the value is longer than ``max_bytes`` (not read), or
+        ``(key, None)`` if that key holds another type than a string; ``None`` if none
+        has one.
 
         One round trip when the longest key is the hit: the script that finds the hit
         and the read of the longest key's value (at most ``max_bytes`` of it) go in one
@@ -196,13 +201,21 @@ class RedisL2:
         pipe = self._redis.pipeline(transaction=False)
         pipe.eval(_FIND, 1 + len(names), k.lru, *names)
         pipe.getrange(names[-1], 0, max_bytes - 1)
-        found, longest = pipe.execute()
+        # the read fails (WRONGTYPE) when the longest key is not a string: the script
+        # says so; any other failure is raised
+        found, longest = pipe.execute(raise_on_error=False)
+        if isinstance(found, Exception):
+            raise found
         if not found:
             return None
         index, length = int(found[0]), int(found[1])
+        if length < 0:
+            return keys[index - 1], None
         if length > max_bytes:
             return keys[index - 1], length
         if index == len(names):
+            if isinstance(longest, Exception):
+                raise longest
             return keys[-1], longest
         shorter = self._redis.getrange(names[index - 1], 0, max_bytes - 1)
         return keys[index - 1], cast(bytes, shorter)

@@ -33,6 +33,7 @@ __all__ = [
     "VERSION",
     "Keys",
     "Refused",
+    "checked",
     "decode",
     "encode_into",
     "value_size",
@@ -129,6 +130,17 @@ def decode(value: bytes, tenant_id: str, key: str, max_bytes: int) -> memoryview
     if view[_FIXED.size : HEADER] != _checksum(view[: _FIXED.size], view[HEADER:]):
         raise Refused("checksum", "checksum mismatch")
     return view[head:]
+
+
+def checked(value: bytes | int | None, tenant_id: str, key: str, max_bytes: int) -> memoryview:
+    """:func:`decode` of what a fetch read: ``value``, or its length only (an ``int``: longer
+    than the daemon reads back, not read — refused but kept, another daemon may read it),
+    or ``None``: the key holds another type than a string (nothing a daemon wrote)."""
+    if value is None:
+        raise Refused("format", "another type than a string value")
+    if isinstance(value, int):
+        raise Refused("size", f"{value} bytes: more than this daemon reads back", keep=True)
+    return decode(value, tenant_id, key, max_bytes)
 
 
 def _checksum(fixed: bytes | memoryview, rest: memoryview) -> bytes:

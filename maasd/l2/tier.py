@@ -127,8 +127,9 @@ class L2Tier:
             m.lookups.labels(outcome="miss").inc()
             return None
         key, value = found
+        m.bytes_in.inc(len(value) if isinstance(value, bytes) else 0)
         try:
-            data = self._checked(tenant_id, key, value)
+            data = codec.checked(value, tenant_id, key, self._max_value)
         except codec.Refused as refused:
             m.refused.labels(reason=refused.reason).inc()
             m.lookups.labels(outcome="refused").inc()
@@ -140,14 +141,6 @@ class L2Tier:
                 self.queue.offer(Job(tenant_id, key, forget=True))
             return None
         return Fetched(key, data)
-
-    def _checked(self, tenant_id: str, key: str, value: bytes | int) -> memoryview:
-        if isinstance(value, int):  # its length only: L2 did not send it
-            raise codec.Refused(
-                "size", f"{value} bytes: more than this daemon reads back", keep=True
-            )
-        self.metrics.bytes_in.inc(len(value))
-        return codec.decode(value, tenant_id, key, self._max_value)
 
     def skipped(self) -> None:
         """A local miss not asked of L2: the breaker is open (the broker's hot path)."""

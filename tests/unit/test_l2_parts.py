@@ -293,6 +293,8 @@ class FakeL2:
         self.down = False
         self.calls = 0
         self.forgotten: list[str] = []
+        #: keys that hold another Redis type than a string (a hash, a list …)
+        self.not_strings: set[tuple[str, str]] = set()
         self.timeouts: list[float | None] = []
 
     def _call(self) -> None:
@@ -302,9 +304,11 @@ class FakeL2:
 
     def fetch(
         self, tenant_id: str, keys: list[str], *, max_bytes: int
-    ) -> tuple[str, bytes | int] | None:
+    ) -> tuple[str, bytes | int | None] | None:
         self._call()
         for key in reversed(keys):
+            if (tenant_id, key) in self.not_strings:
+                return key, None
             value = self.values.get((tenant_id, key))
             if value is not None:
                 return key, (value if len(value) <= max_bytes else len(value))
@@ -331,6 +335,7 @@ class FakeL2:
     def forget(self, tenant_id: str, key: str) -> None:
         self._call()
         self.values.pop((tenant_id, key), None)
+        self.not_strings.discard((tenant_id, key))
         self.forgotten.append(key)
 
     def ping(self, timeout_s: float | None = None) -> None:
@@ -409,5 +414,28 @@ def test_the_writer_writes_what_the_source_reads_and_a_refused_value_is_forgotte
         assert t.fetch("t", ["k1"]) is None
         assert sample(reg, "maasd_l2_refused_total", reason="size") == 1
         wait_until(lambda: fake.forgotten == ["k1"], message="the refused value forgotten")
+    finally:
+        t.close()
+
+
+def test_a_key_of_another_redis_type_is_refused_and_forgotten_not_failed() -> None:
+    """Not a string under a tenant's key (something else wrote it): refused like any bad
+    value and dropped — not an error, which would count against the tenant's breaker
+    on every lookup naming it."""
+    t, fake, reg = tier(l2_breaker_failures=2, l2_breaker_backoff_s=60)
+    fake.values[("t", "good")] = encode("t", "good", b"g" * 100)
+    fake.not_strings.add(("t", "bad"))
+    t.start()
+    try:
+        for _ in range(3):
+            fake.not_strings.add(("t", "bad"))
+            assert t.fetch("t", ["good", "bad"]) is None
+            wait_until(lambda: ("t", "bad") not in fake.not_strings, message="forgotten")
+        assert sample(reg, "maasd_l2_refused_total", reason="format") == 3
+        assert sample(reg, "maasd_l2_lookups_total", outcome="error") == 0
+        assert t.tenants.ready("t")
+        hit = t.fetch("t", ["good", "bad"])
+        assert hit is not None
+        assert bytes(hit.data) == b"g" * 100
     finally:
         t.close()
