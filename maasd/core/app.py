@@ -163,7 +163,7 @@ class Service:
             held=functools.partial(holders.held_bytes_by, "tenant_id"),
             host=settings.node_name, remote_wait_s=3 * settings.reaper_interval_s,
             disk_factor=settings.disk_quota_factor, disk_used=self.disk.tenant_usage,
-            on_deleted=self.disk.drop_tenant,
+            on_deleted=self._tenant_deleted,
         )  # fmt: skip
         self.reserves = Reserves(
             settings, reserves, buffers, store.pools, regions, live, self.uses,
@@ -193,6 +193,12 @@ class Service:
             settings, buffers, reserves, regions, checkpoints, releaser, metrics,
             self.uses.flush,
         )  # fmt: skip
+
+    def _tenant_deleted(self, tenant_id: str) -> None:
+        """A tenant's delete, once its buffers are released: its entries on the disk tiers
+        erased and its values in L2 dropped."""
+        self.disk.drop_tenant(tenant_id)
+        self.shared.drop_tenant(tenant_id)
 
     def socket_use_cases(self) -> SocketUseCases:
         """What the broker is built with (``Broker(svc.socket_use_cases(), path)``)."""

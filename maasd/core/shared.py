@@ -1,6 +1,6 @@
 """The core's side of the shared prefix tier (docs/scale-out.md, "The L2 tier").
 
-Two hooks, both off the worker's hot path::
+Two hooks, both off the worker's hot path, and a tenant's end::
 
     commit        the entry's key and id go to the L2 tier's write-behind queue (never
                   waits; the writer thread reads the bytes later with Restores.read)
@@ -9,6 +9,9 @@ Two hooks, both off the worker's hot path::
                   round trip for all the keys, the value's checks, then the entry
                   materialised here like any put (quota, max_buffers, eviction) and the
                   lookup answered from memory
+    tenant deleted the tenant's values in L2 dropped (by the daemon that took the DELETE,
+                  once the hosts released their share: a write-behind still queued on
+                  one of them then finds its entry gone)
 
 A hit restored from L2 is a local entry from then on: the next lookup on this host
 finds it in memory. Nothing here ever fails a lookup for L2's sake: an error, a timeout,
@@ -93,6 +96,11 @@ class Shared:
     def close(self) -> None:
         if self._tier is not None:
             self._tier.close()
+
+    def drop_tenant(self, tenant_id: str) -> None:
+        """The tenant was deleted: its values in L2 go too (bounded by L2's timeout)."""
+        if self._tier is not None:
+            self._tier.drop_tenant(tenant_id)
 
     def fill(
         self, who: Principal, keys: list[str], attached: Container[str] = ()

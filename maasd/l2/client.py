@@ -6,7 +6,8 @@
 * ``fetch``  — of a lookup's keys (short → long), the value of the longest that exists,
   its last use moved to now — or its length only, when it passes the caller's bound
   (a script finds it; the longest key's value is read in the same round trip);
-* ``forget`` — drop a value the daemon refused, with its accounting.
+* ``forget`` — drop a value the daemon refused, with its accounting;
+* ``drop_tenant`` — drop all of a deleted tenant's values and its accounting.
 
 Connections come from a bounded pool; every call has the settings' connect and socket
 timeouts — a ``store`` of a large value the longer timeout its caller gives it
@@ -89,6 +90,20 @@ if n then redis.call('DECRBY', KEYS[4], n) end
 return 1
 """
 
+#: KEYS: lru, sizes, total. Every value the tenant's accounting knows of (all that a
+#: daemon stored and has not dropped), then the accounting itself. → values deleted.
+_DROP_TENANT = """
+local names = redis.call('HKEYS', KEYS[2])
+for _, name in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do table.insert(names, name) end
+local n = 0
+for i = 1, #names, 512 do
+  n = n + redis.call('DEL', unpack(names, i, math.min(i + 511, #names)))
+end
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[3])
+return n
+"""
+
+
 #: The socket timeout of the calls the current thread makes now (None: the base one).
 _call = threading.local()
 
@@ -131,7 +146,7 @@ def redact(url: str) -> str:
 
 
 class RedisL2:
-    """One daemon's connection pool to L2 and the three scripts."""
+    """One daemon's connection pool to L2 and its scripts."""
 
     #: what a failed call raises (redis-py's errors; the socket's, to be sure)
     errors: tuple[type[Exception], ...] = (redis.RedisError, OSError)
@@ -153,6 +168,7 @@ class RedisL2:
         self._redis = redis.Redis(connection_pool=pool)
         self._account = self._redis.register_script(_ACCOUNT)
         self._forget = self._redis.register_script(_FORGET)
+        self._drop_tenant = self._redis.register_script(_DROP_TENANT)
 
     def keys(self, tenant_id: str) -> Keys:
         return Keys(self.prefix, tenant_id)
@@ -223,6 +239,12 @@ class RedisL2:
     def forget(self, tenant_id: str, key: str) -> None:
         k = self.keys(tenant_id)
         self._forget(keys=[k.entry(key), k.lru, k.sizes, k.bytes])
+
+    def drop_tenant(self, tenant_id: str) -> int:
+        """Delete every value of the tenant and its accounting (it was deleted): how many
+        values went."""
+        k = self.keys(tenant_id)
+        return int(self._drop_tenant(keys=[k.lru, k.sizes, k.bytes]))
 
     def ping(self, timeout_s: float | None = None) -> None:
         with _timeout(timeout_s):

@@ -142,6 +142,16 @@ class L2Tier:
             return None
         return Fetched(key, data)
 
+    def drop_tenant(self, tenant_id: str) -> None:
+        """A deleted tenant's values dropped, in one call (skipped if L2 fails: they age out)."""
+        try:
+            if self.breaker.allow():
+                self.client.drop_tenant(tenant_id)
+                return self._succeeded(tenant_id)
+        except self._errors as exc:
+            self._failed("drop_tenant", exc)
+        logger.warning("a deleted tenant's values in L2 age out (l2_ttl_s) instead")
+
     def skipped(self) -> None:
         """A local miss not asked of L2: the breaker is open (the broker's hot path)."""
         self._skipped.inc()

@@ -338,6 +338,13 @@ class FakeL2:
         self.not_strings.discard((tenant_id, key))
         self.forgotten.append(key)
 
+    def drop_tenant(self, tenant_id: str) -> int:
+        self._call()
+        mine = [k for k in self.values if k[0] == tenant_id]
+        for k in mine:
+            del self.values[k]
+        return len(mine)
+
     def ping(self, timeout_s: float | None = None) -> None:
         self._call()
         self.timeouts.append(timeout_s)
@@ -439,3 +446,18 @@ def test_a_key_of_another_redis_type_is_refused_and_forgotten_not_failed() -> No
         assert bytes(hit.data) == b"g" * 100
     finally:
         t.close()
+
+
+def test_a_deleted_tenants_values_are_dropped_and_an_outage_only_skips_it() -> None:
+    t, fake, _reg = tier(l2_breaker_failures=1, l2_breaker_backoff_s=60)
+    for tenant in ("gone", "kept"):
+        fake.values[(tenant, "k")] = encode(tenant, "k", b"v" * 10)
+    t.drop_tenant("gone")
+    assert list(fake.values) == [("kept", "k")]
+    fake.down = True
+    t.drop_tenant("kept")  # fails: logged, the breaker opens, nothing raised
+    assert not t.ready()
+    calls = fake.calls
+    t.drop_tenant("kept")  # the breaker is open: not even asked
+    assert fake.calls == calls
+    assert list(fake.values) == [("kept", "k")]
