@@ -1,7 +1,8 @@
 """The reaper: a thread that, every ``reaper_interval_s``, beats this host's heartbeat
 (and joins again if its claim is gone), finishes the ends of held entries the ledger
 refused during an outage, releases every buffer whose lease ended, and releases this
-host's share of a tenant deleted through another daemon.
+host's share of a tenant deleted through another daemon (and its entries on this host's
+disk tiers, which the ledger does not list).
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ class Reaper:
                     self._rejoin()
                 self._releaser.finish_unfinished()  # held entries freed during an outage
                 self.reap()
-                # A tenant deleted through another daemon: release this host's share.
+                # A tenant deleted through another daemon: release this host's share,
+                # and erase its entries on this host's disk tiers.
                 self._tenants.finish_deletes()
+                if self._disk is not None:
+                    self._tenants.forget_deleted(list(self._disk.tenant_usage()))
             except LedgerUnavailable as exc:  # an outage: said once, by the store's circuit
                 logger.debug("reaper pass skipped: %s", exc.detail)
             except Exception:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from maasd.core.auth import Auth, require_tenant
 from maasd.core.release import HELD_GRACE_S, HeldOpen, Releaser
@@ -205,6 +205,19 @@ class Tenants:
             with contextlib.suppress(HeldOpen):  # still held: the next pass, then
                 done += self._finish_delete(tenant_id, grace=0)
         return done
+
+    def forget_deleted(self, tenant_ids: Collection[str]) -> int:
+        """Of ``tenant_ids`` (tenants this host keeps something of outside the ledger: its
+        disk tiers' entries), those deleted or being deleted — through any daemon: the one
+        that took the DELETE erases its own at once, every other learns of it here, at a
+        reaper pass — have it erased (``on_deleted``). How many."""
+        if not tenant_ids:
+            return 0
+        gone = set(tenant_ids) - self._tenant_rows.serving(sorted(tenant_ids))
+        for tenant_id in gone:
+            logger.info("erasing what this host keeps of deleted tenant %s", tenant_id)
+            self._on_deleted(tenant_id)
+        return len(gone)
 
     def _finish_delete(self, tenant_id: str, *, grace: float = HELD_GRACE_S) -> bool:
         """Release the deleting tenant's buffers on this host, then delete it if no host

@@ -46,6 +46,9 @@ _mark_deleting = (
 )
 _sel_deleting = select(_T.c.id).where(_T.c.deleting_at.is_not(None)).order_by(_T.c.deleting_at)
 _del_tenant = delete(_T).where(_T.c.id == bindparam("p_id"))
+_sel_serving = select(_T.c.id).where(
+    _T.c.id.in_(bindparam("ids", expanding=True)), _T.c.deleting_at.is_(None)
+)
 _count_tenant_buffers = (
     select(func.count()).select_from(_B).where(_B.c.tenant_id == bindparam("p_id"))
 )
@@ -200,6 +203,10 @@ class TenantRepo(Repository):
     def deleting_tenants(self) -> list[str]:
         """The ids of tenants whose delete started and has not finished, oldest first."""
         return [r[0] for r in self._read_rows(_sel_deleting)]
+
+    def serving(self, tenant_ids: list[str]) -> set[str]:
+        """Of ``tenant_ids``, those that exist and are not being deleted."""
+        return {r[0] for r in self._read_rows(_sel_serving, {"ids": tenant_ids})}
 
     def delete_tenant(self, tenant_id: str, *, now: float | None = None) -> None:
         """Delete a tenant and its keys.

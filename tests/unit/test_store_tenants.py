@@ -132,3 +132,14 @@ def test_a_repository_stands_alone_over_the_database_it_is_handed(store: Store) 
     assert [t.id for t in tenants.tenants() if t.id == tid] == [tid]
     assert tenants.is_postgres == store.is_postgres
     assert [e.kind for e in EventRepo(store.db).events(tenant_id=tid)] == ["tenant_create"]
+
+
+def test_serving_leaves_out_tenants_deleted_or_being_deleted(store: Store) -> None:
+    """What a host asks of the tenants it keeps entries of on its disk tiers: the others
+    were deleted, maybe through another daemon, and their entries are to be erased."""
+    kept, deleting, deleted = (make_tenant(store, n) for n in ("kept", "deleting", "deleted"))
+    store.tenants.mark_tenant_deleting(deleting.id)
+    store.tenants.delete_tenant(deleted.id)
+    ids = [kept.id, deleting.id, deleted.id, new_id()]
+    assert store.tenants.serving(ids) == {kept.id}
+    assert store.tenants.serving([]) == set()
