@@ -45,6 +45,7 @@ __all__ = [
     "ID_PATTERN",
     "NAME_PATTERN",
     "NAME_RULE",
+    "NO_NUL_PATTERN",
     "PATH_PATTERN",
     "ApiKey",
     "Backing",
@@ -54,6 +55,7 @@ __all__ = [
     "EntryKey",
     "EntryAbortReason",
     "EntryKeys",
+    "LookupKey",
     "EventKind",
     "EventLimit",
     "Id",
@@ -71,6 +73,7 @@ __all__ = [
     "ScrubMode",
     "SizeGiB",
     "SpillDir",
+    "StoredKeys",
     "TtlS",
     "bytes_of_gib",
     "default_data_dir",
@@ -146,6 +149,10 @@ MAX_PATH = 4096
 #: An absolute path without a NUL byte (the kernel refuses those; Python raises on them).
 #: ``\x00`` means the same to Python's ``re`` and to JSON Schema's ECMA-262 regexes.
 PATH_PATTERN = r"^/[^\x00]*$"
+#: Text the ledger stores or is asked about (labels, keys, ids, references): no NUL byte.
+#: PostgreSQL's text cannot hold one — its driver refuses the whole statement, a 500 —
+#: and SQLite's would then hold what PostgreSQL's cannot: refused on both, a 400.
+NO_NUL_PATTERN = r"^[^\x00]*$"
 
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=MAX_NAME)]
 NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)]
@@ -159,12 +166,18 @@ LatencyUs = Annotated[int, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
 LatencyCeilingUs = Annotated[float, msgspec.Meta(ge=0, le=MAX_WIRE_INT)]
 #: A lease length as asked for; the daemon's ``max_ttl_s`` is a rule, checked below.
 TtlS = Annotated[int, msgspec.Meta(ge=1, le=MAX_WIRE_INT)]
-Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL)]
-EntryKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY)]
-EntryKeys = Annotated[list[EntryKey], msgspec.Meta(min_length=1, max_length=MAX_LOOKUP_KEYS)]
-Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
+Label = Annotated[str, msgspec.Meta(max_length=MAX_LABEL, pattern=NO_NUL_PATTERN)]
+EntryKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY, pattern=NO_NUL_PATTERN)]
+#: A socket lookup's keys: answered from memory (and L2), never by the ledger, so a NUL
+#: byte in one only misses; unchecked for it, since a pattern on up to 1024 keys would
+#: cost the worker's hot path several times the decode itself.
+LookupKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY)]
+EntryKeys = Annotated[list[LookupKey], msgspec.Meta(min_length=1, max_length=MAX_LOOKUP_KEYS)]
+#: A REST lookup's keys, which the ledger is asked about.
+StoredKeys = Annotated[list[EntryKey], msgspec.Meta(min_length=1, max_length=MAX_LOOKUP_KEYS)]
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID, pattern=NO_NUL_PATTERN)]
 #: An id or a name (pools, tenants).
-Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID)]
+Ref = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID, pattern=NO_NUL_PATTERN)]
 ApiKey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_API_KEY)]
 MaxBuffers = Annotated[int, msgspec.Meta(ge=1, le=MAX_BUFFERS)]
 EventLimit = Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENTS)]

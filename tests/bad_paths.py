@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 #: Ids that an HTTP client can send as written; ``{tid}``/``{kid}`` name real ids.
-ENCODED = ["{tid}%2Fkeys%2F{kid}", "x%2f..%2fy", "%2F", "%2E%2E", "%2e", ""]
+ENCODED = ["{tid}%2Fkeys%2F{kid}", "x%2f..%2fy", "%2F", "%2E%2E", "%2e", "", "{tid}%00"]
 #: Dot segments, which httpx (and every URL library) removes before sending.
 DOTS = ["..", "."]
 

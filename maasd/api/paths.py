@@ -16,11 +16,19 @@ percent-encoded), or an encoded ``/`` (``%2F``) in a segment. No id or name
 of the daemon can be any of these (ids are hex, names start with a letter or
 digit), so nothing a well-behaved client sends is refused.
 
+A NUL byte (``%00``) in a segment or in the query string is refused too: no id,
+name or reference holds one, and PostgreSQL cannot even be asked about one (its
+driver refuses the statement), which answered 500 for ``GET /v1/buffers/%00``.
+
 >>> segment_problem(b"/v1/buffers/0f3a")
 >>> segment_problem(b"/v1/tenants/t%2Fkeys%2Fk")
 "an encoded '/' (%2F) in the path segment 't%2Fkeys%2Fk'"
 >>> segment_problem(b"/v1/buffers/")
 'an empty path segment'
+>>> segment_problem(b"/v1/hosts/a%00b")
+"a NUL byte (%00) in the path segment 'a%00b'"
+>>> query_problem(b"tenant_id=%00")
+'a NUL byte (%00) in the query string'
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from maasd.problems import problem_of
 if TYPE_CHECKING:
     from litestar.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["one_segment_per_id", "segment_problem"]
+__all__ = ["one_segment_per_id", "query_problem", "segment_problem"]
 
 _MEDIA_TYPE = b"application/problem+json"
 
@@ -55,6 +63,15 @@ def segment_problem(raw_path: bytes) -> str | None:
             return f"an encoded '/' (%2F) in the path segment {segment.decode(errors='replace')!r}"
         if text in (b".", b".."):
             return f"a {text.decode()!r} path segment"
+        if b"\0" in text:
+            return f"a NUL byte (%00) in the path segment {segment.decode(errors='replace')!r}"
+    return None
+
+
+def query_problem(query: bytes) -> str | None:
+    """Why ``query`` (a raw query string) cannot be taken, or ``None`` when it can."""
+    if b"%00" in query or b"\0" in query:
+        return "a NUL byte (%00) in the query string"
     return None
 
 
@@ -68,6 +85,10 @@ def one_segment_per_id(app: ASGIApp) -> ASGIApp:
             why = segment_problem(raw)
             if why is not None:
                 await _refuse(send, f"{why}: ids and names are one path segment each")
+                return
+            why = query_problem(scope.get("query_string", b""))
+            if why is not None:
+                await _refuse(send, f"{why}: no id or name holds one")
                 return
         await app(scope, receive, send)
 

@@ -123,7 +123,7 @@ class RenewBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class LookupBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    keys: bounds.EntryKeys
+    keys: bounds.StoredKeys
 
 
 class Status(msgspec.Struct, frozen=True):

@@ -52,6 +52,7 @@ def test_paths_that_are_routed(raw: bytes) -> None:
         (b"/v1/buffers/..", "'..' path segment"),
         (b"/v1/tenants/t/keys/%2E%2E", "'..' path segment"),
         (b"/v1/tenants/t/keys/%2e", "'.' path segment"),
+        (b"/v1/hosts/a%00b", "NUL byte"),  # PostgreSQL's text cannot hold one
     ],
 )
 def test_paths_that_are_refused(raw: bytes, why: str) -> None:

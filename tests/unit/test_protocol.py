@@ -48,7 +48,9 @@ from maasd.protocol import (
 
 # --- strategies (local: protocol-only) ----------------------------------------
 
-ids = st.text(min_size=1, max_size=64)
+#: Text the ledger stores or is asked about: any but a NUL byte (bounds.NO_NUL_PATTERN).
+stored_text = st.characters(exclude_categories=["Cs"], exclude_characters="\x00")
+ids = st.text(stored_text, min_size=1, max_size=64)
 requests = st.one_of(
     st.builds(Hello, api_key=st.text(min_size=1, max_size=128)),
     st.builds(Attach, buffer_id=ids),
@@ -57,7 +59,7 @@ requests = st.one_of(
     st.builds(Lookup, keys=st.lists(st.text(min_size=1, max_size=32), min_size=1, max_size=8)),
     st.builds(
         Put,
-        key=st.text(min_size=1, max_size=64),
+        key=st.text(stored_text, min_size=1, max_size=64),
         size_bytes=st.integers(1, 2**63 - 1),
         pool=st.none() | ids,
         ttl_s=st.none() | st.integers(1, 2**31),
@@ -139,6 +141,18 @@ class TestEncodeFrame:
     def test_oversized_body_is_refused(self):
         with pytest.raises(FrameTooLarge):
             encode_frame(Error(status=500, title="x", detail="d" * MAX_FRAME))
+
+    def test_a_nul_byte_in_what_the_ledger_is_asked_is_a_bad_frame(self):
+        """PostgreSQL's text cannot hold one; a lookup's keys (memory and L2 only) may."""
+        for msg in (
+            Attach(buffer_id="a\x00"),
+            Renew(buffer_id="\x00", ttl_s=5),
+            Put(key="k\x00", size_bytes=4096),
+            Put(key="k", size_bytes=4096, pool="node0\x00"),
+        ):
+            with pytest.raises(msgspec.ValidationError, match="regex"):
+                decode_request(encode_frame(msg)[4:])
+        assert decode_request(encode_frame(Lookup(keys=["k\x00"]))[4:]) == Lookup(keys=["k\x00"])
 
     @given(requests)
     def test_request_round_trip(self, msg):
