@@ -733,3 +733,119 @@ def test_a_quota_lowered_through_a_holds_on_b_at_once(
         hit = w.lookup(["from-a"])
         assert hit is not None
         hit.close()
+
+
+def test_many_lookups_of_one_l2_key_at_once_restore_it_once(
+    hosts: tuple[Daemon, Daemon], redis_server: RedisServer
+) -> None:
+    """Eight workers on B look up the same key, found only in L2, at the same moment:
+    each gets the same bytes from one entry restored once, counted once."""
+    a, b = hosts
+    tid, key = a.tenant("r11-herd", quota_bytes=32 * MiB)
+    data = secrets.token_bytes(256 * 1024)
+    with Worker(a.socket_path, key) as w:
+        commit(w, "herd", data)
+    wait_until(lambda: in_l2(redis_server, tid, "herd"))
+    barrier = threading.Barrier(8)
+    got: list[str] = []
+    errors: list[BaseException] = []
+
+    def look() -> None:
+        try:
+            with Worker(b.socket_path, key) as w:
+                barrier.wait()
+                hit = w.lookup(["herd"])
+                if hit is None:
+                    got.append("miss")
+                    return
+                assert bytes(hit.array[: len(data)]) == data
+                got.append(hit.buffer_id)
+                hit.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=look) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    hits = [g for g in got if g != "miss"]
+    assert len(got) == 8
+    assert len(set(hits)) <= 1, got  # one entry on B, whoever restored it
+    assert len(hits) >= 1
+    with b.client(key) as c:
+        assert [x["key"] for x in c.get("/v1/buffers").json()].count("herd") == 2  # A's, B's
+        assert c.get("/v1/usage").json()["used_bytes"] == 2 * len(data)
+
+
+def test_the_hosts_routes_refuse_bad_input_and_tenants(hosts: tuple[Daemon, Daemon]) -> None:
+    """§2.7 on the multi-host routes: a tenant key is a 403, odd host names a 4xx problem
+    (never a 5xx), and nothing is forgotten."""
+    a, b = hosts
+    _tid, key = a.tenant("r11-hosts")
+    with b.client(key) as c:
+        assert c.get("/v1/hosts").status_code == 403
+        assert c.delete(f"/v1/hosts/{HOSTS[0]}").status_code == 403
+    for name in ("x" * 5000, "%00", "..%2f..", "%E2%80%AE", HOSTS[1].upper(), " "):
+        r = b.admin.delete(f"/v1/hosts/{name}")
+        assert 400 <= r.status_code < 500, (name, r.status_code, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")
+    names = {h["name"] for h in b.admin.get("/v1/hosts").json()}
+    assert set(HOSTS) <= names
+
+
+def test_a_nul_byte_anywhere_is_a_400_on_the_shared_ledger(hosts: tuple[Daemon, Daemon]) -> None:
+    """§2.7 "No input yields a 5xx" — on PostgreSQL, whose text cannot hold a NUL byte (its
+    driver refuses the statement): one in a path segment, a query or a body field is a 400
+    problem before the ledger is asked; on the socket a bad frame (or, for a lookup's
+    keys, a miss)."""
+    a, _b = hosts
+    tid, key = a.tenant("r11-nul")
+    admin_calls = [
+        ("GET", "/v1/tenants/%00", None),
+        ("PATCH", "/v1/tenants/a%00", {"quota_bytes": 1}),
+        ("DELETE", "/v1/tenants/%00", None),
+        ("POST", "/v1/tenants/%00/keys", None),
+        ("DELETE", f"/v1/tenants/{tid}/keys/%00", None),
+        ("GET", "/v1/pools/%00", None),
+        ("DELETE", "/v1/pools/%00", None),
+        ("GET", "/v1/buffers/%00", None),
+        ("GET", "/v1/buffers?tenant_id=%00", None),
+        ("GET", "/v1/events?tenant_id=%00", None),
+        ("DELETE", "/v1/hosts/%00", None),
+    ]
+    tenant_calls = [
+        ("GET", "/v1/buffers/%00", None),
+        ("DELETE", "/v1/buffers/%00", None),
+        ("POST", "/v1/buffers/%00/renew", {"ttl_s": 5}),
+        ("PATCH", "/v1/buffers/%00/pin", {"numa_node": 0}),
+        ("POST", "/v1/buffers/%00/checkpoint", None),
+        ("POST", "/v1/pools/%00/reserve", {"size_bytes": PAGE}),
+        ("POST", "/v1/buffers/lookup", {"keys": ["a\x00b"]}),
+        ("POST", "/v1/pools/node0/reserve", {"size_bytes": PAGE, "key": "k\x00"}),
+        ("POST", "/v1/pools/node0/reserve", {"size_bytes": PAGE, "label": "l\x00"}),
+        ("POST", "/v1/reserve", {"size_bytes": PAGE, "key": "\x00"}),
+    ]
+    with a.client(key) as t:
+        for c, calls in ((a.admin, admin_calls), (t, tenant_calls)):
+            for method, path, body in calls:
+                r = c.request(method, path, json=body)
+                assert r.status_code == 400, (method, path, body, r.status_code, r.text)
+                assert r.headers["content-type"].startswith("application/problem+json")
+        assert t.get("/v1/buffers").json() == []
+    raw = Raw(a.socket_path)
+    try:
+        raw.hello(key)
+        for frame in (
+            protocol.Put(key="k\x00", size_bytes=PAGE),
+            protocol.Attach(buffer_id="\x00"),
+            protocol.Renew(buffer_id="a\x00", ttl_s=5),
+            protocol.Put(key="k", size_bytes=PAGE, pool="node0\x00"),
+        ):
+            assert _error(raw.call(frame)).status == 400, frame
+        assert _error(raw.call(protocol.Lookup(keys=["k\x00"]))).status == 404
+        assert isinstance(raw.call(protocol.Lookup(keys=["k"]))[0], protocol.Error)  # alive
+    finally:
+        raw.close()
+    assert a.healthy()
