@@ -849,3 +849,57 @@ def test_a_nul_byte_anywhere_is_a_400_on_the_shared_ledger(hosts: tuple[Daemon, 
     finally:
         raw.close()
     assert a.healthy()
+
+
+def test_a_tenant_deleted_while_both_hosts_reserve_for_it_leaves_nothing(
+    hosts: tuple[Daemon, Daemon], ledger: sa.Engine
+) -> None:
+    """§4 DELETE: "releases (scrubs) all its buffers — also those whose reserve was in
+    flight" — on every host: REST reserves and socket puts racing on A and B while the
+    tenant is deleted through A; afterwards no row of it is left anywhere, every request
+    was answered (201, or 401 once its keys were revoked — never a 5xx), and both hosts
+    serve another tenant."""
+    a, b = hosts
+    tid, key = a.tenant("r11-racing-delete", quota_bytes=64 * MiB)
+    stop = threading.Event()
+    statuses: list[int] = []
+    errors: list[str] = []
+
+    def rest(d: Daemon) -> None:
+        with d.client(key) as c:
+            while not stop.is_set():
+                r = c.post("/v1/pools/node0/reserve", json={"size_bytes": 256 * 1024})
+                statuses.append(r.status_code)
+                if r.status_code == 401:
+                    return
+
+    def puts(d: Daemon) -> None:
+        try:
+            with Worker(d.socket_path, key, renew_interval_s=0) as w:
+                i = 0
+                while not stop.is_set():
+                    i += 1
+                    commit(w, f"racing:{i}", b"\x11" * 4096)
+        except MaasdClientError as exc:
+            if exc.status not in (0, 401, 409):  # 0: the connection the daemon closed
+                errors.append(repr(exc))
+        except OSError:
+            pass  # the socket closed under a send: the key was revoked
+
+    threads = [threading.Thread(target=f, args=(d,)) for d in (a, b) for f in (rest, puts)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: statuses.count(201) >= 6, timeout=30, message="the race runs")
+    assert a.admin.delete(f"/v1/tenants/{tid}").status_code == 204
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert errors == []
+    assert set(statuses) <= {201, 401, 409}, sorted(set(statuses))  # 409: quota, if reached
+    wait_until(lambda: not _rows(ledger, tid), timeout=15, message="nothing of it is left")
+    wait_until(lambda: a.admin.get(f"/v1/tenants/{tid}").status_code == 404)
+    for d in (a, b):
+        _other, other_key = d.tenant("r11-after-delete")
+        with d.client(other_key) as c:
+            r = c.post("/v1/pools/node0/reserve", json={"size_bytes": PAGE})
+            assert r.status_code == 201, r.text
