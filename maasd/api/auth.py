@@ -37,7 +37,7 @@ from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Healthz
 from maasd.core.auth import Auth, require_admin, require_tenant
-from maasd.errors import Forbidden
+from maasd.errors import Forbidden, InvalidRequest
 from maasd.metrics import Metrics
 from maasd.models import Principal
 
@@ -264,8 +264,15 @@ def context(connection: ASGIConnection[Any, Any, Any, Any]) -> ApiContext:
 
 
 def bearer(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, if there is one."""
-    header = connection.headers.get("authorization")
+    """The token of an ``Authorization: Bearer <token>`` header, if there is one.
+
+    Two ``Authorization`` headers are refused (400): which key the request is made with
+    would depend on which of them a reader takes (a proxy the first, another the last).
+    """
+    headers = connection.headers.getall("authorization", [])
+    if len(headers) > 1:
+        raise InvalidRequest("more than one Authorization header: send one key")
+    header = headers[0] if headers else None
     if not header:
         return None
     scheme, _, token = header.partition(" ")

@@ -18,7 +18,7 @@ from litestar.testing import TestClient
 
 from bad_paths import ENCODED, id_routes
 from inprocess_api import ADMIN_KEY, ServiceCalls, auth, client, service, snapshot
-from maasd.api.paths import segment_problem
+from maasd.api.paths import query_problem, segment_problem
 from maasd.core import Service
 
 
@@ -59,6 +59,46 @@ def test_paths_that_are_refused(raw: bytes, why: str) -> None:
     problem = segment_problem(raw)
     assert problem is not None
     assert why in problem, problem
+
+
+@pytest.mark.parametrize(
+    "query",
+    [b"", b"drain=true", b"limit=5&tenant_id=t&before=9", b"held=true&tenant_id=", b"a=1;a=2"],
+)
+def test_queries_that_are_read(query: bytes) -> None:
+    assert query_problem(query) is None
+
+
+@pytest.mark.parametrize(
+    ("query", "name"),
+    [
+        (b"drain=false&drain=true", "drain"),
+        (b"drain=false&dr%61in=true", "drain"),  # one spelling percent-encoded
+        (b"tenant_id=a&held=true&tenant_id=b", "tenant_id"),
+        (b"drain&drain=true", "drain"),  # a bare name counts as given
+    ],
+)
+def test_queries_that_are_refused(query: bytes, name: str) -> None:
+    problem = query_problem(query)
+    assert problem is not None
+    assert repr(name) in problem, problem
+    assert "more than once" in problem, problem
+
+
+@pytest.mark.parametrize(
+    ("raw", "query"),
+    [
+        (b"/v1/buffers/a%00b", b""),
+        (b"/v1/tenants/t/keys/%00", b""),
+        (b"/v1/buffers", b"tenant_id=a%00b"),
+        (b"/v1/events", b"limit=5&tenant%00_id=x"),
+    ],
+)
+def test_a_nul_byte_in_a_path_or_query_is_refused(raw: bytes, query: bytes) -> None:
+    """PostgreSQL refuses a NUL in a text lookup with an error (a 500), not a miss."""
+    problem = segment_problem(raw) or query_problem(query)
+    assert problem is not None
+    assert "NUL" in problem, problem
 
 
 @pytest.fixture(scope="module")
