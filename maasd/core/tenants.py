@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
+from maasd.bounds import MAX_BYTES
 from maasd.core.auth import Auth, require_tenant
 from maasd.core.release import HELD_GRACE_S, HeldOpen, Releaser
 from maasd.errors import NotFound, StateConflict
@@ -40,8 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 def disk_quota(row: TenantRow, factor: int) -> int:
-    """The tenant's disk quota in force: its own, or ``factor`` × its quota."""
-    return row.disk_quota_bytes if row.disk_quota_bytes is not None else factor * row.quota_bytes
+    """The tenant's disk quota in force: its own, or ``factor`` × its quota — at most
+    :data:`~maasd.bounds.MAX_BYTES`, as every byte count of the API (a quota near 2^63
+    must not answer a disk quota no 64-bit integer holds)."""
+    if row.disk_quota_bytes is not None:
+        return row.disk_quota_bytes
+    return min(factor * row.quota_bytes, MAX_BYTES)
 
 
 def tenant_info(

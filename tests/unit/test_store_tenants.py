@@ -118,6 +118,18 @@ def test_a_tenants_disk_quota(store: Store) -> None:
     assert store.tenants.tenant(t.id) == after
 
 
+def test_the_default_disk_quota_of_a_huge_quota_is_a_64_bit_integer(store: Store) -> None:
+    """factor × a quota near 2^63 would answer a disk quota past any 64-bit integer (a
+    client in another language could not read the tenant): it stops at MAX_BYTES."""
+    from maasd.bounds import MAX_BYTES
+    from maasd.core.tenants import disk_quota
+
+    t = make_tenant(store, "huge", MAX_BYTES)
+    assert disk_quota(t, 4) == MAX_BYTES
+    half = make_tenant(store, "half", MAX_BYTES // 4)
+    assert disk_quota(half, 4) == MAX_BYTES // 4 * 4
+
+
 def test_a_repository_stands_alone_over_the_database_it_is_handed(store: Store) -> None:
     """Each repository reaches the ledger only through the ``Database`` it is handed: one
     built over the store's database sees (and makes) the same rows, and nothing else of
