@@ -40,7 +40,13 @@ for _p, _m in _IEC.items():
 for _p, _m in _SI.items():
     _UNITS[_p + "b"] = _m
 
-_SIZE_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)")
+# ASCII digits only: ``\d`` alone also matches '１２３' or '٣', which a person reading the
+# command line does not read as the number the parser would take.
+_SIZE_RE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)\s*(?P<unit>[A-Za-z]*)", re.ASCII)
+
+#: More digits than any size below 2^63 bytes needs, with a fraction (``int()`` refuses
+#: a number of thousands of digits with a ValueError of its own, not a SizeError).
+_MAX_DIGITS = 64
 
 _DISPLAY_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
@@ -70,6 +76,10 @@ def parse_size(text: str, *, allow_zero: bool = False) -> int:
         raise SizeError(
             f"{raw!r} is not a size; expected bytes or a number with a unit "
             "(e.g. 4096, 512MiB, 8GiB, 1.5GB)"
+        )
+    if len(m["num"]) > _MAX_DIGITS:
+        raise SizeError(
+            f"{raw[:24]!r}… is not a size: {len(m['num'])} digits, a size has at most {_MAX_DIGITS}"
         )
     unit = m["unit"].lower()
     if unit in _SI:

@@ -98,6 +98,13 @@ def test_parse_size_accepts(text: str, expected: int) -> None:
         ("9000PiB", "too large"),
         ("nan", "not a size"),
         ("inf", "not a size"),
+        # digits a reader does not read as the number (\\d matches them without re.ASCII)
+        ("\uff11\uff12\uff13", "not a size"),
+        ("\u0663GiB", "not a size"),
+        ("8\u00a0GiB", "not a size"),
+        # int() refuses 4301 digits with a ValueError of its own (a traceback in maasctl)
+        ("1" * 5000, "digits"),
+        ("1." + "0" * 5000 + "GB", "digits"),
     ],
 )
 def test_parse_size_refuses(text: str, fragment: str) -> None:
