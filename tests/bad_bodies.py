@@ -141,6 +141,9 @@ RESERVE_BAD: list[tuple[str, Any]] = [
     ("numa-negative", {"size_bytes": 4096, "numa_node": -1}),
     ("numa-string", {"size_bytes": 4096, "numa_node": "0"}),
     ("numa-huge", {"size_bytes": 4096, "numa_node": 2**40}),
+    # a field twice: the decoder kept the last value, a proxy or a log may keep the first
+    ("size-twice", Raw(b'{"size_bytes": 4096, "size_bytes": 8192}')),
+    ("size-twice-escaped", Raw(b'{"size_bytes": 4096, "size_\\u0062ytes": 8192}')),
     *_common_bad_bodies(),
 ]
 
@@ -186,6 +189,12 @@ POOL_BAD: list[tuple[str, Any]] = [
     ("spill-dir-empty", pool_body(persistence="persistent", spill_dir="")),
     ("unknown-field", pool_body(colour="red")),
     ("id-field", pool_body(id="0" * 32)),
+    (
+        "capacity-twice",
+        Raw(
+            b'{"name": "bad-twice", "numa_node": 0, "capacity_bytes": 4096, "capacity_bytes": 8192}'
+        ),
+    ),
     *_common_bad_bodies(),
 ]
 
@@ -205,6 +214,7 @@ TENANT_BAD: list[tuple[str, Any]] = [
     ("quota-bool", {"name": "bad-t", "quota_bytes": False}),
     ("unknown-field", {"name": "bad-t", "quota_bytes": MiB, "admin": True}),
     ("api-key-field", {"name": "bad-t", "quota_bytes": MiB, "api_key": "mine"}),
+    ("quota-twice", Raw(b'{"name": "bad-t", "quota_bytes": 1, "quota_bytes": 99999999}')),
     *_common_bad_bodies(),
 ]
 
@@ -226,6 +236,7 @@ TENANT_PATCH_BAD: list[tuple[str, Any]] = [
     ("good-quota-bad-cap", {"quota_bytes": MiB, "max_buffers": 0}),
     ("rename", {"name": "other"}),
     ("unknown-field", {"quota_bytes": MiB, "name": "other"}),
+    ("quota-twice", Raw(b'{"quota_bytes": 1, "quota_bytes": 99999999}')),
     *_common_bad_bodies(),
 ]
 
@@ -241,6 +252,7 @@ PIN_BAD: list[tuple[str, Any]] = [
     ("node-1024", {"numa_node": 1024}),
     ("node-7", {"numa_node": 7}),
     ("unknown-field", {"numa_node": 0, "migrate": False}),
+    ("node-twice", Raw(b'{"numa_node": 0, "numa_node": 0}')),
     *_common_bad_bodies(),
 ]
 
@@ -256,6 +268,7 @@ RENEW_BAD: list[tuple[str, Any]] = [
     ("ttl-bool", {"ttl_s": True}),
     ("ttl-null", {"ttl_s": None}),
     ("unknown-field", {"ttl_s": 60, "forever": True}),
+    ("ttl-twice", Raw(b'{"ttl_s": 60, "ttl_s": 120}')),
     *_common_bad_bodies(),
 ]
 
@@ -272,5 +285,6 @@ LOOKUP_BAD: list[tuple[str, Any]] = [
     ("keys-1025", {"keys": [f"k{i}" for i in range(MAX_LOOKUP_KEYS + 1)]}),
     ("keys-object", {"keys": {"held": 1}}),
     ("unknown-field", {"keys": ["held"], "tenant_id": "0" * 32}),
+    ("keys-twice", Raw(b'{"keys": ["nope"], "keys": ["held"]}')),
     *_common_bad_bodies(),
 ]
