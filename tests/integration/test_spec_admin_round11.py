@@ -359,3 +359,32 @@ def test_maasctl_a_name_that_looks_like_an_id_is_resolved_as_that_name(daemon: A
     ok(maasctl(daemon, "keys", "revoke", name, key["id"]))
     ok(maasctl(daemon, "tenants", "delete", name))
     problem(daemon.admin.get(f"/v1/tenants/{tid}"), 404)
+
+
+@pytest.mark.parametrize(
+    ("args", "path"),
+    [
+        (["tenants", "show"], "/v1/tenants/{ref}"),
+        (["tenants", "set-quota", "{ref}", "1MiB"], "/v1/tenants/{ref}"),
+        (["keys", "issue"], "/v1/tenants/{ref}"),
+        (["buffers", "list", "--tenant"], "/v1/tenants/{ref}"),
+        (["pools", "delete"], "/v1/pools/{ref}"),
+    ],
+)
+def test_maasctl_an_unknown_name_is_the_problems_title_and_detail(
+    daemon: Any, args: list[str], path: str
+) -> None:
+    """§7 "on any error it exits non-zero with the problem's title and detail on stderr" —
+    also when the error is a NAME|ID that names nothing (it said "no such tenant")."""
+    ref = uniq("nobody")
+    want = daemon.admin.get(path.format(ref=ref)).json()
+    argv = [a.format(ref=ref) for a in args]
+    if "{ref}" not in " ".join(args):
+        argv.append(ref)
+    r = maasctl(daemon, *argv)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert want["title"] in r.stderr, (want, r.stderr)
+    # (a pool's miss names the pools there are, in place of the host: the client's help)
+    assert want["detail"].split(" on host ")[0] in r.stderr, (want, r.stderr)
+    assert r.stdout == ""

@@ -25,7 +25,7 @@ from click.shell_completion import CompletionItem
 from rich.console import Console, RenderableType
 
 from maasd.bounds import DEFAULT_URL
-from maasd.cli.maasctl.errors import CliError, Unreachable, UsageProblem
+from maasd.cli.maasctl.errors import ApiError, Unreachable, UsageProblem
 from maasd.client import (
     Client,
     MaasdClientError,
@@ -121,13 +121,12 @@ def raw(seen: list[httpx.Response]) -> Any:
 
 
 def resolve_tenant(client: Client, ref: str) -> Tenant:
-    """The tenant with id or name ``ref`` (one ``GET /v1/tenants/{ref}``)."""
+    """The tenant with id or name ``ref`` (one ``GET /v1/tenants/{ref}``); a miss is the
+    problem's title and detail, as every error (SPEC §7), with a hint."""
     try:
         return client.tenant(ref)
     except NotFound as exc:
-        raise CliError(
-            "no such tenant", exc.detail, hint="maasctl tenants list shows them"
-        ) from None
+        raise _missing(exc, "maasctl tenants list shows them") from None
 
 
 def resolve_pool(client: Client, ref: str) -> Pool:
@@ -135,7 +134,11 @@ def resolve_pool(client: Client, ref: str) -> Pool:
     try:
         return client.pool(ref)
     except NotFound as exc:
-        raise CliError("no such pool", exc.detail) from None
+        raise _missing(exc) from None
+
+
+def _missing(exc: NotFound, hint: str = "") -> ApiError:
+    return ApiError(exc.status, exc.title, exc.detail, type_=exc.type, hint=hint)
 
 
 def names(client: Client, *, tenant: Tenant | None = None) -> tuple[dict[str, str], dict[str, str]]:
