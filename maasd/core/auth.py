@@ -183,8 +183,17 @@ class Auth:
         self._tell(watchers)
 
     def load_admin_key(self) -> None:
-        """Read (or generate once) the admin key. :class:`ConfigError` for an unsafe key file."""
-        self._admin_digest = keys.digest(self._admin_key())
+        """Read (or generate once) the admin key. :class:`ConfigError` for an unsafe key file,
+        or for a metrics key that is the admin key (the API would take it for the metrics
+        key, good for ``GET /metrics`` only: the admin would be refused everywhere else)."""
+        digest = keys.digest(self._admin_key())
+        metrics_key = self._settings.metrics_key
+        if metrics_key and hmac.compare_digest(keys.digest(metrics_key), digest):
+            raise ConfigError(
+                "metrics_key (MAASD_METRICS_KEY) is the admin key: give /metrics a key of its "
+                "own (e.g. `openssl rand -hex 24`), or leave it unset for the admin key alone"
+            )
+        self._admin_digest = digest
 
     def _admin_key(self) -> str:
         if self._settings.admin_key:

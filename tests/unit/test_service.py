@@ -1033,6 +1033,27 @@ def test_an_unusable_admin_key_file_stops_the_start(
         s.store.dispose()
 
 
+@pytest.mark.parametrize("source", ["setting", "file"])
+def test_a_metrics_key_that_is_the_admin_key_stops_the_start(tmp_path: Path, source: str) -> None:
+    """The API takes the metrics key for what it is (good for GET /metrics only) before it
+    looks for an admin: the same key for both refused the admin everywhere else, silently."""
+    same = "the-same-key-0123456789abcdef"
+    if source == "setting":
+        conf = msgspec.structs.replace(settings(tmp_path), admin_key=same, metrics_key=same)
+    else:
+        key = tmp_path / "admin-key"
+        key.write_text(same + "\n")
+        key.chmod(0o600)
+        conf = key_settings(tmp_path, admin_key_file=str(key), metrics_key=same)
+    s = Service(conf)
+    try:
+        with pytest.raises(errors.ConfigError, match="is the admin key"):
+            s.start(reaper=False)
+    finally:
+        s.reclaimer.stop()
+        s.store.dispose()
+
+
 def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Service) -> None:
     who = tenant(svc)
     svc.tenants.update(who.tenant_id or "", max_buffers=2)
