@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json as jsonlib
+import math
 import threading
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, Literal, Self, TypeVar
@@ -314,6 +315,10 @@ class Client(_Http):
         """
         if persistence is VOLATILE_UNLESS_POOL:
             persistence = "volatile" if pool is None else None
+        for name, number in (("size_gb", size_gb), ("latency_us", latency_us)):
+            # JSON has no NaN or infinity: encoded as null, latency_us=nan meant no ceiling
+            if number is not None and not math.isfinite(number):
+                raise ValueError(f"{name} must be a finite number, got {number!r}")
         body: dict[str, Any] = {"ttl_s": ttl_s, "evictable": evictable}
         for name, value in (
             ("size_bytes", size_bytes),

@@ -388,3 +388,26 @@ def test_maasctl_an_unknown_name_is_the_problems_title_and_detail(
     # (a pool's miss names the pools there are, in place of the host: the client's help)
     assert want["detail"].split(" on host ")[0] in r.stderr, (want, r.stderr)
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("number", ["nan", "inf", "-inf"])
+def test_no_float_option_or_argument_takes_nan_or_infinity(daemon: Any, number: str) -> None:
+    """JSON has no NaN: ``--latency-us nan`` (and ``Client.reserve(latency_us=nan)``) went
+    out as ``null`` — a reserve with no latency ceiling at all; ``--timeout nan`` was an
+    internal error."""
+    tid, key = daemon.tenant("nan", 4 * MiB)
+    for argv in (
+        ["buffers", "reserve", "4096", f"--latency-us={number}"],
+        [f"--timeout={number}", "pools", "list"],
+        ["top", f"--interval={number}"],
+    ):
+        r = maasctl(daemon, *argv, MAASD_KEY=key)
+        assert r.returncode == 2, (argv, r.returncode, r.stdout, r.stderr)
+        # (-inf is below every option's minimum first)
+        assert "not a finite number" in r.stderr or "not in the range" in r.stderr, r.stderr
+        assert "internal error" not in r.stderr
+    with Client(daemon.url, key) as c:
+        for kw in ({"size_bytes": 4096, "latency_us": float(number)}, {"size_gb": float(number)}):
+            with pytest.raises(ValueError, match="finite"):
+                c.reserve(**kw)  # type: ignore[arg-type]
+        assert c.usage().buffers == 0

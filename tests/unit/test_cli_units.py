@@ -619,3 +619,15 @@ def test_json_output_escapes_control_characters(capsys: pytest.CaptureFixture[st
         assert ch not in out
     assert "\\u001b]0;pwned\\u0007" in out
     assert json.loads(out) == {"label": HOSTILE}
+
+
+@pytest.mark.parametrize("text", ["nan", "NaN", "inf", "Infinity", "1e999"])
+def test_a_float_option_refuses_nan_and_infinity(text: str) -> None:
+    """click.FloatRange lets nan through any bound; JSON sends it as null (no ceiling)."""
+    import click
+
+    from maasd.cli.maasctl.units import FiniteFloatRange
+
+    with pytest.raises(click.BadParameter, match="not a finite number"):
+        FiniteFloatRange(min=0).convert(text, None, None)
+    assert FiniteFloatRange(min=0).convert("2.5", None, None) == 2.5

@@ -23,6 +23,7 @@ from maasd.cli.maasctl.keys import keys
 from maasd.cli.maasctl.pools import pools
 from maasd.cli.maasctl.status import status, top
 from maasd.cli.maasctl.tenants import tenants
+from maasd.cli.maasctl.units import FiniteFloatRange
 from maasd.cli.maasctl.usage import topology, usage
 from maasd.client import InvalidReference, MaasdClientError
 
@@ -85,7 +86,7 @@ Shell completion: eval "$(_MAASCTL_COMPLETE=bash_source maasctl)" (see docs/maas
 @click.option(
     "--timeout",
     envvar="MAASD_TIMEOUT",
-    type=click.FloatRange(min=0.1),
+    type=FiniteFloatRange(min=0.1),
     default=30.0,
     show_default=True,
     metavar="SECONDS",

@@ -36,7 +36,7 @@ from maasd.cli.maasctl.formatting import (
     table,
     text,
 )
-from maasd.cli.maasctl.units import SizeType, format_size
+from maasd.cli.maasctl.units import FiniteFloatRange, SizeType, format_size
 from maasd.client import Buffer, Client, MaasdClientError
 
 __all__ = ["buffer_detail", "buffers", "buffers_table"]
@@ -191,7 +191,7 @@ def buffers_show(c: Ctx, buffer_id: str) -> None:
 @click.option("--pool", metavar="NAME|ID", shell_complete=complete("pool"), help="In this pool.")
 @click.option(
     "--latency-us",
-    type=click.FloatRange(min=0),
+    type=FiniteFloatRange(min=0),
     help="A pool whose latency class is at most this (µs; fractions with --measured).",
 )
 @click.option(

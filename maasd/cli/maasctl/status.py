@@ -14,7 +14,7 @@ from rich.text import Text
 from maasd.cli.maasctl.context import Ctx, pass_ctx, raw
 from maasd.cli.maasctl.formatting import add_row, kv_table, size, table, text, usage_bar
 from maasd.cli.maasctl.pools import warm
-from maasd.cli.maasctl.units import format_size
+from maasd.cli.maasctl.units import FiniteFloatRange, format_size
 from maasd.client import Forbidden, Pool, Tenant
 
 __all__ = ["by_host", "status", "status_view", "top"]
@@ -189,7 +189,7 @@ def status(c: Ctx) -> None:
 @click.option(
     "--interval",
     "-n",
-    type=click.FloatRange(min=0.05),
+    type=FiniteFloatRange(min=0.05),
     default=1.0,
     show_default=True,
     metavar="SECONDS",

@@ -7,13 +7,22 @@ type and the bars drawn from a fraction of use.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
 
 from maasd.units import SizeError, format_size, parse_size
 
-__all__ = ["SizeType", "bar", "format_percent", "format_size", "parse_size", "usage_fraction"]
+__all__ = [
+    "FiniteFloatRange",
+    "SizeType",
+    "bar",
+    "format_percent",
+    "format_size",
+    "parse_size",
+    "usage_fraction",
+]
 
 
 class SizeType(click.ParamType):
@@ -31,6 +40,18 @@ class SizeType(click.ParamType):
             return parse_size(str(value), allow_zero=self.allow_zero)
         except SizeError as exc:
             self.fail(str(exc), param, ctx)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` without ``nan`` and ``inf``, which it lets through (``nan``
+    compares false to any bound): ``--latency-us nan`` went out as JSON ``null``, a
+    reserve with no latency ceiling, and ``--timeout nan`` was an internal error."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
 
 
 def usage_fraction(used: int | float | None, total: int | float | None) -> float:
