@@ -12,7 +12,6 @@ per app (:mod:`maasd.api.dependencies`); ``/healthz`` and ``/metrics`` get ``api
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, TypeVar
 
@@ -50,6 +49,7 @@ from maasd.models import (
     PoolSpec,
     TenantInfo,
     Usage,
+    rfc3339,
 )
 from maasd.topology import Topology
 
@@ -121,10 +121,10 @@ STALE_HEADER = "Maasd-Stale"
 
 def _maybe_stale(answer: Maybe[T]) -> Response[T]:
     """The answer; a remembered one (the ledger is down) carries ``Maasd-Stale``:
-    ``ledger-unavailable; as-of=<when it was read, RFC 3339>``."""
+    ``ledger-unavailable; as-of=<when it was read, RFC 3339 as every timestamp>``."""
     if answer.stale_since is None:
         return Response(answer.value)
-    as_of = datetime.fromtimestamp(answer.stale_since, UTC).isoformat(timespec="seconds")
+    as_of = rfc3339(answer.stale_since)  # the one timestamp format of the API
     return Response(answer.value, headers={STALE_HEADER: f"ledger-unavailable; as-of={as_of}"})
 
 

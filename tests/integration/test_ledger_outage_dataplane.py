@@ -20,6 +20,7 @@ loses the ledger). Checked, with the ledger down:
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +134,8 @@ def check_during_outage(d: Daemon, w: Worker, key: str) -> None:
         r = c.get(path)
         assert r.status_code == 200, (path, r.text)
         assert r.headers["maasd-stale"].startswith("ledger-unavailable; as-of="), path
+        as_of = r.headers["maasd-stale"].partition("as-of=")[2]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", as_of), as_of
     assert isinstance(c.get("/v1/usage").json()["used_bytes"], int)
     # A new connection: a key checked before the outage is taken at hello.
     with Worker(d.socket_path, key, renew_interval_s=0) as fresh:

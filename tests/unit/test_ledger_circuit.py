@@ -236,3 +236,14 @@ def test_last_known_answers_while_the_ledger_is_down() -> None:
     assert (stale.value, stale.stale_since) == (1, 100.0)  # as of when it was read
     with pytest.raises(LedgerUnavailable):
         known.answer("never asked", read)
+
+
+def test_the_stale_header_has_the_one_timestamp_format_of_the_api() -> None:
+    """SPEC §4: timestamps are RFC 3339 in UTC "with a fixed format" — the ``as-of`` of a
+    stale answer too (it was ``isoformat``'s ``…+00:00``, without fraction)."""
+    from maasd.api.controllers import STALE_HEADER, _maybe_stale
+    from maasd.core.stale import Maybe
+
+    assert STALE_HEADER not in _maybe_stale(Maybe([1])).headers
+    header = _maybe_stale(Maybe([1], stale_since=1_764_606_041.5)).headers[STALE_HEADER]
+    assert header == "ledger-unavailable; as-of=2025-12-01T16:20:41.500000Z"
