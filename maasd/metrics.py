@@ -32,7 +32,9 @@ if TYPE_CHECKING:
 disable_created_metrics()
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+#: The Prometheus text format's media type, as litestar takes it: it appends
+#: ``; charset=utf-8`` to every ``text/`` type itself (with it here, the header said it twice).
+CONTENT_TYPE = "text/plain; version=0.0.4"
 
 
 class LedgerCollector(Collector):
