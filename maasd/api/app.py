@@ -23,6 +23,7 @@ from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
+from litestar.routes import HTTPRoute
 
 from maasd import __version__
 from maasd.api import docs, problems
@@ -118,4 +119,16 @@ def create_app(
     # The app's own asgi_handler (its exception handling around the router) is the one
     # place in front of routing litestar has, and this wraps it once, here.
     app.asgi_handler = one_segment_per_id(app.asgi_handler)
+    ctx.query_names.update(_query_names(app))
     return app
+
+
+def _query_names(app: Litestar) -> dict[int, frozenset[str]]:
+    """The query parameters each route handler takes, as litestar parsed its signature."""
+    names: dict[int, frozenset[str]] = {}
+    for route in app.routes:
+        if isinstance(route, HTTPRoute):
+            for handler, kwargs_model in route.route_handler_map.values():
+                params = kwargs_model.expected_query_params
+                names[id(handler)] = frozenset(p.field_alias for p in params)
+    return names

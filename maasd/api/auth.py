@@ -29,7 +29,7 @@ import hashlib
 import hmac
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, TypeVarTuple, cast
 
 from litestar.connection import ASGIConnection, Request
@@ -235,6 +235,9 @@ class ApiContext:
     metrics_digest: bytes | None  # SHA-256 of the metrics key
     metrics_public: bool
     health: Healthz
+    #: The query parameters each /v1 route handler takes (by ``id``), filled once the app
+    #: is built (:func:`maasd.api.app.create_app`); any other is refused, 400.
+    query_names: dict[int, frozenset[str]] = field(default_factory=dict)
 
     def is_metrics_key(self, token: str | None) -> bool:
         """Whether ``token`` is the metrics key, compared in constant time."""
@@ -313,7 +316,23 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
         require_admin(who)  # a tenant key gets 403 before any service call
     elif role == "tenant":
         require_tenant(who)  # the admin key (which owns no buffers) gets 403
+    _known_query(ctx, request)
     request.state.principal = who
+
+
+def _known_query(ctx: ApiContext, request: Request[Any, Any, Any]) -> None:
+    """:class:`InvalidRequest` for a query parameter the route does not take: unknown body
+    fields are refused, and a mistyped filter (``GET /v1/buffers?tenantid=t``) answered
+    every tenant's buffers to the admin as if there were none."""
+    if not request.scope.get("query_string"):
+        return
+    allowed = ctx.query_names.get(id(request.route_handler))
+    if allowed is None:
+        return
+    unknown = sorted(set(request.query_params.keys()) - allowed)
+    if unknown:
+        takes = ", ".join(sorted(allowed)) if allowed else "none"
+        raise InvalidRequest(f"unknown query parameter {unknown[0]!r} (this route takes: {takes})")
 
 
 async def may_read_metrics(

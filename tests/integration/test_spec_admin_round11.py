@@ -411,3 +411,38 @@ def test_no_float_option_or_argument_takes_nan_or_infinity(daemon: Any, number: 
             with pytest.raises(ValueError, match="finite"):
                 c.reserve(**kw)  # type: ignore[arg-type]
         assert c.usage().buffers == 0
+
+
+def test_an_unknown_query_parameter_is_refused_and_changes_nothing(
+    daemon: Daemon, pool_with_a_buffer: tuple[dict, str, httpx.Client]
+) -> None:
+    """Unknown body fields are a 400 (§4); so are query parameters a route does not take:
+    ``?tenantid=`` (a typo) answered the admin every tenant's buffers, ``?Drain=true``
+    a 409 that read as if the drain had been refused."""
+    p, bid, t = pool_with_a_buffer
+    tid = t.get("/v1/usage").json()["tenant_id"]
+    before = world(daemon)
+    for who, method, path, name in [
+        (daemon.admin, "GET", f"/v1/buffers?tenantid={tid}", "tenantid"),
+        (daemon.admin, "DELETE", f"/v1/pools/{p['id']}?Drain=true", "Drain"),
+        (daemon.admin, "GET", "/v1/events?limit=5&tenant=x", "tenant"),
+        (daemon.admin, "GET", "/v1/pools?verbose=1", "verbose"),
+        (t, "DELETE", f"/v1/buffers/{bid}?force=true", "force"),
+        (t, "GET", "/v1/usage?tenant_id=x", "tenant_id"),
+    ]:
+        r = who.request(method, path)
+        assert repr(name) in problem(r, 400, "/invalid-request")["detail"], (method, path)
+    assert world(daemon) == before
+    # the parameters a route takes still work, and a key is checked first
+    listed = daemon.admin.get(f"/v1/buffers?tenant_id={tid}").json()
+    assert [b["id"] for b in listed] == [bid]
+    with httpx.Client(base_url=daemon.url, timeout=30) as anon:
+        problem(anon.get("/v1/pools?verbose=1"), 401)
+
+
+def test_metrics_content_type_names_its_charset_once(daemon: Daemon) -> None:
+    """It said ``text/plain; version=0.0.4; charset=utf-8; charset=utf-8``."""
+    ctype = daemon.admin.get("/metrics").headers["content-type"]
+    params = [p.strip().partition("=")[0] for p in ctype.split(";")[1:]]
+    assert ctype.startswith("text/plain"), ctype
+    assert sorted(params) == ["charset", "version"], ctype
