@@ -46,6 +46,7 @@ __all__ = [
     "NAME_PATTERN",
     "NAME_RULE",
     "NO_NUL_PATTERN",
+    "NO_NUL_RULE",
     "PATH_PATTERN",
     "ApiKey",
     "Backing",
@@ -153,6 +154,8 @@ PATH_PATTERN = r"^/[^\x00]*$"
 #: PostgreSQL's text cannot hold one — its driver refuses the whole statement, a 500 —
 #: and SQLite's would then hold what PostgreSQL's cannot: refused on both, a 400.
 NO_NUL_PATTERN = r"^[^\x00]*$"
+#: :data:`NO_NUL_PATTERN` in words.
+NO_NUL_RULE = "text without a NUL character (\\u0000)"
 
 Name = Annotated[str, msgspec.Meta(pattern=NAME_PATTERN, max_length=MAX_NAME)]
 NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE)]
@@ -235,7 +238,8 @@ EventKind = Literal[
 
 
 def explain(message: str) -> str:
-    """A msgspec validation ``message`` with :data:`NAME_PATTERN` said in words.
+    """A msgspec validation ``message`` with :data:`NAME_PATTERN` and
+    :data:`NO_NUL_PATTERN` said in words.
 
     >>> try:
     ...     msgspec.json.decode(b'{"name": "no/slash"}', type=dict[str, Name])
@@ -243,7 +247,8 @@ def explain(message: str) -> str:
     ...     print(explain(str(e)).endswith("beginning with a letter or a digit - at `$[...]`"))
     True
     """
-    return message.replace(f"`str` matching regex {NAME_PATTERN!r}", NAME_RULE)
+    message = message.replace(f"`str` matching regex {NAME_PATTERN!r}", NAME_RULE)
+    return message.replace(f"`str` matching regex {NO_NUL_PATTERN!r}", NO_NUL_RULE)
 
 
 def bytes_of_gib(gib: float) -> int:
