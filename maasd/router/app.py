@@ -22,7 +22,7 @@ from maasd.client import Client
 from maasd.llama.link import Link
 from maasd.router import DEFAULT_CHUNK, DEFAULT_MIN_SAVE_TOKENS, PUBLISH_TTL_S
 from maasd.router.fleet import Fleet, FleetConfig
-from maasd.router.metrics import CONTENT_TYPE_LATEST, RouterMetrics
+from maasd.router.metrics import CONTENT_TYPE, RouterMetrics
 from maasd.router.proxy import Answer, Proxy, Unroutable, error_answer
 from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
@@ -176,7 +176,7 @@ def build_app(router: Router) -> Litestar:
 
     @get("/metrics")
     async def metrics() -> Response[bytes]:
-        return Response(router.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+        return Response(router.metrics.scrape(), media_type=CONTENT_TYPE)
 
     @get("/healthz")
     async def healthz() -> Response[Any]:

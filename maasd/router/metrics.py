@@ -11,7 +11,6 @@ outcome.
 from __future__ import annotations
 
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -20,7 +19,12 @@ from prometheus_client import (
     generate_latest,
 )
 
-__all__ = ["CONTENT_TYPE_LATEST", "RouterMetrics"]
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+
+#: The Prometheus text format's media type as litestar takes it: litestar appends
+#: ``; charset=utf-8`` to every ``text/`` type itself (prometheus-client's
+#: ``CONTENT_TYPE_LATEST``, which carries it already, made the header say it twice).
+CONTENT_TYPE = "text/plain; version=0.0.4"
 
 disable_created_metrics()  # the *_created samples double the exposition; nothing reads them
 

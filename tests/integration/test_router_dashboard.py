@@ -28,9 +28,12 @@ def test_the_router_panels_read_only_metrics_that_exist(tmp_path: Path) -> None:
     r.start()
     try:
         r.complete("The capital of France is")
-        text = r.http.get("/metrics").text
+        scraped = r.http.get("/metrics")
+        text = scraped.text
     finally:
         r.stop()
+    # the exposition's type, its charset named once (litestar adds it to text/ types)
+    assert scraped.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     missing = queried - exposed(text)
     assert not missing, f"the router panels query metrics the router lacks: {sorted(missing)}"
     labelled = [ln for ln in text.splitlines() if ln.startswith(ROUTER + "requests_total{")]
