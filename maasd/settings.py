@@ -336,7 +336,9 @@ def _parse_sizes(from_env: dict[str, Any], from_file: dict[str, Any], path: str 
     for key, zero in SIZES.items():
         _sizes(from_env, key, f"MAASD_{key.upper()}", zero)
         _sizes(from_file, key, f"{path}: {key}", zero)
-    for i, pool in enumerate(from_file.get("pools") or []):
+    pools = from_file.get("pools")
+    # Anything but an array of tables is refused afterwards, by the type (``pools = 3``).
+    for i, pool in enumerate(pools if isinstance(pools, list) else []):
         if isinstance(pool, dict):
             for key, zero in POOL_SIZES.items():
                 _sizes(pool, key, f"{path}: pools[{i}].{key}", zero)

@@ -223,6 +223,12 @@ class TestBadValues:
         with pytest.raises(ConfigError, match="port"):
             load(flags={"config": path}, env={})
 
+    @pytest.mark.parametrize("pools", ["3", '"p"', "{ name = 'p' }", "[1, 2]", "true"])
+    def test_pools_that_are_not_tables(self, tmp_path, pools):
+        path = write(tmp_path, f"pools = {pools}\n")
+        with pytest.raises(ConfigError, match="pools"):
+            load(flags={"config": path}, env={})
+
     def test_broken_toml(self, tmp_path):
         path = write(tmp_path, "port = = 1\n[[pools\n")
         with pytest.raises(ConfigError) as exc:
