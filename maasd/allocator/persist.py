@@ -50,7 +50,7 @@ def checkpoint(region: Region, path: str | os.PathLike[str], *, sync: bool = Tru
     before anything (the ledger) relies on them.
 
     A checkpoint that fails leaves no file behind. Raises :class:`ResourceLimit` (507)
-    when the spill filesystem is full, :class:`BackingError` for any other failure.
+    when the spill filesystem is full or refuses the write (read-only, I/O error).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -109,13 +109,19 @@ def _write_all(region: Region, fd: int, path: Path, *, sync: bool) -> str:
 
 
 def _checkpoint_error(path: Path, e: OSError) -> MaasdError:
-    """A full spill filesystem is a limit the daemon is at (507), not a bug (500)."""
+    """A spill filesystem that is full, or that refuses writes (gone read-only after an
+    I/O error, a failing disk), is a limit the daemon is at (507, the detail says which),
+    not a bug (500): the buffer keeps its previous checkpoint, and a retry may succeed
+    once the operator has repaired the spill directory."""
     if e.errno in _FULL:
         return ResourceLimit(
             f"the spill directory {path.parent} has no room for a checkpoint: "
             f"{e.strerror}; free space there or give the pool a larger spill_dir"
         )
-    return BackingError(f"checkpoint to {path}: {e.strerror}", e.errno)
+    return ResourceLimit(
+        f"the spill directory {path.parent} cannot take a checkpoint: {e.strerror or e}; "
+        "the buffer keeps its previous checkpoint"
+    )
 
 
 def sync_filesystem(path: str | os.PathLike[str]) -> None:
@@ -153,8 +159,8 @@ def restore(
     ``extra_seals`` go on with the region's seals (``F_SEAL_FUTURE_WRITE`` for a
     committed entry: the daemon's own mapping, made before them, stays writable).
 
-    Raises :class:`BackingError` when the file is missing, shorter than ``size``,
-    or its checksum does not match (the region is closed, nothing leaks).
+    Raises :class:`BackingError` when the file is missing, unreadable, not ``size``
+    bytes long, or its checksum does not match (the region is closed, nothing leaks).
     """
     path = Path(path)
     try:
@@ -174,9 +180,11 @@ def restore(
     )
     try:
         _read_and_verify(path, region, file_size, expected_checksum)
-    except BaseException:
+    except BaseException as e:
         region.scrub("punch")
         region.close()
+        if isinstance(e, OSError):  # not a readable file (a directory, an I/O error)
+            raise BackingError(f"restore from {path}: {e.strerror or e}", e.errno) from e
         raise
     return region
 

@@ -178,8 +178,13 @@ class Recovery:
                 for entry in os.scandir(spill):
                     if (
                         entry.name.endswith((".ckpt", ".ckpt.tmp"))
+                        and not entry.is_dir(follow_symlinks=False)
                         and os.path.realpath(entry.path) not in keep
                     ):
-                        os.unlink(entry.path)
+                        try:
+                            os.unlink(entry.path)
+                        except OSError as e:  # a read-only spill dir: serve all the same
+                            logger.warning("orphan %s not removed: %s", entry.path, e.strerror)
+                            continue
                         removed += 1
         return removed

@@ -68,10 +68,23 @@ def _held_open(what: str, held: list[BufferRow]) -> str:
 
 
 def remove_checkpoint(row: BufferRow) -> None:
-    """Remove the checkpoint file ``row`` names, if any (gone already is fine)."""
+    """Remove the checkpoint file ``row`` names, if any (gone already is fine).
+
+    A file that cannot be removed (a spill filesystem gone read-only, a directory put in
+    its place) is logged and left: the buffer's release, or the daemon's start, goes on.
+    """
     if row.checkpoint_path:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(row.checkpoint_path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            logger.warning(
+                "checkpoint file %s of buffer %s not removed: %s",
+                row.checkpoint_path,
+                row.id,
+                e.strerror or e,
+            )
 
 
 class Releaser:

@@ -29,7 +29,7 @@ from maasd.allocator.persist import checkpoint, file_checksum, restore
 from maasd.allocator.region import SEALS, Region, copy_region
 from maasd.allocator.scrub import ZERO_RANGES
 from maasd.bounds import ScrubMode
-from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError
+from maasd.errors import BackingError, InvalidRequest, MaasdError, PlacementError, ResourceLimit
 from maasd.topology import discover
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -866,10 +866,23 @@ class TestCheckpoint:
             r.close()
 
     def test_unwritable_directory(self, filled, tmp_path):
+        """A spill directory that refuses the write is a limit the daemon is at (507, the
+        detail says why), not a bug of the daemon (500)."""
         r, _ = filled
-        with pytest.raises(BackingError) as exc:
+        with pytest.raises(ResourceLimit) as exc:
             checkpoint(r, tmp_path / "no" / "such" / "dir" / "buf.ckpt")
-        assert exc.value.errno == errno.ENOENT
+        assert "cannot take a checkpoint: No such file or directory" in exc.value.detail
+
+    def test_a_directory_in_the_files_place_is_refused_without_leaks(self, tmp_path):
+        path = tmp_path / "buf.ckpt"
+        path.mkdir()
+        (path / "x").write_bytes(bytes(PAGE))
+        size = path.stat().st_size  # restore reads as many bytes as the "file" says
+        fds, maps = open_fds(), mapping_count()
+        with pytest.raises(BackingError) as exc:
+            restore(path, node=0, size=size, expected_checksum="0" * 64)
+        assert exc.value.errno == errno.EISDIR
+        assert (open_fds(), mapping_count()) == (fds, maps)
 
 
 class TestPrefault:
