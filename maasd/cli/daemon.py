@@ -417,6 +417,8 @@ def migrate(**flags: Any) -> None:
         raise click.ClickException(e.detail) from e
     try:
         store.upgrade()
+    except ConfigError as e:  # a ledger a newer maasd migrated
+        raise click.ClickException(e.detail) from e
     finally:
         store.dispose()
     click.echo(f"ledger at {_redact(settings.database_url)} is at the newest schema")

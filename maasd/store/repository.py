@@ -42,6 +42,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
+from maasd.errors import ConfigError
 from maasd.store.base import OnDatabase
 from maasd.store.buffers import BufferRepo, ReserveRepo
 from maasd.store.database import Database
@@ -125,7 +126,8 @@ class Store(OnDatabase):
         together migrate one after the other (the second finds nothing to do).
         Then the usage totals are checked against their rows, and mended if they
         drifted (:meth:`~maasd.store.totals.TotalsRepo.mend_totals`: O(buffers)). A
-        ledger at the newest schema (:meth:`schema_state`) is left as it is.
+        ledger at the newest schema (:meth:`schema_state`) is left as it is; one at a
+        revision this maasd does not ship is :class:`~maasd.errors.ConfigError`.
         """
         from alembic import command
 
@@ -137,7 +139,14 @@ class Store(OnDatabase):
                 conn.execute(
                     sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID}
                 )
-            if revision != "head" or not schema_state(conn).at_head:
+            state = schema_state(conn)
+            if state.unknown:  # Alembic's own error is a traceback naming only the revision
+                raise ConfigError(
+                    f"the ledger is at schema revision {','.join(sorted(state.current))}, "
+                    f"which this maasd does not know (its newest: {','.join(sorted(state.heads))}"
+                    "): a newer maasd migrated it; run that version, or restore a backup"
+                )
+            if revision != "head" or not state.at_head:
                 command.upgrade(alembic_config(connection=conn), revision)
         if revision == "head":
             self.totals.mend_totals()

@@ -749,3 +749,37 @@ def test_migrate_alone_from_environment_variables(tmp_path: Path) -> None:
     assert not (tmp_path / "data" / "maasd.db").exists()
     # The generated admin key: not made by migrate (it serves nothing).
     assert not (tmp_path / "data" / "admin.key").exists()
+
+
+def test_a_ledger_a_newer_maasd_migrated_stops_migrate_and_serve_readably(
+    tmp_path: Path,
+) -> None:
+    """§3 ("Schema changes only through Alembic migrations"): the package rolled back after
+    a newer maasd migrated the ledger. ``maasd migrate`` and ``maasd serve`` each exit
+    non-zero with one line that says so — no Alembic traceback — and leave it as it is."""
+    data = tmp_path / "data"
+    db = data / "maasd.db"
+    r = subprocess.run(
+        [sys.executable, "-m", "maasd.cli.daemon", "migrate", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    with sqlite3.connect(db) as conn:
+        conn.execute("UPDATE alembic_version SET version_num = '9999_future'")
+    migrate = subprocess.run(
+        [sys.executable, "-m", "maasd.cli.daemon", "migrate", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    for out in (migrate, _serve(data)):
+        assert out.returncode != 0
+        assert "Traceback" not in out.stderr, out.stderr
+        errors = [line for line in out.stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1, out.stderr
+        assert "9999_future" in errors[0]
+        assert "newer maasd" in errors[0]
+    (rev,) = sqlite3.connect(db).execute("select version_num from alembic_version").fetchone()
+    assert rev == "9999_future"

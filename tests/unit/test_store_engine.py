@@ -115,3 +115,21 @@ def test_the_schema_state_is_what_upgrade_and_doctor_read(tmp_path: Any) -> None
         assert s.schema_state() == migrated
     finally:
         s.dispose()
+
+
+def test_upgrade_refuses_a_ledger_a_newer_maasd_migrated(tmp_path: Any) -> None:
+    """A ledger at a revision this maasd does not ship (its package rolled back after a
+    newer one migrated) is a ConfigError naming both revisions, and is left as it is."""
+    s = Store(f"sqlite:///{tmp_path / 's.db'}")
+    try:
+        s.upgrade()
+        with s.engine.begin() as conn:
+            conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999_future'")
+        with pytest.raises(ConfigError) as exc:
+            s.upgrade()
+        assert "9999_future" in exc.value.detail
+        assert head_revision() in exc.value.detail  # type: ignore[operator]
+        assert "newer maasd" in exc.value.detail
+        assert s.schema_state().current == {"9999_future"}
+    finally:
+        s.dispose()
