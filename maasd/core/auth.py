@@ -50,6 +50,7 @@ transaction-pooling proxy (docs/scale-out.md).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -107,6 +108,36 @@ def _read_key_file(path: Path) -> str:
     if not key:
         raise ConfigError(f"admin key file {path} is empty")
     return key
+
+
+def write_key_file(path: Path, token: str) -> str:
+    """Write a generated key to ``path`` (mode 0600) so that it is there whole or not at
+    all: a temporary file, fsync'd, linked to ``path``, the directory fsync'd. Written in
+    place, a crash between the file's creation and its write left an empty ``admin.key``,
+    and every start after it refused that file. Returns the key ``path`` holds (another's,
+    should one have appeared meanwhile)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a crash's leftover
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            os.write(fd, (token + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.link(tmp, path)  # never over a key file that exists
+    except FileExistsError:
+        return _read_key_file(path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return token
 
 
 def _missing_key() -> Unauthorized:
@@ -210,10 +241,7 @@ class Auth:
         path = Path(self._settings.admin_key_path)
         if path.exists():
             return _read_key_file(path)
-        token = keys.new_token()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
+        token = write_key_file(path, keys.new_token())
         self.admin_key_generated = token
         return token
 

@@ -783,3 +783,39 @@ def test_a_ledger_a_newer_maasd_migrated_stops_migrate_and_serve_readably(
         assert "newer maasd" in errors[0]
     (rev,) = sqlite3.connect(db).execute("select version_num from alembic_version").fetchone()
     assert rev == "9999_future"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("delay", [0.05, 0.1, 0.2])
+def test_sigkill_during_the_shutdown_checkpoints(
+    fresh_daemon: Daemon, tmp_path: Path, delay: float
+) -> None:
+    """SIGTERM checkpoints every persistent buffer on the way out (files written, one
+    syncfs, one ledger transaction, previous files removed); a SIGKILL in the middle of
+    that leaves every buffer with one whole checkpoint — the one before, or the one of
+    the shutdown — matching the ledger's checksum, and no other file."""
+    d = _configured(fresh_daemon, tmp_path, pers=128 * MiB)
+    _, key = d.tenant("shutdown", 256 * MiB)
+    with d.client(key) as c:
+        before = _checkpointed(d, c, key, 48, seed=17)
+    after = {bid: bytes(reversed(data)) for bid, data in before.items()}
+    with Worker(d.socket_path, key, renew_interval_s=0) as w:
+        for bid, data in after.items():
+            m = w.attach(bid)
+            m.array[:] = np.frombuffer(data, dtype=np.uint8)
+            m.close()
+    assert d.proc is not None
+    d.proc.send_signal(15)
+    time.sleep(delay)
+    d.kill()  # SIGKILL, or the exit status of a shutdown that had ended
+
+    d.start()
+    ledger_totals(d)
+    live = {b["id"]: b for b in d.admin.get("/v1/buffers").json()}
+    assert sorted(live) == sorted(before), "a persistent buffer was lost"
+    for bid in before:
+        data = read_buffer(d, key, bid)
+        assert data in (before[bid], after[bid]), "a torn checkpoint came back"
+        assert hashlib.sha256(data).hexdigest() == live[bid]["checksum"]
+    assert spill_ids(_spill(d)) == sorted(before)
+    assert d.stop() == 0, d.log()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -1073,3 +1074,32 @@ def test_entry_puts_count_against_the_buffer_cap_and_the_region_budget(svc: Serv
     svc.budget.budget = svc.budget.held()  # the daemon's own budget is full
     with pytest.raises(errors.ResourceLimit):
         svc.entries.put(who, "k4", 4096, pool="fast")
+
+
+def test_a_generated_admin_key_file_is_there_whole_or_not_at_all(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A crash (here: the fsync failing) while the key is written leaves no admin.key —
+    never an empty one, which every later start would refuse — and no temporary file
+    that outlives the next try; the next start generates the key."""
+    from maasd.core.auth import write_key_file
+
+    path = tmp_path / "admin.key"
+    real_fsync = os.fsync
+
+    def crash(_fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_key_file(path, "first-key")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    (tmp_path / "admin.key.tmp").write_text("a crash's leftover")
+    assert write_key_file(path, "second-key") == "second-key"
+    assert path.read_text() == "second-key\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["admin.key"]
+    # Never over a key file that exists: the one there is kept, and returned.
+    assert write_key_file(path, "third-key") == "second-key"
+    assert path.read_text() == "second-key\n"
