@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 import msgspec
 
 from maasd.allocator import MemoryPool, Warmer
+from maasd.allocator.arith import round_up
 from maasd.allocator.reclaim import Reclaimer
 from maasd.allocator.stock import warm_budget
 from maasd.bounds import MAX_BYTES
@@ -204,12 +205,26 @@ def new_pool_row(
     )
 
 
-def _differs(have: PoolRow, spec: PoolSpec) -> bool:
-    """Whether a pool in the ledger is not what its configuration asks for (a property its
-    buffers are bound to differs, or it is smaller): the ledger's is kept, and logged."""
-    bound = (have.numa_node, have.backing, have.persistence, have.latency_us, have.scrub)
-    wanted = (spec.numa_node, spec.backing, spec.persistence, spec.latency_us, spec.scrub)
-    return bound != wanted or have.capacity_bytes < spec.capacity_bytes
+#: The properties of a pool that its buffers are bound to: a config file's change of one
+#: (or of the capacity) is logged and not followed (the ledger's is kept).
+BOUND = ("numa_node", "backing", "persistence", "latency_us", "scrub")
+
+
+def differs(have: PoolRow, spec: PoolSpec, *, configured: bool = True) -> list[str]:
+    """The properties in which a pool in the ledger is not what its configuration asks
+    for (a capacity larger or smaller, a spill dir moved): the ledger's are kept, and the
+    caller logs these names. A default pool (``configured=False``) is not compared by
+    capacity: its default follows the node's free memory, which changes at every start."""
+    names = [name for name in BOUND if getattr(have, name) != getattr(spec, name)]
+    if configured and have.capacity_bytes != round_up(spec.capacity_bytes, have.page_bytes):
+        names.append("capacity_bytes")
+    if (
+        spec.spill_dir is not None
+        and have.spill_dir is not None
+        and os.path.realpath(spec.spill_dir) != os.path.realpath(have.spill_dir)
+    ):
+        names.append("spill_dir")
+    return names
 
 
 class Pools:
@@ -293,11 +308,12 @@ class Pools:
                 continue
             follow_warm(spec, self._pool_rows, self._live)
             follow_disk(spec, self._pool_rows, self._live, self._settings.data_dir)
-            if _differs(have, spec):
+            if changed := differs(have, spec, configured=bool(self._settings.pools)):
                 logger.warning(
-                    "pool %s in the ledger differs from its configuration; keeping "
+                    "pool %s in the ledger differs from its configuration in %s; keeping "
                     "the ledger's (delete the pool with drain to recreate it)",
                     spec.name,
+                    ", ".join(changed),
                 )
         self.measured.start(self.topology)
 

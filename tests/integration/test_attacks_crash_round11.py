@@ -819,3 +819,28 @@ def test_sigkill_during_the_shutdown_checkpoints(
         assert hashlib.sha256(data).hexdigest() == live[bid]["checksum"]
     assert spill_ids(_spill(d)) == sorted(before)
     assert d.stop() == 0, d.log()
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_table_edited_between_starts_keeps_the_ledgers_pool_and_says_so(
+    fresh_daemon: Daemon, tmp_path: Path
+) -> None:
+    """§3 config file: the persistent pool's table shrunk below what its buffers hold and
+    given another spill_dir while the daemon was down (killed). The pool keeps the
+    ledger's capacity and spill dir — its checkpointed buffers come back, from where they
+    are, and no pool is over its capacity — and the start's log names what differs."""
+    d = _configured(fresh_daemon, tmp_path)
+    _, key = d.tenant("edited", 256 * MiB)
+    with d.client(key) as c:
+        saved = _checkpointed(d, c, key, 24, seed=23)
+    d.kill()
+    cfg = Path(d.env["MAASD_CONFIG"])
+    cfg.write_text(
+        POOLS.format(vol=64 * MiB, pers=16 * MiB) + f'spill_dir = "{tmp_path / "moved"}"\n'
+    )
+    d.start()
+    pool = next(p for p in d.admin.get("/v1/pools").json() if p["name"] == "pers")
+    assert (pool["capacity_bytes"], pool["used_bytes"]) == (64 * MiB, 24 * MiB)
+    assert _survivors_intact(d, key, saved) == list(saved)
+    assert "differs from its configuration in capacity_bytes, spill_dir" in d.log()
+    assert d.stop() == 0, d.log()

@@ -40,3 +40,39 @@ def test_capacity_past_2_63_or_the_nodes_memory_is_refused(tmp_path: Path) -> No
     assert node.mem_total_bytes
     with pytest.raises(TooLarge, match="exceeds node 0's memory"):
         _row(PoolSpec(name="p", numa_node=0, capacity_bytes=node.mem_total_bytes + 4096), tmp_path)
+
+
+def test_what_a_changed_pool_table_differs_in(tmp_path: Path) -> None:
+    """A pool's table edited after the pool was made: the ledger's row is kept, and the
+    start logs what differs — a capacity larger or smaller (compared in whole pages), a
+    property its buffers are bound to, a moved spill dir; nothing for the same table."""
+    from maasd.core.pools import differs
+
+    spec = PoolSpec(name="p", numa_node=1, capacity_bytes=4097, persistence="persistent")
+    row = _row(spec, tmp_path)
+    assert differs(row, spec) == []
+    assert (
+        differs(
+            row,
+            PoolSpec(
+                name="p",
+                numa_node=1,
+                capacity_bytes=8192,
+                persistence="persistent",
+                spill_dir=row.spill_dir,
+            ),
+        )
+        == []
+    )
+    smaller = PoolSpec(name="p", numa_node=1, capacity_bytes=4096, persistence="persistent")
+    assert differs(row, smaller) == ["capacity_bytes"]
+    assert differs(row, smaller, configured=False) == []  # a default pool's capacity moves
+    moved = PoolSpec(
+        name="p",
+        numa_node=1,
+        capacity_bytes=8192,
+        persistence="persistent",
+        scrub="punch",
+        spill_dir=str(tmp_path / "elsewhere"),
+    )
+    assert differs(row, moved) == ["scrub", "spill_dir"]
