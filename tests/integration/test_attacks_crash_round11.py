@@ -15,12 +15,14 @@ import hashlib
 import os
 import random
 import shutil
+import signal
 import socket
 import sqlite3
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +31,9 @@ import numpy as np
 import pytest
 
 from maasd.client import Worker
+from maasd.client.errors import ConnectionFailed
 from maasd.protocol import Abort, Ok
+from pgdb import BACKENDS, fresh_pg_database
 from rawentries import connect, pattern, put, put_committed, write
 from recovered import ledger_totals, read_buffer, spill_ids, write_buffer
 from sockpeer import lookup
@@ -53,6 +57,19 @@ numa_node = 0
 capacity_bytes = {pers}
 persistence = "persistent"
 """
+
+
+@pytest.fixture(params=BACKENDS)
+def ledger_daemon(request: pytest.FixtureRequest, fresh_daemon: Daemon) -> Iterator[Daemon]:
+    """``fresh_daemon`` on the SQLite ledger, and on a PostgreSQL one of its own when
+    ``MAASD_TEST_PG_URL`` is set: recovery reads and settles the ledger on both."""
+    if request.param == "sqlite":
+        yield fresh_daemon
+        return
+    with fresh_pg_database() as url:
+        fresh_daemon.env["MAASD_DB_URL"] = url
+        yield fresh_daemon
+        fresh_daemon.close()  # before the database is dropped
 
 
 def _configured(d: Daemon, tmp_path: Path, vol: int = 64 * MiB, pers: int = 64 * MiB) -> Daemon:
@@ -129,13 +146,13 @@ def _pool_id(d: Daemon, name: str = "pers") -> str | None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
-def test_sigkill_during_a_tenant_delete(fresh_daemon: Daemon, tmp_path: Path, delay) -> None:
+def test_sigkill_during_a_tenant_delete(ledger_daemon: Daemon, tmp_path: Path, delay) -> None:
     """A tenant with checkpointed persistent buffers and volatile ones is deleted, and the
     daemon killed while the delete runs. After the restart the delete is either whole
     (the tenant 404, its key 401, none of its buffers or checkpoint files left, nothing
     counted) or never began (everything of it back); another tenant's persistent buffers
     are back byte-identical either way."""
-    d = _configured(d := fresh_daemon, tmp_path)
+    d = _configured(ledger_daemon, tmp_path)
     victim_id, victim_key = d.tenant("victim", 256 * MiB)
     _, other_key = d.tenant("other", 64 * MiB)
     with d.client(victim_key) as v, d.client(other_key) as o:
@@ -212,13 +229,13 @@ def test_sigkill_during_a_persistent_pool_drain(
 
 @pytest.mark.timeout(180)
 def test_sigkill_during_persistent_churn_leaves_no_orphan_checkpoint(
-    fresh_daemon: Daemon, tmp_path: Path
+    ledger_daemon: Daemon, tmp_path: Path
 ) -> None:
     """Clients reserve persistent buffers, checkpoint them and release them (over REST)
     while the daemon is killed. After the restart every surviving buffer holds the bytes
     of a checkpoint its client asked for, the spill dir holds exactly one file per
     surviving buffer, and the ledger adds up."""
-    d = _configured(fresh_daemon, tmp_path, pers=32 * MiB)
+    d = _configured(ledger_daemon, tmp_path, pers=32 * MiB)
     _, key = d.tenant("churn", 256 * MiB)
     asked: dict[str, set[int]] = {}
     lock = threading.Lock()
@@ -244,7 +261,7 @@ def test_sigkill_during_persistent_churn_leaves_no_orphan_checkpoint(
                     m.close()
                     if rnd.random() < 0.6:
                         assert c.delete(f"/v1/buffers/{bid}").status_code == 204
-        except (httpx.TransportError, OSError, ConnectionError):
+        except (httpx.TransportError, OSError, ConnectionFailed):
             return  # the daemon died under us
 
     threads = [threading.Thread(target=churn, args=(i,), daemon=True) for i in range(4)]
@@ -479,8 +496,9 @@ def test_sigkill_during_puts_into_a_persistent_pool(fresh_daemon: Daemon, tmp_pa
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_sigterm_finishes_an_in_flight_reserve_and_checkpoints_it(
-    fresh_daemon: Daemon, tmp_path: Path
+    fresh_daemon: Daemon, tmp_path: Path, sig: int
 ) -> None:
     """§3: "SIGTERM/SIGINT: stop accepting, finish in-flight requests, checkpoint
     persistent buffers". A reserve into the persistent pool whose head has arrived, its
@@ -498,7 +516,7 @@ def test_sigterm_finishes_an_in_flight_reserve_and_checkpoints_it(
     s.sendall(head + body[:5])
     time.sleep(0.3)  # the head is read: the request is in flight
     assert d.proc is not None
-    d.proc.send_signal(15)
+    d.proc.send_signal(sig)
     wait_until(lambda: not _accepts(d.port), timeout=20, message="listening stopped")
     s.sendall(body[5:])
     reply = b""
@@ -520,6 +538,42 @@ def test_sigterm_finishes_an_in_flight_reserve_and_checkpoints_it(
     assert spill_ids(_spill(d)) == [buffer_id]
     ledger_totals(d)
     assert d.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_releases_a_staged_entry_and_keeps_the_committed_one(
+    fresh_daemon: Daemon, tmp_path: Path
+) -> None:
+    """A worker holds, at SIGTERM, one entry of the persistent pool committed and one put
+    but not committed (its bytes written). The graceful stop checkpoints the committed
+    one and releases the staged one (§5: only a commit publishes an entry): after the
+    restart the first is found by its key with its bytes, the second is nowhere — not
+    listed, not counted, no checkpoint file."""
+    d = _configured(fresh_daemon, tmp_path)
+    _, key = d.tenant("staged", 64 * MiB)
+    r = connect(d, key)
+    committed = put_committed(r, "done", pattern(MiB, 1), "pers")
+    reply, fd = put(r, "half", MiB, pool="pers")
+    write(fd, pattern(MiB, 2))
+    os.close(fd)
+    assert d.stop() == 0, d.log()
+    r.close()
+
+    d.start()
+    live = d.admin.get("/v1/buffers").json()
+    assert [b["id"] for b in live] == [committed], live
+    assert reply.buffer_id not in spill_ids(_spill(d))
+    assert spill_ids(_spill(d)) == [committed]
+    ledger_totals(d)
+    r = connect(d, key)
+    found, fd = lookup(r, ["half", "done"])
+    try:
+        assert found.key == "done"
+        assert os.pread(fd, MiB, 0) == pattern(MiB, 1)
+    finally:
+        os.close(fd)
+    r.close()
+    assert d.stop() == 0, d.log()
 
 
 def _accepts(port: int) -> bool:
@@ -788,13 +842,13 @@ def test_a_ledger_a_newer_maasd_migrated_stops_migrate_and_serve_readably(
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("delay", [0.05, 0.1, 0.2])
 def test_sigkill_during_the_shutdown_checkpoints(
-    fresh_daemon: Daemon, tmp_path: Path, delay: float
+    ledger_daemon: Daemon, tmp_path: Path, delay: float
 ) -> None:
     """SIGTERM checkpoints every persistent buffer on the way out (files written, one
     syncfs, one ledger transaction, previous files removed); a SIGKILL in the middle of
     that leaves every buffer with one whole checkpoint — the one before, or the one of
     the shutdown — matching the ledger's checksum, and no other file."""
-    d = _configured(fresh_daemon, tmp_path, pers=128 * MiB)
+    d = _configured(ledger_daemon, tmp_path, pers=128 * MiB)
     _, key = d.tenant("shutdown", 256 * MiB)
     with d.client(key) as c:
         before = _checkpointed(d, c, key, 48, seed=17)
@@ -805,7 +859,7 @@ def test_sigkill_during_the_shutdown_checkpoints(
             m.array[:] = np.frombuffer(data, dtype=np.uint8)
             m.close()
     assert d.proc is not None
-    d.proc.send_signal(15)
+    d.proc.send_signal(signal.SIGTERM)
     time.sleep(delay)
     d.kill()  # SIGKILL, or the exit status of a shutdown that had ended
 
