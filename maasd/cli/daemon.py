@@ -8,6 +8,8 @@ Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
               metrics keys, the database and L2 URLs then leave os.environ
     lock      DATA_DIR/maasd.lock (flock): one daemon per data dir
     service   migrate to head, recover(), finish deletes, provision pools, reaper
+              (a SIGTERM/SIGINT from here on is honoured once the server listens:
+              StopAsked)
     broker    the Unix socket for worker handles
     serve     uvicorn in-process until SIGTERM/SIGINT (maasd.serving's
               HANDLED_SIGNALS; maasd.api.server: REST connections capped, request
@@ -26,6 +28,7 @@ import fcntl
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Generator
@@ -220,8 +223,40 @@ def serve(**flags: Any) -> None:
         os.environ.pop(name, None)
     setup_logging(settings.log_level)
     harden()
-    with data_dir_lock(settings.data_dir):
-        _serve(settings)
+    from maasd.serving import handling
+
+    stop = StopAsked()
+    with handling(stop), data_dir_lock(settings.data_dir):
+        _serve(settings, stop)
+
+
+class StopAsked:
+    """Answers SIGTERM/SIGINT while the REST server is not taking them: during the startup
+    (migrations, recovery of persistent buffers: seconds) and the shutdown (checkpoints).
+
+    Left at their defaults, a SIGTERM then killed the daemon (exit 143, nothing closed)
+    and a SIGINT aborted it. Now the first is remembered: :meth:`replay` hands it to the
+    server once it listens, which stops as at any other time (finish, checkpoint, exit 0);
+    during the shutdown it changes nothing. A second one aborts at once (exit 1), for a
+    start that hangs.
+    """
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def __call__(self, sig: int, _frame: object) -> None:
+        if self.signals:
+            raise KeyboardInterrupt  # click: "Aborted!", exit 1
+        self.signals.append(sig)
+        logger.info(
+            "%s while starting or stopping: the daemon stops gracefully (send it again to abort)",
+            signal.Signals(sig).name,
+        )
+
+    def replay(self) -> None:
+        """Deliver a remembered signal again, to whoever handles it now (the server)."""
+        if self.signals:
+            signal.raise_signal(self.signals[0])
 
 
 class _Running:
@@ -236,7 +271,7 @@ class _Running:
         self.systemd = systemd
 
 
-def _serve(settings: Settings) -> None:
+def _serve(settings: Settings, stop: StopAsked) -> None:
     """Startup, serve until a signal of ``HANDLED_SIGNALS``, shutdown (as uvicorn's server)."""
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
@@ -255,7 +290,7 @@ def _serve(settings: Settings) -> None:
     )
     server = make_server(
         http_config(app, settings, service.metrics),
-        ready=lambda loop: _ready(settings, systemd, loop),
+        ready=lambda loop: _ready(settings, systemd, loop, stop),
         stopping=systemd.stopping,
     )
     _log_serving(settings, service)
@@ -359,8 +394,11 @@ def _log_limits(service: Any, settings: Settings) -> None:
     )
 
 
-def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop) -> None:
-    """REST listens and the socket is open: tell systemd (READY=1) and the person watching."""
+def _ready(
+    settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop, stop: StopAsked
+) -> None:
+    """REST listens and the socket is open: tell systemd (READY=1) and the person watching;
+    then a stop asked for during the startup is handed to the server."""
     url = f"http://{settings.host}:{settings.port}"
     systemd.ready(loop, status=f"serving on {url}")
     if settings.admin_key:
@@ -377,6 +415,7 @@ def _ready(settings: Settings, systemd: Systemd, loop: asyncio.AbstractEventLoop
         f"maasd ready: REST {url}, worker socket {settings.socket_path}, admin key {key}",
         err=True,
     )
+    stop.replay()
 
 
 class SelfChecking(Protocol):

@@ -898,3 +898,61 @@ def test_a_pool_table_edited_between_starts_keeps_the_ledgers_pool_and_says_so(
     assert _survivors_intact(d, key, saved) == list(saved)
     assert "differs from its configuration in capacity_bytes, spill_dir" in d.log()
     assert d.stop() == 0, d.log()
+
+
+def _signal_during_startup(d: Daemon, sig: int, again_after: float | None = None) -> int:
+    """Start the daemon and send ``sig`` once its startup is under way (the ledger being
+    migrated, persistent buffers not yet restored, REST not listening); ``again_after``
+    seconds later, a second one. Returns its exit status."""
+    offset = d.log_path.stat().st_size if d.log_path.exists() else 0
+    log = open(d.log_path, "ab")  # noqa: SIM115 - handed to the child
+    d.proc = subprocess.Popen(
+        [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+        env=d.env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    wait_until(
+        lambda: b"Context impl" in d.log_path.read_bytes()[offset:],
+        timeout=60,
+        interval=0.002,
+        message="startup under way",
+    )
+    d.proc.send_signal(sig)
+    if again_after is not None:
+        time.sleep(again_after)
+        d.proc.send_signal(sig)
+    return d.proc.wait(60)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_asked_for_during_startup_is_graceful(
+    fresh_daemon: Daemon, tmp_path: Path, sig: int
+) -> None:
+    """§3 "SIGTERM/SIGINT: … exit 0", also while the daemon starts (recovering persistent
+    buffers): it exits 0, through its shutdown, and its persistent buffers come back
+    intact at the next start. A second signal aborts the start at once (exit 1, one line,
+    no traceback), and that too leaves nothing to repair."""
+    d = _configured(fresh_daemon, tmp_path, pers=128 * MiB)
+    _, key = d.tenant("startup", 256 * MiB)
+    with d.client(key) as c:
+        saved = _checkpointed(d, c, key, 48, seed=29)
+    assert d.stop() == 0, d.log()
+
+    offset = d.log_path.stat().st_size
+    assert _signal_during_startup(d, sig) == 0, d.log()
+    graceful = d.log_path.read_text()[offset:]
+    assert "while starting or stopping" in graceful
+    assert "msg=stopped" in graceful  # through the shutdown
+    assert "Traceback" not in graceful, graceful
+    offset = d.log_path.stat().st_size
+    assert _signal_during_startup(d, sig, again_after=0.01) == 1
+    aborted = d.log_path.read_text()[offset:]
+    assert "Traceback" not in aborted, aborted
+    assert "Aborted!" in aborted
+
+    d.start()
+    assert _survivors_intact(d, key, saved) == list(saved)
+    assert d.stop() == 0, d.log()
