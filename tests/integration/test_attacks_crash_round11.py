@@ -956,3 +956,30 @@ def test_a_stop_asked_for_during_startup_is_graceful(
     d.start()
     assert _survivors_intact(d, key, saved) == list(saved)
     assert d.stop() == 0, d.log()
+
+
+@pytest.mark.timeout(120)
+def test_a_restored_persistent_buffer_whose_lease_ends_is_scrubbed(
+    fresh_daemon: Daemon, tmp_path: Path
+) -> None:
+    """Invariant 4, by lease expiry, for a buffer restored after a SIGKILL: its lease (kept
+    across the restart) ends while a worker maps it; the mapping then reads zeros, the
+    checkpoint file is gone, nothing is counted."""
+    d = _configured(fresh_daemon, tmp_path)
+    _, key = d.tenant("expiry", 64 * MiB)
+    with d.client(key) as c:
+        b = c.post("/v1/pools/pers/reserve", json={"size_bytes": MiB, "ttl_s": 8}).json()
+        write_buffer(d, key, b["id"], b"\x0b" * MiB)
+        assert c.post(f"/v1/buffers/{b['id']}/checkpoint").status_code == 200
+    d.kill()
+    d.start()
+    with d.client(key) as c, Worker(d.socket_path, key, renew_interval_s=0) as w:
+        m = w.attach(b["id"])
+        assert m.array.tobytes() == b"\x0b" * MiB
+        wait_until(lambda: c.get(f"/v1/buffers/{b['id']}").status_code == 404, timeout=30)
+        wait_until(lambda: not np.any(m.array), timeout=10, message="the mapping reads zeros")
+        m.close()
+        assert c.get("/v1/usage").json()["used_bytes"] == 0
+    assert spill_ids(_spill(d)) == []
+    ledger_totals(d)
+    assert d.stop() == 0, d.log()
