@@ -53,7 +53,8 @@ another shmem file, opened for reading, holding at least ``size_bytes``; anythin
 no fd or more than one answers 400 and changes nothing); a ``publish`` whose memfd
 shrinks while it is read answers 409 and leaves nothing behind. An entry whose writer's connection closes before its commit
 is released. A malformed frame (wrong types, no or more than 1024 keys, a size of 0,
-negative or beyond 2^63 − 1, an unknown field) answers 400; the connection stays.
+negative or beyond 2^63 − 1, an unknown field, a field named twice) answers 400; the
+connection stays.
 
 This module imports only msgspec and the standard library so that the client
 (which must not import the server) can share it. The pure parts —
@@ -325,9 +326,61 @@ def decode_request(body: bytes | memoryview) -> Request:
 
     Raises ``msgspec.DecodeError`` (a ``ValidationError`` for a well-formed map
     of the wrong shape) with msgspec's message, e.g.
-    ``Expected `str`, got `int` - at `$.buffer_id```.
+    ``Expected `str`, got `int` - at `$.buffer_id```. A map that names a field twice
+    is a ``ValidationError`` too (:func:`_refuse_repeated_fields`).
     """
-    return _request_decoder.decode(body)
+    req: Request = _request_decoder.decode(body)
+    _refuse_repeated_fields(body, req)
+    return req
+
+
+def _map_length(body: bytes | memoryview) -> int:
+    """The entry count a msgpack map's header announces (``body`` decoded as one)."""
+    first = body[0]
+    if first == 0xDE:
+        return int.from_bytes(body[1:3], "big")
+    if first == 0xDF:
+        return int.from_bytes(body[1:5], "big")
+    return first & 0x0F  # a fixmap: 0x80 | count
+
+
+#: Per request type: the map entries a frame of it names at least (its tag and required
+#: fields), and its optional fields (each ``None`` by default).
+_NAMED = {
+    kind: (
+        1 + sum(1 for f in msgspec.structs.fields(kind) if f.default is msgspec.NODEFAULT),
+        tuple(f.name for f in msgspec.structs.fields(kind) if f.default is not msgspec.NODEFAULT),
+    )
+    for kind in (Hello, Attach, Detach, Renew, Lookup, Put, Commit, Abort, Publish)
+}
+
+
+def _refuse_repeated_fields(body: bytes | memoryview, req: Request) -> None:
+    """``ValidationError`` if the map ``req`` was decoded from names a field twice: msgspec,
+    like most decoders, keeps the last value, so ``put`` with ``size_bytes`` 4096 then
+    1 GiB reserved 1 GiB where a proxy or a log that keeps the first saw 4096 (REST
+    refuses such a body alike, ``maasd.api.strict``).
+
+    Unknown fields were refused already, so a map of distinct names has one entry per
+    field ``req`` got from it: compared with the header's count, in O(1). Only a map that
+    also gives an optional field as ``nil`` (its default) is decoded a second time.
+
+    >>> once = msgspec.msgpack.encode({"op": "attach", "buffer_id": "b"})
+    >>> _refuse_repeated_fields(once, Attach(buffer_id="b"))
+    >>> twice = b"\\x83" + once[1:] + msgspec.msgpack.encode("buffer_id") + b"\\xa1a"
+    >>> _refuse_repeated_fields(twice, Attach(buffer_id="a"))
+    Traceback (most recent call last):
+    ...
+    msgspec.ValidationError: a field of the map is given more than once
+    """
+    least, optional = _NAMED[type(req)]
+    first = body[0]
+    given = first & 0x0F if first < 0x90 else _map_length(body)  # a fixmap: 0x80 | count
+    if given <= least:  # the common case, a frame of its required fields only
+        return
+    named = least + sum(1 for name in optional if getattr(req, name) is not None)
+    if given > named and len(msgspec.msgpack.decode(body)) < given:
+        raise msgspec.ValidationError("a field of the map is given more than once")
 
 
 def decode_reply(body: bytes | memoryview) -> Reply:

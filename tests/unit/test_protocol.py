@@ -368,3 +368,40 @@ def test_the_old_name_of_a_frame_error_still_answers_with_a_deprecation_warning(
         old = maasd.protocol.ProtocolError
     assert old is FrameError
     assert issubclass(FrameTooLarge, old)
+
+
+def _pairs(*pairs: tuple[str, object], header: bytes | None = None) -> bytes:
+    """A msgpack map of ``pairs`` as written (a name may repeat), under a fixmap header
+    unless ``header`` is given (a map16 or map32 of the same count)."""
+    body = header if header is not None else bytes([0x80 | len(pairs)])
+    for name, value in pairs:
+        body += msgspec.msgpack.encode(name) + msgspec.msgpack.encode(value)
+    return body
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        (("op", "hello"), ("api_key", "a"), ("api_key", "b")),
+        (("op", "attach"), ("buffer_id", "a"), ("buffer_id", "a")),
+        (("op", "lookup"), ("keys", ["a"]), ("keys", ["a", "b"])),
+        (("op", "put"), ("key", "k"), ("size_bytes", 1), ("size_bytes", 2)),
+        (("op", "put"), ("key", "k"), ("size_bytes", 1), ("pool", None), ("pool", "p")),
+        (("op", "put"), ("key", "k"), ("size_bytes", 1), ("pool", None), ("pool", None)),
+        (("op", "publish"), ("key", "k"), ("size_bytes", 1), ("ttl_s", 1), ("ttl_s", 1)),
+        (("op", "commit"), ("op", "commit"), ("buffer_id", "b")),
+    ],
+)
+def test_a_map_naming_a_field_twice_is_a_bad_frame(pairs):
+    with pytest.raises(msgspec.ValidationError, match="more than once"):
+        decode_request(_pairs(*pairs))
+
+
+def test_a_map_of_distinct_names_is_decoded_under_any_header_and_with_nil_defaults():
+    put = (("op", "put"), ("key", "k"), ("size_bytes", 1), ("pool", None), ("ttl_s", None))
+    assert decode_request(_pairs(*put)) == Put(key="k", size_bytes=1)
+    assert decode_request(_pairs(*put, header=b"\xde\x00\x05")) == Put(key="k", size_bytes=1)
+    assert decode_request(_pairs(*put[:3], header=b"\xdf\x00\x00\x00\x03")) == Put(
+        key="k", size_bytes=1
+    )
+    assert decode_request(encode_frame(Lookup(keys=["a"] * 1024))[4:]) == Lookup(keys=["a"] * 1024)
