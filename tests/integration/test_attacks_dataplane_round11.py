@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import socket
+import struct
 import threading
 from typing import Any
 
@@ -20,9 +22,13 @@ import msgspec
 import pytest
 
 from conftest import Daemon
+from hardening import tenant_usage, wait_ledger_matches_memfds
 from maasd.protocol import (
     HEADER,
+    Abort,
     Attach,
+    Commit,
+    Detach,
     Error,
     Hello,
     Lookup,
@@ -34,6 +40,7 @@ from maasd.protocol import (
 )
 from rawentries import commit, connect, pattern, put, put_committed, write
 from sockpeer import Raw, lookup, miss
+from waiting import wait_until
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -396,3 +403,81 @@ def test_a_tenants_flood_leaves_another_tenant_answered(
     assert got[0] == per_conn * conns
     assert seen < per_conn * conns // 2, (seen, "the worker waited behind the flood")
     worker.close()
+
+
+# --- ids of every kind answer alike ----------------------------------------------------------
+
+
+def test_every_op_answers_a_foreign_id_as_an_unknown_one(daemon: Daemon) -> None:
+    """§2.2: "foreign or unknown ids answer 404 alike, and no fd is ever sent for them" —
+    for attach, detach, renew, commit and abort, another tenant's committed, staged or
+    released id, an unknown id and a garbage one answer the very same frame (the id
+    aside): nothing tells them apart."""
+    _a, key_a = daemon.tenant("a")
+    _b, key_b = daemon.tenant("b")
+    wa, wb = connect(daemon, key_a), connect(daemon, key_b)
+    committed = put_committed(wa, "c", pattern(4 * KiB))
+    staged, fd = put(wa, "s", 4 * KiB)
+    os.close(fd)
+    released = put_committed(wa, "r", pattern(4 * KiB))
+    with daemon.client(key_a) as c:
+        assert c.delete(f"/v1/buffers/{released}").status_code == 204
+    ids = [committed, staged.buffer_id, released, os.urandom(16).hex(), "x" * 64]
+    for make in (
+        lambda b: Attach(buffer_id=b),
+        lambda b: Detach(buffer_id=b),
+        lambda b: Renew(buffer_id=b, ttl_s=60),
+        lambda b: Commit(buffer_id=b),
+        lambda b: Abort(buffer_id=b),
+    ):
+        answers = set()
+        for bid in ids:
+            reply, fds = wb.call(make(bid))
+            _refused(reply, fds, 404)
+            answers.add((reply.title, reply.detail.replace(bid, "<id>"), reply.type))
+        assert len(answers) == 1, answers
+    assert wb.pushed == []  # nor a push of a's release
+    commit(wa, staged.buffer_id)  # a's own entries were not touched by any of it
+    found, fd = lookup(wa, ["s"])
+    os.close(fd)
+    assert found.buffer_id == staged.buffer_id
+    wa.close()
+    wb.close()
+
+
+# --- a commit racing the writer's hang-up ----------------------------------------------------
+
+
+def test_a_commit_racing_the_writers_hang_up_is_all_or_nothing(daemon: Daemon) -> None:
+    """§5: "a commit that cannot be honoured … leaves nothing behind"; "the writer's
+    connection closing before commit … releases it". A commit sent and the connection
+    reset at once, 20 times: each entry is then either committed with its bytes or gone,
+    the tenant's usage is exactly the committed ones and the ledger matches the memfds."""
+    _tid, key = daemon.tenant("racer", quota_bytes=16 * MiB)
+    sizes: dict[str, str] = {}
+    for i in range(20):
+        w = connect(daemon, key)
+        reply, fd = put(w, f"race-{i}", 64 * KiB)
+        write(fd, pattern(64 * KiB, i))
+        os.close(fd)
+        w.send(Commit(buffer_id=reply.buffer_id))
+        if i % 2:
+            w.sock.recv(1, socket.MSG_PEEK)  # half the time: after the commit was answered
+        w.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.close()
+        sizes[f"race-{i}"] = reply.buffer_id
+    r = connect(daemon, key)
+    kept = 0
+    for i, (name, bid) in enumerate(sizes.items()):
+        got, fds = r.call(Lookup(keys=[name]))
+        if isinstance(got, Error) and i % 2 == 0:  # hung up before the commit's answer
+            _refused(got, fds, 404)
+            continue
+        assert got.buffer_id == bid
+        assert os.pread(fds[0], 64 * KiB, 0) == pattern(64 * KiB, i)
+        os.close(fds[0])
+        kept += 1
+    assert kept >= 10
+    wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == kept * 64 * KiB, timeout=15)
+    wait_ledger_matches_memfds(daemon)
+    r.close()
