@@ -382,15 +382,16 @@ LONG_KEYS = [f"{i:04d}" + "k" * 56 for i in range(1024)]
     [
         (Lookup(keys=LONG_KEYS), 404),  # the most keys a frame may name, each long
         (Put(key="over", size_bytes=8 * KiB), 409),  # each past the tenant's quota
+        (Renew(buffer_id="0" * 32, ttl_s=60), 404),  # each looked for in the ledger
     ],
-    ids=["lookups-of-1024-keys", "puts-at-quota"],
+    ids=["lookups-of-1024-keys", "puts-at-quota", "renews-of-unknown-ids"],
 )
 def test_a_tenants_flood_leaves_another_tenant_answered(
     daemon: Daemon, flood: Any, status: int
 ) -> None:
     """§2.9: "Nothing a worker does … can … starve the daemon or another tenant." Four
     connections of one tenant pipeline 400 frames each (lookups of 1024 keys that miss,
-    or puts its quota refuses); another tenant's 10 puts, commits and 30 attaches are all
+    puts its quota refuses, renews of unknown ids); another tenant's 10 puts, commits and 30 attaches are all
     answered while most of the flood is still unanswered: its answers interleave with the
     flood's, they do not wait behind its whole backlog."""
     _hog_tid, hog = daemon.tenant("hog", quota_bytes=4 * KiB)
@@ -481,3 +482,36 @@ def test_a_commit_racing_the_writers_hang_up_is_all_or_nothing(daemon: Daemon) -
     wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == kept * 64 * KiB, timeout=15)
     wait_ledger_matches_memfds(daemon)
     r.close()
+
+
+# --- a key revoked under a staged entry --------------------------------------------------------
+
+
+def test_a_key_revoked_under_a_staged_entry_commits_nothing_and_gives_it_back(
+    daemon: Daemon,
+) -> None:
+    """§5 and §2.2: a connection whose key is revoked speaks for no one — its commit (sent
+    at once, racing the daemon's own close) answers 401, the connection closes, and the
+    entry it staged is released like any whose writer left before its commit; the
+    tenant's other key finds nothing and its usage is back where it was."""
+    tid, key = daemon.tenant("revoked")
+    r = daemon.admin.post(f"/v1/tenants/{tid}/keys")
+    assert r.status_code == 201, r.text
+    second = r.json()
+    w = connect(daemon, second["api_key"])
+    staged, fd = put(w, "revoked", 64 * KiB)
+    write(fd, pattern(64 * KiB))
+    assert tenant_usage(daemon, key)["used_bytes"] == 64 * KiB
+    r = daemon.admin.delete(f"/v1/tenants/{tid}/keys/{second['id']}")
+    assert r.status_code == 204, r.text
+    reply, fds = w.call_racing_close(Commit(buffer_id=staged.buffer_id))
+    _refused(reply, fds, 401)
+    assert w.closed_by_peer()
+    w.close()
+    mine = connect(daemon, key)
+    miss(mine, ["revoked"])
+    _refuses(mine, Attach(buffer_id=staged.buffer_id), 404)
+    wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == 0, timeout=15)
+    assert os.pread(fd, 8, 0) == bytes(8)  # scrubbed: the writer's fd reads zeros
+    os.close(fd)
+    mine.close()
