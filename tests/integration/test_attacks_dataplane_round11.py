@@ -515,3 +515,74 @@ def test_a_key_revoked_under_a_staged_entry_commits_nothing_and_gives_it_back(
     assert os.pread(fd, 8, 0) == bytes(8)  # scrubbed: the writer's fd reads zeros
     os.close(fd)
     mine.close()
+
+
+class _PutStream:
+    """Writers putting into ``pool`` by name, each put committed and released, or aborted,
+    at once; the answers to the puts sent after :attr:`deleted` was set go to :attr:`late`."""
+
+    def __init__(self, d: Daemon, key: str, pool: str, writers: int = 3) -> None:
+        self.d, self.key, self.pool = d, key, pool
+        self.deleted, self.stop = threading.Event(), threading.Event()
+        self.late: list[Any] = []
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(writers)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        try:
+            w = connect(self.d, self.key)
+            n = 0
+            while not self.stop.is_set():
+                after = self.deleted.is_set()
+                msg = Put(key=f"{self.pool}-{i}-{n}", size_bytes=4 * KiB, pool=self.pool)
+                reply, fds = w.call(msg)
+                n += 1
+                for fd in fds:
+                    os.close(fd)
+                if after:
+                    self.late.append(reply)
+                if isinstance(reply, Reserved) and n % 2:
+                    commit(w, reply.buffer_id)
+                    with self.d.client(self.key) as c:
+                        assert c.delete(f"/v1/buffers/{reply.buffer_id}").status_code == 204
+                elif isinstance(reply, Reserved):
+                    assert w.call(Abort(buffer_id=reply.buffer_id)) == (Ok(), [])
+            w.close()
+        except BaseException as e:
+            self.errors.append(e)
+
+    def finish(self, late: int) -> None:
+        """Once ``late`` puts were answered after the delete (or a writer failed): stop."""
+        wait_until(lambda: len(self.late) >= late or bool(self.errors), timeout=60)
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=60)
+        assert not self.errors, self.errors
+
+
+def test_a_pool_deleted_under_a_stream_of_puts_keeps_none_of_them(daemon: Daemon) -> None:
+    """§5 put rules = a REST reserve's; a pool is deleted only when empty. Three writers
+    put into a pool by name (committing and releasing, or aborting, each at once) while the
+    admin deletes it until it is gone: every put sent after the delete's 204 is a 404, and
+    no buffer row of the pool is left behind."""
+    _tid, key = daemon.tenant("streamer", quota_bytes=256 * MiB)
+    for round_ in range(3):
+        name = f"doomed{os.urandom(3).hex()}"
+        info = daemon.pool(name, 16 * MiB, prefault=False)
+        stream = _PutStream(daemon, key, name)
+        for _ in range(5000):
+            r = daemon.admin.delete(f"/v1/pools/{info['id']}")
+            assert r.status_code in (204, 409), r.text
+            if r.status_code == 204:
+                stream.deleted.set()
+                break
+        stream.finish(late=30)
+        assert stream.deleted.is_set(), f"round {round_}: the pool was never empty"
+        for reply in stream.late:
+            assert isinstance(reply, Error), reply
+            assert reply.status == 404, reply
+        assert not [b for b in _buffers(daemon, key) if b["pool_id"] == info["id"]]
+        r = daemon.admin.get(f"/v1/pools/{info['id']}")
+        assert r.status_code == 404, r.text
