@@ -36,6 +36,7 @@ from maasd.protocol import (
     Put,
     Renew,
     Reserved,
+    Welcome,
     encode_frame,
 )
 from rawentries import commit, connect, pattern, put, put_committed, write
@@ -153,6 +154,21 @@ def test_a_second_hello_is_a_400_and_the_connection_stays_its_first_tenants(
     mine = put_committed(r, "mine", pattern(4 * KiB))
     assert [b["id"] for b in _buffers(daemon, key)] == [mine]
     r.close()
+    # Pipelined, behind a first hello whose key the socket has not seen yet (checked
+    # against the ledger off the loop): the second is still the second.
+    fresh_tid, fresh = daemon.tenant()
+    p = Raw(daemon.socket_path)
+    p.send_raw(
+        encode_frame(Hello(api_key=fresh))
+        + encode_frame(Hello(api_key=other_key))
+        + encode_frame(Attach(buffer_id=theirs))
+        + encode_frame(Lookup(keys=["theirs"]))
+    )
+    replies, fds = zip(*(p.recv() for _ in range(4)), strict=True)
+    assert [fd for some in fds for fd in some] == []
+    assert replies[0] == Welcome(tenant_id=fresh_tid, pid=os.getpid())
+    assert [(type(x), x.status) for x in replies[1:]] == [(Error, 400), (Error, 404), (Error, 404)]
+    p.close()
 
 
 # --- renew: every wrong shape of a lease length --------------------------------------------
