@@ -16,6 +16,7 @@ import os
 import socket
 import struct
 import threading
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -602,3 +603,47 @@ def test_a_pool_deleted_under_a_stream_of_puts_keeps_none_of_them(daemon: Daemon
         assert not [b for b in _buffers(daemon, key) if b["pool_id"] == info["id"]]
         r = daemon.admin.get(f"/v1/pools/{info['id']}")
         assert r.status_code == 404, r.text
+
+
+# --- a memfd is never another buffer's -------------------------------------------------------
+
+
+@pytest.mark.parametrize("warm", ["0", "32MiB"], ids=["no-stock", "warm-stock"])
+def test_an_fd_kept_past_its_entrys_end_never_shows_the_next_tenants_bytes(
+    tmp_path: Path, warm: str
+) -> None:
+    """§2.3: "A memfd is never reused for another buffer" (§2.4: a stale fd reads zeros).
+    One tenant keeps the fds of 20 entries it aborted or committed and released; another
+    tenant then puts and writes 40 entries, from a warm stock too: no kept fd ever reads
+    a byte of them, and none is the same file as any of theirs."""
+    d = Daemon(tmp_path / "d", env={"MAASD_DEFAULT_WARM_BYTES": warm}).start()
+    try:
+        _a, key_a = d.tenant("a")
+        _b, key_b = d.tenant("b")
+        a, b = connect(d, key_a), connect(d, key_b)
+        kept = []
+        for i in range(20):
+            reply, fd = put(a, f"a{i}", 64 * KiB)
+            write(fd, b"\x01" * (64 * KiB))
+            if i % 2:
+                assert a.call(Abort(buffer_id=reply.buffer_id)) == (Ok(), [])
+            else:
+                commit(a, reply.buffer_id)
+                with d.client(key_a) as c:
+                    assert c.delete(f"/v1/buffers/{reply.buffer_id}").status_code == 204
+            kept.append(fd)
+        theirs = []
+        for i in range(40):
+            reply, fd = put(b, f"b{i}", 64 * KiB)
+            write(fd, b"\x42" * (64 * KiB))
+            commit(b, reply.buffer_id)
+            theirs.append(fd)
+        for fd in kept:
+            assert os.pread(fd, 64 * KiB, 0) == bytes(64 * KiB)
+        assert not {os.fstat(fd).st_ino for fd in kept} & {os.fstat(fd).st_ino for fd in theirs}
+        for fd in kept + theirs:
+            os.close(fd)
+        a.close()
+        b.close()
+    finally:
+        d.close()
