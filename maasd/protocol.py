@@ -185,7 +185,14 @@ class Lookup(msgspec.Struct, tag="lookup", tag_field="op", forbid_unknown_fields
     keys: EntryKeys
 
 
-class Put(msgspec.Struct, tag="put", tag_field="op", forbid_unknown_fields=True, frozen=True):
+class Put(
+    msgspec.Struct,
+    tag="put",
+    tag_field="op",
+    forbid_unknown_fields=True,
+    frozen=True,
+    omit_defaults=True,  # a field left out is one the daemon's repeat check need not parse
+):
     """Reserve an entry under ``key`` to write; answered by :class:`Reserved` plus a
     writable fd. ``pool`` is an id or name (``None``: the pool with most free space)."""
 
@@ -208,7 +215,12 @@ class Abort(msgspec.Struct, tag="abort", tag_field="op", forbid_unknown_fields=T
 
 
 class Publish(
-    msgspec.Struct, tag="publish", tag_field="op", forbid_unknown_fields=True, frozen=True
+    msgspec.Struct,
+    tag="publish",
+    tag_field="op",
+    forbid_unknown_fields=True,
+    frozen=True,
+    omit_defaults=True,  # as Put
 ):
     """Publish the first ``size_bytes`` of the memfd sent with this frame (SCM_RIGHTS) as a
     committed entry under ``key``: a :class:`Put` and a :class:`Commit` in one round trip,
