@@ -213,7 +213,7 @@ def test_a_renew_beyond_the_daemons_max_ttl_is_a_4xx_never_a_5xx(daemon: Daemon)
     r.close()
 
 
-def test_a_put_or_renew_beyond_the_max_ttl_reserves_nothing(daemon: Daemon) -> None:
+def test_a_put_beyond_the_max_ttl_reserves_nothing(daemon: Daemon) -> None:
     """§5: a put's rules are a REST reserve's: a `ttl_s` past the daemon's `max_ttl_s` is
     a 4xx with no fd and nothing reserved."""
     _tid, key = daemon.tenant()
