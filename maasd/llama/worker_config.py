@@ -37,7 +37,7 @@ from typing import Any
 
 from maasd.bounds import DEFAULT_HOST, DEFAULT_URL, worker_socket
 
-__all__ = ["WorkerConfig", "build_parser", "default_socket", "parse_args"]
+__all__ = ["WorkerConfig", "build_parser", "default_socket", "model_file_problem", "parse_args"]
 
 
 #: llama-cpp-python settings whose default maasd worker changes (see the module docstring)
@@ -140,6 +140,12 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         model: Any = parse_model_from_args(ModelSettings, args)
     except ValidationError as exc:
         parser.error(_first_error(exc))
+    if not 0 <= server.port <= 65535:
+        parser.error(f"--port must be 0-65535, not {server.port}")
+    if model.hf_model_repo_id is None:  # else --model names a file of that repo
+        problem = model_file_problem(model.model)
+        if problem:
+            parser.error(problem)
     return WorkerConfig(
         server=server.model_dump(mode="json"),
         model=model.model_dump(mode="json"),
@@ -151,6 +157,22 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         log_level=args.log_level,
         graceful_s=args.graceful_timeout,
     )
+
+
+def model_file_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the worker's model (None: a readable GGUF file), so that
+    a bad ``--model`` is one line before any process starts rather than a traceback of
+    each process's llama.cpp load."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except IsADirectoryError:
+        return f"--model {path}: is a directory, not a GGUF file"
+    except OSError as exc:
+        return f"--model {path}: cannot read it: {exc.strerror or exc}"
+    if magic != b"GGUF":
+        return f"--model {path}: not a GGUF file"
+    return None
 
 
 def _first_error(exc: Any) -> str:

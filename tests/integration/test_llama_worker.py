@@ -182,15 +182,16 @@ def test_a_port_in_use_or_a_model_that_does_not_load_exits_1(tmp_path: Path) -> 
     import socket
     import subprocess
 
+    # A file that passes the command line's look at it (a GGUF's magic) but not llama.cpp's load.
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        p = subprocess.run(
-            worker_cmd(tmp_path / "none.gguf", port), capture_output=True, text=True, timeout=60
-        )
+        p = subprocess.run(worker_cmd(broken, port), capture_output=True, text=True, timeout=60)
     assert p.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in p.stderr
     p = subprocess.run(
-        worker_cmd(tmp_path / "none.gguf", free_port(), "--socket", str(tmp_path / "no.sock")),
+        worker_cmd(broken, free_port(), "--socket", str(tmp_path / "no.sock")),
         capture_output=True,
         text=True,
         timeout=120,

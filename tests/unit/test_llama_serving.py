@@ -127,9 +127,11 @@ def test_common_prefix() -> None:
 # ----------------------------------------------------------------------------- worker
 
 
-def test_the_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_worker_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     from maasd.llama.worker import parse_args
 
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(28))  # --model is looked at, not loaded
     monkeypatch.setenv("MAASD_KEY", "maasd_k")
     monkeypatch.setenv("MAASD_SOCKET", "/run/maasd.sock")
     cfg = parse_args(["--model", "m.gguf", "--processes", "2", "--n_ctx", "4096"])
@@ -155,6 +157,10 @@ def test_the_worker_command_line(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--model", "m", "--processes", "0"], "at least 1"),
         (["--model", "m", "--n_ctx", "-1"], "--n_ctx"),
         (["--model", "m", "--logits_all", "maybe"], "logits_all"),
+        (["--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: cannot read it"),
+        (["--model", "/"], "--model /: is a directory"),
+        (["--model", "/dev/null"], "--model /dev/null: not a GGUF file"),
+        (["--model", "/dev/null", "--port", "70000"], "--port must be 0-65535, not 70000"),
     ],
 )
 def test_a_bad_worker_command_line_exits_2(
