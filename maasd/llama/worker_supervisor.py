@@ -11,6 +11,7 @@ clients all lands on one process), and a keep-alive connection stays where it la
 Then:
 
 * a child that dies is started again (after a back-off: 1 s, doubling, at most 30 s);
+* ``--pool`` naming none of maasd's pools (maasd answered so) exits 2 before any child;
 * SIGTERM or SIGINT: every child gets SIGTERM, finishes what it serves (``--graceful-timeout``)
   and exits 0; the supervisor exits 0 when they all did (a child still there 10 s after
   the grace is killed, and the exit is 1).
@@ -42,7 +43,7 @@ from maasd.llama.worker_config import WorkerConfig
 from maasd.llama.worker_process import ProcessSpec, reuse_port_socket
 from maasd.serving import handling
 
-__all__ = ["Supervisor", "sharing_check"]
+__all__ = ["Supervisor", "UnknownPool", "sharing_check"]
 
 logger = logging.getLogger("maasd.worker")
 
@@ -68,8 +69,13 @@ class Child:
                 os.close(fd)
 
 
+class UnknownPool(Exception):
+    """``--pool`` names a pool maasd says it does not have: every save would be refused."""
+
+
 def sharing_check(cfg: WorkerConfig) -> tuple[bool, str]:
-    """Whether this key can reach maasd's worker socket (and the pool exists) → (ok, why)."""
+    """Whether this key can reach maasd's worker socket → (ok, why); raises
+    :class:`UnknownPool` when maasd answers that ``--pool`` is none of its pools."""
     if not cfg.key:
         return False, "no tenant key (--key or MAASD_KEY)"
     from maasd.client import Client, Worker
@@ -83,11 +89,14 @@ def sharing_check(cfg: WorkerConfig) -> tuple[bool, str]:
     if cfg.pool and cfg.maasd_url:
         try:
             with Client(cfg.maasd_url, cfg.key) as c:
-                names = {p.name for p in c.pools()} | {p.id for p in c.pools()}
+                pools = c.pools()
         except (MaasdClientError, OSError) as exc:
             return True, f"tenant {tenant}; pool {cfg.pool} not checked ({exc})"
-        if cfg.pool not in names:
-            return True, f"tenant {tenant}; WARNING: no pool {cfg.pool!r}: saves will be refused"
+        names = sorted(p.name for p in pools)
+        if cfg.pool not in set(names) | {p.id for p in pools}:
+            raise UnknownPool(
+                f"no pool {cfg.pool!r} in maasd (pools: {', '.join(names) or 'none'})"
+            )
     return True, f"tenant {tenant}, socket {cfg.socket}" + (
         f", pool {cfg.pool}" if cfg.pool else ""
     )
@@ -127,7 +136,11 @@ class Supervisor:
             except OSError as exc:
                 self.say(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {exc}")
                 return 1
-            ok, why = sharing_check(self.cfg)
+            try:
+                ok, why = sharing_check(self.cfg)
+            except UnknownPool as exc:  # a typo would share nothing, silently, for ever
+                self.say(f"--pool: {exc}")
+                return 2
             self.say(f"prefix sharing through maasd: {why}" if ok else f"PREFIX SHARING OFF: {why}")
             self.children = [self._spawn(slot) for slot in range(self.cfg.processes)]
             started = self._await_ready()
