@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from maasd.llama.format import FORMAT_VERSION, file_identity, fingerprint_of
 
-__all__ = ["LlamaContextAdapter", "LlamaSeqAdapter", "model_fingerprint"]
+__all__ = ["LlamaContextAdapter", "LlamaSeqAdapter", "model_fingerprint", "value_settings"]
 
 
 class LlamaSeqAdapter:
@@ -159,7 +159,45 @@ class LlamaSeqAdapter:
             "type_v": getattr(cparams, "type_v", None),
             "metadata": dict(model.metadata),
             "file": file_identity(path) if path and os.path.exists(path) else None,
+            **value_settings(model),
         }
+
+
+#: ``Llama`` settings that change the values a KV state holds (K is stored rotated by RoPE;
+#: a LoRA adapter changes K and V), with llama-cpp-python's defaults for them
+VALUE_DEFAULTS: dict[str, Any] = {
+    "rope_scaling_type": -1,
+    "rope_freq_base": 0.0,
+    "rope_freq_scale": 0.0,
+    "yarn_ext_factor": -1.0,
+    "yarn_attn_factor": 1.0,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_orig_ctx": 0,
+    "lora_base": None,
+    "lora_path": None,
+    "lora_scale": 1.0,
+}
+
+
+def value_settings(model: Any) -> dict[str, Any]:
+    """The settings of :data:`VALUE_DEFAULTS` that ``model`` does not have at their default
+    (context parameters, else ``Llama`` attributes) → ``{"values": {...}}``, or ``{}`` when
+    all are: so two workers that differ in them never restore each other's states (the
+    answers would be wrong, silently), and a plain model keeps its fingerprint."""
+    cparams = getattr(model, "context_params", None)
+    changed: dict[str, Any] = {}
+    for name, default in VALUE_DEFAULTS.items():
+        value: Any = getattr(cparams, name, None) if name.startswith(("rope", "yarn")) else None
+        if value is None:
+            value = getattr(model, name, default)
+        if isinstance(default, float) and value is not None:
+            value = float(value)
+        if value != default:
+            if name == "lora_path" and value and os.path.exists(value):
+                value = file_identity(value)  # the adapter's content, not only its name
+            changed[name] = value
+    return {"values": changed} if changed else {}
 
 
 class LlamaContextAdapter(LlamaSeqAdapter):
@@ -256,7 +294,9 @@ def model_fingerprint(model: Any) -> str:
     """Fingerprint of what makes KV states of ``model`` (a ``llama_cpp.Llama``) incompatible.
 
     Architecture and shape (layers, embedding, heads, KV heads, vocab), the KV cache
-    types, the GGUF metadata, the model file's identity and the llama.cpp build —
-    but not ``n_ctx``: states move between contexts of different sizes.
+    types, the GGUF metadata, the model file's identity, the llama.cpp build and the
+    settings that change the values a state holds (RoPE/YaRN, a LoRA adapter:
+    :func:`value_settings`) — but not ``n_ctx``: states move between contexts of
+    different sizes.
     """
     return fingerprint_of(LlamaSeqAdapter(model).fingerprint_parts())

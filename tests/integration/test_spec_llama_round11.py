@@ -306,3 +306,29 @@ def test_a_refused_key_serves_without_sharing_and_says_so(daemon: Any, tmp_path:
     assert "401" in log
     assert "WITHOUT prefix sharing" in log
     assert "Traceback" not in log
+
+
+def test_a_worker_with_another_rope_base_restores_nothing_the_plain_one_saved(
+    gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    # K is stored rotated: llama.cpp would take the state without a word and answer wrong.
+    a, _ = two
+    roped = llama_cpp.Llama(
+        gemma.model_path,
+        n_ctx=N_CTX,
+        n_batch=N_CTX,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        rope_freq_base=100.0,
+        verbose=False,
+    )
+    try:
+        assert model_fingerprint(roped) != model_fingerprint(gemma)
+        toks = tokens(gemma, 31, 40)
+        gemma.reset()
+        gemma.eval(toks)
+        assert KVStore(a.client, a.worker, gemma).save(0, toks) is not None
+        assert KVStore(a.client, a.worker, roped).restore(0, toks) == 0
+        assert KVStore(a.client, a.worker, gemma).restore(0, toks) == 40
+    finally:
+        roped.close()

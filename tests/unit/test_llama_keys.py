@@ -285,3 +285,25 @@ def test_the_transport_protocols_old_name_still_resolves_with_a_warning() -> Non
     with pytest.warns(DeprecationWarning, match="EntryTransport"):
         old = maasd.llama.Entries
     assert old is EntryTransport
+
+
+def test_value_settings_name_only_what_changes_a_states_values(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from maasd.llama.adapter import VALUE_DEFAULTS, value_settings
+    from maasd.llama.format import file_identity
+
+    cparams = SimpleNamespace(
+        **{k: v for k, v in VALUE_DEFAULTS.items() if k.startswith(("rope", "yarn"))}
+    )
+    plain = SimpleNamespace(context_params=cparams, lora_base=None, lora_path=None, lora_scale=1.0)
+    assert value_settings(plain) == {}  # a plain model keeps its fingerprint
+    roped = SimpleNamespace(**{**vars(plain), "context_params": SimpleNamespace(**vars(cparams))})
+    roped.context_params.rope_freq_base = 100.0
+    assert value_settings(roped) == {"values": {"rope_freq_base": 100.0}}
+    lora = tmp_path / "a.gguf"
+    lora.write_bytes(b"GGUF-lora")
+    adapted = SimpleNamespace(**{**vars(plain), "lora_path": str(lora), "lora_scale": 0.5})
+    assert value_settings(adapted) == {
+        "values": {"lora_path": file_identity(lora), "lora_scale": 0.5}
+    }
