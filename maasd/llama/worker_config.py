@@ -37,7 +37,14 @@ from typing import Any
 
 from maasd.bounds import DEFAULT_HOST, DEFAULT_URL, worker_socket
 
-__all__ = ["WorkerConfig", "build_parser", "default_socket", "model_file_problem", "parse_args"]
+__all__ = [
+    "WorkerConfig",
+    "build_parser",
+    "default_socket",
+    "model_file_problem",
+    "parse_args",
+    "url_problem",
+]
 
 
 #: llama-cpp-python settings whose default maasd worker changes (see the module docstring)
@@ -135,6 +142,10 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     args.cache = False
     if args.processes < 1:
         parser.error("--processes must be at least 1")
+    if args.graceful_timeout < 0:
+        parser.error("--graceful-timeout must be 0 or more")
+    if args.maasd_url and (problem := url_problem(args.maasd_url)):
+        parser.error(f"--maasd-url {args.maasd_url}: {problem}")
     try:  # (typed as returning the class; it returns an instance)
         server: Any = parse_model_from_args(ServerSettings, args)
         model: Any = parse_model_from_args(ModelSettings, args)
@@ -157,6 +168,19 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
         log_level=args.log_level,
         graceful_s=args.graceful_timeout,
     )
+
+
+def url_problem(url: str) -> str | None:
+    """Why ``url`` cannot be maasd's REST API (None: an http(s) URL with a host)."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError) as exc:
+        return f"not a URL ({exc})"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return "not an http:// or https:// URL with a host"
+    return None
 
 
 def model_file_problem(path: str) -> str | None:

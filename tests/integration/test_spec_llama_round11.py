@@ -245,22 +245,31 @@ def test_a_model_path_the_worker_cannot_use_is_one_line_before_any_process(
     assert "process" not in p.stderr.split("usage:")[0]  # no server process was started
 
 
-@pytest.mark.parametrize("port", ["65536", "-1"])
-def test_a_port_out_of_range_is_one_line(tmp_path: Path, port: str) -> None:
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--port", "65536"], "--port must be 0-65535, not 65536"),
+        (["--port", "-1"], "--port must be 0-65535, not -1"),
+        (["--maasd-url", "http://[::1"], "--maasd-url http://[::1: not a URL"),
+        (["--maasd-url", "127.0.0.1:7878"], "--maasd-url 127.0.0.1:7878: not an http://"),
+        (["--graceful-timeout", "-5"], "--graceful-timeout must be 0 or more"),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(tmp_path: Path, flags: list[str], says: str) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + bytes(60))
+    # --pool: with a URL that parses, the supervisor would ask maasd (which it cannot reach)
+    cmd = [*worker_cmd(model, free_port()), "--pool", "p", "--socket", str(tmp_path / "no.sock")]
     p = subprocess.run(
-        [*worker_cmd(model, 0)[:-2], "--port", port],
+        [*cmd, *flags],
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "MAASD_KEY": "k"},
     )
     assert p.returncode == 2, p.stderr[-2000:]
     assert "Traceback" not in p.stderr
-    assert (
-        p.stderr.strip().splitlines()[-1]
-        == f"maasd worker: error: --port must be 0-65535, not {port}"
-    )
+    assert p.stderr.strip().splitlines()[-1].startswith(f"maasd worker: error: {says}")
 
 
 def test_an_unknown_pool_is_one_line_and_exit_2_before_any_model_loads(
@@ -332,3 +341,44 @@ def test_a_worker_with_another_rope_base_restores_nothing_the_plain_one_saved(
         assert KVStore(a.client, a.worker, gemma).restore(0, toks) == 40
     finally:
         roped.close()
+
+
+def test_two_processes_on_one_port_the_second_restores_what_the_first_computed(
+    daemon: Any, tmp_path: Path
+) -> None:
+    from llama_model import GERMANY, gemma_model
+    from serving import Served
+
+    _tid, key = daemon.tenant(f"r11-{uuid.uuid4().hex[:8]}", 256 << 20)
+    port = free_port()
+    cmd = worker_cmd(gemma_model(), port, "--processes", "2", "--n_ctx", "256")
+    cmd += ["--n_threads", "1", "--n_threads_batch", "1"]
+    cmd += ["--socket", str(daemon.socket_path), "--maasd-url", daemon.url]
+    w = Served(cmd, port, tmp_path / "worker.log", env={"MAASD_KEY": key}).start()
+    try:
+        answers: dict[str, str] = {}
+        for _ in range(24):  # each on a new connection: the kernel picks the process
+            r = httpx.post(
+                f"{w.url}/v1/completions",
+                json={"prompt": GERMANY, "max_tokens": 2, "temperature": 0},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+            answers.setdefault(r.headers["x-maasd-worker-pid"], r.json()["choices"][0]["text"])
+            if len(answers) == 2:
+                break
+        assert len(answers) == 2, "every connection landed on one process"
+        assert len(set(answers.values())) == 1, answers
+        tokens_by = {
+            (lb["pid"], lb["source"]): v
+            for lb, v in w.metrics()["maasd_worker_prompt_tokens_total"]
+        }
+        restored = {pid: tokens_by.get((pid, "restored"), 0.0) for pid in answers}
+        evaluated = {pid: tokens_by.get((pid, "evaluated"), 0.0) for pid in answers}
+        # One process evaluated the prompt; the other restored (nearly) all of it from maasd.
+        first, second = sorted(answers, key=lambda pid: -evaluated[pid])
+        assert restored[first] == 0.0
+        assert restored[second] >= 64, (restored, evaluated)
+        assert evaluated[second] < evaluated[first]
+    finally:
+        assert w.stop() == 0

@@ -161,6 +161,10 @@ def test_the_worker_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Any)
         (["--model", "/"], "--model /: is a directory"),
         (["--model", "/dev/null"], "--model /dev/null: not a GGUF file"),
         (["--model", "/dev/null", "--port", "70000"], "--port must be 0-65535, not 70000"),
+        (["--model", "m", "--maasd-url", "http://[::1"], "--maasd-url http://[::1: not a URL"),
+        (["--model", "m", "--maasd-url", "localhost:7878"], "not an http:// or https:// URL"),
+        (["--model", "m", "--maasd-url", "ftp://h"], "not an http:// or https:// URL"),
+        (["--model", "m", "--graceful-timeout", "-1"], "--graceful-timeout must be 0 or more"),
     ],
 )
 def test_a_bad_worker_command_line_exits_2(
