@@ -85,6 +85,14 @@ class LlamaSeqAdapter:
             ll.llama_kv_self_seq_pos_max(self._ctx, seq_id)
         )
 
+    def n_ctx(self) -> int:
+        """The context's size in tokens: the ``n_ctx`` the ``Llama`` was made with (the size
+        of its ``input_ids``), which llama.cpp may pad (to 256 tokens): a state of more
+        tokens than the ``Llama`` holds can load into llama.cpp's cache all the same."""
+        n = int(self._ll.llama_n_ctx(self._ctx))
+        ids = getattr(self.model, "input_ids", None)
+        return n if ids is None else min(n, len(ids))
+
     def n_swa(self) -> int:
         """The model's sliding-window size (0: no sliding window)."""
         if not hasattr(self._ll, "llama_model_n_swa"):

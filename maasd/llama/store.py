@@ -263,6 +263,9 @@ class KVStore:
         if hdr.n_tokens < matched or not np.array_equal(hdr.tokens[:matched], arr[:matched]):
             logger.warning("kv entry refused: its tokens do not match its key")
             return 0, False
+        if hdr.n_tokens > self.seq.n_ctx():  # llama.cpp's padded cache might take it
+            logger.info("kv entry of %d tokens: larger than this context", hdr.n_tokens)
+            return 0, False
         # An immutable entry was whole when it was committed and no one can change it
         # since: only an entry others may still write needs its state hashed.
         if not self.entries.immutable and state_crc(view, hdr) != hdr.state_crc:
