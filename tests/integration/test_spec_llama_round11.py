@@ -382,3 +382,103 @@ def test_two_processes_on_one_port_the_second_restores_what_the_first_computed(
         assert evaluated[second] < evaluated[first]
     finally:
         assert w.stop() == 0
+
+
+def test_maasd_cache_never_restores_another_tenants_forgeries_of_its_keys(
+    daemon: Any, gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    from llama_model import GERMANY
+    from maasd.llama import MaasdCache
+
+    a, b = two
+    cache_a = MaasdCache(gemma, daemon.url, daemon.socket_path, a.key)
+    cache_b = MaasdCache(gemma, daemon.url, daemon.socket_path, b.key, pool=None)
+    try:
+        gemma.reset()
+        gemma.set_cache(cache_a)
+        want = gemma.create_completion(GERMANY, max_tokens=2, temperature=0)["choices"][0]
+        assert cache_a.stats.saves["saved"] >= 1
+        saved = [e for e in a.client.buffers() if e.key]
+        assert saved
+        # B publishes, under each of A's key strings, A's entry cut short.
+        for e in saved:
+            raw, hdr = _state_of(a.worker, e.id)
+            state = raw[hdr.header_len : hdr.header_len + hdr.state_len]
+            cut = _entry(hdr.fingerprint, hdr.tokens.tolist(), state[: len(state) * 2 // 3])
+            assert e.key is not None
+            assert _publish(b.worker, e.key, cut).key == e.key
+        gemma.reset()
+        gemma.set_cache(cache_b)
+        got = gemma.create_completion(GERMANY, max_tokens=2, temperature=0)["choices"][0]
+        assert cache_b.stats.lookups["refused"] == 1
+        assert cache_b.stats.restored_tokens == 0
+        assert got["text"] == want["text"]
+        gemma.reset()
+        gemma.set_cache(cache_a)  # A still finds its own
+        got = gemma.create_completion(GERMANY, max_tokens=2, temperature=0)["choices"][0]
+        assert cache_a.stats.lookups["hit"] == 1
+        assert cache_a.stats.restored_tokens >= 64
+        assert got["text"] == want["text"]
+    finally:
+        gemma.set_cache(None)
+        cache_a.close()
+        cache_b.close()
+
+
+def test_kvstore_pool_sends_entries_there_and_a_pool_it_lacks_is_a_typed_error(
+    daemon: Any, gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    from maasd.client.errors import MaasdClientError, NotFound
+
+    a, _ = two
+    name = f"kv-{uuid.uuid4().hex[:6]}"
+    body = {"name": name, "numa_node": 0, "capacity_bytes": 64 << 20, "backing": "memfd"}
+    r = daemon.admin.post("/v1/pools", json=body)
+    assert r.status_code == 201, r.text
+    pool_id = r.json()["id"]
+    toks = tokens(gemma, 41, 40)
+    gemma.reset()
+    gemma.eval(toks)
+    saved = KVStore(a.client, a.worker, gemma, name).save(0, toks)
+    assert isinstance(saved, Buffer)
+    assert saved.pool_id == pool_id
+    assert KVStore(a.client, a.worker, gemma).restore(0, toks) == 40  # found whatever the pool
+    gemma.reset()
+    gemma.eval(toks[:20])
+    with pytest.raises(MaasdClientError) as info:
+        KVStore(a.client, a.worker, gemma, "no-such-pool").save(0, toks[:20])
+    assert isinstance(info.value, NotFound), info.value
+    assert a.client.lookup([KVStore(a.client, a.worker, gemma).key(toks[:20])]) is None
+
+
+def test_a_prefix_longer_than_the_restoring_context_is_a_miss(
+    gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    # n_ctx is not in the fingerprint (states move between context sizes): a state that
+    # does not fit must be a clean miss, and the small model must go on working.
+    a, _ = two
+    small = llama_cpp.Llama(
+        gemma.model_path,
+        n_ctx=64,
+        n_batch=64,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        verbose=False,
+    )
+    try:
+        assert model_fingerprint(small) == model_fingerprint(gemma)
+        toks = tokens(gemma, 51, 128)
+        gemma.reset()
+        gemma.eval(toks)
+        assert KVStore(a.client, a.worker, gemma).save(0, toks) is not None
+        kv = KVStore(a.client, a.worker, small)
+        assert kv.restore(0, toks) == 0
+        assert small.n_tokens == 0
+        assert kv.seq.seq_pos_range(0)[1] == -1
+        small.eval(toks[:8])
+        want = last_logits(small)
+        small.reset()
+        small.eval(toks[:8])
+        np.testing.assert_array_equal(last_logits(small), want)
+    finally:
+        small.close()
