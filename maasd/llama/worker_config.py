@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -188,10 +189,12 @@ def model_file_problem(path: str) -> str | None:
     a bad ``--model`` is one line before any process starts rather than a traceback of
     each process's llama.cpp load."""
     try:
+        if os.path.isdir(path):
+            return f"--model {path}: is a directory, not a GGUF file"
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the open
+            return f"--model {path}: not a regular file"
         with open(path, "rb") as f:
             magic = f.read(4)
-    except IsADirectoryError:
-        return f"--model {path}: is a directory, not a GGUF file"
     except OSError as exc:
         return f"--model {path}: cannot read it: {exc.strerror or exc}"
     if magic != b"GGUF":

@@ -225,12 +225,14 @@ def test_maasd_cache_takes_its_pool_by_keyword_only() -> None:
         ("missing.gguf", "cannot read it"),
         (".", "is a directory"),
         ("text.gguf", "not a GGUF file"),
+        ("fifo.gguf", "not a regular file"),  # whose open would block for ever
     ],
 )
 def test_a_model_path_the_worker_cannot_use_is_one_line_before_any_process(
     tmp_path: Path, model: str, says: str
 ) -> None:
     (tmp_path / "text.gguf").write_text("not a model\n")
+    os.mkfifo(tmp_path / "fifo.gguf")
     p = subprocess.run(
         worker_cmd(tmp_path / model, free_port(), "--processes", "2"),
         capture_output=True,
@@ -482,3 +484,36 @@ def test_a_prefix_longer_than_the_restoring_context_is_a_miss(
         np.testing.assert_array_equal(last_logits(small), want)
     finally:
         small.close()
+
+
+def test_a_state_saved_with_flash_attention_never_restores_wrong_without_it(
+    gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    # Flash attention stores V untransposed: the same fingerprint, but llama.cpp must
+    # refuse the other layout (a miss) or take it and answer as a recompute would.
+    a, _ = two
+    flash = llama_cpp.Llama(
+        gemma.model_path,
+        n_ctx=N_CTX,
+        n_batch=N_CTX,
+        n_threads=THREADS,
+        n_threads_batch=THREADS,
+        flash_attn=True,
+        verbose=False,
+    )
+    try:
+        toks, tail = tokens(gemma, 61, 40), tokens(gemma, 62, 6)[1:]
+        flash.eval(toks)
+        assert KVStore(a.client, a.worker, flash).save(0, toks) is not None
+        gemma.reset()
+        gemma.eval(toks)
+        gemma.eval(tail)
+        want = last_logits(gemma)
+        n = KVStore(a.client, a.worker, gemma).restore(0, toks)
+        if n:
+            gemma.eval(tail)
+            np.testing.assert_allclose(last_logits(gemma), want, atol=0.5)
+        else:
+            assert gemma.n_tokens == 0
+    finally:
+        flash.close()
