@@ -517,3 +517,38 @@ def test_a_state_saved_with_flash_attention_never_restores_wrong_without_it(
             assert gemma.n_tokens == 0
     finally:
         flash.close()
+
+
+def test_maasd_cache_a_saved_context_longer_than_the_restoring_one(
+    daemon: Any, gemma: Any, two: tuple[Tenant, Tenant]
+) -> None:
+    # An entry keyed at 64 tokens holds the whole context of the model that saved it
+    # (~110 tokens); a model of n_ctx 80 whose prompt shares those 64 finds it.
+    from llama_model import GERMANY
+    from maasd.llama import MaasdCache
+
+    a, _ = two
+    small = llama_cpp.Llama(
+        gemma.model_path, n_ctx=80, n_threads=THREADS, n_threads_batch=THREADS, verbose=False
+    )
+    short = GERMANY[: GERMANY.index("Austria")]
+    big_cache = MaasdCache(gemma, daemon.url, daemon.socket_path, a.key)
+    small_cache = MaasdCache(small, daemon.url, daemon.socket_path, a.key)
+    try:
+        assert 64 < len(small.tokenize(short.encode())) < 80
+        gemma.reset()
+        gemma.set_cache(big_cache)
+        gemma.create_completion(GERMANY, max_tokens=8, temperature=0)
+        assert big_cache.stats.saves["saved"] >= 1
+        small.set_cache(small_cache)
+        got = small.create_completion(short, max_tokens=3, temperature=0)["choices"][0]["text"]
+        assert small_cache.stats.lookups["miss"] == 0  # it found the 64-token entry
+        small.set_cache(None)
+        small.reset()
+        want = small.create_completion(short, max_tokens=3, temperature=0)["choices"][0]["text"]
+        assert got == want
+    finally:
+        gemma.set_cache(None)
+        big_cache.close()
+        small_cache.close()
+        small.close()
