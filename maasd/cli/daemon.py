@@ -456,7 +456,7 @@ def migrate(**flags: Any) -> None:
         raise click.ClickException(e.detail) from e
     try:
         store.upgrade()
-    except ConfigError as e:  # a ledger a newer maasd migrated
+    except MaasdError as e:  # a ledger a newer maasd migrated, or none reachable
         raise click.ClickException(e.detail) from e
     finally:
         store.dispose()

@@ -42,8 +42,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine
 
-from maasd.errors import ConfigError
-from maasd.store.base import OnDatabase
+from maasd.errors import ConfigError, LedgerUnavailable
+from maasd.store.base import OnDatabase, unavailable
 from maasd.store.buffers import BufferRepo, ReserveRepo
 from maasd.store.database import Database
 from maasd.store.engine import SchemaState, alembic_config, schema_state
@@ -129,6 +129,19 @@ class Store(OnDatabase):
         ledger at the newest schema (:meth:`schema_state`) is left as it is; one at a
         revision this maasd does not ship is :class:`~maasd.errors.ConfigError`.
         """
+        try:
+            self._upgrade(revision)
+        except (sa.exc.DBAPIError, sa.exc.TimeoutError) as exc:
+            # A database that cannot be reached at start (refused, no answer in
+            # db_connect_timeout_s) was a page of SQLAlchemy's traceback: one line.
+            why = unavailable(exc)
+            if why is None:
+                raise
+            raise LedgerUnavailable(f"the ledger database cannot serve now ({why})") from None
+        if revision == "head":
+            self.totals.mend_totals()
+
+    def _upgrade(self, revision: str) -> None:
         from alembic import command
 
         with self.db.write.begin() as conn:
@@ -148,8 +161,6 @@ class Store(OnDatabase):
                 )
             if revision != "head" or not state.at_head:
                 command.upgrade(alembic_config(connection=conn), revision)
-        if revision == "head":
-            self.totals.mend_totals()
 
     def schema_state(self) -> SchemaState:
         """Where the ledger's schema is against this maasd's migrations (read only: what
