@@ -235,3 +235,58 @@ def test_store_upgrade_of_an_unreachable_postgresql_is_ledger_unavailable() -> N
         store.dispose()
     assert "cannot be reached" in caught.value.detail
     assert "s3cretpw" not in caught.value.detail
+
+
+def test_dropping_a_deleted_tenants_l2_values_goes_in_batches_and_spares_the_others(
+    tmp_path: Path,
+) -> None:
+    """A tenant delete drops its L2 values: every one the accounting names (its LRU and
+    its sizes), none of another tenant's, in calls of at most ``DROP_BATCH`` values each
+    — one script over a tenant's 10^5 small values held Redis (every daemon's L2 calls)
+    for most of a second, past the caller's own timeout."""
+    pytest.importorskip("redis", reason="needs the l2 extra (redis-py)")
+    from redisdb import REDIS_SERVER, RedisServer
+
+    if REDIS_SERVER is None:
+        pytest.skip("no redis-server on PATH")
+    from maasd.l2 import client, codec
+
+    server = RedisServer(tmp_path).start()
+    try:
+        raw = server.client()
+        gone, kept = codec.Keys("maasd", "gone"), codec.Keys("maasd", "kept")
+        count = 3 * client.DROP_BATCH + 7
+        pipe = raw.pipeline(transaction=False)
+        for i in range(count):
+            name = gone.entry(f"k{i}")
+            pipe.set(name, b"v")
+            pipe.hset(gone.sizes, name, 1)
+            pipe.zadd(gone.lru, {name: i})
+        for i in range(5):  # named by the sizes only (a hand-edited accounting)
+            pipe.set(gone.entry(f"s{i}"), b"v")
+            pipe.hset(gone.sizes, gone.entry(f"s{i}"), 1)
+        pipe.set(gone.bytes, count + 5)
+        pipe.set(kept.entry("k0"), b"w")
+        pipe.hset(kept.sizes, kept.entry("k0"), 1)
+        pipe.zadd(kept.lru, {kept.entry("k0"): 1})
+        pipe.execute()
+        l2 = client.RedisL2(server.url, timeout_s=5.0, connections=2, prefix="maasd")
+        script = l2._drop_tenant
+        calls: list[int] = []
+
+        def counted(**kw: object) -> object:
+            n = script(**kw)  # type: ignore[arg-type]
+            calls.append(int(n))
+            assert int(n) <= client.DROP_BATCH
+            return n
+
+        l2._drop_tenant = counted  # type: ignore[assignment]
+        assert l2.drop_tenant("gone") == count + 5
+        assert len(calls) > 4  # batches, then the -1 that ends them
+        assert calls[-1] == -1
+        left = sorted(k.decode() for k in raw.keys("*"))
+        assert left == sorted([kept.entry("k0"), kept.lru, kept.sizes]), left
+        assert l2.drop_tenant("gone") == 0  # again: nothing, no error
+        l2.close()
+    finally:
+        server.stop()
