@@ -8,6 +8,7 @@ Daemons are real ``maasd serve`` subprocesses (``tests/conftest.py``).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -290,3 +291,49 @@ def test_dropping_a_deleted_tenants_l2_values_goes_in_batches_and_spares_the_oth
         l2.close()
     finally:
         server.stop()
+
+
+def test_a_sigterm_while_the_start_waits_for_the_ledger_still_ends_with_its_error(
+    tmp_path: Path,
+) -> None:
+    """A SIGTERM while ``maasd serve`` waits on a PostgreSQL that never answers (the
+    daemon's connection accepted, nothing said) is remembered, not a kill: the start
+    then fails as it would have, one ``Error:`` line and exit 1, nothing left behind
+    (no socket, the data dir lock released: a second start says the same)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(60)
+    port = listener.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAASD_")}
+    env.update(
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        MAASD_DATA_DIR=str(tmp_path),
+        MAASD_ADMIN_KEY="maasd_admin_" + "k" * 32,
+        MAASD_LATENCY_PROBE="false",
+        MAASD_DB_CONNECT_TIMEOUT_S="2",
+        MAASD_DB_URL=f"postgresql+psycopg://maasd:s3cretpw@127.0.0.1:{port}/maasd",
+    )
+    held: list[socket.socket] = []
+    try:
+        for _ in range(2):
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            conn, _addr = listener.accept()  # the startup's ledger connection: handlers set
+            held.append(conn)
+            proc.send_signal(signal.SIGTERM)
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 1, out
+            assert "Traceback" not in out, out
+            assert "cannot start: the ledger database cannot serve now" in out, out
+            assert "SIGTERM while starting" in out, out
+            assert not (tmp_path / "maasd.sock").exists()
+    finally:
+        for conn in held:
+            conn.close()
+        listener.close()
