@@ -48,6 +48,7 @@ __all__ = [
     "NO_NUL_PATTERN",
     "NO_NUL_RULE",
     "PATH_PATTERN",
+    "PATH_RULE",
     "ApiKey",
     "Backing",
     "BufferKind",
@@ -150,6 +151,8 @@ MAX_PATH = 4096
 #: An absolute path without a NUL byte (the kernel refuses those; Python raises on them).
 #: ``\x00`` means the same to Python's ``re`` and to JSON Schema's ECMA-262 regexes.
 PATH_PATTERN = r"^/[^\x00]*$"
+#: :data:`PATH_PATTERN` in words.
+PATH_RULE = "an absolute path (beginning with '/') without a NUL character (\\u0000)"
 #: Text the ledger stores or is asked about (labels, keys, ids, references): no NUL byte.
 #: PostgreSQL's text cannot hold one — its driver refuses the whole statement, a 500 —
 #: and SQLite's would then hold what PostgreSQL's cannot: refused on both, a 400.
@@ -238,8 +241,8 @@ EventKind = Literal[
 
 
 def explain(message: str) -> str:
-    """A msgspec validation ``message`` with :data:`NAME_PATTERN` and
-    :data:`NO_NUL_PATTERN` said in words.
+    """A msgspec validation ``message`` with :data:`NAME_PATTERN`, :data:`PATH_PATTERN`
+    and :data:`NO_NUL_PATTERN` said in words.
 
     >>> try:
     ...     msgspec.json.decode(b'{"name": "no/slash"}', type=dict[str, Name])
@@ -248,6 +251,7 @@ def explain(message: str) -> str:
     True
     """
     message = message.replace(f"`str` matching regex {NAME_PATTERN!r}", NAME_RULE)
+    message = message.replace(f"`str` matching regex {PATH_PATTERN!r}", PATH_RULE)
     return message.replace(f"`str` matching regex {NO_NUL_PATTERN!r}", NO_NUL_RULE)
 
 

@@ -77,6 +77,7 @@ def test_nul_bytes_anywhere_a_client_can_put_them_are_4xx_on_postgresql(
         answers.append(c.delete("/v1/entries", params={"key": "a\x00"}))
     for r in answers:
         assert 400 <= r.status_code < 500, (r.request.url, r.status_code, r.text)
+        assert "matching regex" not in r.text, r.text  # said in words
     # A NUL escaped twice (%2500) is the text "%00": a miss, not a refusal or a 500.
     r = a.get("/v1/buffers?tenant_id=%2500")
     assert r.status_code == 404, r.text
@@ -337,3 +338,15 @@ def test_a_sigterm_while_the_start_waits_for_the_ledger_still_ends_with_its_erro
         for conn in held:
             conn.close()
         listener.close()
+
+
+def test_a_path_refused_by_its_bounds_is_said_in_words() -> None:
+    """A ``spill_dir`` (REST body or config file) that is no absolute path, or holds a
+    NUL, is refused naming the rule, not msgspec's regex (as names and NUL-free text)."""
+    from maasd import bounds
+
+    for raw in (b'{"d": "/a\\u0000b"}', b'{"d": "relative"}'):
+        with pytest.raises(msgspec.ValidationError) as caught:
+            msgspec.json.decode(raw, type=dict[str, bounds.SpillDir])
+        said = bounds.explain(str(caught.value))
+        assert said.startswith(f"Expected {bounds.PATH_RULE}"), said
