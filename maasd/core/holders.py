@@ -115,15 +115,9 @@ def holder_pids(inodes: Iterable[int], proc: str = "/proc") -> dict[int, list[in
         if not name.isdigit() or int(name) == me:
             continue
         pid = int(name)
-        try:
-            for fd in os.listdir(f"{proc}/{name}/fd"):
-                with contextlib.suppress(OSError):
-                    if os.readlink(f"{proc}/{name}/fd/{fd}").startswith("/memfd:"):
-                        ino = os.stat(f"{proc}/{name}/fd/{fd}").st_ino
-                        if ino in found:
-                            found[ino].add(pid)
-        except OSError:
-            pass  # gone, or not ours to read
+        for ino in _fd_inodes(f"{proc}/{name}"):
+            if ino in found:
+                found[ino].add(pid)
         with contextlib.suppress(OSError), open(f"{proc}/{name}/maps") as maps:
             for line in maps:
                 parts = line.split(maxsplit=5)
@@ -132,6 +126,27 @@ def holder_pids(inodes: Iterable[int], proc: str = "/proc") -> dict[int, list[in
                     if ino in found:
                         found[ino].add(pid)
     return {i: sorted(p) for i, p in found.items()}
+
+
+def _fd_inodes(process: str) -> set[int]:
+    """The inodes of the memfds a process's fds name — in every fd table of it: a thread
+    that ``unshare(CLONE_FILES)`` has one of its own, which ``/proc/<pid>/fd`` (the
+    leader's) does not show, ``/proc/<pid>/task/<tid>/fd`` does."""
+    try:
+        tables = [f"{process}/task/{tid}/fd" for tid in os.listdir(f"{process}/task")]
+    except OSError:
+        tables = [f"{process}/fd"]  # gone, or not ours to read: tried as it was
+    inodes: set[int] = set()
+    for table in tables:
+        try:
+            fds = os.listdir(table)
+        except OSError:
+            continue  # gone, or not ours to read
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                if os.readlink(f"{table}/{fd}").startswith("/memfd:"):
+                    inodes.add(os.stat(f"{table}/{fd}").st_ino)
+    return inodes
 
 
 class Counts:

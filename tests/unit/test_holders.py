@@ -255,3 +255,40 @@ def test_held_entries_by_tenant_and_pool_and_who_holds_them(holders: Holders) ->
 class _Region:
     def __init__(self, fd: int) -> None:
         self.fd, self.size = fd, SIZE
+
+
+def test_a_thread_with_a_fd_table_of_its_own_is_found_holding() -> None:
+    """``/proc/<pid>/fd`` shows the leader's fd table only: a thread that unshared its own
+    (``CLONE_FILES``) and keeps the fd is found through ``/proc/<pid>/task/<tid>/fd``."""
+    memfd = os.memfd_create("t", os.MFD_CLOEXEC)
+    os.ftruncate(memfd, SIZE)
+    inode = os.fstat(memfd).st_ino
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        import ctypes
+
+        os.close(r)
+        libc = ctypes.CDLL(None, use_errno=True)
+        unshared = threading.Event()
+
+        def keeper() -> None:
+            libc.unshare(0x400)  # CLONE_FILES: a copy of the table, the memfd in it
+            unshared.set()
+            time.sleep(30)  # killed by the test
+
+        threading.Thread(target=keeper, daemon=True).start()
+        unshared.wait()
+        os.close(memfd)  # gone from the leader's table
+        os.write(w, b"t")
+        time.sleep(30)
+        os._exit(0)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"t"
+        os.close(memfd)
+        assert holder_pids([inode]) == {inode: [pid]}
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(r)
