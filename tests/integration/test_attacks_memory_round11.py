@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from conftest import Daemon
 from hardening import after_attack, tenant_usage
-from maasd.protocol import Detach, Ok
+from maasd.protocol import Detach, Error, Ok, Put
 from rawentries import connect, pattern, put_committed
 from sockpeer import lookup as raw_lookup
 from waiting import wait_until
@@ -318,7 +320,7 @@ def test_a_private_writable_mapping_changes_nothing_and_counts_until_unmapped(da
 
 _MAP_FORK_EXIT = """
 import json, mmap, os, sys
-from maasd.protocol import Detach, Ok
+from maasd.protocol import Detach, Error, Ok, Put
 from rawentries import connect, pattern, put_committed
 from sockpeer import lookup
 r = connect(type("D", (), {{"socket_path": {sock!r}}})(), {key!r})
@@ -501,3 +503,210 @@ def test_an_fd_in_flight_in_a_socket_counts_and_goes_with_the_socket(daemon: Dae
     finally:
         r.close()
     after_attack(daemon)
+
+
+# --- a second release of an entry already released and held ------------------------------
+
+
+@pytest.mark.parametrize("who", ["tenant", "admin"])
+def test_a_second_delete_of_a_held_entry_keeps_it_counted(daemon: Daemon, who: str):
+    """The entry is released and held; its id is DELETEd again (by its tenant, to whom it
+    is gone, or by the admin, who still lists it ``releasing``). Its memory is still
+    resident: the row must stay, counted, until the holder lets go."""
+    quota, size = 8 * MiB, 4 * MiB
+    tenant_id, key = daemon.tenant(f"twice-{who}", quota)
+    r = connect(daemon, key)
+    fd = -1
+    try:
+        bid = put_committed(r, "e", pattern(size, 30))
+        found, fd = raw_lookup(r, ["e"])
+        assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
+        _release(daemon, key, bid)
+        _expect(daemon, tenant_id, key, size, 1)
+        if who == "tenant":
+            with daemon.client(key) as c:
+                assert c.delete(f"/v1/buffers/{bid}").status_code == 404
+        else:
+            again = daemon.admin.delete(f"/v1/buffers/{bid}")
+            assert again.status_code in (204, 404, 409), again.text
+        assert daemon.admin.get(f"/v1/buffers/{bid}").json()["state"] == "releasing"
+        _expect(daemon, tenant_id, key, size, 1)
+        assert _held_pids(daemon, tenant_id) == {bid: [os.getpid()]}
+        assert _reserve(daemon, key, quota - size + PAGE) == 409
+        os.close(fd)
+        fd = -1
+        wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == 0, message="freed")
+        _expect(daemon, tenant_id, key, 0, 0)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        r.close()
+    after_attack(daemon)
+
+
+# --- many held entries, their holder killed ------------------------------------------------
+
+
+_KEEP_MANY = """
+import json, sys
+from maasd.protocol import Detach, Error, Ok, Put
+from rawentries import connect, pattern, put_committed
+from sockpeer import lookup
+r = connect(type("D", (), {{"socket_path": {sock!r}}})(), {key!r})
+ids, kept = [], []
+for i in range({n}):
+    bid = put_committed(r, f"e{{i}}", pattern({size}, i))
+    found, fd = lookup(r, [f"e{{i}}"])
+    assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
+    ids.append(bid)
+    kept.append(fd)
+print(json.dumps({{"ids": ids}}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_quota_of_small_held_entries_comes_back_at_once_when_their_holder_is_killed(
+    daemon: Daemon,
+):
+    """64 entries fill the quota, all released, all held by one process: every surface
+    says the quota is held and nothing more is admitted; the holder is killed (64 inodes
+    end at once) and every byte comes back, the quota reservable again whole."""
+    n, size = 64, 128 << 10
+    quota = n * size
+    tenant_id, key = daemon.tenant("many-held", quota)
+    proc = _spawn(_KEEP_MANY.format(sock=daemon.socket_path, key=key, size=size, n=n))
+    try:
+        out = _first_line(proc)
+        assert len(out["ids"]) == n
+        _expect(daemon, tenant_id, key, 0, n, used=quota)
+        for bid in out["ids"]:
+            _release(daemon, key, bid)
+        _expect(daemon, tenant_id, key, quota, n)
+        held = _held_pids(daemon, tenant_id)
+        assert held == {bid: [proc.pid] for bid in out["ids"]}
+        assert _reserve(daemon, key, PAGE) == 409
+        r = connect(daemon, key)  # and no entry either
+        try:
+            reply, _fds = r.call(Put(key="one-more", size_bytes=PAGE))
+            assert isinstance(reply, Error), reply
+            assert reply.status == 409, reply
+        finally:
+            r.close()
+        _expect(daemon, tenant_id, key, quota, n)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == 0, message="all freed")
+    _expect(daemon, tenant_id, key, 0, 0)
+    assert _held_pids(daemon, tenant_id) == {}
+    assert _reserve(daemon, key, quota) == 201
+    events = daemon.admin.get("/v1/events", params={"tenant_id": tenant_id}).json()
+    released = [e for e in events if e["kind"] == "release" and e["buffer_id"] in out["ids"]]
+    assert len(released) == n
+    after_attack(daemon)
+
+
+# --- a pool's capacity minus what is held ---------------------------------------------------
+
+
+def test_held_entries_count_in_their_pool_against_another_tenant(daemon: Daemon):
+    """One tenant's released entries, held, fill half of a shared memfd pool: the pool's
+    record and its metric say so, and another tenant gets exactly the rest (507 beyond)."""
+    cap, size = 16 * MiB, 4 * MiB
+    pool = daemon.pool(f"held-pool-{os.getpid()}", cap)
+    tenant_id, key = daemon.tenant("pool-keeper", 64 * MiB)
+    _other_id, other = daemon.tenant("pool-other", 64 * MiB)
+    r = connect(daemon, key)
+    fds: list[int] = []
+    try:
+        for i in range(2):
+            bid = put_committed(r, f"e{i}", pattern(size, 40 + i), pool["id"])
+            found, fd = raw_lookup(r, [f"e{i}"])
+            fds.append(fd)
+            assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
+            _release(daemon, key, bid)
+        info = daemon.admin.get(f"/v1/pools/{pool['id']}").json()
+        assert (info["used_bytes"], info["held_bytes"]) == (2 * size, 2 * size), info
+        assert info["free_bytes"] == cap - 2 * size, info
+        assert daemon.metric("maasd_held_bytes", tenant=tenant_id, pool=pool["id"]) == 2 * size
+        with daemon.client(other) as c:
+            url = f"/v1/pools/{pool['id']}/reserve"
+            over = c.post(url, json={"size_bytes": cap - 2 * size + PAGE})
+            assert over.status_code == 507, over.text
+            fits = c.post(url, json={"size_bytes": cap - 2 * size})
+            assert fits.status_code == 201, fits.text
+            assert c.delete(f"/v1/buffers/{fits.json()['id']}").status_code == 204
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        wait_until(
+            lambda: daemon.admin.get(f"/v1/pools/{pool['id']}").json()["used_bytes"] == 0,
+            message="the pool's held bytes freed",
+        )
+        assert daemon.metric("maasd_held_bytes", tenant=tenant_id, pool=pool["id"]) == 0
+        with daemon.client(other) as c:
+            whole = c.post(f"/v1/pools/{pool['id']}/reserve", json={"size_bytes": cap})
+            assert whole.status_code == 201, whole.text
+            assert c.delete(f"/v1/buffers/{whole.json()['id']}").status_code == 204
+    finally:
+        for fd in fds:
+            os.close(fd)
+        r.close()
+        daemon.admin.delete(f"/v1/pools/{pool['id']}", params={"drain": "true"})
+    after_attack(daemon)
+
+
+# --- a daemon killed while a worker keeps an entry -------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["live", "released"])
+def test_a_kill_while_a_worker_keeps_an_entry_leaks_nothing_in_the_ledger(
+    fresh_daemon: Daemon, state: str
+):
+    """SIGKILL while a worker keeps an entry (live, or released and held), then a restart:
+    the fresh daemon never had the old memfd, so the row is released and nothing stays
+    counted; the tenant gets its whole quota, and a new entry under the same key is a
+    memfd of its own (the kept fd does not see it)."""
+    d = fresh_daemon.start()
+    quota, size = 8 * MiB, 4 * MiB
+    tenant_id, key = d.tenant(f"killed-{state}", quota)
+    data = pattern(size, 50)
+    r = connect(d, key)
+    bid = put_committed(r, "e", data)
+    _found, fd = raw_lookup(r, ["e"])
+    try:
+        if state == "released":
+            _release(d, key, bid)
+            _expect(d, tenant_id, key, size, 1)
+        d.kill()
+        r.close()
+        d.start()
+        _expect(d, tenant_id, key, 0, 0)
+        assert d.admin.get(f"/v1/buffers/{bid}").status_code == 404
+        assert _reserve(d, key, quota) == 201
+        r = connect(d, key)
+        new = put_committed(r, "e", pattern(size, 51))
+        assert new != bid
+        assert os.fstat(fd).st_ino not in _daemon_inodes(d, new)
+        kept = os.pread(fd, PAGE, 0)
+        assert kept == (bytes(PAGE) if state == "released" else data[:PAGE])
+    finally:
+        os.close(fd)
+        r.close()
+    after_attack(d)
+
+
+def _daemon_inodes(d: Daemon, buffer_id: str) -> set[int]:
+    """The inodes of the daemon's memfds named after ``buffer_id`` (/proc/<daemon>/fd)."""
+    from hardening import memfd_of
+
+    assert d.proc is not None
+    name = memfd_of(d.proc.pid, buffer_id)
+    inodes = set()
+    for fd in os.listdir(f"/proc/{d.proc.pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{d.proc.pid}/fd/{fd}") == name:
+                inodes.add(os.stat(f"/proc/{d.proc.pid}/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    return inodes
