@@ -42,9 +42,9 @@ from collections.abc import Callable
 import msgspec
 
 from maasd.core.attachments import Attachments
-from maasd.core.holders import Holders
+from maasd.core.holders import HeldAfterRelease, Holders
 from maasd.core.release import Releaser
-from maasd.errors import PoolExhausted, QuotaExceeded
+from maasd.errors import BufferCountExceeded, PoolExhausted, QuotaExceeded
 from maasd.store import BufferRow, ReserveRepo, must_last
 from maasd.tenancy import keys
 
@@ -94,8 +94,14 @@ def admit(
                 prefer_not=attached,
                 default_cap=default_cap,
             )
-        except (QuotaExceeded, PoolExhausted) as e:
+        except (QuotaExceeded, PoolExhausted, BufferCountExceeded) as e:
             if not held:
+                of_pool = isinstance(e, PoolExhausted)
+                note = _held_after_release(
+                    holders.held_by(), row.pool_id if of_pool else row.tenant_id, of_pool
+                )
+                if note:
+                    raise type(e)(f"{e.detail}; {note}") from e
                 raise
             raise type(e)(f"{e.detail}; {_still_held(held)}") from e
         uses.clear()
@@ -128,4 +134,18 @@ def _still_held(held: list[BufferRow]) -> str:
     return (
         f"{len(held)} evicted entries ({sum(v.size_bytes for v in held)} bytes) are still "
         "held open by workers and count until every fd and mapping of them is closed"
+    )
+
+
+def _held_after_release(held: list[HeldAfterRelease], owner: str, pool: bool) -> str:
+    """What a refusal should also say when part of what a tenant (or, ``pool``, a pool)
+    ``owner`` is counted for is released entries workers still hold: its owner sees none
+    of them."""
+    mine = [h for h in held if (h.pool_id if pool else h.tenant_id) == owner]
+    if not mine:
+        return ""
+    return (
+        f"{len(mine)} of them ({sum(h.size_bytes for h in mine)} bytes) are released "
+        "entries still held open by workers, counted until every fd and mapping of them "
+        "is closed (the admin's `maasctl buffers list --held` names the processes)"
     )

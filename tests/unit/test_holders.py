@@ -292,3 +292,20 @@ def test_a_thread_with_a_fd_table_of_its_own_is_found_holding() -> None:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
         os.close(r)
+
+
+def test_a_refusal_names_the_held_entries_of_its_tenant_or_its_pool() -> None:
+    """What a 409/507 adds when released entries still held fill the tenant or the pool
+    (:mod:`maasd.core.room`): the tenant's for a quota or count, the pool's for capacity."""
+    from maasd.core.holders import HeldAfterRelease
+    from maasd.core.room import _held_after_release
+
+    held = [
+        HeldAfterRelease("a", "t1", "p1", 100),
+        HeldAfterRelease("b", "t1", "p2", 50),
+        HeldAfterRelease("c", "t2", "p1", 10),
+    ]
+    assert _held_after_release(held, "t1", pool=False).startswith("2 of them (150 bytes)")
+    assert _held_after_release(held, "p1", pool=True).startswith("2 of them (110 bytes)")
+    assert _held_after_release(held, "t3", pool=False) == ""
+    assert _held_after_release([], "p1", pool=True) == ""
