@@ -710,3 +710,94 @@ def _daemon_inodes(d: Daemon, buffer_id: str) -> set[int]:
         except OSError:
             pass
     return inodes
+
+
+# --- an entry restored from its checkpoint at a start -----------------------------------------
+
+
+def test_a_persistent_entry_restored_at_a_start_counts_when_held_after_release(
+    fresh_daemon: Daemon,
+):
+    """A persistent entry is checkpointed, the daemon restarted (it comes back in a
+    fresh memfd), then looked up, kept and released: held, it counts like any other,
+    and reads zeros (SPEC §2: 1, 4)."""
+    d = fresh_daemon.start()
+    quota, size = 8 * MiB, 4 * MiB
+    d.pool("keep", 32 * MiB, persistence="persistent")
+    tenant_id, key = d.tenant("restored-keeper", quota)
+    data = pattern(size, 60)
+    r = connect(d, key)
+    bid = put_committed(r, "e", data, "keep")
+    r.close()
+    with d.client(key) as c:
+        assert c.post(f"/v1/buffers/{bid}/checkpoint").status_code == 200
+    d.restart()
+    r = connect(d, key)
+    fd = -1
+    try:
+        found, fd = raw_lookup(r, ["e"])
+        assert found.buffer_id == bid
+        assert os.pread(fd, size, 0) == data
+        assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+        _expect(d, tenant_id, key, 0, 1, used=size)
+        _release(d, key, bid)
+        assert os.pread(fd, PAGE, 0) == bytes(PAGE)
+        _expect(d, tenant_id, key, size, 1)
+        assert _held_pids(d, tenant_id) == {bid: [os.getpid()]}
+        assert _reserve(d, key, quota - size + PAGE) == 409
+        os.close(fd)
+        fd = -1
+        wait_until(lambda: tenant_usage(d, key)["used_bytes"] == 0, message="freed")
+        _expect(d, tenant_id, key, 0, 0)
+        assert _reserve(d, key, quota) == 201
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        r.close()
+    after_attack(d)
+
+
+# --- what a refusal says when held entries fill the quota or the buffer cap --------------------
+
+
+def test_refusals_by_held_entries_say_so(daemon: Daemon):
+    """Released entries still held count in the quota and in ``max_buffers``; the tenant
+    lists none of them, so the 409 must say that held entries are what fills it."""
+    size = 64 << 10
+    tenant_id, key = daemon.tenant("held-refusals", 2 * size)
+    patched = daemon.admin.patch(f"/v1/tenants/{tenant_id}", json={"max_buffers": 2})
+    assert patched.status_code == 200, patched.text
+    r = connect(daemon, key)
+    fds: list[int] = []
+    try:
+        for i in range(2):
+            bid = put_committed(r, f"e{i}", pattern(size, 70 + i))
+            _found, fd = raw_lookup(r, [f"e{i}"])
+            fds.append(fd)
+            assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+            _release(daemon, key, bid)
+        _expect(daemon, tenant_id, key, 2 * size, 2)
+        with daemon.client(key) as c:
+            assert c.get("/v1/buffers").json() == []  # none of them is the tenant's to see
+            over = c.post("/v1/reserve", json={"size_bytes": size})
+            assert over.status_code == 409, over.text
+            assert over.json()["type"].endswith("quota-exceeded"), over.text
+            assert "2 of them (131072 bytes) are released entries still held" in over.text
+        assert daemon.admin.patch(
+            f"/v1/tenants/{tenant_id}", json={"quota_bytes": 64 * MiB}
+        ).is_success
+        reply, _fds = r.call(Put(key="n", size_bytes=PAGE))
+        assert isinstance(reply, Error), reply
+        assert reply.status == 409, reply
+        assert (reply.type or "").endswith("buffer-count-exceeded"), reply
+        assert "released entries still held" in reply.detail, reply
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        wait_until(lambda: tenant_usage(daemon, key)["buffers"] == 0, message="freed")
+        assert _reserve(daemon, key, 2 * size) == 201
+    finally:
+        for fd in fds:
+            os.close(fd)
+        r.close()
+    after_attack(daemon)
