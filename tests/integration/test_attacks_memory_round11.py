@@ -27,6 +27,7 @@ import pytest
 from conftest import Daemon
 from hardening import after_attack, tenant_usage
 from maasd.protocol import Detach, Error, Ok, Put
+from pgdb import PG_URL, fresh_pg_database
 from rawentries import connect, pattern, put_committed
 from sockpeer import lookup as raw_lookup
 from waiting import wait_until
@@ -801,3 +802,49 @@ def test_refusals_by_held_entries_say_so(daemon: Daemon):
             os.close(fd)
         r.close()
     after_attack(daemon)
+
+
+# --- held on one host, asked of another (a shared PostgreSQL ledger) ---------------------------
+
+
+@pytest.mark.skipif(not PG_URL, reason="MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
+def test_an_entry_held_on_one_host_counts_on_every_host(tmp_path: Path):
+    """Two daemons on one ledger: an entry released on host A and held by A's worker counts
+    in its tenant's quota on host B too — B refuses a reserve beyond the quota minus it —
+    while the held breakdown (``held_bytes``, ``--held``, the metric) is A's to report:
+    B, which never had the memfd, reports none of it. When the worker lets go, B gets the
+    whole quota."""
+    quota, size = 8 * MiB, 4 * MiB
+    with fresh_pg_database() as url:
+        hosts = [
+            Daemon(
+                tmp_path / name,
+                env={"MAASD_DB_URL": url, "MAASD_NODE_NAME": name, "MAASD_HOST_TIMEOUT_S": "3"},
+            )
+            for name in ("held-a", "held-b")
+        ]
+        try:
+            a, b = (d.start() for d in hosts)
+            tenant_id, key = a.tenant("two-hosts", quota)
+            r = connect(a, key)
+            bid = put_committed(r, "e", pattern(size, 80))
+            _found, fd = raw_lookup(r, ["e"])
+            try:
+                assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+                _release(a, key, bid)
+                _expect(a, tenant_id, key, size, 1)
+                assert _held_pids(a, tenant_id) == {bid: [os.getpid()]}
+                on_b = tenant_usage(b, key)
+                assert (on_b["used_bytes"], on_b["buffers"]) == (size, 1), on_b
+                assert on_b["held_bytes"] == 0, on_b  # not B's memfd: A reports it
+                assert _reserve(b, key, quota - size + PAGE) == 409
+                assert _reserve(b, key, quota - size) == 201
+            finally:
+                os.close(fd)
+                r.close()
+            wait_until(lambda: tenant_usage(b, key)["used_bytes"] == 0, message="freed")
+            _expect(a, tenant_id, key, 0, 0)
+            assert _reserve(b, key, quota) == 201
+        finally:
+            for d in hosts:
+                d.close()
