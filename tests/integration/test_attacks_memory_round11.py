@@ -13,7 +13,6 @@ Each test asserts what SPEC promises: a failure is a bug found.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import json
 import mmap
 import os
@@ -25,6 +24,8 @@ from typing import Any
 import pytest
 
 from conftest import Daemon
+from entry_probe import MAP_FAILED
+from entry_probe import libc as _libc  # mmap and munmap typed there; mremap below
 from hardening import after_attack, tenant_usage
 from maasd.protocol import Detach, Error, Ok, Put
 from pgdb import PG_URL, fresh_pg_database
@@ -36,16 +37,6 @@ MiB = 1 << 20
 PAGE = mmap.PAGESIZE
 TESTS = Path(__file__).resolve().parent.parent
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
 _libc.mremap.restype = ctypes.c_void_p
 _libc.mremap.argtypes = [
     ctypes.c_void_p,
@@ -54,10 +45,8 @@ _libc.mremap.argtypes = [
     ctypes.c_int,
     ctypes.c_void_p,
 ]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
-MAP_FAILED = ctypes.c_void_p(-1).value
 MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2
 MADV_DONTNEED, MADV_REMOVE = 4, 9
 SYS_PIDFD_GETFD = 438
