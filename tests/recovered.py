@@ -17,6 +17,23 @@ if TYPE_CHECKING:
     from conftest import Daemon
 
 
+#: A config of two pools on node 0, ``vol`` (volatile) and ``pers`` (persistent):
+#: ``POOLS.format(vol=…, pers=…)``.
+POOLS = """
+[[pools]]
+name = "vol"
+numa_node = 0
+capacity_bytes = {vol}
+persistence = "volatile"
+
+[[pools]]
+name = "pers"
+numa_node = 0
+capacity_bytes = {pers}
+persistence = "persistent"
+"""
+
+
 def ledger_totals(d: Daemon) -> int:
     """Check ledger = live buffers on every view the API gives; return the bytes in use."""
     buffers = d.admin.get("/v1/buffers")

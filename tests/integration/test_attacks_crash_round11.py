@@ -35,7 +35,7 @@ from maasd.client.errors import ConnectionFailed
 from maasd.protocol import Abort, Ok
 from pgdb import BACKENDS, fresh_pg_database
 from rawentries import connect, pattern, put, put_committed, write
-from recovered import ledger_totals, read_buffer, spill_ids, write_buffer
+from recovered import POOLS, ledger_totals, read_buffer, spill_ids, write_buffer
 from sockpeer import lookup
 from waiting import wait_until
 
@@ -43,20 +43,6 @@ if TYPE_CHECKING:
     from conftest import Daemon
 
 MiB = 1 << 20
-
-POOLS = """
-[[pools]]
-name = "vol"
-numa_node = 0
-capacity_bytes = {vol}
-persistence = "volatile"
-
-[[pools]]
-name = "pers"
-numa_node = 0
-capacity_bytes = {pers}
-persistence = "persistent"
-"""
 
 
 @pytest.fixture(params=BACKENDS)

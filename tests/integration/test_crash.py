@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from maasd.client import Worker
-from recovered import ledger_totals, read_buffer, write_buffer
+from recovered import POOLS, ledger_totals, read_buffer, write_buffer
 from waiting import wait_until
 
 if TYPE_CHECKING:
@@ -39,20 +39,6 @@ if TYPE_CHECKING:
 MiB = 1 << 20
 ROUNDS = 4
 CLIENTS = 6
-
-CONFIG = """
-[[pools]]
-name = "vol"
-numa_node = 0
-capacity_bytes = {vol}
-persistence = "volatile"
-
-[[pools]]
-name = "pers"
-numa_node = 0
-capacity_bytes = {pers}
-persistence = "persistent"
-"""
 
 
 class Churn:
@@ -161,7 +147,7 @@ def assert_recovered(
 def test_sigkill_under_load_then_restart(fresh_daemon, tmp_path: Path) -> None:
     d = fresh_daemon
     cfg = tmp_path / "maasd.toml"
-    cfg.write_text(CONFIG.format(vol=64 * MiB, pers=16 * MiB))
+    cfg.write_text(POOLS.format(vol=64 * MiB, pers=16 * MiB))
     d.env["MAASD_CONFIG"] = str(cfg)
     d.start()
     _, key = d.tenant("crash", 512 * MiB)
@@ -268,7 +254,7 @@ def test_sigkill_right_after_a_burst_of_volatile_saves(fresh_daemon, tmp_path: P
     checkpointed before the burst byte-identical."""
     d = fresh_daemon
     cfg = tmp_path / "maasd.toml"
-    cfg.write_text(CONFIG.format(vol=16 * MiB, pers=4 * MiB))
+    cfg.write_text(POOLS.format(vol=16 * MiB, pers=4 * MiB))
     d.env["MAASD_CONFIG"] = str(cfg)
     d.start()
     # A quota below what the burst saves: later puts evict the tenant's older entries.
