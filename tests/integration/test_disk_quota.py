@@ -101,7 +101,7 @@ def test_patch_lowers_the_disk_quota_from_the_next_demotion_on(
     wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) > before)
     wait_until(lambda: record(d, tenant_id)["disk_used_bytes"] <= MiB)
     r.close()
-    events = d.admin.get("/v1/events", params={"tenant": tenant_id}).json()
+    events = d.admin.get("/v1/events", params={"tenant_id": tenant_id}).json()
     assert any(e["kind"] == "disk_quota_set" and e["bytes"] == MiB for e in events)
 
 
