@@ -88,6 +88,16 @@ def l2_key(tenant_id: str, key: str) -> str:
     return codec.Keys("maasd", tenant_id).entry(key)
 
 
+def encoded(tenant_id: str, key: str, data: bytes) -> bytes:
+    """``data`` as a daemon writes it to L2 for the tenant's entry ``key`` (header + bytes):
+    what a test plants in Redis."""
+    from maasd.l2 import codec
+
+    buf = bytearray(codec.value_size(tenant_id, key, len(data)))
+    buf[len(buf) - len(data) :] = data
+    return bytes(codec.encode_into(buf, tenant_id, key))
+
+
 def in_l2(redis_server: RedisServer, tenant_id: str, key: str) -> bool:
     return bool(redis_server.client().exists(l2_key(tenant_id, key)))
 

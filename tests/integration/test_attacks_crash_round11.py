@@ -85,6 +85,18 @@ def _checkpointed(d: Daemon, c: httpx.Client, key: str, n: int, seed: int) -> di
     return out
 
 
+def _one_checkpointed(
+    d: Daemon, c: httpx.Client, key: str, pool: str, fill: bytes, *, ttl_s: int
+) -> dict[str, Any]:
+    """A 1 MiB buffer of ``pool`` filled with ``fill`` and checkpointed: the buffer."""
+    r = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": MiB, "ttl_s": ttl_s})
+    assert r.status_code == 201, r.text
+    write_buffer(d, key, r.json()["id"], fill * MiB)
+    ck = c.post(f"/v1/buffers/{r.json()['id']}/checkpoint")
+    assert ck.status_code == 200, ck.text
+    return dict(r.json())
+
+
 def _volatile(c: httpx.Client, n: int) -> list[str]:
     ids = []
     for _ in range(n):
@@ -186,9 +198,7 @@ def test_sigkill_during_a_persistent_pool_drain(
     _, key = d.tenant("drained", 256 * MiB)
     with d.client(key) as c:
         saved = _checkpointed(d, c, key, 32, seed=3)
-        kept = c.post("/v1/pools/keep/reserve", json={"size_bytes": MiB, "ttl_s": 3600}).json()
-        write_buffer(d, key, kept["id"], b"\x07" * MiB)
-        assert c.post(f"/v1/buffers/{kept['id']}/checkpoint").status_code == 200
+        kept = _one_checkpointed(d, c, key, "keep", b"\x07", ttl_s=3600)
 
     _kill_during(d, lambda: d.admin.delete("/v1/pools/pers", params={"drain": "true"}), delay)
     d.start()
@@ -388,9 +398,7 @@ def test_a_lease_that_ended_while_down_releases_the_persistent_buffer(
     d = _configured(fresh_daemon, tmp_path)
     _, key = d.tenant("lease", 64 * MiB)
     with d.client(key) as c:
-        short = c.post("/v1/pools/pers/reserve", json={"size_bytes": MiB, "ttl_s": 2}).json()
-        write_buffer(d, key, short["id"], b"\x05" * MiB)
-        assert c.post(f"/v1/buffers/{short['id']}/checkpoint").status_code == 200
+        short = _one_checkpointed(d, c, key, "pers", b"\x05", ttl_s=2)
         long_ = _checkpointed(d, c, key, 1, seed=6)
     d.kill()
     expires = time.time() + 2.5
@@ -587,9 +595,7 @@ def test_a_restored_persistent_buffer_is_scrubbed_on_every_kind_of_release(
     tenant_id, key = d.tenant("scrub", 64 * MiB)
     with d.client(key) as c:
         bufs = _checkpointed(d, c, key, 3, seed=7)
-        other = c.post("/v1/pools/pers2/reserve", json={"size_bytes": MiB, "ttl_s": 3600}).json()
-        write_buffer(d, key, other["id"], b"\x09" * MiB)
-        assert c.post(f"/v1/buffers/{other['id']}/checkpoint").status_code == 200
+        other = _one_checkpointed(d, c, key, "pers2", b"\x09", ttl_s=3600)
     d.kill()
     d.start()
     by_tenant, by_admin, by_delete = list(bufs)
@@ -954,9 +960,7 @@ def test_a_restored_persistent_buffer_whose_lease_ends_is_scrubbed(
     d = _configured(fresh_daemon, tmp_path)
     _, key = d.tenant("expiry", 64 * MiB)
     with d.client(key) as c:
-        b = c.post("/v1/pools/pers/reserve", json={"size_bytes": MiB, "ttl_s": 8}).json()
-        write_buffer(d, key, b["id"], b"\x0b" * MiB)
-        assert c.post(f"/v1/buffers/{b['id']}/checkpoint").status_code == 200
+        b = _one_checkpointed(d, c, key, "pers", b"\x0b", ttl_s=8)
     d.kill()
     d.start()
     with d.client(key) as c, Worker(d.socket_path, key, renew_interval_s=0) as w:

@@ -13,11 +13,13 @@ Each test asserts what SPEC promises: a failure is a bug found.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,26 @@ def _held_pids(d: Daemon, tenant_id: str) -> dict[str, list[int]]:
     return {
         b["id"]: b["holder_pids"] for b in json.loads(out.stdout) if b["tenant_id"] == tenant_id
     }
+
+
+def _counted_until_let_go(
+    d: Daemon,
+    tenant_id: str,
+    key: str,
+    bid: str,
+    quota: int,
+    size: int,
+    let_go: Callable[[], object],
+) -> None:
+    """The released entry ``bid`` (``size`` bytes), held by this process, counts in its
+    tenant's quota (held, named with this pid, a reserve past quota − size refused) until
+    ``let_go()``; then nothing of it is counted."""
+    _expect(d, tenant_id, key, size, 1)
+    assert _held_pids(d, tenant_id) == {bid: [os.getpid()]}
+    assert _reserve(d, key, quota - size + PAGE) == 409
+    let_go()
+    wait_until(lambda: tenant_usage(d, key)["used_bytes"] == 0, message="freed")
+    _expect(d, tenant_id, key, 0, 0)
 
 
 def _reserve(d: Daemon, key: str, size: int) -> int:
@@ -289,13 +311,8 @@ def test_a_private_writable_mapping_changes_nothing_and_counts_until_unmapped(da
         assert _libc.madvise(addr, size, MADV_REMOVE) != 0  # no punch of a sealed entry
         assert _libc.madvise(addr, size, MADV_DONTNEED) == 0
         assert mm[:PAGE] == bytes(PAGE)  # the copy dropped: the (scrubbed) entry again
-        _expect(daemon, tenant_id, key, size, 1)
-        assert _held_pids(daemon, tenant_id) == {bid: [os.getpid()]}
-        assert _reserve(daemon, key, quota - size + PAGE) == 409
-        mm.close()
+        _counted_until_let_go(daemon, tenant_id, key, bid, quota, size, mm.close)
         mm = None
-        wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == 0, message="freed")
-        _expect(daemon, tenant_id, key, 0, 0)
         assert _reserve(daemon, key, quota) == 201
     finally:
         if mm is not None:
@@ -520,13 +537,10 @@ def test_a_second_delete_of_a_held_entry_keeps_it_counted(daemon: Daemon, who: s
             again = daemon.admin.delete(f"/v1/buffers/{bid}")
             assert again.status_code in (204, 404, 409), again.text
         assert daemon.admin.get(f"/v1/buffers/{bid}").json()["state"] == "releasing"
-        _expect(daemon, tenant_id, key, size, 1)
-        assert _held_pids(daemon, tenant_id) == {bid: [os.getpid()]}
-        assert _reserve(daemon, key, quota - size + PAGE) == 409
-        os.close(fd)
+        _counted_until_let_go(
+            daemon, tenant_id, key, bid, quota, size, functools.partial(os.close, fd)
+        )
         fd = -1
-        wait_until(lambda: tenant_usage(daemon, key)["used_bytes"] == 0, message="freed")
-        _expect(daemon, tenant_id, key, 0, 0)
     finally:
         if fd >= 0:
             os.close(fd)
@@ -732,13 +746,8 @@ def test_a_persistent_entry_restored_at_a_start_counts_when_held_after_release(
         _expect(d, tenant_id, key, 0, 1, used=size)
         _release(d, key, bid)
         assert os.pread(fd, PAGE, 0) == bytes(PAGE)
-        _expect(d, tenant_id, key, size, 1)
-        assert _held_pids(d, tenant_id) == {bid: [os.getpid()]}
-        assert _reserve(d, key, quota - size + PAGE) == 409
-        os.close(fd)
+        _counted_until_let_go(d, tenant_id, key, bid, quota, size, functools.partial(os.close, fd))
         fd = -1
-        wait_until(lambda: tenant_usage(d, key)["used_bytes"] == 0, message="freed")
-        _expect(d, tenant_id, key, 0, 0)
         assert _reserve(d, key, quota) == 201
     finally:
         if fd >= 0:

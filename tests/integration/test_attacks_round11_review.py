@@ -45,6 +45,21 @@ def pg_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 @needs_pg
 @pytest.mark.postgres
+def _against_postgresql(data_dir: Path, port: int, *, connect_timeout_s: int) -> dict[str, str]:
+    """The environment of a ``maasd`` whose ledger is the PostgreSQL URL of loopback ``port``
+    (nothing of the test's own MAASD_* settings), with a password the log must never show."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAASD_")}
+    env.update(
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        MAASD_DATA_DIR=str(data_dir),
+        MAASD_ADMIN_KEY="maasd_admin_" + "k" * 32,
+        MAASD_LATENCY_PROBE="false",
+        MAASD_DB_CONNECT_TIMEOUT_S=str(connect_timeout_s),
+        MAASD_DB_URL=f"postgresql+psycopg://maasd:s3cretpw@127.0.0.1:{port}/maasd",
+    )
+    return env
+
+
 def test_nul_bytes_anywhere_a_client_can_put_them_are_4xx_on_postgresql(
     pg_daemon: Daemon,
 ) -> None:
@@ -191,15 +206,7 @@ def test_a_start_against_a_postgresql_that_cannot_be_reached_is_one_line(
         listener.listen(0)
     else:
         listener.close()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAASD_")}
-    env.update(
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        MAASD_DATA_DIR=str(tmp_path),
-        MAASD_ADMIN_KEY="maasd_admin_" + "k" * 32,
-        MAASD_LATENCY_PROBE="false",
-        MAASD_DB_CONNECT_TIMEOUT_S="1",
-        MAASD_DB_URL=f"postgresql+psycopg://maasd:s3cretpw@127.0.0.1:{port}/maasd",
-    )
+    env = _against_postgresql(tmp_path, port, connect_timeout_s=1)
     try:
         for command in ("serve", "migrate"):
             done = subprocess.run(
@@ -306,15 +313,7 @@ def test_a_sigterm_while_the_start_waits_for_the_ledger_still_ends_with_its_erro
     listener.listen(4)
     listener.settimeout(60)
     port = listener.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MAASD_")}
-    env.update(
-        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        MAASD_DATA_DIR=str(tmp_path),
-        MAASD_ADMIN_KEY="maasd_admin_" + "k" * 32,
-        MAASD_LATENCY_PROBE="false",
-        MAASD_DB_CONNECT_TIMEOUT_S="2",
-        MAASD_DB_URL=f"postgresql+psycopg://maasd:s3cretpw@127.0.0.1:{port}/maasd",
-    )
+    env = _against_postgresql(tmp_path, port, connect_timeout_s=2)
     held: list[socket.socket] = []
     try:
         for _ in range(2):

