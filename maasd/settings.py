@@ -122,11 +122,13 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Bounds of the REST server (docs/operations.md, "REST limits"): the connections it
     # holds at once (lowered to a quarter of the open-files limit if that is less), and
     # the deadlines of a request's head (from its first byte), its body (from the end of
-    # the head) and of a response the client leaves unread.
+    # the head) and of a response the client leaves unread; and how long a connection
+    # stays open idle between requests (longer than a client's pool keeps one: httpx's 5 s).
     http_max_connections: int = 512
     http_head_timeout_s: float = 10.0
     http_body_timeout_s: float = 30.0
     http_send_timeout_s: float = 30.0
+    http_keepalive_s: float = 20.0
     # Service calls of one tenant (or of the admin) running at once, of the REST API's
     # 64 threads; its further calls wait for its own to end (docs/operations.md).
     http_tenant_threads: int = DEFAULT_TENANT_THREADS

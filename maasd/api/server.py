@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import h11
 import msgspec
@@ -399,5 +399,9 @@ def http_config(app: Any, settings: Settings, metrics: Metrics | None = None) ->
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=10,
+        # Longer than a client's pool keeps an idle connection (httpx: 5 s): at uvicorn's
+        # default, also 5 s, a request sent on a pooled connection as the server closed
+        # it met a reset. (uvicorn types it int; it only reaches loop.call_later.)
+        timeout_keep_alive=cast("int", settings.http_keepalive_s),
         server_header=False,
     )

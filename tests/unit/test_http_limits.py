@@ -9,9 +9,10 @@ from __future__ import annotations
 import resource
 from typing import Any, cast
 
+import httpx
 import pytest
 
-from maasd.api.server import Gate, HttpLimits, Verdict
+from maasd.api.server import Gate, HttpLimits, Verdict, http_config
 from maasd.errors import ConfigError
 from maasd.metrics import Metrics
 from maasd.settings import Settings, load
@@ -25,14 +26,19 @@ def test_http_settings_from_the_environment() -> None:
             "MAASD_HTTP_BODY_TIMEOUT_S": "7",
             "MAASD_HTTP_SEND_TIMEOUT_S": "9",
             "MAASD_HTTP_TENANT_THREADS": "4",
+            "MAASD_HTTP_KEEPALIVE_S": "12.5",
         }
     )
+    assert s.http_keepalive_s == 12.5
     assert (s.http_max_connections, s.http_head_timeout_s) == (64, 2.5)
     assert (s.http_body_timeout_s, s.http_send_timeout_s) == (7.0, 9.0)
     assert s.http_tenant_threads == 4
     defaults = load(env={})
     assert (defaults.http_head_timeout_s, defaults.http_body_timeout_s) == (10.0, 30.0)
     assert defaults.http_tenant_threads == 16
+    # longer than httpx's pool keeps an idle connection (5 s), so none is reused as it closes
+    assert defaults.http_keepalive_s > httpx.Limits().keepalive_expiry  # type: ignore[operator]
+    assert http_config(object(), s).timeout_keep_alive == 12.5
 
 
 @pytest.mark.parametrize(
@@ -43,6 +49,7 @@ def test_http_settings_from_the_environment() -> None:
         ("MAASD_HTTP_BODY_TIMEOUT_S", "0"),
         ("MAASD_HTTP_SEND_TIMEOUT_S", "nan"),
         ("MAASD_HTTP_TENANT_THREADS", "0"),
+        ("MAASD_HTTP_KEEPALIVE_S", "0"),
     ],
 )
 def test_http_bounds_must_be_positive(var: str, value: str) -> None:
