@@ -43,9 +43,9 @@ def free_port() -> int:
 
 
 #: The tests' clients drop an idle connection after 1 s, well before the daemon's server
-#: closes it (uvicorn's keep-alive, 5 s): with both at 5 s, a request sent on a connection
-#: the server is closing at that moment fails with "Server disconnected" (seen in the slow
-#: TCG guest).
+#: closes it (``http_keepalive_s``, 20 s; it was uvicorn's 5 s): with both at 5 s, a request
+#: sent on a connection the server is closing at that moment fails with "Server
+#: disconnected" (seen in the slow TCG guest).
 IDLE_SHORTER_THAN_THE_SERVER = httpx.Limits(keepalive_expiry=1.0)
 
 
@@ -63,6 +63,7 @@ class Daemon:
         """``wrapper`` runs the daemon under another command (``setpriv …``, ``prlimit …``)."""
         self.data_dir = data_dir
         self.wrapper = wrapper or []
+        self.args: list[str] = []  # after ``maasd serve`` (``--release-lost-checkpoints``)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_key = "maasd_admin_" + secrets.token_urlsafe(24)
@@ -102,7 +103,7 @@ class Daemon:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         self.proc = subprocess.Popen(
-            [*self.wrapper, sys.executable, "-m", "maasd.cli.daemon", "serve"],
+            [*self.wrapper, sys.executable, "-m", "maasd.cli.daemon", "serve", *self.args],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -208,8 +208,15 @@ def common(fn: _F) -> _F:
     "needs a PostgreSQL ledger. Prefer the environment for a URL with a password "
     "[env MAASD_L2_URL].",
 )
+@click.option(
+    "--release-lost-checkpoints",
+    is_flag=True,
+    help="Release the persistent buffers of a spill directory whose filesystem is gone "
+    "(not mounted, or a disk really lost) instead of refusing to start. For one start: "
+    "without it such a start stops, releasing nothing (docs/operations.md).",
+)
 @common
-def serve(**flags: Any) -> None:
+def serve(release_lost_checkpoints: bool, **flags: Any) -> None:
     """Run the daemon: REST control plane + worker socket.
 
     \b
@@ -227,7 +234,7 @@ def serve(**flags: Any) -> None:
 
     stop = StopAsked()
     with handling(stop), data_dir_lock(settings.data_dir):
-        _serve(settings, stop)
+        _serve(settings, stop, release_lost_checkpoints=release_lost_checkpoints)
 
 
 class StopAsked:
@@ -271,14 +278,14 @@ class _Running:
         self.systemd = systemd
 
 
-def _serve(settings: Settings, stop: StopAsked) -> None:
+def _serve(settings: Settings, stop: StopAsked, *, release_lost_checkpoints: bool = False) -> None:
     """Startup, serve until a signal of ``HANDLED_SIGNALS``, shutdown (as uvicorn's server)."""
     from maasd.api.app import create_app
     from maasd.api.health import of_checks
     from maasd.api.server import http_config
     from maasd.serving import make_server
 
-    running = _startup(settings)
+    running = _startup(settings, release_lost_checkpoints=release_lost_checkpoints)
     service, systemd = running.service, running.systemd
     app = create_app(
         service,
@@ -302,7 +309,7 @@ def _serve(settings: Settings, stop: StopAsked) -> None:
         raise click.ClickException(f"could not listen on {settings.host}:{settings.port}")
 
 
-def _startup(settings: Settings) -> _Running:
+def _startup(settings: Settings, *, release_lost_checkpoints: bool = False) -> _Running:
     """The service (ledger migrated, state recovered, pools, reaper), then the worker socket;
     a failure of either is one line and an exit 1, with nothing left open."""
     from maasd.allocator.parking import keep_capabilities_to_self
@@ -315,7 +322,7 @@ def _startup(settings: Settings) -> _Running:
     keep_capabilities_to_self()  # the unit's ambient capability: not for our children
     try:
         service = Service(settings)
-        service.start()
+        service.start(release_lost_checkpoints=release_lost_checkpoints)
     except MaasdError as e:  # a ConfigError (database URL, admin key file) above all
         raise click.ClickException(f"cannot start: {e.detail}") from e
     _log_limits(service, settings)

@@ -53,6 +53,7 @@ from maasd.core.release import Releaser
 from maasd.core.reserve import Reserves
 from maasd.core.restore import Restores
 from maasd.core.shared import Shared
+from maasd.core.spillfs import SpillFilesystems
 from maasd.core.stale import LastKnownReads, degraded_checks
 from maasd.core.strays import stray_pages
 from maasd.core.tenants import Tenants
@@ -151,7 +152,8 @@ class Service:
             buffers, reserves, regions, self.attachments, live, holders, metrics,
             on_entry_end=self.demotions.ended,
         )  # fmt: skip
-        checkpoints = Checkpoints(buffers, regions, live, metrics)
+        spill_fs = SpillFilesystems(settings.data_dir)
+        checkpoints = Checkpoints(buffers, regions, live, metrics, spill_fs)
         self.pools = Pools(
             settings, store.pools, buffers, live, holders, releaser, self.reclaimer,
             self.warmer, topology, disk_usage=self.disk.usage, on_created=self.disk.add,
@@ -183,8 +185,9 @@ class Service:
         self.promotions = Promotions(self.disk, restores, self.entries)
         self.tiers = Tiers(self.entries, self.disk, self.promotions, self.shared)
         self.recovery = Recovery(
-            self.host, buffers, reserves, regions, live, holders, checkpoints, self.budget
-        )
+            self.host, buffers, reserves, regions, live, holders, checkpoints, self.budget,
+            spill_fs,
+        )  # fmt: skip
         self.reaper = Reaper(
             settings, buffers, self.hosts, self.pools, self.tenants, self.uses, releaser,
             self.recovery, metrics, self.disk,
@@ -208,8 +211,11 @@ class Service:
 
     # -- life (the order: maasd.core.lifecycle) ----------------------------------------------
 
-    def start(self, *, reaper: bool = True) -> None:
-        """Migrate the ledger, settle what a previous run left, provision pools, start reaping."""
+    def start(self, *, reaper: bool = True, release_lost_checkpoints: bool = False) -> None:
+        """Migrate the ledger, settle what a previous run left, provision pools, start reaping.
+
+        ``release_lost_checkpoints``: release the persistent buffers of a spill directory
+        whose filesystem is gone (:mod:`maasd.core.spillfs`) rather than refuse to start."""
         os.makedirs(self.settings.data_dir, mode=0o700, exist_ok=True)
         self.reclaimer.start()
         self.holders.prepare()
@@ -218,7 +224,7 @@ class Service:
         self.hosts.claim()
         self.auth.start()
         self.pools.load()
-        self.recovery.recover()
+        self.recovery.recover(start=True, release_lost=release_lost_checkpoints)
         # Deletes a previous run began (SIGKILL in the middle) finish before serving.
         self.tenants.finish_deletes()
         self.pools.finish_deletes()

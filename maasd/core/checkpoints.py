@@ -25,6 +25,7 @@ from maasd.allocator import F_SEAL_FUTURE_WRITE, Region
 from maasd.core.livepools import LivePool, LivePools
 from maasd.core.regions import Regions
 from maasd.core.release import remove_checkpoint
+from maasd.core.spillfs import SpillFilesystems
 from maasd.errors import BackingError, NotFound, StateConflict
 from maasd.metrics import Metrics
 from maasd.models import Checkpoint
@@ -39,9 +40,15 @@ class Checkpoints:
     """Writes a live persistent buffer to its spill dir; restores one at start."""
 
     def __init__(
-        self, store: BufferRepo, regions: Regions, live: LivePools, metrics: Metrics
+        self,
+        store: BufferRepo,
+        regions: Regions,
+        live: LivePools,
+        metrics: Metrics,
+        spill_fs: SpillFilesystems | None = None,
     ) -> None:
         self._buffer_rows = store
+        self._spill_fs = spill_fs  # the filesystem each checkpoint went to, recorded
         self._regions = regions
         self._live = live
         self._metrics = metrics
@@ -71,6 +78,8 @@ class Checkpoints:
                 raise
             if previous is not None and previous.checkpoint_path not in (None, path):
                 remove_checkpoint(previous)
+        if self._spill_fs is not None:
+            self._spill_fs.record([live.row.spill_dir])
         self._metrics.checkpoints.inc()
         self._metrics.checkpoint_bytes.inc(row.size_bytes)
         return Checkpoint(checksum=checksum, bytes=row.size_bytes)
@@ -119,6 +128,8 @@ class Checkpoints:
             spill_dirs.add(live.row.spill_dir)
         for spill_dir in sorted(spill_dirs):
             allocator.sync_filesystem(spill_dir)
+        if self._spill_fs is not None:
+            self._spill_fs.record(spill_dirs)
         recorded = self._buffer_rows.set_checkpoints(
             [(row.id, path, checksum) for row, path, checksum in written], time.time()
         )

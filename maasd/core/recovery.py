@@ -22,6 +22,7 @@ from maasd.core.limits import RegionBudget, open_files_needed
 from maasd.core.livepools import LivePools
 from maasd.core.regions import HeldRegion, Regions
 from maasd.core.release import remove_checkpoint
+from maasd.core.spillfs import SpillFilesystems
 from maasd.errors import ConfigError, ResourceLimit
 from maasd.store import BufferRepo, BufferRow, ReserveRepo, must_last
 
@@ -43,6 +44,7 @@ class Recovery:
         holders: Holders,
         checkpoints: Checkpoints,
         budget: RegionBudget | None = None,
+        spill_fs: SpillFilesystems | None = None,
     ) -> None:
         self._host = host
         self._buffer_rows = store
@@ -52,8 +54,9 @@ class Recovery:
         self._holders = holders
         self._checkpoints = checkpoints
         self._budget = budget
+        self._spill_fs = spill_fs
 
-    def recover(self) -> dict[str, int]:
+    def recover(self, *, start: bool = False, release_lost: bool = False) -> dict[str, int]:
         """Settle the ledger with what exists after a (possibly unclean) stop.
 
         ``reserving``/``staged``/``releasing`` rows and volatile ``live`` rows lost
@@ -62,11 +65,24 @@ class Recovery:
         checkpoint they are released too. Checkpoint files no row refers to are
         removed. Meant for :meth:`start`, before serving; buffers this process
         already holds are left alone.
+
+        At ``start``, a spill directory whose filesystem is not the one its checkpoints
+        were written to, and that holds none of them, stops the start instead, releasing
+        nothing (:mod:`maasd.core.spillfs`), unless ``release_lost``.
         """
         counts: Counter[str] = Counter()
         keep: set[str] = set()
         rows = self._buffer_rows.buffers_on_host(self._host)
-        self._check_room(rows)
+        todo = self._to_restore(rows)
+        if start and self._spill_fs is not None:
+            named: dict[str, list[str]] = {}
+            for r in todo:
+                if r.checkpoint_path:
+                    named.setdefault(os.path.dirname(r.checkpoint_path), []).append(
+                        r.checkpoint_path
+                    )
+            self._spill_fs.check(named, release_lost=release_lost)
+        self._check_room(todo)
         for row in rows:
             outcome = self._recover_row(row)
             if outcome != "released":
@@ -74,18 +90,18 @@ class Recovery:
             if outcome != "ours":
                 counts[outcome] += 1
         counts["orphans"] += self._remove_orphans(keep)
+        if start and self._spill_fs is not None:
+            self._spill_fs.record(
+                live.row.spill_dir for live in self._live.all() if live.row.spill_dir
+            )
         found = {k: v for k, v in counts.items() if v}
         if found:
             logger.info("recovered ledger: %s", found)
         return found
 
-    def _check_room(self, rows: list[BufferRow]) -> None:
-        """Every persistent buffer to restore fits the region budget — and those that keep
-        an fd (all but committed entries that park) its files budget —, or a ConfigError
-        naming the limit that would hold them (nothing is released: start again with it)."""
-        if self._budget is None:
-            return
-        todo = [
+    def _to_restore(self, rows: list[BufferRow]) -> list[BufferRow]:
+        """The persistent buffers of ``rows`` this process is to restore."""
+        return [
             r
             for r in rows
             if r.state == "live"
@@ -93,6 +109,13 @@ class Recovery:
             and self._live.get(r.pool_id) is not None
             and self._regions.region(r.id) is None
         ]
+
+    def _check_room(self, todo: list[BufferRow]) -> None:
+        """Every persistent buffer to restore fits the region budget — and those that keep
+        an fd (all but committed entries that park) its files budget —, or a ConfigError
+        naming the limit that would hold them (nothing is released: start again with it)."""
+        if self._budget is None:
+            return
         budget = self._budget
         room = budget.budget - budget.held()
         if len(todo) > room:

@@ -1,0 +1,141 @@
+"""Which filesystem each spill directory was on, so that a start without it loses nothing.
+
+A persistent buffer comes back from its checkpoint file (invariant 6). If the spill
+directory's filesystem is not mounted when the daemon starts (a slow disk, a typo in
+fstab, a network mount not yet up), the mount point is an empty directory of the root
+filesystem: every checkpoint looks missing, and recovery would release every buffer —
+and remove their files as orphans at the next start, once the disk is back.
+
+So the data dir keeps ``spill-filesystems.json``: for each spill directory (its real
+path), the ``f_fsid`` of the filesystem it was on when this daemon last started or made
+it. At the next start, a spill directory that is on *another* filesystem now (or no
+longer exists) *and* holds none of the checkpoints the ledger names there stops the
+start, releasing nothing, with one line that names it. ``maasd serve
+--release-lost-checkpoints`` is the way out for a disk that is really lost: those
+buffers are released, as a missing checkpoint is.
+
+A checkpoint missing on the filesystem it was written to (a file removed by hand) is
+released as before; so is a directory on a new filesystem that holds some of its files
+(the files were moved: the new filesystem is recorded). A filesystem without an
+``f_fsid`` (0) is not compared. Nothing is written into the spill directory itself: it
+holds checkpoint files and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+
+from maasd.errors import ConfigError
+
+__all__ = ["RECORD", "SpillFilesystems", "fs_id"]
+
+logger = logging.getLogger(__name__)
+
+#: The record, in the data dir.
+RECORD = "spill-filesystems.json"
+
+
+def fs_id(path: str) -> int | None:
+    """The ``f_fsid`` of the filesystem ``path`` is on; ``None`` when it does not exist or
+    its filesystem gives none."""
+    try:
+        return os.statvfs(path).f_fsid or None
+    except OSError:
+        return None
+
+
+class SpillFilesystems:
+    """The record of the filesystems the spill directories were on (see the module)."""
+
+    def __init__(self, data_dir: str) -> None:
+        self._path = os.path.join(data_dir, RECORD)
+        self._lock = threading.Lock()  # checkpoints are written from several threads
+        self._known: dict[str, int] | None = None  # what the file holds, once read
+
+    def recorded(self) -> dict[str, int]:
+        """Spill directory (real path) → the ``f_fsid`` recorded for it; empty if none."""
+        if self._known is None:
+            self._known = self._read()
+        return dict(self._known)
+
+    def _read(self) -> dict[str, int]:
+        try:
+            with open(self._path) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(k, str) and type(v) is int}
+
+    def check(self, named: Mapping[str, Iterable[str]], *, release_lost: bool = False) -> None:
+        """Stop the start (:class:`ConfigError`) when a spill directory holding checkpoints
+        the ledger names (``named``: directory → their paths) is not on the filesystem
+        recorded for it, or is gone, and holds none of them. With ``release_lost``, log it
+        instead: those buffers are then released as missing checkpoints are."""
+        recorded = self.recorded()
+        for spill_dir, paths in sorted(named.items()):
+            paths = list(paths)
+            if not paths or any(os.path.exists(p) for p in paths):
+                continue
+            real = os.path.realpath(spill_dir)
+            now = fs_id(real)
+            if not os.path.isdir(real):
+                why = "does not exist"
+            elif real in recorded and now is not None and recorded[real] != now:
+                why = (
+                    f"is on another filesystem than when its checkpoints were written "
+                    f"(f_fsid {now:#x}, was {recorded[real]:#x})"
+                )
+            else:
+                continue  # the same filesystem: the files were removed, not hidden
+            if release_lost:
+                logger.warning(
+                    "spill directory %s %s and holds none of the %d checkpoints the ledger "
+                    "names there: their buffers are released (--release-lost-checkpoints)",
+                    spill_dir,
+                    why,
+                    len(paths),
+                )
+                continue
+            raise ConfigError(
+                f"spill directory {spill_dir} {why} and holds none of the {len(paths)} "
+                "checkpoints the ledger names there: is its filesystem mounted? Nothing was "
+                "released. If that disk is really lost, start once with "
+                "`maasd serve --release-lost-checkpoints` to release those buffers"
+            )
+
+    def record(self, spill_dirs: Iterable[str]) -> None:
+        """Record the filesystem each directory is on now: at start, at a pool's creation
+        and at each checkpoint (a ``statvfs``; the file is replaced atomically, and only
+        when something changed). A failure to write is logged: the next start compares
+        less, and loses nothing it did not before."""
+        with self._lock:
+            recorded = self.recorded()
+            now = dict(recorded)
+            for spill_dir in spill_dirs:
+                real = os.path.realpath(spill_dir)
+                fsid = fs_id(real)
+                if fsid is not None:
+                    now[real] = fsid
+            if now != recorded:
+                self._write(now)
+                self._known = now
+
+    def _write(self, now: dict[str, int]) -> None:
+        tmp = self._path + ".tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(now, f, indent=1, sort_keys=True)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path)
+        except OSError as e:
+            logger.warning("cannot record the spill filesystems in %s: %s", self._path, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
