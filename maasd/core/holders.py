@@ -39,11 +39,15 @@ One inotify instance and one reader thread per daemon, both made at the first wa
 the watch mask asks for no event a worker could flood (``IN_DELETE_SELF``, which an
 unlinked memfd reports only as it goes), so the queue holds one event or two per entry
 freed. If it overflows anyway (``IN_Q_OVERFLOW``, ``fs.inotify.max_queued_events``
-inode ends between two reads), an entry whose end was lost is found by removing its
-watch: refused (``EINVAL``) means the kernel removed it — the inode is gone, the entry
-is freed; accepted means it was still held, and it is no longer watched: it stays
-``releasing``, counted, until the daemon restarts (the safe side). Watches of entries
-not yet released cannot have lost anything (the daemon still holds them).
+inode ends between two reads), the reader thread looks for the released entries' ends
+that were lost: a scan of ``/proc`` (:func:`holder_pids`, outside the lock) finds
+which of their inodes a process still holds — alive, so their watches stand, and their
+ends will be reported as any other. For the others, the watch is removed: refused
+(``EINVAL``) means the kernel removed it — the inode is gone, the entry is freed;
+accepted means a holder the scan could not see (an fd in flight in a socket) still had
+it, and it is no longer watched: it stays ``releasing``, counted, until the daemon
+restarts (the safe side). Watches of entries not yet released cannot have lost anything
+(the daemon still holds them).
 """
 
 from __future__ import annotations
@@ -78,6 +82,8 @@ IN_IGNORED = 0x8000
 _WATCH_MASK = IN_DELETE_SELF | IN_MOVE_SELF
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len (the name that follows)
 _READ_BYTES = 64 * 1024
+#: What the reader's wake pipe says: stop, or recount after an overflow another thread read.
+_STOP, _RECOUNT = b"x", b"r"
 
 OnFree = Callable[[], None]
 
@@ -229,9 +235,9 @@ class Counts:
         self._by_id.pop(watch.buffer_id, None)
         self._untracked[watch.buffer_id] = watch
 
-    def pending(self) -> list[int]:
-        """The wds of released entries others still hold."""
-        return [wd for wd, w in self._by_wd.items() if w.on_free is not None]
+    def pending(self) -> dict[int, int]:
+        """The wds of released entries others still hold, and their inodes."""
+        return {wd: w.inode for wd, w in self._by_wd.items() if w.on_free is not None}
 
     def held(self) -> list[tuple[str, int]]:
         """``(buffer_id, size)`` of every released entry others still hold."""
@@ -312,6 +318,7 @@ class Holders:
         self._thread: threading.Thread | None = None
         self._wake_r = self._wake_w = -1
         self._closed = False
+        self._recount_due = False  # an overflow was read: the reader recounts
 
     def watch(
         self, buffer_id: str, fd: int, size: int, tenant_id: str = "", pool_id: str = ""
@@ -442,7 +449,7 @@ class Holders:
             self._closed = True
             thread = self._thread
             if self._wake_w >= 0:
-                os.write(self._wake_w, b"x")
+                os.write(self._wake_w, _STOP)
         if thread is not None:
             thread.join()
         with self._lock:
@@ -482,30 +489,42 @@ class Holders:
             on_free = self._counts.event(wd, mask)
             if on_free is not None:
                 ready.append(on_free)
-        if overflowed:
-            ready.extend(self._recount_locked(inotify))
+        if overflowed and not self._recount_due:
+            self._recount_due = True
+            if threading.current_thread() is not self._thread and self._wake_w >= 0:
+                os.write(self._wake_w, _RECOUNT)  # read by settle(): tell the reader
         self._read.notify_all()
         return ready
 
-    def _recount_locked(self, inotify: _Inotify) -> list[OnFree]:
-        """(lock held) After an overflow: which held entries' ends were lost."""
+    def _recount(self, pending: dict[int, int]) -> None:
+        """After an overflow, on the reader thread: which released entries' ends were lost
+        (``pending``: their wds and inodes when the overflow was read; module docstring)."""
+        alive = holder_pids(pending.values())  # a /proc scan: not under the lock
         ready: list[OnFree] = []
-        kept = 0
-        for wd in self._counts.pending():
-            if inotify.remove(wd):  # it was there: still held, and now unwatched
-                self._counts.unwatch(wd)
-                kept += 1
-            else:
-                on_free = self._counts.lost(wd)
-                if on_free is not None:
+        kept = unseen = 0
+        with self._lock:
+            inotify = self._inotify
+            still = self._counts.pending()
+            for wd, inode in pending.items():
+                if inotify is None or wd not in still:
+                    continue  # its end was read meanwhile
+                if alive.get(inode):
+                    kept += 1  # a process holds it: its watch stands
+                elif inotify.remove(wd):  # held, by no one the scan saw: now unwatched
+                    self._counts.unwatch(wd)
+                    unseen += 1
+                elif (on_free := self._counts.lost(wd)) is not None:
                     ready.append(on_free)
+            self._read.notify_all()
+        _run(ready)
         logger.warning(
             "the kernel's inotify queue overflowed (fs.inotify.max_queued_events): "
-            "%d released entries freed, %d still held stay counted until a restart",
+            "%d released entries freed, %d still held and watched, %d held where /proc "
+            "does not show it (counted until a restart)",
             len(ready),
             kept,
+            unseen,
         )
-        return ready
 
     def _read_loop(self) -> None:
         with self._lock:
@@ -516,11 +535,15 @@ class Holders:
         poller.register(wake, select.POLLIN)
         while True:
             fds = {fd for fd, _ in poller.poll()}
-            if wake in fds:
+            if wake in fds and _STOP in os.read(wake, 64):
                 return
             with self._lock:
                 ready = self._drain_locked()
+                pending = self._counts.pending() if self._recount_due else None
+                self._recount_due = False
             _run(ready)
+            if pending is not None:
+                self._recount(pending)
 
 
 def _run(callbacks: list[OnFree]) -> None:
