@@ -279,7 +279,7 @@ def test_serve_metrics_public_flag(
     from maasd.cli import daemon
 
     seen: list[Any] = []
-    monkeypatch.setattr(daemon, "_serve", lambda settings, _stop: seen.append(settings))
+    monkeypatch.setattr(daemon, "_serve", lambda settings, _stop, **_: seen.append(settings))
     monkeypatch.setattr(daemon, "harden", lambda: (0, 0))  # not on the test process
     monkeypatch.setattr(daemon, "setup_logging", lambda _level: None)
     monkeypatch.delenv("MAASD_METRICS_PUBLIC", raising=False)
@@ -300,7 +300,7 @@ def test_serve_drops_the_secret_keys_from_its_environment(
     env_then: list[dict[str, str]] = []
     seen: list[Any] = []
 
-    def serve(settings: Any, _stop: Any) -> None:
+    def serve(settings: Any, _stop: Any, **_: Any) -> None:
         seen.append(settings)
         env_then.append(dict(os.environ))
 
