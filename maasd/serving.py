@@ -11,12 +11,19 @@ the server stopped, and hooks for the moment it listens and the first signal. As
 uvicorn's ``server.py``, each process's life is explicit: startup, serve until a signal,
 shutdown.
 
+SIGHUP stops none of them (:func:`keep_on_hangup`): its default action would kill the
+process — the daemon with every tenant's memory, the router or worker supervisor leaving
+its backends or processes — on a terminal's hang-up or a ``systemctl reload``; each
+reads its settings once, at start, so the signal is logged and ignored.
+
 Only the standard library is imported here; uvicorn when a server is made.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import logging
 import signal
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -28,12 +35,40 @@ if TYPE_CHECKING:
 
     import uvicorn
 
-__all__ = ["HANDLED_SIGNALS", "exit_on_signals", "handling", "make_server"]
+__all__ = ["HANDLED_SIGNALS", "exit_on_signals", "handling", "keep_on_hangup", "make_server"]
 
 #: What asks a maasd process to stop: finish what it serves, then exit 0.
 HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 Handler = Callable[[int, "FrameType | None"], object]
+
+
+def keep_on_hangup(name: str) -> None:
+    """From now until this process exits, a SIGHUP logs one line (a warning) and
+    changes nothing: ``name`` (``maasd serve``, ``maasd router``, …) reads its settings
+    only at start, so a restart is what applies a change. Main thread only, first
+    thing in a command.
+
+    The handler restarts the system calls it interrupts (``SA_RESTART``), so that no
+    library sees an ``EINTR`` it does not expect; at exit the signal is ignored
+    (``SIG_IGN``) rather than handed back to its default by the interpreter's
+    finalization, which would make a SIGHUP during the last moments a kill.
+    """
+
+    def hung_up(_sig: int, _frame: FrameType | None) -> None:
+        logging.getLogger("maasd").warning(
+            "SIGHUP ignored: %s reads its settings only at start; restart it to apply a change",
+            name,
+        )
+
+    signal.signal(signal.SIGHUP, hung_up)
+    signal.siginterrupt(signal.SIGHUP, False)
+    atexit.unregister(_ignore_hangup)
+    atexit.register(_ignore_hangup)
+
+
+def _ignore_hangup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 @contextlib.contextmanager

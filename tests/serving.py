@@ -39,9 +39,18 @@ class Served:
     """A server subprocess and its base URL."""
 
     def __init__(
-        self, cmd: list[str], port: int, log: Path, env: dict[str, str] | None = None
+        self,
+        cmd: list[str],
+        port: int,
+        log: Path,
+        env: dict[str, str] | None = None,
+        *,
+        new_session: bool = False,
     ) -> None:
+        """``new_session``: the server and its children in a session (and process group) of
+        their own, as a terminal's job is — to be signalled as a group (``os.killpg``)."""
         self.cmd = cmd
+        self.new_session = new_session
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log
         self.env = {**os.environ, **(env or {})}
@@ -49,7 +58,13 @@ class Served:
 
     def start(self, timeout: float = 180.0) -> Served:
         out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=self.new_session,
+        )
         out.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

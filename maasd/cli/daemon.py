@@ -2,6 +2,8 @@
 
 Lifecycle of ``maasd serve`` (cf. uvicorn's ``server.py``)::
 
+    SIGHUP    logged and ignored from the first line on (maasd.serving.keep_on_hangup):
+              the settings are read once, a restart applies a change
     harden    not dumpable (PR_SET_DUMPABLE 0: /proc/PID/fd, mem and environ are
               root's only), soft RLIMIT_NOFILE raised to the hard limit
     settings  flags > MAASD_* env > --config TOML > defaults; the admin and
@@ -223,6 +225,9 @@ def serve(release_lost_checkpoints: bool, **flags: Any) -> None:
     Example:
       maasd serve --data-dir /var/lib/maasd --port 7878
     """
+    from maasd.serving import handling, keep_on_hangup
+
+    keep_on_hangup("maasd serve")  # first: a hang-up kills nothing from here on
     settings = _settings(**flags)
     if settings.latency_probe is None:  # on under serve (docs/allocator.md, "Latency classes")
         settings.latency_probe = True
@@ -230,8 +235,6 @@ def serve(release_lost_checkpoints: bool, **flags: Any) -> None:
         os.environ.pop(name, None)
     setup_logging(settings.log_level)
     harden()
-    from maasd.serving import handling
-
     stop = StopAsked()
     with handling(stop), data_dir_lock(settings.data_dir):
         _serve(settings, stop, release_lost_checkpoints=release_lost_checkpoints)

@@ -156,8 +156,9 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
     import uvicorn
 
     from maasd.router.app import Router, build_app
-    from maasd.serving import make_server
+    from maasd.serving import keep_on_hangup, make_server
 
+    keep_on_hangup("maasd router")  # dying would leave its llama-server backends running
     if importlib.util.find_spec("xxhash") is None:
         raise click.ClickException(
             "maasd router needs xxhash: install maasd with the `router` extra"

@@ -38,5 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``maasd worker`` → its exit code (0 after SIGTERM/SIGINT). Needs the llama extra."""
     from maasd.llama.worker_config import parse_args
     from maasd.llama.worker_supervisor import Supervisor
+    from maasd.serving import keep_on_hangup
 
+    keep_on_hangup("maasd worker")  # its processes would stop with it (PR_SET_PDEATHSIG)
     return Supervisor(parse_args(argv)).run()

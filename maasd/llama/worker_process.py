@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from maasd.serving import exit_on_signals, make_server
+from maasd.serving import exit_on_signals, keep_on_hangup, make_server
 
 if TYPE_CHECKING:
     import uvicorn
@@ -67,6 +67,7 @@ def main() -> int:
     _die_with_parent(spec.parent_pid)
     # Until uvicorn takes the signals over: a stop while the model loads exits 0 too.
     exit_on_signals(0)
+    keep_on_hangup("maasd worker")  # a terminal's hang-up reaches every process of its group
     logging.basicConfig(
         level=spec.log_level.upper(),
         format=f"%(asctime)s maasd-worker[{os.getpid()}] %(levelname)s %(name)s: %(message)s",
