@@ -16,6 +16,9 @@ process — the daemon with every tenant's memory, the router or worker supervis
 its backends or processes — on a terminal's hang-up or a ``systemctl reload``; each
 reads its settings once, at start, so the signal is logged and ignored.
 
+Their apps answer HEAD as GET without the body (:func:`head_as_get`): litestar routes a
+HEAD to none of its GET handlers, and a load balancer's ``option httpchk HEAD`` got 405.
+
 Only the standard library is imported here; uvicorn when a server is made.
 """
 
@@ -26,7 +29,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import asyncio
@@ -34,8 +37,16 @@ if TYPE_CHECKING:
     from types import FrameType
 
     import uvicorn
+    from litestar.types import ASGIApp, Message, Receive, Send
 
-__all__ = ["HANDLED_SIGNALS", "exit_on_signals", "handling", "keep_on_hangup", "make_server"]
+__all__ = [
+    "HANDLED_SIGNALS",
+    "exit_on_signals",
+    "handling",
+    "head_as_get",
+    "keep_on_hangup",
+    "make_server",
+]
 
 #: What asks a maasd process to stop: finish what it serves, then exit 0.
 HANDLED_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
@@ -125,3 +136,28 @@ def make_server(
                 yield
 
     return Server(config)
+
+
+def head_as_get(app: ASGIApp) -> ASGIApp:
+    """``app`` answering a HEAD request as the GET of the same URL without its body (RFC
+    9110 §9.3.2): the same status and headers (``content-length`` that of the GET's body),
+    the same authentication — it *is* the GET to the app — and no body. Wrap the app's
+    handler in front of its router (``app.asgi_handler = head_as_get(app.asgi_handler)``):
+    its routes know GET only."""
+
+    async def headed(scope: Any, receive: Receive, send: Send) -> None:  # HTTP or not
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await app(scope, receive, send)
+            return
+
+        async def without_body(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                if message.get("more_body", False):
+                    return
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        as_get: Any = {**scope, "method": "GET"}
+        await app(as_get, receive, without_body)
+
+    return headed

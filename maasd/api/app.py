@@ -4,6 +4,7 @@ How a request goes through it::
 
     raw path       an empty, '.' or '..' segment, or an encoded '/' → 400 problem,
                    before routing (maasd.api.paths)
+    HEAD           routed as GET, its answer sent without the body (maasd.serving)
     routing        unknown path → 404 problem, wrong method → 405 problem
     before_request /v1: authenticated — a valid key (401), the route's role (403),
                    on the event loop, before the body is read (maasd.api.auth)
@@ -44,6 +45,7 @@ from maasd.api.schemas import MAX_BODY
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
 from maasd.core.limits import REST_THREADS
+from maasd.serving import head_as_get
 from maasd.settings import DEFAULT_TENANT_THREADS
 
 __all__ = ["MAX_BODY", "create_app"]
@@ -118,7 +120,9 @@ def create_app(
     # route's answer or a 404/405 instead of the 400 (tests/unit/test_path_segments.py).
     # The app's own asgi_handler (its exception handling around the router) is the one
     # place in front of routing litestar has, and this wraps it once, here.
-    app.asgi_handler = one_segment_per_id(app.asgi_handler)
+    # HEAD is the GET without its body (litestar routes it to no GET handler: 405), with
+    # the GET's authentication: load balancers probe /healthz with it (maasd.serving).
+    app.asgi_handler = head_as_get(one_segment_per_id(app.asgi_handler))
     ctx.query_names.update(_query_names(app))
     return app
 

@@ -26,6 +26,7 @@ from maasd.router.metrics import CONTENT_TYPE, RouterMetrics
 from maasd.router.proxy import Answer, Proxy, Unroutable, error_answer
 from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
+from maasd.serving import head_as_get
 
 __all__ = ["RouterConfig", "Router", "build_app"]
 
@@ -191,8 +192,10 @@ def build_app(router: Router) -> Litestar:
         finally:
             await router.stop()
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[completions, models, metrics, healthz],
         lifespan=[lifespan],
         debug=bool(os.environ.get("MAASD_ROUTER_DEBUG")),
     )
+    app.asgi_handler = head_as_get(app.asgi_handler)  # a balancer's HEAD /healthz probe
+    return app
