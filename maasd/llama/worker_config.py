@@ -42,6 +42,7 @@ __all__ = [
     "WorkerConfig",
     "build_parser",
     "default_socket",
+    "max_processes",
     "model_file_problem",
     "parse_args",
     "url_problem",
@@ -55,6 +56,21 @@ CHANGED_DEFAULTS: dict[str, Any] = {
     "logits_all": False,
     "verbose": False,
 }
+
+
+#: ``--processes`` at most this many per CPU the worker may run on (its affinity mask).
+#: Each process is a whole llama.cpp context (its own KV cache and compute buffers, the
+#: model's weights shared through the page cache), a connection to maasd and at least one
+#: thread that computes: past the CPUs they only take turns on the same cores while each
+#: costs its memory, and N = 100000 tried to start that many. Four per CPU leaves room for
+#: processes that mostly wait (on a GPU, on their clients).
+PROCESSES_PER_CPU = 4
+
+
+def max_processes() -> int:
+    """The most ``--processes`` this worker takes: :data:`PROCESSES_PER_CPU` per CPU it may
+    run on."""
+    return PROCESSES_PER_CPU * len(os.sched_getaffinity(0))
 
 
 @dataclass(frozen=True)
@@ -97,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: MAASD_KEY=… maasd worker --model gemma.gguf --processes 2 --n_threads 1",
     )
     m = parser.add_argument_group("maasd")
-    m.add_argument("--processes", type=int, default=1, help="Server processes (default: 1).")
+    m.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help=f"Server processes (default: 1; at most {PROCESSES_PER_CPU} per CPU it may run on).",
+    )
     m.add_argument(
         "--maasd-url",
         default=os.environ.get("MAASD_URL", DEFAULT_URL),
@@ -143,6 +164,11 @@ def parse_args(argv: list[str] | None = None) -> WorkerConfig:
     args.cache = False
     if args.processes < 1:
         parser.error("--processes must be at least 1")
+    if args.processes > (most := max_processes()):
+        parser.error(
+            f"--processes must be at most {most} ({PROCESSES_PER_CPU} per CPU it may run on), "
+            f"not {args.processes}"
+        )
     if args.graceful_timeout < 0:
         parser.error("--graceful-timeout must be 0 or more")
     if args.maasd_url and (problem := url_problem(args.maasd_url)):

@@ -261,6 +261,9 @@ def test_a_model_path_the_worker_cannot_use_is_one_line_before_any_process(
         (["--maasd-url", "http://[::1"], "--maasd-url http://[::1: not a URL"),
         (["--maasd-url", "127.0.0.1:7878"], "--maasd-url 127.0.0.1:7878: not an http://"),
         (["--graceful-timeout", "-5"], "--graceful-timeout must be 0 or more"),
+        (["--processes", "0"], "--processes must be at least 1"),
+        # one past the bound (4 per CPU): a regression then starts only that many, which fail
+        (["--processes", str(4 * len(os.sched_getaffinity(0)) + 1)], "--processes must be at most"),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(tmp_path: Path, flags: list[str], says: str) -> None:

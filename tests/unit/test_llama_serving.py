@@ -8,6 +8,7 @@ middleware) — none needs a daemon or a model.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any, cast
 
 import numpy as np
@@ -155,6 +156,7 @@ def test_the_worker_command_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Any)
     [
         ([], "--model is required"),
         (["--model", "m", "--processes", "0"], "at least 1"),
+        (["--model", "m", "--processes", "100000"], "--processes must be at most "),
         (["--model", "m", "--n_ctx", "-1"], "--n_ctx"),
         (["--model", "m", "--logits_all", "maybe"], "logits_all"),
         (["--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: cannot read it"),
@@ -177,6 +179,26 @@ def test_a_bad_worker_command_line_exits_2(
         parse_args(argv)
     assert info.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_processes_are_bounded_by_the_cpus_the_worker_may_run_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--processes`` at most 4 per CPU of the worker's affinity mask: 100000 tried to
+    start that many llama.cpp processes."""
+    from maasd.llama.worker import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.gguf").write_bytes(b"GGUF" + bytes(28))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert parse_args(["--model", "m.gguf", "--processes", "8"]).processes == 8
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model", "m.gguf", "--processes", "9"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        err == "maasd worker: error: --processes must be at most 8 (4 per CPU it may run on), not 9"
+    )
 
 
 def test_worker_metrics_count_tokens_by_source_and_time_the_first_token() -> None:
