@@ -58,6 +58,9 @@ def _filled(d: Daemon, c: httpx.Client, key: str, pool: str, n: int) -> dict[str
 def test_sighup_while_serving_keeps_every_buffer_and_is_logged(
     fresh_daemon: Daemon, tmp_path: Path
 ) -> None:
+    """One SIGHUP to the daemon (``systemctl reload``), one to its process group (a
+    terminal's hang-up): the buffers and a worker's mapping of one are all still there."""
+    fresh_daemon.wrapper = ["setsid"]  # a session and process group of its own (same pid)
     d = _persistent(fresh_daemon, tmp_path)
     _, key = d.tenant("hangup", 64 * MiB)
     proc = d.proc
@@ -67,7 +70,8 @@ def test_sighup_while_serving_keeps_every_buffer_and_is_logged(
         mapped = w.attach(next(iter(volatile)))  # a worker's connection and mapping, held
         proc.send_signal(signal.SIGHUP)
         wait_until(lambda: _said(d) == 1, timeout=30, message="the SIGHUP line")
-        proc.send_signal(signal.SIGHUP)
+        assert os.getpgid(proc.pid) == proc.pid
+        os.killpg(proc.pid, signal.SIGHUP)
         wait_until(lambda: _said(d) == 2, timeout=30, message="a second SIGHUP line")
         assert proc.poll() is None
         assert d.healthy()
