@@ -81,6 +81,10 @@ class Daemon:
             # The latency probe too (a child measuring each node): only the tests that want it.
             "MAASD_LATENCY_PROBE": "false",
             "MAASD_LOG_LEVEL": "info",
+            # An idle REST connection closes after 6 s, not 20: past httpx's pool expiry
+            # (5 s) as the default is, and before the tests that count the daemon's fds
+            # give up waiting (10-15 s) for one a client left idle in its pool.
+            "MAASD_HTTP_KEEPALIVE_S": "6",
             **(env or {}),
         }
         if config is not None:

@@ -42,6 +42,7 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
             "MAASD_HTTP_HEAD_TIMEOUT_S": str(HEAD_S),
             "MAASD_HTTP_BODY_TIMEOUT_S": str(BODY_S),
             "MAASD_HTTP_SEND_TIMEOUT_S": str(SEND_S),
+            "MAASD_HTTP_KEEPALIVE_S": "20",  # the default (the tests' daemons have 6)
         },
     )
     daemon.start()
