@@ -10,6 +10,10 @@ bound, so a tenant flooding L2 with large entries fills its own share and has it
 further writes refused while another's still fit; and the jobs are taken round-robin
 across tenants (FIFO within one), so another's small write waits for at most one of the
 flooder's writes, not for all of its backlog.
+
+A tenant deleted (:meth:`WriteQueue.drop_tenant`) has its jobs taken out, and is
+remembered: its further offers are refused, and the writer drops what it was storing
+for it (:meth:`WriteQueue.deleted`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class WriteQueue:
         self._total = 0
         self._closed = False
         self._cond = threading.Condition()
+        self._deleted: set[str] = set()  # tenants deleted while this runs (never reused)
 
     @property
     def entries(self) -> int:
@@ -70,6 +75,7 @@ class WriteQueue:
             held_bytes = self._bytes.get(t, 0)
             if (
                 self._closed
+                or t in self._deleted
                 or self._count >= self.max_entries
                 or self._total + job.size > self.max_bytes
                 or held >= self.tenant_entries
@@ -104,6 +110,19 @@ class WriteQueue:
             self._count -= 1
             self._total -= job.size
             return job
+
+    def drop_tenant(self, tenant_id: str) -> int:
+        """The tenant was deleted: its jobs taken out (how many), its offers refused."""
+        with self._cond:
+            self._deleted.add(tenant_id)
+            mine = self._jobs.pop(tenant_id, None) or ()
+            self._count -= len(mine)
+            self._total -= self._bytes.pop(tenant_id, 0)
+            return len(mine)
+
+    def deleted(self, tenant_id: str) -> bool:
+        """Whether the tenant was deleted (:meth:`drop_tenant`)."""
+        return tenant_id in self._deleted
 
     def close(self) -> list[Job]:
         """Refuse further jobs, wake the taker; returns the jobs left (not to be done)."""

@@ -70,7 +70,72 @@ class Fetched:
     data: memoryview
 
 
-class L2Tier:
+class _Judged:
+    """How the tier's calls to L2 are judged: the host's circuit breaker and each tenant's
+    (the module docstring, "Judged fairly")."""
+
+    breaker: Breaker
+    tenants: TenantBreakers
+    metrics: L2Metrics
+    client: RedisL2
+    _errors: tuple[type[Exception], ...]
+
+    def _allow(self, tenant_id: str) -> bool:
+        """The rights to call L2 for this tenant now: the host's breaker's, then its own."""
+        if not self.breaker.allow():
+            return False
+        if not self.tenants.allow(tenant_id):
+            self.breaker.release()
+            return False
+        return True
+
+    def _failed_for(
+        self, tenant_id: str, op: str, exc: BaseException, timeout_s: float | None = None
+    ) -> None:
+        """A call of ``tenant_id``'s failed: its own breaker counts it; the host's only if
+        a PING fails too — else the service is fine and the failure was this tenant's
+        traffic (a value too large for its timeout, say). The PING may take as long as
+        the failed call could (``timeout_s``): queued behind a large value in Redis, it
+        says "busy", not "dead", and the next job waits for that value to be done."""
+        if self.tenants.failure(tenant_id):
+            self.metrics.tenant_breaker_trips.inc()
+            logger.warning(
+                "L2 failing for one tenant: its L2 calls pause, the others' go on",
+                extra={"op": op, "tenant": tenant_id, "error": type(exc).__name__},
+            )
+        try:
+            self.client.ping(timeout_s)
+        except self._errors:
+            self._failed(op, exc)
+        else:
+            self._host_ok()
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        was_closed = self.breaker.closed
+        self.breaker.failure()
+        if was_closed and not self.breaker.closed:
+            self.metrics.breaker_trips.inc()
+            self.metrics.breaker_open.set(1)
+            logger.warning(
+                "L2 failing: circuit breaker open, local operations go on without it",
+                extra={"op": op, "error": type(exc).__name__, "backoff_s": self.breaker.backoff_s},
+            )
+        logger.debug("L2 %s failed: %s", op, exc)
+
+    def _succeeded(self, tenant_id: str | None = None) -> None:
+        if tenant_id is not None:
+            self.tenants.success(tenant_id)
+        self._host_ok()
+
+    def _host_ok(self) -> None:
+        if not self.breaker.closed:  # an outage ended: no tenant is judged by its failures
+            logger.info("L2 reachable again: circuit breaker closed")
+            self.tenants.clear()
+        self.breaker.success()
+        self.metrics.breaker_open.set(0)
+
+
+class L2Tier(_Judged):
     """One daemon's L2: the client, the breaker, the write-behind queue and its thread."""
 
     def __init__(
@@ -143,7 +208,9 @@ class L2Tier:
         return Fetched(key, data)
 
     def drop_tenant(self, tenant_id: str) -> None:
-        """A deleted tenant's values dropped, in one call (skipped if L2 fails: they age out)."""
+        """A deleted tenant's values dropped, in one call (skipped if L2 fails: they age out),
+        and its writes queued or being stored (:meth:`_write`) with them."""
+        self.metrics.dropped.labels(reason="gone").inc(self.queue.drop_tenant(tenant_id))
         try:
             if self.breaker.allow():
                 self.client.drop_tenant(tenant_id)
@@ -233,6 +300,10 @@ class L2Tier:
             return
         self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
         self._succeeded(t)
+        if self.queue.deleted(t):  # its tenant deleted as it was stored: the drop missed it
+            self.drop_tenant(t)
+            dropped.labels(reason="gone").inc()
+            return
         if evicted < 0:
             dropped.labels(reason="too_large").inc()
             return
@@ -260,62 +331,6 @@ class L2Tier:
             self._failed("ping", exc)
         else:
             self._succeeded()
-
-    # -- bookkeeping ---------------------------------------------------------------------------
-
-    def _allow(self, tenant_id: str) -> bool:
-        """The rights to call L2 for this tenant now: the host's breaker's, then its own."""
-        if not self.breaker.allow():
-            return False
-        if not self.tenants.allow(tenant_id):
-            self.breaker.release()
-            return False
-        return True
-
-    def _failed_for(
-        self, tenant_id: str, op: str, exc: BaseException, timeout_s: float | None = None
-    ) -> None:
-        """A call of ``tenant_id``'s failed: its own breaker counts it; the host's only if
-        a PING fails too — else the service is fine and the failure was this tenant's
-        traffic (a value too large for its timeout, say). The PING may take as long as
-        the failed call could (``timeout_s``): queued behind a large value in Redis, it
-        says "busy", not "dead", and the next job waits for that value to be done."""
-        if self.tenants.failure(tenant_id):
-            self.metrics.tenant_breaker_trips.inc()
-            logger.warning(
-                "L2 failing for one tenant: its L2 calls pause, the others' go on",
-                extra={"op": op, "tenant": tenant_id, "error": type(exc).__name__},
-            )
-        try:
-            self.client.ping(timeout_s)
-        except self._errors:
-            self._failed(op, exc)
-        else:
-            self._host_ok()
-
-    def _failed(self, op: str, exc: BaseException) -> None:
-        was_closed = self.breaker.closed
-        self.breaker.failure()
-        if was_closed and not self.breaker.closed:
-            self.metrics.breaker_trips.inc()
-            self.metrics.breaker_open.set(1)
-            logger.warning(
-                "L2 failing: circuit breaker open, local operations go on without it",
-                extra={"op": op, "error": type(exc).__name__, "backoff_s": self.breaker.backoff_s},
-            )
-        logger.debug("L2 %s failed: %s", op, exc)
-
-    def _succeeded(self, tenant_id: str | None = None) -> None:
-        if tenant_id is not None:
-            self.tenants.success(tenant_id)
-        self._host_ok()
-
-    def _host_ok(self) -> None:
-        if not self.breaker.closed:  # an outage ended: no tenant is judged by its failures
-            logger.info("L2 reachable again: circuit breaker closed")
-            self.tenants.clear()
-        self.breaker.success()
-        self.metrics.breaker_open.set(0)
 
     def _queue_gauges(self) -> None:
         self.metrics.queued.set(self.queue.entries)

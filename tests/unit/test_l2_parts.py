@@ -4,6 +4,7 @@ queue, URL redaction and the settings' checks. (With a real Redis: test_l2.py.)"
 from __future__ import annotations
 
 import secrets
+import threading
 from pathlib import Path
 
 import pytest
@@ -147,6 +148,19 @@ def test_the_queue_is_bounded_in_entries_and_bytes_and_never_waits() -> None:
     assert [j.key for j in q.close()] == ["e"]
     assert not q.offer(Job("t", "f", "b6", 1))  # closed
     assert q.take(0) is None
+
+
+def test_a_deleted_tenants_jobs_are_taken_out_and_its_offers_refused() -> None:
+    q = WriteQueue(max_entries=8, max_bytes=1000)
+    for job in (Job("gone", "a", "b1", 10), Job("kept", "b", "b2", 20), Job("gone", "c", "b3", 30)):
+        assert q.offer(job)
+    assert q.drop_tenant("gone") == 2
+    assert (q.entries, q.bytes) == (1, 20)
+    assert q.deleted("gone")
+    assert not q.deleted("kept")
+    assert not q.offer(Job("gone", "d", "b4", 1))
+    assert [j.key for j in iter(lambda: q.take(0), None)] == ["b"]
+    assert q.drop_tenant("never-queued") == 0
 
 
 def test_a_tenant_holds_at_most_its_share_and_the_others_are_served_in_turn() -> None:
@@ -461,3 +475,32 @@ def test_a_deleted_tenants_values_are_dropped_and_an_outage_only_skips_it() -> N
     t.drop_tenant("kept")  # the breaker is open: not even asked
     assert fake.calls == calls
     assert list(fake.values) == [("kept", "k")]
+
+
+def test_a_write_queued_or_in_flight_when_its_tenant_is_deleted_is_not_left_in_l2() -> None:
+    """The writer had the deleted tenant's entry queued (dropped: never sent), or was
+    storing it as the drop ran (dropped again once stored): nothing of the tenant stays
+    in L2 until its values' TTL, and another tenant's writes go on."""
+    storing, proceed = threading.Event(), threading.Event()
+    data = b"d" * 64
+
+    def source(buffer_id: str, _tenant_id: str, _key: str, head: int) -> bytearray | None:
+        if buffer_id == "slow":
+            storing.set()
+            proceed.wait(10)
+        return bytearray(head) + data
+
+    t, fake, reg = tier(source)
+    t.start()
+    try:
+        t.write_behind("gone", "k1", "slow", len(data))  # read as the drop runs
+        assert storing.wait(10)
+        t.write_behind("gone", "k2", "b2", len(data))  # still queued at the drop
+        t.drop_tenant("gone")
+        proceed.set()
+        t.write_behind("kept", "k", "b3", len(data))
+        wait_until(lambda: ("kept", "k") in fake.values, message="another tenant's write")
+        wait_until(lambda: sample(reg, "maasd_l2_dropped_writes_total", reason="gone") == 2)
+        assert [k for k in fake.values if k[0] == "gone"] == []
+    finally:
+        t.close()
