@@ -6,9 +6,10 @@ fstab, a network mount not yet up), the mount point is an empty directory of the
 filesystem: every checkpoint looks missing, and recovery would release every buffer —
 and remove their files as orphans at the next start, once the disk is back.
 
-So the data dir keeps ``spill-filesystems.json``: for each spill directory (its real
-path), the ``f_fsid`` of the filesystem it was on when this daemon last started or made
-it. At the next start, a spill directory that is on *another* filesystem now (or no
+So the data dir keeps ``spill-filesystems.json``: for each spill directory (the path the
+pool names, not where a symlink on it leads: a link repointed to another filesystem is
+that directory moved), the ``f_fsid`` of the filesystem it was on when this daemon last
+started or made it. At the next start, a spill directory that is on *another* filesystem now (or no
 longer exists) *and* holds none of the checkpoints the ledger names there stops the
 start, releasing nothing, with one line that names it. ``maasd serve
 --release-lost-checkpoints`` is the way out for a disk that is really lost: those
@@ -49,6 +50,12 @@ def fs_id(path: str) -> int | None:
         return None
 
 
+def _key(spill_dir: str) -> str:
+    """A spill directory as the record names it: the pool's own path (a checkpoint's
+    directory is that path, joined), normalised."""
+    return os.path.normpath(os.path.abspath(spill_dir))
+
+
 class SpillFilesystems:
     """The record of the filesystems the spill directories were on (see the module)."""
 
@@ -58,7 +65,7 @@ class SpillFilesystems:
         self._known: dict[str, int] | None = None  # what the file holds, once read
 
     def recorded(self) -> dict[str, int]:
-        """Spill directory (real path) → the ``f_fsid`` recorded for it; empty if none."""
+        """Spill directory → the ``f_fsid`` recorded for it; empty if none."""
         if self._known is None:
             self._known = self._read()
         return dict(self._known)
@@ -85,12 +92,14 @@ class SpillFilesystems:
                 continue
             real = os.path.realpath(spill_dir)
             now = fs_id(real)
+            # By the pool's path; a record of an earlier version holds real paths.
+            was = recorded.get(_key(spill_dir), recorded.get(real))
             if not os.path.isdir(real):
                 why = "does not exist"
-            elif real in recorded and now is not None and recorded[real] != now:
+            elif was is not None and now is not None and was != now:
                 why = (
                     f"is on another filesystem than when its checkpoints were written "
-                    f"(f_fsid {now:#x}, was {recorded[real]:#x})"
+                    f"(f_fsid {now:#x}, was {was:#x})"
                 )
             else:
                 continue  # the same filesystem: the files were removed, not hidden
@@ -119,10 +128,9 @@ class SpillFilesystems:
             recorded = self.recorded()
             now = dict(recorded)
             for spill_dir in spill_dirs:
-                real = os.path.realpath(spill_dir)
-                fsid = fs_id(real)
+                fsid = fs_id(spill_dir)
                 if fsid is not None:
-                    now[real] = fsid
+                    now[_key(spill_dir)] = fsid
             if now != recorded:
                 self._write(now)
                 self._known = now
