@@ -35,6 +35,7 @@ bytes (:func:`maasd.units.parse_size`); a bad one is refused naming where it cam
 
 from __future__ import annotations
 
+import math
 import os
 import socket as _socket
 import tomllib
@@ -171,7 +172,7 @@ class Settings(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return os.path.join(self.data_dir, "admin.key")
 
 
-#: The worker socket's bounds: each must be > 0.
+#: The worker socket's bounds: each must be > 0 and finite.
 SOCKET_BOUNDS = tuple(
     name
     for name in Settings.__struct_fields__
@@ -192,10 +193,10 @@ SIZES = {
 }
 POOL_SIZES = {"capacity_bytes": False, "warm_bytes": True, "disk_bytes": True}
 
-#: The REST server's bounds: each must be > 0.
+#: The REST server's bounds: each must be > 0 and finite.
 HTTP_BOUNDS = tuple(name for name in Settings.__struct_fields__ if name.startswith("http_"))
 
-#: The L2 tier's bounds: each must be > 0 (its URL and key prefix are checked apart).
+#: The L2 tier's bounds: each must be > 0 and finite (its URL and key prefix are checked apart).
 L2_BOUNDS = tuple(
     name
     for name in Settings.__struct_fields__
@@ -302,8 +303,10 @@ def _check(settings: Settings) -> None:
         "disk_quota_factor",
         "latency_probe_timeout_s",
     ):
-        if not getattr(settings, name) > 0:
-            raise ConfigError(f"settings: {name} must be > 0, got {getattr(settings, name)}")
+        value = getattr(settings, name)
+        # ``inf`` would turn a deadline or a bound off, quietly (nothing is ever closed)
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"settings: {name} must be > 0 and finite, got {value}")
     if not settings.host_timeout_s >= 3 * settings.reaper_interval_s > 0:
         raise ConfigError(
             "settings: host_timeout_s must be at least 3 heartbeats (reaper_interval_s = "

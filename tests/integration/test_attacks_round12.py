@@ -10,16 +10,24 @@ live buffers (:func:`recovered.ledger_totals`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import random
+import select
+import socket
 import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conftest import Daemon
+from pgdb import PG_URL, fresh_pg_database
 from rawentries import connect, pattern, put_committed
 from recovered import ledger_totals, read_buffer, spill_ids, write_buffer
 from sockpeer import lookup, miss
@@ -72,10 +80,13 @@ def new_disk(disks: list[Disk], base: Path) -> Disk:
 
 
 def refused(d: Daemon) -> str:
-    with pytest.raises(RuntimeError, match="exited with 1") as e:
+    """What a start that must stop said (its own part of the log): one line, no traceback."""
+    before = d.log_path.stat().st_size if d.log_path.exists() else 0
+    with pytest.raises(RuntimeError, match="exited with 1"):
         d.start()
-    out = str(e.value)
-    assert "Traceback" not in out
+    out = d.log_path.read_bytes()[before:].decode(errors="replace")
+    assert "Traceback" not in out, out
+    assert "Error: cannot start: " in out, out
     return out
 
 
@@ -274,3 +285,369 @@ def test_a_spoiled_record_with_the_disk_mounted_starts_and_restores(
         assert read_buffer(d, key, bid) == b"\x77" * MiB
         ledger_totals(d)
         assert d.stop() == 0, d.log()
+
+
+@root_only
+def test_the_disk_mounted_while_the_daemon_runs_after_a_start_without_it(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """A pool made while its disk was not mounted checkpoints onto the mount point's own
+    directory; the disk mounted under the running daemon hides those files. A crash then:
+    the start stops (the ledger's checkpoints are not on the filesystem there now), and
+    releases nothing — unmounted again, the buffer comes back. A checkpoint after the mount
+    goes to the disk, and the start after it restores from there."""
+    disk = new_disk(disks, tmp_path / "a")
+    disk.umount()
+    d = fresh_daemon.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    _, key = d.tenant("late", 64 * MiB)
+    bid = buffer_in(d, key, "pa", b"\x11" * MiB)
+    disk.mount()
+    d.kill()
+
+    out = refused(d)
+    assert "is on another filesystem" in out
+    disk.umount()
+    d.start()
+    assert read_buffer(d, key, bid) == b"\x11" * MiB
+    ledger_totals(d)
+
+    disk.mount()  # while it runs, then a checkpoint: on the disk now
+    write_buffer(d, key, bid, b"\x22" * MiB)
+    with d.client(key) as c:
+        assert c.post(f"/v1/buffers/{bid}/checkpoint").status_code == 200
+    d.kill()
+    assert spill_ids(disk.store) == [bid]
+    d.start()
+    assert read_buffer(d, key, bid) == b"\x22" * MiB
+    ledger_totals(d)
+    assert d.stop() == 0, d.log()
+
+
+@root_only
+def test_a_graceful_stop_after_the_disk_went_away_during_the_run(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """The disk unmounted under the running daemon: the shutdown checkpoint lands on the
+    mount point's directory, and the next start (disk still away) restores that newest
+    content; nothing is counted twice."""
+    disk = new_disk(disks, tmp_path / "a")
+    d = fresh_daemon.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    _, key = d.tenant("away", 64 * MiB)
+    bid = buffer_in(d, key, "pa", b"\x01" * MiB)
+    disk.umount()
+    write_buffer(d, key, bid, b"\x02" * MiB)
+    assert d.stop() == 0, d.log()
+    assert spill_ids(disk.spill) == [bid]  # the mount point's own directory
+    assert spill_ids(disk.store) == [bid]  # the older one, out of sight
+
+    d.start()
+    assert read_buffer(d, key, bid) == b"\x02" * MiB
+    assert ledger_totals(d) == MiB
+    assert d.stop() == 0, d.log()
+
+
+@root_only
+def test_a_spill_dir_gone_during_the_run(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """The spill dir is a directory *on* the disk: unmounted, it does not exist. A REST
+    checkpoint then is a 507 problem naming the spill dir (never a 5xx of another kind);
+    a graceful stop keeps the last checkpoint; the start without the disk stops; with
+    it, the buffer comes back as last checkpointed."""
+    disk = new_disk(disks, tmp_path / "a")
+    spill = disk.spill / "kv"
+    spill.mkdir()
+    d = fresh_daemon.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(spill))
+    _, key = d.tenant("gone", 64 * MiB)
+    bid = buffer_in(d, key, "pa", b"\x31" * MiB)
+    disk.umount()
+    write_buffer(d, key, bid, b"\x32" * MiB)
+    with d.client(key) as c:
+        r = c.post(f"/v1/buffers/{bid}/checkpoint")
+    assert r.status_code == 507, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    assert str(spill) in r.json()["detail"]
+    ledger_totals(d)
+    assert d.stop() == 0, d.log()
+
+    out = refused(d)
+    assert f"spill directory {spill} does not exist" in out
+    disk.mount()
+    d.start()
+    assert read_buffer(d, key, bid) == b"\x31" * MiB
+    assert ledger_totals(d) == MiB
+    assert d.stop() == 0, d.log()
+
+
+@root_only
+def test_a_tenant_deleted_while_its_disk_is_away(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """Deleting a tenant whose checkpoints are out of sight answers 204 and releases its
+    buffers; their files, found again with the disk, are orphans removed at the next start."""
+    disk = new_disk(disks, tmp_path / "a")
+    d = fresh_daemon.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    tid, key = d.tenant("deleted", 64 * MiB)
+    buffer_in(d, key, "pa", b"\x41" * MiB)
+    r = connect(d, key)
+    put_committed(r, "ent", pattern(MiB, 4), "pa")
+    r.close()
+    _, other = d.tenant("kept", 64 * MiB)
+    kept = buffer_in(d, other, "pa", b"\x42" * MiB)
+    disk.umount()
+    assert d.admin.delete(f"/v1/tenants/{tid}").status_code == 204
+    assert ledger_totals(d) == MiB
+    d.kill()
+
+    disk.mount()
+    d.start()
+    assert spill_ids(disk.store) == [kept]
+    assert read_buffer(d, other, kept) == b"\x42" * MiB
+    assert ledger_totals(d) == MiB
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    if not PG_URL:
+        pytest.skip("MAASD_TEST_PG_URL is not set (scripts/pg-test-server)")
+    with fresh_pg_database() as url:
+        yield url
+
+
+@root_only
+def test_two_hosts_on_one_postgresql_ledger_each_check_their_own_disks(
+    pg_url: str, disks: list[Disk], tmp_path: Path
+) -> None:
+    """Host A's disk is away. Host B, on the same ledger with its own data dir and a disk
+    of its own, starts and restores its buffer (A's checkpoints are not B's to look at,
+    nor to release or remove); A's start stops, releasing nothing; mounted, A restores."""
+    hosts = {
+        name: Daemon(
+            tmp_path / name / "data",
+            env={"MAASD_DB_URL": pg_url, "MAASD_NODE_NAME": f"host-{name}"},
+        )
+        for name in ("a", "b")
+    }
+    disk = {name: new_disk(disks, tmp_path / name) for name in hosts}
+    try:
+        a, b = hosts["a"].start(), hosts["b"].start()
+        _, key = a.tenant("global", 64 * MiB)  # tenants are global: one key for both hosts
+        bufs = {}
+        for name, d in hosts.items():
+            d.pool("pers", 16 * MiB, persistence="persistent", spill_dir=str(disk[name].spill))
+            bufs[name] = buffer_in(d, key, "pers", bytes([ord(name)]) * MiB)
+        a.kill()
+        assert b.stop() == 0, b.log()
+        disk["a"].umount()
+
+        b.start()
+        assert read_buffer(b, key, bufs["b"]) == b"b" * MiB
+        assert spill_ids(disk["a"].store) == [bufs["a"]]
+        ledger_totals(b)  # A's row still counts (a dead host's buffers do)
+        assert b.stop() == 0, b.log()
+        out = refused(a)
+        assert f"spill directory {disk['a'].spill} is on another filesystem" in out
+        assert str(disk["b"].spill) not in out
+
+        disk["a"].mount()
+        a.start()
+        b.start()
+        assert read_buffer(a, key, bufs["a"]) == b"a" * MiB
+        assert read_buffer(b, key, bufs["b"]) == b"b" * MiB
+        assert ledger_totals(a) == ledger_totals(b) == 2 * MiB
+    finally:
+        for d in hosts.values():
+            d.close()
+
+
+@root_only
+def test_sigkill_while_checkpoints_are_written_then_restart(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """Checkpoints of two buffers written in a loop, the daemon SIGKILLed at a random moment,
+    three times: each restart restores every buffer whole (one of the versions written, all
+    its bytes alike), leaves one file per buffer in the spill dir (no orphan), a record
+    that parses, and ledger = live buffers."""
+    disk = new_disk(disks, tmp_path / "a")
+    d = fresh_daemon.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    _, key = d.tenant("killed", 64 * MiB)
+    bids = [buffer_in(d, key, "pa", b"\x01" * MiB) for _ in range(2)]
+    rng = random.Random(12)
+    for _round in range(3):
+        stop = threading.Event()
+
+        def churn(stop: threading.Event = stop) -> None:
+            version = 1
+            while not stop.is_set():
+                version = version % 250 + 1
+                try:
+                    for bid in bids:
+                        write_buffer(d, key, bid, bytes([version]) * MiB)
+                        with d.client(key) as c:
+                            c.post(f"/v1/buffers/{bid}/checkpoint")
+                except Exception:
+                    return  # the daemon is gone
+
+        t = threading.Thread(target=churn)
+        t.start()
+        time.sleep(rng.uniform(0.2, 1.5))
+        d.kill()
+        stop.set()
+        t.join(60)
+        d.start()
+        for bid in bids:
+            data = read_buffer(d, key, bid)
+            assert data == data[:1] * MiB, "a restored buffer is not one version whole"
+        assert ledger_totals(d) == 2 * MiB
+        assert spill_ids(disk.spill) == sorted(bids)
+        record = json.loads((d.data_dir / "spill-filesystems.json").read_text())
+        assert str(disk.spill) in record
+    assert d.stop() == 0, d.log()
+
+
+# --- 2. REST keep-alive against the connection cap ---------------------------------------
+
+CAP = 16
+#: Far beyond any deadline or keep-alive here: a connection open after this has none.
+NEVER_S = 60.0
+HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: maasd\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon of 16 REST connections at most, keeping an idle one 20 s (the default)."""
+    d = Daemon(tmp_path_factory.mktemp("keepalive"), env={"MAASD_HTTP_MAX_CONNECTIONS": str(CAP)})
+    d.start()
+    yield d
+    d.close()
+
+
+def fds(d: Daemon) -> int:
+    assert d.proc is not None
+    return len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+
+
+def answered(s: socket.socket) -> bool:
+    """Read one whole answer to a /healthz from ``s``: whether it was a 200 (False if the
+    daemon closed the connection instead)."""
+    got = b""
+    try:
+        while b"\r\n\r\n" not in got or not got.endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                return False
+            got += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return False
+    return got.startswith(b"HTTP/1.1 200")
+
+
+def kept_alive(d: Daemon) -> socket.socket:
+    """A connection that asked /healthz once, without a key, and now idles (keep-alive)."""
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=NEVER_S)
+    s.sendall(HEALTHZ)
+    assert answered(s)
+    return s
+
+
+def closed_by_peer(s: socket.socket, wait_s: float = 0.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        if not select.select([s], [], [], max(deadline - time.monotonic(), 0.0))[0]:
+            return False
+        try:
+            if not s.recv(65536):
+                return True
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+
+
+def reserve_and_release(d: Daemon, key: str) -> None:
+    with d.client(key) as c:
+        r = c.post("/v1/reserve", json={"size_bytes": MiB, "ttl_s": 60})
+        assert r.status_code == 201, r.text
+        assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code == 204
+
+
+def test_idle_keep_alive_connections_cannot_lock_tenants_out(capped: Daemon) -> None:
+    """100 unauthenticated connections, each idle after one /healthz, kept open by a client
+    that opens a new one for each the daemon closes: the daemon holds at most its cap of
+    them (the oldest idle shed for each newcomer), its fds stay bounded, and a tenant's
+    reserves on fresh connections all succeed meanwhile."""
+    d = capped
+    _, key = d.tenant("kept-out", 64 * MiB)
+    reserve_and_release(d, key)
+    baseline = fds(d)
+    held = [kept_alive(d) for _ in range(100)]
+    stop = threading.Event()
+    most = [0]
+
+    def hold_on() -> None:  # the attacker: every connection the daemon closes, opened again
+        while not stop.is_set():
+            for i, s in enumerate(held):
+                if stop.is_set():
+                    return
+                if closed_by_peer(s):
+                    s.close()
+                    with contextlib.suppress(OSError, AssertionError):
+                        held[i] = kept_alive(d)
+            most[0] = max(most[0], fds(d))
+
+    try:
+        # The first 84 were shed to make room for the last 16.
+        assert sum(closed_by_peer(s, 5.0) for s in held[:84]) == 84
+        assert fds(d) <= baseline + CAP + 4
+        attacker = threading.Thread(target=hold_on)
+        attacker.start()
+        for _ in range(20):
+            reserve_and_release(d, key)
+        stop.set()
+        attacker.join(NEVER_S)
+        assert most[0] <= baseline + CAP + 8, (most[0], baseline)
+        assert d.metric("maasd_http_connections") <= CAP
+    finally:
+        stop.set()
+        for s in held:
+            s.close()
+    assert d.healthy()
+
+
+def test_a_connection_idle_past_the_keep_alive_is_closed(tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "d", env={"MAASD_HTTP_KEEPALIVE_S": "1"})
+    try:
+        d.start()
+        baseline = fds(d)
+        conns = [kept_alive(d) for _ in range(8)]
+        for s in conns:
+            assert closed_by_peer(s, NEVER_S), "an idle connection outlived http_keepalive_s"
+            s.close()
+        assert fds(d) <= baseline
+    finally:
+        d.close()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "-inf", "abc", "1e400"])
+def test_a_keep_alive_that_is_not_a_finite_positive_number_is_one_line(
+    tmp_path: Path, value: str
+) -> None:
+    d = Daemon(tmp_path / "d", env={"MAASD_HTTP_KEEPALIVE_S": value})
+    p = subprocess.run(
+        [sys.executable, "-m", "maasd.cli.daemon", "serve"],
+        env=d.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert p.returncode == 1, p.stdout + p.stderr
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("Error: settings: ")
+    assert "http_keepalive_s" in lines[0]
+    d.admin.close()

@@ -50,6 +50,8 @@ def test_http_settings_from_the_environment() -> None:
         ("MAASD_HTTP_SEND_TIMEOUT_S", "nan"),
         ("MAASD_HTTP_TENANT_THREADS", "0"),
         ("MAASD_HTTP_KEEPALIVE_S", "0"),
+        ("MAASD_HTTP_KEEPALIVE_S", "inf"),
+        ("MAASD_HTTP_HEAD_TIMEOUT_S", "inf"),
     ],
 )
 def test_http_bounds_must_be_positive(var: str, value: str) -> None:
