@@ -71,14 +71,29 @@ class SpillFilesystems:
         return dict(self._known)
 
     def _read(self) -> dict[str, int]:
+        """The record; empty when there is none yet (a first start), or — said in the log,
+        since such a start cannot tell an unmounted disk from removed files — when it
+        cannot be read."""
         try:
             with open(self._path) as f:
                 data = json.load(f)
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return {}
-        if not isinstance(data, dict):
-            return {}
-        return {k: v for k, v in data.items() if isinstance(k, str) and type(v) is int}
+        except (OSError, ValueError) as e:
+            data = e
+        known = (
+            {k: v for k, v in data.items() if isinstance(k, str) and type(v) is int}
+            if isinstance(data, dict)
+            else {}
+        )
+        if not isinstance(data, dict) or len(known) < len(data):
+            logger.warning(
+                "%s cannot be read (%s): a spill filesystem not mounted is not told from "
+                "checkpoints removed until it is written again",
+                self._path,
+                data if isinstance(data, Exception) else "not an object of f_fsid numbers",
+            )
+        return known
 
     def check(self, named: Mapping[str, Iterable[str]], *, release_lost: bool = False) -> None:
         """Stop the start (:class:`ConfigError`) when a spill directory holding checkpoints

@@ -237,6 +237,37 @@ def test_a_spill_dir_symlink_repointed_elsewhere_while_down(
     assert d.stop() == 0, d.log()
 
 
+@root_only
+def test_a_spill_dir_replaced_by_a_symlink_elsewhere_while_down(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """The mount point itself replaced by a symlink to an empty directory of another
+    filesystem: the start stops, releasing nothing."""
+    disk = new_disk(disks, tmp_path / "a")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    d = fresh_daemon.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    _, key = d.tenant("replaced", 64 * MiB)
+    bid = buffer_in(d, key, "pa", b"\x4d" * MiB)
+    d.kill()
+    disk.umount()
+    disk.spill.rmdir()
+    disk.spill.symlink_to(elsewhere)
+
+    out = refused(d)
+    assert f"spill directory {disk.spill} is on another filesystem" in out
+    assert spill_ids(disk.store) == [bid]
+
+    disk.spill.unlink()
+    disk.spill.mkdir()
+    disk.mount()
+    d.start()
+    assert read_buffer(d, key, bid) == b"\x4d" * MiB
+    ledger_totals(d)
+    assert d.stop() == 0, d.log()
+
+
 def _spoil_record(record: Path, how: str) -> None:
     if how == "deleted":
         record.unlink()
@@ -273,6 +304,8 @@ def test_a_spoiled_record_with_the_disk_mounted_starts_and_restores(
     d.start()
     assert read_buffer(d, key, bid) == b"\x77" * MiB
     ledger_totals(d)
+    said = f"{record} cannot be read" in d.log()
+    assert said == (how != "deleted"), d.log()  # a spoiled record is said, not kept quiet
     if how != "directory":
         assert str(disk.spill) in json.loads(record.read_text())
     # The disk gone at the next start: recorded again, so the start stops.
@@ -466,6 +499,35 @@ def test_two_hosts_on_one_postgresql_ledger_each_check_their_own_disks(
 
 
 @root_only
+def test_a_data_dir_on_the_missing_disk_with_a_postgresql_ledger(
+    pg_url: str, disks: list[Disk], tmp_path: Path
+) -> None:
+    """The data dir (record, default spill dirs) is on the disk and the ledger is elsewhere
+    (PostgreSQL): not mounted, the data dir is made afresh, without a record — the start
+    must still stop (the spill dir the ledger names does not exist), releasing nothing."""
+    disk = new_disk(disks, tmp_path / "a")
+    d = Daemon(disk.spill / "data", env={"MAASD_DB_URL": pg_url, "MAASD_NODE_NAME": "host-d"})
+    try:
+        d.start()
+        d.pool("pers", 16 * MiB, persistence="persistent")
+        _, key = d.tenant("datadir", 64 * MiB)
+        bid = buffer_in(d, key, "pers", b"\x66" * MiB)
+        d.kill()
+        disk.umount()
+
+        out = refused(d)
+        assert f"spill directory {d.data_dir / 'spill' / 'pers'} does not exist" in out
+        subprocess.run(["rm", "-rf", str(disk.spill / "data")], check=True)  # the fresh one
+        disk.mount()
+        d.start()
+        assert read_buffer(d, key, bid) == b"\x66" * MiB
+        assert ledger_totals(d) == MiB
+        assert d.stop() == 0, d.log()
+    finally:
+        d.close()
+
+
+@root_only
 def test_sigkill_while_checkpoints_are_written_then_restart(
     fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
 ) -> None:
@@ -651,3 +713,31 @@ def test_a_keep_alive_that_is_not_a_finite_positive_number_is_one_line(
     assert lines[0].startswith("Error: settings: ")
     assert "http_keepalive_s" in lines[0]
     d.admin.close()
+
+
+@pytest.mark.parametrize(
+    "auth", ["", "Authorization: Bearer maasd_not_a_key\r\n"], ids=["no-key", "wrong-key"]
+)
+def test_bodies_sent_slowly_without_a_key_cannot_lock_tenants_out(
+    capped: Daemon, auth: str
+) -> None:
+    """A local user without a key sends the cap's worth of POST heads whose bodies never
+    finish: what it gets is a 401, and a connection answered is idle (shed at the cap),
+    not busy until the body deadline: a tenant's reserve still gets through."""
+    d = capped
+    _, key = d.tenant("slow-bodies", 64 * MiB)
+    head = (
+        "POST /v1/reserve HTTP/1.1\r\nHost: maasd\r\nContent-Type: application/json\r\n"
+        f"{auth}Content-Length: 4096\r\n\r\n{{"
+    ).encode()
+    conns = []
+    try:
+        for _ in range(CAP * 2):
+            s = socket.create_connection(("127.0.0.1", d.port), timeout=NEVER_S)
+            s.sendall(head)
+            conns.append(s)
+        for _ in range(5):
+            reserve_and_release(d, key)
+    finally:
+        for s in conns:
+            s.close()
