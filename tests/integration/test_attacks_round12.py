@@ -528,6 +528,45 @@ def test_a_data_dir_on_the_missing_disk_with_a_postgresql_ledger(
 
 
 @root_only
+def test_a_tenant_deleted_through_another_host_while_the_disk_is_away(
+    pg_url: str, disks: list[Disk], tmp_path: Path
+) -> None:
+    """Host A is down, its disk away; tenant T is deleted through host B (204; A's share
+    waits for A). A's start stops, releasing nothing of tenant U either; mounted, A
+    restores U's buffer, releases T's and removes its file, and T is gone."""
+    hosts = {
+        name: Daemon(
+            tmp_path / name / "data",
+            env={"MAASD_DB_URL": pg_url, "MAASD_NODE_NAME": f"host-{name}"},
+        )
+        for name in ("a", "b")
+    }
+    disk = new_disk(disks, tmp_path / "a")
+    try:
+        a, b = hosts["a"].start(), hosts["b"].start()
+        a.pool("pers", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+        t_id, t_key = a.tenant("doomed", 64 * MiB)
+        _, u_key = a.tenant("kept", 64 * MiB)
+        t_buf = buffer_in(a, t_key, "pers", b"\x54" * MiB)
+        u_buf = buffer_in(a, u_key, "pers", b"\x55" * MiB)
+        a.kill()
+        disk.umount()
+        assert b.admin.delete(f"/v1/tenants/{t_id}").status_code == 204
+
+        refused(a)
+        assert spill_ids(disk.store) == sorted([t_buf, u_buf])
+        disk.mount()
+        a.start()
+        assert read_buffer(a, u_key, u_buf) == b"\x55" * MiB
+        assert spill_ids(disk.store) == [u_buf]
+        assert a.admin.get(f"/v1/tenants/{t_id}").status_code == 404
+        assert ledger_totals(a) == ledger_totals(b) == MiB
+    finally:
+        for d in hosts.values():
+            d.close()
+
+
+@root_only
 def test_sigkill_while_checkpoints_are_written_then_restart(
     fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
 ) -> None:
@@ -741,3 +780,27 @@ def test_bodies_sent_slowly_without_a_key_cannot_lock_tenants_out(
     finally:
         for s in conns:
             s.close()
+
+
+def test_a_graceful_stop_is_not_held_up_by_idle_keep_alive_connections(
+    fresh_daemon: Daemon,
+) -> None:
+    """SIGTERM with connections idle between requests (kept 20 s now): they are closed, and
+    the stop checkpoints and exits 0 — the persistent buffer comes back."""
+    d = Daemon(fresh_daemon.data_dir, env={"MAASD_HTTP_MAX_CONNECTIONS": str(CAP)})
+    try:
+        d.start()
+        d.pool("pers", 16 * MiB, persistence="persistent")
+        _, key = d.tenant("stopping", 64 * MiB)
+        bid = buffer_in(d, key, "pers", b"\x01" * MiB)
+        write_buffer(d, key, bid, b"\x02" * MiB)  # only the shutdown checkpoint has this
+        idle = [kept_alive(d) for _ in range(CAP)]
+        assert d.stop() == 0, d.log()
+        assert all(closed_by_peer(s, NEVER_S) for s in idle)
+        for s in idle:
+            s.close()
+        d.start()
+        assert read_buffer(d, key, bid) == b"\x02" * MiB
+        assert ledger_totals(d) == MiB
+    finally:
+        d.close()
