@@ -135,17 +135,34 @@ class SpillFilesystems:
             )
 
     def record(self, spill_dirs: Iterable[str]) -> None:
-        """Record the filesystem each directory is on now: at start, at a pool's creation
-        and at each checkpoint (a ``statvfs``; the file is replaced atomically, and only
-        when something changed). A failure to write is logged: the next start compares
-        less, and loses nothing it did not before."""
+        """Record the filesystem each directory is on now: at start and at each checkpoint
+        (a ``statvfs``; the file is replaced atomically, and only when something changed).
+        A failure to write is logged: the next start compares less, and loses nothing it
+        did not before.
+
+        A directory found on another filesystem than recorded is logged as a warning: a
+        disk unmounted (or mounted) under the running daemon splits a pool's checkpoints
+        between two filesystems, and a start sees only the ones mounted then."""
         with self._lock:
             recorded = self.recorded()
             now = dict(recorded)
             for spill_dir in spill_dirs:
                 fsid = fs_id(spill_dir)
-                if fsid is not None:
-                    now[_key(spill_dir)] = fsid
+                if fsid is None:
+                    continue
+                key = _key(spill_dir)
+                was = recorded.get(key)
+                if was is not None and was != fsid:
+                    logger.warning(
+                        "spill directory %s is on another filesystem than recorded "
+                        "(f_fsid %#x, was %#x): checkpoints go there from now on; those "
+                        "written before are where they were (was a disk unmounted or "
+                        "mounted while the daemon runs?)",
+                        spill_dir,
+                        fsid,
+                        was,
+                    )
+                now[key] = fsid
             if now != recorded:
                 self._write(now)
                 self._known = now

@@ -349,6 +349,7 @@ def test_the_disk_mounted_while_the_daemon_runs_after_a_start_without_it(
     write_buffer(d, key, bid, b"\x22" * MiB)
     with d.client(key) as c:
         assert c.post(f"/v1/buffers/{bid}/checkpoint").status_code == 200
+    assert f"spill directory {disk.spill} is on another filesystem than recorded" in d.log()
     d.kill()
     assert spill_ids(disk.store) == [bid]
     d.start()
@@ -372,6 +373,7 @@ def test_a_graceful_stop_after_the_disk_went_away_during_the_run(
     disk.umount()
     write_buffer(d, key, bid, b"\x02" * MiB)
     assert d.stop() == 0, d.log()
+    assert f"spill directory {disk.spill} is on another filesystem than recorded" in d.log()
     assert spill_ids(disk.spill) == [bid]  # the mount point's own directory
     assert spill_ids(disk.store) == [bid]  # the older one, out of sight
 
