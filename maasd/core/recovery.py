@@ -197,17 +197,23 @@ class Recovery:
         removed = 0
         for live in self._live.all():
             spill = live.row.spill_dir
-            if spill and os.path.isdir(spill):
-                for entry in os.scandir(spill):
-                    if (
-                        entry.name.endswith((".ckpt", ".ckpt.tmp"))
-                        and not entry.is_dir(follow_symlinks=False)
-                        and os.path.realpath(entry.path) not in keep
-                    ):
-                        try:
-                            os.unlink(entry.path)
-                        except OSError as e:  # a read-only spill dir: serve all the same
-                            logger.warning("orphan %s not removed: %s", entry.path, e.strerror)
-                            continue
-                        removed += 1
+            if not spill or not os.path.isdir(spill):
+                continue
+            try:
+                entries = list(os.scandir(spill))
+            except OSError as e:  # unreadable (permissions): serve all the same
+                logger.warning("spill directory %s not scanned for orphans: %s", spill, e)
+                continue
+            for entry in entries:
+                if (
+                    entry.name.endswith((".ckpt", ".ckpt.tmp"))
+                    and not entry.is_dir(follow_symlinks=False)
+                    and os.path.realpath(entry.path) not in keep
+                ):
+                    try:
+                        os.unlink(entry.path)
+                    except OSError as e:  # a read-only spill dir: serve all the same
+                        logger.warning("orphan %s not removed: %s", entry.path, e.strerror)
+                        continue
+                    removed += 1
         return removed

@@ -50,6 +50,15 @@ def fs_id(path: str) -> int | None:
         return None
 
 
+def _cannot_list(path: str) -> str | None:
+    """Why the daemon cannot list the directory ``path`` (``strerror``), or ``None``."""
+    try:
+        with os.scandir(path):
+            return None
+    except OSError as e:
+        return e.strerror or str(e)
+
+
 def _key(spill_dir: str) -> str:
     """A spill directory as the record names it: the pool's own path (a checkpoint's
     directory is that path, joined), normalised."""
@@ -109,8 +118,14 @@ class SpillFilesystems:
             now = fs_id(real)
             # By the pool's path; a record of an earlier version holds real paths.
             was = recorded.get(_key(spill_dir), recorded.get(real))
+            hint = "is its filesystem mounted?"
             if not os.path.isdir(real):
                 why = "does not exist"
+            elif (denied := _cannot_list(real)) is not None:
+                # A disk mounted with a root the daemon's user cannot search: its files
+                # look missing (``exists`` is False on EACCES), on the same filesystem.
+                why = f"cannot be read by the daemon ({denied})"
+                hint = "can the daemon's user read it (owner, mode)?"
             elif was is not None and now is not None and was != now:
                 why = (
                     f"is on another filesystem than when its checkpoints were written "
@@ -129,7 +144,7 @@ class SpillFilesystems:
                 continue
             raise ConfigError(
                 f"spill directory {spill_dir} {why} and holds none of the {len(paths)} "
-                "checkpoints the ledger names there: is its filesystem mounted? Nothing was "
+                f"checkpoints the ledger names there: {hint} Nothing was "
                 "released. If that disk is really lost, start once with "
                 "`maasd serve --release-lost-checkpoints` to release those buffers"
             )

@@ -268,6 +268,52 @@ def test_a_spill_dir_replaced_by_a_symlink_elsewhere_while_down(
     assert d.stop() == 0, d.log()
 
 
+#: Root without the capabilities that override file modes: the daemon as its own user
+#: meets a directory it may not read.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
+@root_only
+def test_a_spill_disk_mounted_with_a_root_the_daemon_cannot_read(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """The disk comes back owned by another user, mode 0700 (a chown gone wrong, a fresh
+    filesystem): the checkpoints look missing on the same filesystem. The start stops,
+    releasing nothing, and says why in one line; readable again, the buffer comes back.
+    ``--release-lost-checkpoints`` then releases it and the start goes on (no traceback)."""
+    disk = new_disk(disks, tmp_path / "a")
+    d = fresh_daemon
+    d.wrapper = NO_DAC
+    d.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    _, key = d.tenant("unreadable", 64 * MiB)
+    bid = buffer_in(d, key, "pa", b"\x6e" * MiB)
+    d.kill()
+    owner = disk.spill.stat()
+    os.chown(disk.spill, 65534, 65534)
+    os.chmod(disk.spill, 0o700)
+
+    out = refused(d)
+    assert f"spill directory {disk.spill} cannot be read by the daemon" in out
+    assert "Permission denied" in out
+    assert spill_ids(disk.store) == [bid]
+
+    os.chown(disk.spill, owner.st_uid, owner.st_gid)
+    d.start()
+    assert read_buffer(d, key, bid) == b"\x6e" * MiB
+    assert ledger_totals(d) == MiB
+    d.kill()
+
+    os.chown(disk.spill, 65534, 65534)
+    d.args = ["--release-lost-checkpoints"]
+    before = d.log_path.stat().st_size
+    d.start()
+    assert gone(d, key, bid)
+    assert ledger_totals(d) == 0
+    assert "Traceback" not in d.log_path.read_bytes()[before:].decode(errors="replace")
+    assert d.stop() == 0, d.log()
+
+
 def _spoil_record(record: Path, how: str) -> None:
     if how == "deleted":
         record.unlink()
