@@ -59,6 +59,18 @@ def _cannot_list(path: str) -> str | None:
         return e.strerror or str(e)
 
 
+def _denied(path: str) -> bool:
+    """Whether the file ``path`` exists and the daemon may not open it for reading."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except PermissionError:
+        return True
+    except OSError:
+        return False  # gone, a symlink, …: restore's own outcome, as before
+    os.close(fd)
+    return False
+
+
 def _key(spill_dir: str) -> str:
     """A spill directory as the record names it: the pool's own path (a checkpoint's
     directory is that path, joined), normalised."""
@@ -112,7 +124,10 @@ class SpillFilesystems:
         recorded = self.recorded()
         for spill_dir, paths in sorted(named.items()):
             paths = list(paths)
-            if not paths or any(os.path.exists(p) for p in paths):
+            if not paths:
+                continue
+            if any(os.path.exists(p) for p in paths):
+                self._check_readable(spill_dir, paths, release_lost)
                 continue
             real = os.path.realpath(spill_dir)
             now = fs_id(real)
@@ -148,6 +163,30 @@ class SpillFilesystems:
                 "released. If that disk is really lost, start once with "
                 "`maasd serve --release-lost-checkpoints` to release those buffers"
             )
+
+    @staticmethod
+    def _check_readable(spill_dir: str, paths: list[str], release_lost: bool) -> None:
+        """Stop the start when checkpoint files are there but the daemon may not read them
+        (another owner, a mode): restoring would release their buffers, and remove the
+        files, as if they were corrupt."""
+        denied = [p for p in paths if _denied(p)]
+        if not denied:
+            return
+        if release_lost:
+            logger.warning(
+                "%d checkpoints in spill directory %s cannot be read by the daemon (permission "
+                "denied, e.g. %s): their buffers are released (--release-lost-checkpoints)",
+                len(denied),
+                spill_dir,
+                denied[0],
+            )
+            return
+        raise ConfigError(
+            f"{len(denied)} checkpoints in spill directory {spill_dir} cannot be read by the "
+            f"daemon (permission denied, e.g. {denied[0]}): can the daemon's user read them "
+            "(owner, mode)? Nothing was released. If they are really lost, start once with "
+            "`maasd serve --release-lost-checkpoints` to release those buffers"
+        )
 
     def record(self, spill_dirs: Iterable[str]) -> None:
         """Record the filesystem each directory is on now: at start and at each checkpoint

@@ -314,6 +314,38 @@ def test_a_spill_disk_mounted_with_a_root_the_daemon_cannot_read(
     assert d.stop() == 0, d.log()
 
 
+@root_only
+def test_checkpoint_files_the_daemon_cannot_read(
+    fresh_daemon: Daemon, disks: list[Disk], tmp_path: Path
+) -> None:
+    """The spill dir is readable but a checkpoint file is not (chowned to another user,
+    mode 0600): restoring would release the buffer and remove the file as if it were
+    corrupt. The start stops, releasing nothing; readable again, the buffer comes back."""
+    disk = new_disk(disks, tmp_path / "a")
+    d = fresh_daemon
+    d.wrapper = NO_DAC
+    d.start()
+    d.pool("pa", 16 * MiB, persistence="persistent", spill_dir=str(disk.spill))
+    _, key = d.tenant("unreadable-file", 64 * MiB)
+    bids = [buffer_in(d, key, "pa", bytes([n]) * MiB) for n in (1, 2)]
+    d.kill()
+    (locked,) = [f for f in disk.spill.iterdir() if f.name.startswith(bids[0])]
+    owner = locked.stat()
+    os.chown(locked, 65534, 65534)
+    locked.chmod(0o600)
+
+    out = refused(d)
+    assert f"1 checkpoints in spill directory {disk.spill} cannot be read" in out
+    assert spill_ids(disk.store) == sorted(bids)
+
+    os.chown(locked, owner.st_uid, owner.st_gid)
+    d.start()
+    for n, bid in zip((1, 2), bids, strict=True):
+        assert read_buffer(d, key, bid) == bytes([n]) * MiB
+    assert ledger_totals(d) == 2 * MiB
+    assert d.stop() == 0, d.log()
+
+
 def _spoil_record(record: Path, how: str) -> None:
     if how == "deleted":
         record.unlink()
