@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -90,6 +91,17 @@ def _aad(tenant_id: str, key: str, size: int, name: str) -> bytes:
     return f"maasd-disk-v1\0{tenant_id}\0{key}\0{size}\0{name}".encode()
 
 
+def _open_own(path: str, flags: int) -> int:
+    """An entry file opened as only a regular file of the tier may be: not through a
+    symlink (an erase would punch its target, wherever it is), never waiting (a named
+    pipe's ``open`` waits for a peer for ever) → the fd; ``OSError`` for anything else."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
 class DiskDir:
     """The entry files of one pool's disk tier."""
 
@@ -152,7 +164,8 @@ class DiskDir:
         """
         size = sealed.size
         try:
-            with open(os.path.join(self.path, sealed.name), "rb", buffering=0) as f:
+            fd = _open_own(os.path.join(self.path, sealed.name), os.O_RDONLY)
+            with open(fd, "rb", buffering=0) as f:
                 blob = bytearray(NONCE + size + TAG + 1)
                 got = f.readinto(blob)
         except OSError as e:
@@ -182,9 +195,9 @@ class DiskDir:
         or a lookup that erases must not fail for the disk (SPEC §12)."""
         path = os.path.join(self.path, sealed.name)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            fd = _open_own(path, os.O_WRONLY)
         except OSError:
-            fd = -1
+            fd = -1  # gone, or no file of ours any more (a link, a pipe): unlink only
         if fd >= 0:
             try:
                 with contextlib.suppress(BackingError):  # not every filesystem punches

@@ -1,0 +1,122 @@
+"""SPEC §11 (``maasd router``) and §12 (the tiers) against an attacker or an unlucky
+operator, through the real entry points only: the ``maasd router`` command line, a real
+router in front of real llama-server backends (Gemma 3 270M), and a real ``maasd serve``
+with a disk tier in a real directory.
+
+What earlier rounds check is not repeated here (test_spec_router_round10.py,
+test_spec_disktier_round10.py, test_router*.py, test_disk_tier*.py, test_disk_quota.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from conftest import Daemon
+from rawentries import demote_one, disk_files, entry_files, pattern, tier_pool
+from sockpeer import miss
+from waiting import wait_until
+
+MiB = 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _written(d: Daemon, pool: str) -> None:
+    """Until a demotion's file is whole and promotable."""
+    wait_until(lambda: d.metric("maasd_disk_write_bytes_total", pool=pool) > 0, timeout=20)
+
+
+# -- §12: a demoted entry's file changed under the daemon -----------------------------------
+
+
+def test_files_of_two_tenants_swapped_on_disk_are_misses_for_both(
+    disk_daemon: Daemon, tmp_path: Path
+) -> None:
+    """§12 "authenticated encryption; the tag is also the integrity check" + invariant 2:
+    the files of two tenants' demoted entries (same key name, same size) swapped while
+    the daemon runs: neither tenant is ever served the other's bytes — both are misses,
+    dropped, and their files gone."""
+    d, disk = disk_daemon, tmp_path / "disk"
+    pool = tier_pool(d, disk)
+    _, key_a = d.tenant(quota_bytes=64 * MiB)
+    _, key_b = d.tenant(quota_bytes=64 * MiB)
+    ra = demote_one(d, key_a, pool, pattern(MiB, 1), fill=9)
+    wait_until(lambda: len(entry_files(disk)) == 1, timeout=20)
+    (file_a,) = entry_files(disk)
+    rb = demote_one(d, key_b, pool, pattern(MiB, 2), fill=9)
+    wait_until(lambda: len(entry_files(disk)) == 2, timeout=20)
+    wait_until(lambda: d.metric("maasd_disk_demotions_total", pool=pool) >= 2, timeout=20)
+    time.sleep(0.5)  # the second file whole (the writes metric counts it once it is)
+    (file_b,) = [f for f in entry_files(disk) if f != file_a]
+    a, b = disk / file_a, disk / file_b
+    tmp = disk / "swap"
+    os.rename(a, tmp)
+    os.rename(b, a)
+    os.rename(tmp, b)
+    miss(ra, ["hot"])
+    miss(rb, ["hot"])
+    assert entry_files(disk) == []
+    assert d.metric("maasd_disk_drops_total", pool=pool, reason="corrupt") == 2
+    assert d.metric("maasd_disk_promotions_total", pool=pool) == 0
+    assert d.healthy()
+    ra.close()
+    rb.close()
+
+
+def test_an_entry_file_made_a_symlink_is_a_miss_and_its_target_is_untouched(
+    disk_daemon: Daemon, tmp_path: Path
+) -> None:
+    """§12 + invariant 7 ("bad input never harms"): an entry's file replaced by a symlink
+    to a file outside the tier (an operator's mistake, a hostile process of the daemon's
+    user). The lookup is a miss, and dropping the entry erases neither the target's bytes
+    (a punch through the link would zero them: the daemon may run as root) nor the file."""
+    d, disk = disk_daemon, tmp_path / "disk"
+    pool = tier_pool(d, disk)
+    _, key = d.tenant(quota_bytes=64 * MiB)
+    r = demote_one(d, key, pool, pattern(MiB, 3), fill=9)
+    _written(d, pool)
+    (name,) = entry_files(disk)
+    victim = tmp_path / "precious.db"
+    content = pattern(2 * MiB, 4)
+    victim.write_bytes(content)
+    os.unlink(disk / name)
+    os.symlink(victim, disk / name)
+    miss(r, ["hot"])
+    assert victim.read_bytes() == content, "the daemon wrote through a symlink in its tier"
+    assert entry_files(disk) == []  # the link itself is gone
+    assert d.healthy()
+    r.close()
+
+
+def test_an_entry_file_made_a_fifo_never_stalls_a_lookup_or_a_tenant_delete(
+    disk_daemon: Daemon, tmp_path: Path
+) -> None:
+    """§12 "a full or failing disk never fails a DRAM operation" + invariant 9 (nothing
+    stalls the daemon): entry files replaced by named pipes, which an ``open`` waits on
+    for a peer that never comes. A lookup is a miss at once, the tenant's deletion (which
+    erases its files) answers 204, and the daemon stays healthy."""
+    d, disk = disk_daemon, tmp_path / "disk"
+    pool = tier_pool(d, disk)
+    tenant, key = d.tenant(quota_bytes=64 * MiB)
+    r = demote_one(d, key, pool, pattern(MiB, 5), fill=9)
+    _written(d, pool)
+    (name,) = entry_files(disk)
+    os.unlink(disk / name)
+    os.mkfifo(disk / name)
+    miss(r, ["hot"])  # the socket's own timeout (30 s) would fail a stalled lookup
+    assert d.healthy()
+    r.close()
+    # Another demoted entry of the tenant, its file a pipe too: deleting the tenant erases it.
+    # (The fillers' keys come back too: the policy demotes them as well.)
+    r = demote_one(d, key, pool, pattern(MiB, 6), fill=9)
+    wait_until(lambda: len(entry_files(disk)) >= 1, timeout=20)
+    time.sleep(0.5)
+    for name in entry_files(disk):
+        os.unlink(disk / name)
+        os.mkfifo(disk / name)
+    r.close()
+    res = d.admin.delete(f"/v1/tenants/{tenant}", timeout=30)
+    assert res.status_code == 204, res.text
+    assert d.healthy()
+    wait_until(lambda: disk_files(disk) == [], timeout=10)
