@@ -15,16 +15,46 @@ import click
 from maasd.router import DEFAULT_CHUNK, DEFAULT_MIN_SAVE_TOKENS, PUBLISH_TTL_S
 
 DEFAULT_URL = "http://127.0.0.1:7878"
+#: The K/V cache types llama-server's ``-ctk``/``-ctv`` know (``--cache-type-k/-v``).
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _http_url(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+    """An ``http(s)://host[:port]`` URL (each of a repeated option), or a usage error:
+    anything else would only fail once the router starts, as a traceback."""
+    import httpx
+
+    for url in value if isinstance(value, tuple) else (value,):
+        if url is None:
+            continue
+        try:
+            u = httpx.URL(url)
+            ok = u.scheme in ("http", "https") and bool(u.host)
+            ok = ok and (u.port is None or 0 < u.port < 65536)
+        except (httpx.InvalidURL, ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise click.BadParameter(
+                f"{url!r} is not an http:// or https:// URL with a host (and a port in 1-65535)"
+            )
+    return value
 
 
 _OPTIONS = [
     click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on."),
-    click.option("--port", default=8080, show_default=True, type=int, help="Port to listen on."),
+    click.option(
+        "--port",
+        default=8080,
+        show_default=True,
+        type=click.IntRange(1, 65535),
+        help="Port to listen on.",
+    ),
     click.option(
         "--maasd-url",
         envvar="MAASD_URL",
         default=DEFAULT_URL,
         show_default=True,
+        callback=_http_url,
         help="maasd's REST API (drops entries that fail their checks) [env MAASD_URL].",
     ),
     click.option(
@@ -53,14 +83,20 @@ _OPTIONS = [
         "--llama-server",
         "llama_server",
         default=None,
+        type=click.Path(exists=True, dir_okay=False, executable=True),
         help="The llama-server binary (scripts/llama-server builds one).",
     ),
-    click.option("--model", default=None, help="The GGUF model the backends run."),
+    click.option(
+        "--model",
+        default=None,
+        type=click.Path(exists=True, dir_okay=False, readable=True),
+        help="The GGUF model the backends run.",
+    ),
     click.option(
         "--slots",
         default=4,
         show_default=True,
-        type=int,
+        type=click.IntRange(1),
         help="Slots (-np) of each backend the router starts: one per conversation it "
         "serves at once (one unified KV cache: -c is shared by all of them).",
     ),
@@ -68,6 +104,7 @@ _OPTIONS = [
         "--backend",
         "attach",
         multiple=True,
+        callback=_http_url,
         help="URL of a running llama-server to attach to (repeatable; pair each with --slot-dir).",
     ),
     click.option(
@@ -87,7 +124,7 @@ _OPTIONS = [
         "--min-save-tokens",
         default=DEFAULT_MIN_SAVE_TOKENS,
         show_default=True,
-        type=int,
+        type=click.IntRange(0),
         help="Shortest prefix worth publishing.",
     ),
     click.option(
@@ -95,16 +132,22 @@ _OPTIONS = [
         "ttl_s",
         default=PUBLISH_TTL_S,
         show_default=True,
-        type=int,
+        type=click.IntRange(1),
         help="Lease of published entries, seconds (a hit extends it).",
     ),
     click.option(
         "--cache-type-k",
         default=None,
+        type=click.Choice(CACHE_TYPES),
         help="K cache type of the backends: those it starts run it (default f16); attached "
         "ones must (default: whatever they run, read from them).",
     ),
-    click.option("--cache-type-v", default=None, help="V cache type, as --cache-type-k."),
+    click.option(
+        "--cache-type-v",
+        default=None,
+        type=click.Choice(CACHE_TYPES),
+        help="V cache type, as --cache-type-k.",
+    ),
     click.option(
         "--max-waiting",
         default=64,
@@ -119,7 +162,12 @@ _OPTIONS = [
         type=click.FloatRange(min=0, min_open=True),
         help="Seconds a request waits for a slot before a 503.",
     ),
-    click.option("--log-dir", default=None, help="Where the backends' logs go (default: dropped)."),
+    click.option(
+        "--log-dir",
+        default=None,
+        type=click.Path(exists=True, file_okay=False, writable=True),
+        help="Where the backends' logs go (default: dropped).",
+    ),
     click.option(
         "--slot-files",
         type=click.Choice(["link", "copy"]),

@@ -10,10 +10,15 @@ test_spec_disktier_round10.py, test_router*.py, test_disk_tier*.py, test_disk_qu
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from conftest import Daemon
+import pytest
+
+from conftest import Daemon, free_port
 from rawentries import demote_one, disk_files, entry_files, pattern, tier_pool
 from sockpeer import miss
 from waiting import wait_until
@@ -120,3 +125,95 @@ def test_an_entry_file_made_a_fifo_never_stalls_a_lookup_or_a_tenant_delete(
     assert res.status_code == 204, res.text
     assert d.healthy()
     wait_until(lambda: disk_files(disk) == [], timeout=10)
+
+
+# -- §11: the router's command line ----------------------------------------------------------
+
+
+def _router_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int | None, str]:
+    """``maasd router ARGS`` run to its end (killed after 60 s: then returncode None)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("MAASD_KEY", "MAASD_SOCKET")}
+    e["PYTHONPATH"] = str(REPO)
+    e.update(env or {})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "maasd.cli.daemon", "router", *args],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the router and any backend it started
+        out, _ = p.communicate()
+        return None, out
+    return p.returncode, out
+
+
+#: (flag, value): each refused before anything starts.
+BAD_FLAGS = [
+    ("--slots", "0"),
+    ("--slots", "-3"),
+    ("--port", "99999"),
+    ("--port", "-1"),
+    ("--ttl", "0"),
+    ("--ttl", "-5"),
+    ("--min-save-tokens", "-1"),
+    ("--cache-type-k", "bogus"),
+    ("--cache-type-v", "q9_9"),
+    ("--log-dir", "/nonexistent/maasd-logs"),
+    ("--maasd-url", "::::"),
+    ("--maasd-url", "ftp://127.0.0.1:7878"),
+    ("--llama-server", "/nonexistent/llama-server"),
+    ("--llama-server", "MODEL"),  # a file, but not a program
+    ("--model", "/nonexistent/model.gguf"),
+    ("--model", "/"),
+]
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize(("flag", "value"), BAD_FLAGS, ids=lambda v: str(v))
+def test_a_bad_flag_is_a_usage_error_naming_it_before_anything_starts(
+    llama_server: str, gemma_gguf: Path, flag: str, value: str
+) -> None:
+    """§11's synopsis, every flag: a value that cannot work is refused at once with
+    click's exit 2 and one ``Error:`` line that names the flag — not a traceback after
+    backends were started (or a fleet restarted for ever, or a router that publishes
+    nothing because every entry's lease is refused)."""
+    value = str(gemma_gguf) if value == "MODEL" else value
+    given = {"--port": str(free_port()), "--backends": "1", "--llama-server": llama_server}
+    given |= {"--model": str(gemma_gguf), flag: value}
+    rc, out = _router_cli(*(x for fv in given.items() for x in fv))
+    assert rc == 2, f"rc={rc}:\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    assert "started llama-server" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert flag in errors[0], errors
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize(
+    ("args", "env", "flag"),
+    [
+        (("--backend", "notaurl", "--slot-dir", "SLOTS"), {}, "--backend"),
+        (("--backend", "http://127.0.0.1:99999", "--slot-dir", "SLOTS"), {}, "--backend"),
+        (("--backend", "http://127.0.0.1:9", "--slot-dir", "SLOTS"), {"MAASD_URL": "x:"}, "url"),
+    ],
+    ids=["not-a-url", "port-out-of-range", "env-maasd-url"],
+)
+def test_a_bad_backend_url_or_maasd_url_env_is_a_usage_error(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str], flag: str
+) -> None:
+    """§11 ``--backend URL`` and ``--maasd-url URL`` (its variable ``MAASD_URL``): what is
+    no http(s) URL is refused at once (exit 2, one ``Error:`` line), not after a wait of
+    minutes for a backend that can never be ready."""
+    argv = [str(tmp_path) if a == "SLOTS" else a for a in args]
+    rc, out = _router_cli("--port", str(free_port()), *argv, env=env)
+    assert rc == 2, f"rc={rc}:\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert flag in errors[0], errors
