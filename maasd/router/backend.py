@@ -94,6 +94,11 @@ def check_server_args(args: Sequence[str]) -> tuple[str, ...]:
     return tuple(model)
 
 
+#: The calls a server answers at once (tokens, a template) wait this long, not for ever:
+#: a hung server's are a transport error, and the request is routed by load alone.
+QUICK_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
 class SlotActionError(RuntimeError):
     """A ``/slots/{id}`` action the server refused or failed (why is in the message)."""
 
@@ -194,14 +199,16 @@ class Backend:
         """The tokens the server evaluates for ``text`` (special tokens parsed, BOS added
         as the model wants: what its completion endpoints do)."""
         r = await self.http.post(
-            "/tokenize", json={"content": text, "add_special": True, "parse_special": True}
+            "/tokenize",
+            json={"content": text, "add_special": True, "parse_special": True},
+            timeout=QUICK_TIMEOUT,
         )
         r.raise_for_status()
         return [int(t) for t in r.json()["tokens"]]
 
     async def apply_template(self, body: dict[str, Any]) -> str:
         """The prompt the server makes of a chat request (its own template)."""
-        r = await self.http.post("/apply-template", json=body)
+        r = await self.http.post("/apply-template", json=body, timeout=QUICK_TIMEOUT)
         r.raise_for_status()
         return str(r.json()["prompt"])
 
@@ -309,6 +316,12 @@ class BackendProcess:
     async def wait(self) -> int:
         assert self.proc is not None
         return await self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL (a hung server: SIGTERM would wait for it)."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
 
     async def stop(self, timeout: float = 10.0) -> None:
         p = self.proc

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,11 +37,40 @@ logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10, 30)
 RECHECK_S = 30.0  # how often a backend kept out for what it runs is asked again
+#: A backend the router started that leaves this many ``/health`` probes in a row
+#: unanswered (each waits 5 s, 1 s apart) is hung — stopped, deadlocked, swapped out —
+#: and is killed, so that its clients get an error and it is restarted: llama-server
+#: answers ``/health`` from its HTTP threads, also while it generates.
+HUNG_PROBES = 3
 
 
 def _up(metrics: RouterMetrics, b: Backend) -> None:
     b.alive = True
     metrics.backend_up.labels(str(b.index)).set(1)
+
+
+async def watch_hung(
+    b: Backend, metrics: RouterMetrics, closing: Callable[[], bool], every_s: float = 1.0
+) -> None:
+    """Kill a started backend that no longer answers ``/health`` (its process lives, but
+    it is hung): out of rotation at once, then the fleet's supervisor restarts it. A hung
+    one would otherwise hold its requests, and every request it tokenizes, for ever."""
+    assert b.process is not None
+    missed = 0
+    while not closing():
+        await asyncio.sleep(every_s)
+        if not b.alive or not b.process.running:
+            missed = 0  # down already: the supervisor restarts it
+            continue
+        missed = 0 if await b.probe() else missed + 1
+        if missed < HUNG_PROBES or closing() or not b.process.running:
+            continue
+        missed = 0
+        b.alive = False
+        metrics.backend_up.labels(str(b.index)).set(0)
+        metrics.errors.labels(str(b.index), "backend_hung").inc()
+        logger.warning("llama-server %s does not answer /health: killing it", b.url)
+        b.process.kill()
 
 
 class NoSlot(RuntimeError):
@@ -115,6 +144,8 @@ class Fleet:
             self.metrics.slots.labels(str(b.index)).set(b.n_slots)
             if b.process is not None:
                 self._tasks.append(asyncio.create_task(self._supervise(b)))
+                hung = watch_hung(b, self.metrics, lambda: self._closing)
+                self._tasks.append(asyncio.create_task(hung))
         if cfg.attach:
             self._tasks.append(asyncio.create_task(self._watch_attached()))
 

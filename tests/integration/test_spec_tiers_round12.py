@@ -9,13 +9,17 @@ test_spec_disktier_round10.py, test_router*.py, test_disk_tier*.py, test_disk_qu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from conftest import Daemon, free_port
@@ -217,3 +221,68 @@ def test_a_bad_backend_url_or_maasd_url_env_is_a_usage_error(
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1, out[-3000:]
     assert flag in errors[0], errors
+
+
+# -- §11: a backend that hangs -----------------------------------------------------------------
+
+
+def _stream_events(url: str, body: dict[str, Any], out: list[bytes]) -> None:
+    """Read a streamed completion to its end (a generous guard against a hang for ever)."""
+    with (
+        httpx.Client(base_url=url, timeout=httpx.Timeout(180.0)) as c,
+        c.stream("POST", "/v1/completions", json=body) as s,
+    ):
+        try:
+            for chunk in s.iter_raw():
+                out.append(chunk)
+        except httpx.HTTPError as exc:
+            out.append(f"<client: {exc!r}>".encode())
+
+
+@pytest.mark.llama
+def test_a_hung_backend_is_taken_out_and_restarted_and_the_others_keep_serving(
+    routers: Any,
+) -> None:
+    """§11 "which it starts (and restarts) itself" + "others keep working": a backend that
+    hangs (stopped, deadlocked: its process lives, nothing answers) mid-stream. Its
+    client's stream ends with an error event instead of hanging for ever, requests that
+    come meanwhile are served by the other backend (even those whose prompt the router
+    would tokenize on the hung one), and the hung one is restarted."""
+    from llama_model import GERMANY
+    from router_fleet import long_stream, text_of
+
+    r = routers(backends=2)
+    events: list[bytes] = []
+    body = long_stream("Once upon a time", max_tokens=400)
+    t = threading.Thread(target=_stream_events, args=(r.url, body, events))
+    pid = 0
+    t.start()
+    try:
+        wait_until(lambda: any(b["busy"] for b in r.health()["backends"]), timeout=60)
+        wait_until(lambda: len(events) >= 2, timeout=60)  # it streams
+        victim = next(i for i, b in enumerate(r.health()["backends"]) if b["busy"])
+        pid = r.health()["backends"][victim]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        # Served meanwhile, each within a guard far beyond any answer's time.
+        with httpx.Client(base_url=r.url, timeout=150.0) as c:
+            for i in range(4):
+                res = c.post(
+                    "/v1/completions",
+                    json={"prompt": f"Hung {i}.\n" + GERMANY, "max_tokens": 4, "temperature": 0},
+                )
+                assert res.status_code == 200, res.text
+                assert " Berlin" in text_of(res)
+                assert res.headers["x-maasd-backend"] != str(victim)
+    finally:
+        t.join(200)
+        if pid:  # ours to end if the router did not: we stopped it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not t.is_alive(), "the stream of the hung backend never ended"
+    text = b"".join(events)
+    assert b'"error"' in text, text[-500:]
+    assert b"[DONE]" not in text
+    wait_until(lambda: r.health()["backends"][victim]["restarts"] >= 1, timeout=120)
+    wait_until(lambda: r.health()["backends"][victim]["alive"], timeout=120)
+    assert r.metric("maasd_router_errors", kind="backend_hung") >= 1
+    assert r.health()["status"] == "ok"
