@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 from litestar import Litestar, Request, get, post
+from litestar.exceptions import HTTPException
 from litestar.response import Response, Stream
 
 from maasd.client import Client
@@ -149,6 +150,12 @@ def _problem(status: int, message: str) -> Response[Any]:
     return _respond(error_answer(status, message))
 
 
+def _http_error(_request: Request[Any, Any, Any], exc: HTTPException) -> Response[Any]:
+    """litestar's own refusals (a body over its limit: 413, an unknown path: 404, a
+    wrong method: 405) in the OpenAI form every other error of the router has."""
+    return _problem(exc.status_code, str(exc.detail))
+
+
 def build_app(router: Router) -> Litestar:
     async def complete(request: Request[Any, Any, Any]) -> Response[Any]:
         if not any(b.alive for b in router.fleet.backends):
@@ -195,6 +202,7 @@ def build_app(router: Router) -> Litestar:
     app = Litestar(
         route_handlers=[completions, models, metrics, healthz],
         lifespan=[lifespan],
+        exception_handlers={HTTPException: _http_error},
         debug=bool(os.environ.get("MAASD_ROUTER_DEBUG")),
     )
     app.asgi_handler = head_as_get(app.asgi_handler)  # a balancer's HEAD /healthz probe

@@ -286,3 +286,79 @@ def test_a_hung_backend_is_taken_out_and_restarted_and_the_others_keep_serving(
     wait_until(lambda: r.health()["backends"][victim]["alive"], timeout=120)
     assert r.metric("maasd_router_errors", kind="backend_hung") >= 1
     assert r.health()["status"] == "ok"
+
+
+# -- §11: hostile clients and tenants ----------------------------------------------------------
+
+
+@pytest.mark.llama
+def test_hostile_requests_get_openai_errors_and_the_router_stays_healthy(routers: Any) -> None:
+    """§11 "An OpenAI-compatible server" + invariant 7: requests beyond the bodies of
+    tests/router_bad_bodies.py — wrong types, a body over the size limit, an unknown path,
+    a wrong method — are each a 4xx in the OpenAI form (``{"error": {"message", "type",
+    "code"}}``, what OpenAI clients parse), never a 5xx; odd but valid ones (a NUL in the
+    prompt, a repeated field: JSON's last one wins) are served; the router stays healthy."""
+    from llama_model import GERMANY
+    from router_bad_bodies import assert_error_4xx
+    from router_fleet import text_of
+
+    r = routers(backends=1)
+    c = r.http
+    refused = [
+        ("/v1/completions", b'{"prompt": "a", "max_tokens": "lots"}'),
+        ("/v1/completions", b'{"prompt": "a", "stream": "yes"}'),
+        ("/v1/completions", b'{"prompt": 5}'),
+        ("/v1/completions", b'{"prompt": {"text": "a"}}'),
+        ("/v1/completions", b'{"max_tokens": 2}'),
+        ("/v1/completions", b'{"prompt": []}'),
+        ("/v1/chat/completions", b'{"messages": ["hi"]}'),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
+        ("/v1/completions", b'{"prompt": "' + b"x" * (12 << 20) + b'"}'),  # past the limit
+        ("/v1/nothing", b'{"prompt": "a"}'),
+    ]
+    for path, raw in refused:
+        res = c.post(path, content=raw, headers={"content-type": "application/json"})
+        assert_error_4xx(res)
+    assert_error_4xx(c.get("/v1/completions"))  # a wrong method
+    odd = [
+        b'{"prompt": "a\\u0000b", "max_tokens": 2}',
+        b'{"prompt": "a", "prompt": "The capital of Germany is", "max_tokens": 2}',
+    ]
+    for raw in odd:
+        res = c.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert res.status_code == 200, res.text
+    assert r.health()["status"] == "ok"
+    assert " Berlin" in text_of(r.complete("After.\n" + GERMANY))
+    assert "Traceback" not in r.log()
+
+
+@pytest.mark.llama
+def test_a_prefix_one_tenants_router_published_is_never_restored_for_another(
+    routers: Any, daemon: Daemon, router_key: str
+) -> None:
+    """§11 "Keys are those of §6" (§6: "never by another tenant") + invariant 2: two
+    routers of the same model and build — the same fingerprint, so the very same key
+    strings — on one maasd, each with another tenant's key. What the first published is
+    a miss for the second (it runs cold); each tenant holds its own entry under the same
+    key, and neither sees the other's."""
+    from llama_model import GERMANY
+    from maasd.client import Client
+    from router_fleet import text_of
+
+    _, other_key = daemon.tenant("router-other", 512 * MiB)
+    a = routers(backends=1)
+    b = routers(backends=1, key=other_key)
+    assert a.health()["fingerprint"] == b.health()["fingerprint"]
+    prompt = "Tenants apart.\n" + GERMANY
+    first = a.complete(prompt)
+    a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+    out = b.complete(prompt)
+    assert out.headers["x-maasd-restored"] == "0"
+    assert text_of(out) == text_of(first)
+    assert b.metric("maasd_router_entries", op="lookup", outcome="hit") == 0
+    b.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+    with Client(daemon.url, router_key) as ca, Client(daemon.url, other_key) as cb:
+        mine = {x.id: x.key for x in ca.buffers()}
+        theirs = {x.id: x.key for x in cb.buffers()}
+    assert not set(mine) & set(theirs)
+    assert set(mine.values()) & set(theirs.values()), "the same prompt, the same key strings"
