@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from conftest import Daemon, free_port
-from rawentries import demote_one, disk_files, entry_files, pattern, tier_pool
-from sockpeer import miss
+from rawentries import connect, demote_one, disk_files, entry_files, pattern, tier_pool
+from sockpeer import lookup, miss
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -362,3 +362,78 @@ def test_a_prefix_one_tenants_router_published_is_never_restored_for_another(
         theirs = {x.id: x.key for x in cb.buffers()}
     assert not set(mine) & set(theirs)
     assert set(mine.values()) & set(theirs.values()), "the same prompt, the same key strings"
+
+
+def test_a_promotion_never_takes_a_tenant_past_its_quota(
+    disk_daemon: Daemon, tmp_path: Path
+) -> None:
+    """§12 "promotes the entry into a fresh sealed memfd ... (counted like any entry)" +
+    invariant 1: a tenant whose DRAM quota its non-evictable buffers fill gets a miss from
+    its own entry on disk (no fd), never a promotion past its quota; once it frees room,
+    the same lookup promotes."""
+    d, disk = disk_daemon, tmp_path / "disk"
+    pool = tier_pool(d, disk, capacity=32 * MiB)
+    tenant, key = d.tenant(quota_bytes=8 * MiB)
+    r = demote_one(d, key, pool, pattern(MiB, 7), fill=9)  # the quota evicts: demoted
+    _written(d, pool)
+    r.close()
+    with d.client(key) as c:
+        res = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 8 * MiB})
+        assert res.status_code == 201, res.text  # its evictable entries make room
+        big = res.json()["id"]
+        r2 = connect(d, key)
+        miss(r2, ["hot"])
+        usage = c.get("/v1/usage").json()
+        assert usage["used_bytes"] <= usage["quota_bytes"], usage
+        assert c.delete(f"/v1/buffers/{big}").status_code == 204
+    found, fd = lookup(r2, ["hot"])
+    os.close(fd)
+    assert found.key == "hot"
+    assert d.metric("maasd_disk_promotions_total", pool=pool) == 1  # from disk, not DRAM
+    rec = d.admin.get(f"/v1/tenants/{tenant}").json()
+    assert rec["used_bytes"] <= rec["quota_bytes"]
+    assert d.healthy()
+    r2.close()
+
+
+@pytest.mark.llama
+def test_a_routers_prefix_demoted_to_disk_is_promoted_and_restored_by_another_router(
+    routers: Any, daemon: Daemon, router_key: str, tmp_path: Path
+) -> None:
+    """§11 + §12 "Lookup order: DRAM → local disk → L2 → miss", through routers: a prefix a
+    router published into a pool with a disk tier, used once (a restore elsewhere), is
+    pushed out of DRAM by the tenant's other entries and demoted; a third router's lookup
+    promotes it from disk, checks it, and restores it — the same answer as a cold run."""
+    from llama_model import GERMANY
+    from maasd.client import Worker
+    from router_fleet import text_of
+
+    name = f"rtier{os.urandom(3).hex()}"
+    disk = tmp_path / "rdisk"
+    cap = 32 * MiB
+    daemon.pool(name, cap, disk_dir=str(disk), disk_bytes=256 * MiB, prefault=False)
+    prompt = "Down to disk.\n" + GERMANY
+    a = routers(backends=1, router_args=("--pool", name))
+    cold = a.complete(prompt)
+    a.wait_metric("maasd_router_entries", 1, op="publish", outcome="ok")
+    a.wait_idle()
+    b = routers(backends=1, router_args=("--pool", name))
+    used = b.complete(prompt)  # a hit: a second use, worth a disk write
+    assert int(used.headers["x-maasd-restored"]) > 0
+    b.wait_idle()
+    a.stop()  # an entry a connection holds is evicted last (it would free nothing):
+    b.stop()  # the routers that hold it go away
+    with Worker(daemon.socket_path, router_key) as w:  # the tenant's other entries
+        for i in range(2 * cap // MiB):
+            m = w.put(f"push-{name}-{i}", MiB, pool=name)
+            m.array[:] = i % 251
+            w.forget(w.commit(m).id)
+    wait_until(lambda: daemon.metric("maasd_disk_demotions_total", pool=name) >= 1, timeout=30)
+    time.sleep(1.0)  # the file whole
+    promoted = daemon.metric("maasd_disk_promotions_total", pool=name)
+    c = routers(backends=1, router_args=("--pool", name))
+    warm = c.complete(prompt)
+    assert int(warm.headers["x-maasd-restored"]) > 0, c.log()
+    assert text_of(warm) == text_of(cold)
+    assert daemon.metric("maasd_disk_promotions_total", pool=name) > promoted
+    assert c.metric("maasd_router_entries", op="lookup", outcome="refused") == 0
