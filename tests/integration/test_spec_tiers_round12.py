@@ -23,7 +23,16 @@ import httpx
 import pytest
 
 from conftest import Daemon, free_port
-from rawentries import connect, demote_one, disk_files, entry_files, pattern, tier_pool
+from rawentries import (
+    connect,
+    demote_one,
+    disk_files,
+    entry_files,
+    pattern,
+    put_committed,
+    tier_pool,
+    use_once,
+)
 from sockpeer import lookup, miss
 from waiting import wait_until
 
@@ -437,3 +446,35 @@ def test_a_routers_prefix_demoted_to_disk_is_promoted_and_restored_by_another_ro
     assert text_of(warm) == text_of(cold)
     assert daemon.metric("maasd_disk_promotions_total", pool=name) > promoted
     assert c.metric("maasd_router_entries", op="lookup", outcome="refused") == 0
+
+
+def test_a_full_tier_shared_by_two_tenants_counts_each_ones_bytes_exactly(
+    disk_daemon: Daemon, tmp_path: Path
+) -> None:
+    """§12 "Disk bytes are bounded per pool and per tenant": two tenants demote into one
+    tier far smaller than what they push, so that each one's demotions evict files
+    (their own or the other's). At every point after, each tenant's ``disk_used_bytes`` is
+    what its files hold, the two add up to the tier's ``used_bytes`` and its
+    ``maasd_disk_bytes``, and the tier stays within ``disk_bytes``."""
+    d, disk = disk_daemon, tmp_path / "disk"
+    pool = tier_pool(d, disk, capacity=4 * MiB, disk_bytes=4 * MiB)
+    tenants = [d.tenant(quota_bytes=64 * MiB) for _ in range(2)]
+    conns = [connect(d, key) for _, key in tenants]
+    for i in range(12):  # in turn: each eviction of one may demote over the other's files
+        for n, r in enumerate(conns):
+            put_committed(r, f"t{n}-{i}", pattern(MiB, 100 * n + i), pool)
+            use_once(r, f"t{n}-{i}")
+    wait_until(lambda: d.metric("maasd_disk_drops_total", pool=pool, reason="evicted") >= 2)
+    time.sleep(1.0)  # the writer idle
+    tier = {p["name"]: p for p in d.admin.get("/v1/pools").json()}[pool]["disk"]
+    used = [d.admin.get(f"/v1/tenants/{tid}").json()["disk_used_bytes"] for tid, _ in tenants]
+    assert sum(used) == tier["used_bytes"] == d.metric("maasd_disk_bytes", pool=pool)
+    assert tier["used_bytes"] <= 4 * MiB
+    assert tier["entries"] == len(entry_files(disk))
+    assert all(u >= 0 for u in used)
+    for r in conns:
+        r.close()
+    for tid, _ in tenants:  # deleting both leaves nothing counted and no file
+        assert d.admin.delete(f"/v1/tenants/{tid}").status_code == 204
+    wait_until(lambda: entry_files(disk) == [], timeout=10)
+    assert d.metric("maasd_disk_bytes", pool=pool) == 0
