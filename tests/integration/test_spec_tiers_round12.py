@@ -478,3 +478,34 @@ def test_a_full_tier_shared_by_two_tenants_counts_each_ones_bytes_exactly(
         assert d.admin.delete(f"/v1/tenants/{tid}").status_code == 204
     wait_until(lambda: entry_files(disk) == [], timeout=10)
     assert d.metric("maasd_disk_bytes", pool=pool) == 0
+
+
+@pytest.mark.parametrize("how", ["empty", "halved", "one-byte-longer", "tag-only"])
+def test_a_truncated_or_extended_entry_file_is_a_miss_and_dropped(
+    disk_daemon: Daemon, tmp_path: Path, how: str
+) -> None:
+    """§12 "the tag is also the integrity check" + §12 "never ... restorable that was
+    half-written": a demoted entry's file cut short or made longer while the daemon runs
+    is a miss (no fd), dropped as corrupt, its file gone; DRAM still serves."""
+    d, disk = disk_daemon, tmp_path / "disk"
+    pool = tier_pool(d, disk)
+    _, key = d.tenant(quota_bytes=64 * MiB)
+    r = demote_one(d, key, pool, pattern(MiB, 8), fill=9)
+    _written(d, pool)
+    (name,) = entry_files(disk)
+    raw = (disk / name).read_bytes()
+    changed = {
+        "empty": b"",
+        "halved": raw[: len(raw) // 2],
+        "one-byte-longer": raw + b"\0",
+        "tag-only": raw[-16:],
+    }[how]
+    (disk / name).write_bytes(changed)
+    miss(r, ["hot"])
+    assert entry_files(disk) == []
+    assert d.metric("maasd_disk_drops_total", pool=pool, reason="corrupt") == 1
+    put_committed(r, "after", pattern(MiB, 9), pool)
+    _, fd = lookup(r, ["after"])
+    os.close(fd)
+    assert d.healthy()
+    r.close()
