@@ -194,7 +194,10 @@ class Sharing:
                 self._scratch = Scratch(name="maasd-router-publish")
             view = self._scratch.ensure(size)
             write_entry_form(view, self.fingerprint, self.chunk, form, src)
-            del view
+            # Neither may stay referenced from this frame: a refusal's traceback keeps the
+            # frame (a cycle only the gc breaks), and a live view of the slot file's
+            # mapping makes the caller's close fail (BufferError).
+            del view, src
             try:
                 worker.publish(key, self._scratch, size, pool=self.pool, ttl_s=self.ttl_s)
             except ce.DuplicateKey:

@@ -509,3 +509,27 @@ def test_a_truncated_or_extended_entry_file_is_a_miss_and_dropped(
     os.close(fd)
     assert d.healthy()
     r.close()
+
+
+@pytest.mark.llama
+def test_a_publish_maasd_refuses_leaves_nothing_mapped_and_no_traceback(
+    routers: Any,
+) -> None:
+    """docs/llama-server.md "a save or publish fails (quota, pool full, duplicate) |
+    nothing published; the answer was sent already": with every publish refused (here:
+    ``--pool`` names no pool, as a pool deleted under a running router would), each
+    refusal is counted and logged in one line, and the slot goes back as it is — not a
+    traceback of a slot file's mapping that could not be closed (the refusal's traceback
+    held it), the other prefixes of the request left unpublished and the slot forgotten."""
+    from llama_model import GERMANY
+    from router_fleet import text_of
+
+    r = routers(backends=1, router_args=("--pool", "no-such-pool"))
+    for i in range(3):
+        out = r.complete(f"Refused {i}.\n" + GERMANY)
+        assert " Berlin" in text_of(out)
+        r.wait_idle()
+    r.wait_metric("maasd_router_entries", 3, op="publish", outcome="refused")
+    assert "Traceback" not in r.log()
+    assert "no pool 'no-such-pool'" in r.log()
+    assert r.health()["status"] == "ok"
