@@ -15,8 +15,11 @@ import click
 from maasd.router import DEFAULT_CHUNK, DEFAULT_MIN_SAVE_TOKENS, PUBLISH_TTL_S
 
 DEFAULT_URL = "http://127.0.0.1:7878"
-#: The K/V cache types llama-server's ``-ctk``/``-ctv`` know (``--cache-type-k/-v``).
+#: The K cache types llama-server's ``-ctk`` knows (``--cache-type-k``).
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: The V cache types a backend without flash attention (``-fa off``, what every backend
+#: of the router runs) can load: llama.cpp refuses a quantized V cache without it.
+V_CACHE_TYPES = ("f32", "f16", "bf16")
 
 
 def _http_url(_ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
@@ -145,8 +148,8 @@ _OPTIONS = [
     click.option(
         "--cache-type-v",
         default=None,
-        type=click.Choice(CACHE_TYPES),
-        help="V cache type, as --cache-type-k.",
+        type=click.Choice(V_CACHE_TYPES),
+        help="V cache type, as --cache-type-k (not quantized: the backends run -fa off).",
     ),
     click.option(
         "--max-waiting",

@@ -176,6 +176,7 @@ BAD_FLAGS = [
     ("--min-save-tokens", "-1"),
     ("--cache-type-k", "bogus"),
     ("--cache-type-v", "q9_9"),
+    ("--cache-type-v", "q8_0"),  # llama.cpp loads a quantized V cache only with -fa on
     ("--log-dir", "/nonexistent/maasd-logs"),
     ("--maasd-url", "::::"),
     ("--maasd-url", "ftp://127.0.0.1:7878"),
