@@ -220,15 +220,41 @@ def router(server_args: tuple[str, ...], **o: Any) -> None:
         level=o["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per backend call
-    app = build_app(Router(config))
+    fleet = Router(config)
+    app = _one_line_start_failure(build_app(fleet), fleet)
     # The daemon's and the worker's one server and signals (maasd.serving): SIGINT/SIGTERM
     # stop it (the lifespan's shutdown stops the backends) and it exits 0.
     server = make_server(
         uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="on")
     )
-    server.run()
+    try:
+        server.run()
+    except SystemExit:  # uvicorn's exit(3) when the lifespan's startup failed
+        if fleet.start_error:
+            raise click.ClickException(f"could not start: {fleet.start_error}") from None
+        raise
     if not server.started:
         raise click.ClickException(f"could not listen on {o['host']}:{o['port']}")
+
+
+def _one_line_start_failure(app: Any, router: Any) -> Any:
+    """``app`` as uvicorn runs it, but a failed start is not logged as litestar's whole
+    traceback: the reason (``router.start_error``) is the one ``Error:`` line the command
+    ends with."""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+
+        async def send_short(message: Any) -> None:
+            if message["type"] == "lifespan.startup.failed" and router.start_error:
+                message = {**message, "message": ""}  # uvicorn logs a message it is given
+            await send(message)
+
+        await app(scope, receive, send_short)
+
+    return asgi
 
 
 def _config(server_args: tuple[str, ...], o: dict[str, Any]) -> Any:

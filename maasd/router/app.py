@@ -59,6 +59,7 @@ class Router:
         self.sharing: Sharing | None = None
         self.proxy = Proxy(self.fleet, None, self.metrics, None)
         self._rest: Client | None = None
+        self.start_error = ""  # why start() failed, in one line ("": it did not)
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -193,7 +194,12 @@ def build_app(router: Router) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(_app: Litestar) -> AsyncIterator[None]:
-        await router.start()
+        try:
+            await router.start()
+        except Exception as exc:
+            router.start_error = str(exc) or type(exc).__name__
+            await router.stop()  # the backends it started already
+            raise
         try:
             yield
         finally:

@@ -313,6 +313,12 @@ class BackendProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
+    @property
+    def ended(self) -> str:
+        """How the process ended, for a message (its log: ``--log-dir``)."""
+        code = self.proc.returncode if self.proc is not None else None
+        return f"exited with {code}" if code is not None and code >= 0 else f"died ({code})"
+
     async def wait(self) -> int:
         assert self.proc is not None
         return await self.proc.wait()

@@ -154,7 +154,7 @@ class Fleet:
         deadline = loop.time() + self.config.ready_timeout_s
         while not await b.probe():
             if b.process is not None and not b.process.running:
-                raise RuntimeError(f"llama-server {b.url} exited ({b.process.proc})")
+                raise RuntimeError(f"llama-server {b.url} {b.process.ended} before it was ready")
             if loop.time() > deadline:
                 raise TimeoutError(f"llama-server {b.url} not ready")
             await asyncio.sleep(0.2)

@@ -233,6 +233,43 @@ def test_a_bad_backend_url_or_maasd_url_env_is_a_usage_error(
     assert flag in errors[0], errors
 
 
+@pytest.mark.llama
+def test_a_fleet_that_cannot_start_ends_in_one_error_line_and_leaves_no_backend(
+    llama_server: str, tmp_path: Path
+) -> None:
+    """§11 "which it starts (and restarts) itself": backends that cannot load what they
+    are given (a ``--model`` that is no GGUF) stop the router with one ``Error:`` line
+    saying why — not litestar's traceback of its lifespan — and none of the backends it
+    started outlives it."""
+    import re
+
+    model = tmp_path / "not-a-model.gguf"
+    model.write_bytes(b"GGUF? no: " + os.urandom(4096))
+    rc, out = _router_cli(
+        "--port", str(free_port()), "--backends", "2", "--llama-server", llama_server,
+        "--model", str(model),
+    )  # fmt: skip
+    pids = [int(x) for x in re.findall(r"started llama-server pid (\d+)", out)]
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and _running(p)]
+    for p in alive:  # ours: the router we ran started them
+        os.kill(p, signal.SIGKILL)
+    assert rc == 1, f"rc={rc}:\n{out[-3000:]}"
+    assert "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, out[-3000:]
+    assert "could not start" in errors[0]
+    assert "exited" in errors[0]
+    assert not alive, f"llama-server {alive} outlived the router"
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 # -- §11: a backend that hangs -----------------------------------------------------------------
 
 
