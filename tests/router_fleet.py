@@ -157,6 +157,31 @@ class RouterProc:
             signal_and_wait(self.proc, 15, 60)
 
 
+def router_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60.0
+) -> tuple[int | None, str]:
+    """``maasd router ARGS`` run to its end, its output; killed at ``timeout`` with any
+    backend it started (its session): then returncode None."""
+    e = {k: v for k, v in os.environ.items() if k not in ("MAASD_KEY", "MAASD_SOCKET")}
+    e["PYTHONPATH"] = str(REPO)
+    e.update(env or {})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "maasd.cli.daemon", "router", *args],
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)  # the router and any backend it started
+        out, _ = p.communicate()
+        return None, out
+    return p.returncode, out
+
+
 def text_of(r: httpx.Response) -> str:
     return str(r.json()["choices"][0]["text"])
 

@@ -31,38 +31,11 @@ from pgdb import PG_URL, fresh_pg_database
 from rawentries import connect, pattern, put_committed
 from recovered import ledger_totals, read_buffer, spill_ids, write_buffer
 from sockpeer import lookup, miss
+from spilldisk import Disk
 
 MiB = 1 << 20
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
-
-
-# --- a spill disk that can be unmounted ------------------------------------------------
-
-
-class Disk:
-    """A tmpfs (the disk) bind-mounted on ``spill``, which can be unmounted and mounted again."""
-
-    def __init__(self, base: Path) -> None:
-        self.store = base / "disk"
-        self.spill = base / "spill"
-        self.store.mkdir(parents=True)
-        self.spill.mkdir()
-        if subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(self.store)]
-        ).returncode:
-            pytest.skip("cannot mount a tmpfs here")
-        self.mount()
-
-    def mount(self) -> None:
-        subprocess.run(["mount", "--bind", str(self.store), str(self.spill)], check=True)
-
-    def umount(self) -> None:
-        subprocess.run(["umount", str(self.spill)], check=True)
-
-    def close(self) -> None:
-        for path in (self.spill, self.spill, self.store):
-            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 @pytest.fixture

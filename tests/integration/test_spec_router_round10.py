@@ -28,34 +28,9 @@ from conftest import Daemon, free_port  # noqa: E402
 from llama_model import GERMANY  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from maasd.llama.format import chunk_keys, pack_header, state_checksum  # noqa: E402
-from router_fleet import CHUNK, RouterProc, text_of, tokens_of  # noqa: E402
+from router_fleet import CHUNK, RouterProc, router_cli, text_of, tokens_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _router_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60.0) -> Any:
-    """``maasd router ARGS`` run to its end (or killed at ``timeout``: then returncode None)."""
-    e = {k: v for k, v in os.environ.items() if k not in ("MAASD_KEY", "MAASD_SOCKET")}
-    e["PYTHONPATH"] = str(REPO)
-    e.update(env or {})
-    p = subprocess.Popen(
-        [sys.executable, "-m", "maasd.cli.daemon", "router", *args],
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.terminate()
-        try:
-            out, _ = p.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, _ = p.communicate()
-        return None, out
-    return p.returncode, out
 
 
 # -- the command line ---------------------------------------------------------------------
@@ -65,7 +40,7 @@ def test_help_names_every_flag_of_the_synopsis_with_its_defaults() -> None:
     """§11: ``maasd router [--host 127.0.0.1] [--port 8080] [--maasd-url URL] [--socket
     PATH] [--key KEY | MAASD_KEY] [--pool NAME] (--backends N --llama-server PATH --model
     PATH.gguf [llama-server flags…] | --backend URL --slot-dir DIR …)``."""
-    rc, out = _router_cli("--help")
+    rc, out = router_cli("--help")
     assert rc == 0, out
     flat = " ".join(out.split())
     for flag in ("--host", "--port", "--maasd-url", "--socket", "--key", "--pool",
@@ -84,7 +59,7 @@ def test_backends_and_backend_are_alternatives(
     anything starts."""
     slot_dir = tmp_path / "slots"
     slot_dir.mkdir()
-    rc, out = _router_cli(
+    rc, out = router_cli(
         "--port", str(free_port()), "--backends", "1", "--llama-server", llama_server,
         "--model", str(gemma_gguf), "--backend", "http://127.0.0.1:9", "--slot-dir",
         str(slot_dir), timeout=40,
@@ -104,7 +79,7 @@ def test_backends_and_backend_are_alternatives(
 def test_backends_n_below_one_is_a_usage_error(llama_server: str, gemma_gguf: Path, n: str) -> None:
     """§11 ``--backends N`` (N processes it starts): a count below 1 with nothing to attach
     is refused as a usage error (click's exit 2, saying what is wrong), not a traceback."""
-    rc, out = _router_cli(
+    rc, out = router_cli(
         "--port", str(free_port()), "--backends", n, "--llama-server", llama_server,
         "--model", str(gemma_gguf), timeout=45,
     )  # fmt: skip

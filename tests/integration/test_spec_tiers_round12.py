@@ -12,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -33,11 +31,11 @@ from rawentries import (
     tier_pool,
     use_once,
 )
+from router_fleet import router_cli
 from sockpeer import lookup, miss
 from waiting import wait_until
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _written(d: Daemon, pool: str) -> None:
@@ -143,28 +141,6 @@ def test_an_entry_file_made_a_fifo_never_stalls_a_lookup_or_a_tenant_delete(
 # -- §11: the router's command line ----------------------------------------------------------
 
 
-def _router_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int | None, str]:
-    """``maasd router ARGS`` run to its end (killed after 60 s: then returncode None)."""
-    e = {k: v for k, v in os.environ.items() if k not in ("MAASD_KEY", "MAASD_SOCKET")}
-    e["PYTHONPATH"] = str(REPO)
-    e.update(env or {})
-    p = subprocess.Popen(
-        [sys.executable, "-m", "maasd.cli.daemon", "router", *args],
-        env=e,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = p.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)  # the router and any backend it started
-        out, _ = p.communicate()
-        return None, out
-    return p.returncode, out
-
-
 #: (flag, value): each refused before anything starts.
 BAD_FLAGS = [
     ("--slots", "0"),
@@ -199,7 +175,7 @@ def test_a_bad_flag_is_a_usage_error_naming_it_before_anything_starts(
     value = str(gemma_gguf) if value == "MODEL" else value
     given = {"--port": str(free_port()), "--backends": "1", "--llama-server": llama_server}
     given |= {"--model": str(gemma_gguf), flag: value}
-    rc, out = _router_cli(*(x for fv in given.items() for x in fv))
+    rc, out = router_cli(*(x for fv in given.items() for x in fv))
     assert rc == 2, f"rc={rc}:\n{out[-3000:]}"
     assert "Traceback" not in out, out[-3000:]
     assert "started llama-server" not in out, out[-3000:]
@@ -225,7 +201,7 @@ def test_a_bad_backend_url_or_maasd_url_env_is_a_usage_error(
     no http(s) URL is refused at once (exit 2, one ``Error:`` line), not after a wait of
     minutes for a backend that can never be ready."""
     argv = [str(tmp_path) if a == "SLOTS" else a for a in args]
-    rc, out = _router_cli("--port", str(free_port()), *argv, env=env)
+    rc, out = router_cli("--port", str(free_port()), *argv, env=env)
     assert rc == 2, f"rc={rc}:\n{out[-3000:]}"
     assert "Traceback" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if line.startswith("Error:")]
@@ -245,7 +221,7 @@ def test_a_fleet_that_cannot_start_ends_in_one_error_line_and_leaves_no_backend(
 
     model = tmp_path / "not-a-model.gguf"
     model.write_bytes(b"GGUF? no: " + os.urandom(4096))
-    rc, out = _router_cli(
+    rc, out = router_cli(
         "--port", str(free_port()), "--backends", "2", "--llama-server", llama_server,
         "--model", str(model),
     )  # fmt: skip

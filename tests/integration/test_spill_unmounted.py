@@ -12,7 +12,6 @@ one line, releasing nothing; the buffers come back once the disk is mounted; and
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,35 +19,11 @@ import pytest
 
 from conftest import Daemon
 from recovered import ledger_totals, read_buffer, spill_ids, write_buffer
+from spilldisk import Disk
 
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
-
-
-class Disk:
-    """A tmpfs (the disk) bind-mounted on ``spill``, which can be unmounted and mounted again."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.store = tmp_path / "disk"
-        self.spill = tmp_path / "spill"
-        self.store.mkdir()
-        self.spill.mkdir()
-        if subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(self.store)]
-        ).returncode:
-            pytest.skip("cannot mount a tmpfs here")
-        self.mount()
-
-    def mount(self) -> None:
-        subprocess.run(["mount", "--bind", str(self.store), str(self.spill)], check=True)
-
-    def umount(self) -> None:
-        subprocess.run(["umount", str(self.spill)], check=True)
-
-    def close(self) -> None:
-        for path in (self.spill, self.spill, self.store):  # bound twice at most, then the disk
-            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 @pytest.fixture
