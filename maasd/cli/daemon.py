@@ -247,8 +247,11 @@ class StopAsked:
     Left at their defaults, a SIGTERM then killed the daemon (exit 143, nothing closed)
     and a SIGINT aborted it. Now the first is remembered: :meth:`replay` hands it to the
     server once it listens, which stops as at any other time (finish, checkpoint, exit 0);
-    during the shutdown it changes nothing. A second one aborts at once (exit 1), for a
-    start that hangs.
+    during the shutdown it changes nothing. A second one aborts at once (exit 1, "Aborted!"),
+    for a start that hangs: the process exits where it stands, as a SIGKILL would end it,
+    which the ledger and the checkpoints are made to survive (SPEC invariant 6). It used to
+    raise ``KeyboardInterrupt`` there, which SQLAlchemy, caught inside a commit, turned
+    into an ``AssertionError`` and a traceback.
     """
 
     def __init__(self) -> None:
@@ -256,7 +259,9 @@ class StopAsked:
 
     def __call__(self, sig: int, _frame: object) -> None:
         if self.signals:
-            raise KeyboardInterrupt  # click: "Aborted!", exit 1
+            logger.warning("%s again: aborting at once", signal.Signals(sig).name)
+            os.write(2, b"Aborted!\n")
+            os._exit(1)
         self.signals.append(sig)
         logger.info(
             "%s while starting or stopping: the daemon stops gracefully (send it again to abort)",
