@@ -19,3 +19,12 @@ def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> 
 
 
 __all__ = ["signal_and_wait"]
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

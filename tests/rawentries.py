@@ -131,6 +131,13 @@ def demote_one(d: Daemon, key: str, pool: str, data: bytes, fill: int) -> Raw:
     return r
 
 
+def wait_written(d: Daemon, pool: str, before: float = 0.0) -> None:
+    """Until a demotion's file is written and promotable (its file appears a moment
+    before: the writes metric counts it once a lookup can find it)."""
+    metric = "maasd_disk_write_bytes_total"
+    wait_until(lambda: d.metric(metric, pool=pool) > before, timeout=20)
+
+
 def disk_files(path: Path) -> list[str]:
     return sorted(p.name for p in path.iterdir()) if path.exists() else []
 

@@ -94,6 +94,16 @@ def entry_missing(d: Daemon, key: str, entry_key: str) -> None:
         r.close()
 
 
+def back_intact(d: Daemon, key: str, bid: str, data: bytes, total: int | None = None) -> None:
+    """Start the daemon: the buffer ``bid`` is back with ``data``, the ledger adds up
+    (to ``total`` bytes, when given); then a graceful stop."""
+    d.start()
+    assert read_buffer(d, key, bid) == data
+    counted = ledger_totals(d)
+    assert total is None or counted == total, (counted, total)
+    assert d.stop() == 0, d.log()
+
+
 def gone(d: Daemon, key: str, bid: str) -> bool:
     with d.client(key) as c:
         return c.get(f"/v1/buffers/{bid}").status_code == 404
@@ -173,10 +183,7 @@ def test_a_spill_dir_that_is_a_symlink_to_the_mount_point(
 
     disk.mount()
     d.args = ["--release-lost-checkpoints"]  # with the disk there, nothing is lost
-    d.start()
-    assert read_buffer(d, key, bid) == b"\x5a" * MiB
-    ledger_totals(d)
-    assert d.stop() == 0, d.log()
+    back_intact(d, key, bid, b"\x5a" * MiB)
 
 
 @root_only
@@ -205,10 +212,7 @@ def test_a_spill_dir_symlink_repointed_elsewhere_while_down(
 
     link.unlink()
     link.symlink_to(disk.spill)
-    d.start()
-    assert read_buffer(d, key, bid) == b"\x3c" * MiB
-    ledger_totals(d)
-    assert d.stop() == 0, d.log()
+    back_intact(d, key, bid, b"\x3c" * MiB)
 
 
 @root_only
@@ -236,10 +240,7 @@ def test_a_spill_dir_replaced_by_a_symlink_elsewhere_while_down(
     disk.spill.unlink()
     disk.spill.mkdir()
     disk.mount()
-    d.start()
-    assert read_buffer(d, key, bid) == b"\x4d" * MiB
-    ledger_totals(d)
-    assert d.stop() == 0, d.log()
+    back_intact(d, key, bid, b"\x4d" * MiB)
 
 
 #: Root without the capabilities that override file modes: the daemon as its own user
@@ -366,10 +367,7 @@ def test_a_spoiled_record_with_the_disk_mounted_starts_and_restores(
         disk.umount()
         refused(d)
         disk.mount()
-        d.start()
-        assert read_buffer(d, key, bid) == b"\x77" * MiB
-        ledger_totals(d)
-        assert d.stop() == 0, d.log()
+        back_intact(d, key, bid, b"\x77" * MiB)
 
 
 @root_only
@@ -404,10 +402,7 @@ def test_the_disk_mounted_while_the_daemon_runs_after_a_start_without_it(
     assert f"spill directory {disk.spill} is on another filesystem than recorded" in d.log()
     d.kill()
     assert spill_ids(disk.store) == [bid]
-    d.start()
-    assert read_buffer(d, key, bid) == b"\x22" * MiB
-    ledger_totals(d)
-    assert d.stop() == 0, d.log()
+    back_intact(d, key, bid, b"\x22" * MiB)
 
 
 @root_only
@@ -429,10 +424,7 @@ def test_a_graceful_stop_after_the_disk_went_away_during_the_run(
     assert spill_ids(disk.spill) == [bid]  # the mount point's own directory
     assert spill_ids(disk.store) == [bid]  # the older one, out of sight
 
-    d.start()
-    assert read_buffer(d, key, bid) == b"\x02" * MiB
-    assert ledger_totals(d) == MiB
-    assert d.stop() == 0, d.log()
+    back_intact(d, key, bid, b"\x02" * MiB, total=MiB)
 
 
 @root_only
@@ -463,10 +455,7 @@ def test_a_spill_dir_gone_during_the_run(
     out = refused(d)
     assert f"spill directory {spill} does not exist" in out
     disk.mount()
-    d.start()
-    assert read_buffer(d, key, bid) == b"\x31" * MiB
-    assert ledger_totals(d) == MiB
-    assert d.stop() == 0, d.log()
+    back_intact(d, key, bid, b"\x31" * MiB, total=MiB)
 
 
 @root_only
@@ -573,10 +562,7 @@ def test_a_data_dir_on_the_missing_disk_with_a_postgresql_ledger(
         assert f"spill directory {d.data_dir / 'spill' / 'pers'} does not exist" in out
         subprocess.run(["rm", "-rf", str(disk.spill / "data")], check=True)  # the fresh one
         disk.mount()
-        d.start()
-        assert read_buffer(d, key, bid) == b"\x66" * MiB
-        assert ledger_totals(d) == MiB
-        assert d.stop() == 0, d.log()
+        back_intact(d, key, bid, b"\x66" * MiB, total=MiB)
     finally:
         d.close()
 

@@ -31,6 +31,7 @@ from rawentries import (
     probe,
     put_committed,
     tier_pool,
+    wait_written,
 )
 from sockpeer import lookup, miss
 from waiting import wait_until
@@ -95,13 +96,6 @@ def test_release_and_tenant_delete_erase_the_file(disk_daemon: Daemon, tmp_path:
     assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
     wait_until(lambda: disk_files(disk) == [])
     assert listed_entries(d, pool) == 0
-
-
-def wait_written(d: Daemon, pool: str, before: float = 0.0) -> None:
-    """Until a demotion's file is written and promotable (its file appears a moment
-    before: the writes metric counts it once a lookup can find it)."""
-    metric = "maasd_disk_write_bytes_total"
-    wait_until(lambda: d.metric(metric, pool=pool) > before, timeout=20)
 
 
 def listed_entries(d: Daemon, pool: str) -> int:

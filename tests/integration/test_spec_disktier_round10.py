@@ -31,6 +31,7 @@ from rawentries import (
     put,
     put_committed,
     tier_pool,
+    wait_written,
     write,
 )
 from sockpeer import lookup, miss
@@ -41,10 +42,6 @@ MiB = 1 << 20
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE = 1, 2, 4, 8
 F_SEAL_FUTURE_WRITE = 16
-
-
-def _written(d: Daemon, pool: str, before: float = 0.0) -> None:
-    wait_until(lambda: d.metric("maasd_disk_write_bytes_total", pool=pool) > before, timeout=20)
 
 
 def _usage(d: Daemon, key: str) -> dict:
@@ -75,7 +72,7 @@ def test_a_promotion_is_a_fresh_sealed_memfd_on_the_pools_node_counted_like_any_
     assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
     for i in range(9):
         put_committed(r, f"filler-{i}", pattern(MiB, 100 + i), pool)
-    _written(d, pool)
+    wait_written(d, pool)
     with d.client(key) as c:
         ids = {b["id"] for b in c.get("/v1/buffers").json()}
     assert original not in ids  # out of DRAM: on disk only
@@ -122,7 +119,7 @@ def test_a_promotion_that_dram_cannot_place_is_a_miss_and_never_overcommits(
     pool = tier_pool(d, disk, capacity=8 * MiB)
     _, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 5), fill=9)
-    _written(d, pool)
+    wait_written(d, pool)
     r.close()
     with d.client(key) as c:  # fill the pool with non-evictable memory (evicts the fillers)
         res = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 8 * MiB})
@@ -155,7 +152,7 @@ def test_a_demoted_entry_does_not_outlive_its_lease(disk_daemon: Daemon, tmp_pat
     assert r.call(Detach(buffer_id=found.buffer_id)) == (Ok(), [])
     for i in range(9):
         put_committed(r, f"filler-{i}", pattern(MiB, 200 + i), pool)
-    _written(d, pool)
+    wait_written(d, pool)
     assert time.monotonic() - t0 < 4, "too slow to demote before the lease ended"
     assert len(entry_files(disk)) == 1
     time.sleep(max(0.0, t0 + 4 + 3 - time.monotonic()))  # the lease is over (+ a reaper pass)
@@ -202,7 +199,7 @@ def test_a_failing_disk_never_fails_a_dram_operation(disk_daemon: Daemon, tmp_pa
     pool = tier_pool(d, disk)
     _, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 9), fill=9)
-    _written(d, pool)
+    wait_written(d, pool)
     shutil.rmtree(disk)  # the disk "fails": its entries are gone
     disk.write_bytes(b"not a directory")  # and nothing can be written there any more
     try:
@@ -258,7 +255,7 @@ def test_a_disk_gone_read_only_never_fails_a_release_of_a_promoted_entry(
     with _read_only_tier(d, tmp_path) as (disk, pool):
         _, key = d.tenant(quota_bytes=64 * MiB)
         r = demote_one(d, key, pool, pattern(MiB, 11), fill=9)
-        _written(d, pool)
+        wait_written(d, pool)
         hit, fd = lookup(r, ["hot"])  # promoted: its copy stays on disk
         os.close(fd)
         r.close()
@@ -282,7 +279,7 @@ def test_a_disk_gone_read_only_never_fails_a_tenant_delete(
     with _read_only_tier(d, tmp_path) as (disk, pool):
         tenant_id, key = d.tenant(quota_bytes=64 * MiB)
         r = demote_one(d, key, pool, pattern(MiB, 12), fill=9)
-        _written(d, pool)
+        wait_written(d, pool)
         r.close()
         _remount(disk, "ro")
         res = d.admin.delete(f"/v1/tenants/{tenant_id}")

@@ -28,6 +28,7 @@ from conftest import Daemon, free_port  # noqa: E402
 from llama_model import GERMANY  # noqa: E402
 from maasd.client import Client, Worker  # noqa: E402
 from maasd.llama.format import chunk_keys, pack_header, state_checksum  # noqa: E402
+from processes import running  # noqa: E402
 from router_fleet import CHUNK, RouterProc, router_cli, text_of, tokens_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,7 +69,7 @@ def test_backends_and_backend_are_alternatives(
     import signal
 
     left = [int(x) for x in re.findall(r"started llama-server pid (\d+)", out)]
-    left = [pid for pid in left if _running(pid)]
+    left = [pid for pid in left if running(pid)]
     for pid in left:  # started by the router we ran, left behind by it
         os.kill(pid, signal.SIGKILL)
     assert rc == 2, f"rc={rc}: both --backends and --backend were accepted:\n{out[-3000:]}"
@@ -228,7 +229,7 @@ def test_a_router_stopped_while_it_starts_leaves_no_backend_behind(
         deadline = time.monotonic() + 30
         alive = pids
         while alive and time.monotonic() < deadline:
-            alive = [pid for pid in pids if _running(pid)]
+            alive = [pid for pid in pids if running(pid)]
             time.sleep(0.2)
         assert not alive, f"llama-server {alive} outlived its router:\n{log.read_text()[-3000:]}"
     finally:
@@ -236,14 +237,5 @@ def test_a_router_stopped_while_it_starts_leaves_no_backend_behind(
             p.kill()
             p.wait(30)
         for pid in pids:  # what the router left behind (ours: we made the router start it)
-            if _running(pid):
+            if running(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False

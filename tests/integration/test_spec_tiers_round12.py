@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from conftest import Daemon, free_port
+from processes import running
 from rawentries import (
     connect,
     demote_one,
@@ -30,17 +31,13 @@ from rawentries import (
     put_committed,
     tier_pool,
     use_once,
+    wait_written,
 )
 from router_fleet import router_cli
 from sockpeer import lookup, miss
 from waiting import wait_until
 
 MiB = 1 << 20
-
-
-def _written(d: Daemon, pool: str) -> None:
-    """Until a demotion's file is whole and promotable."""
-    wait_until(lambda: d.metric("maasd_disk_write_bytes_total", pool=pool) > 0, timeout=20)
 
 
 # -- §12: a demoted entry's file changed under the daemon -----------------------------------
@@ -91,7 +88,7 @@ def test_an_entry_file_made_a_symlink_is_a_miss_and_its_target_is_untouched(
     pool = tier_pool(d, disk)
     _, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 3), fill=9)
-    _written(d, pool)
+    wait_written(d, pool)
     (name,) = entry_files(disk)
     victim = tmp_path / "precious.db"
     content = pattern(2 * MiB, 4)
@@ -116,7 +113,7 @@ def test_an_entry_file_made_a_fifo_never_stalls_a_lookup_or_a_tenant_delete(
     pool = tier_pool(d, disk)
     tenant, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 5), fill=9)
-    _written(d, pool)
+    wait_written(d, pool)
     (name,) = entry_files(disk)
     os.unlink(disk / name)
     os.mkfifo(disk / name)
@@ -226,7 +223,7 @@ def test_a_fleet_that_cannot_start_ends_in_one_error_line_and_leaves_no_backend(
         "--model", str(model),
     )  # fmt: skip
     pids = [int(x) for x in re.findall(r"started llama-server pid (\d+)", out)]
-    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and _running(p)]
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and running(p)]
     for p in alive:  # ours: the router we ran started them
         os.kill(p, signal.SIGKILL)
     assert rc == 1, f"rc={rc}:\n{out[-3000:]}"
@@ -236,14 +233,6 @@ def test_a_fleet_that_cannot_start_ends_in_one_error_line_and_leaves_no_backend(
     assert "could not start" in errors[0]
     assert "exited" in errors[0]
     assert not alive, f"llama-server {alive} outlived the router"
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 # -- §11: a backend that hangs -----------------------------------------------------------------
@@ -398,7 +387,7 @@ def test_a_promotion_never_takes_a_tenant_past_its_quota(
     pool = tier_pool(d, disk, capacity=32 * MiB)
     tenant, key = d.tenant(quota_bytes=8 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 7), fill=9)  # the quota evicts: demoted
-    _written(d, pool)
+    wait_written(d, pool)
     r.close()
     with d.client(key) as c:
         res = c.post(f"/v1/pools/{pool}/reserve", json={"size_bytes": 8 * MiB})
@@ -505,7 +494,7 @@ def test_a_truncated_or_extended_entry_file_is_a_miss_and_dropped(
     pool = tier_pool(d, disk)
     _, key = d.tenant(quota_bytes=64 * MiB)
     r = demote_one(d, key, pool, pattern(MiB, 8), fill=9)
-    _written(d, pool)
+    wait_written(d, pool)
     (name,) = entry_files(disk)
     raw = (disk / name).read_bytes()
     changed = {
