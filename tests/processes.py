@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import subprocess
 
 
@@ -18,7 +21,7 @@ def signal_and_wait(proc: subprocess.Popen[bytes], sig: int, timeout: float) -> 
         raise
 
 
-__all__ = ["signal_and_wait"]
+__all__ = ["fd_table", "running", "signal_and_wait"]
 
 
 def running(pid: int) -> bool:
@@ -28,3 +31,16 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+def fd_table() -> frozenset[tuple[str, str]]:
+    """This process's open fds, each with what it points at, after a collection: so that
+    an fd an earlier test left to the collector (or one a thread of it closes) is not
+    taken for a leak or a double close. ``fd_table() <= before`` is "nothing leaked": a
+    leaked fd that took a freed number still differs in what it points at."""
+    gc.collect()
+    table = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own fd, closed since
+            table.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+    return frozenset(table)

@@ -28,6 +28,7 @@ from maasd.errors import (
     TooLarge,
     Unprocessable,
 )
+from processes import fd_table
 from waiting import wait_until
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -50,7 +51,7 @@ def pool(reclaimer: Reclaimer) -> MemoryPool:
 
 
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    return len(fd_table())
 
 
 class TestConstruction:
