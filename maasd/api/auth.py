@@ -36,6 +36,7 @@ from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Healthz
+from maasd.api.server import trust
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.errors import Forbidden, InvalidRequest
 from maasd.metrics import Metrics
@@ -114,7 +115,7 @@ class Run:
 
     def of(self, who: Principal) -> CallerRun:
         """The runner of ``who``'s calls (its share of the threads)."""
-        return CallerRun(self, "admin" if who.is_admin else f"tenant:{who.tenant_id}")
+        return CallerRun(self, caller_name(who))
 
     async def shared(self, caller: str, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         """``fn(*args)`` in a worker thread, once ``caller`` has fewer than
@@ -254,6 +255,11 @@ class ApiContext:
         return who
 
 
+def caller_name(who: Principal) -> str:
+    """Whose share a call takes (of the threads, of the kept REST connections)."""
+    return "admin" if who.is_admin else f"tenant:{who.tenant_id}"
+
+
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
@@ -318,6 +324,7 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
         require_tenant(who)  # the admin key (which owns no buffers) gets 403
     _known_query(ctx, request)
     request.state.principal = who
+    trust(request.scope.get("state"), caller_name(who))
 
 
 def _known_query(ctx: ApiContext, request: Request[Any, Any, Any]) -> None:

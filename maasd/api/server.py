@@ -11,6 +11,8 @@ connection, and :class:`Gate` bounds the connections of the whole server::
     accept ─> connection_made ─ Gate.admit ─┬─ held      (≤ max_connections)
                                             ├─ shed      the oldest *idle* held connection
                                             │            is closed to make room for this one
+                                            │            (an anonymous one; a caller's only
+                                            │            when callers keep over half the cap)
                                             ├─ refused   nothing idle to shed: the first request
                                             │            is answered 507 resource-limit, then closed
                                             └─ dropped   over the refusal allowance too: closed at once
@@ -27,6 +29,19 @@ idle; so a flood of half-open connections is shed oldest first, and a real
 client, whose head arrives in one piece, gets through. Connections that are
 all busy (requests in flight, bodies arriving) are bounded by the deadlines
 above; while they last, new connections get the 507.
+
+A connection that carried a request with a valid key is its caller's
+(:func:`trust`, from the ``/v1`` authentication hook), up to a share of the cap per
+caller (``max_connections // CALLER_SHARE``, at least 2). An idle connection of a
+caller is shed only when no anonymous idle one is left and callers keep more than
+half the cap; otherwise the newcomer is refused (507) rather than a tenant's pooled
+keep-alive connection closed under it (its next request would meet a reset). So
+clients looping on ``/healthz`` or sending nothing, however many, shed one another
+and meet 507s, and the tenants' connections that carried a key go on. A caller's
+connections beyond its share are shed as anonymous ones, so one tenant's many
+connections do not crowd out the others'. A *new* connection is anonymous until its
+first request's key is checked: under such a flood it may be shed before that, as
+any anonymous one.
 
 Everything here runs on the event loop; the cost per request is two timer
 handles at most.
@@ -66,6 +81,7 @@ __all__ = [
     "Verdict",
     "http_config",
     "protocol_for",
+    "trust",
 ]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +91,10 @@ logger = logging.getLogger(__name__)
 FD_SHARE = 4
 #: Connections answered 507 beyond the cap, at most, as a share of the cap.
 REFUSAL_SHARE = 8
+#: The connections one caller may have kept from shedding, as a share of the cap.
+CALLER_SHARE = 4
+#: Where :class:`GuardedH11` puts itself in each request's ``scope["state"]`` (:func:`trust`).
+CONNECTION_STATE = "maasd.connection"
 #: At most one "cap reached" warning in this many seconds.
 WARN_EVERY_S = 60.0
 
@@ -87,6 +107,11 @@ class HttpLimits:
     body_timeout_s: float = 30.0
     send_timeout_s: float = 30.0
     max_connections: int = 512
+
+    @property
+    def caller_share(self) -> int:
+        """Connections of one caller that are shed only after every anonymous idle one."""
+        return max(2, self.max_connections // CALLER_SHARE)
 
     @property
     def max_refusals(self) -> int:
@@ -123,6 +148,9 @@ class Gate:
         self.held = 0
         self.refusing = 0
         self._idle: OrderedDict[GuardedH11, None] = OrderedDict()  # oldest idle first
+        self._idle_kept: OrderedDict[GuardedH11, None] = OrderedDict()  # callers' ones
+        self._caller_of: dict[GuardedH11, str] = {}
+        self._kept: dict[str, int] = {}  # connections kept per caller
         self._metrics = metrics
         self._warned = 0.0
         problem = problem_of(
@@ -138,7 +166,8 @@ class Gate:
     def admit(self) -> Verdict:
         """Count a new connection in, shedding the oldest idle connection if the cap is reached."""
         if self.held >= self.limits.max_connections:
-            if not self._idle:
+            idle = self._idle or (self._idle_kept if self._kept_over_half() else None)
+            if not idle:
                 self._warn()
                 if self.refusing >= self.limits.max_refusals:
                     self.count_close("dropped")
@@ -146,22 +175,49 @@ class Gate:
                 self.refusing += 1
                 self.count_close("refused")
                 return Verdict.REFUSED
-            victim, _ = self._idle.popitem(last=False)
+            victim, _ = idle.popitem(last=False)
             self._warn()
             victim.close_for("shed")  # leaves the count at once
         self.held += 1
         return Verdict.HELD
 
+    def _kept_over_half(self) -> bool:
+        """Whether callers keep more than half the cap: then their idle connections are
+        shed too (oldest first), so that callers, however many, never lock the rest out."""
+        return len(self._caller_of) > self.limits.max_connections // 2
+
     def idle(self, conn: GuardedH11) -> None:
         """``conn`` answers nothing now (it keeps its place if it was idle already)."""
-        if conn not in self._idle:
-            self._idle[conn] = None
+        idle = self._idle_kept if conn in self._caller_of else self._idle
+        if conn not in idle:
+            idle[conn] = None
 
     def busy(self, conn: GuardedH11) -> None:
         self._idle.pop(conn, None)
+        self._idle_kept.pop(conn, None)
+
+    def trust(self, conn: GuardedH11, caller: str) -> None:
+        """``conn`` carried a request of ``caller`` (a valid key): shed it last, if the
+        caller has fewer than its share of such connections. Once per (held) connection."""
+        if conn in self._caller_of:
+            return
+        kept = self._kept.get(caller, 0)
+        if kept >= self.limits.caller_share:
+            return
+        self._kept[caller] = kept + 1
+        self._caller_of[conn] = caller
+        if self._idle.pop(conn, 0) is None:  # idle already: among the callers' ones now
+            self._idle_kept[conn] = None
 
     def leave(self, verdict: Verdict, conn: GuardedH11) -> None:
-        self._idle.pop(conn, None)
+        self.busy(conn)
+        caller = self._caller_of.pop(conn, None)
+        if caller is not None:
+            left = self._kept[caller] - 1
+            if left:
+                self._kept[caller] = left
+            else:
+                del self._kept[caller]
         if verdict is Verdict.HELD:
             self.held -= 1
         elif verdict is Verdict.REFUSED:
@@ -245,6 +301,9 @@ class GuardedH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Each request's scope["state"] is a copy of this: the way back from the /v1
+        # authentication hook to the connection (:func:`trust`).
+        self.app_state = {**self.app_state, CONNECTION_STATE: self}
         self._verdict = self.gate.admit()
         if self._verdict is Verdict.DROPPED:
             transport.abort()
@@ -270,6 +329,7 @@ class GuardedH11(H11Protocol):
         self._send_deadline(False)
         self.gate.leave(self._verdict, self)
         self._verdict = Verdict.DROPPED  # counted out once
+        self.app_state = {}  # no cycle through the state to keep this alive
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -298,6 +358,10 @@ class GuardedH11(H11Protocol):
     def resume_writing(self) -> None:
         super().resume_writing()
         self._send_deadline(False)
+
+    def trusted_by(self, caller: str) -> None:
+        if self._verdict is Verdict.HELD:
+            self.gate.trust(self, caller)
 
     def close_for(self, reason: str) -> None:
         """Close now, counting ``reason``; the connection leaves the gate's count at once."""
@@ -367,6 +431,14 @@ class GuardedH11(H11Protocol):
             }
         )
         await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def trust(state: dict[str, Any] | None, caller: str) -> None:
+    """The connection that carried a request (its ``scope["state"]``) is ``caller``'s: a
+    valid key was sent on it (:meth:`Gate.trust`). Nothing for a request served otherwise."""
+    conn = state.get(CONNECTION_STATE) if state else None
+    if isinstance(conn, GuardedH11):
+        conn.trusted_by(caller)
 
 
 def protocol_for(gate: Gate) -> type[GuardedH11]:

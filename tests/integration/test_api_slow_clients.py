@@ -16,6 +16,7 @@ import contextlib
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,6 +247,49 @@ def test_a_flood_of_idle_connections_is_shed_oldest_first(d: Daemon, key: str) -
         for s in flood:
             s.close()
     wait_until(lambda: held(d, ports) == 0, NEVER_S, message="connections given back")
+    reserve_works(d, key)
+
+
+def test_a_tenants_pooled_connection_outlives_a_flood_of_anonymous_keep_alive_clients(
+    d: Daemon, key: str
+) -> None:
+    """Twice the cap of clients looping ``GET /healthz`` on keep-alive shed one another
+    (or meet 507s); a tenant's pooled connection, which carried its key, is not shed
+    under it (its next request would meet a reset): each of its reserves is answered."""
+    shed = closed(d, "shed")
+    stop = threading.Event()
+    answered = [0]
+
+    def loop_healthz() -> None:
+        while not stop.is_set():
+            with (
+                httpx.Client(base_url=d.url, timeout=10) as c,
+                contextlib.suppress(
+                    httpx.TransportError  # shed: connect again
+                ),
+            ):
+                while not stop.is_set():
+                    c.get("/healthz")
+                    answered[0] += 1
+
+    headers = {"Authorization": f"Bearer {key}"}
+    flood = [threading.Thread(target=loop_healthz, daemon=True) for _ in range(CAP * 2)]
+    with httpx.Client(base_url=d.url, headers=headers, timeout=30) as c:
+        assert c.get("/v1/buffers").status_code == 200  # the key, on the pooled connection
+        for t in flood:
+            t.start()
+        try:
+            wait_until(lambda: closed(d, "shed") > shed + CAP, NEVER_S, message="shedding")
+            for _ in range(30):
+                r = c.post("/v1/reserve", json={"size_bytes": MiB})
+                assert r.status_code == 201, r.text
+                assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code == 204
+                time.sleep(0.05)  # idle, pooled, while the flood goes on
+            assert answered[0] > 0
+        finally:
+            stop.set()
+            for t in flood:
+                t.join(NEVER_S)
     reserve_works(d, key)
 
 

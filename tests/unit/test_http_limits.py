@@ -131,3 +131,92 @@ def test_the_refusal_is_a_resource_limit_problem_naming_the_limit() -> None:
     assert problem["type"].endswith("/resource-limit")
     assert "42 REST connections" in problem["detail"]
     assert "http_max_connections" in problem["detail"]
+
+
+def test_a_callers_idle_connection_is_shed_after_every_anonymous_one() -> None:
+    gate = Gate(HttpLimits(max_connections=4))
+    tenant = admitted(gate, idle=False)
+    gate.trust(cast(Any, tenant), "tenant:t")  # a request with t's key, in flight
+    gate.idle(cast(Any, tenant))  # answered: idle, the oldest of all
+    anonymous = [admitted(gate, idle=True) for _ in range(3)]
+    for _ in range(3):  # three newcomers shed the three anonymous ones, oldest first
+        assert gate.admit() is Verdict.HELD
+    assert [c.closed_for for c in anonymous] == ["shed"] * 3
+    assert tenant.closed_for is None
+    newcomer = FakeConnection(gate)
+    gate.leave(Verdict.HELD, cast(Any, newcomer))  # one goes
+    assert gate.admit() is Verdict.HELD  # room again: nothing shed
+    assert tenant.closed_for is None
+
+
+def test_with_only_callers_idle_connections_left_the_oldest_of_them_is_shed() -> None:
+    gate = Gate(HttpLimits(max_connections=2))
+    first, second = admitted(gate, idle=False), admitted(gate, idle=False)
+    for conn, caller in ((first, "tenant:a"), (second, "tenant:b")):
+        gate.trust(cast(Any, conn), caller)
+        gate.idle(cast(Any, conn))
+    assert gate.admit() is Verdict.HELD  # callers keep all of the cap: no lock-out
+    assert (first.closed_for, second.closed_for) == ("shed", None)
+
+
+def test_a_caller_keeps_its_share_of_connections_the_rest_are_shed_as_anonymous() -> None:
+    gate = Gate(HttpLimits(max_connections=16))
+    share = gate.limits.caller_share
+    assert share == 4
+    conns = [admitted(gate, idle=False) for _ in range(share + 2)]
+    for conn in conns:
+        gate.trust(cast(Any, conn), "tenant:greedy")
+        gate.idle(cast(Any, conn))
+    other = admitted(gate, idle=False)
+    gate.trust(cast(Any, other), "tenant:other")
+    gate.idle(cast(Any, other))
+    for _ in range(16 - len(conns) - 1):
+        admitted(gate, idle=False)
+    assert gate.held == 16
+    for _ in range(2):
+        assert gate.admit() is Verdict.HELD
+    # the two over the share were shed (as anonymous); the share and the other tenant's kept
+    assert [c.closed_for for c in conns] == [None] * share + ["shed", "shed"]
+    assert other.closed_for is None
+    # a connection of the share that leaves makes room in it for another
+    conns[0].close_for("gone")
+    late = admitted(gate, idle=False)
+    gate.trust(cast(Any, late), "tenant:greedy")
+    gate.idle(cast(Any, late))
+    # nothing anonymous idle, callers keep 5 of 16: the newcomer is refused, none shed
+    assert gate.admit() is Verdict.REFUSED
+    assert [c.closed_for for c in [*conns[1:share], late, other]] == [None] * (share + 1)
+
+
+def test_callers_keeping_over_half_the_cap_have_their_oldest_idle_connection_shed() -> None:
+    gate = Gate(HttpLimits(max_connections=8))
+    kept = []
+    for n in range(5):  # five callers, one connection each: 5 of 8 kept, over half
+        conn = admitted(gate, idle=False)
+        gate.trust(cast(Any, conn), f"tenant:{n}")
+        gate.idle(cast(Any, conn))
+        kept.append(conn)
+    for _ in range(3):
+        admitted(gate, idle=False)
+    assert gate.admit() is Verdict.HELD
+    assert [c.closed_for for c in kept] == ["shed", None, None, None, None]
+    assert gate.admit() is Verdict.REFUSED  # 4 of 8 kept now: not over half
+
+
+def test_trust_reaches_the_gate_only_from_a_held_connection_in_the_requests_state() -> None:
+    from maasd.api.server import CONNECTION_STATE, protocol_for, trust
+
+    gate = Gate(HttpLimits(max_connections=1))
+    proto = protocol_for(gate).__new__(protocol_for(gate))  # no transport: only the state
+    proto._verdict = Verdict.HELD
+    assert gate.admit() is Verdict.HELD
+    trust({CONNECTION_STATE: proto}, "tenant:t")
+    gate.idle(cast(Any, proto))
+    assert gate._idle_kept
+    assert not gate._idle
+    trust({}, "tenant:t")  # a request served otherwise (a test client): nothing
+    trust(None, "tenant:t")
+    refused = protocol_for(gate).__new__(protocol_for(gate))
+    refused._verdict = Verdict.REFUSED
+    trust({CONNECTION_STATE: refused}, "tenant:t")  # never held: not counted
+    assert gate._kept == {"tenant:t": 1}
