@@ -7,7 +7,10 @@
   its last use moved to now — or its length only, when it passes the caller's bound
   (a script finds it; the longest key's value is read in the same round trip);
 * ``forget`` — drop a value the daemon refused, with its accounting;
-* ``drop_tenant`` — drop all of a deleted tenant's values and its accounting.
+* ``drop_tenant`` — drop all of a deleted tenant's values and its accounting, and mark
+  it gone, so that a store still in flight from any host (tenant ids are never
+  reused) is undone in its own atomic step rather than left with accounting that
+  has no TTL.
 
 Connections come from a bounded pool; every call has the settings' connect and socket
 timeouts — a ``store`` of a large value the longer timeout its caller gives it
@@ -34,12 +37,17 @@ from maasd.l2.codec import Keys
 
 __all__ = ["RedisL2", "redact"]
 
-#: KEYS: entry, lru, sizes, total; ARGV: size, cap. → evicted count. Run in the same
-#: MULTI/EXEC as the SET of the value, after it: the value itself never passes through
-#: Lua (turning 64 MiB into a Lua string and back held Redis' one thread for every
-#: client, on every host, for tens of milliseconds; a plain SET of a large argument
-#: takes the received buffer as it is).
+#: KEYS: entry, lru, sizes, total, gone; ARGV: size, cap. → evicted count, or
+#: -2 = :data:`~maasd.l2.codec.GONE` (the tenant was deleted: the value just set is deleted, nothing
+#: accounted). Run in the same MULTI/EXEC as the SET of the value, after it: the value
+#: itself never passes through Lua (turning 64 MiB into a Lua string and back held
+#: Redis' one thread for every client, on every host, for tens of milliseconds; a plain
+#: SET of a large argument takes the received buffer as it is).
 _ACCOUNT = """
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  redis.call('DEL', KEYS[1])
+  return -2
+end
 local size = tonumber(ARGV[1])
 local cap = tonumber(ARGV[2])
 local old = redis.call('HGET', KEYS[3], KEYS[1])
@@ -114,6 +122,8 @@ return redis.call('DEL', unpack(names))
 """
 #: The values one call of :data:`_DROP_TENANT` deletes at most (about a millisecond).
 DROP_BATCH = 512
+#: A deleted tenant's mark lasts at least this long (ms), and at least the values' TTL.
+GONE_MIN_MS = 3_600_000
 
 
 #: The socket timeout of the calls the current thread makes now (None: the base one).
@@ -196,8 +206,9 @@ class RedisL2:
         timeout_s: float | None = None,
     ) -> int:
         """Write ``value`` under the tenant's ``key``; how many older values were evicted
-        (-1: the value alone is larger than the tenant's ``cap``: nothing was written).
-        ``timeout_s``: this call's socket timeout (default: the base one)."""
+        (-1: the value alone is larger than the tenant's ``cap``; ``GONE``: the tenant
+        was deleted — either way nothing is left). ``timeout_s``: this call's socket
+        timeout (default: the base one)."""
         if len(value) > cap:
             return -1
         k = self.keys(tenant_id)
@@ -206,7 +217,7 @@ class RedisL2:
             pipe = self._redis.pipeline(transaction=True)  # MULTI … EXEC: one atomic step
             pipe.set(entry, value, px=ttl_ms)
             self._account(
-                keys=[entry, k.lru, k.sizes, k.bytes], args=[len(value), cap], client=pipe
+                keys=[entry, k.lru, k.sizes, k.bytes, k.gone], args=[len(value), cap], client=pipe
             )
             _, evicted = pipe.execute()
         return int(evicted)
@@ -252,10 +263,14 @@ class RedisL2:
         k = self.keys(tenant_id)
         self._forget(keys=[k.entry(key), k.lru, k.sizes, k.bytes])
 
-    def drop_tenant(self, tenant_id: str) -> int:
+    def drop_tenant(self, tenant_id: str, *, ttl_ms: int = 0) -> int:
         """Delete every value of the tenant and its accounting (it was deleted): how many
-        values went. In batches of :data:`DROP_BATCH`, each call within the timeout."""
+        values went. In batches of :data:`DROP_BATCH`, each call within the timeout. First
+        the tenant is marked gone for ``ttl_ms`` (the values' TTL), at least
+        :data:`GONE_MIN_MS`: a store that lands later, from this host or another, is
+        undone (:data:`_ACCOUNT`)."""
         k = self.keys(tenant_id)
+        self._redis.set(k.gone, b"1", px=max(ttl_ms, GONE_MIN_MS))
         dropped = 0
         while (n := int(self._drop_tenant(keys=[k.lru, k.sizes, k.bytes], args=[DROP_BATCH]))) >= 0:
             dropped += n

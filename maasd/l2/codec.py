@@ -28,6 +28,7 @@ import struct
 import xxhash
 
 __all__ = [
+    "GONE",
     "HEADER",
     "MAGIC",
     "VERSION",
@@ -63,16 +64,21 @@ class Refused(Exception):
         self.keep = keep
 
 
+#: What a store answers when its tenant was deleted (by any host): nothing is left.
+GONE = -2
+
+
 class Keys:
     """The Redis key names of one tenant's part of L2."""
 
-    __slots__ = ("_base", "bytes", "lru", "sizes")
+    __slots__ = ("_base", "bytes", "gone", "lru", "sizes")
 
     def __init__(self, prefix: str, tenant_id: str) -> None:
         self._base = f"{prefix}:{{{tenant_id}}}:"
         self.lru = self._base + "lru"
         self.sizes = self._base + "sizes"
         self.bytes = self._base + "bytes"
+        self.gone = self._base + "gone"  # the tenant was deleted (a store is undone)
 
     def entry(self, key: str) -> str:
         return f"{self._base}e:{key}"

@@ -213,7 +213,7 @@ class L2Tier(_Judged):
         self.metrics.dropped.labels(reason="gone").inc(self.queue.drop_tenant(tenant_id))
         try:
             if self.breaker.allow():
-                self.client.drop_tenant(tenant_id)
+                self.client.drop_tenant(tenant_id, ttl_ms=self._ttl_ms)
                 return self._succeeded(tenant_id)
         except self._errors as exc:
             self._failed("drop_tenant", exc)
@@ -300,6 +300,9 @@ class L2Tier(_Judged):
             return
         self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
         self._succeeded(t)
+        if evicted == codec.GONE:  # deleted (by any host) before the store landed: undone
+            dropped.labels(reason="gone").inc()
+            return
         if self.queue.deleted(t):  # its tenant deleted as it was stored: the drop missed it
             self.drop_tenant(t)
             dropped.labels(reason="gone").inc()

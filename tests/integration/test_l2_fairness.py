@@ -169,3 +169,33 @@ def test_a_store_accounts_and_evicts_atomically_in_a_real_redis(
     finally:
         r.delete(k.entry("a"), k.entry("b"), k.entry("c"), k.lru, k.sizes, k.bytes)
         l2.close()
+
+
+def test_a_store_landing_after_its_tenants_drop_on_another_host_is_undone(
+    redis_server: RedisServer,
+) -> None:
+    """Host A drops a deleted tenant's values; host B's store of that tenant, in flight
+    as A dropped, lands after: it is undone in its own MULTI/EXEC (the value deleted,
+    nothing accounted) rather than left with accounting keys that have no TTL. Other
+    tenants store as before, and the mark itself expires."""
+    from maasd.l2.client import GONE_MIN_MS, RedisL2
+    from maasd.l2.codec import GONE, Keys
+
+    host_a = RedisL2(redis_server.url, timeout_s=1.0, connections=2, prefix="drop")
+    host_b = RedisL2(redis_server.url, timeout_s=1.0, connections=2, prefix="drop")
+    r = redis_server.client()
+    gone, kept = f"t-{secrets.token_hex(4)}", f"t-{secrets.token_hex(4)}"
+    kg, kk = Keys("drop", gone), Keys("drop", kept)
+    try:
+        assert host_b.store(gone, "early", memoryview(b"x" * 100), cap=1000, ttl_ms=60_000) == 0
+        assert host_a.drop_tenant(gone, ttl_ms=60_000) == 1
+        assert host_b.store(gone, "late", memoryview(b"y" * 100), cap=1000, ttl_ms=60_000) == GONE
+        assert sorted(k.decode() for k in r.keys(f"drop:{{{gone}}}:*")) == [kg.gone]
+        assert GONE_MIN_MS - 60_000 < r.pttl(kg.gone) <= GONE_MIN_MS  # it expires
+        assert host_b.store(kept, "v", memoryview(b"z" * 100), cap=1000, ttl_ms=60_000) == 0
+        assert int(r.get(kk.bytes)) == 100
+    finally:
+        r.delete(kg.gone, kg.entry("early"), kg.entry("late"), kg.lru, kg.sizes, kg.bytes)
+        r.delete(kk.entry("v"), kk.lru, kk.sizes, kk.bytes)
+        host_a.close()
+        host_b.close()

@@ -74,7 +74,7 @@ def test_every_check_refuses_with_its_reason() -> None:
 
 def test_keys_of_a_tenant_share_its_hash_tag() -> None:
     k = codec.Keys("maasd", "tenant-1")
-    names = [k.entry("fp:abc"), k.lru, k.sizes, k.bytes]
+    names = [k.entry("fp:abc"), k.lru, k.sizes, k.bytes, k.gone]
     assert all("{tenant-1}" in n for n in names)
     assert k.entry("fp:abc") != codec.Keys("maasd", "tenant-2").entry("fp:abc")
     assert k.entry("x") != codec.Keys("other", "tenant-1").entry("x")
@@ -352,8 +352,9 @@ class FakeL2:
         self.not_strings.discard((tenant_id, key))
         self.forgotten.append(key)
 
-    def drop_tenant(self, tenant_id: str) -> int:
+    def drop_tenant(self, tenant_id: str, *, ttl_ms: int = 0) -> int:
         self._call()
+        assert ttl_ms > 0
         mine = [k for k in self.values if k[0] == tenant_id]
         for k in mine:
             del self.values[k]
