@@ -37,10 +37,12 @@ def fd_table() -> frozenset[tuple[str, str]]:
     """This process's open fds, each with what it points at, after a collection: so that
     an fd an earlier test left to the collector (or one a thread of it closes) is not
     taken for a leak or a double close. ``fd_table() <= before`` is "nothing leaked": a
-    leaked fd that took a freed number still differs in what it points at."""
+    leaked fd that took a freed number still differs in what it points at (its inode)."""
     gc.collect()
     table = set()
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(FileNotFoundError):  # the listing's own fd, closed since
-            table.add((fd, os.readlink(f"/proc/self/fd/{fd}")))
+            path = f"/proc/self/fd/{fd}"
+            # the inode too: every memfd of one name reads the same
+            table.add((fd, f"{os.readlink(path)} ino {os.stat(path).st_ino}"))
     return frozenset(table)
