@@ -49,6 +49,11 @@ def _up(metrics: RouterMetrics, b: Backend) -> None:
     metrics.backend_up.labels(str(b.index)).set(1)
 
 
+def _down(metrics: RouterMetrics, b: Backend) -> None:
+    b.alive = False
+    metrics.backend_up.labels(str(b.index)).set(0)
+
+
 async def watch_hung(
     b: Backend, metrics: RouterMetrics, closing: Callable[[], bool], every_s: float = 1.0
 ) -> None:
@@ -66,8 +71,7 @@ async def watch_hung(
         if missed < HUNG_PROBES or closing() or not b.process.running:
             continue
         missed = 0
-        b.alive = False
-        metrics.backend_up.labels(str(b.index)).set(0)
+        _down(metrics, b)
         metrics.errors.labels(str(b.index), "backend_hung").inc()
         logger.warning("llama-server %s does not answer /health: killing it", b.url)
         b.process.kill()
@@ -212,9 +216,8 @@ class Fleet:
             code = await b.process.wait()
             if self._closing:
                 return
-            b.alive = False
+            _down(self.metrics, b)
             b.forget_all()
-            self.metrics.backend_up.labels(str(b.index)).set(0)
             self.metrics.errors.labels(str(b.index), "backend_died").inc()
             logger.warning("llama-server %s exited with %s: restarting it", b.url, code)
             await asyncio.sleep(RESTART_BACKOFF_S[min(attempt, len(RESTART_BACKOFF_S) - 1)])
@@ -246,9 +249,8 @@ class Fleet:
                     continue  # kept out: asked again every RECHECK_S
                 if up == b.alive:
                     continue
-                b.alive = False
+                _down(self.metrics, b)
                 b.forget_all()  # a backend that went away and came back holds nothing
-                self.metrics.backend_up.labels(str(b.index)).set(0)
                 if not up:
                     self.metrics.errors.labels(str(b.index), "backend_down").inc()
                     logger.warning("llama-server %s does not answer", b.url)

@@ -36,7 +36,7 @@ from maasd.router.publish import Publisher
 from maasd.router.share import Sharing
 from maasd.router.slots import Slot, common_prefix
 
-__all__ = ["Answer", "Unroutable", "Proxy", "parse_body"]
+__all__ = ["Answer", "Unroutable", "Proxy", "parse_body", "prompt_tokens"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +85,27 @@ def _token_ids(prompt: list[Any]) -> npt.NDArray[np.int32]:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < TOKEN_LIMIT:
             raise Unroutable(f"prompt: token id {t!r} is not an int in [0, 2^31)")
     return np.asarray(prompt, dtype=np.int32)
+
+
+async def prompt_tokens(fleet: Fleet, path: str, body: dict[str, Any]) -> npt.NDArray[np.int32]:
+    """A request's prompt tokens (checked first, if given as ids), from the least loaded
+    live backend; empty: route by load."""
+    chat = path.endswith("/chat/completions")
+    prompt = body.get("prompt")
+    if chat and not isinstance(body.get("messages"), list):
+        raise Unroutable("messages: a list is required")
+    if not chat and isinstance(prompt, list) and prompt and not isinstance(prompt[0], list | str):
+        return _token_ids(prompt)  # token ids (not a batch of prompts)
+    b = fleet.any_live()
+    if b is None:
+        return np.empty(0, np.int32)
+    if chat:
+        text = await b.apply_template(body)
+    elif isinstance(prompt, str):
+        text = prompt
+    else:
+        return np.empty(0, np.int32)  # a batch: balanced, not routed by prefix
+    return np.asarray(await b.tokenize(text), dtype=np.int32)
 
 
 @dataclass
@@ -146,39 +167,13 @@ class Proxy:
         self.publisher = publisher
         self._background: set[asyncio.Task[None]] = set()
 
-    # -- tokens
-
-    async def tokens(self, path: str, body: dict[str, Any]) -> npt.NDArray[np.int32]:
-        """The prompt's tokens (checked first, if given as ids); empty: route by load."""
-        chat = path.endswith("/chat/completions")
-        prompt = body.get("prompt")
-        if chat and not isinstance(body.get("messages"), list):
-            raise Unroutable("messages: a list is required")
-        if (
-            not chat
-            and isinstance(prompt, list)
-            and prompt
-            and not isinstance(prompt[0], list | str)
-        ):
-            return _token_ids(prompt)  # token ids (not a batch of prompts)
-        b = self.fleet.any_live()
-        if b is None:
-            return np.empty(0, np.int32)
-        if chat:
-            text = await b.apply_template(body)
-        elif isinstance(prompt, str):
-            text = prompt
-        else:
-            return np.empty(0, np.int32)  # a batch: balanced, not routed by prefix
-        return np.asarray(await b.tokenize(text), dtype=np.int32)
-
     # -- one request
 
     async def complete(self, path: str, raw: bytes) -> Answer:
         t0 = time.monotonic()
         body = parse_body(raw)
         try:
-            tokens = await self.tokens(path, body)
+            tokens = await prompt_tokens(self.fleet, path, body)
         except Unroutable:
             raise
         except httpx.HTTPStatusError as exc:
