@@ -247,11 +247,12 @@ def routers(
 
 
 @contextlib.contextmanager
-def attached_server(
+def attached_process(
     binary: str, model: Path, slot_dir: Path, log: Path, *args: str, slots: int = 2
-) -> Iterator[str]:
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A llama-server run as docs/llama-server.md says for an attached backend (the
-    router's flags, ``args`` after them: they win) → its URL; SIGTERMed at the end."""
+    router's flags, ``args`` after them: they win) → its URL and process; SIGCONTed (a
+    test may have stopped it) and SIGTERMed at the end."""
     from maasd.router.backend import REQUIRED_FLAGS, REQUIRED_FLAGS_EXTRA
 
     port = free_port()
@@ -261,6 +262,17 @@ def attached_server(
     with open(log, "ab") as out:
         server = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            server.send_signal(signal.SIGCONT)
         signal_and_wait(server, signal.SIGTERM, 60)
+
+
+@contextlib.contextmanager
+def attached_server(
+    binary: str, model: Path, slot_dir: Path, log: Path, *args: str, slots: int = 2
+) -> Iterator[str]:
+    """:func:`attached_process`'s URL alone."""
+    with attached_process(binary, model, slot_dir, log, *args, slots=slots) as (url, _server):
+        yield url

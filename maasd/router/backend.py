@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from maasd.router.slots import Slot
 
 __all__ = [
     "Backend",
+    "BackendHung",
     "BackendProcess",
     "REQUIRED_FLAGS",
     "RESERVED_FLAGS",
@@ -103,6 +104,10 @@ class SlotActionError(RuntimeError):
     """A ``/slots/{id}`` action the server refused or failed (why is in the message)."""
 
 
+class BackendHung(RuntimeError):
+    """The router stopped waiting for a server's answer: the server was judged hung."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -123,7 +128,9 @@ class Backend:
     identity: Any = None  # maasd.router.identity.Identity, once identified
     rejected: str = ""  # why it is kept out of rotation ("": it is not)
     recheck_at: float = 0.0  # when a kept-out attached backend is asked again
+    missed: int = 0  # /health probes of an attached backend unanswered in a row
     http: httpx.AsyncClient = field(init=False)
+    _waits: set[asyncio.Timeout] = field(init=False, default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         # Completions may run for minutes: no read timeout; connecting must be quick. Idle
@@ -146,6 +153,44 @@ class Backend:
         """The server restarted (or died): its slots hold nothing."""
         for s in self.slots:
             s.forget()
+
+    @contextlib.asynccontextmanager
+    async def until_hung(self) -> AsyncIterator[None]:
+        """Wait for the server's answer in this block (a completion, a slot action: no read
+        timeout, since an answer may take minutes) until the server is judged hung: then
+        :meth:`end_waits` cancels the block, which raises :class:`BackendHung`. Nothing
+        else ends it: a long answer of a server that answers ``/health`` is never cut."""
+        try:
+            async with asyncio.timeout(None) as t:
+                self._waits.add(t)
+                try:
+                    yield
+                finally:
+                    self._waits.discard(t)
+        except TimeoutError:
+            if not t.expired():  # a timeout of the block's own
+                raise
+            raise BackendHung(f"llama-server {self.url} stopped answering (hung)") from None
+
+    async def reads(self, resp: httpx.Response) -> AsyncIterator[bytes]:
+        """A streamed response's bytes as they come, each read :meth:`until_hung` — the
+        reads alone: a cut must never land in the caller's work between them."""
+        chunks = resp.aiter_raw()
+        while True:
+            async with self.until_hung():
+                chunk = await anext(chunks, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def end_waits(self) -> int:
+        """End every wait for the server's answer (:meth:`until_hung`): it is hung → how
+        many. Attached backends need it: no kill ends their requests."""
+        now = asyncio.get_running_loop().time()
+        waits = [t for t in self._waits if not t.expired()]
+        for t in waits:
+            t.reschedule(now)
+        return len(waits)
 
     async def probe(self) -> bool:
         """Whether the server answers ``/health`` with 200 (the model is loaded)."""
@@ -215,11 +260,13 @@ class Backend:
     async def slot_action(
         self, slot: int, action: str, filename: str | None = None
     ) -> dict[str, Any]:
-        """``POST /slots/{slot}?action=…`` → the server's answer; raises SlotActionError."""
+        """``POST /slots/{slot}?action=…`` → the server's answer; raises SlotActionError
+        (also when the server is judged hung: a save after an answer waits for no one)."""
         body = {} if filename is None else {"filename": filename}
         try:
-            r = await self.http.post(f"/slots/{slot}", params={"action": action}, json=body)
-        except httpx.HTTPError as exc:
+            async with self.until_hung():
+                r = await self.http.post(f"/slots/{slot}", params={"action": action}, json=body)
+        except (httpx.HTTPError, BackendHung) as exc:
             raise SlotActionError(f"{action} of slot {slot}: {exc}") from exc
         if r.status_code != 200:
             raise SlotActionError(f"{action} of slot {slot}: {r.status_code} {r.text[:200]}")

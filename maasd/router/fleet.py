@@ -37,10 +37,11 @@ logger = logging.getLogger(__name__)
 
 RESTART_BACKOFF_S = (0.5, 1, 2, 5, 10, 30)
 RECHECK_S = 30.0  # how often a backend kept out for what it runs is asked again
-#: A backend the router started that leaves this many ``/health`` probes in a row
-#: unanswered (each waits 5 s, 1 s apart) is hung — stopped, deadlocked, swapped out —
-#: and is killed, so that its clients get an error and it is restarted: llama-server
-#: answers ``/health`` from its HTTP threads, also while it generates.
+#: A backend that leaves this many ``/health`` probes in a row unanswered (each waits
+#: 5 s, 1 s apart) is hung — stopped, deadlocked, swapped out — or gone: llama-server
+#: answers ``/health`` from its HTTP threads, also while it generates. One the router
+#: started is killed, so that its clients get an error and it is restarted; an attached
+#: one's requests are ended (:meth:`Backend.end_waits`), since no kill ends them.
 HUNG_PROBES = 3
 
 
@@ -52,6 +53,18 @@ def _up(metrics: RouterMetrics, b: Backend) -> None:
 def _down(metrics: RouterMetrics, b: Backend) -> None:
     b.alive = False
     metrics.backend_up.labels(str(b.index)).set(0)
+
+
+def count_probe(b: Backend, up: bool, metrics: RouterMetrics) -> bool:
+    """Count an attached backend's ``/health`` probe → ``up``. At the ``HUNG_PROBES``-th
+    unanswered in a row it is hung (or gone): the requests waiting for its answer are
+    ended — no read timeout would end them, and no kill: it is not the router's."""
+    b.missed = 0 if up else b.missed + 1
+    if b.missed == HUNG_PROBES:
+        n = b.end_waits()
+        metrics.errors.labels(str(b.index), "backend_hung").inc()
+        logger.warning("llama-server %s does not answer /health: %d requests ended", b.url, n)
+    return up
 
 
 async def watch_hung(
@@ -236,15 +249,15 @@ class Fleet:
                     self._cond.notify_all()
 
     async def _watch_attached(self, every_s: float = 1.0) -> None:
-        """Attached backends are not ours to restart: follow their ``/health``, and
-        identify one that comes back before it serves again."""
+        """Attached backends are not ours to restart: follow their ``/health`` (out of
+        rotation at once, hung: :func:`count_probe`), identify one that comes back."""
         loop = asyncio.get_running_loop()
         while not self._closing:
             await asyncio.sleep(every_s)
             for b in self.backends:
                 if b.process is not None:
                     continue
-                up = await b.probe()
+                up = count_probe(b, await b.probe(), self.metrics)
                 if up and b.rejected and loop.time() < b.recheck_at:
                     continue  # kept out: asked again every RECHECK_S
                 if up == b.alive:

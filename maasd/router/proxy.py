@@ -8,7 +8,9 @@
    stages it, and the server restores it (``n_restored`` checked; the slot is erased on
    any failure).
 4. The request goes to that slot (``id_slot``, ``cache_prompt``), its answer — a
-   stream's bytes as they come — back to the client.
+   stream's bytes as they come — back to the client. Steps 3 and 4 wait for the backend
+   with no read timeout, but not for ever: a backend judged hung ends them (a 504, or a
+   stream's error event; :meth:`Backend.until_hung`).
 5. After the answer, the prefixes worth sharing are published (:mod:`maasd.router.publish`)
    while the slot is still held; then it is given back.
 """
@@ -29,7 +31,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from maasd.router.backend import Backend, SlotActionError
+from maasd.router.backend import Backend, BackendHung, SlotActionError
 from maasd.router.fleet import Fleet, NoSlot
 from maasd.router.metrics import RouterMetrics
 from maasd.router.publish import Publisher
@@ -218,17 +220,27 @@ class Proxy:
             self.metrics.slot_wait_seconds.observe(time.monotonic() - t_wait)
             turn = Turn(choice.slot, self.fleet.backend_of(choice.slot), tokens, t0=t0)
             try:
-                if choice.restore:
-                    await self._restore(turn, choice.held)
-                if lead:
-                    await self._lead(turn, lead)
-                    lead = 0
-                body["id_slot"] = turn.slot.index
-                body["cache_prompt"] = True
-                data = json.dumps(body).encode()
-                if body.get("stream"):
-                    return await self._stream(path, data, turn)
-                return await self._whole(path, data, turn)
+                # Until the whole answer (a stream: its headers) is in, or the backend hangs.
+                async with turn.backend.until_hung():
+                    if choice.restore:
+                        await self._restore(turn, choice.held)
+                    if lead:
+                        await self._lead(turn, lead)
+                        lead = 0
+                    body["id_slot"] = turn.slot.index
+                    body["cache_prompt"] = True
+                    data = json.dumps(body).encode()
+                    if body.get("stream"):
+                        return await self._stream(path, data, turn)
+                    r = await turn.backend.http.post(
+                        path, content=data, headers={"content-type": "application/json"}
+                    )
+                return await self._whole(r, turn)
+            except BackendHung as exc:
+                # 504, a gateway timeout: the backend took the request but stopped answering
+                logger.warning("request to %s ended: %s", turn.backend.url, exc)
+                await self._finish(turn, ok=False)
+                return error_answer(504, str(exc))
             except httpx.TransportError as exc:
                 # Nothing has reached the client yet: once more, on another slot.
                 logger.warning("backend %s failed before answering: %s", turn.backend.url, exc)
@@ -285,9 +297,9 @@ class Proxy:
         turn.restored = common_prefix(slot.held, turn.tokens)
         self.metrics.restore_seconds.labels(str(b.index)).observe(time.monotonic() - t0)
 
-    async def _whole(self, path: str, data: bytes, turn: Turn) -> Answer:
+    async def _whole(self, r: httpx.Response, turn: Turn) -> Answer:
+        """The backend's whole answer ``r`` to the client: counted, the slot given back."""
         b = turn.backend
-        r = await b.http.post(path, content=data, headers={"content-type": "application/json"})
         self.metrics.ttft_seconds.labels(str(b.index)).observe(time.monotonic() - turn.t0)
         with contextlib.suppress(ValueError, AttributeError):
             count_timings(self.metrics, turn, r.json().get("timings"))
@@ -311,7 +323,7 @@ class Proxy:
             ok, tail = False, b""
             try:
                 first = True
-                async for chunk in resp.aiter_raw():
+                async for chunk in b.reads(resp):
                     if first:
                         self.metrics.ttft_seconds.labels(str(b.index)).observe(
                             time.monotonic() - turn.t0
@@ -323,8 +335,10 @@ class Proxy:
             except httpx.HTTPError as exc:
                 logger.warning("stream from %s broke: %s", b.url, exc)
                 self.metrics.errors.labels(str(b.index), "stream").inc()
-                err = {"error": {"message": "the backend went away", "type": "server_error"}}
-                yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                yield _error_event(502, "the backend went away")
+            except BackendHung as exc:
+                logger.warning("stream from %s ended: %s", b.url, exc)
+                yield _error_event(504, str(exc))
             finally:
                 task = end(ok, tail)
                 if task is not None:  # shielded: a client that went away cancels us, not it
@@ -403,11 +417,20 @@ class _StreamEnd:
             self.loop.call_soon_threadsafe(self, False, b"")
 
 
-def error_answer(status: int, message: str, headers: dict[str, str] | None = None) -> Answer:
-    """An OpenAI-style error body (what OpenAI clients parse): ``{"error": {…}}``."""
+def _error_body(status: int, message: str) -> bytes:
+    """An OpenAI-style error (what OpenAI clients parse): ``{"error": {…}}``."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    err = {"error": {"message": message, "type": kind, "code": status}}
-    return Answer(status, "application/json", headers or {}, json.dumps(err).encode())
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+def error_answer(status: int, message: str, headers: dict[str, str] | None = None) -> Answer:
+    """The router's own error answer, in the OpenAI form."""
+    return Answer(status, "application/json", headers or {}, _error_body(status, message))
+
+
+def _error_event(status: int, message: str) -> bytes:
+    """The error a stream already under way ends with (no ``[DONE]`` after it)."""
+    return b"data: " + _error_body(status, message) + b"\n\n"
 
 
 async def _restore_slot(b: Backend, slot: int, filename: str, n_tokens: int) -> None:

@@ -342,3 +342,91 @@ def test_a_restore_that_fails_in_any_way_is_a_miss_that_erases_the_slot(failure:
         await b.close()
 
     asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- a hung backend
+
+
+def test_ending_a_hung_backends_waits_ends_those_under_way_and_nothing_else() -> None:
+    """``Backend.end_waits`` (the watcher's, when an attached backend is judged hung) ends
+    every wait for that server's answer under way, with BackendHung in the waiting task;
+    another server's wait, a later wait and a timeout of a block's own are left alone."""
+    from maasd.router.backend import BackendHung
+
+    async def main() -> None:
+        hung, other = Backend(0, "http://127.0.0.1:9", "/x"), Backend(1, "http://127.0.0.1:9", "/y")
+        never = asyncio.Event()
+
+        async def wait(b: Backend) -> None:
+            async with b.until_hung():
+                await never.wait()
+
+        waits = [asyncio.create_task(wait(hung)) for _ in range(2)]
+        spared = asyncio.create_task(wait(other))
+        await asyncio.sleep(0.01)
+        assert hung.end_waits() == 2
+        for t in waits:
+            with pytest.raises(BackendHung, match="stopped answering"):
+                await t
+        await asyncio.sleep(0.01)
+        assert not spared.done()
+        assert hung.end_waits() == 0  # the ended ones are gone
+        async with hung.until_hung():  # a wait that begins later is not cut
+            await asyncio.sleep(0.01)
+        with pytest.raises(TimeoutError):  # the block's own timeout stays what it is
+            async with hung.until_hung(), asyncio.timeout(0.01):
+                await never.wait()
+        spared.cancel()
+        await asyncio.gather(spared, return_exceptions=True)
+        await hung.close()
+        await other.close()
+
+    asyncio.run(main())
+
+
+def test_an_attached_backend_is_hung_at_its_third_unanswered_probe_in_a_row() -> None:
+    """The rule of a started backend's watcher (fleet.HUNG_PROBES), for an attached one:
+    two misses end nothing, the third in a row ends its requests, once; an answer starts
+    the count again. A request's wait inside a slot action's is ended once, from the
+    outer block (BackendHung), the inner one seeing only the cancellation."""
+    from maasd.router.backend import BackendHung
+    from maasd.router.fleet import HUNG_PROBES, count_probe
+    from maasd.router.metrics import RouterMetrics
+
+    async def main() -> None:
+        m = RouterMetrics()
+        b = Backend(0, "http://127.0.0.1:9", "/x")
+        never = asyncio.Event()
+        inner: list[BaseException] = []
+
+        async def wait() -> None:
+            async with b.until_hung():
+                try:
+                    async with b.until_hung():  # a slot action's, inside a request's
+                        await never.wait()
+                except BaseException as exc:
+                    inner.append(exc)
+                    raise
+
+        def hung() -> float | None:
+            labels = {"backend": "0", "kind": "backend_hung"}
+            return m.registry.get_sample_value("maasd_router_errors_total", labels)
+
+        for up in (False, False, True, False, False):  # answered in between: not hung
+            count_probe(b, up, m)
+        assert hung() is None  # never counted
+        t = asyncio.create_task(wait())
+        await asyncio.sleep(0.01)
+        assert count_probe(b, False, m) is False  # the third in a row
+        assert b.missed == HUNG_PROBES
+        assert hung() == 1
+        with pytest.raises(BackendHung):
+            await t
+        assert [type(e) for e in inner] == [asyncio.CancelledError]
+        count_probe(b, False, m)  # still hung: counted once
+        assert hung() == 1
+        count_probe(b, True, m)
+        assert b.missed == 0
+        await b.close()
+
+    asyncio.run(main())
