@@ -36,9 +36,9 @@ from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Healthz
-from maasd.api.server import trust
+from maasd.api.server import distrust, trust
 from maasd.core.auth import Auth, require_admin, require_tenant
-from maasd.errors import Forbidden, InvalidRequest
+from maasd.errors import Forbidden, InvalidRequest, Unauthorized
 from maasd.metrics import Metrics
 from maasd.models import Principal
 
@@ -315,8 +315,15 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     ctx = context(request)
     token = bearer(request)
     if ctx.is_metrics_key(token):
+        distrust(request.scope.get("state"))
         raise Forbidden("the metrics key is good for GET /metrics only")
-    who = await ctx.principal(token)
+    try:
+        who = await ctx.principal(token)
+    except Unauthorized:
+        # Whatever this connection was kept for (server.trust), it carries no valid key
+        # now: a key revoked since, or its tenant deleted, keeps nothing from shedding.
+        distrust(request.scope.get("state"))
+        raise
     role = request.route_handler.opt.get("role")
     if role == "admin":
         require_admin(who)  # a tenant key gets 403 before any service call

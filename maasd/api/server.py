@@ -41,7 +41,9 @@ and meet 507s, and the tenants' connections that carried a key go on. A caller's
 connections beyond its share are shed as anonymous ones, so one tenant's many
 connections do not crowd out the others'. A *new* connection is anonymous until its
 first request's key is checked: under such a flood it may be shed before that, as
-any anonymous one.
+any anonymous one. A kept connection whose ``/v1`` request carries a key refused as
+unknown or revoked (:func:`distrust`) is anonymous again: a key revoked, or its
+tenant deleted, keeps nothing for a client that goes on sending it.
 
 Everything here runs on the event loop; the cost per request is two timer
 handles at most.
@@ -79,6 +81,7 @@ __all__ = [
     "HttpLimits",
     "OnceAMinute",
     "Verdict",
+    "distrust",
     "http_config",
     "protocol_for",
     "trust",
@@ -209,15 +212,27 @@ class Gate:
         if self._idle.pop(conn, 0) is None:  # idle already: among the callers' ones now
             self._idle_kept[conn] = None
 
+    def distrust(self, conn: GuardedH11) -> None:
+        """``conn`` carried a request whose key is not valid (any more: revoked, its tenant
+        deleted): it is anonymous again, its place in its caller's share given back."""
+        if self._uncount(conn) and self._idle_kept.pop(conn, 0) is None:
+            self._idle[conn] = None  # idle already: among the anonymous ones now
+
+    def _uncount(self, conn: GuardedH11) -> bool:
+        """Take ``conn`` out of its caller's share; whether it was in one."""
+        caller = self._caller_of.pop(conn, None)
+        if caller is None:
+            return False
+        left = self._kept[caller] - 1
+        if left:
+            self._kept[caller] = left
+        else:
+            del self._kept[caller]
+        return True
+
     def leave(self, verdict: Verdict, conn: GuardedH11) -> None:
         self.busy(conn)
-        caller = self._caller_of.pop(conn, None)
-        if caller is not None:
-            left = self._kept[caller] - 1
-            if left:
-                self._kept[caller] = left
-            else:
-                del self._kept[caller]
+        self._uncount(conn)
         if verdict is Verdict.HELD:
             self.held -= 1
         elif verdict is Verdict.REFUSED:
@@ -436,9 +451,22 @@ class GuardedH11(H11Protocol):
 def trust(state: dict[str, Any] | None, caller: str) -> None:
     """The connection that carried a request (its ``scope["state"]``) is ``caller``'s: a
     valid key was sent on it (:meth:`Gate.trust`). Nothing for a request served otherwise."""
-    conn = state.get(CONNECTION_STATE) if state else None
-    if isinstance(conn, GuardedH11):
+    conn = _connection(state)
+    if conn is not None:
         conn.trusted_by(caller)
+
+
+def distrust(state: dict[str, Any] | None) -> None:
+    """The connection that carried a request sent a key that is not valid (:meth:`Gate.distrust`):
+    a connection kept with a key revoked since is kept no more, although its client goes on."""
+    conn = _connection(state)
+    if conn is not None:
+        conn.gate.distrust(conn)
+
+
+def _connection(state: dict[str, Any] | None) -> GuardedH11 | None:
+    conn = state.get(CONNECTION_STATE) if state else None
+    return conn if isinstance(conn, GuardedH11) else None
 
 
 def protocol_for(gate: Gate) -> type[GuardedH11]:

@@ -1,0 +1,479 @@
+"""Attacks on the REST connection gate's kept connections (``maasd.api.server``, ``trust``).
+
+At the cap (``http_max_connections``) the gate sheds the oldest idle connection; a
+connection that carried a ``/v1`` request with a valid key is its caller's ("kept", up
+to a quarter of the cap per caller) and is shed only after every anonymous idle one,
+once callers keep more than half the cap. These tests attack that through a real
+daemon (cap 16: a share of 4 per caller, half the cap 8) with raw sockets.
+
+Whether a connection is kept is observed, not read: a flood of anonymous idle
+connections (twice the cap) sheds every idle connection that is not kept, oldest first,
+and leaves the kept ones open (:func:`survivors`). No test asserts how fast anything
+happened; deadlines are only waited for, with generous bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import select
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from conftest import Daemon
+from waiting import wait_until
+
+MiB = 1 << 20
+CAP = 16
+SHARE = CAP // 4
+HEAD_S, BODY_S, SEND_S = 2.0, 3.0, 2.0
+KEEPALIVE_S = 20.0
+#: Far beyond any deadline here.
+NEVER_S = 40.0
+METRICS_KEY = "metrics-key-for-the-gate-attacks-0123456789"
+
+
+@pytest.fixture(scope="module")
+def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    daemon = Daemon(
+        tmp_path_factory.mktemp("gate-attacks"),
+        env={
+            "MAASD_HTTP_MAX_CONNECTIONS": str(CAP),
+            "MAASD_HTTP_HEAD_TIMEOUT_S": str(HEAD_S),
+            "MAASD_HTTP_BODY_TIMEOUT_S": str(BODY_S),
+            "MAASD_HTTP_SEND_TIMEOUT_S": str(SEND_S),
+            "MAASD_HTTP_KEEPALIVE_S": str(KEEPALIVE_S),
+            "MAASD_METRICS_KEY": METRICS_KEY,
+        },
+    )
+    daemon.start()
+    yield daemon
+    daemon.close()
+
+
+# -- raw HTTP ---------------------------------------------------------------------------
+
+
+def connect(d: Daemon) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", d.port), timeout=NEVER_S)
+
+
+def request(
+    method: str, path: str, key: str | None = None, body: bytes = b"", extra: str = ""
+) -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    length = f"Content-Length: {len(body)}\r\n" if body or method in ("POST", "PUT") else ""
+    return (f"{method} {path} HTTP/1.1\r\nHost: maasd\r\n{auth}{length}{extra}\r\n").encode() + body
+
+
+def answer(s: socket.socket, head_only: bool = False) -> tuple[int, bytes]:
+    """One whole HTTP answer read from ``s``: its status and body."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(65536)
+        assert chunk, f"closed after {got!r}"
+        got += chunk
+    head, body = got.split(b"\r\n\r\n", 1)
+    status = int(head.split(b" ", 2)[1])
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    if head_only:
+        return status, b""
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, f"closed after {got!r}"
+        body += chunk
+    return status, body
+
+
+def ask(
+    d: Daemon, method: str, path: str, key: str | None = None, body: bytes = b""
+) -> tuple[socket.socket, int]:
+    """A new connection that sent one request and read its answer (left open, idle)."""
+    s = connect(d)
+    s.sendall(request(method, path, key, body))
+    status, _ = answer(s, head_only=method == "HEAD")
+    return s, status
+
+
+def closed_by_peer(s: socket.socket, wait_s: float = 0.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            if not select.select([s], [], [], left)[0]:
+                return False
+            chunk = s.recv(65536)
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+        except OSError:
+            return True
+        if not chunk:
+            return True
+
+
+def survivors(d: Daemon, conns: list[socket.socket]) -> list[bool]:
+    """Which of ``conns`` (idle) are still open after a flood of anonymous idle connections
+    (twice the cap) has shed every idle connection it could: the kept ones."""
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(CAP * 2):
+            flood.append(connect(d))
+            time.sleep(0.005)
+        # the oldest half of the flood is shed by the newest half (or 507'd)
+        wait_until(
+            lambda: sum(closed_by_peer(s) for s in flood[:CAP]) >= CAP - SHARE * 2,
+            NEVER_S,
+            message="the flood shed itself",
+        )
+        return [not closed_by_peer(s, 0.2) for s in conns]
+    finally:
+        for s in flood:
+            s.close()
+
+
+def closed(d: Daemon, reason: str) -> float:
+    return d.metric("maasd_http_connections_closed_total", reason=reason)
+
+
+def close_all(conns: list[socket.socket]) -> None:
+    for s in conns:
+        with contextlib.suppress(OSError):
+            s.close()
+
+
+def healthz(d: Daemon) -> int:
+    return httpx.get(f"{d.url}/healthz", timeout=10).status_code
+
+
+@pytest.fixture(scope="module")
+def tenant(d: Daemon) -> tuple[str, str]:
+    return d.tenant("gate", 256 * MiB)
+
+
+def test_probe_a_valid_key_keeps_its_share(d: Daemon, tenant: tuple[str, str]) -> None:
+    key = tenant[1]
+    conns = [ask(d, "GET", "/v1/buffers", key)[0] for _ in range(SHARE + 2)]
+    try:
+        alive = survivors(d, conns)
+    finally:
+        close_all(conns)
+    assert alive == [True] * SHARE + [False] * 2
+
+
+def revoked_key(d: Daemon, tenant_id: str) -> str:
+    r = d.admin.post(f"/v1/tenants/{tenant_id}/keys")
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert d.admin.delete(f"/v1/tenants/{tenant_id}/keys/{info['id']}").status_code == 204
+    return str(info["api_key"])
+
+
+#: Requests that carry no valid key for their route: (method, path, whose key, status).
+NOT_A_VALID_KEY = [
+    ("GET", "/v1/buffers", "unknown", 401),
+    ("GET", "/v1/buffers", "revoked", 401),
+    ("GET", "/v1/buffers", None, 401),
+    ("GET", "/v1/buffers", "metrics", 403),
+    ("GET", "/metrics", "metrics", 200),
+    ("GET", "/metrics", "admin", 200),
+    ("GET", "/v1/tenants", "tenant", 403),
+    ("GET", "/v1/usage", "admin", 403),
+    ("GET", "/v1/buffers?bogus=1", "tenant", 400),
+    ("GET", "/healthz", "tenant", 200),
+    ("HEAD", "/healthz", "tenant", 200),
+    ("GET", "/schema/openapi.json", "tenant", 200),
+    ("GET", "/v1/no-such-route", "tenant", 404),
+    ("DELETE", "/v1/usage", "tenant", 405),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "whose", "status"), NOT_A_VALID_KEY)
+def test_a_connection_is_not_kept_without_a_valid_key_for_its_route(
+    d: Daemon, tenant: tuple[str, str], method: str, path: str, whose: str | None, status: int
+) -> None:
+    key = {
+        "unknown": "maasd_" + "x" * 40,
+        "revoked": revoked_key(d, tenant[0]) if whose == "revoked" else None,
+        "metrics": METRICS_KEY,
+        "admin": d.admin_key,
+        "tenant": tenant[1],
+        None: None,
+    }[whose]
+    conns = []
+    try:
+        for _ in range(SHARE):
+            s, got = ask(d, method, path, key)
+            assert got == status
+            conns.append(s)
+        assert survivors(d, conns) == [False] * SHARE
+    finally:
+        close_all(conns)
+
+
+def share_intact(d: Daemon, key: str) -> None:
+    """The caller of ``key`` keeps exactly its share of connections again (no count of
+    a connection gone is left taking a place in it)."""
+    conns = [ask(d, "GET", "/v1/usage", key)[0] for _ in range(SHARE + 1)]
+    try:
+        assert survivors(d, conns) == [True] * SHARE + [False]
+    finally:
+        close_all(conns)
+
+
+def gauge_settles(d: Daemon) -> None:
+    """Everything of the tests closed: the daemon holds at most the admin client's one."""
+    wait_until(
+        lambda: d.metric("maasd_http_connections") <= 2, NEVER_S, message="connections counted out"
+    )
+
+
+def rst(s: socket.socket) -> None:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    s.close()
+
+
+def test_connections_closed_while_their_key_is_checked_leave_no_count(
+    d: Daemon, tenant: tuple[str, str]
+) -> None:
+    """Unknown keys (each checked against the ledger, in a thread) and the tenant's own key
+    after the cache was emptied by a revocation, on connections reset at once or a few
+    milliseconds later (while the checks wait for their threads, or just after)."""
+    rng = random.Random(13)
+    for n in range(12):
+        revoked_key(d, tenant[0])  # every key is checked against the ledger again
+        conns = []
+        for i in range(12):
+            key = tenant[1] if i % 4 == 0 else f"maasd_unknown_{n}_{i}_" + "y" * 30
+            s = connect(d)
+            s.sendall(request("GET", "/v1/usage", key))
+            conns.append(s)
+        time.sleep(rng.uniform(0, 0.02))
+        for s in conns:
+            rst(s)
+    gauge_settles(d)
+    share_intact(d, tenant[1])
+
+
+def test_kept_connections_closed_at_the_body_deadline_leave_no_count(
+    d: Daemon, tenant: tuple[str, str]
+) -> None:
+    before = closed(d, "body_timeout")
+    conns = []
+    try:
+        for _ in range(SHARE + 1):
+            s = connect(d)
+            s.sendall(
+                request("POST", "/v1/reserve", tenant[1], extra="Content-Length: 4096\r\n").replace(
+                    b"Content-Length: 0\r\n", b""
+                )
+                + b'{"size_bytes": '
+            )
+            conns.append(s)
+        wait_until(lambda: all(closed_by_peer(s) for s in conns), NEVER_S, message="closed")
+    finally:
+        close_all(conns)
+    assert closed(d, "body_timeout") >= before + SHARE + 1
+    gauge_settles(d)
+    share_intact(d, tenant[1])
+
+
+def test_kept_connections_closed_at_the_head_deadline_leave_no_count(
+    d: Daemon, tenant: tuple[str, str]
+) -> None:
+    before = closed(d, "head_timeout")
+    conns = []
+    try:
+        for _ in range(SHARE):
+            s, status = ask(d, "GET", "/v1/usage", tenant[1])
+            assert status == 200
+            s.sendall(b"GET /v1/usage HTTP/1.1\r\nHost: ma")  # and never the rest
+            conns.append(s)
+        wait_until(lambda: all(closed_by_peer(s) for s in conns), NEVER_S, message="closed")
+    finally:
+        close_all(conns)
+    assert closed(d, "head_timeout") >= before + SHARE
+    gauge_settles(d)
+    share_intact(d, tenant[1])
+
+
+def test_kept_connections_closed_at_the_send_deadline_leave_no_count(
+    d: Daemon, tenant: tuple[str, str]
+) -> None:
+    before = closed(d, "send_timeout")
+    conns = []
+    try:
+        for _ in range(SHARE):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", d.port))
+            s.sendall(request("GET", "/v1/usage", tenant[1]))
+            answer(s)
+            s.sendall(request("GET", "/schema/openapi.json") * 400)  # pipelined, never read
+            conns.append(s)
+        wait_until(
+            lambda: closed(d, "send_timeout") >= before + SHARE, NEVER_S, message="send deadline"
+        )
+    finally:
+        close_all(conns)
+    gauge_settles(d)
+    share_intact(d, tenant[1])
+
+
+def test_kept_connections_shed_over_half_the_cap_leave_no_count(d: Daemon) -> None:
+    """Four callers keep the whole cap: each newcomer sheds the oldest of their idle
+    connections, then carries the key of the caller whose connection it shed (kept again,
+    in the place the shed one left in its share)."""
+    keys = [d.tenant(f"over-half-{n}", 64 * MiB)[1] for n in range(CAP // SHARE)]
+    gauge_settles(d)
+    time.sleep(1.5)  # the admin client's pooled connection is closed (its 1 s expiry)
+    conns = [ask(d, "GET", "/v1/usage", key)[0] for key in keys for _ in range(SHARE)]
+    newcomers = []
+    try:
+        for n in range(CAP // 2):
+            s, status = ask(d, "GET", "/v1/usage", keys[n // SHARE])
+            assert status == 200
+            newcomers.append(s)
+            assert closed_by_peer(conns[n], NEVER_S)  # the oldest kept one, shed for it
+        assert not any(closed_by_peer(s) for s in conns[CAP // 2 :] + newcomers)
+    finally:
+        close_all(conns + newcomers)
+    gauge_settles(d)
+    for key in keys:
+        share_intact(d, key)
+
+
+@pytest.mark.parametrize("how", ["revoke the key", "delete the tenant"])
+def test_a_connection_kept_with_a_key_revoked_since_is_kept_no_more(d: Daemon, how: str) -> None:
+    """A key revoked (or its tenant deleted) is refused at once: the connections it kept
+    are not kept for it any longer, however long their client goes on sending requests
+    on them (each answered 401)."""
+    tenant_id = d.tenant("revoked-since", 64 * MiB)[0]
+    issued = d.admin.post(f"/v1/tenants/{tenant_id}/keys").json()
+    key = issued["api_key"]
+    conns = [ask(d, "GET", "/v1/usage", key)[0] for _ in range(SHARE)]
+    try:
+        if how == "revoke the key":
+            r = d.admin.delete(f"/v1/tenants/{tenant_id}/keys/{issued['id']}")
+            assert r.status_code == 204
+        else:
+            assert d.admin.delete(f"/v1/tenants/{tenant_id}").status_code == 204
+        for s in conns:
+            s.sendall(request("GET", "/v1/usage", key))
+            assert answer(s)[0] == 401
+        assert survivors(d, conns) == [False] * SHARE
+    finally:
+        close_all(conns)
+
+
+def served(d: Daemon, key: str) -> None:
+    """Another tenant's request and an anonymous /healthz, each on a fresh connection."""
+    with d.client(key) as c:
+        r = c.get("/v1/usage")
+        assert r.status_code == 200, r.text
+    assert healthz(d) == 200
+
+
+def test_one_tenant_keeping_twice_the_cap_idle_locks_no_one_out(d: Daemon) -> None:
+    """A tenant's keep-alive connections beyond its share are anonymous: shed for others."""
+    greedy = d.tenant("greedy", 64 * MiB)[1]
+    other = d.tenant("other", 64 * MiB)[1]
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(CAP * 2):
+            s, status = ask(d, "GET", "/v1/usage", greedy)
+            assert status == 200
+            conns.append(s)
+        served(d, other)
+        alive = [not closed_by_peer(s, 0.2) for s in conns]
+        assert alive.count(True) <= CAP - 2, alive  # the greedy one's oldest were shed
+    finally:
+        close_all(conns)
+
+
+def test_two_callers_keeping_half_the_cap_refuse_a_newcomer_only_while_the_rest_is_busy(
+    d: Daemon,
+) -> None:
+    """Two tenants keep their shares idle (half the cap, not over); the other half is busy
+    with bodies that never finish (a tenant's connections beyond its share). A newcomer,
+    who has nothing idle and anonymous to shed, gets the 507 ``resource-limit`` — until
+    the body deadline frees the busy ones: it is served then, without waiting for the
+    keep-alive timeout of the kept ones."""
+    keys = [d.tenant(f"half-{n}", 64 * MiB)[1] for n in range(2)]
+    newcomer = d.tenant("newcomer", 64 * MiB)[1]
+    gauge_settles(d)
+    time.sleep(1.5)  # the admin client's pooled connection is closed (its 1 s expiry)
+    kept = [ask(d, "GET", "/v1/usage", key)[0] for key in keys for _ in range(SHARE)]
+    busy = []
+    try:
+        for _ in range(CAP - len(kept)):
+            s = connect(d)
+            s.sendall(
+                f"POST /v1/reserve HTTP/1.1\r\nHost: maasd\r\nAuthorization: Bearer {keys[0]}"
+                "\r\nContent-Type: application/json\r\nContent-Length: 4096"
+                "\r\nExpect: 100-continue\r\n\r\n".encode()
+            )
+            busy.append(s)
+            assert s.recv(100).startswith(b"HTTP/1.1 100")  # the daemon reads its body: busy
+            s.sendall(b"{")
+        s, status = ask(d, "GET", "/v1/usage", newcomer)
+        s.close()
+        assert status == 507
+        wait_until(lambda: all(closed_by_peer(s) for s in busy), NEVER_S, message="body deadline")
+        served(d, newcomer)
+        assert not any(closed_by_peer(s) for s in kept)  # the kept ones were never shed
+    finally:
+        close_all(kept + busy)
+
+
+def rss_kib(d: Daemon) -> int:
+    assert d.proc is not None
+    for line in open(f"/proc/{d.proc.pid}/status"):  # noqa: SIM115 - read at once
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_long_churn_of_kept_connections_does_not_grow_the_daemon(d: Daemon) -> None:
+    """Each connection keeps itself in its requests' state (the way back from the key
+    check to the gate) until it is closed: thousands of kept connections opened and
+    closed leave neither them nor their counts behind."""
+    keys = [d.tenant(f"churn-{n}", 64 * MiB)[1] for n in range(3)]
+
+    def churn(n: int) -> None:
+        for i in range(n):
+            with connect(d) as s:
+                s.sendall(request("GET", "/v1/usage", keys[i % len(keys)]))
+                assert answer(s)[0] == 200
+
+    churn(1000)  # the allocator's pools warm up
+    before = rss_kib(d)
+    churn(5000)
+    grown = rss_kib(d) - before
+    assert grown < 8 * 1024, f"the daemon grew by {grown} KiB over 5000 connections"
+    gauge_settles(d)
+    for key in keys:
+        share_intact(d, key)
+
+
+def test_after_the_attacks_anonymous_connections_shed_one_another_again(d: Daemon) -> None:
+    gauge_settles(d)
+    shed, refused = closed(d, "shed"), closed(d, "refused")
+    conns = []
+    try:
+        for _ in range(CAP * 2):
+            conns.append(connect(d))
+            time.sleep(0.005)
+        wait_until(lambda: sum(closed_by_peer(s) for s in conns) >= CAP, NEVER_S)
+    finally:
+        close_all(conns)
+    assert closed(d, "refused") == refused
+    assert closed(d, "shed") >= shed + CAP - 2
+    assert healthz(d) == 200
+    assert "Traceback" not in d.log_path.read_text(errors="replace")

@@ -1,0 +1,147 @@
+"""The REST gate's kept connections (``maasd.api.server.Gate``): what a key refused since
+takes back, and no count left behind by any order of events.
+
+The daemon-level attacks are in ``tests/integration/test_attacks_rest_gate_round13.py``;
+here the gate alone, with connections that only close themselves when shed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, cast
+
+import pytest
+
+from maasd.api.server import CONNECTION_STATE, Gate, HttpLimits, Verdict, distrust, protocol_for
+
+
+class Conn:
+    """What the gate asks of a connection: to close itself (and leave the count)."""
+
+    def __init__(self, gate: Gate, verdict: Verdict) -> None:
+        self.gate = gate
+        self.verdict = verdict
+        self.closed_for: str | None = None
+
+    def close_for(self, reason: str) -> None:
+        self.closed_for = reason
+        self.gate.leave(self.verdict, cast(Any, self))
+        self.verdict = Verdict.DROPPED
+
+
+def held(gate: Gate, *, idle: bool, caller: str | None = None) -> Conn:
+    conn = Conn(gate, gate.admit())
+    assert conn.verdict is Verdict.HELD
+    if caller is not None:
+        gate.trust(cast(Any, conn), caller)
+    if idle:
+        gate.idle(cast(Any, conn))
+    return conn
+
+
+def test_a_kept_connection_whose_key_is_refused_since_is_anonymous_again() -> None:
+    gate = Gate(HttpLimits(max_connections=4))
+    kept = held(gate, idle=True, caller="tenant:t")
+    for _ in range(3):
+        held(gate, idle=False)
+    assert gate.admit() is Verdict.REFUSED  # 1 of 4 kept, not over half: not shed
+    gate.leave(Verdict.REFUSED, cast(Any, None))
+    gate.busy(cast(Any, kept))  # its next request: a revoked key, answered 401
+    gate.distrust(cast(Any, kept))
+    gate.idle(cast(Any, kept))
+    assert gate.admit() is Verdict.HELD  # anonymous now: shed for the newcomer
+    assert kept.closed_for == "shed"
+
+
+def test_a_refused_key_on_an_idle_kept_connection_makes_it_anonymous_and_frees_its_place() -> None:
+    gate = Gate(HttpLimits(max_connections=16))
+    share = gate.limits.caller_share
+    kept = [held(gate, idle=True, caller="tenant:t") for _ in range(share)]
+    late = held(gate, idle=True, caller="tenant:t")  # over the share: anonymous
+    gate.distrust(cast(Any, kept[1]))  # idle: among the anonymous ones now
+    gate.distrust(cast(Any, kept[1]))  # once only
+    gate.distrust(cast(Any, Conn(gate, Verdict.DROPPED)))  # never kept: nothing
+    gate.trust(cast(Any, late), "tenant:t")  # the place given back is taken
+    for _ in range(16 - gate.held):
+        held(gate, idle=False)
+    assert gate.admit() is Verdict.HELD
+    assert kept[1].closed_for == "shed"
+    assert [c.closed_for for c in [kept[0], *kept[2:], late]] == [None] * share
+    assert gate.admit() is Verdict.REFUSED  # the rest are kept: nothing anonymous is idle
+
+
+def test_distrust_reaches_the_gate_from_the_requests_state() -> None:
+    gate = Gate(HttpLimits(max_connections=4))
+    cls = protocol_for(gate)
+    proto = cls.__new__(cls)  # no transport: only the state
+    proto._verdict = gate.admit()
+    proto.trusted_by("tenant:t")
+    assert gate._kept == {"tenant:t": 1}
+    distrust({})  # a request served otherwise (a test client): nothing
+    distrust(None)
+    distrust({CONNECTION_STATE: proto})
+    assert gate._kept == {}
+    assert not gate._caller_of
+
+
+def check(gate: Gate, live: list[Conn]) -> None:
+    """The gate's books agree with the connections that are still open."""
+    holding = {id(c) for c in live if c.verdict is Verdict.HELD}
+    assert gate.held == len(holding)
+    assert gate.refusing == sum(c.verdict is Verdict.REFUSED for c in live)
+    assert {id(c) for c in gate._caller_of} <= holding
+    assert {id(c) for c in gate._idle} <= holding
+    assert {id(c) for c in gate._idle_kept} <= {id(c) for c in gate._caller_of}
+    assert not set(gate._idle) & set(gate._idle_kept)
+    assert sum(gate._kept.values()) == len(gate._caller_of)
+    assert all(0 < n <= gate.limits.caller_share for n in gate._kept.values())
+    for conn, caller in gate._caller_of.items():
+        assert caller in gate._kept, conn
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_order_of_events_leaves_a_count_behind(seed: int) -> None:
+    """Connections come, carry keys (valid or refused), go idle or busy, are shed, time out
+    or close, in a random order: the gate's books always agree with what is open, and
+    are empty once everything is closed."""
+    rng = random.Random(seed)
+    gate = Gate(HttpLimits(max_connections=8))
+    live: list[Conn] = []
+    callers = [f"tenant:{n}" for n in range(4)] + ["admin"]
+    for _ in range(3000):
+        live = [c for c in live if c.closed_for is None]
+        step = rng.random()
+        if step < 0.25 or not live:
+            conn = Conn(gate, gate.admit())
+            if conn.verdict is Verdict.DROPPED:
+                conn.closed_for = "dropped"
+            else:
+                if conn.verdict is Verdict.HELD:
+                    gate.idle(cast(Any, conn))
+                live.append(conn)
+        else:
+            conn = rng.choice(live)
+            held_now = conn.verdict is Verdict.HELD
+            if step < 0.45 and held_now:
+                gate.busy(cast(Any, conn))
+                gate.trust(cast(Any, conn), rng.choice(callers))
+            elif step < 0.55:
+                gate.distrust(cast(Any, conn))
+            elif step < 0.7 and held_now:
+                gate.idle(cast(Any, conn))
+            elif step < 0.8 and held_now:
+                gate.busy(cast(Any, conn))
+            elif step < 0.9:
+                conn.close_for(rng.choice(["head_timeout", "body_timeout", "send_timeout"]))
+            else:  # connection_lost: the gate is told once more, as GuardedH11 does
+                conn.close_for("lost")
+                gate.leave(Verdict.DROPPED, cast(Any, conn))
+        check(gate, [c for c in live if c.closed_for is None])
+    for conn in live:
+        if conn.closed_for is None:
+            conn.close_for("lost")
+    assert (gate.held, gate.refusing) == (0, 0)
+    assert not gate._idle
+    assert not gate._idle_kept
+    assert not gate._caller_of
+    assert not gate._kept
