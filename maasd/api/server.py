@@ -287,12 +287,22 @@ class OnceAMinute(logging.Filter):
 
 #: What uvicorn says of each request that is not HTTP (h11_impl's handle_events).
 NOT_HTTP_WARNING = "Invalid HTTP request received."
+#: What uvicorn says of each request with an ``Upgrade`` header (h11_impl's
+#: ``_unsupported_upgrade_warning``): the server takes no WebSocket (``ws="none"``), so
+#: every ``Upgrade: websocket`` request, answered as plain HTTP, also logged two lines.
+UPGRADE_WARNINGS = (
+    "Unsupported upgrade request.",
+    "No supported WebSocket library detected. Please use \"pip install 'uvicorn[standard]'\", "
+    "or install 'websockets' or 'wsproto' manually.",
+)
 
 
 def _quiet_not_http(logger: logging.Logger) -> None:
-    """One filter per logger (a daemon, and tests, may build several servers)."""
-    if not any(isinstance(f, OnceAMinute) for f in logger.filters):
-        logger.addFilter(OnceAMinute(NOT_HTTP_WARNING))
+    """One filter per message and logger (a daemon, and tests, may build several servers)."""
+    quiet = {f.message for f in logger.filters if isinstance(f, OnceAMinute)}
+    for message in (NOT_HTTP_WARNING, *UPGRADE_WARNINGS):
+        if message not in quiet:
+            logger.addFilter(OnceAMinute(message))
 
 
 #: The answer to bytes that are not an HTTP request (:meth:`GuardedH11.send_400_response`).

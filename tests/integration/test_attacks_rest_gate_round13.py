@@ -462,6 +462,24 @@ def test_a_long_churn_of_kept_connections_does_not_grow_the_daemon(d: Daemon) ->
         share_intact(d, key)
 
 
+def test_upgrade_requests_by_the_thousand_do_not_flood_the_log(d: Daemon) -> None:
+    """uvicorn warns twice of every request with an ``Upgrade: websocket`` header it will
+    not take (the server has no WebSocket): any client, without a key, on one keep-alive
+    connection, made the daemon write ~300 bytes of log a request, as fast as it liked.
+    The request is answered as plain HTTP; the warnings come at most once a minute."""
+    before = d.log_path.stat().st_size
+    with connect(d) as s:
+        for _ in range(500):
+            s.sendall(
+                request("GET", "/healthz", extra="Connection: upgrade\r\nUpgrade: websocket\r\n")
+            )
+            assert answer(s)[0] == 200
+    time.sleep(0.5)  # the log written
+    grown = d.log_path.read_bytes()[before:].decode(errors="replace")
+    assert grown.count("upgrade request") <= 2, grown[-2000:]
+    assert len(grown) < 4096, grown[-2000:]
+
+
 def test_after_the_attacks_anonymous_connections_shed_one_another_again(d: Daemon) -> None:
     gauge_settles(d)
     shed, refused = closed(d, "shed"), closed(d, "refused")

@@ -145,3 +145,24 @@ def test_no_order_of_events_leaves_a_count_behind(seed: int) -> None:
     assert not gate._idle_kept
     assert not gate._caller_of
     assert not gate._kept
+
+
+def test_uvicorns_per_request_warnings_are_each_let_through_once_a_minute() -> None:
+    """Each server built adds no second filter for a message (a daemon, and tests, build
+    several); a flood of upgrade requests' warnings is one line a minute."""
+    import logging
+
+    from maasd.api.server import NOT_HTTP_WARNING, UPGRADE_WARNINGS, OnceAMinute, http_config
+    from maasd.settings import Settings
+
+    log = logging.getLogger("uvicorn.error")
+    for _ in range(2):
+        http_config(object(), Settings())
+    quiet = [f.message for f in log.filters if isinstance(f, OnceAMinute)]
+    assert sorted(quiet) == sorted([NOT_HTTP_WARNING, *UPGRADE_WARNINGS])
+    said = [
+        log.filter(logging.LogRecord(log.name, logging.WARNING, __file__, 1, m, (), None))
+        for _ in range(100)
+        for m in UPGRADE_WARNINGS
+    ]
+    assert sum(map(bool, said)) <= len(UPGRADE_WARNINGS)
