@@ -18,6 +18,7 @@ import contextlib
 import random
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -430,6 +431,64 @@ def test_two_callers_keeping_half_the_cap_refuse_a_newcomer_only_while_the_rest_
         assert not any(closed_by_peer(s) for s in kept)  # the kept ones were never shed
     finally:
         close_all(kept + busy)
+
+
+def test_two_tenants_renewing_kept_and_busy_connections_lock_no_one_else_out(d: Daemon) -> None:
+    """Invariant 9: at the cap the caller gets a 507, others keep working. Tenants A and B
+    keep their shares of connections (half the cap) by sending a request on each every
+    second — far within the keep-alive timeout, which therefore never closes them — and A
+    holds the other half busy with bodies that never finish, opening a new one as soon as
+    the body deadline closes one. Nothing is over half, nothing anonymous is idle: every
+    newcomer is refused, for as long as A and B go on. Before kept connections, the
+    newcomer took the place of an idle one of A's or B's; a lock-out then took the whole
+    cap busy. Another tenant (and the admin, who would revoke A's key) must get through."""
+    a, b = (d.tenant(f"lock-{n}", 64 * MiB)[1] for n in range(2))
+    newcomer = d.tenant("locked-out", 64 * MiB)[1]
+    gauge_settles(d)
+    time.sleep(1.5)  # the admin client's pooled connection is closed (its 1 s expiry)
+    kept = [ask(d, "GET", "/v1/usage", key)[0] for key in (a, b) for _ in range(SHARE)]
+    stop = threading.Event()
+
+    def renew_kept() -> None:
+        while not stop.wait(1.0):
+            for s, key in zip(kept, [a] * SHARE + [b] * SHARE, strict=True):
+                with contextlib.suppress(OSError, AssertionError):
+                    s.sendall(request("GET", "/v1/usage", key))
+                    answer(s)
+
+    def hold_busy() -> None:
+        head = (
+            f"POST /v1/reserve HTTP/1.1\r\nHost: maasd\r\nAuthorization: Bearer {a}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 4096\r\n\r\n{"
+        ).encode()
+        while not stop.is_set():
+            with contextlib.suppress(OSError), connect(d) as s:
+                s.sendall(head)
+                while not stop.is_set() and not closed_by_peer(s, 0.2):
+                    pass
+
+    attackers = [threading.Thread(target=renew_kept, daemon=True)] + [
+        threading.Thread(target=hold_busy, daemon=True) for _ in range(CAP - len(kept))
+    ]
+    statuses: list[int | str] = []
+    try:
+        for t in attackers:
+            t.start()
+        time.sleep(1.0)
+        deadline = time.monotonic() + 4 * BODY_S  # the busy ones are closed four times over
+        while time.monotonic() < deadline and 200 not in statuses:
+            try:
+                with d.client(newcomer) as c:
+                    statuses.append(c.get("/v1/usage").status_code)
+            except httpx.TransportError as e:
+                statuses.append(type(e).__name__)
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in attackers:
+            t.join(NEVER_S)
+        close_all(kept)
+    assert 200 in statuses, f"the newcomer was never served: {statuses}"
 
 
 def rss_kib(d: Daemon) -> int:
