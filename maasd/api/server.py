@@ -12,7 +12,8 @@ connection, and :class:`Gate` bounds the connections of the whole server::
                                             ├─ shed      the oldest *idle* held connection
                                             │            is closed to make room for this one
                                             │            (an anonymous one; a caller's only
-                                            │            when callers keep over half the cap)
+                                            │            when callers keep over half the cap,
+                                            │            or after KEPT_GRACE_S of refusals)
                                             ├─ refused   nothing idle to shed: the first request
                                             │            is answered 507 resource-limit, then closed
                                             └─ dropped   over the refusal allowance too: closed at once
@@ -34,10 +35,14 @@ A connection that carried a request with a valid key is its caller's
 (:func:`trust`, from the ``/v1`` authentication hook), up to a share of the cap per
 caller (``max_connections // CALLER_SHARE``, at least 2). An idle connection of a
 caller is shed only when no anonymous idle one is left and callers keep more than
-half the cap; otherwise the newcomer is refused (507) rather than a tenant's pooled
-keep-alive connection closed under it (its next request would meet a reset). So
+half the cap, or newcomers have been refused for :data:`KEPT_GRACE_S` with nothing
+anonymous idle meanwhile; otherwise the newcomer is refused (507) rather than a tenant's
+pooled keep-alive connection closed under it (its next request would meet a reset). So
 clients looping on ``/healthz`` or sending nothing, however many, shed one another
-and meet 507s, and the tenants' connections that carried a key go on. A caller's
+and meet 507s, and the tenants' connections that carried a key go on. The grace ends
+a lock-out: callers sending a request on each of their kept connections every second
+(the keep-alive timeout never closes them) and holding the rest of the cap busy,
+renewed as its deadlines pass, refused everyone else for as long as they went on. A caller's
 connections beyond its share are shed as anonymous ones, so one tenant's many
 connections do not crowd out the others'. A *new* connection is anonymous until its
 first request's key is checked: under such a flood it may be shed before that, as
@@ -96,6 +101,11 @@ FD_SHARE = 4
 REFUSAL_SHARE = 8
 #: The connections one caller may have kept from shedding, as a share of the cap.
 CALLER_SHARE = 4
+#: Newcomers are refused in favour of callers' idle connections for this long at most:
+#: past it, with still nothing anonymous idle, the oldest of those is shed for each.
+KEPT_GRACE_S = 2.0
+#: Refusals further apart than this are not one stretch of refusals (:meth:`Gate._starved`).
+STREAK_S = 60.0
 #: Where :class:`GuardedH11` puts itself in each request's ``scope["state"]`` (:func:`trust`).
 CONNECTION_STATE = "maasd.connection"
 #: At most one "cap reached" warning in this many seconds.
@@ -156,6 +166,8 @@ class Gate:
         self._kept: dict[str, int] = {}  # connections kept per caller
         self._metrics = metrics
         self._warned = 0.0
+        self._starved_since: float | None = None  # newcomers refused since, nothing idle
+        self._refused_at = 0.0
         problem = problem_of(
             ResourceLimit(
                 f"the daemon holds its maximum of {limits.max_connections} REST connections "
@@ -169,7 +181,13 @@ class Gate:
     def admit(self) -> Verdict:
         """Count a new connection in, shedding the oldest idle connection if the cap is reached."""
         if self.held >= self.limits.max_connections:
-            idle = self._idle or (self._idle_kept if self._kept_over_half() else None)
+            if self._idle:
+                idle = self._idle
+                self._starved_since = None  # anonymous ones come and go: no lock-out
+            elif self._idle_kept and (self._kept_over_half() or self._starved()):
+                idle = self._idle_kept
+            else:
+                idle = None
             if not idle:
                 self._warn()
                 if self.refusing >= self.limits.max_refusals:
@@ -183,6 +201,18 @@ class Gate:
             victim.close_for("shed")  # leaves the count at once
         self.held += 1
         return Verdict.HELD
+
+    def _starved(self) -> bool:
+        """Whether newcomers have been refused for :data:`KEPT_GRACE_S` with nothing
+        anonymous idle to shed meanwhile (a refusal :data:`STREAK_S` after the last one
+        starts over): then the rest of the cap is held busy, by whoever renews it as its
+        deadlines pass, and callers' idle connections are shed rather than everyone else
+        refused for as long as that goes on (invariant 9)."""
+        now = time.monotonic()
+        if self._starved_since is None or now - self._refused_at > STREAK_S:
+            self._starved_since = now
+        self._refused_at = now
+        return now - self._starved_since >= KEPT_GRACE_S
 
     def _kept_over_half(self) -> bool:
         """Whether callers keep more than half the cap: then their idle connections are

@@ -439,9 +439,9 @@ def test_two_tenants_renewing_kept_and_busy_connections_lock_no_one_else_out(d: 
     second — far within the keep-alive timeout, which therefore never closes them — and A
     holds the other half busy with bodies that never finish, opening a new one as soon as
     the body deadline closes one. Nothing is over half, nothing anonymous is idle: every
-    newcomer is refused, for as long as A and B go on. Before kept connections, the
-    newcomer took the place of an idle one of A's or B's; a lock-out then took the whole
-    cap busy. Another tenant (and the admin, who would revoke A's key) must get through."""
+    newcomer was refused, for as long as A and B went on (a lock-out that before kept
+    connections took the whole cap busy). Another tenant (and the admin, who would revoke
+    A's key) gets through: after a grace of refusals, an idle kept connection is shed."""
     a, b = (d.tenant(f"lock-{n}", 64 * MiB)[1] for n in range(2))
     newcomer = d.tenant("locked-out", 64 * MiB)[1]
     gauge_settles(d)

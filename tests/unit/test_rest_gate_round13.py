@@ -166,3 +166,42 @@ def test_uvicorns_per_request_warnings_are_each_let_through_once_a_minute() -> N
         for m in UPGRADE_WARNINGS
     ]
     assert sum(map(bool, said)) <= len(UPGRADE_WARNINGS)
+
+
+def test_newcomers_are_refused_for_kept_connections_only_for_a_grace(monkeypatch) -> None:
+    """Two callers' idle connections and a busy rest: a newcomer is refused rather than
+    one of those shed — for :data:`KEPT_GRACE_S` of refusals; past it, with still nothing
+    anonymous idle, the oldest kept one is shed for each newcomer (no lock-out)."""
+    from maasd.api.server import KEPT_GRACE_S, STREAK_S
+
+    clock = [1000.0]
+    monkeypatch.setattr("maasd.api.server.time.monotonic", lambda: clock[0])
+    gate = Gate(HttpLimits(max_connections=4))
+    kept = [held(gate, idle=True, caller=f"tenant:{n}") for n in range(2)]
+    busy = [held(gate, idle=False) for _ in range(2)]
+
+    def refused_then_left() -> bool:
+        verdict = gate.admit()
+        if verdict is Verdict.REFUSED:
+            gate.leave(verdict, cast(Any, None))  # answered 507, closed
+        return verdict is Verdict.REFUSED
+
+    assert refused_then_left()
+    clock[0] += KEPT_GRACE_S / 2
+    assert refused_then_left()
+    clock[0] += KEPT_GRACE_S / 2
+    assert gate.admit() is Verdict.HELD  # starved for the grace: the oldest kept one goes
+    assert (kept[0].closed_for, kept[1].closed_for) == ("shed", None)
+    # an anonymous idle connection shed: they come and go, the grace starts over
+    newcomer = Conn(gate, Verdict.HELD)
+    gate.idle(cast(Any, newcomer))
+    assert gate.admit() is Verdict.HELD
+    assert newcomer.closed_for == "shed"
+    assert refused_then_left()
+    clock[0] += KEPT_GRACE_S / 2
+    assert refused_then_left()
+    # a refusal long after the last one is not the same stretch: it starts over too
+    clock[0] += STREAK_S + KEPT_GRACE_S
+    assert refused_then_left()
+    assert kept[1].closed_for is None
+    assert all(c.closed_for is None for c in busy)
