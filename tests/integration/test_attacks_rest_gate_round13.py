@@ -192,6 +192,7 @@ NOT_A_VALID_KEY = [
     ("GET", "/schema/openapi.json", "tenant", 200),
     ("GET", "/v1/no-such-route", "tenant", 404),
     ("DELETE", "/v1/usage", "tenant", 405),
+    ("OPTIONS", "/v1/buffers", "unknown", 401),
 ]
 
 
@@ -403,8 +404,9 @@ def test_two_callers_keeping_half_the_cap_refuse_a_newcomer_only_while_the_rest_
 ) -> None:
     """Two tenants keep their shares idle (half the cap, not over); the other half is busy
     with bodies that never finish (a tenant's connections beyond its share). A newcomer,
-    who has nothing idle and anonymous to shed, gets the 507 ``resource-limit`` — until
-    the body deadline frees the busy ones: it is served then, without waiting for the
+    who has nothing idle and anonymous to shed, gets the 507 ``resource-limit`` (it asks
+    once: within the grace of refusals, the kept ones are not shed for it) — until the
+    body deadline frees the busy ones: it is served then, without waiting for the
     keep-alive timeout of the kept ones."""
     keys = [d.tenant(f"half-{n}", 64 * MiB)[1] for n in range(2)]
     newcomer = d.tenant("newcomer", 64 * MiB)[1]
