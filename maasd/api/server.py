@@ -384,7 +384,7 @@ class GuardedH11(H11Protocol):
         self._send_deadline(False)
         self.gate.leave(self._verdict, self)
         self._verdict = Verdict.DROPPED  # counted out once
-        self.app_state = {}  # no cycle through the state to keep this alive
+        self.app_state = {}  # its reference to itself (the collector frees the rest)
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
