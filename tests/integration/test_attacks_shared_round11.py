@@ -446,12 +446,17 @@ def test_a_tenant_deleted_through_a_is_cut_off_on_b_at_once(
         wait_until(lambda: not _rows(ledger, tid), timeout=10, message="every row released")
         wait_until(lambda: a.admin.get(f"/v1/tenants/{tid}").status_code == 404)
         # L2 holds nothing of it: no host can ever restore it again, and Redis keeps none
-        # of its bytes (each value also aged out on its own only after l2_ttl_s)
+        # of its bytes (each value also aged out on its own only after l2_ttl_s) — only
+        # the mark that it is gone, which undoes a store still in flight, and expires
+        r = redis_server.client()
         wait_until(
-            lambda: not redis_server.client().keys(f"*{{{tid}}}*"),
+            lambda: [k for k in r.keys(f"*{{{tid}}}*") if not k.endswith(b":gone")] == [],
             timeout=10,
             message="the deleted tenant's L2 values are gone",
         )
+        assert [k.rsplit(b":", 1)[1] for k in r.keys(f"*{{{tid}}}*")] == [b"gone"]
+        assert r.get(next(iter(r.keys(f"*{{{tid}}}*")))) == b"1"
+        assert r.pttl(next(iter(r.keys(f"*{{{tid}}}*")))) > 0
     finally:
         idle.close()
         worker.close()
