@@ -26,3 +26,17 @@ def default_limits(
         tenant_share=tenant_share,
         parks_entries=parks_entries,
     )
+
+
+def http_limits_env(
+    cap: int, head_s: float, body_s: float, send_s: float, keepalive_s: float
+) -> dict[str, str]:
+    """The environment of a daemon with small REST limits (``http_*``), so that attacks on
+    its connection cap and deadlines are quick to perform."""
+    return {
+        "MAASD_HTTP_MAX_CONNECTIONS": str(cap),
+        "MAASD_HTTP_HEAD_TIMEOUT_S": str(head_s),
+        "MAASD_HTTP_BODY_TIMEOUT_S": str(body_s),
+        "MAASD_HTTP_SEND_TIMEOUT_S": str(send_s),
+        "MAASD_HTTP_KEEPALIVE_S": str(keepalive_s),
+    }

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from budgets import http_limits_env
 from conftest import Daemon
 from waiting import wait_until
 
@@ -38,13 +39,8 @@ NEVER_S = 30.0
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     daemon = Daemon(
         tmp_path_factory.mktemp("slow-clients"),
-        env={
-            "MAASD_HTTP_MAX_CONNECTIONS": str(CAP),
-            "MAASD_HTTP_HEAD_TIMEOUT_S": str(HEAD_S),
-            "MAASD_HTTP_BODY_TIMEOUT_S": str(BODY_S),
-            "MAASD_HTTP_SEND_TIMEOUT_S": str(SEND_S),
-            "MAASD_HTTP_KEEPALIVE_S": "20",  # the default (the tests' daemons have 6)
-        },
+        # keep-alive at the default, 20 s (the tests' daemons have 6)
+        env=http_limits_env(CAP, HEAD_S, BODY_S, SEND_S, 20),
     )
     daemon.start()
     yield daemon

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from budgets import http_limits_env
 from conftest import Daemon
 from waiting import wait_until
 
@@ -43,11 +44,7 @@ def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     daemon = Daemon(
         tmp_path_factory.mktemp("gate-attacks"),
         env={
-            "MAASD_HTTP_MAX_CONNECTIONS": str(CAP),
-            "MAASD_HTTP_HEAD_TIMEOUT_S": str(HEAD_S),
-            "MAASD_HTTP_BODY_TIMEOUT_S": str(BODY_S),
-            "MAASD_HTTP_SEND_TIMEOUT_S": str(SEND_S),
-            "MAASD_HTTP_KEEPALIVE_S": str(KEEPALIVE_S),
+            **http_limits_env(CAP, HEAD_S, BODY_S, SEND_S, KEEPALIVE_S),
             "MAASD_METRICS_KEY": METRICS_KEY,
         },
     )
