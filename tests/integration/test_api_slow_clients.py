@@ -26,6 +26,7 @@ import pytest
 
 from budgets import http_limits_env
 from conftest import Daemon
+from rawhttp import answer
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -191,26 +192,6 @@ def test_a_body_that_never_finishes_is_closed_at_the_body_deadline(
     reserve_works(d, key)
 
 
-def _answer(s: socket.socket) -> bytes:
-    """One whole HTTP answer read from ``s`` (its head, and a body of its Content-Length)."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = s.recv(65536)
-        assert chunk, f"closed after {got!r}"
-        got += chunk
-    head, body = got.split(b"\r\n\r\n", 1)
-    length = next(
-        int(line.split(b":", 1)[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length:")
-    )
-    while len(body) < length:
-        chunk = s.recv(65536)
-        assert chunk, f"closed after {got!r}"
-        body += chunk
-    return head
-
-
 def test_an_idle_keep_alive_connection_outlives_a_client_pools_expiry(d: Daemon) -> None:
     """httpx's pool reuses an idle connection for 5 s. The daemon keeps one open longer
     (``http_keepalive_s``, 20 s): at uvicorn's default, also 5 s, a request sent on a pooled
@@ -218,7 +199,7 @@ def test_an_idle_keep_alive_connection_outlives_a_client_pools_expiry(d: Daemon)
     with connect(d) as s:
         for _ in range(2):
             s.sendall(b"GET /healthz HTTP/1.1\r\nHost: maasd\r\n\r\n")
-            assert _answer(s).startswith(b"HTTP/1.1 200")
+            assert answer(s)[0] == 200
             assert not closed_by_peer(s, 6.0)  # idle past the client's 5 s: still open
 
 

@@ -27,6 +27,7 @@ import pytest
 
 from budgets import http_limits_env
 from conftest import Daemon
+from rawhttp import answer
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -66,28 +67,6 @@ def request(
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
     length = f"Content-Length: {len(body)}\r\n" if body or method in ("POST", "PUT") else ""
     return (f"{method} {path} HTTP/1.1\r\nHost: maasd\r\n{auth}{length}{extra}\r\n").encode() + body
-
-
-def answer(s: socket.socket, head_only: bool = False) -> tuple[int, bytes]:
-    """One whole HTTP answer read from ``s``: its status and body."""
-    got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = s.recv(65536)
-        assert chunk, f"closed after {got!r}"
-        got += chunk
-    head, body = got.split(b"\r\n\r\n", 1)
-    status = int(head.split(b" ", 2)[1])
-    length = 0
-    for line in head.split(b"\r\n"):
-        if line.lower().startswith(b"content-length:"):
-            length = int(line.split(b":", 1)[1])
-    if head_only:
-        return status, b""
-    while len(body) < length:
-        chunk = s.recv(65536)
-        assert chunk, f"closed after {got!r}"
-        body += chunk
-    return status, body
 
 
 def ask(
