@@ -197,6 +197,18 @@ def long_stream(prompt: str, max_tokens: int = 400) -> dict[str, Any]:
     }
 
 
+def serve_on_each(r: RouterProc, backends: list[int]) -> None:
+    """Requests until each of ``backends`` has answered one (an idle slot that holds
+    nothing is chosen first, as those of a backend that came back: a few suffice)."""
+    served: set[int] = set()
+    for i in range(10):
+        res = r.complete(f"Back {i}. Rome is in", max_tokens=4)
+        served.add(int(res.headers["x-maasd-backend"]))
+        if served >= set(backends):
+            return
+    raise AssertionError(f"only {served} of {backends} served")
+
+
 def tokens_of(router: RouterProc, text: str) -> list[int]:
     """The tokens the router's first backend makes of ``text`` (as a completion's)."""
     url = router.health()["backends"][0]["url"]

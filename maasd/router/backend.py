@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import signal
@@ -27,8 +28,10 @@ from maasd.router.slots import Slot
 
 __all__ = [
     "Backend",
+    "BackendGone",
     "BackendHung",
     "BackendProcess",
+    "Health",
     "REQUIRED_FLAGS",
     "RESERVED_FLAGS",
     "SlotActionError",
@@ -105,7 +108,26 @@ class SlotActionError(RuntimeError):
 
 
 class BackendHung(RuntimeError):
-    """The router stopped waiting for a server's answer: the server was judged hung."""
+    """The router stopped waiting for a server's answer: the server was judged hung (a
+    gateway timeout to the client: ``status``)."""
+
+    status = 504
+
+
+class BackendGone(BackendHung):
+    """The router stopped waiting for a server's answer: the server was judged gone (it
+    refuses or resets connections, or answers ``/health`` with other than 200; a bad
+    gateway to the client)."""
+
+    status = 502
+
+
+class Health(enum.Enum):
+    """How a ``/health`` probe went."""
+
+    UP = "up"  # answered 200: the model is loaded
+    HUNG = "hung"  # no answer in time (connecting included): the server is stuck
+    GONE = "gone"  # refused, reset, or an answer other than 200: no ready server there
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -130,7 +152,10 @@ class Backend:
     recheck_at: float = 0.0  # when a kept-out attached backend is asked again
     missed: int = 0  # /health probes of an attached backend unanswered in a row
     http: httpx.AsyncClient = field(init=False)
-    _waits: set[asyncio.Timeout] = field(init=False, default_factory=set, repr=False)
+    #: the waits for the server's answer (:meth:`until_hung`), each with why it was ended
+    _waits: dict[asyncio.Timeout, Health | None] = field(
+        init=False, default_factory=dict, repr=False
+    )
 
     def __post_init__(self) -> None:
         # Completions may run for minutes: no read timeout; connecting must be quick. Idle
@@ -158,18 +183,22 @@ class Backend:
     async def until_hung(self) -> AsyncIterator[None]:
         """Wait for the server's answer in this block (a completion, a slot action: no read
         timeout, since an answer may take minutes) until the server is judged hung: then
-        :meth:`end_waits` cancels the block, which raises :class:`BackendHung`. Nothing
-        else ends it: a long answer of a server that answers ``/health`` is never cut."""
+        :meth:`end_waits` cancels the block, which raises :class:`BackendHung` (judged
+        gone: :class:`BackendGone`). Nothing else ends it: a long answer of a server that
+        answers ``/health`` is never cut."""
+        why: Health | None = None
         try:
             async with asyncio.timeout(None) as t:
-                self._waits.add(t)
+                self._waits[t] = None
                 try:
                     yield
                 finally:
-                    self._waits.discard(t)
+                    why = self._waits.pop(t, None)
         except TimeoutError:
             if not t.expired():  # a timeout of the block's own
                 raise
+            if why is Health.GONE:
+                raise BackendGone(f"llama-server {self.url} went away (gone)") from None
             raise BackendHung(f"llama-server {self.url} stopped answering (hung)") from None
 
     async def reads(self, resp: httpx.Response) -> AsyncIterator[bytes]:
@@ -183,22 +212,30 @@ class Backend:
                 return
             yield chunk
 
-    def end_waits(self) -> int:
-        """End every wait for the server's answer (:meth:`until_hung`): it is hung → how
-        many. Attached backends need it: no kill ends their requests."""
+    def end_waits(self, why: Health = Health.HUNG) -> int:
+        """End every wait for the server's answer (:meth:`until_hung`): it is hung (or
+        gone: ``why``) → how many. Attached backends need it: no kill ends their requests."""
         now = asyncio.get_running_loop().time()
         waits = [t for t in self._waits if not t.expired()]
         for t in waits:
+            self._waits[t] = why
             t.reschedule(now)
         return len(waits)
 
+    async def health(self, timeout_s: float = 5.0) -> Health:
+        """How the server answers ``/health``: 200 (up), not within ``timeout_s`` (hung),
+        or it refuses, resets or answers otherwise (gone)."""
+        try:
+            r = await self.http.get("/health", timeout=timeout_s)
+        except httpx.TimeoutException:
+            return Health.HUNG
+        except httpx.HTTPError:
+            return Health.GONE
+        return Health.UP if r.status_code == 200 else Health.GONE
+
     async def probe(self) -> bool:
         """Whether the server answers ``/health`` with 200 (the model is loaded)."""
-        try:
-            r = await self.http.get("/health", timeout=5.0)
-        except httpx.HTTPError:
-            return False
-        return r.status_code == 200
+        return await self.health() is Health.UP
 
     async def props(self) -> dict[str, Any]:
         r = await self.http.get("/props", timeout=10.0)

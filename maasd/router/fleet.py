@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from maasd.router.backend import Backend, BackendProcess, check_server_args
+from maasd.router.backend import Backend, BackendProcess, Health, check_server_args
 from maasd.router.files import sweep
 from maasd.router.identity import Identity, IdentityError, build_id, identify, same_identity
 from maasd.router.metrics import RouterMetrics
@@ -55,15 +55,24 @@ def _down(metrics: RouterMetrics, b: Backend) -> None:
     metrics.backend_up.labels(str(b.index)).set(0)
 
 
-def count_probe(b: Backend, up: bool, metrics: RouterMetrics) -> bool:
-    """Count an attached backend's ``/health`` probe → ``up``. At the ``HUNG_PROBES``-th
-    unanswered in a row it is hung (or gone): the requests waiting for its answer are
-    ended — no read timeout would end them, and no kill: it is not the router's."""
+def count_probe(b: Backend, health: Health, metrics: RouterMetrics) -> bool:
+    """Count an attached backend's ``/health`` probe → whether it is up. At the
+    ``HUNG_PROBES``-th unanswered in a row it is hung (that probe timed out:
+    ``backend_hung``) or gone (refused, reset or not 200: ``backend_gone``): the requests
+    waiting for its answer are ended — no read timeout would end them, and no kill: it
+    is not the router's."""
+    up = health is Health.UP
     b.missed = 0 if up else b.missed + 1
     if b.missed == HUNG_PROBES:
-        n = b.end_waits()
-        metrics.errors.labels(str(b.index), "backend_hung").inc()
-        logger.warning("llama-server %s does not answer /health: %d requests ended", b.url, n)
+        gone = health is Health.GONE
+        n = b.end_waits(Health.GONE if gone else Health.HUNG)
+        metrics.errors.labels(str(b.index), "backend_gone" if gone else "backend_hung").inc()
+        logger.warning(
+            "llama-server %s does not answer /health (%s): %d requests ended",
+            b.url,
+            "gone" if gone else "hung",
+            n,
+        )
     return up
 
 
@@ -250,14 +259,14 @@ class Fleet:
 
     async def _watch_attached(self, every_s: float = 1.0) -> None:
         """Attached backends are not ours to restart: follow their ``/health`` (out of
-        rotation at once, hung: :func:`count_probe`), identify one that comes back."""
+        rotation at once, hung or gone: :func:`count_probe`), identify one that comes back."""
         loop = asyncio.get_running_loop()
         while not self._closing:
             await asyncio.sleep(every_s)
             for b in self.backends:
                 if b.process is not None:
                     continue
-                up = count_probe(b, await b.probe(), self.metrics)
+                up = count_probe(b, await b.health(), self.metrics)
                 if up and b.rejected and loop.time() < b.recheck_at:
                     continue  # kept out: asked again every RECHECK_S
                 if up == b.alive:

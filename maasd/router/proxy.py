@@ -238,9 +238,10 @@ class Proxy:
                 return await self._whole(r, turn)
             except BackendHung as exc:
                 # 504, a gateway timeout: the backend took the request but stopped answering
+                # (502 if it was judged gone); not sent again
                 logger.warning("request to %s ended: %s", turn.backend.url, exc)
                 await self._finish(turn, ok=False)
-                return error_answer(504, str(exc))
+                return error_answer(exc.status, str(exc))
             except httpx.TransportError as exc:
                 # Nothing has reached the client yet: once more, on another slot.
                 logger.warning("backend %s failed before answering: %s", turn.backend.url, exc)
@@ -338,7 +339,7 @@ class Proxy:
                 yield _error_event(502, "the backend went away")
             except BackendHung as exc:
                 logger.warning("stream from %s ended: %s", b.url, exc)
-                yield _error_event(504, str(exc))
+                yield _error_event(exc.status, str(exc))
             finally:
                 task = end(ok, tail)
                 if task is not None:  # shielded: a client that went away cancels us, not it

@@ -25,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.llama
 
 from llama_model import CAPITALS  # noqa: E402
-from router_fleet import RouterProc, attached_process, long_stream  # noqa: E402
+from router_fleet import RouterProc, attached_process, long_stream, serve_on_each  # noqa: E402
 
 #: far beyond the watcher's judgment (3 missed /health probes of 5 s, 1 s apart), on a
 #: loaded machine: the point is that the client does not wait for ever
@@ -58,18 +58,6 @@ def _wait(cond: Any, r: RouterProc, what: str, timeout: float = 120.0) -> None:
 
 def _processing(url: str) -> bool:
     return any(s["is_processing"] for s in httpx.get(f"{url}/slots", timeout=10).json())
-
-
-def _serve_on_each(r: RouterProc, backends: list[int]) -> None:
-    """Requests until each of ``backends`` has answered one (an idle slot that holds
-    nothing is chosen first, as those of a backend that came back: a few suffice)."""
-    served: set[int] = set()
-    for i in range(10):
-        res = r.complete(f"Back {i}. Rome is in", max_tokens=4)
-        served.add(int(res.headers["x-maasd-backend"]))
-        if served >= set(backends):
-            return
-    raise AssertionError(f"only {served} of {backends} served")
 
 
 @contextlib.contextmanager
@@ -162,7 +150,7 @@ def test_a_hung_attached_backend_ends_its_requests_and_serves_again_after(
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(servers[i].pid, signal.SIGCONT)
         _wait(lambda: all(r.health()["backends"][i]["alive"] for i in victims), r, "back")
-        _serve_on_each(r, victims)
+        serve_on_each(r, victims)
         r.wait_idle()
         assert r.metric("maasd_router_entries", op="publish") == published
         assert "Traceback" not in r.log()

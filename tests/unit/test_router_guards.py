@@ -389,7 +389,7 @@ def test_an_attached_backend_is_hung_at_its_third_unanswered_probe_in_a_row() ->
     two misses end nothing, the third in a row ends its requests, once; an answer starts
     the count again. A request's wait inside a slot action's is ended once, from the
     outer block (BackendHung), the inner one seeing only the cancellation."""
-    from maasd.router.backend import BackendHung
+    from maasd.router.backend import BackendHung, Health
     from maasd.router.fleet import HUNG_PROBES, count_probe
     from maasd.router.metrics import RouterMetrics
 
@@ -413,19 +413,19 @@ def test_an_attached_backend_is_hung_at_its_third_unanswered_probe_in_a_row() ->
             return m.registry.get_sample_value("maasd_router_errors_total", labels)
 
         for up in (False, False, True, False, False):  # answered in between: not hung
-            count_probe(b, up, m)
+            count_probe(b, Health.UP if up else Health.HUNG, m)
         assert hung() is None  # never counted
         t = asyncio.create_task(wait())
         await asyncio.sleep(0.01)
-        assert count_probe(b, False, m) is False  # the third in a row
+        assert count_probe(b, Health.HUNG, m) is False  # the third in a row
         assert b.missed == HUNG_PROBES
         assert hung() == 1
         with pytest.raises(BackendHung):
             await t
         assert [type(e) for e in inner] == [asyncio.CancelledError]
-        count_probe(b, False, m)  # still hung: counted once
+        count_probe(b, Health.HUNG, m)  # still hung: counted once
         assert hung() == 1
-        count_probe(b, True, m)
+        count_probe(b, Health.UP, m)
         assert b.missed == 0
         await b.close()
 

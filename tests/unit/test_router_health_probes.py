@@ -1,0 +1,142 @@
+"""An attached backend's ``/health`` probes, without llama-server: how a probe went (up,
+hung: no answer in time, gone: refused, reset or not 200) and what the third miss in a
+row is counted as — ``backend_hung`` or ``backend_gone`` — with the requests waiting
+for the server ended as a 504 or a 502 (docs/llama-server.md, "What fails how")."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from maasd.router.backend import Backend, BackendGone, BackendHung, Health
+from maasd.router.fleet import HUNG_PROBES, count_probe
+from maasd.router.metrics import RouterMetrics
+
+
+def _errors(m: RouterMetrics, kind: str) -> float:
+    labels = {"backend": "0", "kind": kind}
+    return m.registry.get_sample_value("maasd_router_errors_total", labels) or 0.0
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (connecting is refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def _serve(handler: Handler) -> AsyncIterator[str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+def _answer(status: bytes) -> Handler:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        writer.close()
+
+    return handler
+
+
+async def _never_answer(reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+    await reader.read()  # until the client gives up
+
+
+async def _reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.transport.abort()  # a server that dies with the request read
+
+
+@pytest.mark.parametrize(
+    ("handler", "expected"),
+    [
+        (_answer(b"200 OK"), Health.UP),
+        (_answer(b"503 Service Unavailable"), Health.GONE),  # loading: not what we sent to
+        (_never_answer, Health.HUNG),  # takes the connection, answers nothing
+        (_reset, Health.GONE),
+        (None, Health.GONE),  # nothing listens: refused
+    ],
+    ids=["200", "503", "silent", "reset", "refused"],
+)
+def test_a_probe_tells_a_hung_server_from_a_gone_one(
+    handler: Handler | None, expected: Health
+) -> None:
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            if handler is None:
+                url = f"http://127.0.0.1:{_closed_port()}"
+            else:
+                url = await stack.enter_async_context(_serve(handler))
+            b = Backend(0, url, "/x")
+            stack.push_async_callback(b.close)
+            assert await b.health(timeout_s=0.5) is expected
+
+    asyncio.run(main())
+
+
+async def _waiting(b: Backend) -> asyncio.Task[None]:
+    """A request's wait for ``b``'s answer, under way."""
+    never = asyncio.Event()
+
+    async def wait() -> None:
+        async with b.until_hung():
+            await never.wait()
+
+    t = asyncio.create_task(wait())
+    await asyncio.sleep(0.01)
+    return t
+
+
+@pytest.mark.parametrize(
+    ("probes", "kind", "ended", "status"),
+    [
+        ((Health.HUNG,) * HUNG_PROBES, "backend_hung", BackendHung, 504),
+        ((Health.GONE,) * HUNG_PROBES, "backend_gone", BackendGone, 502),
+        # the third miss in a row says how it is now: killed after it hung, it is gone
+        ((Health.HUNG, Health.HUNG, Health.GONE), "backend_gone", BackendGone, 502),
+        ((Health.GONE, Health.GONE, Health.HUNG), "backend_hung", BackendHung, 504),
+    ],
+    ids=["hung", "gone", "hung-then-gone", "gone-then-hung"],
+)
+def test_the_third_miss_counts_a_hung_backend_apart_from_a_gone_one(
+    probes: tuple[Health, ...], kind: str, ended: type[BackendHung], status: int
+) -> None:
+    """Refused or reset probes are ``backend_gone``, timed-out ones ``backend_hung``: one
+    of the two, once, at the third miss in a row; a request still waiting is ended as a
+    502 (gone) or a 504 (hung)."""
+    other = "backend_gone" if kind == "backend_hung" else "backend_hung"
+
+    async def main() -> None:
+        m = RouterMetrics()
+        b = Backend(0, "http://127.0.0.1:9", "/x")
+        t = await _waiting(b)
+        for i, health in enumerate(probes):
+            assert _errors(m, kind) == 0, i
+            assert count_probe(b, health, m) is False
+        assert _errors(m, kind) == 1
+        assert _errors(m, other) == 0
+        with pytest.raises(ended) as exc:
+            await t
+        assert type(exc.value) is ended
+        assert exc.value.status == status
+        assert ("went away" if status == 502 else "stopped answering") in str(exc.value)
+        count_probe(b, Health.GONE, m)  # still down: counted once, either way
+        count_probe(b, Health.HUNG, m)
+        assert (_errors(m, kind), _errors(m, other)) == (1, 0)
+        await b.close()
+
+    asyncio.run(main())
