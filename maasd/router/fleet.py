@@ -41,7 +41,9 @@ RECHECK_S = 30.0  # how often a backend kept out for what it runs is asked again
 #: 5 s, 1 s apart) is hung — stopped, deadlocked, swapped out — or gone: llama-server
 #: answers ``/health`` from its HTTP threads, also while it generates. One the router
 #: started is killed, so that its clients get an error and it is restarted; an attached
-#: one's requests are ended (:meth:`Backend.end_waits`), since no kill ends them.
+#: one's requests are ended (:meth:`Backend.end_waits`), since no kill ends them. Each
+#: attached backend is probed by a task of its own: judging one takes as long however
+#: many others are hung.
 HUNG_PROBES = 3
 
 
@@ -172,8 +174,8 @@ class Fleet:
                 self._tasks.append(asyncio.create_task(self._supervise(b)))
                 hung = watch_hung(b, self.metrics, lambda: self._closing)
                 self._tasks.append(asyncio.create_task(hung))
-        if cfg.attach:
-            self._tasks.append(asyncio.create_task(self._watch_attached()))
+            else:  # attached: each probed on its own, never waiting for another's probe
+                self._tasks.append(asyncio.create_task(self._watch_attached(b)))
 
     async def _until_ready(self, b: Backend) -> None:
         loop = asyncio.get_running_loop()
@@ -257,33 +259,31 @@ class Fleet:
                 async with self._cond:
                     self._cond.notify_all()
 
-    async def _watch_attached(self, every_s: float = 1.0) -> None:
-        """Attached backends are not ours to restart: follow their ``/health`` (out of
-        rotation at once, hung or gone: :func:`count_probe`), identify one that comes back."""
+    async def _watch_attached(self, b: Backend, every_s: float = 1.0) -> None:
+        """An attached backend is not ours to restart: follow its ``/health`` (out of
+        rotation at once, hung or gone: :func:`count_probe`), identify it when it comes
+        back. One task per backend, its probes one after another."""
         loop = asyncio.get_running_loop()
         while not self._closing:
             await asyncio.sleep(every_s)
-            for b in self.backends:
-                if b.process is not None:
-                    continue
-                up = count_probe(b, await b.health(), self.metrics)
-                if up and b.rejected and loop.time() < b.recheck_at:
-                    continue  # kept out: asked again every RECHECK_S
-                if up == b.alive:
-                    continue
-                _down(self.metrics, b)
-                b.forget_all()  # a backend that went away and came back holds nothing
-                if not up:
-                    self.metrics.errors.labels(str(b.index), "backend_down").inc()
-                    logger.warning("llama-server %s does not answer", b.url)
-                    continue
-                b.recheck_at = loop.time() + RECHECK_S
-                with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-                    await self._until_ready(b)
-                if await self._admit(b):
-                    logger.info("llama-server %s is back", b.url)
-                    async with self._cond:
-                        self._cond.notify_all()
+            up = count_probe(b, await b.health(), self.metrics)
+            if up and b.rejected and loop.time() < b.recheck_at:
+                continue  # kept out: asked again every RECHECK_S
+            if up == b.alive:
+                continue
+            _down(self.metrics, b)
+            b.forget_all()  # a backend that went away and came back holds nothing
+            if not up:
+                self.metrics.errors.labels(str(b.index), "backend_down").inc()
+                logger.warning("llama-server %s does not answer", b.url)
+                continue
+            b.recheck_at = loop.time() + RECHECK_S
+            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                await self._until_ready(b)
+            if await self._admit(b):
+                logger.info("llama-server %s is back", b.url)
+                async with self._cond:
+                    self._cond.notify_all()
 
     async def close(self) -> None:
         self._closing = True

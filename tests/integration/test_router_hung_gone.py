@@ -151,12 +151,14 @@ def _stream(url: str, body: dict[str, Any], out: dict[str, Any], begun: threadin
             begun.set()
 
 
-def test_hung_and_gone_attached_backends_are_judged_each_by_its_kind(
+def test_hung_and_gone_attached_backends_are_judged_at_once_each_by_its_kind(
     routers: Any, llama_server: str, gemma_gguf: Path, tmp_path: Path
 ) -> None:
     """Of three attached backends, one goes (killed: refused) while it streams and two
     hang at the same moment. The stream ends at once with an error event of code 502
-    (no ``[DONE]``). Each hung one is counted as ``backend_hung``, the gone one as
+    (no ``[DONE]``). The two hung ones are probed at once, not one after the other (a
+    probe of one comes while the router still waits for the other's), so both are
+    judged in one judging period; each is counted as ``backend_hung``, the gone one as
     ``backend_gone`` — never the other way. Mended, all three serve again."""
     with _proxied_fleet(routers, llama_server, gemma_gguf, tmp_path, 3) as (r, faults):
         out: dict[str, Any] = {}
@@ -192,6 +194,8 @@ def test_hung_and_gone_attached_backends_are_judged_each_by_its_kind(
                 assert not r.health()["backends"][i]["alive"]
             held = [faults[i].probes for i in hung]
             assert min(held) >= HUNG_PROBES, held
+            overlaps = sum(faults[i].overlaps for i in hung)
+            assert overlaps >= 1, f"the hung backends were probed one after the other: {held}"
         finally:
             for f in faults:
                 f.come_back()

@@ -140,3 +140,69 @@ def test_the_third_miss_counts_a_hung_backend_apart_from_a_gone_one(
         await b.close()
 
     asyncio.run(main())
+
+
+class _Probed(Backend):
+    """A backend whose probes time out (after ``probe_s``) and are logged, as (what,
+    index) with what "start" or "end", in the order they happen."""
+
+    probe_s = 0.05
+    log: list[tuple[str, int]]
+    probing = 0  # its probes under way
+
+    async def health(self, timeout_s: float = 5.0) -> Health:  # noqa: ARG002
+        self.log.append(("start", self.index))
+        self.probing += 1
+        try:
+            await asyncio.sleep(self.probe_s)
+        finally:
+            self.probing -= 1
+            self.log.append(("end", self.index))
+        return Health.HUNG
+
+
+def test_attached_backends_are_probed_at_once_each_never_twice_at_once() -> None:
+    """The watcher of attached backends: two hung ones are probed at once — each one's
+    third probe begins before the other's ends, so both are judged in one judging
+    period, not one after the other — while one backend's probes never overlap each
+    other; closing the fleet in the middle of a probe ends every watcher."""
+    from maasd.router.fleet import Fleet, FleetConfig
+
+    async def main() -> None:
+        m = RouterMetrics()
+        fleet = Fleet(FleetConfig(), m)
+        log: list[tuple[str, int]] = []
+        backends = [_Probed(i, "http://127.0.0.1:9", f"/x{i}") for i in range(2)]
+        for b in backends:
+            b.log, b.alive = log, True
+            fleet.backends.append(b)
+            fleet._tasks.append(asyncio.create_task(fleet._watch_attached(b, every_s=0.001)))
+        async with asyncio.timeout(30):
+            while min(b.missed for b in backends) < HUNG_PROBES + 1:
+                await asyncio.sleep(0.01)
+        for b in backends:
+            labels = {"backend": str(b.index), "kind": "backend_hung"}
+            assert m.registry.get_sample_value("maasd_router_errors_total", labels) == 1
+            assert not b.alive
+        running = {0: 0, 1: 0}
+        seen: dict[tuple[str, int], int] = {}
+        third: dict[tuple[str, int], int] = {}  # where each one's third probe starts, ends
+        for n, (what, i) in enumerate(log):
+            running[i] += 1 if what == "start" else -1
+            assert running[i] in (0, 1), f"backend {i} probed twice at once: {log}"
+            seen[what, i] = seen.get((what, i), 0) + 1
+            if seen[what, i] == HUNG_PROBES:
+                third[what, i] = n
+        for i, other in ((0, 1), (1, 0)):
+            assert third["start", i] < third["end", other], f"one after the other: {log}"
+        for b in backends:
+            b.probe_s = 3600.0  # the next probes hang for good: closing must end them
+        async with asyncio.timeout(30):
+            while any(b.probing == 0 for b in backends):
+                await asyncio.sleep(0.01)
+            await fleet.close()
+        assert all(t.done() for t in fleet._tasks)
+        assert [b.probing for b in backends] == [0, 0]
+        assert sorted(log[-2:]) == [("end", 0), ("end", 1)]
+
+    asyncio.run(main())
