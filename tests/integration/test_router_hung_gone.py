@@ -46,6 +46,11 @@ class Fault(Proxy):
         self.waiting: list[socket.socket] = []  # connections a held probe came on
         self.probes = 0  # probes held
         self.overlaps = 0  # held probes that came while another's held probe was open
+        self.clients: set[socket.socket] = set()
+
+    def _connect(self, client: socket.socket) -> socket.socket | None:
+        self.clients.add(client)
+        return super()._connect(client)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -58,7 +63,10 @@ class Fault(Proxy):
         except OSError:
             pass
         finally:
-            for s in (src, dst):
+            # A hung server closes nothing: while held, the server's end (llama-server
+            # drops a connection idle for 5 s, and it sees no request) is not passed on.
+            ends = (src,) if self.held.is_set() and src not in self.clients else (src, dst)
+            for s in ends:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
 
