@@ -249,13 +249,16 @@ class Fleet:
             try:
                 await b.process.start()
                 await self._until_ready(b)
-            except (OSError, RuntimeError, TimeoutError) as exc:
+                b.process.restarts += 1
+                self.metrics.restarts.labels(str(b.index)).inc()
+                admitted = await self._admit(b)
+            except Exception as exc:  # an HTTP error of /props included
                 logger.warning("llama-server %s did not come back: %s", b.url, exc)
+                if b.process.running:
+                    b.process.kill()  # restarted by the next turn, after its backoff
                 continue
             attempt = 0
-            b.process.restarts += 1
-            self.metrics.restarts.labels(str(b.index)).inc()
-            if await self._admit(b):
+            if admitted:
                 async with self._cond:
                     self._cond.notify_all()
 
@@ -278,9 +281,16 @@ class Fleet:
                 logger.warning("llama-server %s does not answer", b.url)
                 continue
             b.recheck_at = loop.time() + RECHECK_S
-            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+            try:
                 await self._until_ready(b)
-            if await self._admit(b):
+                admitted = await self._admit(b)
+            except Exception as exc:  # whatever it answered: keep watching it
+                # A /props or identity probe that fails in a way of its own (an HTTP error,
+                # an answer that is not JSON) must not end this backend's watch for good:
+                # it stays out of rotation and is asked again at the next probe.
+                logger.warning("llama-server %s answers, but not as it should: %s", b.url, exc)
+                continue
+            if admitted:
                 logger.info("llama-server %s is back", b.url)
                 async with self._cond:
                     self._cond.notify_all()

@@ -206,3 +206,43 @@ def test_attached_backends_are_probed_at_once_each_never_twice_at_once() -> None
         assert sorted(log[-2:]) == [("end", 0), ("end", 1)]
 
     asyncio.run(main())
+
+
+class _BackWithBadProps(Backend):
+    """A backend that answers ``/health`` again, but whose ``/props`` fails as an HTTP
+    client error or an answer that is not JSON would (neither an OSError nor a timeout)."""
+
+    probes = 0
+    errors: tuple[Exception, ...] = ()
+
+    async def health(self, timeout_s: float = 5.0) -> Health:  # noqa: ARG002
+        self.probes += 1
+        return Health.UP
+
+    async def props(self) -> dict[str, object]:
+        raise self.errors[self.probes % len(self.errors)]
+
+
+def test_a_backend_that_comes_back_answering_badly_stays_watched() -> None:
+    """Before, an ``httpx`` error or a ``ValueError`` from ``/props`` ended the backend's
+    watcher task: it was never probed again, and closing the fleet raised that error."""
+    import httpx
+
+    from maasd.router.fleet import Fleet, FleetConfig
+
+    async def main() -> None:
+        fleet = Fleet(FleetConfig(), RouterMetrics())
+        b = _BackWithBadProps(0, "http://127.0.0.1:9", "/x0")
+        b.errors = (httpx.ReadError("reset"), ValueError("not JSON"))
+        fleet.backends.append(b)
+        task = asyncio.create_task(fleet._watch_attached(b, every_s=0.001))
+        fleet._tasks.append(task)
+        async with asyncio.timeout(30):
+            while b.probes < 20:
+                await asyncio.sleep(0.01)
+        assert not task.done()
+        assert not b.alive  # never admitted: nothing to say what it runs
+        await fleet.close()
+        assert task.cancelled()
+
+    asyncio.run(main())
