@@ -1,10 +1,13 @@
-"""Reading an HTTP/1.1 answer off a raw socket, for tests that speak HTTP by hand."""
+"""Writing an HTTP/1.1 request and reading its answer on a raw socket, for tests that
+speak HTTP by hand."""
 
 from __future__ import annotations
 
+import select
 import socket
+import time
 
-__all__ = ["answer"]
+__all__ = ["answer", "closed_by_peer", "request"]
 
 
 def answer(s: socket.socket, head_only: bool = False) -> tuple[int, bytes]:
@@ -27,3 +30,27 @@ def answer(s: socket.socket, head_only: bool = False) -> tuple[int, bytes]:
         assert chunk, f"closed after {got!r}"
         body += chunk
     return status, body
+
+
+def request(
+    method: str, path: str, key: str | None = None, body: bytes = b"", extra: str = ""
+) -> bytes:
+    """A request's bytes: ``key`` as a bearer key, a ``Content-Length`` for a body or a POST."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    length = f"Content-Length: {len(body)}\r\n" if body or method in ("POST", "PUT") else ""
+    return (f"{method} {path} HTTP/1.1\r\nHost: maasd\r\n{auth}{length}{extra}\r\n").encode() + body
+
+
+def closed_by_peer(s: socket.socket, wait_s: float = 0.0) -> bool:
+    """Whether the peer closed ``s`` (within ``wait_s``); what it sent meanwhile is dropped."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            if not select.select([s], [], [], left)[0]:
+                return False
+            chunk = s.recv(65536)
+        except OSError:  # a reset, above all
+            return True
+        if not chunk:
+            return True

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import select
 import socket
 import threading
 import time
@@ -27,7 +26,7 @@ import pytest
 
 from budgets import http_limits_env
 from conftest import Daemon
-from rawhttp import answer
+from rawhttp import answer, closed_by_peer, request
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -61,14 +60,6 @@ def connect(d: Daemon) -> socket.socket:
     return socket.create_connection(("127.0.0.1", d.port), timeout=NEVER_S)
 
 
-def request(
-    method: str, path: str, key: str | None = None, body: bytes = b"", extra: str = ""
-) -> bytes:
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    length = f"Content-Length: {len(body)}\r\n" if body or method in ("POST", "PUT") else ""
-    return (f"{method} {path} HTTP/1.1\r\nHost: maasd\r\n{auth}{length}{extra}\r\n").encode() + body
-
-
 def ask(
     d: Daemon, method: str, path: str, key: str | None = None, body: bytes = b""
 ) -> tuple[socket.socket, int]:
@@ -77,22 +68,6 @@ def ask(
     s.sendall(request(method, path, key, body))
     status, _ = answer(s, head_only=method == "HEAD")
     return s, status
-
-
-def closed_by_peer(s: socket.socket, wait_s: float = 0.0) -> bool:
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = max(deadline - time.monotonic(), 0.0)
-        try:
-            if not select.select([s], [], [], left)[0]:
-                return False
-            chunk = s.recv(65536)
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-        except OSError:
-            return True
-        if not chunk:
-            return True
 
 
 def survivors(d: Daemon, conns: list[socket.socket]) -> list[bool]:
