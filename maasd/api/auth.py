@@ -36,7 +36,7 @@ from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Healthz
-from maasd.api.server import distrust, trust
+from maasd.api.server import begin, distrust, trust
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.errors import Forbidden, InvalidRequest, Unauthorized
 from maasd.metrics import Metrics
@@ -314,15 +314,16 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     """
     ctx = context(request)
     token = bearer(request)
+    state = request.scope.get("state")
     if ctx.is_metrics_key(token):
-        distrust(request.scope.get("state"))
+        distrust(state)
         raise Forbidden("the metrics key is good for GET /metrics only")
     try:
         who = await ctx.principal(token)
     except Unauthorized:
         # Whatever this connection was kept for (server.trust), it carries no valid key
         # now: a key revoked since, or its tenant deleted, keeps nothing from shedding.
-        distrust(request.scope.get("state"))
+        distrust(state)
         raise
     role = request.route_handler.opt.get("role")
     if role == "admin":
@@ -331,7 +332,11 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
         require_tenant(who)  # the admin key (which owns no buffers) gets 403
     _known_query(ctx, request)
     request.state.principal = who
-    trust(request.scope.get("state"), caller_name(who))
+    name = caller_name(who)
+    # At its share of requests in progress (bodies arriving, answers unread), the caller
+    # gets a 507 for this one, unread, and its connection is closed (server.begin).
+    begin(state, name)
+    trust(state, name)
 
 
 def _known_query(ctx: ApiContext, request: Request[Any, Any, Any]) -> None:

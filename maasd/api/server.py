@@ -50,8 +50,17 @@ any anonymous one. A kept connection whose ``/v1`` request carries a key refused
 unknown or revoked (:func:`distrust`) is anonymous again: a key revoked, or its
 tenant deleted, keeps nothing for a client that goes on sending it.
 
+Busy connections are bounded per caller too: from the ``/v1`` authentication hook
+(:func:`begin`, before the body is read) until its answer is complete, a request of a
+caller counts in its share of requests in progress (``caller_share`` again). A
+request beyond it is answered 507 ``resource-limit`` unread and its connection
+closed after the answer. So a tenant whose bodies never finish, or who never reads
+its answers, holds at most a quarter of the cap busy, however it renews them at each
+deadline, and the others (the admin, ``/healthz``) find the rest. (A head still
+arriving is idle and anonymous: shed as above.)
+
 Everything here runs on the event loop; the cost per request is two timer
-handles at most.
+handles and a few dict operations at most.
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import h11
 import msgspec
+from uvicorn.protocols.http.flow_control import CLOSE_HEADER
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from maasd.errors import InvalidRequest, ResourceLimit
@@ -86,6 +96,7 @@ __all__ = [
     "HttpLimits",
     "OnceAMinute",
     "Verdict",
+    "begin",
     "distrust",
     "http_config",
     "protocol_for",
@@ -99,7 +110,8 @@ logger = logging.getLogger(__name__)
 FD_SHARE = 4
 #: Connections answered 507 beyond the cap, at most, as a share of the cap.
 REFUSAL_SHARE = 8
-#: The connections one caller may have kept from shedding, as a share of the cap.
+#: The connections one caller may have kept from shedding, and its requests in progress
+#: at most, as a share of the cap.
 CALLER_SHARE = 4
 #: Newcomers are refused in favour of callers' idle connections for this long at most:
 #: past it, with still nothing anonymous idle, the oldest of those is shed for each.
@@ -123,7 +135,8 @@ class HttpLimits:
 
     @property
     def caller_share(self) -> int:
-        """Connections of one caller that are shed only after every anonymous idle one."""
+        """Connections of one caller that are shed only after every anonymous idle one;
+        also its requests in progress at most (:meth:`Gate.begin`)."""
         return max(2, self.max_connections // CALLER_SHARE)
 
     @property
@@ -164,6 +177,8 @@ class Gate:
         self._idle_kept: OrderedDict[GuardedH11, None] = OrderedDict()  # callers' ones
         self._caller_of: dict[GuardedH11, str] = {}
         self._kept: dict[str, int] = {}  # connections kept per caller
+        self._busy_for: dict[GuardedH11, str] = {}  # connection → caller of its request
+        self._busy: dict[str, int] = {}  # requests in progress per caller
         self._metrics = metrics
         self._warned = 0.0
         self._starved_since: float | None = None  # newcomers refused since, nothing idle
@@ -175,6 +190,11 @@ class Gate:
             )
         )
         self.refusal = msgspec.json.encode(problem)
+        self.busy_detail = (
+            f"this caller has {limits.caller_share} REST requests in progress, its share of "
+            f"the {limits.max_connections} connections (http_max_connections); the request "
+            "was not read and its connection is closed: retry once one of them has ended"
+        )
         if metrics is not None:
             metrics.http_connections.set_function(lambda: self.held)
 
@@ -248,6 +268,30 @@ class Gate:
         if self._uncount(conn) and self._idle_kept.pop(conn, 0) is None:
             self._idle[conn] = None  # idle already: among the anonymous ones now
 
+    def begin(self, conn: GuardedH11, caller: str) -> bool:
+        """A request of ``caller`` (a valid key) on ``conn`` is in progress until :meth:`end`
+        (or :meth:`leave`): whether the caller had fewer than its share of such requests.
+        If not, nothing is counted (the request is to be refused and the connection closed)."""
+        if conn in self._busy_for:
+            return True
+        busy = self._busy.get(caller, 0)
+        if busy >= self.limits.caller_share:
+            return False
+        self._busy[caller] = busy + 1
+        self._busy_for[conn] = caller
+        return True
+
+    def end(self, conn: GuardedH11) -> None:
+        """The request on ``conn`` is answered (or never will be): its caller's count drops."""
+        caller = self._busy_for.pop(conn, None)
+        if caller is None:
+            return
+        left = self._busy[caller] - 1
+        if left:
+            self._busy[caller] = left
+        else:
+            del self._busy[caller]
+
     def _uncount(self, conn: GuardedH11) -> bool:
         """Take ``conn`` out of its caller's share; whether it was in one."""
         caller = self._caller_of.pop(conn, None)
@@ -263,6 +307,7 @@ class Gate:
     def leave(self, verdict: Verdict, conn: GuardedH11) -> None:
         self.busy(conn)
         self._uncount(conn)
+        self.end(conn)
         if verdict is Verdict.HELD:
             self.held -= 1
         elif verdict is Verdict.REFUSED:
@@ -374,6 +419,7 @@ class GuardedH11(H11Protocol):
         self._track()
 
     def on_response_complete(self) -> None:
+        self.gate.end(self)  # before uvicorn starts a pipelined request's cycle
         super().on_response_complete()
         # Between keep-alive requests uvicorn's own keep-alive timeout watches the idle
         # connection; the next head's deadline starts with its first byte (data_received).
@@ -417,6 +463,20 @@ class GuardedH11(H11Protocol):
     def trusted_by(self, caller: str) -> None:
         if self._verdict is Verdict.HELD:
             self.gate.trust(self, caller)
+
+    def began_by(self, caller: str) -> bool:
+        """The request read now is ``caller``'s (:meth:`Gate.begin`); ``False`` if the caller
+        has its share in progress already: the connection is then closed after the answer,
+        as if the client had asked for it (``Connection: close``)."""
+        if self._verdict is not Verdict.HELD or self.gate.begin(self, caller):
+            return True  # (a connection shed or refused meanwhile counts nothing)
+        cycle = self.cycle
+        if cycle is not None:
+            cycle.keep_alive = False
+            headers = cast("list[tuple[bytes, bytes]]", cycle.scope["headers"])
+            if CLOSE_HEADER not in headers:
+                headers.append(CLOSE_HEADER)  # uvicorn answers it with the same header
+        return False
 
     def close_for(self, reason: str) -> None:
         """Close now, counting ``reason``; the connection leaves the gate's count at once."""
@@ -494,6 +554,15 @@ def trust(state: dict[str, Any] | None, caller: str) -> None:
     conn = _connection(state)
     if conn is not None:
         conn.trusted_by(caller)
+
+
+def begin(state: dict[str, Any] | None, caller: str) -> None:
+    """A request of ``caller`` is in progress on the connection that carries it, until it is
+    answered (:meth:`Gate.begin`); :class:`ResourceLimit` (507) if the caller has its share
+    of requests in progress already: the request is refused unread, its connection closed."""
+    conn = _connection(state)
+    if conn is not None and not conn.began_by(caller):
+        raise ResourceLimit(conn.gate.busy_detail)
 
 
 def distrust(state: dict[str, Any] | None) -> None:

@@ -282,22 +282,29 @@ def test_a_tenants_pooled_connection_outlives_a_flood_of_anonymous_keep_alive_cl
 
 def test_when_every_connection_is_busy_the_next_gets_a_507_problem(d: Daemon, key: str) -> None:
     """Busy connections (requests in flight) are not shed: a new one is answered 507
-    ``resource-limit`` naming the limit, until the body deadline frees them."""
+    ``resource-limit`` naming the limit, until the body deadline frees them. (Four
+    tenants hold them: one has at most a quarter of the cap of requests in progress.)"""
+    keys = [key] + [d.tenant(f"busy-{n}", 64 * MiB)[1] for n in range(3)]
     refused = closed(d, "refused")
-    head = (
-        "POST /v1/reserve HTTP/1.1\r\nHost: maasd\r\nContent-Type: application/json\r\n"
-        f"Authorization: Bearer {key}\r\nContent-Length: 4096\r\n\r\n{{"
-    ).encode()
+    heads = [
+        (
+            "POST /v1/reserve HTTP/1.1\r\nHost: maasd\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {k}\r\nContent-Length: 4096\r\nExpect: 100-continue\r\n\r\n"
+        ).encode()
+        for k in keys
+    ]
     busy = []
 
     def healthz() -> httpx.Response:
         return httpx.get(f"{d.url}/healthz", timeout=10)
 
     try:
-        for _ in range(CAP):
+        for n in range(CAP):
             s = connect(d)
-            s.sendall(head)
+            s.sendall(heads[n % len(heads)])
             busy.append(s)
+            assert s.recv(100).startswith(b"HTTP/1.1 100")  # the daemon reads its body: busy
+            s.sendall(b"{")
         # Once the daemon holds them all, a new connection has nothing idle to shed.
         wait_until(lambda: healthz().status_code == 507, BODY_S, interval=0.1)
         r = healthz()

@@ -1,0 +1,193 @@
+"""The REST gate's requests in progress per caller (``Gate.begin``/``end``): the books of
+``maasd.api.server.Gate`` alone.
+
+The daemon-level attacks are in ``tests/integration/test_attacks_rest_gate_round15.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sized
+from typing import Any, cast
+
+import pytest
+
+from maasd.api.server import (
+    CONNECTION_STATE,
+    Gate,
+    GuardedH11,
+    HttpLimits,
+    Verdict,
+    begin,
+    protocol_for,
+)
+from maasd.errors import ResourceLimit
+from maasd.problems import problem_of
+
+
+class Conn:
+    """What the gate asks of a connection: to close itself (and leave the count)."""
+
+    def __init__(self, gate: Gate, verdict: Verdict) -> None:
+        self.gate = gate
+        self.verdict = verdict
+        self.closed_for: str | None = None
+
+    def close_for(self, reason: str) -> None:
+        self.closed_for = reason
+        self.gate.leave(self.verdict, cast(Any, self))
+        self.verdict = Verdict.DROPPED
+
+
+def held(gate: Gate, *, idle: bool, caller: str | None = None) -> Conn:
+    conn = Conn(gate, gate.admit())
+    assert conn.verdict is Verdict.HELD
+    if caller is not None:
+        gate.trust(cast(Any, conn), caller)
+    if idle:
+        gate.idle(cast(Any, conn))
+    return conn
+
+
+def c(conn: Conn) -> Any:
+    return cast(Any, conn)
+
+
+def test_a_caller_has_at_most_its_share_of_requests_in_progress() -> None:
+    gate = Gate(HttpLimits(max_connections=16))
+    share = gate.limits.caller_share
+    busy = [held(gate, idle=False) for _ in range(share)]
+    assert all(gate.begin(c(b), "tenant:a") for b in busy)
+    assert gate.begin(c(busy[0]), "tenant:a")  # the same request again: counted once
+    over = held(gate, idle=False)
+    assert not gate.begin(c(over), "tenant:a")  # refused: nothing counted for it
+    assert gate.begin(c(over), "tenant:b")  # another caller's share is its own
+    assert gate.begin(c(held(gate, idle=False)), "admin")
+    assert gate._busy == {"tenant:a": share, "tenant:b": 1, "admin": 1}
+    gate.end(c(busy[0]))  # answered
+    gate.end(c(busy[0]))  # once only
+    assert gate._busy["tenant:a"] == share - 1
+    late = held(gate, idle=False)
+    assert gate.begin(c(late), "tenant:a")  # the place given back is taken
+    busy[1].close_for("body_timeout")  # closed mid-request: counted out
+    busy[2].close_for("lost")
+    gate.leave(Verdict.DROPPED, c(busy[2]))  # connection_lost after close_for: nothing more
+    assert gate._busy["tenant:a"] == share - 2
+    for conn in [*busy[3:], late]:
+        gate.end(c(conn))
+    gate.end(c(over))
+    assert gate._busy == {"admin": 1}
+
+
+def test_the_share_of_requests_in_progress_is_at_least_two() -> None:
+    gate = Gate(HttpLimits(max_connections=4))
+    conns = [held(gate, idle=False) for _ in range(3)]
+    assert [gate.begin(c(x), "tenant:a") for x in conns] == [True, True, False]
+
+
+class Cycle:
+    """What ``GuardedH11.began_by`` touches of uvicorn's request-response cycle."""
+
+    def __init__(self) -> None:
+        self.keep_alive = True
+        self.scope: dict[str, Any] = {"headers": [(b"host", b"maasd")]}
+
+
+def proto_of(gate: Gate, verdict: Verdict) -> GuardedH11:
+    cls = protocol_for(gate)
+    proto = cls.__new__(cls)  # no transport: only the state
+    proto._verdict = verdict
+    proto.cycle = cast(Any, Cycle())
+    return proto
+
+
+def test_a_request_over_the_share_is_refused_and_its_connection_closed_after_it() -> None:
+    gate = Gate(HttpLimits(max_connections=4))
+    ok = [proto_of(gate, Verdict.HELD) for _ in range(2)]
+    for proto in ok:
+        begin({CONNECTION_STATE: proto}, "tenant:a")
+    over = proto_of(gate, Verdict.HELD)
+    with pytest.raises(ResourceLimit) as refused:
+        begin({CONNECTION_STATE: over}, "tenant:a")
+    problem = problem_of(refused.value)
+    assert problem.status == 507
+    assert problem.type.endswith("/resource-limit")
+    assert "2 REST requests in progress" in problem.detail
+    cycle = cast(Cycle, over.cycle)
+    assert cycle.keep_alive is False  # uvicorn closes it once the 507 is sent
+    assert cycle.scope["headers"][-1] == (b"connection", b"close")  # and says so
+    assert all(cast(Cycle, p.cycle).keep_alive for p in ok)
+    begin({}, "tenant:a")  # a request served otherwise (a test client): nothing
+    begin(None, "tenant:a")
+    shed = proto_of(gate, Verdict.DROPPED)  # shed while its key was checked
+    begin({CONNECTION_STATE: shed}, "tenant:a")  # not counted: it left the books already
+    assert gate._busy == {"tenant:a": 2}
+    assert set(gate._busy_for) == set(ok)
+
+
+def check(gate: Gate, live: list[Conn]) -> None:
+    """The gate's books agree with the connections that are still open."""
+    holding = {id(x) for x in live if x.verdict is Verdict.HELD}
+    assert gate.held == len(holding)
+    assert gate.refusing == sum(x.verdict is Verdict.REFUSED for x in live)
+    assert {id(x) for x in gate._caller_of} <= holding
+    assert {id(x) for x in gate._busy_for} <= holding
+    assert {id(x) for x in gate._idle} <= holding
+    assert {id(x) for x in gate._idle_kept} <= {id(x) for x in gate._caller_of}
+    assert not set(gate._idle) & set(gate._idle_kept)
+    assert sum(gate._kept.values()) == len(gate._caller_of)
+    assert sum(gate._busy.values()) == len(gate._busy_for)
+    share = gate.limits.caller_share
+    assert all(0 < n <= share for n in [*gate._kept.values(), *gate._busy.values()])
+    assert set(gate._caller_of.values()) == set(gate._kept)
+    assert set(gate._busy_for.values()) == set(gate._busy)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_no_order_of_events_leaves_a_request_counted(seed: int) -> None:
+    """Connections come, carry requests of callers (begun or refused at the share), are
+    answered, go idle, are shed, time out or close, in a random order:
+    the books always agree with what is open, and are empty once everything is closed."""
+    rng = random.Random(seed)
+    gate = Gate(HttpLimits(max_connections=8))
+    live: list[Conn] = []
+    callers = [f"tenant:{n}" for n in range(3)] + ["admin"]
+    for _ in range(3000):
+        live = [x for x in live if x.closed_for is None]
+        step = rng.random()
+        if step < 0.2 or not live:
+            conn = Conn(gate, gate.admit())
+            if conn.verdict is Verdict.DROPPED:
+                conn.closed_for = "dropped"
+            else:
+                if conn.verdict is Verdict.HELD:
+                    gate.idle(c(conn))
+                live.append(conn)
+            continue
+        conn = rng.choice(live)
+        held_now = conn.verdict is Verdict.HELD
+        if step < 0.45 and held_now:  # a request's head, then the /v1 hook
+            gate.busy(c(conn))
+            caller = rng.choice(callers)
+            if gate.begin(c(conn), caller):
+                gate.trust(c(conn), caller)
+            else:  # 507, then closed after the answer
+                conn.close_for("lost")
+        elif step < 0.6 and held_now:  # answered
+            gate.end(c(conn))
+            gate.idle(c(conn))
+        elif step < 0.7:
+            gate.distrust(c(conn))
+        elif step < 0.85:
+            conn.close_for(rng.choice(["head_timeout", "body_timeout", "send_timeout"]))
+        else:  # connection_lost: the gate is told once more, as GuardedH11 does
+            conn.close_for("lost")
+            gate.leave(Verdict.DROPPED, c(conn))
+        check(gate, [x for x in live if x.closed_for is None])
+    for conn in live:
+        if conn.closed_for is None:
+            conn.close_for("lost")
+    assert (gate.held, gate.refusing) == (0, 0)
+    books: list[Sized] = [gate._idle, gate._idle_kept, gate._caller_of, gate._kept]
+    books += [gate._busy_for, gate._busy]
+    assert [len(b) for b in books] == [0] * len(books)
