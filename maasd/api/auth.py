@@ -318,6 +318,7 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     if ctx.is_metrics_key(token):
         distrust(state)
         raise Forbidden("the metrics key is good for GET /metrics only")
+    generation = ctx.auth.generation
     try:
         who = await ctx.principal(token)
     except Unauthorized:
@@ -336,7 +337,10 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     # At its share of requests in progress (bodies arriving, answers unread), the caller
     # gets a 507 for this one, unread, and its connection is closed (server.begin).
     begin(state, name)
-    trust(state, name)
+    if ctx.auth.generation == generation:
+        # (else a key was revoked while this one was checked in a thread: the revocation's
+        # Gate.revoked may have come by already; the connection is kept from its next request)
+        trust(state, name)
 
 
 def _known_query(ctx: ApiContext, request: Request[Any, Any, Any]) -> None:

@@ -48,7 +48,12 @@ connections do not crowd out the others'. A *new* connection is anonymous until 
 first request's key is checked: under such a flood it may be shed before that, as
 any anonymous one. A kept connection whose ``/v1`` request carries a key refused as
 unknown or revoked (:func:`distrust`) is anonymous again: a key revoked, or its
-tenant deleted, keeps nothing for a client that goes on sending it.
+tenant deleted, keeps nothing for a client that goes on sending it. And any
+revocation (this daemon's, or another's heard from a shared ledger) makes every
+kept connection anonymous at once (:meth:`Gate.revoked`, on the event loop): a
+client of the revoked key that sends only ``/healthz`` afterwards keeps nothing
+either; the other callers' connections are kept again from their next ``/v1``
+request.
 
 Busy connections are bounded per caller too: from the ``/v1`` authentication hook
 (:func:`begin`, before the body is read) until its answer is complete, a request of a
@@ -66,6 +71,7 @@ handles and a few dict operations at most.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import threading
@@ -87,6 +93,7 @@ if TYPE_CHECKING:
     import uvicorn
     from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
 
+    from maasd.core.auth import Auth
     from maasd.metrics import Metrics
     from maasd.settings import Settings
 
@@ -179,6 +186,8 @@ class Gate:
         self._kept: dict[str, int] = {}  # connections kept per caller
         self._busy_for: dict[GuardedH11, str] = {}  # connection → caller of its request
         self._busy: dict[str, int] = {}  # requests in progress per caller
+        #: The server's event loop, once a connection came (:meth:`revoked` hops to it).
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._metrics = metrics
         self._warned = 0.0
         self._starved_since: float | None = None  # newcomers refused since, nothing idle
@@ -292,6 +301,23 @@ class Gate:
         else:
             del self._busy[caller]
 
+    def forget_callers(self) -> None:
+        """Every kept connection is anonymous again (a key was revoked: whose is not known
+        here); the next request with a valid key keeps its connection again."""
+        self._caller_of.clear()
+        self._kept.clear()
+        idle_kept, self._idle_kept = self._idle_kept, OrderedDict()
+        self._idle.update(idle_kept)
+
+    def revoked(self) -> None:
+        """:meth:`forget_callers`, from any thread (``Auth.watch_revocations``): one hop to
+        the event loop, nothing waited for. Before any connection there is nothing kept."""
+        loop = self.loop
+        if loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is gone
+            loop.call_soon_threadsafe(self.forget_callers)
+
     def _uncount(self, conn: GuardedH11) -> bool:
         """Take ``conn`` out of its caller's share; whether it was in one."""
         caller = self._caller_of.pop(conn, None)
@@ -404,6 +430,7 @@ class GuardedH11(H11Protocol):
         # Each request's scope["state"] is a copy of this: the way back from the /v1
         # authentication hook to the connection (:func:`trust`).
         self.app_state = {**self.app_state, CONNECTION_STATE: self}
+        self.gate.loop = self.loop
         self._verdict = self.gate.admit()
         if self._verdict is Verdict.DROPPED:
             transport.abort()
@@ -583,8 +610,12 @@ def protocol_for(gate: Gate) -> type[GuardedH11]:
     return type("GuardedH11", (GuardedH11,), {"gate": gate})
 
 
-def http_config(app: Any, settings: Settings, metrics: Metrics | None = None) -> uvicorn.Config:
-    """The uvicorn configuration of ``maasd serve``: the guarded protocol, no access log."""
+def http_config(
+    app: Any, settings: Settings, metrics: Metrics | None = None, auth: Auth | None = None
+) -> uvicorn.Config:
+    """The uvicorn configuration of ``maasd serve``: the guarded protocol, no access log.
+    ``auth``'s revocations (this daemon's, or another's on a shared ledger) make the
+    connections kept so far anonymous again (:meth:`Gate.revoked`)."""
     import uvicorn
 
     limits = HttpLimits.of(settings)
@@ -597,11 +628,14 @@ def http_config(app: Any, settings: Settings, metrics: Metrics | None = None) ->
                 "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
             },
         )
+    gate = Gate(limits, metrics)
+    if auth is not None:
+        auth.watch_revocations(gate.revoked)
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=protocol_for(Gate(limits, metrics)),
+        http=protocol_for(gate),
         loop="maasd.api.loop:GuardedLoop",  # an accept loop that backs off at EMFILE
         ws="none",  # no WebSocket routes; an upgrade would also take a connection out of the gate
         log_config=None,

@@ -304,7 +304,7 @@ def _serve(settings: Settings, stop: StopAsked, *, release_lost_checkpoints: boo
         caller_threads=settings.http_tenant_threads,
     )
     server = make_server(
-        http_config(app, settings, service.metrics),
+        http_config(app, settings, service.metrics, service.auth),
         ready=lambda loop: _ready(settings, systemd, loop, stop),
         stopping=systemd.stopping,
     )

@@ -1,4 +1,5 @@
-"""Attacks on the REST gate's busy connections (``maasd.api.server.begin``).
+"""Attacks on the REST gate's busy connections and on what a revocation leaves kept
+(``maasd.api.server``: ``begin``, ``Gate.revoked``).
 
 A tenant whose requests' bodies never finish holds each connection busy until the body
 deadline, and opens the next as soon as one closes: without a bound of its own it
@@ -235,4 +236,58 @@ def test_a_tenant_renewing_its_flood_at_once_locks_no_one_out(d: Daemon) -> None
             t.join(NEVER_S)
     gauge_settles(d)
     share_free(d, flooder)
+    gauge_settles(d)
+
+
+def ask(d: Daemon, method: str, path: str, key: str | None = None) -> socket.socket:
+    """A new connection that sent one request and had it answered (left open, idle)."""
+    s = connect(d)
+    s.sendall(request(method, path, key))
+    status, text = answer(s, head_only=method == "HEAD")
+    assert status == 200, text
+    return s
+
+
+def survivors(d: Daemon, conns: list[socket.socket]) -> list[bool]:
+    """Which of ``conns`` (idle) are still open after a flood of anonymous idle connections
+    (twice the cap) has shed every idle connection it could: the kept ones."""
+    newcomers: list[socket.socket] = []
+    try:
+        for _ in range(CAP * 2):
+            newcomers.append(connect(d))
+            time.sleep(0.005)
+        wait_until(
+            lambda: sum(closed_by_peer(s) for s in newcomers[:CAP]) >= CAP - SHARE * 2,
+            NEVER_S,
+            message="the flood shed itself",
+        )
+        return [not closed_by_peer(s, 0.2) for s in conns]
+    finally:
+        close_all(newcomers)
+
+
+def test_connections_kept_with_a_key_revoked_since_are_shed_though_only_healthz_follows(
+    d: Daemon,
+) -> None:
+    """The revoked key is never sent again (its client only asks /healthz): the revocation
+    itself makes its connections anonymous. The other callers' connections are anonymous
+    too until their next ``/v1`` request, which keeps them again."""
+    tenant_id = d.tenant("revoked-quietly", 64 * MiB)[0]
+    issued = d.admin.post(f"/v1/tenants/{tenant_id}/keys").json()
+    bystander = d.tenant("kept-on", 64 * MiB)[1]
+    gauge_settles(d)
+    revoked = [ask(d, "GET", "/v1/usage", issued["api_key"]) for _ in range(SHARE)]
+    other = [ask(d, "GET", "/v1/usage", bystander) for _ in range(SHARE)]
+    try:
+        r = d.admin.delete(f"/v1/tenants/{tenant_id}/keys/{issued['id']}")
+        assert r.status_code == 204
+        for s in revoked:
+            s.sendall(request("GET", "/healthz"))
+            assert answer(s)[0] == 200
+        for s in other:
+            s.sendall(request("GET", "/v1/usage", bystander))
+            assert answer(s)[0] == 200
+        assert survivors(d, revoked + other) == [False] * SHARE + [True] * SHARE
+    finally:
+        close_all(revoked + other)
     gauge_settles(d)

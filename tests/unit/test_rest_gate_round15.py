@@ -1,13 +1,16 @@
-"""The REST gate's requests in progress per caller (``Gate.begin``/``end``): the books of
-``maasd.api.server.Gate`` alone.
+"""The REST gate's requests in progress per caller (``Gate.begin``/``end``) and what a
+revocation takes back (``Gate.revoked``): the books of ``maasd.api.server.Gate`` alone.
 
 The daemon-level attacks are in ``tests/integration/test_attacks_rest_gate_round15.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
+import threading
 from collections.abc import Sized
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -19,10 +22,14 @@ from maasd.api.server import (
     HttpLimits,
     Verdict,
     begin,
+    http_config,
     protocol_for,
 )
+from maasd.core.auth import Auth
 from maasd.errors import ResourceLimit
 from maasd.problems import problem_of
+from maasd.settings import Settings
+from maasd.store import Store
 
 
 class Conn:
@@ -83,6 +90,73 @@ def test_the_share_of_requests_in_progress_is_at_least_two() -> None:
     gate = Gate(HttpLimits(max_connections=4))
     conns = [held(gate, idle=False) for _ in range(3)]
     assert [gate.begin(c(x), "tenant:a") for x in conns] == [True, True, False]
+
+
+def test_a_revocation_makes_every_kept_connection_anonymous() -> None:
+    gate = Gate(HttpLimits(max_connections=8))
+    share = gate.limits.caller_share
+    kept = [held(gate, idle=True, caller="tenant:a") for _ in range(share)]
+    other = held(gate, idle=True, caller="admin")
+    busy_kept = held(gate, idle=False, caller="tenant:b")
+    assert gate.begin(c(busy_kept), "tenant:b")
+    for _ in range(8 - gate.held):
+        held(gate, idle=False)
+    assert gate.admit() is Verdict.REFUSED  # 4 of 8 kept, not over half: nothing shed
+    gate.leave(Verdict.REFUSED, cast(Any, None))
+    gate.forget_callers()
+    assert not gate._kept
+    assert not gate._caller_of
+    assert not gate._idle_kept
+    assert gate._busy == {"tenant:b": 1}  # its request goes on, counted until it ends
+    for victim in [*kept, other]:  # anonymous: shed for newcomers, oldest first
+        assert gate.admit() is Verdict.HELD
+        assert victim.closed_for == "shed"
+    assert busy_kept.closed_for is None
+    gate.idle(c(busy_kept))  # its answer is complete: idle, and anonymous too
+    assert busy_kept in gate._idle
+    gate.trust(c(busy_kept), "tenant:b")  # its next request with a valid key: kept again
+    assert gate._kept == {"tenant:b": 1}
+    assert busy_kept in gate._idle_kept
+
+
+def test_revoked_hops_to_the_event_loop_from_any_thread() -> None:
+    gate = Gate(HttpLimits(max_connections=8))
+    gate.revoked()  # before any connection, no loop: nothing kept, nothing to do
+    loop = asyncio.new_event_loop()
+    try:
+        gate.loop = loop
+        held(gate, idle=True, caller="tenant:a")
+        revoking = threading.Thread(target=gate.revoked)
+        revoking.start()
+        revoking.join()
+        assert gate._kept  # not on the revoking thread
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not gate._kept
+    finally:
+        loop.close()
+    gate.revoked()  # the server gone: nothing raised at the revoking thread
+
+
+def test_the_daemon_gate_hears_every_revocation_of_its_auth(tmp_path: Path) -> None:
+    """``http_config`` wires the gate to ``Auth.watch_revocations``, which a revocation
+    of this daemon and one heard from another daemon (``forget_keys``) both call."""
+    store = Store(f"sqlite:///{tmp_path / 'ledger.db'}")
+    loop = asyncio.new_event_loop()
+    try:
+        settings = Settings(data_dir=str(tmp_path))
+        auth = Auth(settings, store.tenants)
+        config = http_config(object(), settings, auth=auth)
+        gate = cast(type[GuardedH11], config.http).gate
+        gate.loop = loop
+        for _ in range(2):
+            conn = held(gate, idle=True, caller="tenant:a")
+            auth.forget_keys()
+            loop.run_until_complete(asyncio.sleep(0))
+            assert not gate._kept
+            assert c(conn) in gate._idle
+    finally:
+        loop.close()
+        store.dispose()
 
 
 class Cycle:
@@ -146,7 +220,7 @@ def check(gate: Gate, live: list[Conn]) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_no_order_of_events_leaves_a_request_counted(seed: int) -> None:
     """Connections come, carry requests of callers (begun or refused at the share), are
-    answered, go idle, are shed, time out or close, in a random order:
+    answered, go idle, are shed, time out, close, and keys are revoked, in a random order:
     the books always agree with what is open, and are empty once everything is closed."""
     rng = random.Random(seed)
     gate = Gate(HttpLimits(max_connections=8))
@@ -176,6 +250,8 @@ def test_no_order_of_events_leaves_a_request_counted(seed: int) -> None:
         elif step < 0.6 and held_now:  # answered
             gate.end(c(conn))
             gate.idle(c(conn))
+        elif step < 0.65:
+            gate.forget_callers()
         elif step < 0.7:
             gate.distrust(c(conn))
         elif step < 0.85:
