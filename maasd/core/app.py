@@ -67,8 +67,9 @@ from maasd.metrics import (
     PlacementCollector,
     RuntimeCollector,
 )
+from maasd.models import ReleaseReason
 from maasd.settings import Settings
-from maasd.store import Store
+from maasd.store import BufferRow, Store
 from maasd.store.hotpath import HotPathCollector
 from maasd.topology import Topology, discover
 
@@ -150,7 +151,7 @@ class Service:
         self.demotions = Demotions(settings, store.tenants, regions, self.disk)
         releaser = Releaser(
             buffers, reserves, regions, self.attachments, live, holders, metrics,
-            on_entry_end=self.demotions.ended,
+            on_entry_end=self._entry_ended,
         )  # fmt: skip
         spill_fs = SpillFilesystems(settings.data_dir)
         checkpoints = Checkpoints(buffers, regions, live, metrics, spill_fs)
@@ -196,6 +197,12 @@ class Service:
             settings, buffers, reserves, regions, checkpoints, releaser, metrics,
             self.uses.flush,
         )  # fmt: skip
+
+    def _entry_ended(self, row: BufferRow, reason: ReleaseReason) -> None:
+        """An entry is being released, its region not yet dropped: an eviction may be
+        demoted to disk; any other end erases its copy on disk and its value in L2."""
+        self.demotions.ended(row, reason)
+        self.shared.ended(row, reason)
 
     def _tenant_deleted(self, tenant_id: str) -> None:
         """A tenant's delete, once its buffers are released: its entries on the disk tiers

@@ -1,6 +1,6 @@
 """The core's side of the shared prefix tier (docs/scale-out.md, "The L2 tier").
 
-Two hooks, both off the worker's hot path, and a tenant's end::
+Three hooks, all off the worker's hot path, and a tenant's end::
 
     commit        the entry's key and id go to the L2 tier's write-behind queue (never
                   waits; the writer thread reads the bytes later with Restores.read)
@@ -9,6 +9,10 @@ Two hooks, both off the worker's hot path, and a tenant's end::
                   round trip for all the keys, the value's checks, then the entry
                   materialised here like any put (quota, max_buffers, eviction) and the
                   lookup answered from memory
+    entry released unless evicted, the value in L2 it wrote (or was restored from)
+                  deleted later by the tier's writer thread, so that no lookup restores
+                  what was deleted or ended (maasd.l2.ends says which ends, and how a
+                  release racing its write-behind is handled); never waits for L2
     tenant deleted the tenant's values in L2 dropped (by the daemon that took the DELETE,
                   once the hosts released their share: a write-behind still queued on
                   one of them then finds its entry gone)
@@ -30,9 +34,9 @@ from maasd.core.restore import Restores
 from maasd.errors import ConfigError, DuplicateKey, MaasdError
 from maasd.l2 import open_tier
 from maasd.metrics import Metrics
-from maasd.models import Principal
+from maasd.models import Principal, ReleaseReason
 from maasd.settings import Settings
-from maasd.store import Database
+from maasd.store import BufferRow, Database
 
 if TYPE_CHECKING:
     from maasd.l2.tier import L2Tier
@@ -102,6 +106,17 @@ class Shared:
         if self._tier is not None:
             self._tier.drop_tenant(tenant_id)
 
+    def ended(self, row: BufferRow, reason: ReleaseReason) -> None:
+        """An entry is being released (the releaser's hook): unless evicted, the value it
+        wrote to L2, or was restored from, goes too — later, off this thread. Never
+        raises, never waits for L2."""
+        if self._tier is None:
+            return
+        try:
+            self._tier.ended(row.tenant_id, row.id, reason)
+        except Exception:  # a bug: the release goes on (the value then ages out of L2)
+            logger.exception("forgetting a released entry's L2 value failed")
+
     def fill(
         self, who: Principal, keys: list[str], attached: Container[str] = ()
     ) -> EntryHandle | None:
@@ -115,7 +130,7 @@ class Shared:
         fetched = None if tier is None else tier.fetch(tenant_id, keys)
         if tier is not None and fetched is not None:
             try:
-                self._restores.materialise(who, fetched.key, fetched.data)
+                restored = self._restores.materialise(who, fetched.key, fetched.data)
             except DuplicateKey:
                 pass  # restored (or being put) by another caller: the lookup finds it, or not
             except MaasdError as exc:  # no room here (quota, max_buffers, pool full …)
@@ -128,5 +143,6 @@ class Shared:
                 tier.counted("error")
                 logger.exception("restoring an entry found in L2 failed")
             else:
+                tier.restored(restored, tenant_id, fetched)
                 tier.counted("hit")
         return self._entries.lookup(who, keys, attached=attached)

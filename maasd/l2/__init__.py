@@ -7,8 +7,10 @@ format and the failure handling, and nothing of regions, ledgers or sockets.
 :mod:`.codec`            (pure) Redis key names per tenant; a value's header, its
                          checks (format, namespace, size, XXH3-128 checksum)
 :mod:`.breaker`          (pure) the circuit breaker
-:mod:`.queue`            the bounded write-behind queue
-:mod:`.client`           redis-py: a bounded connection pool, three Lua scripts
+:mod:`.queue`            the bounded write-behind queue (and its lane of deletes)
+:mod:`.ends`             (pure) the values this daemon's entries wrote, and which of
+                         them an entry's release deletes
+:mod:`.client`           redis-py: a bounded connection pool, five Lua scripts
 :mod:`.tier`             :class:`L2Tier`, what the core calls, and the writer thread
 :mod:`.metrics`          the ``maasd_l2_*`` series
 =======================  ===========================================================

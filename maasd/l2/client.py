@@ -7,6 +7,11 @@
   its last use moved to now — or its length only, when it passes the caller's bound
   (a script finds it; the longest key's value is read in the same round trip);
 * ``forget`` — drop a value the daemon refused, with its accounting;
+* ``delete`` — drop the value of a key if it is still the one this daemon wrote (or
+  restored an entry from): its entry was released, not evicted. Compared by the
+  value's checksum (:func:`maasd.l2.codec.digest`), read in the script — 16 bytes,
+  the value itself never passes through Lua — so that a newer value of the key, stored
+  by another host meanwhile, stays;
 * ``drop_tenant`` — drop all of a deleted tenant's values and its accounting, and mark
   it gone, so that a store still in flight from any host (tenant ids are never
   reused) is undone in its own atomic step rather than left with accounting that
@@ -33,7 +38,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from maasd.l2.codec import Keys
+from maasd.l2.codec import HEADER, SUM_AT, Keys
 
 __all__ = ["RedisL2", "redact"]
 
@@ -95,6 +100,21 @@ redis.call('ZREM', KEYS[2], KEYS[1])
 redis.call('HDEL', KEYS[3], KEYS[1])
 redis.call('DEL', KEYS[1])
 if n then redis.call('DECRBY', KEYS[4], n) end
+return 1
+"""
+
+#: KEYS: entry, lru, sizes, total; ARGV: a digest, its first and last offset in the value.
+#: → 1 if the entry's value had that digest and is deleted (with its accounting), else 0
+#: (none, another value, another type). Nothing here is refused when Redis is at
+#: maxmemory (only the accounting's DECRBY is, ignored then): a delete frees memory.
+_DELETE = """
+local sum = redis.pcall('GETRANGE', KEYS[1], ARGV[2], ARGV[3])
+if type(sum) ~= 'string' or sum ~= ARGV[1] then return 0 end
+local n = redis.pcall('HGET', KEYS[3], KEYS[1])
+redis.pcall('ZREM', KEYS[2], KEYS[1])
+redis.pcall('HDEL', KEYS[3], KEYS[1])
+redis.call('DEL', KEYS[1])
+if type(n) == 'string' then redis.pcall('DECRBY', KEYS[4], n) end
 return 1
 """
 
@@ -190,6 +210,7 @@ class RedisL2:
         self._redis = redis.Redis(connection_pool=pool)
         self._account = self._redis.register_script(_ACCOUNT)
         self._forget = self._redis.register_script(_FORGET)
+        self._delete = self._redis.register_script(_DELETE)
         self._drop_tenant = self._redis.register_script(_DROP_TENANT)
 
     def keys(self, tenant_id: str) -> Keys:
@@ -262,6 +283,16 @@ class RedisL2:
     def forget(self, tenant_id: str, key: str) -> None:
         k = self.keys(tenant_id)
         self._forget(keys=[k.entry(key), k.lru, k.sizes, k.bytes])
+
+    def delete(self, tenant_id: str, key: str, digest: bytes) -> bool:
+        """Drop the tenant's value of ``key`` if its checksum is ``digest`` (the value this
+        daemon wrote); whether it did (False: none, or another value, is there)."""
+        k = self.keys(tenant_id)
+        return bool(
+            self._delete(
+                keys=[k.entry(key), k.lru, k.sizes, k.bytes], args=[digest, SUM_AT, HEADER - 1]
+            )
+        )
 
     def drop_tenant(self, tenant_id: str, *, ttl_ms: int = 0) -> int:
         """Delete every value of the tenant and its accounting (it was deleted): how many

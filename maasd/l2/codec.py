@@ -34,8 +34,10 @@ __all__ = [
     "VERSION",
     "Keys",
     "Refused",
+    "SUM_AT",
     "checked",
     "decode",
+    "digest",
     "encode_into",
     "value_size",
 ]
@@ -46,6 +48,9 @@ VERSION = 1
 _FIXED = struct.Struct("<8sHHHHQ")
 _SUM_BYTES = 16
 HEADER = _FIXED.size + _SUM_BYTES
+#: Where a value's checksum lies (``SUM_AT`` to ``HEADER``): its identity, for a delete of
+#: that very value (:func:`digest`).
+SUM_AT = _FIXED.size
 
 #: Why a value read back is refused (the ``reason`` label of ``maasd_l2_refused``).
 REASONS = ("format", "namespace", "size", "checksum")
@@ -147,6 +152,16 @@ def checked(value: bytes | int | None, tenant_id: str, key: str, max_bytes: int)
     if isinstance(value, int):
         raise Refused("size", f"{value} bytes: more than this daemon reads back", keep=True)
     return decode(value, tenant_id, key, max_bytes)
+
+
+def digest(value: bytes | memoryview) -> bytes:
+    """The checksum field of ``value`` (one :func:`encode_into` wrote): what tells this
+    value from another under the same key (another host's write, a newer one), so that a
+    delete can drop this one only. Two values of the same tenant, key and bytes have the
+    same digest — the same value."""
+    if len(value) < HEADER:
+        raise ValueError("shorter than a header")
+    return bytes(value[SUM_AT:HEADER])
 
 
 def _checksum(fixed: bytes | memoryview, rest: memoryview) -> bytes:

@@ -75,7 +75,7 @@ class L2Metrics:
         )
         self.seconds = Histogram(
             "maasd_l2_seconds",
-            "Time of one L2 request, by op (fetch, store), failures included",
+            "Time of one L2 request, by op (fetch, store, delete), failures included",
             ["op"],
             buckets=L2_BUCKETS,
             registry=r,
@@ -86,9 +86,27 @@ class L2Metrics:
         self.breaker_trips = Counter(
             "maasd_l2_breaker_trips", "Times the L2 circuit breaker opened", registry=r
         )
+        self._queues(r)
+
+    def _queues(self, r: CollectorRegistry) -> None:
+        """The write-behind queue's series, and the deletes'."""
+        self.deletes = Counter(
+            "maasd_l2_deletes",
+            "Deletes of the values that released entries wrote (any release but an "
+            "eviction), by outcome: deleted, absent (gone already, or another value there "
+            "now: left), error (the call failed; tried again), given_up (after its tries: "
+            "the value ages out), queue_full, shutdown (still queued when the daemon stopped)",
+            ["outcome"],
+            registry=r,
+        )
         self.queued = Gauge(
             "maasd_l2_queue_entries", "Committed entries waiting to be written to L2", registry=r
         )
         self.queued_bytes = Gauge(
             "maasd_l2_queue_bytes", "Bytes of the entries waiting to be written", registry=r
+        )
+        self.queued_deletes = Gauge(
+            "maasd_l2_delete_queue_entries",
+            "Deletes of released entries' values waiting for L2",
+            registry=r,
         )

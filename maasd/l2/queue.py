@@ -13,7 +13,13 @@ flooder's writes, not for all of its backlog.
 
 A tenant deleted (:meth:`WriteQueue.drop_tenant`) has its jobs taken out, and is
 remembered: its further offers are refused, and the writer drops what it was storing
-for it (:meth:`WriteQueue.deleted`).
+for it (:meth:`WriteQueue.deleted`). An entry released before its turn has its job taken
+out (:meth:`WriteQueue.drop_buffer`).
+
+Deletes — of the values that released entries wrote (:mod:`maasd.l2.ends`) — wait in a
+lane of their own, bounded by ``max_deletes``, and go first: a delete is one small
+round trip, and a flood of writes must not hold it back (nor a full write queue refuse
+it).
 """
 
 from __future__ import annotations
@@ -31,21 +37,27 @@ TENANT_SHARE = 0.5
 @dataclass(frozen=True, slots=True)
 class Job:
     """Write the committed entry ``buffer_id`` (``size`` bytes) to L2 under its tenant and
-    key; or, with ``forget``, drop the value L2 holds under them (it was refused)."""
+    key; or, with ``forget``, drop the value L2 holds under them (it was refused); or,
+    with a ``digest``, drop that value only if it is still there (its entry was released;
+    ``tries``: the calls that failed so far)."""
 
     tenant_id: str
     key: str
     buffer_id: str = ""
     size: int = 0
     forget: bool = False
+    digest: bytes = b""
+    tries: int = 0
 
 
 class WriteQueue:
     """Thread-safe; :meth:`offer` never waits. FIFO per tenant, round-robin across them."""
 
-    def __init__(self, max_entries: int, max_bytes: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int, max_deletes: int = 4096) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
+        self.max_deletes = max_deletes
+        self._deletes: collections.deque[Job] = collections.deque()
         self.tenant_entries = max(1, int(max_entries * TENANT_SHARE))
         self.tenant_bytes = max(1, int(max_bytes * TENANT_SHARE))
         # tenant → its jobs; the dict's order is the round-robin's (a tenant served goes last)
@@ -64,6 +76,10 @@ class WriteQueue:
     @property
     def bytes(self) -> int:
         return self._total
+
+    @property
+    def deletes(self) -> int:
+        return len(self._deletes)
 
     def offer(self, job: Job) -> bool:
         """Queue ``job`` if it fits both bounds and its tenant's share of them (and the
@@ -91,12 +107,28 @@ class WriteQueue:
             self._cond.notify()
             return True
 
-    def take(self, timeout: float) -> Job | None:
-        """The next job (the oldest of the tenant whose turn it is), waiting up to
-        ``timeout`` s for one; None if none came (or closed)."""
+    def offer_delete(self, job: Job, *, first: bool = False) -> bool:
+        """Queue a delete (``job.digest``) in its lane, last — or ``first`` (one tried
+        again); False if the lane is full or the queue closed."""
         with self._cond:
-            if not self._count and not self._closed:
+            if self._closed or len(self._deletes) >= self.max_deletes:
+                return False
+            if first:
+                self._deletes.appendleft(job)
+            else:
+                self._deletes.append(job)
+            self._cond.notify()
+            return True
+
+    def take(self, timeout: float, *, deletes: bool = True) -> Job | None:
+        """The next job — a delete first, if ``deletes`` (L2 is answering), else the oldest
+        write of the tenant whose turn it is — waiting up to ``timeout`` s for one; None
+        if none came (or closed)."""
+        with self._cond:
+            if not self._count and not (deletes and self._deletes) and not self._closed:
                 self._cond.wait(timeout)
+            if deletes and self._deletes:
+                return self._deletes.popleft()
             if not self._count:
                 return None
             tenant = next(iter(self._jobs))
@@ -120,15 +152,34 @@ class WriteQueue:
             self._total -= self._bytes.pop(tenant_id, 0)
             return len(mine)
 
+    def drop_buffer(self, tenant_id: str, buffer_id: str) -> bool:
+        """The entry ``buffer_id`` was released: its write taken out; whether one was queued."""
+        with self._cond:
+            mine = self._jobs.get(tenant_id)
+            job = next((j for j in mine or () if j.buffer_id == buffer_id and not j.forget), None)
+            if mine is None or job is None:
+                return False
+            mine.remove(job)
+            if mine:
+                self._bytes[tenant_id] -= job.size
+            else:
+                del self._jobs[tenant_id], self._bytes[tenant_id]
+            self._count -= 1
+            self._total -= job.size
+            return True
+
     def deleted(self, tenant_id: str) -> bool:
         """Whether the tenant was deleted (:meth:`drop_tenant`)."""
         return tenant_id in self._deleted
 
     def close(self) -> list[Job]:
-        """Refuse further jobs, wake the taker; returns the jobs left (not to be done)."""
+        """Refuse further jobs, wake the taker; returns the jobs left (not to be done),
+        the deletes among them."""
         with self._cond:
             self._closed = True
             left = [job for jobs in self._jobs.values() for job in jobs]
+            left.extend(self._deletes)
+            self._deletes.clear()
             self._jobs.clear()
             self._bytes.clear()
             self._count = self._total = 0

@@ -1,7 +1,7 @@
 """The shared prefix tier: what the core asks of L2, and the thread that writes behind.
 
 The core (:mod:`maasd.core.shared`) makes one :class:`L2Tier` when ``l2_url`` is set and
-calls it at two places:
+calls it at three places:
 
 * a committed entry → :meth:`L2Tier.write_behind` (never waits: a bounded queue, a job
   that does not fit is dropped and counted); the writer thread reads the entry's bytes
@@ -10,6 +10,9 @@ calls it at two places:
 * a local lookup miss → :meth:`L2Tier.fetch` (one round trip for all of the lookup's
   keys, the longest that L2 holds wins), which returns the entry's bytes only once the
   codec's checks pass.
+* an entry released → :meth:`L2Tier.ended`: unless it was evicted, the value it wrote
+  (or was restored from) is deleted from L2 — by the writer thread, never the caller —
+  and a write of it still queued is dropped (:mod:`maasd.l2.ends`).
 
 Neither ever raises for L2's sake: a failure, a timeout (``l2_timeout_s``) or a refused
 value is counted and answered as "nothing". After ``l2_breaker_failures`` failures in a
@@ -46,6 +49,7 @@ from prometheus_client import CollectorRegistry
 from maasd.errors import ConfigError
 from maasd.l2 import codec
 from maasd.l2.breaker import Breaker, TenantBreakers
+from maasd.l2.ends import Ends, Written
 from maasd.l2.metrics import L2Metrics
 from maasd.l2.queue import Job, WriteQueue
 
@@ -57,6 +61,9 @@ __all__ = ["Fetched", "L2Tier", "Source"]
 
 logger = logging.getLogger("maasd.l2")
 
+#: Calls of a delete that may fail before it is given up (the value then ages out).
+DELETE_TRIES = 5
+
 #: ``source(buffer_id, tenant_id, key, head)``: a bytearray of ``head`` free bytes and then
 #: the committed entry's bytes, or None if that entry is gone (released, not that key).
 Source = Callable[[str, str, str, int], "bytearray | None"]
@@ -64,10 +71,12 @@ Source = Callable[[str, str, str, int], "bytearray | None"]
 
 @dataclass(frozen=True, slots=True)
 class Fetched:
-    """An entry read back from L2 and checked: ``data`` is a view of the value's bytes."""
+    """An entry read back from L2 and checked: ``data`` is a view of the value's bytes,
+    ``digest`` the value's identity (:func:`maasd.l2.codec.digest`)."""
 
     key: str
     data: memoryview
+    digest: bytes = b""
 
 
 class _Judged:
@@ -135,7 +144,67 @@ class _Judged:
         self.metrics.breaker_open.set(0)
 
 
-class L2Tier(_Judged):
+class _Deletes(_Judged):
+    """The deletes of the values that released entries wrote (:mod:`maasd.l2.ends`): queued
+    in the write-behind queue's lane of their own, done by the writer thread while the
+    host's breaker is closed (a failed one is tried again, up to :data:`DELETE_TRIES`
+    calls). A release never waits for one, and never fails for one."""
+
+    ends: Ends
+    queue: WriteQueue
+
+    def ended(self, tenant_id: str, buffer_id: str, reason: str) -> None:
+        """The entry ``buffer_id`` is being released for ``reason`` (the core's release
+        hook, before its region goes): a write of it still queued is dropped, and unless
+        it was evicted, the value it wrote (or was restored from) is deleted later."""
+        value = self.ends.ended(buffer_id, reason)
+        if self.queue.drop_buffer(tenant_id, buffer_id):
+            self.ends.withdrawn(buffer_id)
+            self.metrics.dropped.labels(reason="gone").inc()
+            self._queue_gauges()
+        if value is not None:
+            self._delete_later(value)
+
+    def restored(self, buffer_id: str, tenant_id: str, fetched: Fetched) -> None:
+        """The entry ``buffer_id`` was restored here from the value ``fetched``."""
+        self.ends.restored(buffer_id, Written(tenant_id, fetched.key, fetched.digest, True))
+
+    def _delete_later(self, value: Written, tries: int = 0) -> None:
+        job = Job(value.tenant_id, value.key, digest=value.digest, tries=tries)
+        if not self.queue.offer_delete(job, first=tries > 0):
+            self.metrics.deletes.labels(outcome="queue_full").inc()
+        self._queue_gauges()
+
+    def _delete(self, job: Job) -> None:
+        m = self.metrics
+        if not self.breaker.allow():  # opened since it was taken: it waits for L2
+            if not self.queue.offer_delete(job, first=True):
+                m.deletes.labels(outcome="queue_full").inc()
+            return
+        started = time.perf_counter()
+        try:
+            deleted = self.client.delete(job.tenant_id, job.key, job.digest)
+        except self._errors as exc:
+            m.seconds.labels(op="delete").observe(time.perf_counter() - started)
+            self._failed("delete", exc)
+            m.deletes.labels(outcome="error").inc()
+            if job.tries + 1 < DELETE_TRIES:
+                self._delete_later(Written(job.tenant_id, job.key, job.digest), job.tries + 1)
+            else:
+                m.deletes.labels(outcome="given_up").inc()
+            return
+        m.seconds.labels(op="delete").observe(time.perf_counter() - started)
+        self._succeeded()
+        self.ends.settled(job.digest)
+        m.deletes.labels(outcome="deleted" if deleted else "absent").inc()
+
+    def _queue_gauges(self) -> None:
+        self.metrics.queued.set(self.queue.entries)
+        self.metrics.queued_bytes.set(self.queue.bytes)
+        self.metrics.queued_deletes.set(self.queue.deletes)
+
+
+class L2Tier(_Deletes):
     """One daemon's L2: the client, the breaker, the write-behind queue and its thread."""
 
     def __init__(
@@ -160,6 +229,7 @@ class L2Tier(_Judged):
         self.breaker = Breaker(settings.l2_breaker_failures, settings.l2_breaker_backoff_s)
         self.tenants = TenantBreakers(settings.l2_breaker_failures, settings.l2_breaker_backoff_s)
         self.queue = WriteQueue(settings.l2_queue_entries, settings.l2_queue_bytes)
+        self.ends = Ends()
         self.client = client or _connect(settings)
         #: errors of a call to L2 that count against it (redis-py's, the socket's)
         self._errors = self.client.errors
@@ -205,12 +275,17 @@ class L2Tier(_Judged):
             if not refused.keep:
                 self.queue.offer(Job(tenant_id, key, forget=True))
             return None
-        return Fetched(key, data)
+        digest = codec.digest(value) if isinstance(value, bytes) else b""
+        if self.ends.deleting(digest):  # its entry here was deleted, its delete not done
+            m.lookups.labels(outcome="miss").inc()
+            return None
+        return Fetched(key, data, digest)
 
     def drop_tenant(self, tenant_id: str) -> None:
         """A deleted tenant's values dropped, in one call (skipped if L2 fails: they age out),
         and its writes queued or being stored (:meth:`_write`) with them."""
         self.metrics.dropped.labels(reason="gone").inc(self.queue.drop_tenant(tenant_id))
+        self.ends.drop_tenant(tenant_id)
         try:
             if self.breaker.allow():
                 self.client.drop_tenant(tenant_id, ttl_ms=self._ttl_ms)
@@ -237,7 +312,10 @@ class L2Tier(_Judged):
             self.metrics.skipped_writes.labels(reason="over_value_limit").inc()
         elif not self.breaker.ready() or not self.tenants.ready(tenant_id):
             dropped.labels(reason="breaker_open").inc()
+        elif not self.ends.offered(tenant_id, buffer_id):
+            dropped.labels(reason="gone").inc()  # released before its commit hook ran
         elif not self.queue.offer(Job(tenant_id, key, buffer_id, size)):
+            self.ends.withdrawn(buffer_id)
             dropped.labels(reason="queue_full").inc()
         self._queue_gauges()
 
@@ -251,8 +329,9 @@ class L2Tier(_Judged):
         """Stop the writer (the jobs still queued are dropped), close the connections."""
         self._stop.set()
         left = self.queue.close()
-        if left:
-            self.metrics.dropped.labels(reason="shutdown").inc(len(left))
+        deletes = sum(1 for job in left if job.digest)
+        self.metrics.dropped.labels(reason="shutdown").inc(len(left) - deletes)
+        self.metrics.deletes.labels(outcome="shutdown").inc(deletes)
         if self._thread is not None:
             self._thread.join(timeout=5 * self._timeout + 1)
         self.client.close()
@@ -260,11 +339,13 @@ class L2Tier(_Judged):
     def _run(self) -> None:
         idle = min(1.0, max(0.05, self.breaker.backoff_s / 2))
         while not self._stop.is_set():
-            job = self.queue.take(idle)
+            job = self.queue.take(idle, deletes=self.breaker.closed)
             self._queue_gauges()
             try:
                 if job is None:
                     self._probe()
+                elif job.digest:
+                    self._delete(job)
                 elif job.forget:
                     self._forget(job)
                 else:
@@ -273,19 +354,35 @@ class L2Tier(_Judged):
                 logger.exception("L2 writer failed on a job")
 
     def _write(self, job: Job) -> None:
+        """Store ``job``'s entry, then (its store done) delete the value again if the entry
+        was released meanwhile (:mod:`maasd.l2.ends`)."""
+        left = None
+        try:
+            left = self._store(job)
+        finally:
+            value = self.ends.stored(job.buffer_id, left)
+            if value is not None:
+                self._delete_later(value)
+
+    def _store(self, job: Job) -> Written | None:
+        """Store ``job``'s entry; the value it may have left in L2 (None: none)."""
         dropped = self.metrics.dropped
         t = job.tenant_id
+        if not self.ends.wanted(job.buffer_id):  # released since it was queued
+            dropped.labels(reason="gone").inc()
+            return None
         if not self._allow(t):
             dropped.labels(reason="breaker_open").inc()
-            return
+            return None
         head = codec.value_size(t, job.key, 0)
         buf = self._source(job.buffer_id, t, job.key, head)
         if buf is None:
             self.breaker.release()
             self.tenants.release(t)
             dropped.labels(reason="gone").inc()
-            return
+            return None
         value = codec.encode_into(buf, t, job.key)
+        written = Written(t, job.key, codec.digest(value))
         timeout = self._timeout + len(value) / self._rate
         started = time.perf_counter()
         try:
@@ -297,22 +394,23 @@ class L2Tier(_Judged):
             self._failed_for(t, "store", exc, timeout)
             self.metrics.writes.labels(outcome="error").inc()
             dropped.labels(reason="error").inc()
-            return
+            return written  # a timed-out store may still land
         self.metrics.seconds.labels(op="store").observe(time.perf_counter() - started)
         self._succeeded(t)
         if evicted == codec.GONE:  # deleted (by any host) before the store landed: undone
             dropped.labels(reason="gone").inc()
-            return
+            return None
         if self.queue.deleted(t):  # its tenant deleted as it was stored: the drop missed it
             self.drop_tenant(t)
             dropped.labels(reason="gone").inc()
-            return
+            return None
         if evicted < 0:
             dropped.labels(reason="too_large").inc()
-            return
+            return None
         self.metrics.writes.labels(outcome="ok").inc()
         self.metrics.bytes_out.inc(len(value))
         self.metrics.evicted.inc(evicted)
+        return written
 
     def _forget(self, job: Job) -> None:
         if not self.breaker.allow():
@@ -334,10 +432,6 @@ class L2Tier(_Judged):
             self._failed("ping", exc)
         else:
             self._succeeded()
-
-    def _queue_gauges(self) -> None:
-        self.metrics.queued.set(self.queue.entries)
-        self.metrics.queued_bytes.set(self.queue.bytes)
 
 
 def _connect(settings: Settings) -> RedisL2:

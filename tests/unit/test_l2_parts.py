@@ -352,6 +352,14 @@ class FakeL2:
         self.not_strings.discard((tenant_id, key))
         self.forgotten.append(key)
 
+    def delete(self, tenant_id: str, key: str, digest: bytes) -> bool:
+        self._call()
+        value = self.values.get((tenant_id, key))
+        if value is None or codec.digest(value) != digest:
+            return False
+        del self.values[(tenant_id, key)]
+        return True
+
     def drop_tenant(self, tenant_id: str, *, ttl_ms: int = 0) -> int:
         self._call()
         assert ttl_ms > 0
