@@ -124,6 +124,7 @@ def create_app(
     # the GET's authentication: load balancers probe /healthz with it (maasd.serving).
     app.asgi_handler = head_as_get(one_segment_per_id(app.asgi_handler))
     ctx.query_names.update(_query_names(app))
+    ctx.bodiless.update(_bodiless(app))
     return app
 
 
@@ -136,3 +137,14 @@ def _query_names(app: Litestar) -> dict[int, frozenset[str]]:
                 params = kwargs_model.expected_query_params
                 names[id(handler)] = frozenset(p.field_alias for p in params)
     return names
+
+
+def _bodiless(app: Litestar) -> set[int]:
+    """The route handlers that take no request body (no ``data``, no ``body``)."""
+    ids: set[int] = set()
+    for route in app.routes:
+        if isinstance(route, HTTPRoute):
+            for handler, kwargs_model in route.route_handler_map.values():
+                if not {"data", "body"} & set(kwargs_model.expected_reserved_kwargs):
+                    ids.add(id(handler))
+    return ids

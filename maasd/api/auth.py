@@ -36,7 +36,9 @@ from litestar.connection import ASGIConnection, Request
 from litestar.handlers import BaseRouteHandler
 
 from maasd.api.health import Healthz
+from maasd.api.schemas import NoBody
 from maasd.api.server import begin, distrust, trust
+from maasd.api.strict import JSON, decode
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.errors import Forbidden, InvalidRequest, Unauthorized
 from maasd.metrics import Metrics
@@ -239,6 +241,9 @@ class ApiContext:
     #: The query parameters each /v1 route handler takes (by ``id``), filled once the app
     #: is built (:func:`maasd.api.app.create_app`); any other is refused, 400.
     query_names: dict[int, frozenset[str]] = field(default_factory=dict)
+    #: The /v1 route handlers (by ``id``) that take no body: one sent is read and held to
+    #: what a route that takes none accepts (:func:`_no_body`).
+    bodiless: set[int] = field(default_factory=set)
 
     def is_metrics_key(self, token: str | None) -> bool:
         """Whether ``token`` is the metrics key, compared in constant time."""
@@ -332,6 +337,8 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     elif role == "tenant":
         require_tenant(who)  # the admin key (which owns no buffers) gets 403
     _known_query(ctx, request)
+    if id(request.route_handler) in ctx.bodiless and _carries_body(request):
+        await _no_body(request)
     request.state.principal = who
     name = caller_name(who)
     # At its share of requests in progress (bodies arriving, answers unread), the caller
@@ -356,6 +363,30 @@ def _known_query(ctx: ApiContext, request: Request[Any, Any, Any]) -> None:
     if unknown:
         takes = ", ".join(sorted(allowed)) if allowed else "none"
         raise InvalidRequest(f"unknown query parameter {unknown[0]!r} (this route takes: {takes})")
+
+
+def _carries_body(request: Request[Any, Any, Any]) -> bool:
+    """Whether the request says a body follows (most carry neither header: no cost)."""
+    headers = request.headers
+    length = headers.get("content-length")
+    return (length is not None and length.strip() != "0") or "transfer-encoding" in headers
+
+
+async def _no_body(request: Request[Any, Any, Any]) -> None:
+    """:class:`InvalidRequest` unless the body of a route that takes none is what such a
+    route accepts (docs/api.md): nothing, ``{}`` or ``null``, as ``application/json``.
+    Before, a ``DELETE`` with ``{"x": 1}``, with text that is not JSON or with a
+    ``text/plain`` body was carried out (204) where a ``POST`` that takes no body refused
+    the same (400): a client's mistaken request must change nothing (invariant 7)."""
+    raw = await request.body()  # at most the app's request_max_body_size
+    if not raw.strip():
+        return
+    media = request.content_type[0]
+    if media != JSON:
+        raise InvalidRequest(
+            f"this route takes no body; expected none or an {JSON} {{}}, got {media or 'no content type'}"
+        )
+    decode(raw, NoBody | None)  # type: ignore[arg-type]
 
 
 async def may_read_metrics(

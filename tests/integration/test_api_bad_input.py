@@ -185,6 +185,56 @@ def test_delete_pool_bad_drain(daemon: Daemon, victim, drain: str) -> None:
     assert snapshot(daemon, c, held["id"]) == before
 
 
+#: Bodies a route that takes none refuses: a field, not JSON, JSON of another kind, or
+#: any of them sent as something other than JSON.
+NOT_NO_BODY = [
+    ("field", Raw(b'{"x": 1}')),
+    ("not-json", Raw(b"not json at all")),
+    ("array", Raw(b"[]")),
+    ("number", Raw(b"0")),
+    ("text-plain", Raw(b'{"x":1}', "text/plain")),
+    ("empty-object-as-text", Raw(b"{}", "text/plain")),
+    ("no-content-type", Raw(b"{}", None)),
+]
+
+
+@pytest.mark.parametrize("body", [b for _, b in NOT_NO_BODY], ids=[c for c, _ in NOT_NO_BODY])
+def test_a_route_that_takes_no_body_refuses_one_and_changes_nothing(
+    daemon: Daemon, victim, body: Raw
+) -> None:
+    """A DELETE (or GET) with a body that is not what a bodiless route accepts is a 400,
+    and is not carried out: before, each of these DELETEs answered 204 and deleted."""
+    tid, c, held = victim
+    issued = daemon.admin.post(f"/v1/tenants/{tid}/keys").json()
+    kid = issued["id"]
+    before = snapshot(daemon, c, held["id"])
+    for client, method, path in [
+        (c, "DELETE", f"/v1/buffers/{held['id']}"),
+        (c, "GET", f"/v1/buffers/{held['id']}"),
+        (c, "GET", "/v1/buffers"),
+        (daemon.admin, "DELETE", f"/v1/tenants/{tid}/keys/{kid}"),
+        (daemon.admin, "DELETE", "/v1/pools/node0"),
+        (daemon.admin, "DELETE", f"/v1/tenants/{tid}"),
+    ]:
+        r = send(client, method, path, body)
+        problem = assert_problem_4xx(r)
+        assert r.status_code == 400, (method, path, problem)
+        assert problem["type"].endswith("/invalid-request")
+    assert snapshot(daemon, c, held["id"]) == before
+    with daemon.client(issued["api_key"]) as other:
+        assert other.get("/v1/usage").status_code == 200  # the key is not revoked
+    assert daemon.admin.delete(f"/v1/tenants/{tid}/keys/{kid}").status_code == 204
+
+
+@pytest.mark.parametrize("body", [Raw(b""), Raw(b"{}"), Raw(b"null"), Raw(b" { } ")])
+def test_a_route_that_takes_no_body_accepts_none_an_empty_object_or_null(victim, body: Raw) -> None:
+    _, c, _ = victim
+    made = c.post("/v1/reserve", json={"size_bytes": 4096}).json()
+    r = send(c, "DELETE", f"/v1/buffers/{made['id']}", body)
+    assert r.status_code == 204, r.text
+    assert c.get(f"/v1/buffers/{made['id']}").status_code == 404
+
+
 @pytest.mark.parametrize("buffer_id", ["x" * 5000, "%00", "..%2f..%2fetc", "' OR 1=1 --", "∞"])
 def test_odd_ids_are_404(daemon: Daemon, victim, buffer_id: str) -> None:
     _, c, held = victim
