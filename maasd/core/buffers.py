@@ -147,7 +147,14 @@ class Buffers:
         # A lease that has ended is over (the reaper releases it at its next pass), unless
         # a lookup hit extended it in memory and it is not written yet.
         alive_after = 0.0 if self._pending_lease(buffer_id) > now else now
-        return buffer_info(self._buffer_rows.renew(buffer_id, tenant_id, expires, alive_after))
+        row = self._buffer_rows.renew(buffer_id, tenant_id, expires, alive_after)
+        # The lease is what the tenant asked for now, even shorter: a lookup hit's extension
+        # remembered before it must not be written over it, and later hits extend it by
+        # the new lease (a hit that raced the renew is ordered before it).
+        if self._uses is not None:
+            self._uses.forget_lease(buffer_id)
+        self._regions.set_ttl(buffer_id, max(1, round(expires - now)))
+        return buffer_info(row)
 
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:
         """Write a persistent buffer to its pool's spill dir; :class:`StateConflict` if volatile."""

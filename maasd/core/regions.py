@@ -126,6 +126,13 @@ class Regions:
             raise StateConflict(f"buffer {buffer_id} is not live")
         return region
 
+    def set_ttl(self, buffer_id: str, ttl_s: int) -> None:
+        """The lease a lookup hit extends the buffer to from now on (a renew's)."""
+        with self._lock:
+            held = self._held.get(buffer_id)
+            if held is not None:
+                held.ttl_s = ttl_s
+
     def buffer_ids(self) -> list[str]:
         """The buffers whose regions this process holds."""
         with self._lock:

@@ -45,6 +45,12 @@ class UseBatch:
         with self._lock:
             return self._leases.get(buffer_id)
 
+    def forget_lease(self, buffer_id: str) -> None:
+        """Drop the lease extension remembered for the buffer: a renew has just written its
+        lease, and the older extension, written later, would undo a shorter one."""
+        with self._lock:
+            self._leases.pop(buffer_id, None)
+
     def take(self) -> tuple[dict[str, float], dict[str, float]]:
         """The uses and lease extensions remembered so far, forgotten here (the caller
         writes them)."""

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from maasd.client import ConnectionFailed, Unauthorized, Worker
+from maasd.client import ConnectionFailed, Scratch, Unauthorized, Worker
 from waiting import wait_until
 
 if TYPE_CHECKING:
@@ -84,6 +84,33 @@ def test_renew_over_the_socket_extends_the_lease(daemon) -> None:
         time.sleep(1.6)
         assert user.get(f"/v1/buffers/{buf['id']}").status_code == 200
     assert user.delete(f"/v1/buffers/{buf['id']}").status_code == 204
+    user.close()
+
+
+@pytest.mark.parametrize("via", ["rest", "socket"])
+def test_a_shorter_renew_after_a_lookup_hit_holds(daemon, via: str) -> None:
+    """A lookup hit extends an entry's lease in memory (batched); a renew to a shorter
+    lease after it is what holds. Before, the hit's extension was written later, over the
+    renew: the entry lived on for its old lease."""
+    _, key = daemon.tenant(f"shorter-{via}", 64 * MiB)
+    user = daemon.client(key)
+    with Worker(daemon.socket_path, key, renew_interval_s=0) as w, Scratch(MiB) as s:
+        s.array[:] = 7
+        entry = w.publish("prefix", s, MiB, ttl_s=600)
+        hit = w.lookup(["prefix"])
+        assert hit is not None
+        hit.close()
+        w.forget(entry.id)
+        if via == "rest":
+            r = user.post(f"/v1/buffers/{entry.id}/renew", json={"ttl_s": 1})
+            assert r.status_code == 200, r.text
+        else:
+            w.renew(entry.id, ttl_s=1)
+        wait_until(
+            lambda: user.get(f"/v1/buffers/{entry.id}").status_code == 404,
+            timeout=10.0,
+            message="the entry outlived the lease its renew set",
+        )
     user.close()
 
 
