@@ -341,9 +341,12 @@ def _commit(call: Call, req: Commit) -> Outcome:
 
 def _publish(call: Call, req: Publish) -> Outcome:
     if len(call.fds) != 1:
+        # More than one fd is discarded as it arrives (maasd.broker.inbound): the frame
+        # sees none, and the answer cannot tell how many there were.
         raise errors.InvalidRequest(
-            f"publish needs the writer's memfd sent with its frame (SCM_RIGHTS), got "
-            f"{len(call.fds)} fds"
+            "publish needs exactly one fd, the writer's memfd, sent with its frame "
+            "(SCM_RIGHTS); this frame came with none the daemon kept (none was sent, more "
+            "than one was — all closed unread —, or it came apart from the frame's bytes)"
         )
     made = call.service.publishes.publish(
         call.principal, req.key, call.fds[0], req.size_bytes, req.pool, req.ttl_s

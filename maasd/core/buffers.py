@@ -105,7 +105,7 @@ class Buffers:
     def buffers(
         self, who: Principal, tenant_id: str | None = None, *, held: bool = False
     ) -> list[BufferInfo]:
-        """The caller's live buffers; the admin's: everyone's, or ``tenant_id``'s (id or name).
+        """The caller's live buffers and staged entries; the admin's: everyone's, or ``tenant_id``'s (id or name).
         ``held`` (admin only): the released entries some process still holds, and who."""
         if held:
             require_admin(who)
@@ -118,7 +118,9 @@ class Buffers:
             tenant_id = row.id
         if held:
             return held_infos(self._buffer_rows, self._holders, tenant_id)
-        return [buffer_info(r) for r in self._buffer_rows.buffers(tenant_id=tenant_id)]
+        # what usage counts and GET /v1/buffers/{id} answers: a put entry too, until its commit
+        rows = self._buffer_rows.buffers(tenant_id=tenant_id, states=("live", "staged"))
+        return [buffer_info(r) for r in rows]
 
     def buffer(self, who: Principal, buffer_id: str) -> BufferInfo:
         """One buffer, with its ``placement`` as the kernel reports it now (pages per node)."""

@@ -148,6 +148,22 @@ def test_reserve_by_pool_name_and_id_then_the_buffer_lifecycle(tenant):
         c.metrics()  # the admin key or the metrics key only
 
 
+def test_a_put_entry_is_listed_staged_until_its_commit(daemon, tenant):
+    """What the usage counts, the list shows: a put entry (staged) as well as live ones."""
+    _, key, c = tenant
+    with Worker(daemon.socket_path, key, renew_interval_s=0) as w:
+        m = w.put("listed", 4096)
+        assert [(b.id, b.state) for b in c.buffers()] == [(m.buffer_id, "staged")]
+        assert c.usage().buffers == 1
+        w.commit(m)
+        assert [(b.id, b.state) for b in c.buffers()] == [(m.buffer_id, "live")]
+        aborted = w.put("aborted", 4096)
+        w.abort(aborted)
+        assert [b.id for b in c.buffers()] == [m.buffer_id]
+        c.release(m.buffer_id)
+    assert c.buffers() == []
+
+
 def test_admin_helpers(daemon, admin):
     name = f"adm-{uuid.uuid4().hex[:6]}"
     t = admin.create_tenant(name, 32 * MiB)

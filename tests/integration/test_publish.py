@@ -153,8 +153,8 @@ def test_fds_that_are_no_readable_memfd_answer_400_and_change_nothing(daemon, te
     on_disk = os.open(__file__, os.O_RDONLY)  # a file of the checkout's file system
     write_only = os.open(f"/proc/self/fd/{memfd}", os.O_WRONLY)
     cases = {
-        "no fd": ([], "fds"),
-        "two fds": ([memfd, memfd], "fds"),
+        "no fd": ([], "exactly one fd"),
+        "two fds": ([memfd, memfd], "more than one was"),
         "a pipe": ([pipe_r], "not a regular file"),
         "a file on disk": ([on_disk], "no seals"),
         "a write-only re-open": ([write_only], "writing only"),
@@ -198,7 +198,7 @@ def test_fds_that_come_with_another_frame_or_mid_frame_are_closed_unread(daemon,
         reply, fds = r.recv()
         assert fds == []
         if isinstance(reply, Error):
-            assert (reply.status, "got 0 fds" in reply.detail) == (400, True), reply
+            assert (reply.status, "exactly one fd" in reply.detail) == (400, True), reply
         else:
             assert isinstance(reply, Published), reply
         # a publish after all that is served, with its own fd
