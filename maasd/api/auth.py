@@ -337,13 +337,13 @@ async def authenticated(request: Request[Any, Any, Any]) -> None:
     elif role == "tenant":
         require_tenant(who)  # the admin key (which owns no buffers) gets 403
     _known_query(ctx, request)
-    if id(request.route_handler) in ctx.bodiless and _carries_body(request):
-        await _no_body(request)
     request.state.principal = who
     name = caller_name(who)
     # At its share of requests in progress (bodies arriving, answers unread), the caller
     # gets a 507 for this one, unread, and its connection is closed (server.begin).
     begin(state, name)
+    if id(request.route_handler) in ctx.bodiless and _carries_body(request):
+        await _no_body(request)  # read once counted: a body trickled to it is busy too
     if ctx.auth.generation == generation:
         # (else a key was revoked while this one was checked in a thread: the revocation's
         # Gate.revoked may have come by already; the connection is kept from its next request)
