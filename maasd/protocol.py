@@ -251,11 +251,14 @@ class Welcome(msgspec.Struct, tag="welcome", tag_field="op", frozen=True):
 
 
 class Attached(msgspec.Struct, tag="attached", tag_field="op", frozen=True):
-    """Answer to :class:`Attach`; the memfd travels in the same ``sendmsg``."""
+    """Answer to :class:`Attach`; the memfd travels in the same ``sendmsg``. ``ttl_s`` is
+    the lease the buffer was reserved with, what a worker renews it to while it is
+    attached (0 from a daemon older than it)."""
 
     buffer_id: str
     size_bytes: int
     numa_node: int
+    ttl_s: int = 0
 
 
 class Found(msgspec.Struct, tag="found", tag_field="op", frozen=True):

@@ -162,6 +162,7 @@ class FakeHandle:
     size_bytes: int
     numa_node: int
     key: str = ""
+    ttl_s: int = 0
 
 
 class FakeService:

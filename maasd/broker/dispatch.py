@@ -89,6 +89,13 @@ class Handle(Protocol):
     def numa_node(self) -> int: ...
 
 
+class AttachHandle(Handle, Protocol):
+    """A buffer's handle for ``attach``: with the lease it was reserved with."""
+
+    @property
+    def ttl_s(self) -> int: ...
+
+
 class EntryHit(Handle, Protocol):
     @property
     def key(self) -> str: ...
@@ -114,7 +121,7 @@ class KeyChecks(Protocol):
 class HandleDesk(Protocol):
     """:class:`maasd.core.handles.Handles`: a buffer's handle, given and given back."""
 
-    def open(self, principal: Principal, buffer_id: str, /) -> Handle: ...
+    def open(self, principal: Principal, buffer_id: str, /) -> AttachHandle: ...
     def drop(self, principal: Principal, buffer_id: str, /) -> None: ...
 
 
@@ -284,7 +291,10 @@ class Op:
 def _attach(call: Call, req: Attach) -> Outcome:
     handle = call.service.handles.open(call.principal, req.buffer_id)
     reply = Attached(
-        buffer_id=req.buffer_id, size_bytes=handle.size_bytes, numa_node=handle.numa_node
+        buffer_id=req.buffer_id,
+        size_bytes=handle.size_bytes,
+        numa_node=handle.numa_node,
+        ttl_s=handle.ttl_s,
     )
     return Outcome(reply, fds=(handle.fd,), attached=req.buffer_id)
 

@@ -31,6 +31,8 @@ class BufferHandle:
     buffer_id: str
     size_bytes: int
     numa_node: int
+    #: the lease it was reserved with (seconds; 0: not known), what a worker renews it to
+    ttl_s: int = 0
 
 
 class Handles:
@@ -59,6 +61,7 @@ class Handles:
             buffer_id=buffer_id,
             size_bytes=opened.size_bytes,
             numa_node=opened.numa_node,
+            ttl_s=opened.ttl_s,
         )
 
     def drop(self, who: Principal, buffer_id: str) -> None:

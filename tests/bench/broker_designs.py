@@ -56,6 +56,7 @@ class _Handle:
     numa_node: int
     buffer_id: str = "b"
     key: str = "k"
+    ttl_s: int = 0
 
 
 class MemService:

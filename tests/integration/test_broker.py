@@ -682,6 +682,23 @@ def test_worker_is_thread_safe(fake):
     wait_until(lambda: fake.attached(tenant[0]) == 0, message="every attachment is dropped")
 
 
+def test_an_attach_answers_the_lease_the_buffer_was_reserved_with(daemon):
+    """What a worker renews the buffer to while it is attached (``Attached.ttl_s``)."""
+    env = DaemonEnv(daemon)
+    try:
+        tenant = env.new_tenant()
+        bid = env.reserve(tenant)  # leased 300 s
+        with contextlib.closing(Raw(env.socket_path)) as r:
+            r.hello(tenant[1])
+            reply, fds = r.call(Attach(buffer_id=bid))
+            for fd in fds:
+                os.close(fd)
+            assert reply == Attached(buffer_id=bid, size_bytes=MiB, numa_node=0, ttl_s=300)
+        env.release(tenant, bid)
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("ttl_s", [2**31 + 1, 2**62, -1])
 def test_a_renew_with_an_absurd_ttl_is_refused_and_changes_nothing(daemon, ttl_s):
     """``ttl_s`` on the socket is bounded as REST's is (``maasd.bounds.TtlS``): a 400 that

@@ -248,6 +248,14 @@ class TestDecode:
         body = msgspec.msgpack.encode({"op": "ok", "new_field": 1})
         assert decode_reply(body) == Ok()
 
+    def test_an_attached_without_a_lease_is_one_from_an_older_daemon(self):
+        old = {"op": "attached", "buffer_id": "b", "size_bytes": 5, "numa_node": 0}
+        assert decode_reply(msgspec.msgpack.encode(old)) == Attached(
+            buffer_id="b", size_bytes=5, numa_node=0, ttl_s=0
+        )
+        new = Attached(buffer_id="b", size_bytes=5, numa_node=0, ttl_s=3)
+        assert decode_reply(encode_frame(new)[4:]) == new
+
     def test_replies_are_not_requests(self):
         with pytest.raises(msgspec.ValidationError):
             decode_request(encode_frame(Ok())[4:])
