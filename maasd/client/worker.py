@@ -69,9 +69,9 @@ def _read_only_fd(fd: int) -> bool:
 class Worker:
     """A connection to the daemon's handle socket, authenticated with ``api_key``.
 
-    ``ttl_s`` is the lease the background thread renews attached buffers to,
-    every ``renew_interval_s`` seconds (default ``ttl_s / 3``; ``0`` disables
-    renewal). ``timeout`` bounds each request/response on the socket.
+    A thread renews each attached buffer, before its lease ends, to ``ttl_s`` or else its
+    own lease (docs/client.md; ``renew_interval_s`` caps the period, ``0`` disables it).
+    ``timeout`` bounds each request/response on the socket.
     ``cache_bytes`` and ``cache_age_s`` bound the mapping cache of looked-up entries:
     idle mappings beyond that many bytes, or idle for longer, are unmapped (detached).
     """
@@ -82,17 +82,17 @@ class Worker:
         api_key: str,
         *,
         renew_interval_s: float | None = None,
-        ttl_s: int = DEFAULT_TTL_S,
+        ttl_s: int | None = None,
         timeout: float = 30.0,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         cache_age_s: float = DEFAULT_CACHE_AGE_S,
     ) -> None:
         self.socket_path = os.fspath(socket_path)
         self.ttl_s = ttl_s
-        self.renew_interval_s = ttl_s / 3 if renew_interval_s is None else renew_interval_s
+        self.renew_interval_s = renew_interval_s
         self.cache = MappingCache(cache_bytes, cache_age_s)
         self._entries = EntryMaps(self.cache, self._detach_quietly)
-        self._maps = MappedBuffers()
+        self._maps = MappedBuffers(ttl_s)
         self._closed = False
         self._renewer: LeaseRenewer | None = None
         self._channel = Channel(self.socket_path, timeout)
@@ -101,10 +101,10 @@ class Worker:
         self.tenant_id: str | None = reply.tenant_id
         #: This process's pid as the daemon recorded it (SO_PEERCRED).
         self.peer_pid: int | None = reply.pid
-        if self.renew_interval_s > 0:
-            self._renewer = LeaseRenewer(
-                self.renew_interval_s, self._maps.ids, self.renew, self._entries.sweep
-            )
+        if renew_interval_s is None or renew_interval_s > 0:  # each round ages entry maps
+            round_s = renew_interval_s or (ttl_s or DEFAULT_TTL_S) / 3
+            self._renewer = LeaseRenewer(round_s, self.renew, self._entries.sweep, renew_interval_s)
+            self._maps.renewer = self._renewer
             self._renewer.start()
 
     # --- buffers -----------------------------------------------------------------
@@ -131,7 +131,7 @@ class Worker:
             os.close(fd)
             self._detach_quietly(buffer_id, True)
             raise
-        self._maps.add(m)
+        self._maps.add(m, reply.ttl_s)
         return m
 
     def detach(self, buffer_id: str) -> None:
@@ -146,8 +146,8 @@ class Worker:
             self._request(protocol.Detach(buffer_id=buffer_id))
 
     def renew(self, buffer_id: str, ttl_s: int | None = None) -> None:
-        """Extend the buffer's lease to ``ttl_s`` (default: the worker's ``ttl_s``) from now."""
-        ttl = self.ttl_s if ttl_s is None else ttl_s
+        """Set the lease to end ``ttl_s`` s from now (default: what the thread renews it to)."""
+        ttl = self._maps.lease(buffer_id) if ttl_s is None else ttl_s
         self._request(protocol.Renew(buffer_id=buffer_id, ttl_s=ttl))
 
     @property

@@ -428,6 +428,28 @@ def test_worker_renews_leases_in_the_background(daemon, tenant):
     c.release(buf.id)
 
 
+def test_a_default_worker_keeps_a_short_lease_while_attached_then_lets_it_end(daemon, tenant):
+    """SPEC §6: a default ``Worker`` renews each attached buffer before its own lease
+    ends, to that lease (not a worker-wide 600 s): a 3 s buffer lives on while attached,
+    its bytes intact, and ends a lease or so after its detach."""
+    _tid, key, c = tenant
+    buf = c.reserve(64 * 1024, ttl_s=3)
+    with Worker(daemon.socket_path, key) as w:
+        m = w.attach(buf.id)
+        m.array[:8] = 7
+        end = time.monotonic() + 8  # over two leases: the reaper runs every 0.2 s
+        while time.monotonic() < end:
+            assert c.buffer(buf.id).state == "live"
+            time.sleep(0.5)
+        assert bytes(m.array[:8]) == b"\x07" * 8
+        w.detach(buf.id)
+        wait_until(
+            lambda: buf.id not in {b.id for b in c.buffers()},
+            timeout=30,
+            message="the lease ends once the buffer is detached",
+        )
+
+
 # --- references, pools by name, the audit trail ---------------------------------------------------
 
 

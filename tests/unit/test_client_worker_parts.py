@@ -1,5 +1,5 @@
 """The parts a ``maasd.client.Worker`` hands its state to, each on its own (no daemon):
-the lease renewal thread, the looked-up entries' mappings, the attachments table.
+the lease renewal schedule and thread, the looked-up entries' mappings, the attachments table.
 
 Mappings are of real memfds; the "daemon" is the callables the parts are given.
 """
@@ -9,16 +9,24 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from maasd import protocol
+from maasd.bounds import DEFAULT_TTL_S
 from maasd.client.entries import MappingCache
 from maasd.client.entry_maps import EntryMaps
 from maasd.client.errors import ConnectionFailed, NotFound, ProtocolError, QuotaExceeded
 from maasd.client.mapped import MappedBuffers
 from maasd.client.mapping import BufferMapping
-from maasd.client.renewal import LeaseRenewer
+from maasd.client.renewal import (
+    FIRST_RENEWAL_S,
+    MIN_PERIOD_S,
+    LeaseRenewer,
+    RenewalSchedule,
+    period_s,
+)
 
 SIZE = 8192
 
@@ -43,6 +51,101 @@ def fd_open(fd: int) -> bool:
     return True
 
 
+# ------------------------------------------------------------------- RenewalSchedule
+
+
+def test_a_buffer_is_first_renewed_soon_then_every_third_of_its_lease() -> None:
+    s = RenewalSchedule()
+    s.watch("long", 600, now=100.0)
+    s.watch("short", 3, now=100.0)
+    assert s.next_at() == 100.0 + FIRST_RENEWAL_S  # how much of a lease is left is unknown
+    assert s.due(100.5) == []
+    assert sorted(s.due(101.0)) == [("long", 600), ("short", 3)]
+    assert s.next_at() is None  # both in flight: not due again until sent
+    s.renewed("long", 101.0)
+    s.renewed("short", 101.0)
+    assert s.next_at() == 102.0  # 3 s lease: a third of it
+    assert s.due(102.0) == [("short", 3)]
+    s.renewed("short", 102.0)
+    assert s.due(300.9) == [("short", 3)]  # (only "short" when it comes up; not spun)
+    s.renewed("short", 300.9)
+    assert s.due(301.0) == [("long", 600)]  # 200 s after its last renewal
+
+
+def test_a_renewal_is_due_before_the_lease_ends_whatever_its_length() -> None:
+    for ttl in (1, 2, 3, 5, 30, 600, 86400):
+        s = RenewalSchedule()
+        s.watch("b", ttl, now=0.0)
+        first = s.next_at()
+        assert first is not None
+        assert 0 < first <= min(FIRST_RENEWAL_S, ttl / 2)
+        assert s.due(first) == [("b", ttl)]
+        s.renewed("b", first)
+        nxt = s.next_at()
+        assert nxt is not None
+        assert nxt - first < ttl
+        if ttl >= 2:  # two renewals may fail in a row and the lease still holds
+            assert 2 * (nxt - first) < ttl
+        assert nxt - first >= min(MIN_PERIOD_S, ttl / 2)  # a 1 s lease does not spin
+
+
+def test_the_period_is_a_third_of_the_lease_with_a_floor_and_an_optional_cap() -> None:
+    assert period_s(600) == 200
+    assert period_s(3) == 1
+    assert period_s(1) == MIN_PERIOD_S
+    assert period_s(600, max_period_s=5) == 5
+    assert period_s(3, max_period_s=5) == 1
+    assert period_s(1, max_period_s=0.01) == 0.01  # an interval asked for is kept
+    s = RenewalSchedule(max_period_s=0.05)
+    s.watch("b", 30, now=0.0)
+    assert s.next_at() == 0.05
+
+
+def test_a_buffer_is_watched_per_attachment_and_dropped_after_the_last() -> None:
+    s = RenewalSchedule()
+    s.watch("b", 3, now=0.0)
+    s.watch("b", 3, now=0.5)  # a second mapping: the time stays
+    assert s.next_at() == 1.0
+    s.unwatch("b")
+    assert len(s) == 1
+    assert s.due(1.0) == [("b", 3)]
+    s.unwatch("b")  # detached while its renewal was in flight
+    s.renewed("b", 1.0)
+    assert len(s) == 0
+    assert s.next_at() is None
+    assert s.due(100.0) == []
+    s.unwatch("b")  # more unwatches than watches change nothing
+    s.watch("b", 3, now=200.0)  # attached again: due again soon
+    assert s.next_at() == 201.0
+
+
+def test_a_detached_buffer_is_not_renewed_and_a_forgotten_one_never_again() -> None:
+    s = RenewalSchedule()
+    s.watch("a", 3, now=0.0)
+    s.watch("b", 3, now=0.0)
+    s.unwatch("a")
+    assert "a" not in s
+    assert "b" in s
+    assert s.due(1.0) == [("b", 3)]
+    s.forget("b")  # the daemon no longer knows it
+    s.renewed("b", 1.0)
+    s.unwatch("b")
+    assert s.next_at() is None
+    assert len(s) == 0
+
+
+def test_many_buffers_are_one_heap() -> None:
+    s = RenewalSchedule()
+    for i in range(1000):
+        s.watch(f"b{i}", 3 + i % 7, now=0.0)
+    due = s.due(1.0)
+    assert len(due) == 1000
+    for bid, _ttl in due:
+        s.renewed(bid, 1.0)
+    assert s.next_at() == 2.0  # the 3 s leases come first
+    assert {b for b, _ in s.due(2.0)} == {f"b{i}" for i in range(0, 1000, 7)}
+
+
 # ------------------------------------------------------------------------ LeaseRenewer
 
 
@@ -50,23 +153,65 @@ def wait_for(event: threading.Event) -> None:
     assert event.wait(10), "the renewal thread did not get there"
 
 
-def test_the_renewer_renews_what_is_attached_each_round_and_stops() -> None:
-    renewed: list[str] = []
+def renewer(
+    renew: Callable[[str, int], object],
+    each_round: Callable[[], object] = lambda: None,
+    watch: tuple[str, ...] = (),
+    ttl_s: int = 30,
+) -> LeaseRenewer:
+    r = LeaseRenewer(0.01, renew, each_round, max_period_s=0.01)
+    for bid in watch:
+        r.watch(bid, ttl_s)
+    return r
+
+
+def test_the_renewer_renews_what_is_watched_and_stops() -> None:
+    renewed: list[tuple[str, int]] = []
     rounds = threading.Event()
 
-    def renew(buffer_id: str) -> None:
-        renewed.append(buffer_id)
+    def renew(buffer_id: str, ttl_s: int) -> None:
+        renewed.append((buffer_id, ttl_s))
         if len(renewed) >= 4:
             rounds.set()
 
-    r = LeaseRenewer(0.01, lambda: ["a", "b"], renew, lambda: None)
+    r = renewer(renew, watch=("a", "b"))
     r.start()
     wait_for(rounds)
     r.stop()
     r.join(5)
     assert r._thread is not None
     assert not r._thread.is_alive()
-    assert renewed[:4] == ["a", "b", "a", "b"]
+    assert sorted(renewed[:4]) == [("a", 30), ("a", 30), ("b", 30), ("b", 30)]
+
+
+def test_a_short_lease_is_renewed_soon_after_the_watch_by_a_default_renewer() -> None:
+    """No interval given: the first renewal comes within FIRST_RENEWAL_S of the watch,
+    whatever the round (here an hour: the thread is woken by the watch)."""
+    renewed = threading.Event()
+    r = LeaseRenewer(3600, lambda _b, _t: renewed.set(), lambda: None)
+    r.start()
+    r.watch("b", 3)
+    wait_for(renewed)
+    r.stop()
+    r.join(5)
+
+
+def test_an_unwatched_buffer_is_not_renewed() -> None:
+    asked: list[str] = []
+    enough = threading.Event()
+
+    def renew(buffer_id: str, _ttl: int) -> None:
+        asked.append(buffer_id)
+        if asked.count("kept") >= 3:
+            enough.set()
+
+    r = renewer(renew, watch=("kept", "dropped"))
+    r.unwatch("dropped")
+    r.start()
+    wait_for(enough)
+    r.stop()
+    r.join(5)
+    assert "dropped" not in asked
 
 
 def test_a_buffer_that_is_gone_is_logged_once_and_not_asked_again(
@@ -75,7 +220,7 @@ def test_a_buffer_that_is_gone_is_logged_once_and_not_asked_again(
     asked: list[str] = []
     enough = threading.Event()
 
-    def renew(buffer_id: str) -> None:
+    def renew(buffer_id: str, _ttl: int) -> None:
         asked.append(buffer_id)
         if asked.count("live") >= 3:
             enough.set()
@@ -85,13 +230,13 @@ def test_a_buffer_that_is_gone_is_logged_once_and_not_asked_again(
             raise QuotaExceeded(507, "Quota exceeded", "full")
 
     caplog.set_level(logging.WARNING, "maasd.client.worker")
-    r = LeaseRenewer(0.01, lambda: ["gone", "refused", "live"], renew, lambda: None)
+    r = renewer(renew, watch=("gone", "refused", "live"))
     r.start()
     wait_for(enough)
     r.stop()
     r.join(5)
     assert asked.count("gone") == 1  # released: not renewed again
-    assert asked.count("refused") >= 2  # a refusal is tried again the next round
+    assert asked.count("refused") >= 2  # a refusal is tried again a period later
     text = caplog.text
     assert text.count("lease renewal: buffer gone is gone") == 1
     assert "lease renewal of refused failed" in text
@@ -102,10 +247,10 @@ def test_a_broken_connection_ends_the_thread_with_a_warning_unless_stopping(
 ) -> None:
     caplog.set_level(logging.WARNING, "maasd.client.worker")
 
-    def broken(_buffer_id: str) -> None:
+    def broken(_buffer_id: str, _ttl: int) -> None:
         raise ConnectionFailed("socket closed")
 
-    r = LeaseRenewer(0.01, lambda: ["a"], broken, lambda: None)
+    r = renewer(broken, watch=("a",))
     r.start()
     r.join(10)  # it returns by itself
     assert r._thread is not None
@@ -115,11 +260,11 @@ def test_a_broken_connection_ends_the_thread_with_a_warning_unless_stopping(
     caplog.clear()
     held: list[LeaseRenewer] = []
 
-    def closing(_buffer_id: str) -> None:
+    def closing(_buffer_id: str, _ttl: int) -> None:
         held[0].stop()  # the owner closes (and shuts the socket) while a renewal is sent
         raise ConnectionFailed("socket closed")
 
-    stopping = LeaseRenewer(0.01, lambda: ["a"], closing, lambda: None)
+    stopping = renewer(closing, watch=("a",))
     held.append(stopping)
     stopping.start()
     stopping.join(10)
@@ -130,7 +275,7 @@ def test_a_broken_connection_ends_the_thread_with_a_warning_unless_stopping(
 
 def test_each_round_runs_even_with_nothing_attached() -> None:
     swept = threading.Event()
-    r = LeaseRenewer(0.01, list, lambda _b: None, swept.set)
+    r = renewer(lambda _b, _t: None, swept.set)
     r.start()
     wait_for(swept)
     r.stop()
@@ -146,7 +291,7 @@ def test_a_close_from_the_renewal_thread_does_not_wait_for_itself() -> None:
         holder[0].join(5)  # would raise (joining itself) if not skipped
         done.set()
 
-    r = LeaseRenewer(0.01, list, lambda _b: None, each_round)
+    r = renewer(lambda _b, _t: None, each_round)
     holder.append(r)
     r.start()
     wait_for(done)
@@ -270,4 +415,28 @@ def test_attachments_count_each_mapping_and_stage_puts() -> None:
     assert a.ids() == []
     assert a.unstage("p1") is None
     for m in (one, two, other, staged):
+        m.unmap()
+
+
+def test_the_attached_buffers_are_watched_exactly_while_mapped_and_leased_their_own() -> None:
+    clock = [0.0]
+    r = LeaseRenewer(3600, lambda _b, _t: None, lambda: None, clock=lambda: clock[0])
+    a = MappedBuffers()
+    a.renewer = r
+    one, two, other = mapping("b1"), mapping("b1"), mapping("b2")
+    a.add(one, 3)
+    a.add(two, 3)
+    a.add(other)  # a daemon that did not say the lease
+    assert (a.lease("b1"), a.lease("b2"), a.lease("b3")) == (3, DEFAULT_TTL_S, DEFAULT_TTL_S)
+    assert sorted(r.schedule.due(1.0)) == [("b1", 3), ("b2", DEFAULT_TTL_S)]
+    assert a.remove(one)
+    assert len(r.schedule) == 2  # b1 is still mapped once
+    assert a.take("b2") == [other]
+    assert a.remove(two)
+    assert len(r.schedule) == 0
+    assert a.lease("b1") == DEFAULT_TTL_S  # no longer attached here
+    fixed = MappedBuffers(ttl_s=30)  # the worker's ttl_s wins
+    fixed.add(mapping("b1"), 3)
+    assert fixed.lease("b1") == 30
+    for m in a.clear() + fixed.clear() + [one, two, other]:
         m.unmap()
