@@ -129,8 +129,7 @@ class Fleet:
         self.config = config
         self.metrics = metrics
         self.backends: list[Backend] = []
-        self.fingerprint = ""
-        self.model_path = ""
+        self.fingerprint = self.model_path = ""
         self.identity: Identity | None = None
         self.model_args = check_server_args(config.server_args) if config.spawn else ()
         self.waiting = 0
@@ -143,8 +142,7 @@ class Fleet:
     async def start(self) -> None:
         cfg = self.config
         for url, slot_dir in cfg.attach:
-            n = sweep(slot_dir)  # links a crashed router left
-            if n:
+            if n := sweep(slot_dir):  # links a crashed router left
                 logger.info("removed %d stale router links from %s", n, slot_dir)
             self.backends.append(Backend(len(self.backends), url, slot_dir))
         for _ in range(cfg.spawn):
@@ -252,10 +250,9 @@ class Fleet:
                 b.process.restarts += 1
                 self.metrics.restarts.labels(str(b.index)).inc()
                 admitted = await self._admit(b)
-            except Exception as exc:  # an HTTP error of /props included
+            except Exception as exc:  # an HTTP error of /props included: killed, restarted
                 logger.warning("llama-server %s did not come back: %s", b.url, exc)
-                if b.process.running:
-                    b.process.kill()  # restarted by the next turn, after its backoff
+                b.process.kill()  # (if it runs) restarted by the next turn, after its backoff
                 continue
             attempt = 0
             if admitted:
@@ -263,9 +260,9 @@ class Fleet:
                     self._cond.notify_all()
 
     async def _watch_attached(self, b: Backend, every_s: float = 1.0) -> None:
-        """An attached backend is not ours to restart: follow its ``/health`` (out of
-        rotation at once, hung or gone: :func:`count_probe`), identify it when it comes
-        back. One task per backend, its probes one after another."""
+        """An attached backend is not ours to restart: follow its ``/health`` (out at once,
+        hung or gone: :func:`count_probe`), identify it when it comes back; whatever it
+        answers, its watch goes on. One task per backend, its probes one after another."""
         loop = asyncio.get_running_loop()
         while not self._closing:
             await asyncio.sleep(every_s)
@@ -284,10 +281,7 @@ class Fleet:
             try:
                 await self._until_ready(b)
                 admitted = await self._admit(b)
-            except Exception as exc:  # whatever it answered: keep watching it
-                # A /props or identity probe that fails in a way of its own (an HTTP error,
-                # an answer that is not JSON) must not end this backend's watch for good:
-                # it stays out of rotation and is asked again at the next probe.
+            except Exception as exc:  # an HTTP error, not JSON: out, asked again next probe
                 logger.warning("llama-server %s answers, but not as it should: %s", b.url, exc)
                 continue
             if admitted:
