@@ -177,7 +177,10 @@ def _send(r: Raw, how: str, fd: int) -> None:
         r.sock.shutdown(socket.SHUT_WR)
     elif how == "queued when the daemon closes":  # never read: in the socket it closes
         _stuck_replies(r)
-        r.send_fds(b"\0", [fd])
+        # On a loaded machine the send deadline (1 s) may pass before this: the daemon
+        # closed the connection already, and no fd reaches it this time.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            r.send_fds(b"\0", [fd])
     else:
         raise AssertionError(how)
 
