@@ -191,7 +191,7 @@ class Service:
         )  # fmt: skip
         self.reaper = Reaper(
             settings, buffers, self.hosts, self.pools, self.tenants, self.uses, releaser,
-            self.recovery, metrics, self.disk,
+            self.recovery, metrics, self.disk, regions,
         )  # fmt: skip
         self._shutdown = Shutdown(
             settings, buffers, reserves, regions, checkpoints, releaser, metrics,

@@ -155,7 +155,7 @@ class Buffers:
         # the new lease (a hit that raced the renew is ordered before it).
         if self._uses is not None:
             self._uses.forget_lease(buffer_id)
-        self._regions.set_ttl(buffer_id, max(1, round(expires - now)))
+        self._regions.set_lease(buffer_id, expires, max(1, round(expires - now)))
         return buffer_info(row)
 
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:

@@ -15,6 +15,7 @@ from maasd.core.disktier import DiskTiers
 from maasd.core.hosts import Hosts
 from maasd.core.pools import Pools
 from maasd.core.recovery import Recovery
+from maasd.core.regions import Regions
 from maasd.core.release import Releaser
 from maasd.core.tenants import Tenants
 from maasd.core.uses import UseBatch
@@ -43,6 +44,7 @@ class Reaper:
         recovery: Recovery,
         metrics: Metrics,
         disk: DiskTiers | None = None,
+        regions: Regions | None = None,
     ) -> None:
         self._settings = settings
         self._host = settings.node_name
@@ -55,6 +57,7 @@ class Reaper:
         self._recovery = recovery
         self._metrics = metrics
         self._disk = disk  # entries on disk tiers: their leases end there too
+        self._regions = regions  # what lookups know of leases (_refresh_lapsed)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fenced = False  # this host lost its claim and has not joined again
@@ -89,7 +92,19 @@ class Reaper:
             count += 1
         if self._disk is not None:
             self._disk.expire(now)
+        if self._regions is not None:
+            self._refresh_lapsed(now)
         return count
+
+    def _refresh_lapsed(self, now: float) -> None:
+        """Entries lookups missed for their lease's end and that are still held (not reaped
+        above): their lease was extended elsewhere (a renew through another host's daemon
+        writes only the ledger). Lookups find them again from the ledger's lease."""
+        assert self._regions is not None
+        for buffer_id, known in self._regions.take_lapsed().items():
+            row = self._buffer_rows.buffer(buffer_id)
+            if row is not None and row.expires_at > max(known, now):
+                self._regions.set_lease(buffer_id, row.expires_at)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self._settings.reaper_interval_s):

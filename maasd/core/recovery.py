@@ -190,6 +190,7 @@ class Recovery:
             live=True,
             committed=committed,
             ttl_s=max(1, round(row.expires_at - row.created_at)),
+            expires_at=row.expires_at,
         )
 
     def _remove_orphans(self, keep: set[str]) -> int:

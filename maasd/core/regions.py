@@ -45,6 +45,7 @@ out deadlock.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Container
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class HeldRegion:
     entry not yet committed): no worker gets a handle to it. A ``committed`` entry's
     memfd is sealed; its handles are ``O_RDONLY`` (:mod:`maasd.core.rofds`: an idle
     entry holds one fd, its memfd), and ``ttl_s`` is the lease a hit extends it to.
+    ``expires_at`` is its lease end as this process knows it (from its row, a renew, a
+    hit; 0: not known): a lookup from then on misses it (:meth:`Regions.lookup`).
     """
 
     region: Region
@@ -75,6 +78,11 @@ class HeldRegion:
     live: bool = False
     committed: bool = False
     ttl_s: int = 0
+    expires_at: float = 0.0
+
+
+#: Entries a lookup found past their lease, kept for the reaper to check (at most).
+LAPSED_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +114,7 @@ class Regions:
         self.puts = PutsInFlight(self._lock)  # admitted, not held yet
         self._ro = ReadOnlyFds()  # the hottest committed entries' read-only fds
         self._attachments = attachments
+        self._lapsed: set[str] = set()  # lookups found past their lease (take_lapsed)
 
     def region(self, buffer_id: str) -> Region | None:
         """The region of a buffer this process holds, or ``None``."""
@@ -126,12 +135,23 @@ class Regions:
             raise StateConflict(f"buffer {buffer_id} is not live")
         return region
 
-    def set_ttl(self, buffer_id: str, ttl_s: int) -> None:
-        """The lease a lookup hit extends the buffer to from now on (a renew's)."""
+    def set_lease(self, buffer_id: str, expires_at: float, ttl_s: int | None = None) -> None:
+        """The buffer's lease ends at ``expires_at`` (a renew's, or the ledger's); with
+        ``ttl_s``, a lookup hit extends it by that from now on."""
         with self._lock:
             held = self._held.get(buffer_id)
             if held is not None:
-                held.ttl_s = ttl_s
+                held.expires_at = expires_at
+                if ttl_s is not None:
+                    held.ttl_s = ttl_s
+
+    def take_lapsed(self) -> dict[str, float]:
+        """The entries lookups missed for their lease's end since the last call, still held,
+        with the lease end this process knows (the reaper checks them against the ledger:
+        a renew through another host's daemon extends a lease only there)."""
+        with self._lock:
+            lapsed, self._lapsed = self._lapsed, set()
+            return {b: self._held[b].expires_at for b in lapsed if b in self._held}
 
     def buffer_ids(self) -> list[str]:
         """The buffers whose regions this process holds."""
@@ -238,14 +258,27 @@ class Regions:
     def lookup(
         self, tenant_id: str, keys: list[str], attached: Container[str] = ()
     ) -> Opened | None:
-        """The committed entry of the last of ``keys`` that has one, opened read-only;
-        counted as attached unless it is one of ``attached`` (held by the caller already)."""
+        """The committed entry of the last of ``keys`` that has one whose lease has not
+        ended, opened read-only (its lease extended by its ``ttl_s`` from now); counted as
+        attached unless it is one of ``attached`` (held by the caller already).
+
+        An entry past its lease is missed, before the reaper releases it: a hit would
+        extend its lease and bring it back (it lived on as long as it was looked up)."""
+        now = time.time()
         with self._lock:
             for key in reversed(keys):
                 buffer_id = self._entries.get((tenant_id, key))
-                if buffer_id is not None:
-                    held = self._held[buffer_id]
-                    return self._open(buffer_id, held, count=buffer_id not in attached)
+                if buffer_id is None:
+                    continue
+                held = self._held[buffer_id]
+                if 0 < held.expires_at <= now:
+                    if len(self._lapsed) < LAPSED_MAX:
+                        self._lapsed.add(buffer_id)
+                    continue
+                opened = self._open(buffer_id, held, count=buffer_id not in attached)
+                if opened is not None:
+                    held.expires_at = now + held.ttl_s  # as the hit's batched extension
+                return opened
             return None
 
     def _open(self, buffer_id: str, held: HeldRegion, *, count: bool = True) -> Opened | None:
@@ -270,5 +303,12 @@ class Regions:
 
 def _copy(held: HeldRegion) -> HeldRegion:
     return HeldRegion(
-        held.region, held.tenant_id, held.pool_id, held.key, held.live, held.committed, held.ttl_s
+        held.region,
+        held.tenant_id,
+        held.pool_id,
+        held.key,
+        held.live,
+        held.committed,
+        held.ttl_s,
+        held.expires_at,
     )

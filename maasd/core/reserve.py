@@ -262,7 +262,10 @@ class Reserves:
         # The region is held before the row goes live (or its put reads its note), so that
         # whoever releases the row from then on finds its memory.
         self._regions.hold(
-            row.id, HeldRegion(region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s)
+            row.id,
+            HeldRegion(
+                region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s, expires_at=row.expires_at
+            ),
         )
         held()
         if state == "staged":  # a release that found no region yet left a note: no read
