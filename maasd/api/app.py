@@ -42,6 +42,7 @@ from maasd.api.hosts import HostsController
 from maasd.api.paths import one_segment_per_id
 from maasd.api.requests import BodyRequest
 from maasd.api.schemas import MAX_BODY
+from maasd.api.server import anonymous_share
 from maasd.api.strict import StrictBodies
 from maasd.core import Service
 from maasd.core.limits import REST_THREADS
@@ -122,7 +123,9 @@ def create_app(
     # place in front of routing litestar has, and this wraps it once, here.
     # HEAD is the GET without its body (litestar routes it to no GET handler: 405), with
     # the GET's authentication: load balancers probe /healthz with it (maasd.serving).
-    app.asgi_handler = head_as_get(one_segment_per_id(app.asgi_handler))
+    # Outermost: a request outside /v1 is counted in the anonymous share of requests in
+    # progress before anything else is done for it (maasd.api.server.anonymous_share).
+    app.asgi_handler = anonymous_share(head_as_get(one_segment_per_id(app.asgi_handler)))
     ctx.query_names.update(_query_names(app))
     ctx.bodiless.update(_bodiless(app))
     return app

@@ -62,7 +62,11 @@ request beyond it is answered 507 ``resource-limit`` unread and its connection
 closed after the answer. So a tenant whose bodies never finish, or who never reads
 its answers, holds at most a quarter of the cap busy, however it renews them at each
 deadline, and the others (the admin, ``/healthz``) find the rest. (A head still
-arriving is idle and anonymous: shed as above.)
+arriving is idle and anonymous: shed as above.) Requests outside ``/v1`` (the API
+page, ``/docs``, ``/metrics``), which no key check counts, count as one caller's,
+:data:`ANONYMOUS`, from when the app first sees them (:func:`anonymous_share`);
+``/healthz`` is not counted. A request refused at a share while answers before it
+lie unsent (pipelined, unread) closes its connection at once, without the 507.
 
 Everything here runs on the event loop; the cost per request is two timer
 handles and a few dict operations at most.
@@ -91,18 +95,22 @@ from maasd.problems import problem_of
 
 if TYPE_CHECKING:
     import uvicorn
-    from uvicorn._types import ASGIReceiveCallable, ASGISendCallable, Scope
+    from litestar.types import ASGIApp, Receive, Scope, Send
+    from uvicorn._types import ASGIReceiveCallable, ASGISendCallable
+    from uvicorn._types import Scope as UvicornScope
 
     from maasd.core.auth import Auth
     from maasd.metrics import Metrics
     from maasd.settings import Settings
 
 __all__ = [
+    "ANONYMOUS",
     "Gate",
     "GuardedH11",
     "HttpLimits",
     "OnceAMinute",
     "Verdict",
+    "anonymous_share",
     "begin",
     "distrust",
     "http_config",
@@ -127,6 +135,8 @@ KEPT_GRACE_S = 2.0
 STREAK_S = 60.0
 #: Where :class:`GuardedH11` puts itself in each request's ``scope["state"]`` (:func:`trust`).
 CONNECTION_STATE = "maasd.connection"
+#: The caller of every request outside ``/v1`` (:func:`anonymous_share`): no key is checked there.
+ANONYMOUS = "anonymous"
 #: At most one "cap reached" warning in this many seconds.
 WARN_EVERY_S = 60.0
 
@@ -203,6 +213,16 @@ class Gate:
             f"this caller has {limits.caller_share} REST requests in progress, its share of "
             f"the {limits.max_connections} connections (http_max_connections); the request "
             "was not read and its connection is closed: retry once one of them has ended"
+        )
+        self.anonymous_refusal = msgspec.json.encode(
+            problem_of(
+                ResourceLimit(
+                    f"requests outside /v1 (no key checked) have {limits.caller_share} REST "
+                    f"requests in progress, their share of the {limits.max_connections} "
+                    "connections (http_max_connections); the request was not read and its "
+                    "connection is closed: retry once one of them has ended"
+                )
+            )
         )
         if metrics is not None:
             metrics.http_connections.set_function(lambda: self.held)
@@ -494,9 +514,15 @@ class GuardedH11(H11Protocol):
     def began_by(self, caller: str) -> bool:
         """The request read now is ``caller``'s (:meth:`Gate.begin`); ``False`` if the caller
         has its share in progress already: the connection is then closed after the answer,
-        as if the client had asked for it (``Connection: close``)."""
+        as if the client had asked for it (``Connection: close``) — or at once, without
+        one, if the client has not read the answers before it."""
         if self._verdict is not Verdict.HELD or self.gate.begin(self, caller):
             return True  # (a connection shed or refused meanwhile counts nothing)
+        if self.flow.write_paused or self.transport.get_write_buffer_size():
+            # Earlier answers lie unsent (pipelined, unread): the 507 would wait behind
+            # them, the connection busy (or closing) and counted nowhere. Closed now.
+            self.close_for("unread")
+            return False
         cycle = self.cycle
         if cycle is not None:
             cycle.keep_alive = False
@@ -557,22 +583,26 @@ class GuardedH11(H11Protocol):
             )
 
     async def _refuse(
-        self, _scope: Scope, _receive: ASGIReceiveCallable, send: ASGISendCallable
+        self, _scope: UvicornScope, _receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         """The answer to every connection over the cap: 507 ``resource-limit``, then close."""
-        body = self.gate.refusal
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 507,
-                "headers": [
-                    (b"content-type", b"application/problem+json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+        await _insufficient_storage(cast("Send", send), self.gate.refusal)
+
+
+async def _insufficient_storage(send: Send, body: bytes) -> None:
+    """A 507 ``resource-limit`` problem (``body``), saying the connection closes after it."""
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 507,
+            "headers": [
+                (b"content-type", b"application/problem+json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def trust(state: dict[str, Any] | None, caller: str) -> None:
@@ -590,6 +620,28 @@ def begin(state: dict[str, Any] | None, caller: str) -> None:
     conn = _connection(state)
     if conn is not None and not conn.began_by(caller):
         raise ResourceLimit(conn.gate.busy_detail)
+
+
+def anonymous_share(app: ASGIApp) -> ASGIApp:
+    """``app`` with its requests outside ``/v1`` counted as :data:`ANONYMOUS`'s in the busy
+    share (:meth:`Gate.begin`), from here until the answer is complete
+    (:meth:`GuardedH11.on_response_complete`): beyond the share, 507 ``resource-limit``
+    unread and the connection closed. ``/v1`` requests are counted by the authentication
+    hook, by caller (:func:`begin`); ``/healthz`` not at all: load balancers must reach it.
+    Wrap the app's handler in front of routing, outermost. Nothing is counted for a
+    request served without :class:`GuardedH11` (an ASGI test client)."""
+
+    async def shared(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            if not path.startswith("/v1/") and path != "/healthz":
+                conn = _connection(scope.get("state"))
+                if conn is not None and not conn.began_by(ANONYMOUS):
+                    await _insufficient_storage(send, conn.gate.anonymous_refusal)
+                    return
+        await app(scope, receive, send)
+
+    return shared
 
 
 def distrust(state: dict[str, Any] | None) -> None:

@@ -1,5 +1,6 @@
-"""The REST gate's requests in progress per caller (``Gate.begin``/``end``) and what a
-revocation takes back (``Gate.revoked``): the books of ``maasd.api.server.Gate`` alone.
+"""The REST gate's requests in progress per caller (``Gate.begin``/``end``), requests
+outside ``/v1`` counted as anonymous ones (``anonymous_share``), and what a revocation
+takes back (``Gate.revoked``): the books of ``maasd.api.server.Gate`` alone.
 
 The daemon-level attacks are in ``tests/integration/test_attacks_rest_gate_round15.py``.
 """
@@ -11,16 +12,20 @@ import random
 import threading
 from collections.abc import Sized
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
+import msgspec
 import pytest
 
 from maasd.api.server import (
+    ANONYMOUS,
     CONNECTION_STATE,
     Gate,
     GuardedH11,
     HttpLimits,
     Verdict,
+    anonymous_share,
     begin,
     http_config,
     protocol_for,
@@ -167,11 +172,26 @@ class Cycle:
         self.scope: dict[str, Any] = {"headers": [(b"host", b"maasd")]}
 
 
+class Transport:
+    def __init__(self) -> None:
+        self.aborted = False
+        self.unsent = 0
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+
 def proto_of(gate: Gate, verdict: Verdict) -> GuardedH11:
     cls = protocol_for(gate)
     proto = cls.__new__(cls)  # no transport: only the state
     proto._verdict = verdict
     proto.cycle = cast(Any, Cycle())
+    proto.flow = cast(Any, SimpleNamespace(write_paused=False))
+    proto.transport = cast(Any, Transport())
+    proto.client = None
     return proto
 
 
@@ -267,3 +287,177 @@ def test_no_order_of_events_leaves_a_request_counted(seed: int) -> None:
     books: list[Sized] = [gate._idle, gate._idle_kept, gate._caller_of, gate._kept]
     books += [gate._busy_for, gate._busy]
     assert [len(b) for b in books] == [0] * len(books)
+
+
+# -- requests outside /v1: the anonymous share (anonymous_share) ------------------------
+
+
+class App:
+    """The app behind the wrapper: which paths reached it."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def __call__(self, scope: Any, _receive: Any, _send: Any) -> None:
+        self.paths.append(scope["path"])
+
+
+def call(app: Any, path: str, proto: GuardedH11 | None, method: str = "GET") -> list[Any]:
+    """``app`` run for one request on ``proto``'s connection: the messages it sent."""
+    sent: list[Any] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    state = {} if proto is None else {CONNECTION_STATE: proto}
+    scope = {"type": "http", "method": method, "path": path, "state": state}
+    asyncio.run(app(scope, receive, send))
+    return sent
+
+
+def refused_507(sent: list[Any]) -> None:
+    start, body = sent
+    assert start["status"] == 507
+    headers = dict(start["headers"])
+    assert headers[b"content-type"] == b"application/problem+json"
+    assert headers[b"connection"] == b"close"
+    problem = msgspec.json.decode(body["body"])
+    assert problem["status"] == 507
+    assert problem["type"].endswith("/resource-limit")
+    assert "outside /v1" in problem["detail"]
+    assert not body.get("more_body", False)
+
+
+def test_requests_outside_v1_count_as_anonymous_until_their_answer_is_complete() -> None:
+    gate = Gate(HttpLimits(max_connections=16))
+    inner = App()
+    app = anonymous_share(cast(Any, inner))
+    share = gate.limits.caller_share
+    protos = [proto_of(gate, Verdict.HELD) for _ in range(share)]
+    paths = ["/schema/openapi.json", "/docs", "/metrics", "/no-such-path", "/v1"]
+    for proto, path in zip(protos, paths, strict=False):
+        assert call(app, path, proto) == []  # through to the app, counted
+    assert gate._busy == {ANONYMOUS: share}
+    assert inner.paths == paths[:share]
+    gate.end(protos[0])  # its answer complete (GuardedH11.on_response_complete)
+    gate.end(protos[0])  # once only
+    assert gate._busy == {ANONYMOUS: share - 1}
+    assert call(app, "/schema/openapi.json", protos[0]) == []
+    assert gate._busy == {ANONYMOUS: share}
+
+
+def test_healthz_and_v1_are_not_counted_as_anonymous() -> None:
+    gate = Gate(HttpLimits(max_connections=16))
+    inner = App()
+    app = anonymous_share(cast(Any, inner))
+    full = [proto_of(gate, Verdict.HELD) for _ in range(gate.limits.caller_share)]
+    for proto in full:
+        call(app, "/schema/openapi.json", proto)
+    proto = proto_of(gate, Verdict.HELD)
+    for method, path in [("GET", "/healthz"), ("HEAD", "/healthz"), ("GET", "/v1/usage")]:
+        assert call(app, path, proto, method) == []  # answered by the app, even now
+    assert call(app, "/v1/buffers", proto, "POST") == []  # (the hook counts it, by caller)
+    assert inner.paths[-4:] == ["/healthz", "/healthz", "/v1/usage", "/v1/buffers"]
+    assert proto not in gate._busy_for
+    assert cast(Cycle, proto.cycle).keep_alive
+
+
+def test_a_request_outside_v1_beyond_the_share_is_refused_and_its_connection_closed() -> None:
+    gate = Gate(HttpLimits(max_connections=16))
+    inner = App()
+    app = anonymous_share(cast(Any, inner))
+    for _ in range(gate.limits.caller_share):
+        call(app, "/schema/openapi.json", proto_of(gate, Verdict.HELD))
+    over = proto_of(gate, Verdict.HELD)
+    refused_507(call(app, "/schema/openapi.json", over))
+    assert inner.paths == ["/schema/openapi.json"] * gate.limits.caller_share  # not routed
+    assert cast(Cycle, over.cycle).keep_alive is False  # uvicorn closes it after the 507
+    assert not cast(Transport, over.transport).aborted  # (nothing unsent before it)
+    assert over not in gate._busy_for
+    assert gate._busy == {ANONYMOUS: gate.limits.caller_share}
+    # a tenant's share is its own: the anonymous share full takes nothing from it
+    begin({CONNECTION_STATE: proto_of(gate, Verdict.HELD)}, "tenant:a")
+
+
+def test_a_request_refused_behind_unread_answers_closes_its_connection_at_once() -> None:
+    """A client pipelining large answers it never reads: its refused request's 507 would
+    wait behind them (the connection busy, counted nowhere, until the send deadline)."""
+    gate = Gate(HttpLimits(max_connections=16))
+    app = anonymous_share(cast(Any, App()))
+    for _ in range(gate.limits.caller_share):
+        call(app, "/schema/openapi.json", proto_of(gate, Verdict.HELD))
+    over = proto_of(gate, Verdict.HELD)
+    assert (gate.admit(), gate.held) == (Verdict.HELD, 1)  # its place in the count
+    over.flow = cast(Any, SimpleNamespace(write_paused=True))
+    call(app, "/schema/openapi.json", over)
+    assert cast(Transport, over.transport).aborted
+    assert over._verdict is Verdict.DROPPED  # out of the count at once
+    assert gate.held == 0
+    # below the writer's high-water mark, but answers still unsent: the same
+    behind = proto_of(gate, Verdict.HELD)
+    cast(Transport, behind.transport).unsent = 4096
+    call(app, "/docs", behind)
+    assert cast(Transport, behind.transport).aborted
+    assert gate._busy == {ANONYMOUS: gate.limits.caller_share}
+
+
+def test_no_connection_no_count() -> None:
+    """Served without the guarded server (an ASGI test client): the app answers, as ever."""
+    inner = App()
+    app = anonymous_share(cast(Any, inner))
+    assert call(app, "/schema/openapi.json", None) == []
+    gate = Gate(HttpLimits(max_connections=4))
+    shed = proto_of(gate, Verdict.DROPPED)  # shed before its request reached the app
+    assert call(app, "/schema/openapi.json", shed) == []
+    assert inner.paths == ["/schema/openapi.json"] * 2
+    assert not gate._busy
+
+
+def test_the_app_counts_requests_outside_v1_before_routing(tmp_path: Path) -> None:
+    """``create_app`` puts the wrapper in front of everything: at the anonymous share, a
+    request for the API page is refused unrouted, and ``/healthz`` is still answered."""
+    from inprocess_api import service
+    from maasd.api.app import create_app
+
+    svc = service(tmp_path)
+    try:
+        app = create_app(svc)
+        gate = Gate(HttpLimits(max_connections=16))
+        for _ in range(gate.limits.caller_share):
+            assert gate.begin(proto_of(gate, Verdict.HELD), ANONYMOUS)
+        proto = proto_of(gate, Verdict.HELD)
+
+        def full_call(path: str) -> list[Any]:
+            sent: list[Any] = []
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            async def receive() -> Any:
+                return {"type": "http.request", "body": b"", "more_body": False}
+
+            scope = {
+                "type": "http",
+                "asgi": {"version": "3.0"},
+                "http_version": "1.1",
+                "method": "GET",
+                "scheme": "http",
+                "path": path,
+                "raw_path": path.encode(),
+                "root_path": "",
+                "query_string": b"",
+                "headers": [(b"host", b"maasd")],
+                "client": ("127.0.0.1", 1),
+                "server": ("127.0.0.1", 8080),
+                "state": {CONNECTION_STATE: proto},
+            }
+            asyncio.run(app(cast(Any, scope), receive, send))
+            return sent
+
+        refused_507(full_call("/schema/openapi.json"))
+        assert full_call("/healthz")[0]["status"] == 200
+    finally:
+        svc.close()
