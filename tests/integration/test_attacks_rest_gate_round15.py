@@ -1,5 +1,5 @@
 """Attacks on the REST gate's busy connections and on what a revocation leaves kept
-(``maasd.api.server``: ``begin``, ``Gate.revoked``).
+(``maasd.api.server``: ``begin``, ``anonymous_share``, ``Gate.revoked``).
 
 A tenant whose requests' bodies never finish holds each connection busy until the body
 deadline, and opens the next as soon as one closes: without a bound of its own it
@@ -8,6 +8,10 @@ admin, ``/healthz`` — got 507 for as long as it went on. Now a caller has at m
 share of requests in progress (a quarter of the cap here, as for kept connections); its
 request beyond it is answered 507 ``resource-limit`` unread and its connection closed.
 
+Clients without a key did the same outside ``/v1``, where no key check counts a
+request: asking the API page (large) on every connection and never reading it. Such
+requests now count as one caller's, "anonymous", in the same share.
+
 A daemon with a cap of 16 (a share of 4), raw sockets. No test asserts how fast
 anything happened; deadlines are only waited for, with generous bounds.
 """
@@ -15,6 +19,7 @@ anything happened; deadlines are only waited for, with generous bounds.
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import threading
@@ -291,3 +296,138 @@ def test_connections_kept_with_a_key_revoked_since_are_shed_though_only_healthz_
     finally:
         close_all(revoked + other)
     gauge_settles(d)
+
+
+# -- requests outside /v1: the anonymous share ------------------------------------------
+
+#: Pipelined on each hog's connection: far more answer than the socket buffers hold.
+PIPELINED = 400
+#: The send deadline of the anonymous-share daemon: longer than its tests take, so that
+#: the connections held busy stay so meanwhile (nothing is timed against it).
+LONG_SEND_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def slow_send(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    daemon = Daemon(
+        tmp_path_factory.mktemp("gate-anonymous"),
+        env=http_limits_env(CAP, HEAD_S, BODY_S, LONG_SEND_S, KEEPALIVE_S),
+    )
+    daemon.start()
+    yield daemon
+    daemon.close()
+
+
+def hog(d: Daemon) -> socket.socket:
+    """An anonymous connection asking the API page (large) over and over, reading nothing."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(NEVER_S)
+    s.connect(("127.0.0.1", d.port))
+    s.sendall(request("GET", "/schema/openapi.json") * PIPELINED)
+    return s
+
+
+def sockets(d: Daemon) -> int:
+    """The daemon's open sockets (its REST connections among them)."""
+    assert d.proc is not None
+    fd = f"/proc/{d.proc.pid}/fd"
+    return sum(os.readlink(f"{fd}/{n}").startswith("socket:") for n in os.listdir(fd))
+
+
+def docs_status(d: Daemon) -> tuple[int, str]:
+    """``GET /docs`` (a small answer, outside /v1) on a new connection: status and detail."""
+    try:
+        r = httpx.get(f"{d.url}/docs", timeout=10)
+    except httpx.TransportError as e:  # shed before its head was read
+        return 0, type(e).__name__
+    detail = r.json().get("detail", "") if r.status_code == 507 else ""
+    return r.status_code, detail
+
+
+def share_full(d: Daemon) -> bool:
+    """Whether a request outside /v1 gets the 507 of the anonymous share (not the cap's)."""
+    status, detail = docs_status(d)
+    return status == 507 and "outside /v1" in detail
+
+
+def test_the_api_page_is_large_enough_to_hold_a_connection_busy(slow_send: Daemon) -> None:
+    """What the next test counts on: the pipelined answers are more than the daemon's
+    send buffer can ever hold (``tcp_wmem``'s most) and the writer's high-water mark."""
+    r = httpx.get(f"{slow_send.url}/schema/openapi.json", timeout=10)
+    assert r.status_code == 200
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        most = int(f.read().split()[2])
+    assert len(r.content) * PIPELINED > 2 * (most + 64 * 1024), len(r.content)
+
+
+def test_anonymous_clients_not_reading_large_answers_hold_only_their_share_busy(
+    slow_send: Daemon,
+) -> None:
+    """Anonymous clients ask ``/schema/openapi.json`` on every connection of the cap and
+    never read the answers: at most the share of them stay busy, the others are refused
+    (507, or closed at once when answers before the refused request lie unsent) and the
+    daemon closes them. Meanwhile another anonymous request beyond the share gets the
+    507, and a tenant's reserve, the admin's list of tenants and ``/healthz`` are served
+    without one (a retry when a new connection was shed before its head was read, as
+    any anonymous one). Before, the cap stayed busy and every newcomer got 507. Then the
+    share's count is exact again: its size in hogs fills it, one fewer does not."""
+    d = slow_send
+    other = d.tenant("beside-the-hogs", 256 * MiB)[1]
+    time.sleep(1.5)  # the admin client's pooled connection is closed (its 1 s expiry)
+    base = sockets(d)
+    hogs = [hog(d) for _ in range(CAP)]
+    seen: dict[str, list[int | str]] = {}
+    try:
+        wait_until(lambda: share_full(d), NEVER_S, message="the anonymous share is full")
+        for _ in range(3):
+            for name, ask_once, ok in [
+                ("reserve", lambda: reserve_status(d, other), 201),
+                ("admin", lambda: d.admin.get("/v1/tenants").status_code, 200),
+                ("/healthz", lambda: httpx.get(f"{d.url}/healthz", timeout=10).status_code, 200),
+            ]:
+                got = retried(ask_once, ok, seen.setdefault(name, []))
+                assert got == ok, f"{name} locked out: {seen}"
+        # Nothing was refused for the cap: beyond the share the hogs' connections are
+        # closed, or idle and shed for newcomers. (Before, the cap stayed busy: 507s,
+        # until a kept connection was shed for a newcomer after a grace of refusals.)
+        assert all(got != 507 for got in sum(seen.values(), [])), seen
+        assert share_full(d)  # the hogs' share still busy all along
+        # the hogs beyond it were closed by the daemon (or shed since, idle, for newcomers)
+        wait_until(lambda: sockets(d) <= base + SHARE + 3, NEVER_S, message="the rest closed")
+    finally:
+        close_all(hogs)
+    wait_until(lambda: sockets(d) <= base, NEVER_S, message="connections closed")
+    # nothing is left counted: the share's places are all free again, and no more
+    hogs = [hog(d) for _ in range(SHARE)]
+    try:
+        wait_until(lambda: share_full(d), NEVER_S, message="the share full again")
+        close_all(hogs[:1])
+        wait_until(lambda: docs_status(d)[0] == 200, NEVER_S, message="a place given back")
+    finally:
+        close_all(hogs)
+    wait_until(lambda: sockets(d) <= base, NEVER_S, message="connections closed")
+
+
+def reserve_status(d: Daemon, key: str) -> int:
+    with d.client(key) as c:
+        r = c.post("/v1/reserve", json={"size_bytes": MiB})
+        if r.status_code == 201:
+            assert c.delete(f"/v1/buffers/{r.json()['id']}").status_code in (200, 204)
+        return r.status_code
+
+
+def retried(ask_once: Callable[[], int], ok: int, seen: list[int | str]) -> int | str:
+    """``ask_once`` until it answers ``ok`` (20 times at most); a 507 or a reset between."""
+    got: int | str = "never asked"
+    for _ in range(20):
+        try:
+            got = ask_once()
+        except httpx.TransportError as e:  # shed before its head was read
+            got = type(e).__name__
+        seen.append(got)
+        if got == ok:
+            break
+        assert got == 507 or isinstance(got, str), seen
+        time.sleep(0.1)
+    return got
