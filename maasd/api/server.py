@@ -63,9 +63,9 @@ closed after the answer. So a tenant whose bodies never finish, or who never rea
 its answers, holds at most a quarter of the cap busy, however it renews them at each
 deadline, and the others (the admin, ``/healthz``) find the rest. (A head still
 arriving is idle and anonymous: shed as above.) Requests outside ``/v1`` (the API
-page, ``/docs``, ``/metrics``), which no key check counts, count as one caller's,
-:data:`ANONYMOUS`, from when the app first sees them (:func:`anonymous_share`);
-``/healthz`` is not counted. A request refused at a share while answers before it
+page, ``/docs``), which no key check counts, count as one caller's, :data:`ANONYMOUS`,
+from when the app first sees them (:func:`anonymous_share`); ``/metrics`` as
+:data:`METRICS`, a share of its own; ``/healthz`` is not counted. A request refused at a share while answers before it
 lie unsent (pipelined, unread) closes its connection at once, without the 507.
 
 Everything here runs on the event loop; the cost per request is two timer
@@ -137,6 +137,11 @@ STREAK_S = 60.0
 CONNECTION_STATE = "maasd.connection"
 #: The caller of every request outside ``/v1`` (:func:`anonymous_share`): no key is checked there.
 ANONYMOUS = "anonymous"
+#: The caller of ``GET /metrics`` (:func:`anonymous_share`): a share of its own, so that a
+#: flood of requests without a key leaves the scrapes (with the metrics or admin key) room.
+#: Its guard answers a request without such a key at once, in a few bytes: only a client
+#: with one (or any, with ``--metrics-public``) can hold a connection busy with it.
+METRICS = "metrics"
 #: At most one "cap reached" warning in this many seconds.
 WARN_EVERY_S = 60.0
 
@@ -627,7 +632,8 @@ def anonymous_share(app: ASGIApp) -> ASGIApp:
     share (:meth:`Gate.begin`), from here until the answer is complete
     (:meth:`GuardedH11.on_response_complete`): beyond the share, 507 ``resource-limit``
     unread and the connection closed. ``/v1`` requests are counted by the authentication
-    hook, by caller (:func:`begin`); ``/healthz`` not at all: load balancers must reach it.
+    hook, by caller (:func:`begin`); ``/healthz`` not at all: load balancers must reach it;
+    ``/metrics`` as :data:`METRICS`, a share of its own.
     Wrap the app's handler in front of routing, outermost. Nothing is counted for a
     request served without :class:`GuardedH11` (an ASGI test client)."""
 
@@ -636,7 +642,8 @@ def anonymous_share(app: ASGIApp) -> ASGIApp:
             path = scope["path"]
             if not path.startswith("/v1/") and path != "/healthz":
                 conn = _connection(scope.get("state"))
-                if conn is not None and not conn.began_by(ANONYMOUS):
+                caller = METRICS if path == "/metrics" else ANONYMOUS
+                if conn is not None and not conn.began_by(caller):
                     await _insufficient_storage(send, conn.gate.anonymous_refusal)
                     return
         await app(scope, receive, send)

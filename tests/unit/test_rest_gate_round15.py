@@ -21,6 +21,7 @@ import pytest
 from maasd.api.server import (
     ANONYMOUS,
     CONNECTION_STATE,
+    METRICS,
     Gate,
     GuardedH11,
     HttpLimits,
@@ -337,7 +338,7 @@ def test_requests_outside_v1_count_as_anonymous_until_their_answer_is_complete()
     app = anonymous_share(cast(Any, inner))
     share = gate.limits.caller_share
     protos = [proto_of(gate, Verdict.HELD) for _ in range(share)]
-    paths = ["/schema/openapi.json", "/docs", "/metrics", "/no-such-path", "/v1"]
+    paths = ["/schema/openapi.json", "/docs", "/no-such-path", "/v1"]
     for proto, path in zip(protos, paths, strict=False):
         assert call(app, path, proto) == []  # through to the app, counted
     assert gate._busy == {ANONYMOUS: share}
@@ -380,6 +381,25 @@ def test_a_request_outside_v1_beyond_the_share_is_refused_and_its_connection_clo
     assert gate._busy == {ANONYMOUS: gate.limits.caller_share}
     # a tenant's share is its own: the anonymous share full takes nothing from it
     begin({CONNECTION_STATE: proto_of(gate, Verdict.HELD)}, "tenant:a")
+
+
+def test_metrics_has_a_share_of_its_own() -> None:
+    """Clients without a key filling the anonymous share leave the scrapes room: ``/metrics``
+    counts as its own caller (its guard answers a request without the key in a few bytes,
+    so only a scraper can hold a connection busy with it)."""
+    gate = Gate(HttpLimits(max_connections=16))
+    inner = App()
+    app = anonymous_share(cast(Any, inner))
+    share = gate.limits.caller_share
+    for _ in range(share):
+        call(app, "/schema/openapi.json", proto_of(gate, Verdict.HELD))
+    scrapes = [proto_of(gate, Verdict.HELD) for _ in range(share)]
+    for proto in scrapes:
+        assert call(app, "/metrics", proto) == []  # through, though the anonymous share is full
+    assert gate._busy == {ANONYMOUS: share, METRICS: share}
+    refused_507(call(app, "/metrics", proto_of(gate, Verdict.HELD)))  # its own share, bounded
+    gate.end(scrapes[0])
+    assert gate._busy == {ANONYMOUS: share, METRICS: share - 1}
 
 
 def test_a_request_refused_behind_unread_answers_closes_its_connection_at_once() -> None:
