@@ -18,6 +18,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 
+from gate_fakes import Conn, held
 from maasd.api.server import (
     ANONYMOUS,
     CONNECTION_STATE,
@@ -36,30 +37,6 @@ from maasd.errors import ResourceLimit
 from maasd.problems import problem_of
 from maasd.settings import Settings
 from maasd.store import Store
-
-
-class Conn:
-    """What the gate asks of a connection: to close itself (and leave the count)."""
-
-    def __init__(self, gate: Gate, verdict: Verdict) -> None:
-        self.gate = gate
-        self.verdict = verdict
-        self.closed_for: str | None = None
-
-    def close_for(self, reason: str) -> None:
-        self.closed_for = reason
-        self.gate.leave(self.verdict, cast(Any, self))
-        self.verdict = Verdict.DROPPED
-
-
-def held(gate: Gate, *, idle: bool, caller: str | None = None) -> Conn:
-    conn = Conn(gate, gate.admit())
-    assert conn.verdict is Verdict.HELD
-    if caller is not None:
-        gate.trust(cast(Any, conn), caller)
-    if idle:
-        gate.idle(cast(Any, conn))
-    return conn
 
 
 def c(conn: Conn) -> Any:
