@@ -47,7 +47,10 @@ from waiting import wait_until
 
 MiB = 1 << 20
 #: Leases shorter than the fault lasts: without the hits' extensions they would end in it.
-LEASE_S = 5
+#: Longer than the busy timeout the first writer of a locked ledger waits out before the
+#: data plane is exercised: a lease that ended before its first hit is over (a lookup
+#: misses it), and the hits must begin while it runs.
+LEASE_S = BUSY_TIMEOUT_MS // 1000 + 2
 #: A request answered "at once" is answered well within this; one that waited out the
 #: busy timeout (10 s) is not. A hang guard with a margin, not a measurement.
 AT_ONCE_S = BUSY_TIMEOUT_MS / 1000 * 0.6

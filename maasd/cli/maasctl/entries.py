@@ -212,7 +212,8 @@ def entries_list(c: Ctx, socket_path: str | None) -> None:
     """
     with c.client("tenant") as client:
         with client.responses() as seen:
-            items = [b for b in client.buffers() if b.key is not None]
+            # committed ones: a staged entry (put, being written) is not readable yet
+            items = [b for b in client.buffers() if b.key is not None and b.state == "live"]
         answer = raw(seen) or []
     with _worker(c, socket_path) as w:
         rows = [(b, _read(w, b)) for b in items]
