@@ -95,7 +95,9 @@ def by_pid(w: Served, name: str, **labels: str) -> dict[str, float]:
 
 def test_the_second_process_restores_the_prefix_the_first_computed(shared: Served) -> None:
     served: list[str] = []
-    for country in CONFIDENT * 2:
+    # Which process accepts a new connection is the kernel's choice: the one back in
+    # accept() first may win many in a row (a CI run saw 10 of 10), so ask until both did.
+    for country in CONFIDENT * 8:
         r = ask(shared, country)
         answer(r)
         served.append(r.headers["x-maasd-worker-pid"])
