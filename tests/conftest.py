@@ -7,6 +7,7 @@ tests sharing a daemon never collide.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -231,3 +232,15 @@ def fresh_daemon(tmp_path: Path) -> Iterator[Daemon]:
 def disk_daemon(fresh_daemon: Daemon) -> Daemon:
     """A started daemon of this test alone, for disk-tier pools (``tier_pool``)."""
     return fresh_daemon.start()
+
+
+@contextlib.contextmanager
+def small_rest_daemon(data_dir: Path, env: dict[str, str]) -> Iterator[Daemon]:
+    """A started daemon with ``env`` (the small REST limits of ``budgets.http_limits_env``),
+    closed after: the gate attack modules' module-scoped daemons."""
+    daemon = Daemon(data_dir, env=env)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.close()

@@ -54,3 +54,27 @@ def closed_by_peer(s: socket.socket, wait_s: float = 0.0) -> bool:
             return True
         if not chunk:
             return True
+
+
+def survivors(
+    port: int, conns: list[socket.socket], cap: int, share: int, timeout: float
+) -> list[bool]:
+    """Which of ``conns`` (idle) are still open after a flood of anonymous idle connections
+    (twice the ``cap``) has shed every idle connection it could: the kept ones. ``share``:
+    what one caller may keep (the flood's oldest half sheds itself but for that twice)."""
+    from waiting import wait_until
+
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(cap * 2):
+            flood.append(socket.create_connection(("127.0.0.1", port), timeout=timeout))
+            time.sleep(0.005)
+        wait_until(
+            lambda: sum(closed_by_peer(s) for s in flood[:cap]) >= cap - share * 2,
+            timeout,
+            message="the flood shed itself",
+        )
+        return [not closed_by_peer(s, 0.2) for s in conns]
+    finally:
+        for s in flood:
+            s.close()

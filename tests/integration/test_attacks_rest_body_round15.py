@@ -30,20 +30,18 @@ from test_attacks_rest_gate_round15 import (
 )
 
 from budgets import http_limits_env
-from conftest import Daemon
+from conftest import Daemon, small_rest_daemon
 from rawhttp import request
 from waiting import wait_until
 
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    daemon = Daemon(
+    with small_rest_daemon(
         tmp_path_factory.mktemp("gate-bodiless"),
-        env=http_limits_env(CAP, HEAD_S, BODY_S, SEND_S, KEEPALIVE_S),
-    )
-    daemon.start()
-    yield daemon
-    daemon.close()
+        http_limits_env(CAP, HEAD_S, BODY_S, SEND_S, KEEPALIVE_S),
+    ) as daemon:
+        yield daemon
 
 
 def trickled_delete(d: Daemon, key: str, buffer_id: str) -> socket.socket:

@@ -27,6 +27,7 @@ import pytest
 from budgets import http_limits_env
 from conftest import Daemon
 from rawhttp import answer, closed_by_peer, request
+from rawhttp import survivors as rawhttp_survivors
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -71,23 +72,8 @@ def ask(
 
 
 def survivors(d: Daemon, conns: list[socket.socket]) -> list[bool]:
-    """Which of ``conns`` (idle) are still open after a flood of anonymous idle connections
-    (twice the cap) has shed every idle connection it could: the kept ones."""
-    flood: list[socket.socket] = []
-    try:
-        for _ in range(CAP * 2):
-            flood.append(connect(d))
-            time.sleep(0.005)
-        # the oldest half of the flood is shed by the newest half (or 507'd)
-        wait_until(
-            lambda: sum(closed_by_peer(s) for s in flood[:CAP]) >= CAP - SHARE * 2,
-            NEVER_S,
-            message="the flood shed itself",
-        )
-        return [not closed_by_peer(s, 0.2) for s in conns]
-    finally:
-        for s in flood:
-            s.close()
+    """:func:`rawhttp.survivors` on this module's daemon and limits."""
+    return rawhttp_survivors(d.port, conns, CAP, SHARE, NEVER_S)
 
 
 def closed(d: Daemon, reason: str) -> float:

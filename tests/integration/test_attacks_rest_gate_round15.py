@@ -30,8 +30,9 @@ import httpx
 import pytest
 
 from budgets import http_limits_env
-from conftest import Daemon
+from conftest import Daemon, small_rest_daemon
 from rawhttp import answer, closed_by_peer, request
+from rawhttp import survivors as rawhttp_survivors
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -49,13 +50,11 @@ RESERVE = b'{"size_bytes": 1048576}'
 
 @pytest.fixture(scope="module")
 def d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    daemon = Daemon(
+    with small_rest_daemon(
         tmp_path_factory.mktemp("gate-busy"),
-        env=http_limits_env(CAP, HEAD_S, BODY_S, SEND_S, KEEPALIVE_S),
-    )
-    daemon.start()
-    yield daemon
-    daemon.close()
+        http_limits_env(CAP, HEAD_S, BODY_S, SEND_S, KEEPALIVE_S),
+    ) as daemon:
+        yield daemon
 
 
 def connect(d: Daemon) -> socket.socket:
@@ -254,21 +253,8 @@ def ask(d: Daemon, method: str, path: str, key: str | None = None) -> socket.soc
 
 
 def survivors(d: Daemon, conns: list[socket.socket]) -> list[bool]:
-    """Which of ``conns`` (idle) are still open after a flood of anonymous idle connections
-    (twice the cap) has shed every idle connection it could: the kept ones."""
-    newcomers: list[socket.socket] = []
-    try:
-        for _ in range(CAP * 2):
-            newcomers.append(connect(d))
-            time.sleep(0.005)
-        wait_until(
-            lambda: sum(closed_by_peer(s) for s in newcomers[:CAP]) >= CAP - SHARE * 2,
-            NEVER_S,
-            message="the flood shed itself",
-        )
-        return [not closed_by_peer(s, 0.2) for s in conns]
-    finally:
-        close_all(newcomers)
+    """:func:`rawhttp.survivors` on this module's daemon and limits."""
+    return rawhttp_survivors(d.port, conns, CAP, SHARE, NEVER_S)
 
 
 def test_connections_kept_with_a_key_revoked_since_are_shed_though_only_healthz_follows(
@@ -309,13 +295,11 @@ LONG_SEND_S = 60.0
 
 @pytest.fixture(scope="module")
 def slow_send(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    daemon = Daemon(
+    with small_rest_daemon(
         tmp_path_factory.mktemp("gate-anonymous"),
-        env=http_limits_env(CAP, HEAD_S, BODY_S, LONG_SEND_S, KEEPALIVE_S),
-    )
-    daemon.start()
-    yield daemon
-    daemon.close()
+        http_limits_env(CAP, HEAD_S, BODY_S, LONG_SEND_S, KEEPALIVE_S),
+    ) as daemon:
+        yield daemon
 
 
 def hog(d: Daemon) -> socket.socket:
