@@ -97,9 +97,10 @@ class Reaper:
         return count
 
     def _refresh_lapsed(self, now: float) -> None:
-        """Entries lookups missed for their lease's end and that are still held (not reaped
-        above): their lease was extended elsewhere (a renew through another host's daemon
-        writes only the ledger). Lookups find them again from the ledger's lease."""
+        """Buffers lookups and attaches missed for their lease's end and that are still
+        held (not reaped above): their lease was extended elsewhere (a renew through
+        another host's daemon writes only the ledger). Lookups and attaches find them
+        again from the ledger's lease."""
         assert self._regions is not None
         for buffer_id, known in self._regions.take_lapsed().items():
             row = self._buffer_rows.buffer(buffer_id)

@@ -146,9 +146,9 @@ class Regions:
                     held.ttl_s = ttl_s
 
     def take_lapsed(self) -> dict[str, float]:
-        """The entries lookups missed for their lease's end since the last call, still held,
-        with the lease end this process knows (the reaper checks them against the ledger:
-        a renew through another host's daemon extends a lease only there)."""
+        """The buffers lookups or attaches missed for their lease's end since the last call,
+        still held, with the lease end this process knows (the reaper checks them against
+        the ledger: a renew through another host's daemon extends a lease only there)."""
         with self._lock:
             lapsed, self._lapsed = self._lapsed, set()
             return {b: self._held[b].expires_at for b in lapsed if b in self._held}
@@ -248,10 +248,14 @@ class Regions:
 
     def open_handle(self, tenant_id: str, buffer_id: str) -> Opened | None:
         """A handle of a live buffer of ``tenant_id``, counted as attached; else ``None``
-        (a committed entry's: read-only, :mod:`maasd.core.rofds`)."""
+        (a committed entry's: read-only, :mod:`maasd.core.rofds`). A buffer past its lease
+        end is not handed out, as a lookup misses it (the reaper checks it against the
+        ledger, as :meth:`lookup`'s misses)."""
         with self._lock:
             held = self._held.get(buffer_id)
             if held is None or held.tenant_id != tenant_id:
+                return None
+            if self._lapsed_now(buffer_id, held, time.time()):
                 return None
             return self._open(buffer_id, held)
 
@@ -271,15 +275,22 @@ class Regions:
                 if buffer_id is None:
                     continue
                 held = self._held[buffer_id]
-                if 0 < held.expires_at <= now:
-                    if len(self._lapsed) < LAPSED_MAX:
-                        self._lapsed.add(buffer_id)
+                if self._lapsed_now(buffer_id, held, now):
                     continue
                 opened = self._open(buffer_id, held, count=buffer_id not in attached)
                 if opened is not None:
                     held.expires_at = now + held.ttl_s  # as the hit's batched extension
                 return opened
             return None
+
+    def _lapsed_now(self, buffer_id: str, held: HeldRegion, now: float) -> bool:
+        """(regions lock held) whether the buffer's lease has ended as this process knows
+        it; if so it is noted for the reaper (:meth:`take_lapsed`)."""
+        if not 0 < held.expires_at <= now:
+            return False
+        if len(self._lapsed) < LAPSED_MAX:
+            self._lapsed.add(buffer_id)
+        return True
 
     def _open(self, buffer_id: str, held: HeldRegion, *, count: bool = True) -> Opened | None:
         """(regions lock held) open the fd and count the attachment in one step."""

@@ -1,4 +1,5 @@
-"""A lookup misses an entry whose lease has ended, before the reaper releases it.
+"""A lookup misses an entry whose lease has ended, before the reaper releases it; an
+attach misses such a buffer likewise.
 
 Before, a socket ``lookup`` answered such an entry from memory until the reaper's next
 pass, and the hit extended its lease: an entry looked up often enough lived on past
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import Daemon
-from maasd.client import Scratch, Worker
+from maasd.client import Client, Scratch, Worker
+from maasd.client.errors import NotFound
 from maasd.store import Store
 from waiting import wait_until
 
@@ -73,3 +75,40 @@ def test_a_lease_extended_only_in_the_ledger_is_found_again(daemon: Daemon) -> N
 
         time.sleep(2.5)  # past the lease this daemon knew
         wait_until(found, timeout=15, message="the ledger's longer lease was not picked up")
+
+
+def test_an_attach_after_the_lease_ended_misses(slow_reaper: Daemon) -> None:
+    """Before, a buffer past its lease was handed out until the reaper's next pass."""
+    _, key = slow_reaper.tenant("attach-ends", 64 * 1024 * KiB)
+    with (
+        Client(slow_reaper.url, key) as c,
+        Worker(slow_reaper.socket_path, key, renew_interval_s=0) as w,
+    ):
+        buf = c.reserve(64 * KiB, ttl_s=1)
+        w.attach(buf.id).close()  # within its lease (close detaches)
+        time.sleep(1.5)
+        with pytest.raises(NotFound):
+            w.attach(buf.id)
+        with pytest.raises(NotFound):  # a miss renews nothing either
+            w.attach(buf.id)
+
+
+def test_a_buffer_renewed_only_in_the_ledger_is_attached_again(daemon: Daemon) -> None:
+    tid, key = daemon.tenant("attach-elsewhere", 64 * 1024 * KiB)
+    with Client(daemon.url, key) as c, Worker(daemon.socket_path, key, renew_interval_s=0) as w:
+        buf = c.reserve(64 * KiB, ttl_s=2)
+        ledger = Store(f"sqlite:///{Path(daemon.data_dir) / 'maasd.db'}", pool_size=1)
+        try:
+            ledger.buffers.renew(buf.id, tid, time.time() + 600)
+        finally:
+            ledger.dispose()
+
+        def attached() -> bool:
+            try:
+                w.attach(buf.id).close()
+            except NotFound:
+                return False
+            return True
+
+        time.sleep(2.5)  # past the lease this daemon knew
+        wait_until(attached, timeout=15, message="the ledger's longer lease was not picked up")
