@@ -39,7 +39,7 @@ from maasd.models import Principal
 from maasd.protocol import FrameReader, fds_from_ancillary
 
 from .inbound import InboundFds, close_fds
-from .sink import RECV_ROOM, discard_socket
+from .sink import RECV_ROOM, discard, discard_socket
 
 __all__ = ["Connection", "FdsRefused", "peer_credentials"]
 
@@ -189,7 +189,7 @@ class Connection:
                 self.out.append(_Outgoing(memoryview(frame), fds, about))
                 raise
             except OSError:
-                close_fds(fds)  # never queued: nobody else will close them
+                discard(fds)  # never queued: nobody else will close them (maybe the last)
                 raise
             if sent == len(frame):
                 return True
@@ -248,7 +248,7 @@ class Connection:
         returns its ``about``."""
         with self.send_lock:
             msg = self.out.popleft()
-        close_fds(msg.fds)
+        discard(msg.fds)
         return msg.about
 
     def unread(self) -> int:
@@ -288,7 +288,7 @@ class Connection:
             self.closed = self.draining = True
             self.inbound.close()
             for msg in self.out:
-                close_fds(msg.fds)
+                discard(msg.fds)  # an entry released since: the last copy (sink module)
             self.out.clear()
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_WR)
@@ -300,7 +300,7 @@ class Connection:
             self.draining = False
             self.inbound.close()
             for msg in self.out:
-                close_fds(msg.fds)
+                discard(msg.fds)  # an entry released since: the last copy (sink module)
             self.out.clear()
             with contextlib.suppress(OSError):
                 discard_socket(self.sock)  # fds may still be queued in it

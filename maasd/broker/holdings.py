@@ -17,13 +17,12 @@ Runs on the event loop thread only; never raises (a failure of the core is logge
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 
 from .connection import Connection
 from .dispatch import Outcome, UseCases
 from .pacing import LogLimiter
+from .sink import discard
 from .slowpool import SlowPool
 
 __all__ = ["Holdings"]
@@ -67,9 +66,7 @@ class Holdings:
 
     def undeliverable(self, conn: Connection, outcome: Outcome) -> None:
         """``conn`` closed before ``outcome`` was sent: give back what the outcome carries."""
-        for fd in outcome.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        discard(outcome.fds)  # an entry released since: the last copy (sink module)
         if outcome.attached is not None:
             self.drop(conn, outcome.attached)
         if outcome.staged is not None:

@@ -10,18 +10,28 @@ when the daemon closes it) and keeps no copy makes the daemon's close the last: 
 event loop or a slow-pool thread would wait, and every worker of the host with it
 (invariant 9).
 
-So :func:`discard` closes at once what cannot wait — a shmem or hugetlbfs file (a
-memfd: a publish's source), a pipe, anything but a socket — and a socket other than a
-unix one once its lingering is turned off (``SO_LINGER`` off: the close returns at
-once, the kernel sends what is left in the background). A unix socket — a peer's, or a
-connection's own socket whose receive queue still holds bytes (fds may ride with them)
-— goes to the **sink**: a child process that holds what it receives and lets go of it
-by exiting (a process that exits closes its files without lingering, and so does every
-close those closes lead to). Every :data:`RECYCLE_HELD` sockets (or
-:data:`RECYCLE_AFTER_S`) it forks: one half closes its copies — not the last ones, they
-return at once — and goes on; the other, holding the last ones, exits. The daemon's own
-copy is never the last either: it closes it only once the sink has one (in flight or
-received).
+And a shmem or hugetlbfs file (a memfd: a publish's source, or the daemon's own copy
+of an entry a reply never delivered) may be the last reference to its pages: its close
+frees them all, in the closing thread, about 0.2 s a GiB — a worker that sends a
+populated memfd with any frame, or an entry released behind a reply it never read,
+would stall the event loop for as long.
+
+So :func:`discard` closes nothing a peer could have made costly itself: every fd goes
+to the **sink**, a child process that closes them there — a shmem file, a pipe or any
+other file at once, a socket other than a unix one once its lingering is turned off
+(``SO_LINGER`` off: the close returns at once, the kernel sends what is left in the
+background) — and holds a unix socket (a peer's, or a connection's own socket whose
+receive queue still holds bytes: fds may ride with them), letting go of it by exiting
+(a process that exits closes its files without lingering, and so does every close
+those closes lead to). Every :data:`RECYCLE_HELD` sockets (or :data:`RECYCLE_AFTER_S`)
+it forks: one half closes its copies — not the last ones, they return at once — and
+goes on; the other, holding the last ones, exits. The daemon's own copy is never the
+last: it closes it only once the sink has one (in flight or received), and the sink
+closes a file only once the daemon has said so (a byte after its copies are closed; or
+:data:`RECYCLE_AFTER_S` later, when the word never came). The daemon's thread spends
+one ``sendmsg`` per :data:`SCM_MAX_FD` fds, a close of each copy and a ``send``. When
+no sink can be had, the daemon closes what cannot wait itself (as the sink would) and
+keeps the unix sockets for the next one.
 
 Reading is part of it: a read with room for fewer fds than came makes the kernel close
 the rest inside the ``recvmsg``, in the reading thread. :func:`recv_discarding` (and
@@ -42,6 +52,7 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -75,7 +86,7 @@ _LINGER_OFF = struct.pack("ii", 0, 0)
 #: The sink (see the module docstring); it ends with the daemon (its socket's EOF, or
 #: PR_SET_PDEATHSIG).
 _CHILD = """
-import array, os, signal, socket, sys, time
+import array, errno, fcntl, os, signal, socket, struct, sys, time
 try:
     import ctypes
     ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG: SIGKILL
@@ -87,6 +98,27 @@ most, after = int(sys.argv[2]), float(sys.argv[3])
 s.settimeout(after / 3)
 room = socket.CMSG_SPACE(253 * 4)
 held, since = {}, 0.0
+linger_off = struct.pack("ii", 0, 0)
+
+def unix_socket(fd):
+    try:
+        fcntl.fcntl(fd, 1034)  # F_GET_SEALS: a shmem or hugetlbfs file
+        return False
+    except OSError:
+        pass
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return False  # not a socket
+    try:
+        if sock.family == socket.AF_UNIX:
+            return True
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger_off)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+    return False
 
 def let_go():
     global held
@@ -101,6 +133,14 @@ def let_go():
     held = {}
     os.close(w)
 
+closing, closing_since = [], 0.0  # closed once the daemon closed its copies
+
+def close_all():
+    global closing
+    for fd in closing:
+        os.close(fd)  # the last copy: a memfd's pages are freed here, not in the daemon
+    closing = []
+
 while True:
     try:
         data, anc, _flags, _addr = s.recvmsg(1, room)
@@ -108,9 +148,15 @@ while True:
         data, anc = None, []
     if data == b"":
         break
+    if data == b"\1":  # the daemon closed its copies of all it sent before
+        close_all()
     for level, kind, payload in anc:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                if not unix_socket(fd):
+                    closing_since = closing_since if closing else time.monotonic()
+                    closing.append(fd)
+                    continue
                 try:
                     ino = os.fstat(fd).st_ino
                 except OSError:
@@ -122,6 +168,8 @@ while True:
                     since = since if len(held) > 1 else time.monotonic()
     if held and (len(held) >= most or time.monotonic() - since > after):
         let_go()
+    if closing and time.monotonic() - closing_since > after:  # no word: long closed
+        close_all()
 """
 
 
@@ -138,21 +186,26 @@ class FdSink:
         #: unix sockets not sent yet (the sink took no more): sent with the next ones
         self._overflow: collections.deque[int] = collections.deque()
         self._said_at = -LOG_EVERY_S
+        #: fds were sent since the sink last heard that the daemon's copies are closed
+        self._owe_word = False
+        self._feeding = False  # a thread waits for room in the sink's queue (_feed)
 
     def drop(self, fds: Iterable[int]) -> None:
-        """Close each of ``fds`` (the caller's no more): at once if that cannot wait
-        (module docstring), else by the sink."""
-        kept = [fd for fd in fds if not _closed_here(fd)]
-        if kept:
+        """Close each of ``fds`` (the caller's no more) by the sink (module docstring);
+        without one, at once what cannot wait and the rest later."""
+        fds = list(fds)
+        if fds:
             with self._lock:
-                self._send(kept)
+                self._send(fds)
 
     def _send(self, fds: list[int]) -> None:
         if self._retired:  # reap the sinks that died
             self._retired = [p for p in self._retired if p.poll() is None]
-        self._overflow.extend(fds)
         if self._sock is None and time.monotonic() - self._started_at >= RESPAWN_S:
             self._start()
+        if self._sock is None:  # none to be had now: what cannot wait is closed here
+            fds = [fd for fd in fds if not _closed_here(fd)]
+        self._overflow.extend(fds)
         while self._sock is not None and self._overflow:
             batch = [self._overflow.popleft() for _ in range(min(SCM_MAX_FD, len(self._overflow)))]
             anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", batch).tobytes())]
@@ -169,10 +222,39 @@ class FdSink:
                     self._start()
                 continue
             _close_all(batch)  # the sink has them (in flight): ours are not the last
+            self._owe_word = True
+        if self._owe_word and self._sock is not None:
+            # Ours are closed: the sink may close its copies, the last ones, now (before
+            # this word it keeps them, else ours could be the last: the module docstring).
+            with contextlib.suppress(OSError):  # full, or gone: said with the next ones
+                self._sock.send(b"\1", socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+                self._owe_word = False
         if len(self._overflow) > OVERFLOW:
             self._say(f"takes no more: {len(self._overflow)} fds of peers closed by the daemon")
             _close_all(self._overflow)
             self._overflow.clear()
+        if (self._overflow or self._owe_word) and not self._feeding:
+            # The sink's queue is full now: a thread of its own hands on the rest once it
+            # has room (the caller, the event loop say, never waits for it).
+            self._feeding = True
+            threading.Thread(target=self._feed, name="maasd-fd-sink", daemon=True).start()
+
+    def _feed(self) -> None:
+        """Send what waits once the sink has room (:meth:`_send`), until nothing waits;
+        without a sink, start one again (at most every :data:`RESPAWN_S`)."""
+        while True:
+            with self._lock:
+                if not (self._overflow or self._owe_word):
+                    self._feeding = False
+                    return
+                sock = self._sock
+            if sock is None:
+                time.sleep(RESPAWN_S)
+            else:
+                with contextlib.suppress(OSError, ValueError):  # retired meanwhile
+                    select.select([], [sock], [], 1.0)
+            with self._lock:
+                self._send([])  # starts no other feeder: this one is (_feeding)
 
     def _say(self, what: str) -> None:
         now = time.monotonic()
@@ -182,7 +264,11 @@ class FdSink:
 
     def _start(self) -> None:
         self._started_at = time.monotonic()
-        ours, theirs = socket.socketpair()
+        try:
+            ours, theirs = socket.socketpair()
+        except OSError as exc:  # out of fds, say: what cannot wait is closed here
+            self._say(f"cannot be started ({exc})")
+            return
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _CHILD]
