@@ -149,13 +149,18 @@ class Buffers:
         # A lease that has ended is over (the reaper releases it at its next pass), unless
         # a lookup hit extended it in memory and it is not written yet.
         alive_after = 0.0 if self._pending_lease(buffer_id) > now else now
-        row = self._buffer_rows.renew(buffer_id, tenant_id, expires, alive_after)
-        # The lease is what the tenant asked for now, even shorter: a lookup hit's extension
-        # remembered before it must not be written over it, and later hits extend it by
-        # the new lease (a hit that raced the renew is ordered before it).
+        row = self._buffer_rows.renew(
+            buffer_id, tenant_id, expires, alive_after, ttl_s=ttl_s, now=now
+        )
+        # The lease is what the tenant asked for now, even shorter, and its length is what
+        # hits extend it by from here on. A lookup hit's extension from before must not be
+        # written over it: one the batch still holds is dropped — after the new length is
+        # set, so that no hit between the two remembers the old one again —, and one taken
+        # already (a flush, a reserve's admission) the ledger refuses (its hit was before
+        # the renew's ``lease_set_at``).
+        self._regions.set_lease(buffer_id, expires, ttl_s)
         if self._uses is not None:
             self._uses.forget_lease(buffer_id)
-        self._regions.set_lease(buffer_id, expires, max(1, round(expires - now)))
         return buffer_info(row)
 
     def checkpoint(self, who: Principal, buffer_id: str) -> Checkpoint:

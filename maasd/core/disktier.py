@@ -68,8 +68,9 @@ class OnDisk:
     @classmethod
     def of(cls, row: BufferRow, sealed: Sealed, disk: DiskDir) -> OnDisk:
         """The demoted entry ``row`` (its key set), its bytes ``sealed`` on ``disk``."""
-        ttl_s = max(1, round(row.expires_at - row.created_at))
-        return cls(sealed, row.tenant_id, row.key or "", row.pool_id, disk, row.expires_at, ttl_s)
+        return cls(
+            sealed, row.tenant_id, row.key or "", row.pool_id, disk, row.expires_at, row.lease_s
+        )
 
     def promotable(self, now: float) -> bool:
         """Its file is whole and its lease has not ended."""

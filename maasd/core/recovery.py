@@ -189,7 +189,7 @@ class Recovery:
             row.key,
             live=True,
             committed=committed,
-            ttl_s=max(1, round(row.expires_at - row.created_at)),
+            ttl_s=row.lease_s,  # as its tenant last gave it, not to its (extended) end
             expires_at=row.expires_at,
         )
 

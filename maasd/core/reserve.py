@@ -143,6 +143,7 @@ class Reserves:
                 expires_at=expires,
                 last_used_at=now,
                 kind=kind,
+                ttl_s=req.ttl_s,
             )
             # a row admitted in its final state (a put's staged, a plain buffer's live) and
             # released before its region is held: noted (maasd.core.inflight)
@@ -258,13 +259,17 @@ class Reserves:
         """``region`` held for ``row`` (then ``held()``: the budget counts it as the tenant's
         from there), and the row made live or staged."""
         state: BufferState = "staged" if row.kind == "entry" else "live"
-        ttl_s = max(1, round(row.expires_at - row.created_at))  # what a lookup hit extends by
         # The region is held before the row goes live (or its put reads its note), so that
         # whoever releases the row from then on finds its memory.
         self._regions.hold(
             row.id,
             HeldRegion(
-                region, row.tenant_id, row.pool_id, row.key, ttl_s=ttl_s, expires_at=row.expires_at
+                region,
+                row.tenant_id,
+                row.pool_id,
+                row.key,
+                ttl_s=row.lease_s,  # what a lookup hit extends it by
+                expires_at=row.expires_at,
             ),
         )
         held()

@@ -45,7 +45,7 @@ from maasd.core.attachments import Attachments
 from maasd.core.holders import HeldAfterRelease, Holders
 from maasd.core.release import Releaser
 from maasd.errors import BufferCountExceeded, PoolExhausted, QuotaExceeded
-from maasd.store import BufferRow, ReserveRepo, must_last
+from maasd.store import BufferRow, Extension, ReserveRepo, must_last
 from maasd.tenancy import keys
 
 __all__ = ["EVICT_ROUNDS", "EVICT_ROUNDS_UNTOLD", "EVICT_WAIT_S", "admit"]
@@ -67,7 +67,7 @@ def admit(
     row: BufferRow,
     *,
     uses: dict[str, float],
-    leases: dict[str, float],
+    leases: dict[str, Extension],
     default_cap: int | None = None,
     renamed: Callable[[str], None] | None = None,
 ) -> BufferRow:

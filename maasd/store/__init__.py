@@ -24,7 +24,15 @@ from maasd.store.events import EventRepo
 from maasd.store.hosts import HostRepo, HostUsage, is_live
 from maasd.store.notify import KEYS_CHANNEL
 from maasd.store.pools import PoolRepo
-from maasd.store.records import BufferRow, EventRow, HostRow, KeyRow, PoolRow, TenantRow
+from maasd.store.records import (
+    BufferRow,
+    EventRow,
+    Extension,
+    HostRow,
+    KeyRow,
+    PoolRow,
+    TenantRow,
+)
 from maasd.store.repository import Store
 from maasd.store.schema import ACCOUNTED_STATES, BUFFER_STATES, metadata
 from maasd.store.tenants import TenantRepo
@@ -39,6 +47,7 @@ __all__ = [
     "KEYS_CHANNEL",
     "EventRepo",
     "EventRow",
+    "Extension",
     "HostRepo",
     "HostRow",
     "HostUsage",

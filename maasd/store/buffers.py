@@ -53,7 +53,7 @@ from maasd.store import schema
 from maasd.store.base import Repository, violation
 from maasd.store.events import buffer_event, ins_event
 from maasd.store.eviction import Candidate, Victims, choose_victims
-from maasd.store.records import BufferRow
+from maasd.store.records import BufferRow, Extension
 
 __all__ = ["BufferRepo", "ReserveRepo"]
 
@@ -173,15 +173,25 @@ _advance = _set_state.where(_B.c.state == bindparam("p_from"))
 _renew = (
     update(_B)
     .where(_B.c.id == bindparam("p_id"), _is_leased, _B.c.expires_at > bindparam("p_alive"))
-    .values(expires_at=bindparam("p_expires"))
+    .values(
+        expires_at=bindparam("p_expires"),
+        ttl_s=bindparam("p_ttl"),
+        lease_set_at=bindparam("p_set"),
+    )
     .returning(*_B.c)
 )
 _renew_own = _renew.where(_B.c.tenant_id == bindparam("p_tenant"))
 _touch = update(_B).where(_B.c.id == bindparam("p_id")).values(last_used_at=bindparam("now"))
-# A lease only ever grows here: a longer renew that landed meanwhile stays.
+# A lease only ever grows here: a longer renew that landed meanwhile stays. And only by a
+# hit since the last renew: one before it (taken to be written when the renew came) would
+# undo a renew to a shorter lease; the renew's lease is the later word.
 _extend = (
     update(_B)
-    .where(_B.c.id == bindparam("p_id"), _B.c.expires_at < bindparam("p_expires"))
+    .where(
+        _B.c.id == bindparam("p_id"),
+        _B.c.expires_at < bindparam("p_expires"),
+        or_(_B.c.lease_set_at.is_(None), _B.c.lease_set_at <= bindparam("p_hit")),
+    )
     .values(expires_at=bindparam("p_expires"))
 )
 _commit = (
@@ -241,6 +251,13 @@ def _by_id(params: Mapping[str, Any]) -> str:
     return str(params["p_id"])
 
 
+def _extends(leases: Mapping[str, Extension] | None) -> list[dict[str, Any]]:
+    """The parameters of ``_extend`` for lease extensions (``buffer_id → Extension``)."""
+    return [
+        {"p_id": b, "p_expires": e.expires_at, "p_hit": e.hit_at} for b, e in (leases or {}).items()
+    ]
+
+
 def _admitted_state(row: BufferRow) -> BufferState:
     """The state ``row`` is admitted in. An entry's put: ``staged`` straight away — a crash
     leaves a staged row as it would a reserving one (recovery releases both), and no lookup
@@ -264,15 +281,15 @@ class ReserveRepo(Repository):
         *,
         quota_check: bool = True,
         uses: Mapping[str, float] | None = None,
-        leases: Mapping[str, float] | None = None,
+        leases: Mapping[str, Extension] | None = None,
         durable: bool = True,
         prefer_not: Collection[str] = (),
         default_cap: int | None = None,
     ) -> list[BufferRow]:
         """Admit ``row`` to the ledger (state ``reserving``), evicting if it must; atomically.
 
-        First ``uses`` (``buffer_id → when``) and ``leases`` (``buffer_id →
-        expires_at``) are recorded, as :meth:`BufferRepo.touch_many` does, since
+        First ``uses`` (``buffer_id → when``) and ``leases`` (``buffer_id →``
+        :class:`Extension`) are recorded, as :meth:`BufferRepo.touch_many` does, since
         eviction orders by uses: on SQLite inside the transaction below, which saves
         them a commit of their own; on PostgreSQL in a transaction of their own just
         before, because row locks on those buffers held through the admission could
@@ -314,7 +331,7 @@ class ReserveRepo(Repository):
         check_size(row.size_bytes, "size_bytes")  # a size ≤ 0 would let the sums undercount
         try:
             touches = [{"p_id": b, "now": t} for b, t in (uses or {}).items()]
-            extends = [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()]
+            extends = _extends(leases)
             if (touches or extends) and self.is_postgres:
                 with self._writing(durable=False) as conn:  # best effort: see touch_many
                     _record_uses(conn, touches, extends)
@@ -590,11 +607,28 @@ class BufferRepo(Repository):
         return [BufferRow(*r) for r in self._read_rows(stmt, params)]
 
     def renew(
-        self, buffer_id: str, tenant_id: str | None, expires_at: float, alive_after: float = 0.0
+        self,
+        buffer_id: str,
+        tenant_id: str | None,
+        expires_at: float,
+        alive_after: float = 0.0,
+        *,
+        ttl_s: int | None = None,
+        now: float | None = None,
     ) -> BufferRow:
-        """Set a live buffer's (or staged entry's) lease end. :class:`NotFound` if unknown,
-        foreign, neither live nor staged, or its lease ended at ``alive_after`` or before."""
-        params = {"p_id": buffer_id, "p_expires": expires_at, "p_alive": alive_after}
+        """Set a live buffer's (or staged entry's) lease end, and its length ``ttl_s``, by a
+        renew at ``now`` (``None``: the clock's; ``ttl_s`` ``None``: from ``now`` to
+        ``expires_at``). :class:`NotFound` if unknown, foreign, neither live nor staged, or
+        its lease ended at ``alive_after`` or before."""
+        at = time.time() if now is None else now
+        ttl = max(1, round(expires_at - at)) if ttl_s is None else ttl_s
+        params = {
+            "p_id": buffer_id,
+            "p_expires": expires_at,
+            "p_alive": alive_after,
+            "p_ttl": ttl,
+            "p_set": at,
+        }
         if tenant_id is None:
             row = self._single_first(_renew, params)
         else:
@@ -603,9 +637,12 @@ class BufferRepo(Repository):
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)
 
-    def touch_many(self, uses: dict[str, float], leases: dict[str, float] | None = None) -> None:
+    def touch_many(
+        self, uses: Mapping[str, float], leases: Mapping[str, Extension] | None = None
+    ) -> None:
         """Record uses (attach, lookup hit; ``buffer_id → when``) and lease extensions (a
-        lookup hit; ``buffer_id → expires_at``, never shortening one) in one transaction.
+        lookup hit; ``buffer_id →`` :class:`Extension`, never shortening a lease, nor
+        written over a renew after the hit) in one transaction.
 
         A use moves the buffer to the back of the LRU order that eviction follows.
 
@@ -617,11 +654,7 @@ class BufferRepo(Repository):
         if not uses and not leases:
             return
         with self._writing(durable=False) as conn:
-            _record_uses(
-                conn,
-                [{"p_id": b, "now": t} for b, t in uses.items()],
-                [{"p_id": b, "p_expires": t} for b, t in (leases or {}).items()],
-            )
+            _record_uses(conn, [{"p_id": b, "now": t} for b, t in uses.items()], _extends(leases))
 
     def commit(self, buffer_id: str, now: float, *, durable: bool = True) -> BufferRow | None:
         """Make a ``staged`` entry ``live``, committed at ``now``, in one statement.

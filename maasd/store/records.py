@@ -10,12 +10,14 @@ time check below keeps the two in step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgspec
 
 from maasd.models import Backing, BufferKind, BufferState, EventKind, Persistence, ScrubMode
 from maasd.store import schema
 
-__all__ = ["BufferRow", "EventRow", "HostRow", "KeyRow", "PoolRow", "TenantRow"]
+__all__ = ["BufferRow", "EventRow", "Extension", "HostRow", "KeyRow", "PoolRow", "TenantRow"]
 
 
 class PoolRow(msgspec.Struct, frozen=True):
@@ -77,7 +79,8 @@ class BufferRow(msgspec.Struct, frozen=True):
     (least recently used first). ``key`` is cleared when the buffer starts
     releasing, so the key can be reused at once. ``kind`` says how it was made:
     ``buffer`` (REST reserve) or ``entry`` (socket put, immutable from
-    ``committed_at`` on).
+    ``committed_at`` on). ``ttl_s`` is its lease's length as its tenant last gave it
+    (:attr:`lease_s`), ``lease_set_at`` when a renew last set its lease.
     """
 
     id: str
@@ -99,6 +102,26 @@ class BufferRow(msgspec.Struct, frozen=True):
     checkpoint_path: str | None = None
     checksum: str | None = None
     checkpointed_at: float | None = None
+    ttl_s: int | None = None
+    lease_set_at: float | None = None
+
+    @property
+    def lease_s(self) -> int:
+        """The lease's length: what a lookup hit extends it by, and what a worker renews
+        it to. ``ttl_s``, as its tenant last gave it; a row from before migration 0008 has
+        none, and the length it was reserved with stands in (``expires_at − created_at``:
+        longer if it was renewed or hit since, which only such an old row can be)."""
+        if self.ttl_s is not None:
+            return self.ttl_s
+        return max(1, round(self.expires_at - self.created_at))
+
+
+class Extension(NamedTuple):
+    """A lookup hit's lease extension not written yet: the lease end it asks for, and when
+    the hit was. Written only over a lease no renew set after the hit (``lease_set_at``)."""
+
+    expires_at: float
+    hit_at: float
 
 
 class EventRow(msgspec.Struct, frozen=True):

@@ -181,6 +181,15 @@ buffers = Table(
     Column("checkpoint_path", Text, nullable=True),
     Column("checksum", String(128), nullable=True),
     Column("checkpointed_at", Float, nullable=True),
+    # The lease's length as its tenant last gave it (the reserve's or put's ttl_s, then
+    # each renew's): what a lookup hit extends it by, also after a restart. NULL: a row
+    # from before migration 0008, whose length is then taken as reserved (expires_at −
+    # created_at). BigInteger: a ttl_s may be 2^31 (maasd.bounds.TtlS).
+    Column("ttl_s", BigInteger, nullable=True),
+    # When a renew last set the lease (the renewing daemon's clock); NULL: never renewed.
+    # A lookup hit's batched extension is written only if the hit came after it: one
+    # taken to be written before a renew to a shorter lease must not undo it (migration 0008).
+    Column("lease_set_at", Float, nullable=True),
     # Equality columns, then the eviction order (least recently used first), then the
     # size: an eviction scan reads victims in order from the index (migration 0004).
     Index(None, "tenant_id", "state", "last_used_at", "id", "size_bytes"),

@@ -294,3 +294,31 @@ def test_a_key_revocation_or_deletion_notifies_the_listeners(store: Store) -> No
             sa.text("SELECT tgname FROM pg_trigger WHERE tgname = 'maasd_keys_changed'")
         ).all()
     assert triggers == []
+
+
+def test_upgrade_to_0008_leaves_the_lease_length_of_the_rows_there_unknown(store: Store) -> None:
+    """Rows from before 0008 have no ``ttl_s`` nor ``lease_set_at`` (NULL: their length is
+    taken as reserved, ``expires_at − created_at``); down again, the rows stay and the
+    totals' triggers (0007, which a rebuild of ``buffers`` would drop) still count them."""
+    store.upgrade("0007")
+    with store.engine.begin() as conn:
+        add_tenant_and_pools(conn)
+        insert_buffers(conn, [{**BUFFER, "id": "a", "pool_id": "p1", "host": "h1"}])
+    store.upgrade()
+    assert schema_diff(store) == []
+    row = store.buffers.buffer("a")
+    assert row is not None
+    assert (row.ttl_s, row.lease_set_at, row.lease_s) == (None, None, 1)
+    store.buffers.renew("a", None, 100.0, ttl_s=30, now=70.0)
+    renewed = store.buffers.buffer("a")
+    assert renewed is not None
+    assert (renewed.ttl_s, renewed.lease_set_at, renewed.lease_s) == (30, 70.0, 30)
+    downgrade(store, "0007")
+    columns = {c["name"] for c in sa.inspect(store.engine).get_columns("buffers")}
+    assert not columns & {"ttl_s", "lease_set_at"}
+    with store.engine.begin() as conn:
+        insert_buffers(conn, [{**BUFFER, "id": "b", "pool_id": "p1", "host": "h1"}])
+        totals = conn.execute(sa.text("SELECT used_bytes, buffers FROM tenants")).one()
+    assert tuple(totals) == (2, 2)
+    store.upgrade()
+    assert schema_diff(store) == []

@@ -19,6 +19,7 @@ from maasd.core import Service
 from maasd.disk.store import NONCE
 from maasd.models import PoolSpec, Principal
 from maasd.settings import Settings
+from maasd.store import Extension
 from waiting import wait_until
 
 MiB = 1 << 20
@@ -165,3 +166,31 @@ def test_an_entry_on_disk_keeps_its_lease_and_its_end_erases_it(
     assert svc.disk.expire() == 1
     assert (tenant_id, "k") not in svc.disk._index
     assert [p for p in disk.iterdir() if p.suffix == ".ent" and p.name == on_disk.sealed.name] == []
+
+
+def test_an_entry_demoted_after_a_renew_keeps_the_length_its_tenant_gave(svc: Service) -> None:
+    """Demoted, an entry carries its lease's length as its tenant last gave it (a renew's),
+    not the span from its put to its lease's end, which the hits since stretched: what its
+    promotion leases it again, and its hits extend it by."""
+    who = svc.auth.authenticate(svc.tenants.create("l", 64 * MiB).api_key)
+    tenant_id = who.tenant_id
+    assert tenant_id is not None
+    h = svc.entries.put(who, "k", MiB, pool="tiered", ttl_s=600)
+    os.close(h.fd)
+    svc.entries.commit(who, h.buffer_id, owned=True)
+    used_once(svc, who, "k")  # seen twice: the admission keeps it
+    svc.buffers.renew(who, h.buffer_id, 30)
+    later = time.time() + 100  # and a hit 100 s on (its use aside): its lease ends at 130 s
+    svc.store.buffers.touch_many({}, {h.buffer_id: Extension(later + 30, later)})
+    for i in range(4):  # evicted, demoted
+        put(svc, who, f"f{i}", "tiered", i)
+    wait_until(lambda: svc.disk.fill_ready(tenant_id, ["k"]))
+    on_disk = svc.disk._index[(tenant_id, "k")]
+    assert on_disk.ttl_s == 30
+    assert on_disk.expires_at == later + 30
+    found = hit(svc.tiers.find(who, ["k"]))  # promoted: leased 30 s again
+    os.close(found.fd)
+    svc.handles.drop(who, found.buffer_id)
+    held = svc.regions.held(found.buffer_id)
+    assert held is not None
+    assert held.ttl_s == 30

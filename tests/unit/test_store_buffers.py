@@ -16,7 +16,7 @@ from ledger import (
     state_of,
 )
 from maasd.errors import InvalidRequest, NotFound
-from maasd.store import Store
+from maasd.store import Extension, Store
 from maasd.tenancy.keys import new_id
 
 #: The ``store`` fixture (SQLite, and PostgreSQL when configured) and its helpers.
@@ -83,6 +83,36 @@ def test_buffer_visibility(store: Store) -> None:
     assert store.buffers.buffers(states=("reserving",)) == []
     assert {x.id for x in store.buffers.buffers(host=HOST)} == {ap.id, aq.id, bp.id}
     assert store.buffers.buffers(host="elsewhere") == []
+
+
+def test_a_hit_before_a_renew_does_not_undo_it_and_one_after_extends_it(store: Store) -> None:
+    """A lookup hit's extension taken to be written (a flush, a reserve's admission) before
+    a renew to a shorter lease, and written after it, is refused: the renew came later.
+    A hit after the renew extends the renewed lease."""
+    pool, t = make_pool(store), make_tenant(store)
+    row = reserve_live(store, msgspec.structs.replace(buf(t, pool, 10), ttl_s=600))
+    assert (row.ttl_s, row.lease_set_at, row.expires_at) == (600, None, NOW + 600)
+    taken = {row.id: Extension(NOW + 50 + 600, NOW + 50)}  # a hit at NOW + 50
+    renewed = store.buffers.renew(row.id, t.id, NOW + 100 + 30, ttl_s=30, now=NOW + 100)
+    assert (renewed.ttl_s, renewed.lease_set_at, renewed.expires_at) == (30, NOW + 100, NOW + 130)
+    store.buffers.touch_many({row.id: NOW + 50}, taken)
+    got = store.buffers.buffer(row.id)
+    assert got is not None
+    assert (got.expires_at, got.last_used_at) == (NOW + 130, NOW + 50)  # the use, not the lease
+    store.buffers.touch_many({}, {row.id: Extension(NOW + 100 + 30, NOW + 100)})  # as it
+    store.buffers.touch_many({}, {row.id: Extension(NOW + 110 + 30, NOW + 110)})  # later
+    got = store.buffers.buffer(row.id)
+    assert got is not None
+    assert got.expires_at == NOW + 140
+    # a reserve's admission writes the batch by the same rule
+    store.reserves.begin_reserve(buf(t, pool, 10), leases={row.id: Extension(NOW + 900, NOW + 99)})
+    got = store.buffers.buffer(row.id)
+    assert got is not None
+    assert got.expires_at == NOW + 140
+    store.reserves.begin_reserve(buf(t, pool, 10), leases={row.id: Extension(NOW + 150, NOW + 120)})
+    got = store.buffers.buffer(row.id)
+    assert got is not None
+    assert (got.expires_at, got.ttl_s) == (NOW + 150, 30)  # a hit keeps the length
 
 
 def test_renew(store: Store) -> None:
@@ -294,10 +324,13 @@ def test_uses_and_lease_extensions_are_written_together_and_never_shorten(store:
     pool, t = make_pool(store), make_tenant(store)
     a = reserve_live(store, buf(t, pool, 10, expires=NOW + 100))
     b = reserve_live(store, buf(t, pool, 10, expires=NOW + 100))
-    store.buffers.touch_many({a.id: NOW + 5}, {a.id: NOW + 200, b.id: NOW + 50})
+    hit = NOW + 5
+    store.buffers.touch_many(
+        {a.id: hit}, {a.id: Extension(hit + 200, hit), b.id: Extension(NOW + 50, hit)}
+    )
     got_a, got_b = store.buffers.buffer(a.id), store.buffers.buffer(b.id)
     assert got_a is not None
     assert got_b is not None
-    assert (got_a.last_used_at, got_a.expires_at) == (NOW + 5, NOW + 200)
+    assert (got_a.last_used_at, got_a.expires_at) == (NOW + 5, NOW + 205)
     assert got_b.expires_at == NOW + 100  # a shorter lease than it has changes nothing
     store.buffers.touch_many({}, {})  # nothing to write: no transaction

@@ -27,7 +27,7 @@ def test_url_normalisation() -> None:
 
 def test_migrations_dir_found() -> None:
     assert (migrations_dir() / "env.py").is_file()
-    assert head_revision() == "0007"
+    assert head_revision() == "0008"
 
 
 def test_sqlite_pragmas(tmp_path: Any) -> None:

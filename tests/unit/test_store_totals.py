@@ -172,6 +172,8 @@ def test_the_migration_back_fills_the_totals_from_the_rows(store: Store) -> None
     downgrade(store, "0006")
     with store.engine.begin() as conn:  # rows 0006 knows, written without any trigger
         row = msgspec.structs.asdict(msgspec.structs.replace(buf(u, p, 1000), state="live"))
+        for newer in ("ttl_s", "lease_set_at"):  # columns of migration 0008
+            del row[newer]
         conn.execute(sa.insert(sa.table("buffers", *(sa.column(k) for k in row))), row)
     store.upgrade()
     assert totals(store) == ({t.id: (60, 3), u.id: (1000, 1)}, {p.id: (1060, 4)})
