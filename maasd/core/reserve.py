@@ -91,6 +91,11 @@ class Reserves:
         self._releaser = releaser
         self._metrics = metrics
 
+    @property
+    def max_ttl_s(self) -> int:
+        """The longest lease a reserve may ask for now (``MAASD_MAX_TTL_S``)."""
+        return self._settings.max_ttl_s
+
     def reserve(
         self, who: Principal, req: ReserveSpec, *, kind: BufferKind = "buffer", frozen: bool = False
     ) -> BufferInfo:

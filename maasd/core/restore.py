@@ -78,7 +78,9 @@ class Restores:
         spec = ReserveSpec(
             size_bytes=size,
             pool=pool,
-            ttl_s=DEFAULT_ENTRY_TTL_S if ttl_s is None else ttl_s,
+            # The daemon's own choice (a copy's length, kept from when it was put): never
+            # longer than a reserve may ask for now, which a restore could not grant.
+            ttl_s=min(DEFAULT_ENTRY_TTL_S if ttl_s is None else ttl_s, self._reserves.max_ttl_s),
             key=key,
             evictable=True,
         )

@@ -194,3 +194,29 @@ def test_an_entry_demoted_after_a_renew_keeps_the_length_its_tenant_gave(svc: Se
     held = svc.regions.held(found.buffer_id)
     assert held is not None
     assert held.ttl_s == 30
+
+
+def test_an_entry_on_disk_longer_than_a_reserve_may_ask_is_promoted_at_the_most(
+    svc: Service,
+) -> None:
+    """A copy's length longer than ``max_ttl_s`` (a row from before the ledger kept it,
+    whose hits stretched it; or the limit lowered since): the promotion leases it
+    ``max_ttl_s``, where it failed for good before (every lookup of it a miss)."""
+    who = svc.auth.authenticate(svc.tenants.create("l", 64 * MiB).api_key)
+    tenant_id = who.tenant_id
+    assert tenant_id is not None
+    h = svc.entries.put(who, "k", MiB, pool="tiered", ttl_s=600)
+    os.close(h.fd)
+    svc.entries.commit(who, h.buffer_id, owned=True)
+    used_once(svc, who, "k")
+    for i in range(4):  # evicted, demoted
+        put(svc, who, f"f{i}", "tiered", i)
+    wait_until(lambda: svc.disk.fill_ready(tenant_id, ["k"]))
+    on_disk = svc.disk._index[(tenant_id, "k")]
+    on_disk.ttl_s = svc.settings.max_ttl_s + 1000
+    found = hit(svc.tiers.find(who, ["k"]))
+    os.close(found.fd)
+    svc.handles.drop(who, found.buffer_id)
+    held = svc.regions.held(found.buffer_id)
+    assert held is not None
+    assert held.ttl_s == svc.settings.max_ttl_s
