@@ -194,9 +194,10 @@ _extend = (
     )
     .values(expires_at=bindparam("p_expires"))
 )
+# Not past its lease: the reaper releases it at its next pass (the commit answers 409).
 _commit = (
     update(_B)
-    .where(_B.c.id == bindparam("p_id"), _B.c.state == "staged")
+    .where(_B.c.id == bindparam("p_id"), _B.c.state == "staged", _B.c.expires_at > bindparam("now"))
     .values(state="live", committed_at=bindparam("now"))
     .returning(*_B.c)
 )
@@ -659,7 +660,8 @@ class BufferRepo(Repository):
     def commit(self, buffer_id: str, now: float, *, durable: bool = True) -> BufferRow | None:
         """Make a ``staged`` entry ``live``, committed at ``now``, in one statement.
 
-        ``None`` when it is not staged (released meanwhile): nothing changes then.
+        ``None`` when it is not staged (released meanwhile), or its lease ended at ``now``
+        or before (the reaper's next pass releases it): nothing changes then.
         ``durable=False``: a volatile pool's entry (see :mod:`maasd.store.base`).
         """
         row = self._single_first(_commit, {"p_id": buffer_id, "now": now}, durable=durable)

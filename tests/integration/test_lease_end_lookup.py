@@ -19,7 +19,7 @@ import pytest
 
 from conftest import Daemon
 from maasd.client import Client, Scratch, Worker
-from maasd.client.errors import NotFound
+from maasd.client.errors import NotFound, StateConflict
 from maasd.store import Store
 from waiting import wait_until
 
@@ -112,3 +112,16 @@ def test_a_buffer_renewed_only_in_the_ledger_is_attached_again(daemon: Daemon) -
 
         time.sleep(2.5)  # past the lease this daemon knew
         wait_until(attached, timeout=15, message="the ledger's longer lease was not picked up")
+
+
+def test_a_commit_after_the_put_entrys_lease_ended_is_refused(slow_reaper: Daemon) -> None:
+    """Before, a staged entry past its lease was committed (until the reaper's next pass)
+    while its renew already answered 404: a committed entry no lookup found, reaped later."""
+    _, key = slow_reaper.tenant("commit-late", 64 * 1024 * KiB)
+    with Worker(slow_reaper.socket_path, key, renew_interval_s=0) as w:
+        m = w.put("late", 64 * KiB, ttl_s=1)
+        m.array[:] = 3
+        time.sleep(1.5)
+        with pytest.raises(StateConflict):
+            w.commit(m)
+        assert w.lookup(["late"]) is None
