@@ -14,6 +14,7 @@ import errno
 import fcntl
 import mmap
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -151,6 +152,51 @@ def test_entry_pages_kept_in_a_pipe_count_until_the_pipe_lets_go(daemon: Daemon,
         )
     finally:
         _close_pipes(pipes)
+
+
+@PIPES_ESCAPE
+def test_entry_pages_sent_into_an_unread_tcp_socket_count_until_it_lets_go(daemon: Daemon):
+    """The same gap through ``sendfile(2)``: from a looked-up entry's read-only fd into a
+    loopback TCP connection whose peer never reads, the socket's queues hold references
+    to the entry's own pages (zero-copy), bounded only by the host's ``net.ipv4.tcp_mem``
+    — neither ``fs.pipe-user-pages-hard`` nor a filter of ``splice`` covers it."""
+    quota, size = 8 * MiB, 1 * MiB
+    _tid, key = daemon.tenant("sendfile", quota)
+    data = b"\xcd" * size
+    listener = socket.create_server(("127.0.0.1", 0))
+    out = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    listener.close()
+    try:
+        with Worker(daemon.socket_path, key) as w:
+            bid = _publish_entry(w, "sendfile:a", data)
+            r = connect(daemon, key)
+            found, fd = raw_lookup(r, ["sendfile:a"])
+            assert found.buffer_id == bid
+            sent = 0
+            while sent < size:
+                sent += os.sendfile(out.fileno(), fd, sent, size - sent)
+            os.close(fd)
+            assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+            r.close()
+        with daemon.client(key) as c:
+            assert c.delete(f"/v1/buffers/{bid}").status_code == 204
+        time.sleep(0.5)  # the holders' reader thread has seen the inode go, if it went
+        u = _usage(daemon, key)
+        out.shutdown(socket.SHUT_WR)
+        got = b""
+        while len(got) < size:
+            chunk = peer.recv(size - len(got))
+            assert chunk, "the connection ended early"
+            got += chunk
+        assert got == b"\0" * size, "the socket holds a copy, not the entry's pages"
+        assert u["used_bytes"] + u.get("held_bytes", 0) >= size, (
+            f"a released entry's {size} bytes, resident in a socket of its tenant's worker, "
+            f"are no longer counted: {u}"
+        )
+    finally:
+        out.close()
+        peer.close()
 
 
 def _splice_all(fd: int, size: int, pipes: list[tuple[int, int]]) -> None:
