@@ -423,12 +423,32 @@ UPGRADE_WARNINGS = (
 )
 
 
+class CancelledAtStop(logging.Filter):
+    """uvicorn cancels the requests still in progress when a graceful stop's grace is over,
+    and logs each as an ERROR "Exception in ASGI application" with the CancelledError's
+    traceback: what a client that never reads its answer can put in the log. It says so
+    in one line, a warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith(
+            "Exception in ASGI application"
+        ):
+            record.msg = "a request still in progress at the end of the stop's grace was cancelled"
+            record.args = ()
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def _quiet_not_http(logger: logging.Logger) -> None:
     """One filter per message and logger (a daemon, and tests, may build several servers)."""
     quiet = {f.message for f in logger.filters if isinstance(f, OnceAMinute)}
     for message in (NOT_HTTP_WARNING, *UPGRADE_WARNINGS):
         if message not in quiet:
             logger.addFilter(OnceAMinute(message))
+    if not any(isinstance(f, CancelledAtStop) for f in logger.filters):
+        logger.addFilter(CancelledAtStop())
 
 
 #: The answer to bytes that are not an HTTP request (:meth:`GuardedH11.send_400_response`).
@@ -545,6 +565,15 @@ class GuardedH11(H11Protocol):
         self._send_deadline(False)
         logger.debug("closing a REST connection", extra={"reason": reason, "peer": self.client})
         self.transport.abort()
+
+    def shutdown(self) -> None:
+        """The server stops: a request whose body is still coming is closed now, unserved
+        (``shutdown``). Waited for, a body that never ends held the stop for the whole
+        grace, and its cancellation then logged a traceback."""
+        if self._phase is _Phase.BODY and self._verdict is not Verdict.DROPPED:
+            self.close_for("shutdown")
+            return
+        super().shutdown()
 
     # -- state ---------------------------------------------------------------------------
 

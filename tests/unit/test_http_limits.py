@@ -6,6 +6,8 @@ The deadlines themselves are exercised against a real daemon in
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import resource
 from typing import Any, cast
 
@@ -220,3 +222,20 @@ def test_trust_reaches_the_gate_only_from_a_held_connection_in_the_requests_stat
     refused._verdict = Verdict.REFUSED
     trust({CONNECTION_STATE: refused}, "tenant:t")  # never held: not counted
     assert gate._kept == {"tenant:t": 1}
+
+
+def test_a_request_cancelled_at_the_end_of_a_stop_is_one_warning_line() -> None:
+    from maasd.api.server import CancelledAtStop
+
+    exc = asyncio.CancelledError("Task cancelled, timeout graceful shutdown exceeded")
+    msg = "Exception in ASGI application\n"
+    record = logging.LogRecord(
+        "uvicorn.error", logging.ERROR, "x", 1, msg, (), (type(exc), exc, None)
+    )
+    assert CancelledAtStop().filter(record)
+    assert record.levelno == logging.WARNING
+    assert record.exc_info is None
+    assert "cancelled" in record.getMessage()
+    other = logging.LogRecord("uvicorn.error", logging.ERROR, "x", 1, msg, (), None)
+    assert CancelledAtStop().filter(other)
+    assert other.levelno == logging.ERROR  # a real error stays one
