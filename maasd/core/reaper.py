@@ -100,12 +100,12 @@ class Reaper:
         """Buffers lookups and attaches missed for their lease's end and that are still
         held (not reaped above): their lease was extended elsewhere (a renew through
         another host's daemon writes only the ledger). Lookups and attaches find them
-        again from the ledger's lease."""
+        again from the ledger's lease, and hits extend it by its length there."""
         assert self._regions is not None
         for buffer_id, known in self._regions.take_lapsed().items():
             row = self._buffer_rows.buffer(buffer_id)
             if row is not None and row.expires_at > max(known, now):
-                self._regions.set_lease(buffer_id, row.expires_at)
+                self._regions.set_lease(buffer_id, row.expires_at, row.lease_s)
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(self._settings.reaper_interval_s):

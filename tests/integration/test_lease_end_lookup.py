@@ -11,6 +11,7 @@ host's daemon on a shared ledger) is picked up by the reaper's next pass.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,9 @@ import pytest
 from conftest import Daemon
 from maasd.client import Client, Scratch, Worker
 from maasd.client.errors import NotFound, StateConflict
+from maasd.protocol import Attach, Attached
 from maasd.store import Store
+from rawentries import connect
 from waiting import wait_until
 
 KiB = 1 << 10
@@ -61,7 +64,7 @@ def test_a_lease_extended_only_in_the_ledger_is_found_again(daemon: Daemon) -> N
         # What a renew through another host's daemon does: the ledger only.
         ledger = Store(f"sqlite:///{Path(daemon.data_dir) / 'maasd.db'}", pool_size=1)
         try:
-            ledger.buffers.renew(entry.id, tid, time.time() + 600)
+            ledger.buffers.renew(entry.id, tid, time.time() + 600, ttl_s=600)
         finally:
             ledger.dispose()
 
@@ -75,6 +78,16 @@ def test_a_lease_extended_only_in_the_ledger_is_found_again(daemon: Daemon) -> N
 
         time.sleep(2.5)  # past the lease this daemon knew
         wait_until(found, timeout=15, message="the ledger's longer lease was not picked up")
+    # ... and its length with it: an attach says what a worker renews it to
+    r = connect(daemon, key)
+    try:
+        reply, fds = r.call(Attach(buffer_id=entry.id))
+        for fd in fds:
+            os.close(fd)
+        assert isinstance(reply, Attached)
+        assert reply.ttl_s == 600
+    finally:
+        r.close()
 
 
 def test_an_attach_after_the_lease_ended_misses(slow_reaper: Daemon) -> None:
