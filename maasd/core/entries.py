@@ -229,9 +229,7 @@ class Entries:
                         live.pool.release(fresh, give_back=False)
                         self._holders.forget(buffer_id)
                 if committed is None:
-                    raise StateConflict(
-                        f"entry {buffer_id} was released, or its lease ended, before its commit"
-                    )
+                    raise StateConflict(f"entry {buffer_id} ended before its commit")
                 staging = self._regions.commit(buffer_id, fresh)
                 assert staging is not None  # held under its lock: a release waits for it
                 # The copy took over its bytes; its scrub (the punch that frees it) comes
