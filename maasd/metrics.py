@@ -355,7 +355,7 @@ class Metrics:
         self.http_closed = Counter(
             "maasd_http_connections_closed",
             "REST connections the daemon closed or refused (head_timeout, body_timeout, "
-            "send_timeout, shed, refused, dropped, unread, shutdown)",
+            "send_timeout, shed, refused, dropped, unread)",
             ["reason"],
             registry=r,
         )

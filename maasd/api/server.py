@@ -424,20 +424,24 @@ UPGRADE_WARNINGS = (
 
 
 class CancelledAtStop(logging.Filter):
-    """uvicorn cancels the requests still in progress when a graceful stop's grace is over,
-    and logs each as an ERROR "Exception in ASGI application" with the CancelledError's
-    traceback: what a client that never reads its answer can put in the log. It says so
-    in one line, a warning."""
+    """A graceful stop finishes the requests in flight (SPEC §3), a body still coming
+    included, for at most its grace; then uvicorn cancels the rest, logging an ERROR for
+    the stop and, for each request, an ERROR "Exception in ASGI application" with the
+    CancelledError's traceback: what a client that never finishes its body can put in the
+    log. They become warnings, the cancellation one line without its traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, asyncio.CancelledError) and str(record.msg).startswith(
+        msg = str(record.msg)
+        if isinstance(exc, asyncio.CancelledError) and msg.startswith(
             "Exception in ASGI application"
         ):
             record.msg = "a request still in progress at the end of the stop's grace was cancelled"
             record.args = ()
             record.exc_info = record.exc_text = None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        elif not msg.startswith("Cancel %s running task(s), timeout graceful shutdown"):
+            return True
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
         return True
 
 
@@ -565,15 +569,6 @@ class GuardedH11(H11Protocol):
         self._send_deadline(False)
         logger.debug("closing a REST connection", extra={"reason": reason, "peer": self.client})
         self.transport.abort()
-
-    def shutdown(self) -> None:
-        """The server stops: a request whose body is still coming is closed now, unserved
-        (``shutdown``). Waited for, a body that never ends held the stop for the whole
-        grace, and its cancellation then logged a traceback."""
-        if self._phase is _Phase.BODY and self._verdict is not Verdict.DROPPED:
-            self.close_for("shutdown")
-            return
-        super().shutdown()
 
     # -- state ---------------------------------------------------------------------------
 

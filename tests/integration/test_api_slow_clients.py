@@ -342,10 +342,11 @@ def test_a_client_that_does_not_read_its_answers_is_closed_at_the_send_deadline(
     reserve_works(d, key)
 
 
-def test_a_body_still_coming_at_a_stop_is_closed_not_waited_for(tmp_path: Path) -> None:
-    """Before, a graceful stop waited the whole grace for a request whose body never ends,
-    then cancelled it and logged an ERROR with a CancelledError traceback (what any client
-    could put in the log). Now such a request is closed at the stop's start, unserved."""
+def test_a_body_that_never_comes_at_a_stop_leaves_no_traceback(tmp_path: Path) -> None:
+    """A stop finishes the requests in flight, a body still coming included (SPEC §3), for
+    at most its grace; uvicorn then cancelled such a request and logged an ERROR with a
+    CancelledError traceback (what any client could put in the log). Now: warnings, one
+    line each, and the daemon exits 0."""
     d = Daemon(tmp_path).start()
     _, key = d.tenant("stopper")
     s = socket.create_connection(("127.0.0.1", d.port))
@@ -359,11 +360,9 @@ def test_a_body_still_coming_at_a_stop_is_closed_not_waited_for(tmp_path: Path) 
         time.sleep(0.3)  # the head is in: the body is what it waits for
         assert d.stop() == 0
         log = d.log_path.read_text(errors="replace")
-        assert "timeout graceful shutdown exceeded" not in log  # never waited out the grace
+        assert "timeout graceful shutdown exceeded" in log  # it did wait for the body
         assert "Traceback" not in log
         assert "level=error" not in log
-        with contextlib.suppress(ConnectionResetError):  # closed, unanswered
-            assert s.recv(1024) == b""
     finally:
         s.close()
         d.close()

@@ -239,3 +239,13 @@ def test_a_request_cancelled_at_the_end_of_a_stop_is_one_warning_line() -> None:
     other = logging.LogRecord("uvicorn.error", logging.ERROR, "x", 1, msg, (), None)
     assert CancelledAtStop().filter(other)
     assert other.levelno == logging.ERROR  # a real error stays one
+
+
+def test_the_stops_cancellation_line_is_a_warning() -> None:
+    from maasd.api.server import CancelledAtStop
+
+    msg = "Cancel %s running task(s), timeout graceful shutdown exceeded"
+    record = logging.LogRecord("uvicorn.error", logging.ERROR, "x", 1, msg, (1,), None)
+    assert CancelledAtStop().filter(record)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith("Cancel 1 running task(s)")
