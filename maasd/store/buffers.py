@@ -51,8 +51,9 @@ from maasd.models import BufferState, ReleaseReason
 from maasd.sizes import check_fits, check_size
 from maasd.store import schema
 from maasd.store.base import Repository, violation
-from maasd.store.events import buffer_event, ins_event
+from maasd.store.events import EVENT_COLUMNS, buffer_event, ins_event
 from maasd.store.eviction import Candidate, Victims, choose_victims
+from maasd.store.fast import Hot
 from maasd.store.records import BufferRow, Extension
 
 __all__ = ["BufferRepo", "ReserveRepo"]
@@ -145,6 +146,13 @@ _mark_victims = (
     .returning(*_B.c)
 )
 _del_buffer = delete(_B).where(_B.c.id == bindparam("p_id")).returning(*_B.c)
+# A live buffer's row (not an entry's) ended in one step (ReserveRepo.release_live).
+_del_live_buffer = (
+    delete(_B)
+    .where(_B.c.id == bindparam("p_id"), _B.c.state == "live", _B.c.kind == "buffer")
+    .returning(*_B.c)
+)
+_del_own_live_buffer = _del_live_buffer.where(_B.c.tenant_id == bindparam("p_tenant"))
 _del_buffers = delete(_B).where(_B.c.id.in_(bindparam("ids", expanding=True))).returning(*_B.c)
 #: Ids per statement when many rows go at once (SQLite allows 32766 variables).
 _IDS_PER_STATEMENT = 10_000
@@ -226,6 +234,24 @@ _sel_lookup = select(_B).where(
 _sel_lookup_host = _sel_lookup.where(_on_host)
 #: the one key per tenant and host (maasd.store.schema)
 _KEY_CONSTRAINT = "uq_buffers_tenant_id_host_key"
+
+# The statements of a REST reserve + release, on the DBAPI cursor (maasd.store.fast).
+_hot_lock_tenant = Hot(_lock_tenant_totals)
+_hot_lock_pool = Hot(_lock_pool_totals)
+_hot_ins_buffer = Hot(_ins_buffer, columns=[c.name for c in _B.c])
+_hot_ins_event = Hot(ins_event, columns=EVENT_COLUMNS)
+_hot_del_buffer = Hot(_del_buffer)
+_hot_advance = Hot(_advance)
+_hot_del_live = {False: Hot(_del_live_buffer), True: Hot(_del_own_live_buffer)}
+_hot_mark = {
+    (mine, leased): Hot(stmt)
+    for (mine, leased), stmt in {
+        (False, False): _mark_releasing,
+        (False, True): _mark_leased_releasing,
+        (True, False): _mark_own_releasing,
+        (True, True): _mark_own_leased_releasing,
+    }.items()
+}
 
 
 def _check_state(state: str) -> None:
@@ -340,13 +366,7 @@ class ReserveRepo(Repository):
             with self._writing(durable=durable) as conn:
                 _record_uses(conn, touches, extends)
                 victims = self._admit(conn, row, quota_check, prefer_not, default_cap)
-                conn.execute(_ins_buffer, msgspec.structs.asdict(row))
-                events = [
-                    buffer_event("evict", row.created_at, v, detail=f"for {row.id}")
-                    for v in victims
-                ]
-                events.append(buffer_event("reserve", row.created_at, row))
-                conn.execute(ins_event, events)
+                _insert(conn, row, victims)
         except sa.exc.IntegrityError as exc:
             v = violation(exc)
             if v.kind == "unique" and v.of(_KEY_CONSTRAINT, "buffers.key"):
@@ -371,10 +391,10 @@ class ReserveRepo(Repository):
             "p_host": row.host,
             "p_key": row.key,
         }
-        t: Any = conn.execute(_lock_tenant_totals, params).first()
+        t: Any = _hot_lock_tenant.first(conn, params)
         if t is None:
             raise NotFound(f"tenant {row.tenant_id} not found")
-        p: Any = conn.execute(_lock_pool_totals, params).first()
+        p: Any = _hot_lock_pool.first(conn, params)
         if p is None:
             raise NotFound(f"pool {row.pool_id} not found")
         quota, cap, tenant_deleting, tenant_used, count = t
@@ -456,13 +476,46 @@ class ReserveRepo(Repository):
         ``durable=False``: a volatile buffer's (see :mod:`maasd.store.base`).
         """
         with self._writing(durable=durable) as conn:
-            r: Any = conn.execute(_del_buffer, {"p_id": buffer_id}).first()
+            r: Any = _hot_del_buffer.first(conn, {"p_id": buffer_id})
             if r is None:
                 return None
             row = BufferRow(*r)
             if record:
                 at = time.time() if now is None else now
-                conn.execute(ins_event, buffer_event(kind, at, row, detail))
+                _hot_ins_event.run(conn, buffer_event(kind, at, row, detail))
+        return row
+
+    def release_live(
+        self,
+        buffer_id: str,
+        tenant_id: str | None,
+        scrub: Callable[[BufferRow], object],
+        *,
+        durable: bool = True,
+    ) -> BufferRow | None:
+        """Release a ``live`` buffer (not an entry) in one transaction: delete its row (only
+        ``tenant_id``'s; ``None``: the admin), record its ``release`` event, and call
+        ``scrub(row)`` — which makes its memory zero — before the commit.
+
+        What :meth:`BufferRepo.mark_releasing` and :meth:`finish_release` do in two, for a
+        buffer whose release nothing else can observe half done: its row is locked from
+        the delete on (SQLite: the write lock; PostgreSQL: the row's), so a concurrent
+        release, the reaper, a tenant delete or an eviction waits for the commit and then
+        finds no row; a crash before the commit leaves the row ``live`` (recovery releases
+        a volatile one; the caller passes only those); ``scrub`` raising rolls it back.
+        Returns the row, or ``None`` when there is no such live buffer (nothing changed,
+        ``scrub`` not called).
+        """
+        params = {"p_id": buffer_id}
+        if tenant_id is not None:
+            params["p_tenant"] = tenant_id
+        with self._writing(durable=durable) as conn:
+            r: Any = _hot_del_live[tenant_id is not None].first(conn, params)
+            if r is None:
+                return None
+            row = BufferRow(*r)
+            _hot_ins_event.run(conn, buffer_event("release", time.time(), row))
+            scrub(row)
         return row
 
     def finish_release_many(
@@ -481,6 +534,17 @@ class ReserveRepo(Repository):
                     conn.execute(ins_event, [buffer_event(kind, at, r) for r in rows])
                 gone += len(rows)
         return gone
+
+
+def _insert(conn: Connection, row: BufferRow, victims: list[BufferRow]) -> None:
+    """Insert an admitted ``row``, its ``reserve`` event and an ``evict`` event per victim."""
+    _hot_ins_buffer.run(conn, msgspec.structs.asdict(row))
+    event = buffer_event("reserve", row.created_at, row)
+    if not victims:
+        _hot_ins_event.run(conn, event)
+        return
+    evicted = [buffer_event("evict", row.created_at, v, detail=f"for {row.id}") for v in victims]
+    _hot_ins_event.many(conn, [*evicted, event])
 
 
 def _even_after(freed: int) -> str:
@@ -519,7 +583,8 @@ class BufferRepo(Repository):
         _check_state(from_state)
         _check_state(to_state)
         params = {"p_id": buffer_id, "p_from": from_state, "p_state": to_state}
-        return self._single_count(_advance, params, durable=durable) == 1
+        with self._single_statement(durable=durable) as conn:
+            return _hot_advance.count(conn, params) == 1
 
     def mark_releasing(
         self,
@@ -539,12 +604,10 @@ class BufferRepo(Repository):
         and an entry's commit) exactly one succeeds and the other finds it gone.
         """
         params = {"p_id": buffer_id}
-        if tenant_id is None:
-            stmt = _mark_leased_releasing if only_leased else _mark_releasing
-        else:
-            stmt = _mark_own_leased_releasing if only_leased else _mark_own_releasing
+        if tenant_id is not None:
             params["p_tenant"] = tenant_id
-        row = self._single_first(stmt, params, durable=durable)
+        with self._single_statement(durable=durable) as conn:
+            row = _hot_mark[tenant_id is not None, only_leased].first(conn, params)
         if row is None:
             raise NotFound(f"buffer {buffer_id} not found")
         return BufferRow(*row)

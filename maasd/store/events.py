@@ -16,12 +16,14 @@ from maasd.store import schema
 from maasd.store.base import Repository
 from maasd.store.records import BufferRow, EventRow
 
-__all__ = ["EventRepo", "buffer_event", "event", "ins_event"]
+__all__ = ["EVENT_COLUMNS", "EventRepo", "buffer_event", "event", "ins_event"]
 
 _E = schema.events
 
 #: Insert one event (a dict of :func:`event`) or many (a list of them).
 ins_event = insert(_E)
+#: The columns an event row gives (:func:`event`'s keys): the id is the database's.
+EVENT_COLUMNS = ("at", "kind", "tenant_id", "buffer_id", "pool_id", "bytes", "detail")
 _sel_events = select(_E).order_by(_E.c.id.desc()).limit(bindparam("limit"))
 
 
