@@ -40,6 +40,16 @@ Locks, and the order they are taken in
 So a thread may go 1 → 2 → the attachments lock, 1 → a leaf, 2 → nothing else;
 nothing waits for a lock while holding one taken later in this order, which rules
 out deadlock.
+
+One exception, bounded: a small volatile buffer's release in one ledger transaction
+(:meth:`maasd.core.release.Releaser.release_live`) scrubs it *inside* that
+transaction, so it holds the SQLite writer queue and the ledger's locks on the
+buffer's, tenant's and pool's rows while it takes that live, non-entry buffer's lock
+(1), then 2 and the leaves of a release. No deadlock follows: whoever holds such a
+buffer's lock (a pin, a placement count) makes no ledger call under it — only
+checkpoints (persistent pools) and entries' commits, restores and demotions do, and
+those buffers never take this path — and 2 and the leaves are never held across a
+ledger call.
 """
 
 from __future__ import annotations
