@@ -38,7 +38,9 @@ that decides.
 Statements are built once at import time, in the module of the aggregate they
 belong to, with bind parameters, so SQLAlchemy's compiled cache serves each
 call; rows become records positionally (``BufferRow(*row)``), the cheapest
-conversion msgspec offers.
+conversion msgspec offers. The few statements of a REST reserve and release run on
+the DBAPI cursor instead, compiled once per dialect into what SQLAlchemy would send,
+inside the same transactions (:mod:`maasd.store.fast`).
 """
 
 from __future__ import annotations
