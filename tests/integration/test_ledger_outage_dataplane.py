@@ -82,7 +82,9 @@ def hosts(
     ]
     try:
         for d in daemons:
-            d.start()
+            # The first migrates a fresh cluster; under a loaded CI run either took over
+            # the default 30 s to be healthy.
+            d.start(timeout=120)
         yield daemons[0], daemons[1]
     finally:
         cluster_up(cluster)
