@@ -136,12 +136,7 @@ def test_entry_pages_kept_in_a_pipe_count_until_the_pipe_lets_go(daemon: Daemon,
             del view
             mm.close()
             os.close(fd)
-            assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
-            r.close()
-        with daemon.client(key) as c:
-            assert c.delete(f"/v1/buffers/{bid}").status_code == 204
-        time.sleep(0.5)  # the holders' reader thread has seen the inode go, if it went
-        u = _usage(daemon, key)
+        u = _detach_release_usage(daemon, key, r, bid)
         # The pages are still there, and they are the entry's: they read its scrub.
         held = b"".join(_drain(pr, PIPE_BYTES) for pr, _pw in pipes)
         assert len(held) == size
@@ -177,12 +172,7 @@ def test_entry_pages_sent_into_an_unread_tcp_socket_count_until_it_lets_go(daemo
             while sent < size:
                 sent += os.sendfile(out.fileno(), fd, sent, size - sent)
             os.close(fd)
-            assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
-            r.close()
-        with daemon.client(key) as c:
-            assert c.delete(f"/v1/buffers/{bid}").status_code == 204
-        time.sleep(0.5)  # the holders' reader thread has seen the inode go, if it went
-        u = _usage(daemon, key)
+        u = _detach_release_usage(daemon, key, r, bid)
         out.shutdown(socket.SHUT_WR)
         got = b""
         while len(got) < size:
@@ -197,6 +187,17 @@ def test_entry_pages_sent_into_an_unread_tcp_socket_count_until_it_lets_go(daemo
     finally:
         out.close()
         peer.close()
+
+
+def _detach_release_usage(daemon: Daemon, key: str, r: Any, bid: str) -> dict[str, Any]:
+    """Detach ``bid`` on ``r`` (closed then), DELETE it, and read the tenant's usage once
+    the holders' reader thread has seen the inode go, if it went."""
+    assert r.call(Detach(buffer_id=bid)) == (Ok(), [])
+    r.close()
+    with daemon.client(key) as c:
+        assert c.delete(f"/v1/buffers/{bid}").status_code == 204
+    time.sleep(0.5)
+    return _usage(daemon, key)
 
 
 def _splice_all(fd: int, size: int, pipes: list[tuple[int, int]]) -> None:
