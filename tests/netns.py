@@ -107,6 +107,8 @@ def netem_unavailable() -> str | None:
     try:
         failed = _netem_fails(ns)
         if failed:
+            if shutil.which("modprobe") is None:
+                return f"the kernel cannot run netem ({failed}) and there is no modprobe (kmod)"
             modprobe = _run("modprobe", "sch_netem")
             if modprobe.returncode == 0 and not _netem_fails(ns):
                 return None

@@ -316,7 +316,11 @@ def sockets(d: Daemon) -> int:
     """The daemon's open sockets (its REST connections among them)."""
     assert d.proc is not None
     fd = f"/proc/{d.proc.pid}/fd"
-    return sum(os.readlink(f"{fd}/{n}").startswith("socket:") for n in os.listdir(fd))
+    count = 0
+    for n in os.listdir(fd):
+        with contextlib.suppress(FileNotFoundError):  # closed since the listing
+            count += os.readlink(f"{fd}/{n}").startswith("socket:")
+    return count
 
 
 def docs_status(d: Daemon) -> tuple[int, str]:

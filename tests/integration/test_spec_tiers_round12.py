@@ -284,7 +284,12 @@ def test_a_hung_backend_is_taken_out_and_restarted_and_the_others_keep_serving(
                 )
                 assert res.status_code == 200, res.text
                 assert " Berlin" in text_of(res)
-                assert res.headers["x-maasd-backend"] != str(victim)
+                if res.headers["x-maasd-backend"] == str(victim):
+                    # Only once restarted: on a loaded machine the hung one can be judged,
+                    # killed and started again before the last of these requests.
+                    now = r.health()["backends"][victim]
+                    assert now["restarts"] >= 1, now
+                    assert now["pid"] != pid, now
     finally:
         t.join(200)
         if pid:  # ours to end if the router did not: we stopped it
