@@ -38,7 +38,7 @@ from litestar.handlers import BaseRouteHandler
 from maasd.api.health import Healthz
 from maasd.api.schemas import NoBody
 from maasd.api.server import begin, distrust, trust
-from maasd.api.strict import JSON, decode
+from maasd.api.strict import JSON, decode, media_type
 from maasd.core.auth import Auth, require_admin, require_tenant
 from maasd.errors import Forbidden, InvalidRequest, Unauthorized
 from maasd.metrics import Metrics
@@ -381,7 +381,7 @@ async def _no_body(request: Request[Any, Any, Any]) -> None:
     raw = await request.body()  # at most the app's request_max_body_size
     if not raw.strip():
         return
-    media = request.content_type[0]
+    media = media_type(request)
     if media != JSON:
         raise InvalidRequest(
             f"this route takes no body; expected none or an {JSON} {{}}, got {media or 'no content type'}"

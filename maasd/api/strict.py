@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from litestar.dto._backend import DTOBackend
     from litestar.dto.data_structures import DTOFieldDefinition
 
-__all__ = ["JSON", "StrictBodies", "StrictBody", "decode", "is_strict_body"]
+__all__ = ["JSON", "StrictBodies", "StrictBody", "decode", "is_strict_body", "media_type"]
 
 T = TypeVar("T")
 
@@ -84,11 +84,47 @@ def decode(raw: bytes, kind: type[T]) -> T:
     except msgspec.ValidationError as e:
         raise InvalidRequest(bounds.explain(str(e))) from None
     except msgspec.DecodeError as e:
-        raise InvalidRequest(f"malformed JSON: {e}") from None
+        raise InvalidRequest(f"malformed JSON: {_decode_error(raw, e)}") from None
     except RecursionError:
         raise InvalidRequest("malformed JSON: the body is nested too deeply") from None
     _refuse_repeated_names(raw)
     return result
+
+
+def _decode_error(raw: bytes, error: msgspec.DecodeError) -> str:
+    """What is wrong with ``raw``, which msgspec refused with ``error``.
+
+    msgspec calls a lone high surrogate escape (``"\\ud800"`` not followed by its low
+    half) "Input data was truncated", which sends a client looking for a cut body; the
+    standard library, which decodes such an escape, tells the two apart.
+
+    >>> _decode_error(b'{"key": "\\ud800"}', msgspec.DecodeError("Input data was truncated"))
+    'invalid utf-16 surrogate pair: a \\\\ud800-\\\\udbff escape without its low half'
+    >>> _decode_error(b'{"key": "ab', msgspec.DecodeError("Input data was truncated"))
+    'Input data was truncated'
+    """
+    said = str(error)
+    if said != "Input data was truncated":
+        return said
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        return said
+    return "invalid utf-16 surrogate pair: a \\ud800-\\udbff escape without its low half"
+
+
+def media_type(request: Request[Any, Any, Any]) -> str:
+    """The media type of ``request``'s one ``Content-Type`` ("" if none);
+    :class:`InvalidRequest` if it is given twice, or names a charset other than UTF-8
+    (RFC 8259: JSON between systems is UTF-8; another would be decoded as UTF-8 all
+    the same, meaning something else to the client than to the daemon)."""
+    if len(request.headers.getall("content-type", [])) > 1:
+        raise InvalidRequest("the Content-Type header is given more than once")
+    media, params = request.content_type
+    charset = params.get("charset")
+    if charset is not None and charset.strip('"').lower() not in ("utf-8", "utf8"):
+        raise InvalidRequest(f"a JSON body is UTF-8 (RFC 8259), got charset={charset}")
+    return media
 
 
 def _repeated_name(pairs: list[tuple[str, Any]]) -> None:
@@ -180,7 +216,7 @@ class StrictBody(AbstractDTO[T]):
         return schema
 
     def decode_bytes(self, value: bytes) -> T:
-        media = cast("Request[Any, Any, Any]", self.asgi_connection).content_type[0]
+        media = media_type(cast("Request[Any, Any, Any]", self.asgi_connection))
         if media != JSON:
             raise InvalidRequest(f"expected an {JSON} body, got {media or 'no content type'}")
         return decode(value, self.model_type)

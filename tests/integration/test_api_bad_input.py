@@ -269,3 +269,41 @@ def test_pool_larger_than_the_node_is_422(daemon: Daemon) -> None:
     r = daemon.admin.post("/v1/pools", json=pool_body(capacity_bytes=1 << 50))
     assert r.status_code == 422, r.text
     assert r.json()["type"].endswith("too-large")
+
+
+@pytest.mark.parametrize(
+    ("headers", "said"),
+    [
+        ([("content-type", "application/json")] * 2, "given more than once"),
+        ([("content-type", "application/json"), ("content-type", "text/plain")], "more than once"),
+        ([("content-type", "application/json; charset=utf-16")], "charset=utf-16"),
+    ],
+    ids=["twice", "json-and-text", "utf-16"],
+)
+def test_a_body_is_sent_as_one_utf8_json_document(
+    daemon: Daemon, victim, headers: list[tuple[str, str]], said: str
+) -> None:
+    """Two Content-Type headers (a proxy may keep the first, the daemon read the last) or a
+    charset other than UTF-8 (decoded as UTF-8 all the same) are a 400, and nothing is
+    carried out: before, each of these reserves and deletes was."""
+    _, c, held = victim
+    before = snapshot(daemon, c, held["id"])
+    for method, path, body in [
+        ("POST", "/v1/reserve", b'{"size_bytes": 4096}'),
+        ("DELETE", f"/v1/buffers/{held['id']}", b"{}"),
+    ]:
+        r = c.request(method, path, content=body, headers=headers)
+        problem = assert_problem_4xx(r)
+        assert r.status_code == 400, problem
+        assert said in problem["detail"], problem
+    assert snapshot(daemon, c, held["id"]) == before
+
+
+def test_a_lone_surrogate_escape_is_a_400_that_names_it(daemon: Daemon, victim) -> None:
+    _, c, held = victim
+    before = snapshot(daemon, c, held["id"])
+    r = send(c, "POST", "/v1/reserve", Raw(rb'{"size_bytes": 4096, "key": "\ud800"}'))
+    problem = assert_problem_4xx(r)
+    assert r.status_code == 400, problem
+    assert "surrogate" in problem["detail"], problem
+    assert snapshot(daemon, c, held["id"]) == before

@@ -246,3 +246,68 @@ def test_openapi_declares_strict_bodies(svc: Service) -> None:
         "$ref": "#/components/schemas/ReserveBody"
     }
     assert "numa_node" not in schemas["PoolReserveBody"]["properties"]
+
+
+#: A body's headers that say something other than one UTF-8 JSON document, and what the
+#: 400 names. Before, each was decoded as UTF-8 JSON and carried out.
+NOT_ONE_UTF8_JSON = [
+    ([("content-type", "application/json; charset=utf-16")], "charset=utf-16"),
+    ([("content-type", "application/json; charset=latin-1")], "charset=latin-1"),
+]  # two Content-Type headers: tests/integration/test_api_bad_input.py (the test client joins them)
+
+
+@pytest.mark.parametrize(("headers", "said"), NOT_ONE_UTF8_JSON)
+def test_a_body_is_one_utf8_json_document(
+    svc: Service,
+    api: TestClient[Litestar],
+    victim: dict[str, str],
+    headers: list[tuple[str, str]],
+    said: str,
+) -> None:
+    asked = [*headers, *auth(victim["key"]).items()]
+    before = snapshot(svc)
+    for method, path, body in [
+        ("POST", "/v1/reserve", b'{"size_bytes": 4096}'),
+        ("DELETE", f"/v1/buffers/{victim['bid']}", b"{}"),  # a route that takes no body
+    ]:
+        r = api.request(method, path, content=body, headers=asked)
+        problem = assert_problem_4xx(r)
+        assert r.status_code == 400, problem
+        assert said in problem["detail"], problem
+    assert snapshot(svc) == before
+
+
+@pytest.mark.parametrize("charset", ["utf-8", "UTF-8", '"utf-8"', "utf8"])
+def test_a_utf8_charset_is_accepted(
+    api: TestClient[Litestar], victim: dict[str, str], charset: str
+) -> None:
+    headers = {"content-type": f"application/json; charset={charset}", **auth(victim["key"])}
+    r = api.post("/v1/reserve", content=b'{"size_bytes": 4096}', headers=headers)
+    assert r.status_code == 201, r.text
+    r = api.delete(f"/v1/buffers/{r.json()['id']}", headers=headers)
+    assert r.status_code == 204, r.text
+
+
+def test_a_lone_surrogate_escape_is_named_not_called_truncated(
+    api: TestClient[Litestar], victim: dict[str, str]
+) -> None:
+    """msgspec says "Input data was truncated" of ``"\\ud800"`` (a high surrogate without
+    its low half): the 400 names the escape instead. A whole pair is a key like any."""
+    headers = {"content-type": "application/json", **auth(victim["key"])}
+    for lone in (rb'"\ud800"', rb'"\ud800x"', rb'"\udbff"'):
+        r = api.post(
+            "/v1/reserve", content=b'{"size_bytes": 4096, "key": ' + lone + b"}", headers=headers
+        )
+        problem = assert_problem_4xx(r)
+        assert r.status_code == 400, problem
+        assert "surrogate" in problem["detail"], problem
+    r = api.post(
+        "/v1/reserve",
+        content=b'{"size_bytes": 4096, "key": "' + rb"\ud83d\ude00" + b'"}',
+        headers=headers,
+    )
+    assert r.status_code == 201, r.text
+    assert r.json()["key"] == "\U0001f600"
+    assert api.delete(f"/v1/buffers/{r.json()['id']}", headers=headers).status_code == 204
+    r = api.post("/v1/reserve", content=b'{"size_bytes": 4096, "key": "ab', headers=headers)
+    assert "truncated" in assert_problem_4xx(r)["detail"]  # a body truly cut short
