@@ -32,6 +32,7 @@ from hypothesis.stateful import (
 from maasd.allocator import SEALS, MemoryPool, Region
 from maasd.allocator.reclaim import Reclaimer
 from maasd.errors import InvalidRequest, PoolExhausted, TooLarge
+from processes import fd_table
 from strategies import bad_sizes, request_sizes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -176,8 +177,9 @@ TestPoolMachine = PoolMachine.TestCase
 
 def test_no_fd_leak_across_the_machine():
     """Run the machine once more and check every memfd it made was closed."""
-    before = len(os.listdir("/proc/self/fd"))
+    before = fd_table()
     run_state_machine_as_test(
         PoolMachine, settings=settings(max_examples=10, stateful_step_count=20, deadline=None)
     )
-    assert len(os.listdir("/proc/self/fd")) == before
+    # Not a count: an fd an earlier test left to the collector may close meanwhile.
+    assert fd_table() <= before
