@@ -296,7 +296,7 @@ def test_a_stream_of_lingering_fds_never_stalls_the_daemon_nor_piles_up(
     assert max(took) < PROMPT_S, f"a bystander's lookup took {max(took):.1f} s"
     r.close()
     bystander.close()
-    wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=10)  # - r's socket
+    wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=60)  # - r's socket
     wait_until(lambda: len(_children(pid)) <= before + 1, timeout=10)
     after_attack(d)
 
@@ -419,5 +419,5 @@ def test_a_flood_of_fds_costs_the_daemon_no_process_per_batch(daemon: Any) -> No
         os.close(fd)
     unix_a.close()
     unix_b.close()
-    wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=10)
+    wait_until(lambda: len(daemon_fds(pid)) <= baseline - 1, timeout=60)
     after_attack(daemon)
