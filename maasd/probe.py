@@ -37,6 +37,7 @@ import msgspec
 import numpy as np
 
 from maasd.allocator.region import Region
+from maasd.probe_answer import Bandwidth, Latency, Probe
 from maasd.topology import Topology, discover
 
 __all__ = [
@@ -60,31 +61,6 @@ LAT_ROUNDS = 24
 #: The last-level cache when sysfs does not say.
 DEFAULT_LLC = 32 << 20
 CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
-
-
-class Bandwidth(msgspec.Struct, frozen=True, kw_only=True):
-    cpu_node: int
-    mem_node: int
-    gib_per_s: float
-
-
-class Latency(msgspec.Struct, frozen=True, kw_only=True):
-    cpu_node: int
-    mem_node: int
-    #: Load-to-use latency of the memory node's memory from the CPU node's cpus, less an L1 hit.
-    ns: float
-    #: The chased buffer's size (four times the last-level cache).
-    chase_bytes: int
-    #: Rounds measured (fewer than asked when the budget ran out).
-    rounds: int
-
-
-class Probe(msgspec.Struct, frozen=True, kw_only=True):
-    """``python -m maasd.probe``'s answer: every pair measured within the budget."""
-
-    latency: list[Latency]
-    bandwidth: list[Bandwidth]
-    errors: list[str] = msgspec.field(default_factory=list)
 
 
 def _copy_rate(src: np.ndarray, dst: np.ndarray, rounds: int) -> float:

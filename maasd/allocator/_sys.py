@@ -14,10 +14,12 @@ import ctypes
 import ctypes.util
 import errno as _errno
 import os
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from maasd.errors import BackingError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # memfd_create(2)
 MFD_CLOEXEC = 0x0001
@@ -166,6 +168,8 @@ def move_pages_query(addr: int, size: int, page: int, sample: int | None = None)
     """
     if _numa is None:
         raise BackingError("move_pages: libnuma is not available on this host", errno=_errno.ENOSYS)
+    import numpy as np  # here: a daemon that never asks where pages live starts 0.2 s sooner
+
     total = size // page
     if sample is not None and sample < total:
         index = np.unique(np.linspace(0, total - 1, num=max(sample, 1)).astype(np.uint64))

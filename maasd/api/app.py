@@ -19,6 +19,10 @@ The routes live in :mod:`maasd.api.controllers`, one controller per noun.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -93,28 +97,30 @@ def create_app(
             HostsController,
         ],
     )
-    app = Litestar(
-        route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page
-        dependencies={"api": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
-        state=State({STATE_KEY: ctx}),
-        plugins=[StrictBodies()],
-        request_class=BodyRequest,  # a client gone mid-body: ClientGone (maasd.api.requests)
-        exception_handlers=problems.HANDLERS,  # type: ignore[arg-type]
-        openapi_config=OpenAPIConfig(
-            title="maasd",
-            version=__version__,
-            path="/schema",
-            description="Memory-as-a-service control plane: tenants reserve sealed-memfd buffers that workers map zero-copy.",
-            components=Components(
-                security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}
+    # litestar adds its pydantic plugins whenever pydantic imports: not here (_pydantic_unseen).
+    with _pydantic_unseen():
+        app = Litestar(
+            route_handlers=[HealthController, v1, *docs.ROUTES],  # docs: /docs, the API page
+            dependencies={"api": Provide(lambda: ctx, use_cache=True, sync_to_thread=False)},
+            state=State({STATE_KEY: ctx}),
+            plugins=[StrictBodies()],
+            request_class=BodyRequest,  # a client gone mid-body: ClientGone (maasd.api.requests)
+            exception_handlers=problems.HANDLERS,  # type: ignore[arg-type]
+            openapi_config=OpenAPIConfig(
+                title="maasd",
+                version=__version__,
+                path="/schema",
+                description="Memory-as-a-service control plane: tenants reserve sealed-memfd buffers that workers map zero-copy.",
+                components=Components(
+                    security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer")}
+                ),
+                security=[{"bearer": []}],
+                render_plugins=docs.SCHEMA_PLUGINS,
             ),
-            security=[{"bearer": []}],
-            render_plugins=docs.SCHEMA_PLUGINS,
-        ),
-        request_max_body_size=MAX_BODY,
-        logging_config=None,
-        debug=False,
-    )
+            request_max_body_size=MAX_BODY,
+            logging_config=None,
+            debug=False,
+        )
     # In front of the router: a path is routed as the client wrote it (maasd.api.paths).
     # Not a Litestar(middleware=...) entry: litestar runs those per route, after routing,
     # so a path the router folds onto another route, or onto none, would answer that
@@ -129,6 +135,34 @@ def create_app(
     ctx.query_names.update(_query_names(app))
     ctx.bodiless.update(_bodiless(app))
     return app
+
+
+_LITESTAR_PYDANTIC = ("litestar.plugins.pydantic", "litestar.contrib.pydantic")
+
+
+@contextlib.contextmanager
+def _pydantic_unseen() -> Iterator[None]:
+    """Hide pydantic from litestar while the app is built. litestar registers its pydantic
+    plugins whenever pydantic imports (it does where the ``llama`` extra brings FastAPI),
+    at 0.15-0.2 s of CPU per daemon start; no route of maasd takes or returns a pydantic
+    model (their bodies are msgspec structs, :mod:`maasd.api.schemas`). ``None`` in
+    ``sys.modules`` makes ``import pydantic`` fail; what was there is put back after, and
+    litestar's pydantic modules imported half-way meanwhile are dropped, so that a later
+    ``import litestar.plugins.pydantic`` in this process imports them whole."""
+    missing = object()
+    before = sys.modules.get("pydantic", missing)
+    loaded = set(sys.modules)
+    sys.modules["pydantic"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if before is missing:
+            del sys.modules["pydantic"]
+        else:
+            sys.modules["pydantic"] = before  # type: ignore[assignment]
+        for name in [n for n in sys.modules if n.startswith(_LITESTAR_PYDANTIC)]:
+            if name not in loaded:
+                del sys.modules[name]
 
 
 def _query_names(app: Litestar) -> dict[int, frozenset[str]]:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from maasd.models import Measured, MeasuredFrom, PoolInfo, rfc3339
-from maasd.probe import Probe
+from maasd.probe_answer import Probe
 from maasd.topology import Topology
 
 __all__ = ["Measurements", "node_classes", "run_probe"]
