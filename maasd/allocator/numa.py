@@ -20,16 +20,14 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from maasd.allocator import _sys
 from maasd.allocator.mapped import Mapped
 from maasd.errors import BackingError, PlacementError, PoolExhausted
 from maasd.topology import node_room
-
-if TYPE_CHECKING:
-    import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -190,9 +188,6 @@ def migrate(region: Placed, node: int) -> dict[int, int]:
     return placed
 
 
-def _count_by_node(status: np.ndarray) -> dict[int, int]:
+def _count_by_node(status: Iterable[int]) -> dict[int, int]:
     """Pages per node from ``move_pages`` status; negative keys are errnos (-2: not present)."""
-    import numpy as np
-
-    values, counts = np.unique(status, return_counts=True)
-    return {int(v): int(c) for v, c in zip(values.tolist(), counts.tolist(), strict=True)}
+    return dict(sorted(Counter(status).items()))
