@@ -31,7 +31,8 @@ from processes import signal_and_wait
 pytest.register_assert_rewrite("ledger")
 # The placement suite's fixtures and its skip outside a multi-node host (tests/multinode);
 # the L2 tests' Redis and ledger fixtures (two daemons on one ledger and one Redis).
-pytest_plugins = ("placement", "l2hosts", "router_fleet")
+# How scripts/test spreads modules over CPUs (pytest-xdist groups): tests/parallel.py.
+pytest_plugins = ("placement", "l2hosts", "router_fleet", "parallel")
 
 MiB = 1 << 20
 DEFAULT_POOL_BYTES = 256 * MiB

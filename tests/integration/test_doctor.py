@@ -102,7 +102,8 @@ def test_the_table_names_each_check_and_a_failure_exits_1(tmp_path: Path) -> Non
             *(sys.executable, "-m", "maasd.cli.daemon", "doctor"),
             *("--socket", str(sock_dir / "s"), "--skip", "llama-cpp-python"),
         ],
-        env={**os.environ, "MAASD_DATA_DIR": str(tmp_path / "data"), "COLUMNS": "200"},
+        # wide enough for the fix's path on one line (pytest-xdist's tmp paths are longer)
+        env={**os.environ, "MAASD_DATA_DIR": str(tmp_path / "data"), "COLUMNS": "400"},
         capture_output=True,
         text=True,
         timeout=300,

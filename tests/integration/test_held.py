@@ -144,7 +144,13 @@ def test_held_huge_pages_count_and_another_tenant_gets_what_the_pool_says_is_fre
 def test_maasctl_lists_held_entries_and_who_holds_them(daemon: Daemon):
     _, key = daemon.tenant("listed-keeper", 8 * MiB)
     with attacker(daemon, key, "mapping", 4 * MiB, 1) as (proc, out):
-        env = {**os.environ, "MAASD_URL": daemon.url, "MAASD_ADMIN_KEY": daemon.admin_key}
+        env = {
+            **os.environ,
+            "MAASD_URL": daemon.url,
+            "MAASD_ADMIN_KEY": daemon.admin_key,
+            "COLUMNS": "200",  # every column whole, wherever it runs
+            "NO_COLOR": "1",
+        }
         cmd = [sys.executable, "-m", "maasd.cli.maasctl"]
         listed = subprocess.run(
             [*cmd, "--json", "buffers", "list", "--held"],
