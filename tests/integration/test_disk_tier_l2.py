@@ -55,6 +55,16 @@ def test_a_prefix_is_found_on_each_tier_in_order(hosts: tuple[Daemon, Daemon, Pa
         for i in range(9):
             commit(wb, f"p:fill{i}", os.urandom(MiB), pool="tiered")
         wait_until(lambda: b.metric("maasd_disk_demotions_total", pool="tiered") >= 1, timeout=20)
+        # A demotion is counted when admitted, its file written behind it; an entry is
+        # promotable once written (counted in the write bytes after): till then a lookup
+        # finds it where it still is. On a loaded host the writer may lag: wait for all.
+        wait_until(
+            lambda: (
+                b.metric("maasd_disk_write_bytes_total", pool="tiered")
+                >= MiB * b.metric("maasd_disk_demotions_total", pool="tiered")
+            ),
+            timeout=60,
+        )
         assert any(f.suffix == ".ent" for f in disk.iterdir())
         l2_hits = b.metric("maasd_l2_lookups_total", outcome="hit")
         hit = wb.lookup(["p:nothing", "p:disk"])
