@@ -13,6 +13,13 @@ that they never run at the same time as each other:
 
 Without xdist (``MAASD_TEST_WORKERS=1``, or ``pytest`` run by hand) the markers change
 nothing.
+
+Two things make the markers count, and ``tests/unit/test_parallel_groups.py`` runs a small
+suite under xdist to prove they still do: this hook runs first (pytest-xdist reads the
+markers in its own ``pytest_collection_modifyitems`` on each worker), and pytest is older
+than 9.2 (whose node ids ignore the group xdist 3.8 writes into them:
+pytest-dev/pytest-xdist#1386). Without either, every test is scheduled on its own: a
+module's tests are spread over workers, each starting its own module-scoped daemon.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ def _uses(module: types.ModuleType, helper: str) -> bool:
     return False
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     names: dict[types.ModuleType, set[str]] = {}
     for item in items:

@@ -125,6 +125,17 @@ class WorkerMetrics:
             registry=r,
             multiprocess_mode="liveall",
         )
+        # This process's series exist from its start, at zero: a dashboard's rate() or
+        # histogram_quantile() sees them before the first save or restore, and a scrape
+        # lists the same families whichever process answers it.
+        for metric in (
+            self.saved_bytes,
+            self.restored_bytes,
+            self.save_seconds,
+            self.restore_seconds,
+            self.ttft,
+        ):
+            metric.labels(self.pid)
         self._armed: float | None = None
         self._lock = threading.Lock()
 

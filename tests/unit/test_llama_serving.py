@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -232,6 +235,38 @@ def test_worker_metrics_count_tokens_by_source_and_time_the_first_token() -> Non
     body, content_type = m.render()
     assert b"maasd_worker_ttft_seconds_bucket" in body
     assert content_type.startswith("text/plain")
+
+
+@pytest.mark.parametrize("shared_dir", [False, True], ids=["one-process", "multiprocess"])
+def test_worker_metrics_list_every_family_the_dashboard_reads_before_any_completion(
+    shared_dir: bool, tmp_path: Path
+) -> None:
+    """A fresh process's save, restore and first-token series exist at zero, so a scrape
+    lists them whichever process answers it (the multiprocess files included). In a
+    process of its own: prometheus-client picks its value store once, at import."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if shared_dir:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    code = (
+        "import sys; from maasd.llama.worker_metrics import WorkerMetrics; "
+        "sys.stdout.write(WorkerMetrics(pid=11).render()[0].decode())"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    body = run.stdout
+    for name in (
+        "maasd_worker_cache_restore_seconds_bucket",
+        "maasd_worker_cache_save_seconds_bucket",
+        "maasd_worker_ttft_seconds_bucket",
+        "maasd_worker_cache_saved_bytes_total",
+        "maasd_worker_cache_restored_bytes_total",
+    ):
+        assert name + "{" in body, name
+    assert 'maasd_worker_cache_restore_seconds_count{pid="11"} 0.0' in body
+    if shared_dir:
+        assert any(tmp_path.iterdir())  # the values went to the shared files
 
 
 def test_the_middleware_names_the_process_and_stamps_completions() -> None:
