@@ -360,6 +360,12 @@ def _startup(settings: Settings, *, release_lost_checkpoints: bool = False) -> _
     from maasd.settings import group_id
 
     keep_capabilities_to_self()  # the unit's ambient capability: not for our children
+    # The start's first line (signals are handled from here on): from it to ``serving``
+    # is what a start took (the ledger, recovery, the pools).
+    logger.info(
+        "starting",
+        extra={"pid": os.getpid(), "version": __version__, "data_dir": settings.data_dir},
+    )
     try:
         service = Service(settings)
         service.start(release_lost_checkpoints=release_lost_checkpoints)

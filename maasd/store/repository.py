@@ -142,8 +142,6 @@ class Store(OnDatabase):
             self.totals.mend_totals()
 
     def _upgrade(self, revision: str) -> None:
-        from alembic import command
-
         with self.db.write.begin() as conn:
             if self.is_postgres:
                 unwatched(conn.info)  # a migration may take as long as it needs
@@ -160,6 +158,8 @@ class Store(OnDatabase):
                     "): a newer maasd migrated it; run that version, or restore a backup"
                 )
             if revision != "head" or not state.at_head:
+                from alembic import command  # only now: at the head, no Alembic at all
+
                 command.upgrade(alembic_config(connection=conn), revision)
 
     def schema_state(self) -> SchemaState:

@@ -908,7 +908,7 @@ def _signal_during_startup(d: Daemon, sig: int, again_after: float | None = None
     )
     log.close()
     wait_until(
-        lambda: b"Context impl" in d.log_path.read_bytes()[offset:],
+        lambda: b"msg=starting" in d.log_path.read_bytes()[offset:],
         timeout=60,
         interval=0.002,
         message="startup under way",

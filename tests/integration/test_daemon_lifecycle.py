@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import numpy as np
 import pytest
 
 from maasd.client import Worker
+from maasd.store.engine import REVISIONS
 
 MiB = 1 << 20
 
@@ -209,3 +211,35 @@ def test_a_deleted_default_pool_stays_deleted_across_restarts(fresh_daemon) -> N
     (node0,) = [p for p in d.admin.get("/v1/pools").json() if p["name"] == "node0"]
     assert node0["capacity_bytes"] == 64 * MiB
     assert d.stop() == 0
+
+
+@pytest.mark.parametrize("migrated", [False, True], ids=["empty-data-dir", "seeded-ledger"])
+def test_a_first_start_migrates_the_ledger_and_a_restart_only_reads_its_revision(
+    tmp_path: Path, migrated: bool
+) -> None:
+    """A first start in an empty data dir runs the migrations (Alembic's log lines); the
+    suite's daemons start on a copy of a ledger those same migrations made (conftest's
+    ``migrated_ledger``), which serves the same. A restart of either finds the ledger at
+    the head from its version table and never runs Alembic."""
+    from conftest import Daemon
+
+    d = Daemon(tmp_path / "data", migrated=migrated)
+    try:
+        d.start()
+        first = d.log_path.read_text(errors="replace")
+        assert ("Running upgrade" in first) is not migrated, first
+        assert "msg=starting" in first
+        _, key = d.tenant("first", 8 * MiB)
+        with d.client(key) as c:
+            assert c.post("/v1/pools/node0/reserve", json={"size_bytes": MiB}).status_code == 201
+        assert d.stop() == 0, d.log()
+        offset = len(d.log_path.read_text(errors="replace"))
+        d.start()
+        again = d.log_path.read_text(errors="replace")[offset:]
+        assert "msg=starting" in again
+        assert "alembic" not in again, again
+        with sqlite3.connect(d.data_dir / "maasd.db") as conn:
+            rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+        assert rows == [(REVISIONS[-1],)]
+    finally:
+        d.close()

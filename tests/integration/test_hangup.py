@@ -109,7 +109,7 @@ def test_sighup_while_starting_and_while_stopping_changes_nothing(
             stderr=subprocess.STDOUT,
         )
     wait_until(
-        lambda: b"Context impl" in d.log_path.read_bytes()[offset:],
+        lambda: b"msg=starting" in d.log_path.read_bytes()[offset:],
         timeout=60,
         interval=0.002,
         message="startup under way",

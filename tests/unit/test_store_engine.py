@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -9,7 +11,10 @@ import sqlalchemy as sa
 
 from ledger import head_revision, make_tenant
 from maasd.errors import ConfigError
-from maasd.store import Store, migrations_dir, normalize_url
+from maasd.store import Store, alembic_config, migrations_dir, normalize_url
+from maasd.store.engine import REVISIONS, alembic_schema_state, schema_state
+
+pytest_plugins = ("ledger",)  # the ``store`` fixture, on each backend
 
 
 def test_url_normalisation() -> None:
@@ -115,6 +120,44 @@ def test_the_schema_state_is_what_upgrade_and_doctor_read(tmp_path: Any) -> None
         assert s.schema_state() == migrated
     finally:
         s.dispose()
+
+
+def test_the_revision_list_is_alembics_own_walk_oldest_first() -> None:
+    """``REVISIONS`` (what a start at the head reads without Alembic) is every migration
+    script's revision in order: a new migration fails this until it is listed."""
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(alembic_config())
+    walked = [rev.revision for rev in script.walk_revisions()]  # newest first
+    assert tuple(reversed(walked)) == REVISIONS
+    assert script.get_heads() == [REVISIONS[-1]]
+
+
+def test_a_ledger_at_the_head_reads_as_alembic_reads_it(store: Store) -> None:
+    with store.engine.connect() as conn:
+        state = schema_state(conn)
+        assert state == alembic_schema_state(conn)
+    assert state.at_head
+    assert not state.unknown
+
+
+def test_a_start_on_a_ledger_at_the_head_does_not_import_alembic(tmp_path: Any) -> None:
+    """The second upgrade (every restart) reads the version table and stops there; the
+    first, on an empty ledger, still runs Alembic's migrations."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    code = (
+        "import sys; from maasd.store import Store; s = Store(sys.argv[1]); s.upgrade(); "
+        "print(s.schema_state().at_head, 'alembic' in sys.modules)"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code, url], capture_output=True, text=True, timeout=120
+        )
+        for _ in range(2)
+    ]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert [run.stdout.split() for run in runs] == [["True", "True"], ["True", "False"]]
 
 
 def test_upgrade_refuses_a_ledger_a_newer_maasd_migrated(tmp_path: Any) -> None:
